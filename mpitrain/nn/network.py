@@ -1,0 +1,192 @@
+"""A feed-forward network whose parameters live in one flat buffer.
+
+``Network.params`` and ``Network.grads`` are 1-D float32 arrays; each layer
+holds views into them.  Parallel strategies average ``params`` (or ``grads``)
+with one collective, and checkpoints store ``params`` as one dataset.
+
+The network also carries its fixed input transform: global CMVN applied to
+unspliced frames, and the splicing context, so a saved model can be applied to
+raw features (``export``) without the training corpus.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .affine import Affine
+from .component import Component
+from .loss import SoftmaxCrossEntropy
+from .nonlinear import Normalize, PNorm, ReLU, Sigmoid
+
+_KINDS = {cls.kind: cls for cls in (Affine, ReLU, Sigmoid, PNorm, Normalize)}
+
+
+def build_component(spec: dict) -> Component:
+    """Recreate a component from its ``spec()``."""
+    spec = dict(spec)
+    kind = spec.pop("kind")
+    cls = _KINDS.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown component kind {kind!r}; expected one of {sorted(_KINDS)}")
+    if cls in (Affine, PNorm):
+        return cls(spec.pop("in_dim"), spec.pop("out_dim"), **spec)
+    spec.pop("out_dim", None)
+    return cls(spec.pop("in_dim"), **spec)
+
+
+class Network:
+    """Layers, flat parameter/gradient buffers, and the input transform.
+
+    Example::
+
+        net = Network([Affine(440, 512), ReLU(512), Affine(512, 120)],
+                      feat_dim=40, left_context=5, right_context=5)
+        net.init_params(seed=1)
+        loss, correct = net.train_step_forward_backward(x, labels)
+    """
+
+    def __init__(self, components, *, feat_dim: int, left_context: int = 0,
+                 right_context: int = 0, xp=np, dtype="float32"):
+        self.components = list(components)
+        if not self.components:
+            raise ValueError("a network needs at least one component")
+        for a, b in zip(self.components, self.components[1:]):
+            if a.out_dim != b.in_dim:
+                raise ValueError(f"dimension mismatch: {a!r} feeds {b!r}")
+        self.feat_dim = int(feat_dim)
+        self.left_context, self.right_context = int(left_context), int(right_context)
+        expected_in = self.feat_dim * (self.left_context + 1 + self.right_context)
+        if self.components[0].in_dim != expected_in:
+            raise ValueError(f"first layer takes {self.components[0].in_dim} inputs but "
+                             f"feat_dim {feat_dim} with context {left_context}+{right_context} "
+                             f"gives {expected_in}")
+        self.xp = xp
+        self.num_params = sum(c.num_params for c in self.components)
+        self.params = xp.zeros(self.num_params, dtype=dtype)
+        self.grads = xp.zeros(self.num_params, dtype=dtype)
+        self.param_slices = []
+        offset = 0
+        for c in self.components:
+            n = c.num_params
+            if n:
+                c.bind(self.params[offset:offset + n], self.grads[offset:offset + n])
+                self.param_slices.append((c, slice(offset, offset + n)))
+            offset += n
+        self.cmvn_mean = xp.zeros(self.feat_dim, dtype=dtype)
+        self.cmvn_scale = xp.ones(self.feat_dim, dtype=dtype)
+        self.loss = SoftmaxCrossEntropy()
+
+    # -- structure -------------------------------------------------------------
+    @property
+    def input_dim(self) -> int:
+        return self.components[0].in_dim
+
+    @property
+    def num_classes(self) -> int:
+        return self.components[-1].out_dim
+
+    @property
+    def context(self) -> int:
+        return self.left_context + 1 + self.right_context
+
+    def affine_layers(self):
+        return [c for c in self.components if isinstance(c, Affine)]
+
+    def specs(self) -> list:
+        return [c.spec() for c in self.components]
+
+    # -- parameters ------------------------------------------------------------
+    def init_params(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for c in self.components:
+            c.init_params(rng, self.xp)
+
+    def set_cmvn(self, mean, var, *, floor: float = 1e-8) -> None:
+        """Global mean/variance normalisation applied to unspliced frames."""
+        xp = self.xp
+        mean = np.asarray(mean, dtype=np.float64)
+        var = np.maximum(np.asarray(var, dtype=np.float64), floor)
+        self.cmvn_mean[...] = xp.asarray(mean.astype(np.float32))
+        self.cmvn_scale[...] = xp.asarray((1.0 / np.sqrt(var)).astype(np.float32))
+
+    def normalize_frames(self, feats):
+        """Apply CMVN in place to a chunk of unspliced frames (T, feat_dim)."""
+        feats -= self.cmvn_mean
+        feats *= self.cmvn_scale
+        return feats
+
+    # -- computation -----------------------------------------------------------
+    def first_input_view(self, batch: int):
+        """Where the spliced minibatch should be written to avoid a copy."""
+        first = self.components[0]
+        if isinstance(first, Affine):
+            return first.input_view(batch, self.xp)
+        return None
+
+    def forward(self, x):
+        """Logits for the rows of ``x`` (N, input_dim)."""
+        h = x
+        comps = self.components
+        for i, comp in enumerate(comps):
+            nxt = comps[i + 1] if i + 1 < len(comps) else None
+            out = nxt.input_view(h.shape[0], self.xp) if isinstance(nxt, Affine) \
+                and not isinstance(comp, Affine) else None
+            h = comp.forward(h, out=out)
+        return h
+
+    def backward(self, dlogits) -> None:
+        """Fill ``grads`` from the derivative of the loss w.r.t. the logits."""
+        d = dlogits
+        for i in range(len(self.components) - 1, -1, -1):
+            d = self.components[i].backward(d, need_input_grad=i > 0)
+
+    def forward_backward(self, x, labels):
+        """One training pass: returns (summed loss, correct count); fills grads."""
+        logits = self.forward(x)
+        total, correct = self.loss.forward(logits, labels)
+        self.backward(self.loss.backward())
+        return total, correct
+
+    def evaluate_batch(self, x, labels):
+        logits = self.forward(x)
+        return self.loss.forward(logits, labels, need_grad=False)
+
+
+def build_network(*, feat_dim: int, num_classes: int, left_context: int, right_context: int,
+                  hidden_layers: int, hidden_dim: int, nonlinearity: str = "relu",
+                  pnorm_output_dim: int = 0, pnorm_p: float = 2.0, normalize: bool = False,
+                  xp=np) -> Network:
+    """The standard acoustic-model topology.
+
+    ``[affine -> nonlinearity (-> normalize)] x hidden_layers -> affine`` with a
+    zero-initialised output layer, as Kaldi does.  For p-norm, ``hidden_dim`` is
+    the affine output and ``pnorm_output_dim`` the group output.
+
+    Example::
+
+        net = build_network(feat_dim=40, num_classes=120, left_context=5,
+                            right_context=5, hidden_layers=3, hidden_dim=512)
+    """
+    if hidden_layers < 0:
+        raise ValueError(f"hidden_layers must be >= 0, got {hidden_layers}")
+    in_dim = feat_dim * (left_context + 1 + right_context)
+    comps = []
+    for _ in range(hidden_layers):
+        if nonlinearity == "relu":
+            comps += [Affine(in_dim, hidden_dim, init_scale=2 ** 0.5), ReLU(hidden_dim)]
+            out = hidden_dim
+        elif nonlinearity == "sigmoid":
+            comps += [Affine(in_dim, hidden_dim, init_scale=1.0), Sigmoid(hidden_dim)]
+            out = hidden_dim
+        elif nonlinearity == "pnorm":
+            out = pnorm_output_dim
+            comps += [Affine(in_dim, hidden_dim, init_scale=1.0),
+                      PNorm(hidden_dim, out, p=pnorm_p)]
+        else:
+            raise ValueError(f"unknown nonlinearity {nonlinearity!r}")
+        if normalize:
+            comps.append(Normalize(out))
+        in_dim = out
+    comps.append(Affine(in_dim, num_classes, zero_init=True))
+    return Network(comps, feat_dim=feat_dim, left_context=left_context,
+                   right_context=right_context, xp=xp)
