@@ -1,0 +1,283 @@
+"""Run configuration: YAML validated into typed dataclasses.
+
+Every field is declared once below with its type, default and allowed range.
+``load_config`` rejects unknown keys, wrong types and out-of-range values with
+a one-line :class:`ConfigError` that names the file, the dotted key and what was
+expected.  This is the only module that imports yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message is one line naming the key."""
+
+
+def _opt(default, *, min=None, max=None, min_exclusive=False, max_exclusive=False,
+         choices=None, help=""):
+    meta = {"min": min, "max": max, "min_exclusive": min_exclusive,
+            "max_exclusive": max_exclusive, "choices": choices, "help": help}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class DataConfig:
+    train: str = _opt("", help="training corpus directory (corpus.yaml + shards)")
+    dev: str = _opt("", help="held-out corpus directory; empty: no held-out evaluation")
+    left_context: int = _opt(5, min=0, max=100)
+    right_context: int = _opt(5, min=0, max=100)
+    chunk_frames: int = _opt(200_000, min=1_000,
+                             help="frames read from the shards at a time and shuffled")
+    prefetch: bool = _opt(True, help="read the next chunk while the current one trains")
+
+
+@dataclass
+class ModelConfig:
+    hidden_layers: int = _opt(4, min=0, max=50)
+    hidden_dim: int = _opt(1024, min=1)
+    nonlinearity: str = _opt("relu", choices=("relu", "sigmoid", "pnorm"))
+    pnorm_output_dim: int = _opt(0, min=0, help="p-norm output dim; hidden_dim must be a multiple")
+    pnorm_p: float = _opt(2.0, min=1.0)
+    normalize: bool = _opt(False, help="Kaldi normalize layer after each nonlinearity")
+
+
+@dataclass
+class NgsgdConfig:
+    variant: str = _opt("online", choices=("online", "simple"))
+    rank_in: int = _opt(20, min=1)
+    rank_out: int = _opt(80, min=1)
+    update_period: int = _opt(4, min=1)
+    num_samples_history: float = _opt(2000.0, min=0.0, min_exclusive=True)
+    alpha: float = _opt(4.0, min=0.0)
+    reset_on_average: bool = _opt(True, help="fresh preconditioner state after each model "
+                                             "average, as each Kaldi job starts fresh")
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = _opt("sgd", choices=("sgd", "ngsgd"))
+    initial_learning_rate: float = _opt(0.002, min=0.0, min_exclusive=True)
+    final_learning_rate: float = _opt(0.0002, min=0.0, min_exclusive=True)
+    momentum: float = _opt(0.0, min=0.0, max=1.0, max_exclusive=True)
+    max_change_per_layer: float = _opt(0.75, min=0.0, help="0 disables")
+    max_change_output: float = _opt(1.5, min=0.0, help="output layer's max-change; 0 disables")
+    max_change: float = _opt(2.0, min=0.0, help="whole-model max-change; 0 disables")
+    ngsgd: NgsgdConfig = field(default_factory=NgsgdConfig)
+
+
+@dataclass
+class TrainingConfig:
+    epochs: float = _opt(3.0, min=0.0, min_exclusive=True)
+    minibatch: int = _opt(256, min=1)
+    seed: int = _opt(1, min=0)
+    max_steps: int = _opt(0, min=0, help="stop after this many steps; 0: no limit")
+    log_interval: int = _opt(100, min=1, help="steps between progress lines")
+    eval_interval: int = _opt(0, min=0, help="frames per rank between held-out evaluations; "
+                                             "0: at the end of each epoch")
+    eval_max_frames: int = _opt(0, min=0, help="cap on held-out frames; 0: all")
+    checkpoint_interval: int = _opt(1000, min=0, help="steps between checkpoints; 0: end only")
+    keep_checkpoints: int = _opt(3, min=1)
+
+
+@dataclass
+class ParallelConfig:
+    method: str = _opt("model_averaging",
+                       choices=("model_averaging", "kaldi", "allreduce", "bmuf"))
+    average_every: int = _opt(8, min=1, help="minibatches between model averages")
+    average_every_frames: int = _opt(0, min=0, help="frames per rank between averages; "
+                                                    "overrides average_every when > 0")
+    average_momentum: bool = _opt(False)
+    deterministic: bool = _opt(False, help="fixed-order reductions (slower)")
+
+
+@dataclass
+class RunConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: str = _opt("cpu", choices=("cpu", "gpu"))
+    blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: cores / ranks on the node")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# -- validation ----------------------------------------------------------------
+
+def _type_name(tp) -> str:
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _range_text(meta) -> str:
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is None and hi is None:
+        return ""
+    left = "(" if meta.get("min_exclusive") else "["
+    right = ")" if meta.get("max_exclusive") else "]"
+    lo_s = "-inf" if lo is None else f"{lo:g}"
+    hi_s = "inf" if hi is None else f"{hi:g}"
+    return f" in {left}{lo_s}, {hi_s}{right}"
+
+
+def _check_value(key: str, tp, meta, value, where: str):
+    expected = _type_name(tp) + _range_text(meta)
+    if meta.get("choices"):
+        expected = "one of " + ", ".join(repr(c) for c in meta["choices"])
+    bad = ConfigError(f"{where}{key}: expected {expected}, got {value!r}")
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            else:
+                raise bad
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        value = float(value)
+        if not math.isfinite(value):
+            raise bad
+    elif tp is str:
+        if not isinstance(value, str):
+            raise bad
+    if meta.get("choices") and value not in meta["choices"]:
+        raise bad
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
+        raise bad
+    if hi is not None and (value > hi or (meta.get("max_exclusive") and value == hi)):
+        raise bad
+    return value
+
+
+def from_dict(cls, data: Any, *, prefix: str = "", where: str = ""):
+    """Build dataclass ``cls`` from a mapping, validating every key."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}{prefix.rstrip('.') or 'config'}: expected a mapping, "
+                          f"got {data!r}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(f"{where}{prefix}{unknown[0]}: unknown key; expected one of "
+                          f"{', '.join(sorted(fields))}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = from_dict(tp, data[name], prefix=f"{prefix}{name}.", where=where)
+        else:
+            kwargs[name] = _check_value(prefix + name, tp, f.metadata, data[name], where)
+    return cls(**kwargs)
+
+
+def _cross_checks(cfg: RunConfig, where: str) -> None:
+    m = cfg.model
+    if m.nonlinearity == "pnorm":
+        if m.pnorm_output_dim < 1 or m.hidden_dim % m.pnorm_output_dim:
+            raise ConfigError(f"{where}model.pnorm_output_dim: expected a positive divisor of "
+                              f"model.hidden_dim ({m.hidden_dim}), got {m.pnorm_output_dim}")
+    if cfg.optimizer.final_learning_rate > cfg.optimizer.initial_learning_rate * 1e6:
+        raise ConfigError(f"{where}optimizer.final_learning_rate: implausibly larger than "
+                          "optimizer.initial_learning_rate")
+
+
+def parse_overrides(overrides) -> dict:
+    """Turn ``["optimizer.momentum=0.9", ...]`` into a nested mapping.
+
+    Values are parsed as YAML scalars, so ``true``, ``3`` and ``1e-3`` get their
+    natural types.
+    """
+    import yaml
+    nested: dict = {}
+    for item in overrides or ():
+        if "=" not in item:
+            raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. optimizer.momentum=0.9")
+        key, text = item.split("=", 1)
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--set {key}: value {text!r} is not a YAML scalar") from exc
+        node = nested
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {key}: {part} is not a section")
+        node[parts[-1]] = value
+    return nested
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path=None, overrides=()) -> RunConfig:
+    """Read, merge ``--set`` overrides and validate a YAML run configuration.
+
+    Example::
+
+        cfg = load_config("jobs/configs/quickstart.yaml", ["training.epochs=1"])
+        cfg.optimizer.name        # 'sgd'
+    """
+    import yaml
+    data: Any = {}
+    where = f"{path}: " if path else ""
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                data = yaml.safe_load(fh) or {}
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{path}: config file not found") from exc
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}: not valid YAML{line}") from exc
+    data = _merge(data, parse_overrides(overrides))
+    cfg = from_dict(RunConfig, data, where=where)
+    _cross_checks(cfg, where)
+    return cfg
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    """Validate a mapping (e.g. the config stored in a checkpoint)."""
+    cfg = from_dict(RunConfig, data)
+    _cross_checks(cfg, "")
+    return cfg
+
+
+def dump_config(cfg: RunConfig, path) -> None:
+    import yaml
+    with open(path, "w", encoding="utf-8") as fh:
+        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+
+
+def config_to_yaml(cfg: RunConfig) -> str:
+    import yaml
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
+def config_from_yaml(text: str) -> RunConfig:
+    import yaml
+    return config_from_dict(yaml.safe_load(text))

@@ -1,0 +1,126 @@
+"""SGD with Kaldi nnet3's per-layer and global max-change, and momentum.
+
+The step works on the network's flat buffers.  With the summed-loss gradient
+``g`` the proposed change is ``Delta = -lr g`` (accumulated into a momentum
+buffer when momentum > 0).  Per layer c with norm n_c = ||Delta_c|| the scale
+is k_c = min(1, m_c / (n_c (1 - momentum))); the whole-model norm
+n = (1 - momentum) sqrt(sum k_c^2 n_c^2) is capped at ``max_change``.  A
+non-finite norm skips the step.  This is what keeps large learning rates and
+model averaging stable, as in Kaldi.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import to_host
+
+
+class SGD:
+    """Plain SGD on a :class:`~mpitrain.nn.network.Network`.
+
+    Example::
+
+        opt = SGD(net, momentum=0.0, max_change_per_layer=0.75,
+                  max_change_output=1.5, max_change=2.0)
+        net.forward_backward(x, labels)
+        opt.step(lr=0.002)
+    """
+
+    name = "sgd"
+
+    def __init__(self, net, *, momentum: float = 0.0, max_change_per_layer: float = 0.75,
+                 max_change_output: float = 1.5, max_change: float = 2.0):
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
+        if min(max_change_per_layer, max_change_output, max_change) < 0:
+            raise ValueError("max-change values must be >= 0 (0 disables)")
+        self.net = net
+        self.momentum = float(momentum)
+        self.max_change = float(max_change)
+        slices = [s for _, s in net.param_slices]
+        self.slices = slices
+        last = len(slices) - 1
+        self.layer_max_change = [max_change_output if i == last else max_change_per_layer
+                                 for i in range(len(slices))]
+        xp = net.xp
+        self.delta = xp.zeros_like(net.params) if self.momentum > 0 else None
+        self.num_steps = 0
+        self.num_skipped = 0
+        self.last_scales = [1.0] * len(slices)
+
+    # -- the update ------------------------------------------------------------
+    def step(self, lr: float) -> None:
+        net, xp = self.net, self.net.xp
+        grads = net.grads
+        # grads becomes -lr * g in place: it is scratch until the next backward.
+        grads *= -lr
+        if self.delta is None:
+            delta = grads
+        else:
+            self.delta += grads
+            delta = self.delta
+        norms = self._block_norms(delta)
+        q = 1.0 - self.momentum
+        scales = self._scales(norms, q)
+        if scales is None:
+            self.num_skipped += 1
+            if self.delta is not None:
+                self.delta[...] = 0
+            return
+        self.last_scales = scales
+        params = net.params
+        if self.delta is None:
+            if all(s == 1.0 for s in scales):
+                params += delta
+            else:
+                for sl, s in zip(self.slices, scales):
+                    block = delta[sl]
+                    block *= s
+                    params[sl] += block
+        else:
+            for sl, s in zip(self.slices, scales):
+                # grads is free now: use it as the temporary for s * delta.
+                xp.multiply(delta[sl], s, out=grads[sl])
+                params[sl] += grads[sl]
+            self.delta *= self.momentum
+        self.num_steps += 1
+
+    def _block_norms(self, delta):
+        xp = self.net.xp
+        sq = xp.stack([xp.dot(delta[sl], delta[sl]) for sl in self.slices])
+        return np.sqrt(to_host(sq).astype(np.float64))
+
+    def _scales(self, norms, q):
+        """Per-layer scale factors q * k_c, or None when the step must be skipped."""
+        if not np.all(np.isfinite(norms)):
+            return None
+        k = np.ones_like(norms)
+        for i, (n, m) in enumerate(zip(norms, self.layer_max_change)):
+            if m > 0 and n * q > m:
+                k[i] = m / (n * q)
+        total = q * math.sqrt(float(np.sum((k * norms) ** 2)))
+        if self.max_change > 0 and total > self.max_change:
+            q = q * self.max_change / total
+        return [float(q * ki) for ki in k]
+
+    # -- state -----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        state = {"num_steps": self.num_steps, "num_skipped": self.num_skipped}
+        if self.delta is not None:
+            state["delta"] = to_host(self.delta)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.num_steps = int(state.get("num_steps", 0))
+        self.num_skipped = int(state.get("num_skipped", 0))
+        if self.delta is not None:
+            if "delta" not in state:
+                raise ValueError("optimizer state has no 'delta' (momentum) buffer")
+            self.delta[...] = self.net.xp.asarray(state["delta"])
+
+    def average_state_keys(self) -> list:
+        """Buffers a strategy may average across ranks (momentum, when present)."""
+        return ["delta"] if self.delta is not None else []
