@@ -61,3 +61,41 @@ def require_dataset(f, name: str, path, *, what: str):
     if name not in f:
         raise ValueError(f"{path}: {what} has no dataset '{name}'")
     return f[name]
+
+
+def write_state(group, state: dict) -> None:
+    """Store a nested dict: arrays become datasets, scalars attributes, dicts groups.
+
+    Example::
+
+        write_state(f.create_group("optimizer"), {"num_steps": 3, "delta": arr})
+    """
+    import numpy as np
+    for key, value in state.items():
+        key = str(key)
+        if isinstance(value, dict):
+            write_state(group.create_group(key), value)
+        elif isinstance(value, np.ndarray):
+            group.create_dataset(key, data=value)
+        elif value is None:
+            group.attrs[key] = "__none__"
+        elif isinstance(value, (bool, int, float, str, np.generic)):
+            group.attrs[key] = value
+        else:
+            raise TypeError(f"cannot store {key!r} of type {type(value).__name__} in HDF5")
+
+
+def read_state(group) -> dict:
+    """Inverse of :func:`write_state`."""
+    import numpy as np
+    state = {}
+    for key, value in group.attrs.items():
+        if isinstance(value, str) and value == "__none__":
+            state[key] = None
+        elif isinstance(value, np.generic):
+            state[key] = value.item()
+        else:
+            state[key] = value
+    for key, item in group.items():
+        state[key] = read_state(item) if hasattr(item, "keys") else item[...]
+    return state

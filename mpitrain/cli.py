@@ -1,0 +1,204 @@
+"""Command line: ``python -m mpitrain <command> ...``.
+
+Each command is a few lines that call the library; heavy imports happen
+inside the command so ``--help`` is instant.  This is the one place where
+concrete classes are chosen from the user's words.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed as one line, exit status 2."""
+
+
+# -- commands ----------------------------------------------------------------------
+
+def cmd_synth(args) -> int:
+    from .data.synthetic import synthesize
+    info = synthesize(args.out_dir, hours=args.hours, speakers=args.speakers,
+                      shards=args.shards, seed=args.seed, dev_hours=args.dev_hours,
+                      dev_speakers=args.dev_speakers)
+    for split, corpus in info.items():
+        print(f"{split}: {corpus}")
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from .data.kaldi import import_kaldi
+    report = import_kaldi(args.feats, args.ali, args.out, shards=args.shards,
+                          num_classes=args.num_classes)
+    print(report.summary())
+    return 0 if report.imported else 1
+
+
+def cmd_check(args) -> int:
+    from .data.check import check_corpus
+    from .data.corpus import manifest_path
+    dirs = [args.corpus_dir]
+    if not os.path.exists(manifest_path(args.corpus_dir)):
+        # a synth output directory: check its splits
+        subs = [os.path.join(args.corpus_dir, s) for s in sorted(os.listdir(args.corpus_dir))
+                if os.path.exists(manifest_path(os.path.join(args.corpus_dir, s)))] \
+            if os.path.isdir(args.corpus_dir) else []
+        dirs = subs or dirs
+    problems = []
+    for d in dirs:
+        found = check_corpus(d)
+        problems += found
+        if not found:
+            print(f"{d}: OK")
+    for p in problems:
+        print(p, file=sys.stderr)
+    return 1 if problems else 0
+
+
+def cmd_train(args) -> int:
+    from .config import dump_config, load_config
+    from .comm import create_communicator
+    from .comm.abort import install_abort_hook
+    cfg = load_config(args.config, args.set)
+    comm = create_communicator()
+    install_abort_hook(comm)
+    _limit_blas_threads(cfg.blas_threads, comm)
+    run_dir = args.run_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(args.config))[0])
+    if comm.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+    comm.barrier()
+    from .train.trainer import Trainer
+    try:
+        trainer = Trainer(cfg, run_dir=run_dir, comm=comm, resume=args.resume)
+        try:
+            trainer.run()
+        finally:
+            trainer.close()
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        if comm.size == 1:
+            raise
+        # one rank's bad input must end the whole job, not leave the others waiting
+        print(f"mpitrain train: rank {comm.rank}: error: {exc}", file=sys.stderr, flush=True)
+        comm.abort(2, str(exc))
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .data.corpus import load_manifest
+    from .nn.model_file import load_model
+    from .train.evaluate import evaluate_chunks, load_eval_chunks
+    net, _ = load_model(args.model)
+    manifest = load_manifest(args.corpus_dir)
+    if manifest.feat_dim != net.feat_dim or manifest.num_classes != net.num_classes:
+        raise UsageError(f"{args.corpus_dir}/corpus.yaml: feat_dim {manifest.feat_dim}, "
+                         f"num_classes {manifest.num_classes}; the model {args.model} "
+                         f"expects {net.feat_dim} and {net.num_classes}")
+    total, correct, frames = evaluate_chunks(net, load_eval_chunks(manifest, net,
+                                                                   max_frames=args.max_frames))
+    if frames == 0:
+        raise UsageError(f"{args.corpus_dir}: no frames to evaluate")
+    print(f"frames {frames} xent {total / frames:.4f} acc {correct / frames:.4f}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from .export import export_loglikes
+    n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
+                        batch=args.batch)
+    print(f"wrote pseudo log-likelihoods of {n} utterances to {args.out}")
+    return 0
+
+
+def _limit_blas_threads(threads: int, comm) -> None:
+    """Apply ``blas_threads`` (0: cores on this node divided by ranks on it)."""
+    if threads == 0:
+        if any(v in os.environ for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
+            return
+        threads = max(1, (os.cpu_count() or 1) // max(1, comm.local_size))
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(threads)
+
+
+# -- parser ----------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="mpitrain", formatter_class=fmt,
+        description="Train DNN acoustic models on many MPI ranks "
+                    "(e.g. mpiexec -n 4 python -m mpitrain train run.yaml).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("synth", formatter_class=fmt,
+                       help="write the built-in synthetic corpus (train and dev splits)")
+    p.add_argument("out_dir", help="output directory; gets train/ and dev/ corpora")
+    p.add_argument("--hours", type=float, default=1.0, help="hours of training speech")
+    p.add_argument("--speakers", type=int, default=40, help="training speakers")
+    p.add_argument("--shards", type=int, default=4, help="HDF5 shards of the train split")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--dev-hours", type=float, default=0.1, help="hours of held-out speech")
+    p.add_argument("--dev-speakers", type=int, default=8, help="held-out (unseen) speakers")
+    p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("prepare", formatter_class=fmt,
+                       help="import Kaldi features and per-frame alignments into a corpus")
+    p.add_argument("--feats", required=True, help="features rspecifier, e.g. scp:data/feats.scp")
+    p.add_argument("--ali", required=True,
+                   help="per-frame pdf ids, e.g. ark:ali.ark (ali-to-pdf output) or ark,t:ali.txt")
+    p.add_argument("--out", required=True, help="corpus directory to write")
+    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="number of pdfs (default: largest label + 1)")
+    p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("check", formatter_class=fmt, help="validate a corpus directory")
+    p.add_argument("corpus_dir")
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("train", formatter_class=fmt, help="train a model (under mpiexec for many ranks)")
+    p.add_argument("config", help="YAML run configuration (see jobs/configs/)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set optimizer.name=ngsgd")
+    p.add_argument("--run-dir", default=None, help="default: runs/<config name>")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in the run directory")
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("eval", formatter_class=fmt,
+                       help="held-out cross-entropy and frame accuracy of a model")
+    p.add_argument("model", help="final.h5 or a checkpoint")
+    p.add_argument("corpus_dir")
+    p.add_argument("--max-frames", type=int, default=0, help="0: all frames")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("export", formatter_class=fmt,
+                       help="write pseudo log-likelihoods for Kaldi's decoders")
+    p.add_argument("model")
+    p.add_argument("--feats", required=True, help="features rspecifier, e.g. scp:feats.scp")
+    p.add_argument("--out", required=True, help="wspecifier, e.g. ark:loglikes.ark")
+    p.add_argument("--corpus", default=None,
+                   help="corpus whose class counts give the priors (default: the model's)")
+    p.add_argument("--batch", type=int, default=4096)
+    p.set_defaults(func=cmd_export)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except UsageError as exc:
+        print(f"mpitrain {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        # ConfigError, CorpusError, TrainingError and bad files: one clear line
+        print(f"mpitrain {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return 2

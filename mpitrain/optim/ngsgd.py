@@ -1,0 +1,65 @@
+"""NG-SGD: SGD whose affine-layer gradients are natural-gradient preconditioned.
+
+Each affine layer gets two preconditioners, one for its input rows ``[x, 1]``
+and one for its output derivatives (see natural-gradient.md and
+``preconditioner.py``).  The layer forms its gradient block from the
+preconditioned rows during backward, so this optimizer's step is SGD's step
+(max-change included) applied to that gradient, and every parallel strategy
+works unchanged: each rank preconditions its own rows.
+"""
+
+from __future__ import annotations
+
+from .preconditioner import OnlineNaturalGradient, SimpleNaturalGradient
+from .sgd import SGD
+
+
+class NaturalGradientSGD(SGD):
+    """Example::
+
+        opt = NaturalGradientSGD(net, rank_in=20, rank_out=80, update_period=4,
+                                 num_samples_history=2000.0, alpha=4.0)
+    """
+
+    name = "ngsgd"
+
+    def __init__(self, net, *, variant: str = "online", rank_in: int = 20, rank_out: int = 80,
+                 update_period: int = 4, num_samples_history: float = 2000.0,
+                 alpha: float = 4.0, **sgd_options):
+        super().__init__(net, **sgd_options)
+        if variant not in ("online", "simple"):
+            raise ValueError(f"variant must be 'online' or 'simple', got {variant!r}")
+        self.variant = variant
+        self.preconditioners = {}
+        for i, layer in enumerate(net.affine_layers()):
+            if variant == "online":
+                # Kaldi's caps: at most half the dimension (the input side has I + 1 columns)
+                r_in = max(1, min(rank_in, (layer.in_dim + 1) // 2))
+                r_out = max(1, min(rank_out, (layer.out_dim + 1) // 2))
+                options = dict(update_period=update_period,
+                               num_samples_history=num_samples_history, alpha=alpha)
+                p_in = OnlineNaturalGradient(rank=r_in, **options)
+                p_out = OnlineNaturalGradient(rank=r_out, **options)
+            else:
+                p_in, p_out = SimpleNaturalGradient(alpha=alpha), SimpleNaturalGradient(alpha=alpha)
+            layer.set_preconditioners(p_in, p_out)
+            self.preconditioners[f"layer{i}_in"] = p_in
+            self.preconditioners[f"layer{i}_out"] = p_out
+
+    def reset_preconditioners(self) -> None:
+        """Fresh Fisher estimates, as each Kaldi job starts after an average."""
+        for p in self.preconditioners.values():
+            p.reset()
+
+    def state_dict(self) -> dict:
+        state = super().state_dict()
+        state["preconditioners"] = {k: p.state_dict() for k, p in self.preconditioners.items()}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        saved = state.get("preconditioners", {})
+        for key, p in self.preconditioners.items():
+            if key not in saved:
+                raise ValueError(f"optimizer state has no preconditioner '{key}'")
+            p.load_state_dict(saved[key])

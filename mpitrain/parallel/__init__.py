@@ -1,0 +1,1 @@
+"""Data-parallel strategies: how the ranks combine their models."""

@@ -1,0 +1,66 @@
+"""Held-out evaluation: cross-entropy per frame and frame accuracy."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .. import backend
+from ..data.batcher import plan_chunks, read_chunk
+from ..data.sharding import assign_shards
+from ..data.shards import ShardReader
+from ..data.splice import splice, splice_indices
+
+EVAL_BATCH = 4096
+
+
+def shard_offsets_reader(manifest):
+    """Callback giving a shard's utterance offsets (for splitting shards between ranks)."""
+    def offsets(i):
+        with ShardReader(manifest.shard_path(i)) as reader:
+            return np.asarray(reader.utt_offsets)
+    return offsets
+
+
+def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames: int = 0):
+    """This rank's part of a corpus, normalised with the network's CMVN, on its device.
+
+    Example::
+
+        chunks = load_eval_chunks(load_manifest("corpus/dev"), net)
+    """
+    if size > 1 and manifest.num_utterances < size:
+        slices = assign_shards(manifest.shards, 0, 1) if rank == 0 else []
+    else:
+        slices = assign_shards(manifest.shards, rank, size,
+                               utt_offsets_of=shard_offsets_reader(manifest))
+    limit = max_frames // size if max_frames else None
+    mean, scale = backend.to_host(net.cmvn_mean), backend.to_host(net.cmvn_scale)
+    chunks, taken = [], 0
+    for spec in plan_chunks(manifest, slices, 100_000):
+        feats, labels, start, end = read_chunk(manifest, spec, mean, scale)
+        if limit is not None and taken + len(labels) > limit:
+            keep = limit - taken
+            feats, labels = feats[:keep], labels[:keep]
+            start, end = start[:keep], np.minimum(end[:keep], keep)
+        chunks.append(tuple(backend.to_device(a, net.xp) for a in (feats, labels, start, end)))
+        taken += len(labels)
+        if limit is not None and taken >= limit:
+            break
+    return chunks
+
+
+def evaluate_chunks(net, chunks) -> tuple:
+    """Local sums (cross-entropy, correct, frames) over the chunks."""
+    xp = net.xp
+    total = xp.zeros((), dtype=xp.float64)
+    correct = xp.zeros((), dtype=xp.int64)
+    frames = 0
+    for feats, labels, start, end in chunks:
+        for lo in range(0, len(labels), EVAL_BATCH):
+            idx = xp.arange(lo, min(lo + EVAL_BATCH, len(labels)))
+            ctx = splice_indices(idx, start[idx], end[idx], net.left_context, net.right_context)
+            t, c = net.evaluate_batch(splice(feats, ctx), labels[idx])
+            total += t
+            correct += c
+            frames += len(idx)
+    return float(total), int(correct), frames

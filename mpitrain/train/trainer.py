@@ -1,0 +1,262 @@
+"""The training loop: data, model, optimizer and strategy, step after step.
+
+Each rank runs this same loop on its own data.  The strategy decides how ranks
+combine their work; rank 0 alone prints, writes metrics and checkpoints.
+Figures it prints are summed over all ranks with one small collective at each
+log interval (every rank reaches it at the same step).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from .. import backend
+from ..config import RunConfig, config_to_yaml
+from ..data.batcher import MinibatchStream, plan_chunks
+from ..data.corpus import load_manifest
+from ..data.sharding import assign_shards
+from ..data.splice import splice, splice_indices
+from ..nn.model_file import save_model
+from ..nn.network import build_network
+from ..optim.factory import build_optimizer
+from ..optim.schedule import ExponentialSchedule
+from ..parallel.factory import build_strategy
+from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint, save_checkpoint
+from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
+from .metrics import MetricsLog, format_duration
+
+
+class TrainingError(RuntimeError):
+    """A problem that stops training, with a message for the user."""
+
+
+class Trainer:
+    """Example::
+
+        cfg = load_config("jobs/configs/quickstart.yaml")
+        result = Trainer(cfg, run_dir="runs/quickstart", comm=create_communicator()).run()
+        result["dev_acc"]
+    """
+
+    def __init__(self, cfg: RunConfig, *, run_dir: str, comm, resume: bool = False,
+                 stream=None):
+        self.cfg, self.run_dir, self.comm = cfg, run_dir, comm
+        self.is_root = comm.rank == 0
+        self.xp = backend.select(cfg.device, comm.local_rank)
+        self.log = MetricsLog(run_dir, enabled=self.is_root, stream=stream, append=resume)
+        if not cfg.data.train:
+            raise TrainingError("data.train: no training corpus given (set data.train "
+                                "in the config or with --set data.train=DIR)")
+        self.manifest = load_manifest(cfg.data.train)
+        self.dev_manifest = load_manifest(cfg.data.dev) if cfg.data.dev else None
+        self._build_model(resume)
+        self.schedule = ExponentialSchedule(cfg.optimizer.initial_learning_rate,
+                                            cfg.optimizer.final_learning_rate)
+        self._build_data()
+        self.step = 0
+        self.frames_seen = 0      # summed over all ranks
+        if resume:
+            self._resume()
+        else:
+            self.strategy.setup(self.net, self.optimizer)
+        self._dev = None
+
+    # -- construction ------------------------------------------------------------
+    def _build_model(self, resume: bool) -> None:
+        cfg, m = self.cfg, self.manifest
+        self.net = build_network(
+            feat_dim=m.feat_dim, num_classes=m.num_classes,
+            left_context=cfg.data.left_context, right_context=cfg.data.right_context,
+            hidden_layers=cfg.model.hidden_layers, hidden_dim=cfg.model.hidden_dim,
+            nonlinearity=cfg.model.nonlinearity, pnorm_output_dim=cfg.model.pnorm_output_dim,
+            pnorm_p=cfg.model.pnorm_p, normalize=cfg.model.normalize, xp=self.xp)
+        self.net.init_params(seed=cfg.training.seed)
+        self.net.set_cmvn(m.cmvn_mean, m.cmvn_var)
+        if self.dev_manifest is not None:
+            for field in ("feat_dim", "num_classes"):
+                if getattr(self.dev_manifest, field) != getattr(m, field):
+                    raise TrainingError(
+                        f"{self.dev_manifest.directory}/corpus.yaml: {field} is "
+                        f"{getattr(self.dev_manifest, field)}, but the training corpus has "
+                        f"{getattr(m, field)}")
+        self.optimizer = build_optimizer(cfg.optimizer, self.net)
+        self.strategy = build_strategy(cfg, self.comm)
+
+    def _build_data(self) -> None:
+        cfg, comm = self.cfg, self.comm
+        slices = assign_shards(self.manifest.shards, comm.rank, comm.size,
+                               utt_offsets_of=shard_offsets_reader(self.manifest))
+        chunks = plan_chunks(self.manifest, slices, cfg.data.chunk_frames)
+        local_steps = sum(c.frames // cfg.training.minibatch for c in chunks)
+        # every rank must take the same number of steps, or a collective hangs
+        steps = int(comm.allreduce_scalar(local_steps, op="min"))
+        if steps == 0:
+            raise TrainingError(
+                f"{self.manifest.directory}: rank {comm.rank} has no complete minibatch of "
+                f"{cfg.training.minibatch} frames; lower training.minibatch, "
+                "lower data.chunk_frames' effect by adding data, or use fewer ranks")
+        self.stream = MinibatchStream(
+            self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,
+            rank=comm.rank, cmvn=(backend.to_host(self.net.cmvn_mean),
+                                  backend.to_host(self.net.cmvn_scale)),
+            xp=self.xp, steps_per_epoch=steps, prefetch=cfg.data.prefetch)
+        self.steps_per_epoch = steps
+        total = int(round(cfg.training.epochs * steps))
+        if cfg.training.max_steps:
+            total = min(total, cfg.training.max_steps)
+        self.total_steps = max(total, 1)
+        self.planned_steps = max(int(round(cfg.training.epochs * steps)), 1)
+
+    # -- resume --------------------------------------------------------------------
+    def _resume(self) -> None:
+        found = list_checkpoints(self.run_dir)
+        if not found:
+            raise TrainingError(f"{self.run_dir}: --resume given but no checkpoint "
+                                "(ckpt-*.h5) found")
+        ckpt = load_checkpoint(found[-1], ranks=[self.comm.rank])
+        if ckpt.num_ranks != self.comm.size:
+            raise TrainingError(f"{ckpt.path}: written by {ckpt.num_ranks} ranks, this job "
+                                f"has {self.comm.size}; resume with the same number of ranks")
+        if ckpt.net.num_params != self.net.num_params:
+            raise TrainingError(f"{ckpt.path}: the model has {ckpt.net.num_params} "
+                                f"parameters, the config builds {self.net.num_params}")
+        self.net.params[...] = self.xp.asarray(backend.to_host(ckpt.net.params))
+        state = ckpt.rank_state(self.comm.rank)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.stream.load_state_dict(state["reader"])
+        self.strategy.load_state_dict(ckpt.strategy_state)
+        self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
+        self.log.say(f"resumed from {ckpt.path} at step {self.step}")
+
+    def save_checkpoint(self) -> None:
+        rank_state = {"optimizer": self.optimizer.state_dict(),
+                      "reader": self.stream.state_dict()}
+        states = gather_rank_states(self.comm, rank_state)
+        if self.is_root:
+            save_checkpoint(checkpoint_path(self.run_dir, self.step), net=self.net,
+                            step=self.step, frames_seen=self.frames_seen,
+                            config_yaml=config_to_yaml(self.cfg), rank_states=states,
+                            strategy_state=self.strategy.state_dict(),
+                            class_priors=self.manifest.class_priors(),
+                            keep=self.cfg.training.keep_checkpoints)
+
+    # -- evaluation ------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Held-out cross-entropy per frame and frame accuracy, over all ranks."""
+        if self.dev_manifest is None:
+            return {}
+        if self._dev is None:
+            self._dev = load_eval_chunks(self.dev_manifest, self.net, rank=self.comm.rank,
+                                         size=self.comm.size,
+                                         max_frames=self.cfg.training.eval_max_frames)
+        sums = np.array(evaluate_chunks(self.net, self._dev), dtype=np.float64)
+        self.comm.allreduce_(sums, op="sum")
+        if sums[2] == 0:
+            return {}
+        return {"dev_xent": sums[0] / sums[2], "dev_acc": sums[1] / sums[2],
+                "dev_frames": int(sums[2])}
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg, xp, net, comm = self.cfg, self.xp, self.net, self.comm
+        left, right, batch = cfg.data.left_context, cfg.data.right_context, cfg.training.minibatch
+        spliced = xp.empty((batch, net.input_dim), dtype=xp.float32)
+        ctx = xp.empty((batch, net.context), dtype=xp.int64)
+        self.log.say(self._banner())
+        self.log.write("start", step=self.step, total_steps=self.total_steps,
+                       ranks=comm.size, device=backend.device_name(xp),
+                       transport=getattr(comm, "transport", "host"),
+                       strategy=self.strategy.name, optimizer=self.optimizer.name)
+        acc_loss = xp.zeros((), dtype=xp.float64)
+        acc_correct = xp.zeros((), dtype=xp.int64)
+        acc_frames, window_start = 0, time.perf_counter()
+        run_start, start_step = time.perf_counter(), self.step
+        comm.reset_comm_time()
+        comm_at_window = 0.0
+        eval_every = cfg.training.eval_interval
+        next_eval = (self.frames_seen // comm.size // eval_every + 1) * eval_every \
+            if eval_every else None
+        while self.step < self.total_steps:
+            chunk, idx = self.stream.next_batch()
+            splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], left, right, out=ctx)
+            splice(chunk.feats, ctx, out=spliced)
+            loss, correct = net.forward_backward(spliced, chunk.labels[idx])
+            self.strategy.reduce_gradients(net)
+            lr = self.strategy.learning_rate(self.schedule(self.step / self.planned_steps))
+            self.optimizer.step(lr)
+            self.step += 1
+            self.strategy.after_update(net, self.optimizer, self.step)
+            acc_loss += loss
+            acc_correct += correct
+            acc_frames += batch
+            self.frames_seen += batch * comm.size
+            last = self.step == self.total_steps
+            if self.step % cfg.training.log_interval == 0 or last:
+                now = time.perf_counter()
+                comm_now = comm.comm_time
+                sums = np.array([float(acc_loss), float(acc_correct), acc_frames,
+                                 comm_now - comm_at_window], dtype=np.float64)
+                comm.allreduce_(sums, op="sum")
+                elapsed = now - window_start
+                rate = sums[2] / elapsed
+                per_step = (now - run_start) / max(self.step - start_step, 1)
+                record = {"step": self.step, "epoch": self.stream.epoch,
+                          "frames": self.frames_seen, "xent": sums[0] / sums[2],
+                          "acc": sums[1] / sums[2], "lr": lr, "frames_per_sec": rate,
+                          "comm_fraction": min(1.0, sums[3] / comm.size / elapsed)}
+                self.log.write("train", **record)
+                self.log.say(
+                    f"step {self.step}/{self.total_steps} ep {self.stream.epoch} "
+                    f"frames {self.frames_seen} xent {record['xent']:.4f} "
+                    f"acc {record['acc']:.4f} lr {lr:.3g} {rate:,.0f} fr/s "
+                    f"comm {record['comm_fraction']:.1%} "
+                    f"ETA {format_duration(per_step * (self.total_steps - self.step))}")
+                acc_loss[...] = 0
+                acc_correct[...] = 0
+                acc_frames, window_start, comm_at_window = 0, time.perf_counter(), comm_now
+            epoch_done = self.stream.steps_in_epoch >= self.stream.steps_per_epoch
+            due_eval = (next_eval is not None and self.frames_seen // comm.size >= next_eval) \
+                or (next_eval is None and epoch_done and not last)
+            if due_eval and self.dev_manifest is not None:
+                self._log_eval()
+                if next_eval is not None:
+                    next_eval += eval_every
+            ck = cfg.training.checkpoint_interval
+            if ck and self.step % ck == 0 and not last:
+                self.save_checkpoint()
+        self.strategy.finalize(net, self.optimizer)
+        self.save_checkpoint()
+        result = self._log_eval() if self.dev_manifest is not None else {}
+        if self.is_root:
+            save_model(os.path.join(self.run_dir, "final.h5"), net,
+                       class_priors=self.manifest.class_priors())
+        result.update(steps=self.step, frames=self.frames_seen,
+                      seconds=time.perf_counter() - run_start)
+        self.log.write("end", **result)
+        self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "
+                     f"{format_duration(result['seconds'])}; model {self.run_dir}/final.h5")
+        return result
+
+    def _log_eval(self) -> dict:
+        res = self.evaluate()
+        if res:
+            self.log.write("eval", step=self.step, frames=self.frames_seen, **res)
+            self.log.say(f"held-out at step {self.step}: xent {res['dev_xent']:.4f} "
+                         f"acc {res['dev_acc']:.4f} ({res['dev_frames']} frames)")
+        return res
+
+    def _banner(self) -> str:
+        cfg, net = self.cfg, self.net
+        return (f"mpitrain: {self.comm.size} rank(s), device {backend.device_name(self.xp)}, "
+                f"strategy {self.strategy.name}, optimizer {self.optimizer.name}; model "
+                f"{net.input_dim}-{cfg.model.hidden_layers}x{cfg.model.hidden_dim}-"
+                f"{net.num_classes} ({net.num_params:,} params); {self.steps_per_epoch} "
+                f"steps/epoch of {cfg.training.minibatch} frames per rank, "
+                f"{self.total_steps} steps")
+
+    def close(self) -> None:
+        self.stream.close()
+        self.log.close()
