@@ -1,0 +1,138 @@
+"""Communication layer: the only part of mpitrain that imports mpi4py.
+
+Importing this package does not import mpi4py or initialise MPI; that happens
+in :func:`create_communicator`, and only when the process was started by an
+MPI launcher with more than one rank, so ``python -m mpitrain train`` works
+without one.
+
+Example::
+
+    from mpitrain.comm import create_communicator
+    comm = create_communicator()          # SingleCommunicator or MpiCommunicator
+    comm.allreduce_(flat_params, op="mean")
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from .base import ANY_SOURCE, ANY_TAG, REDUCE_OPS, Communicator, Request
+from .single import SingleCommunicator
+
+__all__ = [
+    "ANY_SOURCE", "ANY_TAG", "REDUCE_OPS", "Communicator", "Request", "SingleCommunicator",
+    "create_communicator", "launched_by_mpi", "world_size_from_env", "local_rank_from_env",
+]
+
+KINDS = ("auto", "mpi", "single")
+
+# Variables that MPI launchers put into each rank's environment.
+_LAUNCHER_VARS = (
+    "PMI_RANK", "PMI_SIZE",                    # MPICH hydra, Intel MPI
+    "PMIX_RANK",                               # Open MPI 5 / PRRTE, srun --mpi=pmix
+    "OMPI_COMM_WORLD_SIZE",                    # Open MPI
+    "MPI_LOCALNRANKS", "HYDI_CONTROL_FD",      # MPICH hydra
+    "MV2_COMM_WORLD_SIZE",                     # MVAPICH
+    "PALS_RANKID",                             # HPE/Cray PALS
+)
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+_LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                    "MV2_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID", "SLURM_LOCALID")
+
+
+def _int_env(env: Mapping[str, str], name: str) -> Optional[int]:
+    try:
+        return int(env[name])
+    except (KeyError, ValueError):
+        return None
+
+
+def _slurm_step_size(env: Mapping[str, str]) -> Optional[int]:
+    # Inside `srun` each task has SLURM_PROCID; a plain batch script has a 1-task step.
+    if "SLURM_PROCID" not in env:
+        return None
+    return _int_env(env, "SLURM_STEP_NUM_TASKS")
+
+
+def launched_by_mpi(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True when the environment shows an MPI launcher (mpiexec, mpirun, srun with >1 task).
+
+    Example::
+
+        launched_by_mpi({"PMI_RANK": "0", "PMI_SIZE": "4"})   # True
+        launched_by_mpi({})                                   # False
+    """
+    env = os.environ if env is None else env
+    if any(name in env for name in _LAUNCHER_VARS):
+        return True
+    return (_slurm_step_size(env) or 0) > 1
+
+
+def world_size_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """Number of ranks the launcher announced, or None when it does not say.
+
+    Example::
+
+        world_size_from_env({"OMPI_COMM_WORLD_SIZE": "8"})    # 8
+    """
+    env = os.environ if env is None else env
+    for name in _SIZE_VARS:
+        size = _int_env(env, name)
+        if size is not None:
+            return size
+    return _slurm_step_size(env)
+
+
+def local_rank_from_env(env: Optional[Mapping[str, str]] = None) -> int:
+    """This process's rank on its node according to the launcher, 0 when unknown.
+
+    Usable before MPI starts, e.g. to pick the GPU first.
+
+    Example::
+
+        local_rank_from_env({"MPI_LOCALRANKID": "3"})          # 3
+    """
+    env = os.environ if env is None else env
+    for name in _LOCAL_RANK_VARS:
+        value = _int_env(env, name)
+        if value is not None:
+            return value
+    return 0
+
+
+def create_communicator(kind: str = "auto", *, device_transport: str = "auto") -> Communicator:
+    """The communicator for this process.
+
+    ``kind``: 'auto' (MPI when started by a launcher with more than one rank,
+    otherwise a single rank), 'mpi' (always MPI; fails without mpi4py/libmpi)
+    or 'single' (never MPI).  ``device_transport`` picks the route for cupy
+    buffers ('auto', 'nccl', 'cuda-aware-mpi', 'host-staged').
+
+    Example::
+
+        comm = create_communicator("auto")
+        if comm.rank == 0:
+            print(f"{comm.size} ranks over {comm.name}")
+    """
+    if kind not in KINDS:
+        raise ValueError(f"communicator kind must be one of {', '.join(KINDS)}, got {kind!r}")
+    if kind == "single":
+        return SingleCommunicator()
+    if kind == "auto":
+        if not launched_by_mpi():
+            return SingleCommunicator()
+        announced = world_size_from_env()
+        if announced is not None and announced <= 1:
+            return SingleCommunicator()
+    try:
+        from .mpi import MpiCommunicator
+    except ImportError as exc:
+        raise RuntimeError(
+            "comm: MPI was requested (or an MPI launcher was detected) but mpi4py cannot "
+            "load an MPI library; `pip install mpi4py mpich` in the virtualenv, or build "
+            "mpi4py against the cluster's MPI") from exc
+    comm = MpiCommunicator(device_transport=device_transport)
+    if kind == "auto" and comm.size == 1:
+        return SingleCommunicator()
+    return comm

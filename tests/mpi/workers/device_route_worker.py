@@ -1,0 +1,158 @@
+"""Device-buffer routing of MpiCommunicator, checked without a GPU.
+
+A stand-in for cupy (host memory behind a cupy-like interface: ``get``/``set``,
+pinned allocation, stream synchronisation) is installed into mpitrain.backend,
+so the route choice, the pinned staging path and the CUDA-aware path run for
+real under ``mpiexec``; only the memory is host memory.  Run by
+tests/mpi/test_comm.py with 2 ranks.
+"""
+
+import os
+import types
+
+import numpy as np
+
+from mpitrain import backend
+from mpitrain.comm.abort import install_abort_hook
+from mpitrain.comm.mpi import MpiCommunicator
+from mpi4py import MPI
+
+counts = {"get": 0, "set": 0, "sync": 0, "pinned": 0}
+
+
+class FakeDeviceArray(np.ndarray):
+    """Host memory that must be copied with get/set, like a cupy array."""
+
+    def get(self, out=None):
+        counts["get"] += 1
+        out[...] = self.view(np.ndarray)
+        return out
+
+    def set(self, array):
+        counts["set"] += 1
+        self.view(np.ndarray)[...] = array
+
+
+def _pinned(nbytes):
+    counts["pinned"] += 1
+    return bytearray(nbytes)
+
+
+def _sync():
+    counts["sync"] += 1
+
+
+fake = types.SimpleNamespace(
+    __name__="fake_device_module",
+    ndarray=FakeDeviceArray,
+    float32=np.float32,
+    full=lambda *a, **k: np.full(*a, **k).view(FakeDeviceArray),
+    asnumpy=lambda a: np.array(a.view(np.ndarray)),
+    get_array_module=lambda *arrays: (
+        fake if any(isinstance(a, FakeDeviceArray) for a in arrays) else np),
+    cuda=types.SimpleNamespace(
+        alloc_pinned_memory=_pinned,
+        get_current_stream=lambda: types.SimpleNamespace(synchronize=_sync)),
+)
+backend._cupy = fake
+
+world = MPI.COMM_WORLD
+rank, size = world.Get_rank(), world.Get_size()
+
+
+def device(values, dtype=np.float32):
+    return np.asarray(values, dtype=dtype).copy().view(FakeDeviceArray)
+
+
+def ok(name):
+    if rank == 0:
+        print(f"ok {name}", flush=True)
+
+
+def exercise(comm):
+    """Every buffer call on fake device arrays; values from rank and size only."""
+    base = np.arange(300, dtype=np.float64)
+    triangle = size * (size + 1) / 2
+    buf = device(base * (rank + 1))
+    comm.allreduce_(buf, op="mean")
+    np.testing.assert_allclose(buf.view(np.ndarray), base * triangle / size, rtol=1e-6)
+    assert isinstance(buf, FakeDeviceArray)
+
+    first, second = device(base * (rank + 1)), device([rank] * 5, np.float64)
+    requests = [comm.iallreduce_(first, op="sum"), comm.iallreduce_(second, op="max")]
+    comm.waitall(requests)
+    np.testing.assert_allclose(first.view(np.ndarray), base * triangle, rtol=1e-6)
+    assert (second.view(np.ndarray) == size - 1).all()
+
+    buf = device([rank] * 40) if rank == 0 else device(np.full(40, -1.0))
+    comm.bcast_(buf, root=0)
+    assert (buf.view(np.ndarray) == 0).all()
+
+    right, left = (rank + 1) % size, (rank - 1) % size
+    recv = device(np.zeros(17))
+    comm.sendrecv(device([rank] * 17), right, recv, left, tag=4)
+    assert (recv.view(np.ndarray) == left).all()
+
+    inbox = device(np.zeros(9))
+    receiving = comm.irecv(inbox, source=left, tag=8)
+    sending = comm.isend(device([rank * 10] * 9), right, tag=8)
+    comm.waitall([sending, receiving])
+    assert (inbox.view(np.ndarray) == left * 10).all() and receiving.source == left
+
+
+install_abort_hook(MpiCommunicator())
+
+# 1. No NCCL, MPICH without GPU support: the pinned staging route.
+staged = MpiCommunicator(world.Dup(), device_transport="auto")
+assert staged.transport == "host"
+before = dict(counts)
+exercise(staged)
+assert staged.transport == "host-staged", staged.transport
+assert counts["get"] > before["get"] and counts["set"] > before["set"], counts
+pinned_after_first = counts["pinned"]
+exercise(staged)
+# Staging buffers are reused: a second round of the same sizes allocates nothing.
+assert counts["pinned"] == pinned_after_first, counts
+ok("host-staged route")
+
+# 2. Point to point before any collective uses staging without a collective choice.
+lazy = MpiCommunicator(world.Dup())
+recv = device(np.zeros(3))
+lazy.sendrecv(device([rank] * 3), (rank + 1) % size, recv, (rank - 1) % size)
+assert (recv.view(np.ndarray) == (rank - 1) % size).all()
+assert lazy.transport == "host", lazy.transport
+ok("point to point before setup")
+
+# 3. A forced CUDA-aware route that the library does not claim fails on every rank.
+forced = MpiCommunicator(world.Dup(), device_transport="cuda-aware-mpi")
+try:
+    forced.setup_device_transport(fake)
+except RuntimeError as exc:
+    assert "cuda-aware-mpi" in str(exc)
+else:
+    raise AssertionError("forced cuda-aware-mpi without support did not raise")
+ok("forced route refused")
+
+# 4. The probe override: device arrays go straight to MPI after a stream sync.
+os.environ["MPITRAIN_CUDA_AWARE_MPI"] = "1"
+aware = MpiCommunicator(world.Dup(), device_transport="auto")
+assert aware.setup_device_transport(fake) == "cuda-aware-mpi"
+before = dict(counts)
+exercise(aware)
+assert counts["get"] == before["get"] and counts["set"] == before["set"], counts
+assert counts["sync"] > before["sync"], counts
+assert aware.transport == "cuda-aware-mpi"
+ok("cuda-aware route")
+
+# 5. Forced staging skips every probe.
+forced_staging = MpiCommunicator(world.Dup(), device_transport="host-staged")
+assert forced_staging.setup_device_transport(fake) == "host-staged"
+assert forced_staging.setup_device_transport(np) == "host"
+exercise(forced_staging)
+ok("forced host-staged")
+
+for comm in (staged, lazy, forced, aware, forced_staging):
+    comm.free()
+world.Barrier()
+if rank == 0:
+    print("device_route_worker: all checks passed", flush=True)
