@@ -1,0 +1,1 @@
+"""Optimisers and the natural-gradient preconditioners they use."""

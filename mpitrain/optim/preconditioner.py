@@ -1,0 +1,517 @@
+"""Natural-gradient preconditioners for the rows of an affine layer's gradient.
+
+An affine layer's gradient is ``G^T X`` summed over the N rows of a minibatch.
+NG-SGD (Kaldi nnet2/nnet3; Povey, Zhang & Khudanpur 2014) multiplies it on
+each side by the inverse of a smoothed Fisher estimate, which amounts to
+preconditioning the input rows X and the output-derivative rows G separately.
+Each side of each layer owns one :class:`Preconditioner`.
+
+:class:`OnlineNaturalGradient` follows Kaldi's ``OnlineNaturalGradient``
+(docs/natural-gradient.md, section 1): a rank-r plus scaled-identity Fisher
+estimate that is updated from the data it preconditions, at O(N D r) cost and
+without ever forming a D x D matrix.  The comments cite the spec's steps.
+
+Example::
+
+    prec_in = OnlineNaturalGradient(rank=20)
+    xhat, gamma = prec_in.precondition(x)     # x: (N, D) float32; may be overwritten
+    step = lr * gamma * xhat                  # gamma * xhat has the norm of x
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from abc import ABC, abstractmethod
+
+import numpy as np
+
+from .. import backend
+from . import kernels
+
+# Kaldi hard-codes these in natural-gradient-online.cc.
+NUM_INITIAL_UPDATES = 10      # updates on every call while t <= 10
+CONDITION_THRESHOLD = 1.0e6   # c_1 > 1e6 c_r asks for a reorthogonalisation check
+ORTHOGONALITY_TOLERANCE = 1.0e-3
+CHOLESKY_INVERSE_LIMIT = 100.0
+
+
+class Preconditioner(ABC):
+    """Transforms the (N, D) rows of one side of an affine layer's gradient.
+
+    ``precondition(X)`` returns ``(Xhat, gamma)`` such that ``gamma * Xhat``
+    replaces X in the gradient.  It may overwrite X and return it as Xhat:
+    callers pass a buffer they no longer need.  State goes to checkpoints
+    through :meth:`state_dict` (host NumPy arrays and Python scalars only).
+
+    Example::
+
+        xhat, gamma = prec.precondition(x)
+        saved = prec.state_dict()
+        prec.reset()
+        prec.load_state_dict(saved)
+    """
+
+    @abstractmethod
+    def precondition(self, X):
+        """Return ``(Xhat, gamma)`` for the (N, D) rows X."""
+
+    def reset(self) -> None:
+        """Forget all statistics (a fresh start, as after model averaging in Kaldi)."""
+
+    def state_dict(self) -> dict:
+        """The state needed to continue exactly where this object is."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+class IdentityPreconditioner(Preconditioner):
+    """Plain SGD: returns X unchanged and gamma = 1.0.
+
+    Example::
+
+        xhat, gamma = IdentityPreconditioner().precondition(x)   # (x, 1.0)
+    """
+
+    def precondition(self, X):
+        return X, 1.0
+
+
+def default_ranks(in_dim: int, out_dim: int) -> tuple[int, int]:
+    """Kaldi's NG-affine ranks ``(min(20, (I+1)//2), min(80, (O+1)//2))``.
+
+    ``in_dim`` is the affine layer's input dim I; the input side preconditions
+    I + 1 columns (the appended 1), which is why ranks use ``I + 1``.
+
+    Example::
+
+        default_ranks(440, 2048)   # (20, 80)
+    """
+    if int(in_dim) != in_dim or int(out_dim) != out_dim or in_dim < 1 or out_dim < 1:
+        raise ValueError(f"default_ranks: in_dim and out_dim must be positive integers, "
+                         f"got {in_dim!r} and {out_dim!r}")
+    return min(20, (int(in_dim) + 1) // 2), min(80, (int(out_dim) + 1) // 2)
+
+
+def forgetting_factor(num_rows: int, *, num_samples_history: float = 2000.0,
+                      num_minibatches_history: float = 0.0) -> float:
+    """eta(N): ``1/num_minibatches_history`` if set, else ``min(0.9, 1 - exp(-N/S))``.
+
+    Example::
+
+        forgetting_factor(512)   # 0.2258580...
+    """
+    if num_minibatches_history > 0:
+        return 1.0 / num_minibatches_history
+    # The cap keeps an all-zero minibatch from driving the state towards NaN.
+    return min(0.9, 1.0 - math.exp(-num_rows / num_samples_history))
+
+
+def special_orthonormal(rank: int, dim: int) -> np.ndarray:
+    """Kaldi's starting R: row k has entries at columns k, k+r, k+2r, ... < dim.
+
+    The first entry is 1.1 and the rest 1 before the row is normalised, so the
+    matrix has orthonormal rows and no zero row or column (for dim >= rank).
+
+    Example::
+
+        special_orthonormal(2, 5) @ special_orthonormal(2, 5).T   # identity
+    """
+    r0 = np.zeros((rank, dim))
+    for k in range(rank):
+        cols = np.arange(k, dim, rank)
+        r0[k, cols] = 1.0
+        r0[k, k] = 1.1
+        r0[k] /= math.sqrt(1.1 ** 2 + len(cols) - 1)
+    return r0
+
+
+def _e_from(d: np.ndarray, rho: float, alpha: float, dim: int) -> np.ndarray:
+    """e_i = d_i / (d_i + beta), beta = rho (1 + alpha) + (alpha/D) sum(d)."""
+    beta = rho * (1.0 + alpha) + alpha * float(np.sum(d)) / dim
+    return 1.0 / (beta / d + 1.0)
+
+
+def _gram_schmidt_rows(m: np.ndarray) -> np.ndarray:
+    """Orthonormal rows by Gram-Schmidt, in order (Kaldi's OrthogonalizeRows).
+
+    A row that (nearly) vanishes is orthogonalised again, and a zero row is
+    replaced by a seeded random direction, so the result is reproducible.
+    """
+    m = np.array(m, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    for i in range(m.shape[0]):
+        for _attempt in range(100):
+            start = float(m[i] @ m[i])
+            if not np.isfinite(start) or start == 0.0:
+                m[i] = rng.standard_normal(m.shape[1])
+                continue
+            m[i] -= (m[:i] @ m[i]) @ m[:i]
+            end = float(m[i] @ m[i])
+            if end > 0.01 * start:
+                m[i] /= math.sqrt(end)
+                break
+            if end == 0.0:
+                m[i] = rng.standard_normal(m.shape[1])
+        else:
+            raise FloatingPointError("Gram-Schmidt of the natural-gradient basis did not converge")
+    return m
+
+
+class _UpdatePlan:
+    """The r x r results of one Fisher update, all float64 on the host."""
+
+    __slots__ = ("a_matrix", "g", "d", "rho", "e", "gram_schmidt")
+
+    def __init__(self, a_matrix, g, d, rho, e, gram_schmidt):
+        self.a_matrix, self.g, self.d, self.rho, self.e = a_matrix, g, d, rho, e
+        self.gram_schmidt = gram_schmidt
+
+
+def _plan_update(gram: np.ndarray, x_sq: float, d: np.ndarray, rho: float, *,
+                 num_rows: int, dim: int, eta: float, alpha: float,
+                 epsilon: float, delta: float) -> _UpdatePlan:
+    """The r x r part of the Fisher update (spec section 1), in float64.
+
+    ``gram`` is the Gram matrix of [W; J] (2r x 2r): it holds W W^T, L = W J^T
+    (= H^T H) and K = J J^T.  The new W is ``A (J + diag(g) W)`` with the
+    returned A and g.  When a reorthogonalisation is due, its lower-triangular
+    transform is folded into A, using W' W'^T = A B B^T A^T computed from
+    ``gram``, so the device needs no second round trip.
+    """
+    r = d.size
+    ww = gram[:r, :r]
+    l_mat = 0.5 * (gram[:r, r:] + gram[r:, :r])   # W J^T and J W^T: symmetrise
+    k_mat = 0.5 * (gram[r:, r:] + gram[r:, r:].T)
+    a = eta / num_rows
+    b = 1.0 - eta
+    u = d + rho
+    e = _e_from(d, rho, alpha, dim)
+    s = 1.0 / np.sqrt(e)
+    ss = np.outer(s, s)
+    # Z = Y Y^T, Y = R T, T = eta X^T X / N + (1 - eta) F   (eqn Zt)
+    z_mat = a * a * ss * k_mat + a * b * ss * l_mat * (u[:, None] + u[None, :])
+    z_mat[np.diag_indices(r)] += (b * u) ** 2
+    # Z grows as the 4th power of the data: eigendecompose a scaled copy.
+    z_scale = max(1.0, float(np.trace(z_mat)))
+    c, u_mat = np.linalg.eigh(z_mat / z_scale)
+    c = c[::-1] * z_scale
+    u_mat = u_mat[:, ::-1]
+    reorthogonalize = bool(c[0] > CONDITION_THRESHOLD * c[-1])
+    c_floor = (rho * b) ** 2
+    if np.any(c < c_floor):
+        reorthogonalize = True
+        c = np.maximum(c, c_floor)
+    sqrt_c = np.sqrt(c)
+    # rho' keeps tr F' = tr T; the floors follow after d' uses the unfloored rho'.
+    rho1 = (a * x_sq + b * (dim * rho + float(np.sum(d))) - float(np.sum(sqrt_c))) / (dim - r)
+    d1 = sqrt_c - rho1
+    floor = max(epsilon, delta * float(np.max(sqrt_c)))
+    rho1 = max(rho1, floor)
+    d1 = np.maximum(d1, floor)
+    e1 = _e_from(d1, rho1, alpha, dim)
+    sqrt_e1 = np.sqrt(e1)
+    g = b * u / a                                  # B = J + diag(g) W
+    a_matrix = (a * sqrt_e1 / sqrt_c)[:, None] * u_mat.T * s[None, :]
+    gram_schmidt = False
+    if reorthogonalize:
+        bbt = k_mat + l_mat * g[None, :] + g[:, None] * l_mat + g[:, None] * ww * g[None, :]
+        o_mat = (a_matrix @ bbt @ a_matrix.T) / np.outer(sqrt_e1, sqrt_e1)
+        if np.max(np.abs(np.tril(o_mat - np.eye(r)))) > ORTHOGONALITY_TOLERANCE:
+            c_inv = _cholesky_inverse(o_mat)
+            if c_inv is None:
+                gram_schmidt = True
+            else:
+                # W' <- E'^{1/2} C^{-1} E'^{-1/2} W'
+                a_matrix = (sqrt_e1[:, None] * c_inv / sqrt_e1[None, :]) @ a_matrix
+    return _UpdatePlan(a_matrix, g, d1, rho1, e1, gram_schmidt)
+
+
+def _cholesky_inverse(o_mat: np.ndarray):
+    """C^{-1} for O = C C^T, or None when Kaldi would fall back to Gram-Schmidt."""
+    try:
+        c_mat = np.linalg.cholesky(o_mat)
+        c_inv = np.linalg.inv(c_mat)
+    except np.linalg.LinAlgError:
+        return None
+    c_inv = np.tril(c_inv)
+    if not np.all(np.isfinite(c_inv)) or not np.max(c_inv) < CHOLESKY_INVERSE_LIMIT:
+        return None
+    return c_inv
+
+
+class OnlineNaturalGradient(Preconditioner):
+    """Kaldi's online natural gradient on (N, D) rows (nnet3 semantics).
+
+    Keeps ``F = R^T diag(d) R + rho I`` (R: rank x D, orthonormal rows) as
+    ``W = diag(sqrt e) R`` and returns ``Xhat = X - (X W^T) W`` with
+    ``gamma = ||X|| / ||Xhat||``.  The estimate is updated on the first 11
+    calls and then every ``update_period`` calls, unless ``frozen``.  N x D
+    and rank x D products run in the dtype of X on X's device; all rank x rank
+    work is float64 on the host, with one small transfer per update.
+
+    ``precondition`` overwrites X in place and returns it as Xhat (a copy is
+    made only when X is not C-contiguous).  gamma is a Python float for NumPy
+    input and a 0-d device array for CuPy input, so that calls without an
+    update never wait for the GPU; ``float(gamma)`` works for both.
+
+    Example::
+
+        prec = OnlineNaturalGradient(rank=80, update_period=4)
+        gh, gamma_out = prec.precondition(g)        # g: (512, 2048) float32
+        prec.frozen = True                           # no more updates (t still advances)
+    """
+
+    def __init__(self, *, rank: int, update_period: int = 4,
+                 num_samples_history: float = 2000.0, num_minibatches_history: float = 0,
+                 alpha: float = 4.0, epsilon: float = 1e-10, delta: float = 5e-4,
+                 frozen: bool = False):
+        if isinstance(rank, bool) or int(rank) != rank or rank < 1:
+            raise ValueError(f"OnlineNaturalGradient: rank must be an integer >= 1, got {rank!r}")
+        if isinstance(update_period, bool) or int(update_period) != update_period \
+                or update_period < 1:
+            raise ValueError("OnlineNaturalGradient: update_period must be an integer >= 1, "
+                             f"got {update_period!r}")
+        if not 0.0 < num_samples_history <= 1.0e6:
+            raise ValueError("OnlineNaturalGradient: num_samples_history must be in (0, 1e6], "
+                             f"got {num_samples_history!r}")
+        if num_minibatches_history != 0 and not num_minibatches_history > 1.0:
+            raise ValueError("OnlineNaturalGradient: num_minibatches_history must be 0 (off) "
+                             f"or > 1, got {num_minibatches_history!r}")
+        if not alpha >= 0.0:
+            raise ValueError(f"OnlineNaturalGradient: alpha must be >= 0, got {alpha!r}")
+        if not 0.0 < epsilon <= 1.0e-5:
+            raise ValueError(f"OnlineNaturalGradient: epsilon must be in (0, 1e-5], got {epsilon!r}")
+        if not 0.0 < delta <= 1.0e-2:
+            raise ValueError(f"OnlineNaturalGradient: delta must be in (0, 1e-2], got {delta!r}")
+        self.rank = int(rank)
+        self.update_period = int(update_period)
+        self.num_samples_history = float(num_samples_history)
+        self.num_minibatches_history = float(num_minibatches_history)
+        self.alpha = float(alpha)
+        self.epsilon = float(epsilon)
+        self.delta = float(delta)
+        self.frozen = bool(frozen)
+        self.reset()
+
+    # -- state -----------------------------------------------------------------
+    def reset(self) -> None:
+        self.t = 0
+        self._rank = self.rank   # may drop to D - 1 at initialisation
+        self._d = None           # float64 (rank,) on the host
+        self._rho = 0.0
+        self._wj = None          # (2 rank, D) device buffer: rows [W; J]
+        self._wj_next = None     # the buffer the next W is written into
+        self._rows = None        # (H, tmp) scratch for the current minibatch size
+
+    @property
+    def initialized(self) -> bool:
+        return self._wj is not None
+
+    @property
+    def W(self):
+        """The (rank, D) matrix ``diag(sqrt e) R`` on the device, or None."""
+        return None if self._wj is None else self._wj[:self._rank]
+
+    @property
+    def d(self):
+        return None if self._d is None else self._d.copy()
+
+    @property
+    def rho(self) -> float:
+        return self._rho
+
+    def state_dict(self) -> dict:
+        if not self.initialized:
+            return {"t": int(self.t), "rank": 0, "W": np.zeros((0, 0), np.float32),
+                    "d": np.zeros(0), "rho": 0.0}
+        return {"t": int(self.t), "rank": int(self._rank),
+                "W": np.array(backend.to_host(self.W)), "d": self._d.copy(),
+                "rho": float(self._rho)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("t", "rank", "W", "d", "rho"):
+            if key not in state:
+                raise ValueError(f"OnlineNaturalGradient state: missing field {key!r}")
+        w = np.asarray(state["W"])
+        d = np.asarray(state["d"], dtype=np.float64)
+        rank = int(state["rank"])
+        if int(state["t"]) < 0:
+            raise ValueError(f"OnlineNaturalGradient state: field 't' must be >= 0, got {state['t']}")
+        self.reset()
+        self.t = int(state["t"])
+        if w.size == 0:
+            return
+        if w.ndim != 2 or w.shape[0] != rank or d.shape != (rank,) or not 0 < rank < w.shape[1]:
+            raise ValueError("OnlineNaturalGradient state: fields 'W', 'd', 'rank' must be "
+                             f"(rank, D), (rank,) and 0 < rank < D, got W {w.shape}, "
+                             f"d {d.shape}, rank {rank}")
+        if not (np.all(d > 0) and float(state["rho"]) > 0):
+            raise ValueError("OnlineNaturalGradient state: fields 'd' and 'rho' must be > 0")
+        self._rank = rank
+        self._d = d.copy()
+        self._rho = float(state["rho"])
+        self._set_w(np.array(w), np)
+
+    # -- preconditioning -------------------------------------------------------
+    def eta(self, num_rows: int) -> float:
+        """The forgetting factor for a minibatch of ``num_rows`` rows."""
+        return forgetting_factor(num_rows, num_samples_history=self.num_samples_history,
+                                 num_minibatches_history=self.num_minibatches_history)
+
+    def updating(self) -> bool:
+        """Whether the next call updates the Fisher estimate."""
+        return not self.frozen and (self.t <= NUM_INITIAL_UPDATES or
+                                    (self.t - NUM_INITIAL_UPDATES) % self.update_period == 0)
+
+    def precondition(self, X):
+        X = _check_rows(X, "OnlineNaturalGradient.precondition")
+        if X.shape[1] == 1:
+            return X, 1.0                      # step 1: D = 1 is the identity
+        if not self.initialized:
+            self._initialize(X)                # step 2
+        updating = self.updating()             # step 3
+        gamma = self._precondition_and_update(X, updating)   # steps 4-5
+        self.t += 1                            # step 6
+        return X, gamma
+
+    def _initialize(self, x0) -> None:
+        """Start from the special orthonormal R and run 3 updating passes on X0."""
+        xp = backend.get_array_module(x0)
+        num_rows, dim = x0.shape
+        rank = self.rank
+        if rank >= dim:
+            warnings.warn(f"OnlineNaturalGradient: rank {rank} >= dim {dim}, using {dim - 1}",
+                          stacklevel=3)
+            rank = dim - 1
+        self._rank = rank
+        self._rho = self.epsilon
+        self._d = np.full(rank, self.epsilon)
+        e0 = 1.0 / (2.0 + (dim + rank) * self.alpha / dim)
+        self._set_w(special_orthonormal(rank, dim) * math.sqrt(e0), xp, dtype=x0.dtype)
+        # With no more rows than the rank, one pass already finds X0's row space.
+        passes = 1 if num_rows <= rank else 3
+        for _ in range(passes):
+            self._precondition_and_update(x0.copy(), True)
+
+    def _set_w(self, w, xp, dtype=None) -> None:
+        rank, dim = w.shape
+        dtype = w.dtype if dtype is None else dtype
+        self._wj = xp.zeros((2 * rank, dim), dtype=dtype)
+        self._wj_next = xp.zeros((2 * rank, dim), dtype=dtype)
+        self._wj[:rank] = backend.to_device(np.asarray(w, dtype=dtype), xp)
+        self._rows = None
+
+    def _buffers(self, X):
+        """Scratch (H, tmp) for this minibatch, and W/J moved to X's device and dtype."""
+        xp = backend.get_array_module(X)
+        if backend.get_array_module(self._wj) is not xp or self._wj.dtype != X.dtype:
+            w = backend.to_host(self.W)
+            self._set_w(w.astype(X.dtype), xp)
+        rows = self._rows
+        if rows is None or rows[1].shape != X.shape or backend.get_array_module(rows[1]) is not xp:
+            rows = (xp.empty((X.shape[0], self._rank), dtype=X.dtype),
+                    xp.empty(X.shape, dtype=X.dtype))
+            self._rows = rows
+        return xp, rows
+
+    def _precondition_and_update(self, X, updating: bool):
+        """Xhat = X - (X W^T) W in place with the pre-call state; update if asked."""
+        xp, (h, tmp) = self._buffers(X)
+        rank = self._rank
+        w, j = self._wj[:rank], self._wj[rank:]
+        x_sq = kernels.sqnorm(X)
+        xp.matmul(X, w.T, out=h)                       # H = X W^T
+        if updating:
+            xp.matmul(h.T, X, out=j)                   # J = H^T X, before X changes
+        kernels.subtract_product_(X, h, w, tmp)        # Xhat = X - H W
+        gamma = kernels.gamma(x_sq, kernels.sqnorm(X))
+        if updating:
+            self._update(xp, X.shape[0], X.shape[1], x_sq)
+        return gamma
+
+    def _update(self, xp, num_rows: int, dim: int, x_sq) -> None:
+        """Fisher update from J (in the buffer) and ||X||^2: new W, d, rho."""
+        rank = self._rank
+        gram = xp.matmul(self._wj, self._wj.T)         # [W;J][W;J]^T: WW^T, L, K
+        gram, x_sq = kernels.fetch_float64(gram, x_sq)
+        plan = _plan_update(gram, float(x_sq), self._d, self._rho, num_rows=num_rows,
+                            dim=dim, eta=self.eta(num_rows), alpha=self.alpha,
+                            epsilon=self.epsilon, delta=self.delta)
+        dtype = self._wj.dtype
+        small = backend.to_device(
+            np.concatenate([plan.a_matrix, plan.g[:, None]], axis=1).astype(dtype), xp)
+        w, b = self._wj[:rank], self._wj[rank:]
+        kernels.add_scaled_rows_(b, small[:, rank:], w)   # B = J + diag(g) W
+        w_new = self._wj_next[:rank]
+        xp.matmul(small[:, :rank], b, out=w_new)          # W' = A B
+        if plan.gram_schmidt:
+            r_new = _gram_schmidt_rows(backend.to_host(w_new))
+            w_new[...] = backend.to_device((np.sqrt(plan.e)[:, None] * r_new).astype(dtype), xp)
+        self._wj, self._wj_next = self._wj_next, self._wj
+        self._d, self._rho = plan.d, plan.rho
+
+
+class SimpleNaturalGradient(Preconditioner):
+    """nnet2's simple (non-online) variant: leave-one-out Fisher per minibatch.
+
+    Row i is multiplied by the inverse smoothed scatter of the other rows,
+    ``(lambda I + S_i/(N-1))^{-1}`` with ``lambda = alpha ||X||^2 / (N D)``,
+    via Sherman-Morrison; the result is rescaled to ``||X||`` and gamma is 1.
+    It keeps no state.  Unlike :class:`OnlineNaturalGradient` it forms a
+    D x D matrix when N >= D (else an N x N one), as nnet2 does.  X is not
+    modified; Xhat is a new array.
+
+    Example::
+
+        xhat, gamma = SimpleNaturalGradient(alpha=4.0).precondition(x)   # gamma == 1.0
+    """
+
+    def __init__(self, *, alpha: float = 4.0):
+        if not alpha > 0.0:
+            raise ValueError(f"SimpleNaturalGradient: alpha must be > 0, got {alpha!r}")
+        self.alpha = float(alpha)
+
+    def precondition(self, X):
+        X = _check_rows(X, "SimpleNaturalGradient.precondition")
+        xp = backend.get_array_module(X)
+        num_rows, dim = X.shape
+        x_sq = float(kernels.sqnorm(X))
+        if num_rows == 1 or x_sq == 0.0:
+            return X, 1.0
+        lam = self.alpha * max(x_sq, 1e-20) / (num_rows * dim)
+        if num_rows >= dim:
+            # Q = X (lambda I + X^T X / (N-1))^{-1}
+            scatter = xp.matmul(X.T, X) / (num_rows - 1)
+            scatter[xp.diag_indices(dim)] += lam
+            q = xp.linalg.solve(scatter, X.T).T
+        else:
+            # The same Q through the N x N matrix: (lambda I + X X^T / (N-1))^{-1} X
+            scatter = xp.matmul(X, X.T) / (num_rows - 1)
+            scatter[xp.diag_indices(num_rows)] += lam
+            q = xp.linalg.solve(scatter, X)
+        q = xp.ascontiguousarray(q)
+        h = backend.to_host(kernels.row_dots(X, q)).astype(np.float64)
+        if not (np.all(h >= 0.0) and np.all(h < num_rows - 1)):
+            raise FloatingPointError("SimpleNaturalGradient: bad leave-one-out values "
+                                     f"x_i . q_i = {h.min()}..{h.max()} (need 0 <= . < N-1)")
+        # xhat_i = q_i (N-1)/(N-1-h_i); then one rescale to ||X||, fused per row.
+        factors = (num_rows - 1) / (num_rows - 1 - h)
+        q_sq = backend.to_host(kernels.row_dots(q, q)).astype(np.float64)
+        factors *= math.sqrt(x_sq / float(np.sum(factors ** 2 * q_sq)))
+        kernels.scale_rows_(q, backend.to_device(factors[:, None].astype(X.dtype), xp))
+        return q, 1.0
+
+
+def _check_rows(X, where: str):
+    """X as a C-contiguous 2-D float array with at least one row."""
+    if getattr(X, "ndim", None) != 2 or X.shape[0] < 1:
+        raise ValueError(f"{where}: expected a 2-D (N, D) array with N >= 1, "
+                         f"got shape {getattr(X, 'shape', None)}")
+    if X.dtype not in (np.float32, np.float64):
+        raise ValueError(f"{where}: expected float32 or float64 rows, got {X.dtype}")
+    if not X.flags.c_contiguous:
+        X = backend.get_array_module(X).ascontiguousarray(X)
+    return X

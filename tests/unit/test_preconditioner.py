@@ -1,0 +1,705 @@
+"""Natural-gradient preconditioners against the spec (docs/natural-gradient.md).
+
+The fast W form is checked against the spec's worked example, against a slow
+dense float64 reference written here from the spec's equations (it keeps R, d
+and rho and inverts the D x D smoothed Fisher matrix), and against the spec's
+test oracles.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import numpy as np
+import pytest
+
+from mpitrain.optim import preconditioner as pc
+from mpitrain.optim import kernels
+from mpitrain.optim.preconditioner import (IdentityPreconditioner, OnlineNaturalGradient,
+                                           SimpleNaturalGradient, default_ranks,
+                                           forgetting_factor, special_orthonormal)
+
+ALPHA = 4.0
+EPS = 1e-10
+DELTA = 5e-4
+
+
+# -- dense reference ---------------------------------------------------------------
+class DenseReference:
+    """Kaldi's online NG in its textbook form: F = R^T diag(d) R + rho I, dense."""
+
+    def __init__(self, rank, *, update_period=1, num_samples_history=2000.0, alpha=ALPHA):
+        self.rank, self.period, self.hist, self.alpha = rank, update_period, num_samples_history, alpha
+        self.t, self.R = 0, None
+
+    def eta(self, n):
+        return min(0.9, 1 - math.exp(-n / self.hist))
+
+    def fisher(self):
+        return self.R.T @ np.diag(self.d) @ self.R + self.rho * np.eye(self.R.shape[1])
+
+    def call(self, X, updating=None):
+        X = np.array(X, dtype=np.float64)
+        n, dim = X.shape
+        if self.R is None:
+            self.init(X)
+        if updating is None:
+            updating = self.t <= 10 or (self.t - 10) % self.period == 0
+        F = self.fisher()
+        Fs = F + self.alpha / dim * np.trace(F) * np.eye(dim)
+        beta = self.rho * (1 + self.alpha) + self.alpha / dim * self.d.sum()
+        Xhat = beta * np.linalg.solve(Fs, X.T).T
+        gamma = math.sqrt(np.sum(X ** 2) / np.sum(Xhat ** 2)) if np.any(X) else 1.0
+        if updating:
+            self.update(X, F)
+        self.t += 1
+        return Xhat, gamma
+
+    def init(self, X0):
+        dim = X0.shape[1]
+        r = min(self.rank, dim - 1)
+        self.R = special_orthonormal(r, dim)
+        self.d = np.full(r, EPS)
+        self.rho = EPS
+        for _ in range(1 if X0.shape[0] <= r else 3):
+            self.update(X0, self.fisher())
+
+    def update(self, X, F):
+        n, dim = X.shape
+        r = self.R.shape[0]
+        eta = self.eta(n)
+        T = eta / n * X.T @ X + (1 - eta) * F
+        Y = self.R @ T
+        Z = Y @ Y.T
+        c, U = np.linalg.eigh(Z)
+        c, U = c[::-1], U[:, ::-1]
+        reorth = c[0] > 1e6 * c[-1]
+        cfloor = (self.rho * (1 - eta)) ** 2
+        if np.any(c < cfloor):
+            reorth, c = True, np.maximum(c, cfloor)
+        sc = np.sqrt(c)
+        rho1 = (np.trace(T) - sc.sum()) / (dim - r)
+        d1 = sc - rho1
+        f = max(EPS, DELTA * sc.max())
+        rho1, d1 = max(rho1, f), np.maximum(d1, f)
+        R1 = (U / sc).T @ Y
+        if reorth:
+            O = R1 @ R1.T
+            if np.max(np.abs(np.tril(O - np.eye(r)))) > 1e-3:
+                C = np.linalg.cholesky(O)
+                R1 = np.linalg.solve(C, R1)
+        self.R, self.d, self.rho = R1, d1, rho1
+
+
+# -- helpers -----------------------------------------------------------------------
+def e_of(d, rho, dim, alpha=ALPHA):
+    beta = rho * (1 + alpha) + alpha / dim * np.sum(d)
+    return d / (d + beta)
+
+
+def state_of(prec):
+    s = prec.state_dict()
+    W = s["W"].astype(np.float64)
+    return W, s["d"], s["rho"]
+
+
+def spectrum_rows(rng, n, dim, decay=0.7, scale=1.0):
+    """Rows with a decaying spectrum, so the top subspace is well defined."""
+    basis, _ = np.linalg.qr(rng.standard_normal((dim, dim)))
+    sd = scale * decay ** np.arange(dim)
+    return (rng.standard_normal((n, dim)) * sd) @ basis.T
+
+
+def ill_conditioned_rows(rng, n, dim):
+    """Column scales over 8 decades, a mean offset and a constant column (the bias)."""
+    X = rng.standard_normal((n, dim)) * np.logspace(-4, 4, dim)[rng.permutation(dim)]
+    X += 3.0 * rng.standard_normal(dim)
+    X[:, -1] = 1.0
+    return X
+
+
+def run(prec, batches):
+    outs = []
+    for X in batches:
+        Xhat, g = prec.precondition(np.array(X))
+        outs.append((g * Xhat, g))
+    return outs
+
+
+# -- worked example (spec section 6) -----------------------------------------------
+X0 = np.array([[1, 0, 0], [0, 2, 0], [0, 0, 1], [1, 1, 1]], dtype=np.float64)
+X1 = np.array([[2, -1, 0], [0, 1, 1], [1, 0, -1], [0, 0, 0]], dtype=np.float64)
+
+
+def test_worked_example_initialisation_and_two_calls():
+    prec = OnlineNaturalGradient(rank=1, update_period=1)
+    assert prec.eta(4) == pytest.approx(0.0019980013, abs=1e-10)
+    prec._initialize(X0.copy())
+    W, d, rho = state_of(prec)
+    assert np.abs(W[0]) == pytest.approx([0.1831241765, 0.3817567280, 0.1810819308], abs=1e-9)
+    assert d[0] == pytest.approx(0.0055404192, abs=1e-9)
+    assert rho == pytest.approx(0.0026397207, abs=1e-9)
+    assert prec.t == 0
+
+    Xhat, gamma = prec.precondition(X0.copy())
+    assert gamma == pytest.approx(1.1467253213, abs=1e-9)
+    assert gamma * Xhat[0] == pytest.approx([1.1082705023, -0.0801662903, -0.0380259615], abs=1e-9)
+    assert gamma * Xhat[3] == pytest.approx([0.9900782506, 0.8201650914, 0.9918252171], abs=1e-9)
+    W, d, rho = state_of(prec)
+    assert np.abs(W[0]) == pytest.approx([0.1796960089, 0.3900106279, 0.1780731523], abs=1e-9)
+    assert d[0] == pytest.approx(0.0075443389, abs=1e-9)
+    assert rho == pytest.approx(0.0034612844, abs=1e-9)
+
+    Xhat, gamma = prec.precondition(X1.copy())
+    assert gamma == pytest.approx(1.0337070282, abs=1e-9)
+    assert gamma * Xhat[0] == pytest.approx([2.0731015560, -1.0213629296, 0.0056361350], abs=1e-9)
+    assert np.all(Xhat[3] == 0)
+
+
+def test_worked_example_first_call_initialises_itself():
+    prec = OnlineNaturalGradient(rank=1, update_period=1)
+    Xhat, gamma = prec.precondition(X0.copy())
+    assert gamma == pytest.approx(1.1467253213, abs=1e-9)
+    assert prec.t == 1
+
+
+def test_worked_example_affine_update():
+    X = np.array([[1, 2], [0, 1], [-1, 0], [2, -1]], dtype=np.float64)
+    G = np.array([[.5, -.5], [-1, 1], [.25, 0], [0, -.25]])
+    rank_in, rank_out = default_ranks(2, 2)
+    assert (rank_in, rank_out) == (1, 1)
+    p_in = OnlineNaturalGradient(rank=rank_in, update_period=4)
+    p_out = OnlineNaturalGradient(rank=rank_out, update_period=4)
+    Xt = np.hstack([X, np.ones((4, 1))])
+    Xh, g_in = p_in.precondition(Xt)
+    Gh, g_out = p_out.precondition(G.copy())
+    s = 0.1 * g_in * g_out
+    assert g_in == pytest.approx(1.0702337759, abs=1e-9)
+    assert g_out == pytest.approx(1.1561498117, abs=1e-9)
+    dW = s * Gh.T @ Xh[:, :2]
+    db = s * Gh.T @ Xh[:, 2]
+    assert dW == pytest.approx(np.array([[0.0198211002, 0.0022418173],
+                                         [-0.1127451805, 0.0322482362]]), abs=1e-9)
+    assert db == pytest.approx([-0.0257558527, 0.0302293728], abs=1e-9)
+
+
+# -- dense reference (oracle 5) -----------------------------------------------------
+@pytest.mark.parametrize("kind,period", [("random", 1), ("random", 3), ("ill", 1), ("ill", 4)])
+def test_matches_dense_reference(kind, period):
+    rng = np.random.default_rng(1 if kind == "random" else 2)
+    n, dim, rank = 24, 16, 5
+    if kind == "random":
+        batches = [spectrum_rows(rng, n, dim) for _ in range(30)]
+    else:
+        batches = [ill_conditioned_rows(rng, n, dim) for _ in range(30)]
+    fast = OnlineNaturalGradient(rank=rank, update_period=period)
+    ref = DenseReference(rank, update_period=period)
+    tol = 1e-9 if kind == "random" else 1e-6
+    for X in batches:
+        Y, g = fast.precondition(X.copy())
+        Yr, gr = ref.call(X)
+        assert g == pytest.approx(gr, rel=tol)
+        assert np.linalg.norm(g * Y - gr * Yr) <= tol * np.linalg.norm(X)
+    W, d, rho = state_of(fast)
+    # Ill-conditioned: the first pass from epsilon leaves R orthonormal to ~1e-5 only;
+    # the W form keeps that (Kaldi reorthogonalises above 1e-3), the dense form does not.
+    assert d == pytest.approx(ref.d, rel=1e-9 if kind == "random" else 1e-4)
+    assert rho == pytest.approx(ref.rho, rel=1e-6)
+    # Rows of W may flip sign: compare W^T W with R^T E R.
+    e = e_of(ref.d, ref.rho, dim)
+    assert W.T @ W == pytest.approx(ref.R.T @ np.diag(e) @ ref.R, abs=1e-6)
+
+
+def test_matches_dense_reference_small_batches_and_low_rank_data():
+    """N <= r (one init pass) and rank-deficient batches over 5 decades of scale."""
+    rng = np.random.default_rng(3)
+    dim, rank = 12, 6
+    fast = OnlineNaturalGradient(rank=rank, update_period=1)
+    ref = DenseReference(rank)
+    for i in range(25):
+        n = 4 if i % 2 == 0 else 40
+        X = rng.standard_normal((n, 2)) @ rng.standard_normal((2, dim)) * 10.0 ** (i % 5 - 2)
+        Y, g = fast.precondition(X.copy())
+        Yr, gr = ref.call(X)
+        assert np.linalg.norm(g * Y - gr * Yr) <= 1e-6 * np.linalg.norm(X)
+    check_invariants(fast, dim)
+
+
+# -- oracles 1-4 --------------------------------------------------------------------
+def check_invariants(prec, dim):
+    W, d, rho = state_of(prec)
+    e = e_of(d, rho, dim)
+    R = W / np.sqrt(e)[:, None]
+    assert np.max(np.abs(R @ R.T - np.eye(len(d)))) < 1e-3
+    assert rho >= EPS and np.all(d >= EPS)
+    assert d.min() > 0.9 * DELTA * d.max()
+    assert rho > 0.9 * DELTA * d.max()
+
+
+@pytest.mark.parametrize("maker", [spectrum_rows, ill_conditioned_rows])
+def test_oracles_1_to_3(maker):
+    rng = np.random.default_rng(4)
+    dim = 20
+    prec = OnlineNaturalGradient(rank=6, update_period=2)
+    for _ in range(20):
+        X = maker(rng, 32, dim)
+        if prec.initialized:
+            W_before = state_of(prec)[0]
+        Xhat, gamma = prec.precondition(X.copy())
+        # 1: norm preserved, gamma >= 1, rows not turned around
+        assert np.linalg.norm(gamma * Xhat) == pytest.approx(np.linalg.norm(X), rel=1e-6)
+        assert gamma >= 1.0
+        assert np.all(np.einsum("ij,ij->i", X, Xhat) >= 0)
+        # 2: Xhat = X - X W^T W with the pre-call W; spectrum of I - W^T W in (0, 1]
+        if prec.t > 1:
+            assert Xhat == pytest.approx(X - X @ W_before.T @ W_before, abs=1e-10 * np.abs(X).max())
+            eig = np.linalg.eigvalsh(np.eye(dim) - W_before.T @ W_before)
+            assert eig.min() > 0 and eig.max() <= 1 + 1e-12
+        # 3: state invariants after every call
+        check_invariants(prec, dim)
+
+
+def test_oracle_4_trace_is_kept():
+    rng = np.random.default_rng(5)
+    n, dim = 64, 30
+    prec = OnlineNaturalGradient(rank=8, update_period=1)
+    prec.precondition(spectrum_rows(rng, n, dim, decay=0.9))
+    for _ in range(5):
+        _, d, rho = state_of(prec)
+        X = spectrum_rows(rng, n, dim, decay=0.9)
+        prec.precondition(X.copy())
+        _, d1, rho1 = state_of(prec)
+        floor = max(EPS, DELTA * np.max(d1 + rho1))
+        assert rho1 > floor and np.all(d1 > floor), "a floor is active: pick other data"
+        eta = forgetting_factor(n)
+        expected = eta * np.sum(X ** 2) / n + (1 - eta) * (dim * rho + d.sum())
+        assert dim * rho1 + d1.sum() == pytest.approx(expected, rel=1e-10)
+
+
+# -- oracle 6: equivariance ---------------------------------------------------------
+def test_oracle_6_permutation_sign_and_scale():
+    rng = np.random.default_rng(6)
+    batches = [spectrum_rows(rng, 16, 10) for _ in range(15)]
+    perms = [rng.permutation(16) for _ in batches]
+    signs = [rng.choice([-1.0, 1.0], size=(16, 1)) for _ in batches]
+    scale = 37.0
+    base = OnlineNaturalGradient(rank=4, update_period=2, epsilon=1e-30)
+    permuted = OnlineNaturalGradient(rank=4, update_period=2, epsilon=1e-30)
+    flipped = OnlineNaturalGradient(rank=4, update_period=2, epsilon=1e-30)
+    scaled = OnlineNaturalGradient(rank=4, update_period=2, epsilon=1e-30)
+    for X, p, s in zip(batches, perms, signs):
+        Y, g = base.precondition(X.copy())
+        Yp, gp = permuted.precondition(X[p].copy())
+        Ys, gs = flipped.precondition(X * s)
+        Yc, gc = scaled.precondition(X * scale)
+        assert gp == pytest.approx(g, rel=1e-10) and Yp == pytest.approx(Y[p], abs=1e-10)
+        assert gs == pytest.approx(g, rel=1e-10) and Ys == pytest.approx(Y * s, abs=1e-10)
+        assert gc == pytest.approx(g, rel=1e-8) and Yc == pytest.approx(Y * scale, rel=1e-7, abs=1e-9)
+    W, d, rho = state_of(base)
+    for other, c in ((permuted, 1.0), (flipped, 1.0), (scaled, scale)):
+        W2, d2, rho2 = state_of(other)
+        assert W2.T @ W2 == pytest.approx(W.T @ W, abs=1e-9)
+        assert d2 == pytest.approx(d * c ** 2, rel=1e-7)
+        assert rho2 == pytest.approx(rho * c ** 2, rel=1e-7)
+
+
+# -- oracle 7: zero minibatches -----------------------------------------------------
+def test_oracle_7_zero_batch_after_data_decays_state():
+    rng = np.random.default_rng(7)
+    prec = OnlineNaturalGradient(rank=3, update_period=1)
+    for _ in range(3):
+        prec.precondition(spectrum_rows(rng, 20, 8, decay=0.9))
+    W, d, rho = state_of(prec)
+    Xhat, gamma = prec.precondition(np.zeros((20, 8)))
+    assert gamma == 1.0 and not np.any(Xhat)
+    W1, d1, rho1 = state_of(prec)
+    eta = forgetting_factor(20)
+    assert d1 == pytest.approx((1 - eta) * d, rel=1e-12)
+    assert rho1 == pytest.approx((1 - eta) * rho, rel=1e-12)
+    assert W1.T @ W1 == pytest.approx(W.T @ W, abs=1e-12)
+
+
+def test_oracle_7_all_zero_from_start_stays_at_epsilon():
+    prec = OnlineNaturalGradient(rank=3, update_period=1)
+    for _ in range(5):
+        Xhat, gamma = prec.precondition(np.zeros((10, 6)))
+        assert gamma == 1.0 and not np.any(Xhat)
+        _, d, rho = state_of(prec)
+        assert rho == EPS and np.all(d == EPS)
+
+
+def test_zero_batch_with_eta_cap_stays_finite():
+    prec = OnlineNaturalGradient(rank=2, update_period=1, num_samples_history=10.0)
+    assert prec.eta(100) == 0.9
+    rng = np.random.default_rng(8)
+    prec.precondition(rng.standard_normal((100, 5)))
+    for _ in range(30):
+        prec.precondition(np.zeros((100, 5)))
+    _, d, rho = state_of(prec)
+    assert np.all(np.isfinite(d)) and np.isfinite(rho) and rho >= EPS
+
+
+# -- oracle 8: ranks, D == 1, schedule, eta ------------------------------------------
+def test_oracle_8_rank_too_large_is_reduced_with_warning():
+    prec = OnlineNaturalGradient(rank=10)
+    with pytest.warns(UserWarning, match="rank 10 >= dim 4"):
+        prec.precondition(np.random.default_rng(0).standard_normal((8, 4)))
+    assert state_of(prec)[0].shape == (3, 4)
+    prec.reset()
+    assert prec.state_dict()["rank"] == 0 and prec.rank == 10
+
+
+def test_oracle_8_dim_one_is_identity():
+    prec = OnlineNaturalGradient(rank=5)
+    X = np.arange(6.0).reshape(6, 1)
+    Xhat, gamma = prec.precondition(X.copy())
+    assert gamma == 1.0 and np.array_equal(Xhat, X)
+
+
+def test_oracle_8_update_schedule():
+    rng = np.random.default_rng(9)
+    prec = OnlineNaturalGradient(rank=2, update_period=4)
+    updated = []
+    for t in range(30):
+        before = prec.state_dict()
+        assert prec.updating() == (t <= 10 or (t - 10) % 4 == 0)
+        prec.precondition(rng.standard_normal((10, 6)))
+        after = prec.state_dict()
+        if t > 0:
+            updated.append(t) if after["rho"] != before["rho"] else None
+    assert updated == list(range(1, 11)) + [14, 18, 22, 26]
+
+
+def test_frozen_stops_updates_but_t_advances():
+    rng = np.random.default_rng(10)
+    prec = OnlineNaturalGradient(rank=2, update_period=1)
+    prec.precondition(rng.standard_normal((10, 6)))
+    prec.frozen = True
+    before = prec.state_dict()
+    for _ in range(3):
+        prec.precondition(rng.standard_normal((10, 6)))
+    after = prec.state_dict()
+    assert after["t"] == before["t"] + 3
+    assert after["rho"] == before["rho"] and np.array_equal(after["W"], before["W"])
+
+
+def test_frozen_from_the_start_still_initialises():
+    X = np.random.default_rng(11).standard_normal((10, 6))
+    frozen = OnlineNaturalGradient(rank=2, frozen=True)
+    live = OnlineNaturalGradient(rank=2)
+    live._initialize(X.copy())
+    frozen.precondition(X.copy())
+    assert frozen.state_dict()["rho"] == live.state_dict()["rho"]
+
+
+def test_oracle_8_eta_values():
+    assert forgetting_factor(128) == pytest.approx(0.0619950, abs=1e-7)
+    assert forgetting_factor(512) == pytest.approx(0.2258580, abs=1e-7)
+    assert forgetting_factor(4604) < 0.9 and forgetting_factor(4606) == 0.9
+    assert forgetting_factor(512, num_minibatches_history=8) == 0.125
+
+
+def test_default_ranks():
+    assert default_ranks(440, 2048) == (20, 80)
+    assert default_ranks(2048, 4000) == (20, 80)
+    assert default_ranks(10, 30) == (5, 15)
+    assert default_ranks(1, 1) == (1, 1)
+    with pytest.raises(ValueError, match="in_dim"):
+        default_ranks(0, 4)
+
+
+def test_special_orthonormal():
+    R = special_orthonormal(3, 8)
+    assert R @ R.T == pytest.approx(np.eye(3), abs=1e-15)
+    assert R[0, 0] / R[0, 3] == pytest.approx(1.1)
+    assert np.all(np.abs(R).sum(axis=0) > 0)
+
+
+@pytest.mark.parametrize("kwargs", [dict(rank=0), dict(rank=2.5), dict(rank=2, update_period=0),
+                                    dict(rank=2, num_samples_history=0.0),
+                                    dict(rank=2, num_minibatches_history=1.0),
+                                    dict(rank=2, alpha=-1.0), dict(rank=2, epsilon=0.0),
+                                    dict(rank=2, delta=0.1)])
+def test_bad_arguments_raise(kwargs):
+    with pytest.raises(ValueError, match="OnlineNaturalGradient"):
+        OnlineNaturalGradient(**kwargs)
+
+
+def test_options_are_keyword_only():
+    with pytest.raises(TypeError):
+        OnlineNaturalGradient(5)
+
+
+def test_bad_input_raises():
+    prec = OnlineNaturalGradient(rank=2)
+    with pytest.raises(ValueError, match="2-D"):
+        prec.precondition(np.zeros(5))
+    with pytest.raises(ValueError, match="float32 or float64"):
+        prec.precondition(np.zeros((4, 5), dtype=np.int64))
+
+
+def test_overwrites_contiguous_input_in_place():
+    X = np.random.default_rng(12).standard_normal((10, 6)).astype(np.float32)
+    Xhat, gamma = OnlineNaturalGradient(rank=2).precondition(X)
+    assert Xhat is X and isinstance(gamma, float)
+    view = np.random.default_rng(12).standard_normal((6, 10)).T
+    Xhat, _ = OnlineNaturalGradient(rank=2).precondition(view)
+    assert Xhat is not view
+
+
+def test_float32_tracks_float64():
+    rng = np.random.default_rng(13)
+    batches = [spectrum_rows(rng, 64, 40, decay=0.8) for _ in range(20)]
+    p64 = OnlineNaturalGradient(rank=10)
+    p32 = OnlineNaturalGradient(rank=10)
+    for X in batches:
+        Y64, g64 = p64.precondition(X.copy())
+        Y32, g32 = p32.precondition(X.astype(np.float32))
+        assert Y32.dtype == np.float32
+        assert np.linalg.norm(g32 * Y32 - g64 * Y64) <= 1e-4 * np.linalg.norm(X)
+
+
+# -- state ----------------------------------------------------------------------------
+def test_state_dict_round_trip_gives_identical_outputs(tmp_path):
+    h5py = pytest.importorskip("h5py")
+    rng = np.random.default_rng(14)
+    batches = [spectrum_rows(rng, 32, 12).astype(np.float32) for _ in range(25)]
+    prec = OnlineNaturalGradient(rank=4, update_period=3)
+    run(prec, batches[:13])
+    state = prec.state_dict()
+    assert all(isinstance(v, (np.ndarray, int, float)) for v in state.values())
+    with h5py.File(tmp_path / "state.h5", "w") as f:
+        for key, value in state.items():
+            f[key] = value
+    with h5py.File(tmp_path / "state.h5", "r") as f:
+        loaded = {key: f[key][()] for key in f}
+    resumed = OnlineNaturalGradient(rank=4, update_period=3)
+    resumed.load_state_dict(loaded)
+    assert resumed.t == 13
+    for (a, ga), (b, gb) in zip(run(prec, batches[13:]), run(resumed, batches[13:])):
+        assert ga == gb and np.array_equal(a, b)
+
+
+def test_state_dict_of_fresh_object_round_trips():
+    fresh = OnlineNaturalGradient(rank=4)
+    other = OnlineNaturalGradient(rank=4)
+    other.load_state_dict(fresh.state_dict())
+    assert not other.initialized and other.t == 0
+    X = np.random.default_rng(15).standard_normal((8, 6))
+    (a, ga), = run(fresh, [X])
+    (b, gb), = run(other, [X])
+    assert ga == gb and np.array_equal(a, b)
+
+
+def test_load_state_dict_rejects_bad_fields():
+    prec = OnlineNaturalGradient(rank=2)
+    prec.precondition(np.random.default_rng(16).standard_normal((8, 6)))
+    state = prec.state_dict()
+    with pytest.raises(ValueError, match="missing field 'rho'"):
+        prec.load_state_dict({k: v for k, v in state.items() if k != "rho"})
+    with pytest.raises(ValueError, match="'W'"):
+        prec.load_state_dict(dict(state, d=np.ones(5)))
+
+
+def test_reset_forgets_everything():
+    rng = np.random.default_rng(17)
+    X = rng.standard_normal((8, 6))
+    prec = OnlineNaturalGradient(rank=2)
+    (first, _), = run(prec, [X])
+    run(prec, [rng.standard_normal((8, 6)) for _ in range(3)])
+    prec.reset()
+    assert prec.t == 0 and not prec.initialized
+    (again, _), = run(prec, [X])
+    assert np.array_equal(first, again)
+
+
+def test_identity_preconditioner():
+    X = np.ones((3, 4), np.float32)
+    Xhat, gamma = IdentityPreconditioner().precondition(X)
+    assert Xhat is X and gamma == 1.0 and IdentityPreconditioner().state_dict() == {}
+
+
+# -- reorthogonalisation fallbacks ---------------------------------------------------------
+def count_calls(monkeypatch, name):
+    calls = []
+    original = getattr(pc, name)
+    monkeypatch.setattr(pc, name, lambda m: calls.append(1) or original(m))
+    return calls
+
+
+def load_skewed_state(prec, rank, dim, skew):
+    """A state whose R rows are not orthonormal: unit row 1 leans towards row 0."""
+    d = np.array([1.0, 0.5, 0.25])
+    rho = 1e-2
+    R = special_orthonormal(rank, dim)
+    R[1] = (1 - skew) * R[1] + skew * R[0]
+    R[1] /= np.linalg.norm(R[1])
+    W = np.sqrt(e_of(d, rho, dim))[:, None] * R
+    prec.load_state_dict({"t": 20, "rank": rank, "W": W, "d": d, "rho": rho})
+
+
+@pytest.mark.parametrize("skew,path", [(0.0, None), (0.05, "_cholesky_inverse"),
+                                       (0.9999, "_gram_schmidt_rows")])
+def test_reorthogonalisation_paths_restore_orthonormal_rows(monkeypatch, skew, path):
+    # Always check orthogonality, as if every update were ill-conditioned.
+    monkeypatch.setattr(pc, "CONDITION_THRESHOLD", 0.0)
+    cholesky = count_calls(monkeypatch, "_cholesky_inverse")
+    gram_schmidt = count_calls(monkeypatch, "_gram_schmidt_rows")
+    dim, rank = 10, 3
+    prec = OnlineNaturalGradient(rank=rank, update_period=1)
+    load_skewed_state(prec, rank, dim, skew)
+    X = np.random.default_rng(18).standard_normal((40, dim)) * 0.01
+    prec.precondition(X)
+    assert bool(cholesky) == (path is not None)
+    assert bool(gram_schmidt) == (path == "_gram_schmidt_rows")
+    check_invariants(prec, dim)
+    W, d, rho = state_of(prec)
+    R = W / np.sqrt(e_of(d, rho, dim))[:, None]
+    if path is not None:
+        assert np.max(np.abs(R @ R.T - np.eye(rank))) < 1e-10
+
+
+def test_folded_cholesky_equals_transform_of_the_computed_w(monkeypatch):
+    """The reorthogonalisation folded into A equals Kaldi's transform of W' itself."""
+    monkeypatch.setattr(pc, "CONDITION_THRESHOLD", 0.0)
+    dim, rank = 10, 3
+    X = np.random.default_rng(19).standard_normal((40, dim)) * 0.3
+    folded = OnlineNaturalGradient(rank=rank, update_period=1)
+    load_skewed_state(folded, rank, dim, 0.05)
+    folded.precondition(X.copy())
+    monkeypatch.setattr(pc, "ORTHOGONALITY_TOLERANCE", np.inf)
+    plain = OnlineNaturalGradient(rank=rank, update_period=1)
+    load_skewed_state(plain, rank, dim, 0.05)
+    plain.precondition(X.copy())
+    W1, d1, rho1 = state_of(plain)
+    sqrt_e = np.sqrt(e_of(d1, rho1, dim))
+    O = (W1 @ W1.T) / np.outer(sqrt_e, sqrt_e)
+    assert np.max(np.abs(O - np.eye(rank))) > 1e-3
+    C_inv = np.linalg.inv(np.linalg.cholesky(O))
+    expected = (sqrt_e[:, None] * C_inv / sqrt_e[None, :]) @ W1
+    assert state_of(folded)[0] == pytest.approx(expected, abs=1e-12)
+
+
+def test_float32_long_run_keeps_invariants():
+    rng = np.random.default_rng(23)
+    dim = 201
+    prec = OnlineNaturalGradient(rank=20, update_period=4)
+    for _ in range(60):
+        X = ill_conditioned_rows(rng, 128, dim).astype(np.float32) * 1e-2
+        Xhat, gamma = prec.precondition(X.copy())
+        assert np.all(np.isfinite(Xhat)) and gamma >= 1.0
+        assert np.linalg.norm(gamma * Xhat.astype(np.float64)) == pytest.approx(
+            np.linalg.norm(X.astype(np.float64)), rel=1e-4)
+    check_invariants(prec, dim)
+
+
+def test_gram_schmidt_rows():
+    m = np.array([[1.0, 1.0, 0.0], [1.0, 1.0 + 1e-9, 0.0], [0.0, 0.0, 0.0]])
+    q = pc._gram_schmidt_rows(m)
+    assert q @ q.T == pytest.approx(np.eye(3), abs=1e-12)
+    assert q[0] == pytest.approx(np.array([1, 1, 0]) / math.sqrt(2))
+
+
+def test_cholesky_inverse_rejects_indefinite_and_large():
+    assert pc._cholesky_inverse(np.array([[1.0, 2.0], [2.0, 1.0]])) is None
+    assert pc._cholesky_inverse(np.array([[1.0, 0.0], [0.0, 1e-6]])) is None
+    c_inv = pc._cholesky_inverse(np.array([[4.0, 2.0], [2.0, 2.0]]))
+    assert c_inv @ np.array([[4.0, 2.0], [2.0, 2.0]]) @ c_inv.T == pytest.approx(np.eye(2))
+
+
+# -- simple variant ------------------------------------------------------------------
+@pytest.mark.parametrize("n,dim", [(30, 8), (6, 10)])
+def test_simple_matches_direct_leave_one_out(n, dim):
+    rng = np.random.default_rng(19)
+    X = rng.standard_normal((n, dim)) * np.linspace(0.2, 3.0, dim)
+    alpha = 4.0
+    lam = alpha * np.sum(X ** 2) / (n * dim)
+    direct = np.empty_like(X)
+    for i in range(n):
+        others = np.delete(X, i, axis=0)
+        A = lam * np.eye(dim) + others.T @ others / (n - 1)
+        direct[i] = np.linalg.solve(A, X[i])
+    direct *= np.linalg.norm(X) / np.linalg.norm(direct)
+    Xhat, gamma = SimpleNaturalGradient(alpha=alpha).precondition(X.copy())
+    assert gamma == 1.0
+    assert Xhat == pytest.approx(direct, rel=1e-9, abs=1e-12)
+
+
+def test_simple_edge_cases():
+    prec = SimpleNaturalGradient()
+    zero = np.zeros((4, 3))
+    assert prec.precondition(zero)[0] is zero
+    one = np.ones((1, 3))
+    assert prec.precondition(one)[0] is one
+    with pytest.raises(ValueError, match="alpha"):
+        SimpleNaturalGradient(alpha=0.0)
+    X32 = np.random.default_rng(20).standard_normal((16, 5)).astype(np.float32)
+    Xhat, _ = prec.precondition(X32)
+    assert Xhat.dtype == np.float32
+    assert np.linalg.norm(Xhat) == pytest.approx(np.linalg.norm(X32), rel=1e-5)
+
+
+# -- downhill ------------------------------------------------------------------------
+def softmax_regression(rng, n=200, dim=12, classes=5):
+    X = rng.standard_normal((n, dim)) * np.linspace(0.1, 5.0, dim) + 1.0
+    true = rng.standard_normal((classes, dim + 1))
+    labels = np.argmax(np.hstack([X, np.ones((n, 1))]) @ true.T + rng.gumbel(size=(n, classes)), axis=1)
+    return X, labels
+
+
+def loss_and_grad(block, X, labels):
+    """Summed negative log-prob and G = -dLoss/dY (Kaldi's sign) for y = [x, 1] block^T."""
+    Xt = np.hstack([X, np.ones((len(X), 1))])
+    logits = Xt @ block.T
+    logits -= logits.max(axis=1, keepdims=True)
+    logp = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    G = -np.exp(logp)
+    G[np.arange(len(X)), labels] += 1.0
+    return -logp[np.arange(len(X)), labels].sum(), G, Xt
+
+
+@pytest.mark.parametrize("variant", ["online", "simple"])
+def test_preconditioned_step_is_downhill(variant):
+    rng = np.random.default_rng(21)
+    X, labels = softmax_regression(rng)
+    classes, dim = 5, X.shape[1]
+    block = np.zeros((classes, dim + 1))
+    if variant == "online":
+        r_in, r_out = default_ranks(dim, classes)
+        p_in, p_out = OnlineNaturalGradient(rank=r_in), OnlineNaturalGradient(rank=r_out)
+    else:
+        p_in = p_out = SimpleNaturalGradient(alpha=4.0)
+    start = loss_and_grad(block, X, labels)[0]
+    for step in range(15):
+        idx = rng.choice(len(X), 64, replace=False)
+        loss, G, Xt = loss_and_grad(block, X[idx], labels[idx])
+        true_ascent = G.T @ Xt                     # -dLoss/dblock
+        Xh, g_in = p_in.precondition(Xt.copy())
+        Gh, g_out = p_out.precondition(G.copy())
+        delta = g_in * g_out * Gh.T @ Xh
+        assert np.sum(delta * true_ascent) > 0
+        small = 1e-4 / np.linalg.norm(delta)
+        assert loss_and_grad(block + small * delta, X[idx], labels[idx])[0] < loss
+        block += 0.002 * delta
+    assert loss_and_grad(block, X, labels)[0] < 0.9 * start
+
+
+# -- kernels on numpy ------------------------------------------------------------------
+def test_numpy_kernels():
+    rng = np.random.default_rng(22)
+    x = rng.standard_normal((5, 4)).astype(np.float32)
+    assert kernels.sqnorm(x) == pytest.approx(float(np.sum(x.astype(np.float64) ** 2)), rel=1e-6)
+    assert kernels.row_dots(x, 2 * x) == pytest.approx(2 * np.sum(x ** 2, axis=1), rel=1e-6)
+    assert kernels.gamma(9.0, 1.0) == 3.0 and kernels.gamma(0.0, 0.0) == 1.0
+    h, w = rng.standard_normal((5, 2)), rng.standard_normal((2, 4))
+    y = x.astype(np.float64)
+    kernels.subtract_product_(y, h, w, np.empty_like(y))
+    assert y == pytest.approx(x - h @ w, abs=1e-6)
+    j = np.zeros((2, 4))
+    kernels.add_scaled_rows_(j, np.array([[2.0], [3.0]]), w)
+    assert j == pytest.approx(np.array([[2.0], [3.0]]) * w)
+    kernels.scale_rows_(j, np.array([[0.5], [1.0]]))
+    assert j[0] == pytest.approx(w[0])
+    gram, x_sq = kernels.fetch_float64(np.eye(2, dtype=np.float32), 3.0)
+    assert gram.dtype == np.float64 and float(x_sq) == 3.0
