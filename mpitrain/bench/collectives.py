@@ -102,7 +102,7 @@ def format_table(rows: list[dict]) -> str:
              f"{'MB':>7} {'bare ms':>9} {'sum ms':>9} {'mean ms':>9} "
              f"{'sum/bare':>9} {'mean/bare':>10} {'busbw GB/s':>11}"]
     for r in rows:
-        lines.append(f"{r['mb']:7.1f} {r['bare_ms']:9.3f} {r['ours_sum_ms']:9.3f} "
+        lines.append(f"{r['mb']:7.3g} {r['bare_ms']:9.3f} {r['ours_sum_ms']:9.3f} "
                      f"{r['ours_mean_ms']:9.3f} {r['ratio_sum']:9.3f} {r['ratio_mean']:10.3f} "
                      f"{r['bare_busbw_gbs']:11.2f}")
     return "\n".join(lines)

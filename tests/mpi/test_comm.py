@@ -4,6 +4,7 @@ Each launch costs about a second, so one worker script runs all buffer and
 object checks per rank count; the abort behaviour gets its own short launches.
 """
 
+import json
 import os
 import time
 from pathlib import Path
@@ -88,3 +89,16 @@ def test_worker_skip_code_becomes_pytest_skip():
             "skip_worker('nothing to do here')")
     with pytest.raises(pytest.skip.Exception, match="nothing to do here"):
         run_mpi(2, ["-c", code], timeout=60)
+
+
+def test_collectives_benchmark_runs_and_reports(tmp_path):
+    out = tmp_path / "rows.json"
+    result = run_mpi(2, ["-m", "mpitrain.bench.collectives", "--sizes", "0.01,0.1",
+                         "--repeats", "3", "--skip", "1", "--json", str(out)], timeout=120)
+    assert result.returncode == 0, _output(result)
+    assert "sum/bare" in result.stdout and "2 ranks" in result.stdout
+    rows = json.loads(out.read_text())
+    assert [round(r["mb"], 2) for r in rows] == [0.01, 0.1]
+    for row in rows:
+        assert row["bare_ms"] > 0 and row["ours_sum_ms"] > 0
+        assert abs(row["ratio_sum"] - row["ours_sum_ms"] / row["bare_ms"]) < 1e-9
