@@ -1,7 +1,7 @@
 """Overhead of ``Communicator.allreduce_`` over the bare mpi4py call.
 
 For each size, one flat float32 buffer is reduced many times by three methods,
-interleaved within one run (order alternating every repetition, a Barrier
+interleaved within one run (order rotating every repetition, a Barrier
 before each call): the bare ``comm.Allreduce(MPI.IN_PLACE, buf)``, our
 ``allreduce_(buf, op="sum")`` and our ``allreduce_(buf, op="mean")`` (sum plus
 the in-place scale model averaging uses).  A repetition's time is the slowest
@@ -70,16 +70,18 @@ def run(comm, args: argparse.Namespace) -> list[dict]:
     rows = []
     for size_mb in args.sizes:
         count = max(1, int(round(size_mb * MB / 4)))
-        # Zeros stay zeros under repeated sums: the arithmetic cost never changes.
-        buffers = {method: np.zeros(count, dtype=np.float32) for method in METHODS}
+        # One buffer for all methods, so each finds it equally warm in cache; zeros
+        # stay zeros under repeated sums, so the arithmetic cost never changes.
+        buf = np.zeros(count, dtype=np.float32)
         for _ in range(args.skip):
             for method in METHODS:
-                _time_once(comm, method, buffers[method])
+                _time_once(comm, method, buf)
         times = np.zeros((len(METHODS), args.repeats))
         for rep in range(args.repeats):
-            order = range(len(METHODS)) if rep % 2 == 0 else reversed(range(len(METHODS)))
-            for m in order:
-                times[m, rep] = _time_once(comm, METHODS[m], buffers[METHODS[m]])
+            # Rotate the order so no method always runs first or after the same one.
+            for k in range(len(METHODS)):
+                m = (rep + k) % len(METHODS)
+                times[m, rep] = _time_once(comm, METHODS[m], buf)
         comm.allreduce_(times.reshape(-1), op="max")      # slowest rank per repetition
         medians = {method: float(np.median(times[m])) for m, method in enumerate(METHODS)}
         nbytes = count * 4
