@@ -91,8 +91,14 @@ class ParallelConfig:
     average_every: int = _opt(8, min=1, help="minibatches between model averages")
     average_every_frames: int = _opt(0, min=0, help="frames per rank between averages; "
                                                     "overrides average_every when > 0")
-    average_momentum: bool = _opt(False)
-    deterministic: bool = _opt(False, help="fixed-order reductions (slower)")
+    average_momentum: bool = _opt(False, help="model_averaging: average momentum buffers too")
+    num_jobs_initial: int = _opt(0, min=0, help="kaldi: active ranks at the start; 0: all")
+    num_jobs_final: int = _opt(0, min=0, help="kaldi: active ranks at the end; 0: all")
+    jobs_step: int = _opt(1, min=1, help="kaldi: past this many jobs, ramp in multiples of it")
+    block_momentum: float = _opt(-1.0, min=-1.0, max=1.0, max_exclusive=True,
+                                 help="bmuf: eta_b; -1: 1 - 1/ranks")
+    block_lr: float = _opt(1.0, min=0.0, min_exclusive=True, help="bmuf: zeta")
+    nesterov: bool = _opt(True, help="bmuf: Nesterov look-ahead at each block start")
 
 
 @dataclass

@@ -31,6 +31,7 @@ class ModelAveraging(Strategy):
         self.average_momentum = average_momentum
         self.reset_preconditioners = reset_preconditioners
         self.num_averages = 0
+        self.sync_period = self.every_steps
 
     def after_update(self, net, optimizer, step: int) -> None:
         if step % self.every_steps == 0:
@@ -46,10 +47,10 @@ class ModelAveraging(Strategy):
             optimizer.reset_preconditioners()
         self.num_averages += 1
 
-    def finalize(self, net, optimizer) -> None:
+    def finalize(self, net, optimizer, step: int = 0) -> None:
         # the last block may be shorter than K: average once more so all agree
-        if self.comm.size > 1:
-            self.comm.allreduce_(net.params, op="mean")
+        if step % self.every_steps:
+            self.average(net, optimizer)
 
 
 class GradientAllreduce(Strategy):

@@ -13,11 +13,16 @@ class Strategy:
 
     Hooks, in the order the trainer calls them:
 
-    - ``setup(net, optimizer)``: before the first step (broadcast rank 0's model).
-    - ``learning_rate(lr)``: the rate to use this step, given the schedule's.
+    - ``setup(net, optimizer)``: before the first step (broadcast rank 0's model);
+      ``bind(net)`` instead when resuming from a checkpoint.
+    - ``is_active(step)``: whether this rank trains at 0-based ``step``.
+    - ``learning_rate(lr, step)``: the rate to use, given the schedule's.
     - ``reduce_gradients(net)``: after backward, before the optimizer step.
-    - ``after_update(net, optimizer, step)``: after the step (periodic averaging).
-    - ``finalize(net, optimizer)``: at the end; all ranks must agree on the model.
+    - ``after_update(net, optimizer, step)``: after ``step`` steps (periodic averaging).
+    - ``finalize(net, optimizer, step)``: at the end; all ranks agree on the model.
+
+    ``sync_period``: steps between points where all ranks hold the same model;
+    checkpoints are taken only there, so a resumed run continues exactly.
 
     Example::
 
@@ -26,6 +31,7 @@ class Strategy:
     """
 
     name = "local"
+    sync_period = 1
 
     def __init__(self, comm):
         self.comm = comm
@@ -34,7 +40,16 @@ class Strategy:
         if self.comm.size > 1:
             self.comm.bcast_(net.params, root=0)
 
-    def learning_rate(self, lr: float) -> float:
+    def bind(self, net) -> None:
+        pass
+
+    def is_active(self, step: int) -> bool:
+        return True
+
+    def active_ranks(self, step: int) -> int:
+        return self.comm.size
+
+    def learning_rate(self, lr: float, step: int = 0) -> float:
         return lr
 
     def reduce_gradients(self, net) -> None:
@@ -43,7 +58,7 @@ class Strategy:
     def after_update(self, net, optimizer, step: int) -> None:
         pass
 
-    def finalize(self, net, optimizer) -> None:
+    def finalize(self, net, optimizer, step: int = 0) -> None:
         pass
 
     def state_dict(self) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .averaging import GradientAllreduce, ModelAveraging
 
 
-def build_strategy(cfg, comm):
+def build_strategy(cfg, comm, *, total_steps: int = 0):
     """Example::
 
         strategy = build_strategy(cfg, comm)
@@ -20,5 +20,15 @@ def build_strategy(cfg, comm):
                               reset_preconditioners=reset)
     if par.method == "allreduce":
         return GradientAllreduce(comm)
-    raise ValueError(f"parallel.method: {par.method!r} is not available in this build; "
-                     "expected 'model_averaging' or 'allreduce'")
+    if par.method == "kaldi":
+        from .kaldi import KaldiAveraging
+        return KaldiAveraging(comm, every_steps=every, total_steps=total_steps,
+                              jobs_initial=par.num_jobs_initial, jobs_final=par.num_jobs_final,
+                              jobs_step=par.jobs_step, reset_preconditioners=reset)
+    if par.method == "bmuf":
+        from .bmuf import BlockMomentum
+        return BlockMomentum(comm, every_steps=every,
+                             block_momentum=None if par.block_momentum < 0 else par.block_momentum,
+                             block_lr=par.block_lr, nesterov=par.nesterov,
+                             reset_preconditioners=reset)
+    raise ValueError(f"parallel.method: unknown method {par.method!r}")

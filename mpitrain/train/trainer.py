@@ -56,6 +56,7 @@ class Trainer:
         self.schedule = ExponentialSchedule(cfg.optimizer.initial_learning_rate,
                                             cfg.optimizer.final_learning_rate)
         self._build_data()
+        self.strategy = build_strategy(cfg, self.comm, total_steps=self.total_steps)
         self.step = 0
         self.frames_seen = 0      # summed over all ranks
         if resume:
@@ -83,7 +84,6 @@ class Trainer:
                         f"{getattr(self.dev_manifest, field)}, but the training corpus has "
                         f"{getattr(m, field)}")
         self.optimizer = build_optimizer(cfg.optimizer, self.net)
-        self.strategy = build_strategy(cfg, self.comm)
 
     def _build_data(self) -> None:
         cfg, comm = self.cfg, self.comm
@@ -127,6 +127,7 @@ class Trainer:
         state = ckpt.rank_state(self.comm.rank)
         self.optimizer.load_state_dict(state["optimizer"])
         self.stream.load_state_dict(state["reader"])
+        self.strategy.bind(self.net)
         self.strategy.load_state_dict(ckpt.strategy_state)
         self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
         self.log.say(f"resumed from {ckpt.path} at step {self.step}")
@@ -180,19 +181,23 @@ class Trainer:
         next_eval = (self.frames_seen // comm.size // eval_every + 1) * eval_every \
             if eval_every else None
         while self.step < self.total_steps:
-            chunk, idx = self.stream.next_batch()
-            splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], left, right, out=ctx)
-            splice(chunk.feats, ctx, out=spliced)
-            loss, correct = net.forward_backward(spliced, chunk.labels[idx])
-            self.strategy.reduce_gradients(net)
-            lr = self.strategy.learning_rate(self.schedule(self.step / self.planned_steps))
-            self.optimizer.step(lr)
+            lr = self.strategy.learning_rate(self.schedule(self.step / self.planned_steps),
+                                             self.step)
+            active_ranks = self.strategy.active_ranks(self.step)
+            if self.strategy.is_active(self.step):
+                chunk, idx = self.stream.next_batch()
+                splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], left, right,
+                               out=ctx)
+                splice(chunk.feats, ctx, out=spliced)
+                loss, correct = net.forward_backward(spliced, chunk.labels[idx])
+                self.strategy.reduce_gradients(net)
+                self.optimizer.step(lr)
+                acc_loss += loss
+                acc_correct += correct
+                acc_frames += batch
             self.step += 1
             self.strategy.after_update(net, self.optimizer, self.step)
-            acc_loss += loss
-            acc_correct += correct
-            acc_frames += batch
-            self.frames_seen += batch * comm.size
+            self.frames_seen += batch * active_ranks
             last = self.step == self.total_steps
             if self.step % cfg.training.log_interval == 0 or last:
                 now = time.perf_counter()
@@ -217,7 +222,8 @@ class Trainer:
                 acc_loss[...] = 0
                 acc_correct[...] = 0
                 acc_frames, window_start, comm_at_window = 0, time.perf_counter(), comm_now
-            epoch_done = self.stream.steps_in_epoch >= self.stream.steps_per_epoch
+            # decided from the step count alone, so every rank evaluates together
+            epoch_done = self.step % self.steps_per_epoch == 0
             due_eval = (next_eval is not None and self.frames_seen // comm.size >= next_eval) \
                 or (next_eval is None and epoch_done and not last)
             if due_eval and self.dev_manifest is not None:
@@ -225,9 +231,10 @@ class Trainer:
                 if next_eval is not None:
                     next_eval += eval_every
             ck = cfg.training.checkpoint_interval
-            if ck and self.step % ck == 0 and not last:
+            if ck and self.step % ck == 0 and self.step % self.strategy.sync_period == 0 \
+                    and not last:
                 self.save_checkpoint()
-        self.strategy.finalize(net, self.optimizer)
+        self.strategy.finalize(net, self.optimizer, self.step)
         self.save_checkpoint()
         result = self._log_eval() if self.dev_manifest is not None else {}
         if self.is_root:

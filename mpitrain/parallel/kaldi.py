@@ -1,0 +1,91 @@
+"""Kaldi nnet2/nnet3-style parallel training with parameter averaging.
+
+Training is cut into iterations of ``every_steps`` minibatches per rank
+(Kaldi's ``samples_per_iter``).  In iteration i, J_i ranks ("jobs") train from
+the same model; then their models are averaged and every rank continues from
+the average.  J_i ramps linearly from ``jobs_initial`` to ``jobs_final``
+(rounded to multiples of ``jobs_step`` once past it).  Each job's learning
+rate is J_i times the effective rate, because averaging J independently
+updated models divides each job's step by J.
+
+Idle ranks (rank >= J_i) skip their training steps but take part in the
+average with a zero contribution, so the job needs one Allreduce per
+iteration whatever J_i is, and no communicator has to be split.
+"""
+
+from __future__ import annotations
+
+from .base import Strategy
+
+
+def jobs_schedule(num_iters: int, jobs_initial: int, jobs_final: int, step: int = 1) -> list:
+    """J_i for i = 0 .. num_iters-1, following Kaldi's train_dnn.py.
+
+    Example::
+
+        jobs_schedule(12, 2, 9, step=3)   # [2, 3, 3, 3, 3, 6, 6, 6, 6, 6, 9, 9]
+    """
+    jobs = []
+    for i in range(num_iters):
+        v = jobs_initial + (jobs_final - jobs_initial) * i / num_iters
+        jobs.append(int(0.5 + v) if v < step else int(0.5 + v / step) * step)
+    return jobs
+
+
+class KaldiAveraging(Strategy):
+    """Example::
+
+        strategy = KaldiAveraging(comm, every_steps=1500, total_steps=30000,
+                                  jobs_initial=1, jobs_final=comm.size)
+    """
+
+    name = "kaldi"
+
+    def __init__(self, comm, *, every_steps: int, total_steps: int, jobs_initial: int = 0,
+                 jobs_final: int = 0, jobs_step: int = 1, reset_preconditioners: bool = True):
+        super().__init__(comm)
+        if every_steps < 1:
+            raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        self.every_steps = int(every_steps)
+        final = jobs_final or comm.size
+        initial = jobs_initial or final
+        if not 1 <= initial <= comm.size or not 1 <= final <= comm.size:
+            raise ValueError(f"parallel.num_jobs_initial/final must be in [1, {comm.size}] "
+                             f"(the number of ranks), got {initial} and {final}")
+        num_iters = max(1, -(-int(total_steps) // self.every_steps))
+        self.jobs = jobs_schedule(num_iters, initial, final, jobs_step)
+        self.reset_preconditioners = reset_preconditioners
+        self.sync_period = self.every_steps
+
+    def _iteration(self, step: int) -> int:
+        return min(step // self.every_steps, len(self.jobs) - 1)
+
+    def num_jobs(self, step: int) -> int:
+        return self.jobs[self._iteration(step)]
+
+    def is_active(self, step: int) -> bool:
+        """Whether this rank trains at (0-based) ``step``."""
+        return self.comm.rank < self.num_jobs(step)
+
+    def active_ranks(self, step: int) -> int:
+        return self.num_jobs(step)
+
+    def learning_rate(self, lr: float, step: int = 0) -> float:
+        return lr * self.num_jobs(step)
+
+    def after_update(self, net, optimizer, step: int) -> None:
+        if step % self.every_steps == 0:
+            self._average(net, optimizer, self.num_jobs(step - 1), step - 1)
+
+    def _average(self, net, optimizer, jobs: int, last_step: int) -> None:
+        if self.comm.size > 1:
+            if not self.is_active(last_step):
+                net.params[...] = 0
+            self.comm.allreduce_(net.params, op="sum")
+            net.params *= 1.0 / jobs
+        if self.reset_preconditioners and hasattr(optimizer, "reset_preconditioners"):
+            optimizer.reset_preconditioners()
+
+    def finalize(self, net, optimizer, step: int = 0) -> None:
+        if step % self.every_steps and self.comm.size > 1:
+            self._average(net, optimizer, self.num_jobs(step - 1), step - 1)
