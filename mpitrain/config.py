@@ -29,8 +29,8 @@ def _opt(default, *, min=None, max=None, min_exclusive=False, max_exclusive=Fals
 class DataConfig:
     train: str = _opt("", help="training corpus directory (corpus.yaml + shards)")
     dev: str = _opt("", help="held-out corpus directory; empty: no held-out evaluation")
-    left_context: int = _opt(5, min=0, max=100)
-    right_context: int = _opt(5, min=0, max=100)
+    left_context: int = _opt(5, min=0, max=100, help="frames spliced before each frame")
+    right_context: int = _opt(5, min=0, max=100, help="frames spliced after each frame")
     chunk_frames: int = _opt(200_000, min=1_000,
                              help="frames read from the shards at a time and shuffled")
     prefetch: bool = _opt(True, help="read the next chunk while the current one trains")
@@ -38,32 +38,32 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    hidden_layers: int = _opt(4, min=0, max=50)
-    hidden_dim: int = _opt(1024, min=1)
-    nonlinearity: str = _opt("relu", choices=("relu", "sigmoid", "pnorm"))
+    hidden_layers: int = _opt(4, min=0, max=50, help="affine + nonlinearity blocks")
+    hidden_dim: int = _opt(1024, min=1, help="output dim of each hidden affine layer")
+    nonlinearity: str = _opt("relu", choices=("relu", "sigmoid", "pnorm"), help="hidden nonlinearity")
     pnorm_output_dim: int = _opt(0, min=0, help="p-norm output dim; hidden_dim must be a multiple")
-    pnorm_p: float = _opt(2.0, min=1.0)
+    pnorm_p: float = _opt(2.0, min=1.0, help="p of the p-norm")
     normalize: bool = _opt(False, help="Kaldi normalize layer after each nonlinearity")
 
 
 @dataclass
 class NgsgdConfig:
-    variant: str = _opt("online", choices=("online", "simple"))
-    rank_in: int = _opt(20, min=1)
-    rank_out: int = _opt(80, min=1)
-    update_period: int = _opt(4, min=1)
-    num_samples_history: float = _opt(2000.0, min=0.0, min_exclusive=True)
-    alpha: float = _opt(4.0, min=0.0)
+    variant: str = _opt("online", choices=("online", "simple"), help="online low-rank Fisher (Kaldi nnet2/3) or per-minibatch leave-one-out")
+    rank_in: int = _opt(20, min=1, help="rank of the input-side Fisher estimate (capped at (in+1)/2)")
+    rank_out: int = _opt(80, min=1, help="rank of the output-side Fisher estimate (capped at (out+1)/2)")
+    update_period: int = _opt(4, min=1, help="minibatches between Fisher updates (after the first 10)")
+    num_samples_history: float = _opt(2000.0, min=0.0, min_exclusive=True, help="frames of memory of the Fisher estimate")
+    alpha: float = _opt(4.0, min=0.0, help="smoothing of the Fisher estimate towards the identity")
     reset_on_average: bool = _opt(True, help="fresh preconditioner state after each model "
                                              "average, as each Kaldi job starts fresh")
 
 
 @dataclass
 class OptimizerConfig:
-    name: str = _opt("sgd", choices=("sgd", "ngsgd"))
-    initial_learning_rate: float = _opt(0.002, min=0.0, min_exclusive=True)
-    final_learning_rate: float = _opt(0.0002, min=0.0, min_exclusive=True)
-    momentum: float = _opt(0.0, min=0.0, max=1.0, max_exclusive=True)
+    name: str = _opt("sgd", choices=("sgd", "ngsgd"), help="plain SGD or natural-gradient SGD")
+    initial_learning_rate: float = _opt(0.002, min=0.0, min_exclusive=True, help="per-frame rate (the gradient is summed over the minibatch)")
+    final_learning_rate: float = _opt(0.0002, min=0.0, min_exclusive=True, help="rate at the end; geometric decay in between")
+    momentum: float = _opt(0.0, min=0.0, max=1.0, max_exclusive=True, help="Kaldi-style momentum (steps scaled by 1 - momentum)")
     max_change_per_layer: float = _opt(0.75, min=0.0, help="0 disables")
     max_change_output: float = _opt(1.5, min=0.0, help="output layer's max-change; 0 disables")
     max_change: float = _opt(2.0, min=0.0, help="whole-model max-change; 0 disables")
@@ -72,22 +72,23 @@ class OptimizerConfig:
 
 @dataclass
 class TrainingConfig:
-    epochs: float = _opt(3.0, min=0.0, min_exclusive=True)
-    minibatch: int = _opt(256, min=1)
-    seed: int = _opt(1, min=0)
+    epochs: float = _opt(3.0, min=0.0, min_exclusive=True, help="passes over each rank's data (may be fractional)")
+    minibatch: int = _opt(256, min=1, help="frames per minibatch per rank")
+    seed: int = _opt(1, min=0, help="initialisation and shuffling seed")
     max_steps: int = _opt(0, min=0, help="stop after this many steps; 0: no limit")
     log_interval: int = _opt(100, min=1, help="steps between progress lines")
     eval_interval: int = _opt(0, min=0, help="frames per rank between held-out evaluations; "
                                              "0: at the end of each epoch")
     eval_max_frames: int = _opt(0, min=0, help="cap on held-out frames; 0: all")
     checkpoint_interval: int = _opt(1000, min=0, help="steps between checkpoints; 0: end only")
-    keep_checkpoints: int = _opt(3, min=1)
+    keep_checkpoints: int = _opt(3, min=1, help="newest checkpoints kept in the run directory")
 
 
 @dataclass
 class ParallelConfig:
     method: str = _opt("model_averaging",
-                       choices=("model_averaging", "kaldi", "allreduce", "bmuf"))
+                       choices=("model_averaging", "kaldi", "allreduce", "bmuf"),
+                       help="how ranks combine their models (docs/user-guide.md)")
     average_every: int = _opt(8, min=1, help="minibatches between model averages")
     average_every_frames: int = _opt(0, min=0, help="frames per rank between averages; "
                                                     "overrides average_every when > 0")
@@ -108,7 +109,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    device: str = _opt("cpu", choices=("cpu", "gpu"))
+    device: str = _opt("cpu", choices=("cpu", "gpu"), help="gpu: CuPy, one GPU per local rank")
     blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: cores / ranks on the node")
 
     def to_dict(self) -> dict:
@@ -287,3 +288,25 @@ def config_to_yaml(cfg: RunConfig) -> str:
 def config_from_yaml(text: str) -> RunConfig:
     import yaml
     return config_from_dict(yaml.safe_load(text))
+
+
+def reference_markdown() -> str:
+    """A Markdown table of every config key, its default and meaning (for the docs)."""
+    lines = ["| key | default | allowed | meaning |", "|---|---|---|---|"]
+
+    def walk(cls, prefix):
+        hints = get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            tp = hints[f.name]
+            if dataclasses.is_dataclass(tp):
+                walk(tp, f"{prefix}{f.name}.")
+                continue
+            meta = f.metadata
+            allowed = ", ".join(meta["choices"]) if meta.get("choices") else \
+                (_type_name(tp) + _range_text(meta)).replace("an integer", "integer") \
+                .replace("a number", "number").replace("a string", "string")
+            default = f.default if f.default != "" else '""'
+            lines.append(f"| `{prefix}{f.name}` | `{default}` | {allowed} | {meta.get('help', '')} |")
+
+    walk(RunConfig, "")
+    return "\n".join(lines)

@@ -1,0 +1,99 @@
+"""Config validation: each kind of bad value gives a one-line error naming the key."""
+
+import os
+
+import pytest
+
+from mpitrain.config import ConfigError, config_from_yaml, config_to_yaml, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _error(tmp_path, text, overrides=()):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(str(path))
+    return message
+
+
+def test_unknown_key(tmp_path):
+    msg = _error(tmp_path, "optimizer:\n  learning_rat: 0.1\n")
+    assert "optimizer.learning_rat: unknown key" in msg and "initial_learning_rate" in msg
+
+
+def test_unknown_section(tmp_path):
+    assert "optimiser: unknown key" in _error(tmp_path, "optimiser: {}\n")
+
+
+def test_wrong_type(tmp_path):
+    msg = _error(tmp_path, "training:\n  minibatch: lots\n")
+    assert "training.minibatch: expected an integer" in msg and "'lots'" in msg
+
+
+def test_bool_is_not_an_integer(tmp_path):
+    assert "model.hidden_dim" in _error(tmp_path, "model:\n  hidden_dim: true\n")
+
+
+def test_out_of_range(tmp_path):
+    msg = _error(tmp_path, "optimizer:\n  momentum: 1.5\n")
+    assert "optimizer.momentum: expected a number in [0, 1), got 1.5" in msg
+
+
+def test_exclusive_bound(tmp_path):
+    assert "training.epochs" in _error(tmp_path, "training:\n  epochs: 0\n")
+
+
+def test_bad_choice(tmp_path):
+    msg = _error(tmp_path, "parallel:\n  method: ring\n")
+    assert "parallel.method: expected one of" in msg and "'bmuf'" in msg
+
+
+def test_section_must_be_mapping(tmp_path):
+    assert "model: expected a mapping" in _error(tmp_path, "model: 3\n")
+
+
+def test_invalid_yaml_names_line(tmp_path):
+    msg = _error(tmp_path, "model:\n  hidden_dim: [1,\n")
+    assert "not valid YAML" in msg
+
+
+def test_cross_field_check(tmp_path):
+    msg = _error(tmp_path, "model:\n  nonlinearity: pnorm\n  hidden_dim: 100\n"
+                           "  pnorm_output_dim: 30\n")
+    assert "model.pnorm_output_dim" in msg
+
+
+def test_override_errors_name_the_key(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("{}\n")
+    with pytest.raises(ConfigError, match="optimizer.momentum"):
+        load_config(str(path), ["optimizer.momentum=2"])
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        load_config(str(path), ["optimizer.momentum"])
+
+
+def test_overrides_are_typed_and_round_trip(tmp_path):
+    cfg = load_config(os.path.join(REPO, "jobs", "configs", "quickstart.yaml"),
+                      ["optimizer.name=ngsgd", "training.epochs=1", "data.prefetch=false"])
+    assert cfg.optimizer.name == "ngsgd" and cfg.training.epochs == 1.0
+    assert cfg.data.prefetch is False
+    assert config_from_yaml(config_to_yaml(cfg)) == cfg
+
+
+def test_every_example_config_is_valid():
+    folder = os.path.join(REPO, "jobs", "configs")
+    names = [n for n in os.listdir(folder) if n.endswith(".yaml")]
+    assert "quickstart.yaml" in names
+    for name in names:
+        load_config(os.path.join(folder, name))
+
+
+def test_user_guide_documents_every_key():
+    from mpitrain.config import reference_markdown
+    with open(os.path.join(REPO, "docs", "user-guide.md")) as fh:
+        guide = fh.read()
+    assert reference_markdown() in guide, "regenerate the table in docs/user-guide.md"
