@@ -485,12 +485,12 @@ class SimpleNaturalGradient(Preconditioner):
         if num_rows >= dim:
             # Q = X (lambda I + X^T X / (N-1))^{-1}
             scatter = xp.matmul(X.T, X) / (num_rows - 1)
-            scatter[xp.diag_indices(dim)] += lam
+            scatter.reshape(-1)[::dim + 1] += lam      # the diagonal, in place
             q = xp.linalg.solve(scatter, X.T).T
         else:
             # The same Q through the N x N matrix: (lambda I + X X^T / (N-1))^{-1} X
             scatter = xp.matmul(X, X.T) / (num_rows - 1)
-            scatter[xp.diag_indices(num_rows)] += lam
+            scatter.reshape(-1)[::num_rows + 1] += lam      # the diagonal, in place
             q = xp.linalg.solve(scatter, X)
         q = xp.ascontiguousarray(q)
         h = backend.to_host(kernels.row_dots(X, q)).astype(np.float64)
