@@ -1,0 +1,436 @@
+"""Corpus directories: the ``corpus.yaml`` manifest and the writer of whole corpora.
+
+A corpus directory holds ``corpus.yaml`` and HDF5 shards ``shard-00000.h5``, ...
+The manifest records sizes, class counts, global CMVN statistics and the list
+of shards; docs/data-format.md describes every field.
+
+Example::
+
+    with CorpusWriter("data/train", feat_dim=40, num_classes=120, num_shards=4,
+                      source={"kind": "synthetic", "seed": 1}) as writer:
+        writer.add("spk1-utt1", feats, labels)
+    manifest = load_manifest("data/train")
+    manifest.shard_path(0)      # absolute path of shard-00000.h5
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+import yaml
+
+FORMAT_VERSION = 1
+MANIFEST_NAME = "corpus.yaml"
+
+
+class CorpusError(ValueError):
+    """A corpus file is missing or malformed; the message names file and field.
+
+    Example::
+
+        raise CorpusError("data/train/corpus.yaml: field 'feat_dim': expected a positive int")
+    """
+
+
+@dataclass
+class ShardInfo:
+    """One shard as listed in the manifest; ``path`` is relative to the corpus directory.
+
+    Example::
+
+        ShardInfo(path="shard-00000.h5", frames=90000, utterances=300)
+    """
+
+    path: str
+    frames: int
+    utterances: int
+
+
+@dataclass
+class CorpusManifest:
+    """The parsed ``corpus.yaml`` of one corpus directory.
+
+    Example::
+
+        manifest = load_manifest("data/train")
+        priors = manifest.class_priors()          # (num_classes,) float64, sums to 1
+        paths = [manifest.shard_path(i) for i in range(len(manifest.shards))]
+    """
+
+    feat_dim: int
+    num_classes: int
+    num_frames: int
+    num_utterances: int
+    class_counts: list[int]
+    cmvn_mean: list[float]
+    cmvn_var: list[float]
+    shards: list[ShardInfo]
+    source: dict = field(default_factory=dict)
+    directory: str = "."
+
+    def shard_path(self, i: int) -> str:
+        """Absolute path of shard ``i``."""
+        return os.path.abspath(os.path.join(self.directory, self.shards[i].path))
+
+    @property
+    def manifest_path(self) -> str:
+        return os.path.join(self.directory, MANIFEST_NAME)
+
+    def class_priors(self, *, floor: float = 1e-8) -> np.ndarray:
+        """Class frequencies, floored at ``floor`` so none is zero, summing to 1.
+
+        Hybrid decoding divides posteriors by these priors, so a class never
+        seen in training must not get a zero prior.
+        """
+        counts = np.asarray(self.class_counts, dtype=np.float64)
+        total = counts.sum()
+        priors = counts / total if total > 0 else np.full(counts.shape, 1.0 / counts.size)
+        priors = np.maximum(priors, floor)
+        return priors / priors.sum()
+
+    def to_dict(self) -> dict:
+        """The manifest as plain YAML-ready data, in the documented field order."""
+        return {
+            "format_version": FORMAT_VERSION,
+            "feat_dim": int(self.feat_dim),
+            "num_classes": int(self.num_classes),
+            "num_frames": int(self.num_frames),
+            "num_utterances": int(self.num_utterances),
+            "class_counts": [int(c) for c in self.class_counts],
+            "cmvn": {"mean": [float(v) for v in self.cmvn_mean],
+                     "var": [float(v) for v in self.cmvn_var]},
+            "shards": [{"path": s.path, "frames": int(s.frames), "utterances": int(s.utterances)}
+                       for s in self.shards],
+            "source": dict(self.source),
+        }
+
+
+def manifest_path(corpus_dir: str) -> str:
+    return os.path.join(str(corpus_dir), MANIFEST_NAME)
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.h5"
+
+
+# ---------------------------------------------------------------- validation
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def manifest_problems(data, path: str) -> tuple[CorpusManifest | None, list[str]]:
+    """Check parsed manifest data; return (manifest or None, problems).
+
+    Every problem names ``path`` and the field.  The manifest is returned
+    only when there are no problems.
+
+    Example::
+
+        manifest, problems = manifest_problems(yaml.safe_load(text), "corpus.yaml")
+    """
+    problems: list[str] = []
+
+    def bad(field_name, expected, value):
+        shown = repr(value)
+        if len(shown) > 60:
+            shown = shown[:57] + "..."
+        problems.append(f"{path}: field '{field_name}': expected {expected}, got {shown}")
+
+    if not isinstance(data, dict):
+        bad("<top level>", "a mapping of manifest fields", data)
+        return None, problems
+
+    for name in ("format_version", "feat_dim", "num_classes", "num_frames",
+                 "num_utterances", "class_counts", "cmvn", "shards"):
+        if name not in data:
+            problems.append(f"{path}: field '{name}' is missing")
+    if problems:
+        return None, problems
+
+    if data["format_version"] != FORMAT_VERSION:
+        bad("format_version", str(FORMAT_VERSION), data["format_version"])
+    for name in ("feat_dim", "num_classes"):
+        if not _is_int(data[name]) or data[name] <= 0:
+            bad(name, "a positive int", data[name])
+    for name in ("num_frames", "num_utterances"):
+        if not _is_int(data[name]) or data[name] < 0:
+            bad(name, "a non-negative int", data[name])
+    if problems:
+        return None, problems
+    feat_dim, num_classes = data["feat_dim"], data["num_classes"]
+
+    counts = data["class_counts"]
+    if (not isinstance(counts, list) or len(counts) != num_classes
+            or not all(_is_int(c) and c >= 0 for c in counts)):
+        bad("class_counts", f"a list of {num_classes} non-negative ints", counts)
+    elif sum(counts) != data["num_frames"]:
+        problems.append(f"{path}: field 'class_counts': sums to {sum(counts)}, "
+                        f"expected num_frames = {data['num_frames']}")
+
+    cmvn = data["cmvn"]
+    if not isinstance(cmvn, dict):
+        bad("cmvn", "a mapping with 'mean' and 'var'", cmvn)
+        cmvn = {}
+    for key in ("mean", "var"):
+        values = cmvn.get(key)
+        if (not isinstance(values, list) or len(values) != feat_dim
+                or not all(_is_number(v) for v in values)):
+            bad(f"cmvn.{key}", f"a list of {feat_dim} finite numbers", values)
+        elif key == "var" and min(values) < 0:
+            bad("cmvn.var", "non-negative variances", values)
+
+    shards = []
+    raw_shards = data["shards"]
+    if not isinstance(raw_shards, list) or not raw_shards:
+        bad("shards", "a non-empty list of {path, frames, utterances}", raw_shards)
+        raw_shards = []
+    for i, entry in enumerate(raw_shards):
+        where = f"shards[{i}]"
+        if not isinstance(entry, dict):
+            bad(where, "a mapping {path, frames, utterances}", entry)
+            continue
+        shard_rel = entry.get("path")
+        if (not isinstance(shard_rel, str) or not shard_rel or os.path.isabs(shard_rel)
+                or ".." in shard_rel.replace("\\", "/").split("/")):
+            bad(f"{where}.path", "a relative file name inside the corpus directory", shard_rel)
+        for key in ("frames", "utterances"):
+            if not _is_int(entry.get(key)) or entry.get(key) < 0:
+                bad(f"{where}.{key}", "a non-negative int", entry.get(key))
+        shards.append(entry)
+    if raw_shards and len(shards) == len(raw_shards) and not problems:
+        frames = sum(s["frames"] for s in shards)
+        utts = sum(s["utterances"] for s in shards)
+        if frames != data["num_frames"]:
+            problems.append(f"{path}: field 'shards': frames sum to {frames}, "
+                            f"expected num_frames = {data['num_frames']}")
+        if utts != data["num_utterances"]:
+            problems.append(f"{path}: field 'shards': utterances sum to {utts}, "
+                            f"expected num_utterances = {data['num_utterances']}")
+
+    source = data.get("source", {})
+    if source is None:
+        source = {}
+    if not isinstance(source, dict):
+        bad("source", "a mapping", source)
+
+    if problems:
+        return None, problems
+    manifest = CorpusManifest(
+        feat_dim=feat_dim, num_classes=num_classes,
+        num_frames=data["num_frames"], num_utterances=data["num_utterances"],
+        class_counts=list(counts),
+        cmvn_mean=[float(v) for v in cmvn["mean"]], cmvn_var=[float(v) for v in cmvn["var"]],
+        shards=[ShardInfo(s["path"], s["frames"], s["utterances"]) for s in shards],
+        source=source, directory=os.path.abspath(os.path.dirname(path)))
+    return manifest, problems
+
+
+def read_manifest_data(path: str):
+    """Parse a manifest file with ``yaml.safe_load``; CorpusError names the file."""
+    if not os.path.exists(path):
+        directory = os.path.dirname(path) or "."
+        raise CorpusError(f"{path}: not found; expected a corpus directory "
+                          f"({directory}) holding {MANIFEST_NAME}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise CorpusError(f"{path}: cannot be read as YAML ({exc})") from exc
+
+
+def load_manifest(corpus_dir: str) -> CorpusManifest:
+    """Read and validate ``corpus_dir/corpus.yaml``.
+
+    Raises :class:`CorpusError` listing every problem found, each naming the
+    file and the field.
+
+    Example::
+
+        manifest = load_manifest("data/train")
+        manifest.num_frames, manifest.feat_dim
+    """
+    path = manifest_path(corpus_dir)
+    manifest, problems = manifest_problems(read_manifest_data(path), path)
+    if problems:
+        raise CorpusError("\n".join(problems))
+    return manifest
+
+
+def write_manifest(manifest: CorpusManifest) -> str:
+    """Write ``corpus.yaml`` atomically (temporary name, flush, rename)."""
+    path = manifest.manifest_path
+    tmp = os.path.join(manifest.directory, f".{MANIFEST_NAME}.partial")
+    with open(tmp, "w", encoding="utf-8") as f:
+        # Flow style for the leaf lists keeps 120 class counts on one line.
+        yaml.safe_dump(manifest.to_dict(), f, sort_keys=False, default_flow_style=None,
+                       width=100)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------- writing
+
+class MomentAccumulator:
+    """Per-dimension mean and variance over many blocks, in float64.
+
+    Blocks are merged with the pairwise (Chan et al.) update, which stays
+    accurate where a running sum of squares would cancel.
+
+    Example::
+
+        acc = MomentAccumulator(40)
+        acc.add(feats_a); acc.add(feats_b)
+        mean, var = acc.mean, acc.var
+    """
+
+    def __init__(self, dim: int):
+        self.count = 0
+        self.mean = np.zeros(dim, dtype=np.float64)
+        self._m2 = np.zeros(dim, dtype=np.float64)
+
+    def add(self, block: np.ndarray) -> None:
+        n = block.shape[0]
+        if n == 0:
+            return
+        block = np.asarray(block, dtype=np.float64)
+        block_mean = block.mean(axis=0)
+        block_m2 = ((block - block_mean) ** 2).sum(axis=0)
+        total = self.count + n
+        delta = block_mean - self.mean
+        self.mean = self.mean + delta * (n / total)
+        self._m2 = self._m2 + block_m2 + delta ** 2 * (self.count * n / total)
+        self.count = total
+
+    @property
+    def var(self) -> np.ndarray:
+        if self.count == 0:
+            return np.ones_like(self.mean)
+        return self._m2 / self.count
+
+
+class CorpusWriter:
+    """Write a corpus directory: shards balanced by frames, then the manifest.
+
+    Each utterance goes to the shard with the fewest frames so far, so shards
+    differ by at most one utterance's length.  Shards and manifest are written
+    under temporary names and renamed when complete; ``corpus.yaml`` comes
+    last, so an interrupted write never leaves a corpus that looks finished.
+    Leaving the ``with`` block on an exception discards the partial shards.
+
+    Example::
+
+        with CorpusWriter("data/train", feat_dim=40, num_classes=120, num_shards=2,
+                          source={"kind": "synthetic", "seed": 1}) as writer:
+            for utt_id, feats, labels in utterances:
+                writer.add(utt_id, feats, labels)
+        writer.manifest.num_frames
+    """
+
+    def __init__(self, out_dir: str, *, feat_dim: int, num_classes: int, num_shards: int,
+                 source: dict | None = None, overwrite: bool = False):
+        for name, value in (("feat_dim", feat_dim), ("num_classes", num_classes),
+                            ("num_shards", num_shards)):
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{out_dir}: {name} must be a positive int, got {value!r}")
+        if source is not None and not isinstance(source, dict):
+            raise ValueError(f"{out_dir}: source must be a mapping, got {type(source).__name__}")
+        self.out_dir = os.path.abspath(str(out_dir))
+        self.feat_dim = feat_dim
+        self.num_classes = num_classes
+        self.num_shards = num_shards
+        self.source = dict(source or {})
+        self.manifest: CorpusManifest | None = None
+
+        existing = manifest_path(self.out_dir)
+        if os.path.exists(existing):
+            if not overwrite:
+                raise CorpusError(f"{existing}: a corpus already exists here; "
+                                  "choose another directory or pass overwrite=True")
+            # Remove the old manifest first: a crash below must not leave it
+            # pointing at half-replaced shards.
+            os.remove(existing)
+        os.makedirs(self.out_dir, exist_ok=True)
+
+        from .shards import ShardBuilder
+        self._builders = [ShardBuilder(os.path.join(self.out_dir, shard_name(i)),
+                                       feat_dim=feat_dim) for i in range(num_shards)]
+        self._counts = np.zeros(num_classes, dtype=np.int64)
+        self._moments = MomentAccumulator(feat_dim)
+        self._seen: set[str] = set()
+
+    def add(self, utt_id: str, feats, labels) -> None:
+        """Add one utterance: feats (T, D) float32, labels (T,) ints in [0, num_classes)."""
+        if self._builders is None:
+            raise CorpusError(f"{self.out_dir}: add() after close()")
+        from .shards import check_utterance
+        feats, labels = check_utterance(self.out_dir, utt_id, feats, labels, self.feat_dim)
+        if utt_id in self._seen:
+            raise ValueError(f"{self.out_dir}: utterance id {utt_id!r} was added twice")
+        low, high = int(labels.min()), int(labels.max())
+        if low < 0 or high >= self.num_classes:
+            raise ValueError(f"{self.out_dir}: utterance {utt_id!r}: label "
+                             f"{low if low < 0 else high} is outside [0, {self.num_classes})")
+        if not np.isfinite(feats).all():
+            raise ValueError(f"{self.out_dir}: utterance {utt_id!r}: feats contains NaN or inf")
+        self._seen.add(utt_id)
+        lightest = min(range(self.num_shards), key=lambda i: self._builders[i].num_frames)
+        self._builders[lightest].add(utt_id, feats, labels)
+        self._counts += np.bincount(labels, minlength=self.num_classes)
+        self._moments.add(feats)
+
+    def close(self) -> CorpusManifest:
+        """Finish the shards, write ``corpus.yaml`` and return the manifest."""
+        if self._builders is None:
+            return self.manifest
+        if not self._seen:
+            self.abort()
+            raise CorpusError(f"{self.out_dir}: no utterances were added; "
+                              "refusing to write an empty corpus")
+        builders = self._builders
+        try:
+            for builder in builders:
+                builder.close()
+        except BaseException:
+            self.abort()
+            raise
+        self._builders = None
+        shards = [ShardInfo(os.path.basename(b.path), b.num_frames, b.num_utterances)
+                  for b in builders]
+        self.manifest = CorpusManifest(
+            feat_dim=self.feat_dim, num_classes=self.num_classes,
+            num_frames=sum(s.frames for s in shards),
+            num_utterances=sum(s.utterances for s in shards),
+            class_counts=[int(c) for c in self._counts],
+            cmvn_mean=[float(v) for v in self._moments.mean],
+            cmvn_var=[float(v) for v in self._moments.var],
+            shards=shards, source=self.source, directory=self.out_dir)
+        write_manifest(self.manifest)
+        return self.manifest
+
+    def abort(self) -> None:
+        """Discard everything written so far (finished shards stay only if renamed)."""
+        if self._builders is None:
+            return
+        for builder in self._builders:
+            builder.abort()
+        self._builders = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

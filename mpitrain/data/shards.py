@@ -1,0 +1,388 @@
+"""HDF5 shard files: many utterances of frames and frame labels in one file.
+
+A shard holds four datasets (see docs/data-format.md):
+
+- ``feats``       float32 (T, D), chunked along frames, uncompressed
+- ``labels``      int32 (T,), chunked like ``feats``
+- ``utt_offsets`` int64 (U+1,), ``utt_offsets[0] == 0`` and ``utt_offsets[-1] == T``
+- ``utt_ids``     variable-length UTF-8 strings (U,)
+
+and the file attribute ``format_version``.  Utterance ``u`` owns the frames
+``utt_offsets[u]:utt_offsets[u+1]``, so reading a run of utterances is one
+contiguous slice of ``feats`` and ``labels``.
+
+h5py is imported only when a shard is opened or written.
+
+Example::
+
+    write_shard("shard-00000.h5", ["a", "b"], [feats_a, feats_b], [labels_a, labels_b])
+    with ShardReader("shard-00000.h5") as shard:
+        feats, labels, offsets = shard.read(0, shard.num_utterances)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+import numpy as np
+
+from .corpus import CorpusError
+
+FORMAT_VERSION = 1
+FEATS = "feats"
+LABELS = "labels"
+UTT_OFFSETS = "utt_offsets"
+UTT_IDS = "utt_ids"
+
+# Aim for chunks of about 512 KiB of features: big enough that a contiguous
+# range read touches few chunks, small enough that a short read stays cheap.
+_CHUNK_BYTES = 512 * 1024
+
+
+def _h5py():
+    import h5py
+    return h5py
+
+
+def chunk_rows(feat_dim: int) -> int:
+    """Rows per HDF5 chunk for features of width ``feat_dim``.
+
+    Example::
+
+        chunk_rows(40)   # 3276 rows = 512 KiB of float32
+    """
+    return max(64, _CHUNK_BYTES // (4 * max(1, int(feat_dim))))
+
+
+def temporary_path(path: str) -> str:
+    """The name a file is written under before it is renamed into place."""
+    directory, name = os.path.split(path)
+    return os.path.join(directory, f".{name}.partial")
+
+
+def check_utterance(where: str, utt_id: str, feats, labels, feat_dim: int | None = None):
+    """Validate one utterance and return it as (float32 (T, D), int32 (T,)).
+
+    ``where`` names the file being written, for the error message.
+
+    Example::
+
+        feats, labels = check_utterance("out/shard-00000.h5", "utt1", feats, labels, 40)
+    """
+    if not isinstance(utt_id, str) or not utt_id:
+        raise ValueError(f"{where}: utterance id must be a non-empty string, got {utt_id!r}")
+    feats = np.asarray(feats)
+    labels = np.asarray(labels)
+    if feats.ndim != 2:
+        raise ValueError(f"{where}: utterance {utt_id!r}: feats must be 2-D (frames, dim), "
+                         f"got shape {feats.shape}")
+    if feats.shape[0] == 0:
+        raise ValueError(f"{where}: utterance {utt_id!r}: feats has no frames")
+    if feat_dim is not None and feats.shape[1] != feat_dim:
+        raise ValueError(f"{where}: utterance {utt_id!r}: feats has dimension {feats.shape[1]}, "
+                         f"expected {feat_dim}")
+    if labels.ndim != 1 or labels.shape[0] != feats.shape[0]:
+        raise ValueError(f"{where}: utterance {utt_id!r}: labels must have shape "
+                         f"({feats.shape[0]},) to match feats, got {labels.shape}")
+    if labels.dtype.kind not in "iu":
+        raise ValueError(f"{where}: utterance {utt_id!r}: labels must be integers, "
+                         f"got dtype {labels.dtype}")
+    return np.ascontiguousarray(feats, dtype=np.float32), labels.astype(np.int32, copy=False)
+
+
+class ShardBuilder:
+    """Append utterances to one shard file; ``close()`` renames it into place.
+
+    The file is written under a temporary name, so an interrupted write never
+    leaves a file that looks finished.  Frames are buffered and written in
+    blocks of whole chunks, which keeps the HDF5 calls few.
+
+    Example::
+
+        builder = ShardBuilder("out/shard-00000.h5", feat_dim=40)
+        builder.add("utt1", feats, labels)
+        builder.close()          # or builder.abort() to discard
+    """
+
+    def __init__(self, path: str, *, feat_dim: int):
+        if int(feat_dim) <= 0:
+            raise ValueError(f"{path}: feat_dim must be positive, got {feat_dim}")
+        self.path = str(path)
+        self.feat_dim = int(feat_dim)
+        self._tmp = temporary_path(self.path)
+        self._rows = chunk_rows(self.feat_dim)
+        self._file = _h5py().File(self._tmp, "w")
+        self._file.attrs["format_version"] = FORMAT_VERSION
+        self._feats = self._file.create_dataset(
+            FEATS, shape=(0, self.feat_dim), maxshape=(None, self.feat_dim),
+            dtype=np.float32, chunks=(self._rows, self.feat_dim))
+        self._labels = self._file.create_dataset(
+            LABELS, shape=(0,), maxshape=(None,), dtype=np.int32, chunks=(self._rows,))
+        self._utt_ids: list[str] = []
+        self._offsets: list[int] = [0]
+        self._pending_feats: list[np.ndarray] = []
+        self._pending_labels: list[np.ndarray] = []
+        self._pending_frames = 0
+        self._written = 0
+
+    @property
+    def num_frames(self) -> int:
+        return self._offsets[-1]
+
+    @property
+    def num_utterances(self) -> int:
+        return len(self._utt_ids)
+
+    def add(self, utt_id: str, feats, labels) -> None:
+        feats, labels = check_utterance(self.path, utt_id, feats, labels, self.feat_dim)
+        self._utt_ids.append(utt_id)
+        self._offsets.append(self._offsets[-1] + feats.shape[0])
+        self._pending_feats.append(feats)
+        self._pending_labels.append(labels)
+        self._pending_frames += feats.shape[0]
+        if self._pending_frames >= 4 * self._rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pending_frames:
+            return
+        start, end = self._written, self._written + self._pending_frames
+        self._feats.resize(end, axis=0)
+        self._labels.resize(end, axis=0)
+        self._feats[start:end] = np.concatenate(self._pending_feats)
+        self._labels[start:end] = np.concatenate(self._pending_labels)
+        self._written = end
+        self._pending_feats.clear()
+        self._pending_labels.clear()
+        self._pending_frames = 0
+
+    def close(self) -> None:
+        """Write the utterance index, close the file and rename it into place."""
+        if self._file is None:
+            return
+        self._flush()
+        self._file.create_dataset(UTT_OFFSETS, data=np.asarray(self._offsets, dtype=np.int64))
+        self._file.create_dataset(UTT_IDS, data=self._utt_ids,
+                                  dtype=_h5py().string_dtype("utf-8"))
+        self._file.flush()
+        self._file.close()
+        self._file = None
+        os.replace(self._tmp, self.path)
+
+    def abort(self) -> None:
+        """Discard the partial file."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if os.path.exists(self._tmp):
+            os.remove(self._tmp)
+
+
+def write_shard(path: str, utt_ids: Sequence[str], feats_list: Sequence, labels_list: Sequence,
+                *, feat_dim: int | None = None) -> None:
+    """Write one shard file from parallel lists of utterances.
+
+    ``feat_dim`` is needed only when the lists are empty.
+
+    Example::
+
+        write_shard("shard-00000.h5", ["a"], [np.zeros((5, 40), np.float32)], [np.zeros(5, int)])
+    """
+    if not (len(utt_ids) == len(feats_list) == len(labels_list)):
+        raise ValueError(f"{path}: utt_ids, feats_list and labels_list must have the same "
+                         f"length, got {len(utt_ids)}, {len(feats_list)}, {len(labels_list)}")
+    if feat_dim is None:
+        if not feats_list:
+            raise ValueError(f"{path}: feat_dim is needed to write a shard with no utterances")
+        feat_dim = np.asarray(feats_list[0]).shape[-1]
+    if len(set(utt_ids)) != len(utt_ids):
+        raise ValueError(f"{path}: utt_ids contains duplicates")
+    builder = ShardBuilder(path, feat_dim=feat_dim)
+    try:
+        for utt_id, feats, labels in zip(utt_ids, feats_list, labels_list):
+            builder.add(utt_id, feats, labels)
+        builder.close()
+    except BaseException:
+        builder.abort()
+        raise
+
+
+def shard_layout_problems(h5file, path: str) -> list[str]:
+    """Problems with the datasets of an open shard: presence, dtype, shape, offsets.
+
+    Reads only ``utt_offsets`` (small); it does not scan features or labels.
+    Each message names the file and the dataset.
+
+    Example::
+
+        with h5py.File(path, "r") as f:
+            problems = shard_layout_problems(f, path)
+    """
+    problems: list[str] = []
+    version = h5file.attrs.get("format_version")
+    if version is None:
+        problems.append(f"{path}: attribute 'format_version' is missing; expected {FORMAT_VERSION}")
+    elif not np.isscalar(version) or int(version) != FORMAT_VERSION:
+        problems.append(f"{path}: attribute 'format_version' is {version!r}; "
+                        f"expected {FORMAT_VERSION}")
+
+    def dataset(name):
+        obj = h5file.get(name)
+        if obj is None:
+            problems.append(f"{path}: dataset '{name}' is missing")
+            return None
+        if not hasattr(obj, "dtype"):
+            problems.append(f"{path}: '{name}' is a group, expected a dataset")
+            return None
+        return obj
+
+    feats, labels = dataset(FEATS), dataset(LABELS)
+    offsets_ds, ids = dataset(UTT_OFFSETS), dataset(UTT_IDS)
+    num_frames = None
+    if feats is not None:
+        if feats.ndim != 2:
+            problems.append(f"{path}: dataset '{FEATS}' has shape {feats.shape}; "
+                            "expected 2-D (frames, feat_dim)")
+        else:
+            num_frames = feats.shape[0]
+        if feats.dtype != np.float32:
+            problems.append(f"{path}: dataset '{FEATS}' has dtype {feats.dtype}; expected float32")
+    if labels is not None:
+        if labels.dtype != np.int32:
+            problems.append(f"{path}: dataset '{LABELS}' has dtype {labels.dtype}; expected int32")
+        if labels.ndim != 1:
+            problems.append(f"{path}: dataset '{LABELS}' has shape {labels.shape}; expected 1-D")
+        elif num_frames is not None and labels.shape[0] != num_frames:
+            problems.append(f"{path}: dataset '{LABELS}' has {labels.shape[0]} entries; "
+                            f"expected {num_frames} (rows of '{FEATS}')")
+    num_utts = None
+    if offsets_ds is not None:
+        if offsets_ds.dtype != np.int64:
+            problems.append(f"{path}: dataset '{UTT_OFFSETS}' has dtype {offsets_ds.dtype}; "
+                            "expected int64")
+        if offsets_ds.ndim != 1 or offsets_ds.shape[0] < 1:
+            problems.append(f"{path}: dataset '{UTT_OFFSETS}' has shape {offsets_ds.shape}; "
+                            "expected 1-D with U+1 entries")
+        elif offsets_ds.dtype.kind in "iu":
+            offsets = offsets_ds[()]
+            num_utts = offsets.shape[0] - 1
+            if offsets[0] != 0:
+                problems.append(f"{path}: dataset '{UTT_OFFSETS}' starts at {offsets[0]}; "
+                                "expected 0")
+            steps = np.diff(offsets)
+            if steps.size and steps.min() <= 0:
+                bad = int(np.argmax(steps <= 0))
+                problems.append(f"{path}: dataset '{UTT_OFFSETS}' is not strictly increasing "
+                                f"at utterance {bad} ({offsets[bad]} -> {offsets[bad + 1]})")
+            if num_frames is not None and offsets[-1] != num_frames:
+                problems.append(f"{path}: dataset '{UTT_OFFSETS}' ends at {offsets[-1]}; "
+                                f"expected {num_frames} (rows of '{FEATS}')")
+    if ids is not None:
+        if ids.dtype.kind != "O" or _h5py().check_string_dtype(ids.dtype) is None:
+            problems.append(f"{path}: dataset '{UTT_IDS}' has dtype {ids.dtype}; "
+                            "expected variable-length UTF-8 strings")
+        if ids.ndim != 1:
+            problems.append(f"{path}: dataset '{UTT_IDS}' has shape {ids.shape}; expected 1-D")
+        elif num_utts is not None and ids.shape[0] != num_utts:
+            problems.append(f"{path}: dataset '{UTT_IDS}' has {ids.shape[0]} entries; "
+                            f"expected {num_utts} (entries of '{UTT_OFFSETS}' minus one)")
+    return problems
+
+
+class ShardReader:
+    """Read-only access to one shard file.
+
+    Opening checks the layout (datasets, dtypes, shapes, offsets) and raises
+    :class:`CorpusError` naming the file and dataset; it does not scan the
+    frames (``mpitrain.data.check`` does).
+
+    Example::
+
+        with ShardReader("corpus/shard-00000.h5") as shard:
+            feats, labels, offsets = shard.read(0, 10)    # first 10 utterances
+            feats.shape == (offsets[-1], shard.feat_dim)  # True
+    """
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        if not os.path.exists(self.path):
+            raise CorpusError(f"{self.path}: shard file not found")
+        try:
+            self._file = _h5py().File(self.path, "r")
+        except OSError as exc:
+            raise CorpusError(f"{self.path}: cannot open as HDF5 ({exc})") from exc
+        try:
+            problems = shard_layout_problems(self._file, self.path)
+            if problems:
+                raise CorpusError("\n".join(problems))
+            self._feats = self._file[FEATS]
+            self._labels = self._file[LABELS]
+            self._offsets = np.asarray(self._file[UTT_OFFSETS][()], dtype=np.int64)
+            self._utt_ids: list[str] | None = None
+        except BaseException:
+            self._file.close()
+            self._file = None
+            raise
+
+    @property
+    def num_frames(self) -> int:
+        return int(self._offsets[-1])
+
+    @property
+    def num_utterances(self) -> int:
+        return int(self._offsets.shape[0] - 1)
+
+    @property
+    def feat_dim(self) -> int:
+        return int(self._feats.shape[1])
+
+    @property
+    def utt_offsets(self) -> np.ndarray:
+        """Frame offsets of the utterances, int64 (U+1,); do not modify."""
+        return self._offsets
+
+    @property
+    def utt_ids(self) -> list[str]:
+        if self._utt_ids is None:
+            self._utt_ids = list(self._file[UTT_IDS].asstr()[()])
+        return self._utt_ids
+
+    def read(self, start_utt: int, end_utt: int):
+        """Utterances ``start_utt:end_utt`` as (feats, labels, offsets).
+
+        ``feats`` is float32 (T, D), ``labels`` int32 (T,) and ``offsets``
+        int64 (n+1,) counts frames from the start of this read.
+        """
+        if self._file is None:
+            raise CorpusError(f"{self.path}: read after close()")
+        start_utt, end_utt = int(start_utt), int(end_utt)
+        if not 0 <= start_utt <= end_utt <= self.num_utterances:
+            raise ValueError(f"{self.path}: utterance range {start_utt}:{end_utt} is outside "
+                             f"0:{self.num_utterances}")
+        first, last = int(self._offsets[start_utt]), int(self._offsets[end_utt])
+        feats = np.empty((last - first, self.feat_dim), dtype=np.float32)
+        labels = np.empty(last - first, dtype=np.int32)
+        if last > first:
+            # read_direct fills our buffer without an intermediate copy.
+            self._feats.read_direct(feats, np.s_[first:last])
+            self._labels.read_direct(labels, np.s_[first:last])
+        offsets = self._offsets[start_utt:end_utt + 1] - first
+        return feats, labels, offsets
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

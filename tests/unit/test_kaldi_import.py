@@ -1,0 +1,137 @@
+"""Importing Kaldi features and alignments written with kaldiio."""
+
+import os
+
+import kaldiio
+import numpy as np
+import pytest
+import yaml
+
+from mpitrain.data.corpus import CorpusError, load_manifest
+from mpitrain.data.kaldi import import_kaldi, read_alignments
+from mpitrain.data.shards import ShardReader
+
+
+@pytest.fixture
+def kaldi_dir(tmp_path):
+    """feats.ark/.scp for 6 utterances; alignments for 4 of them match, 1 is too short,
+    1 is missing, and 1 alignment has no features."""
+    rng = np.random.default_rng(0)
+    feats = {f"spk1-utt{i}": rng.normal(size=(int(rng.integers(5, 20)), 13)).astype(np.float32)
+             for i in range(6)}
+    ali = {k: rng.integers(0, 9, v.shape[0]).astype(np.int32) for k, v in feats.items()}
+    ali["spk1-utt3"] = ali["spk1-utt3"][:-2]              # length mismatch
+    del ali["spk1-utt5"]                                  # missing alignment
+    ali["spk9-orphan"] = np.array([1, 2, 3], np.int32)    # alignment without features
+    ali["spk1-utt0"][0] = 11                              # the largest pdf id
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats, scp=str(tmp_path / "feats.scp"))
+    kaldiio.save_ark(str(tmp_path / "ali.ark"), ali)
+    with open(tmp_path / "ali.txt", "w") as f:            # the format of ali-to-pdf ark,t:
+        for k, v in ali.items():
+            f.write(k + " " + " ".join(map(str, v)) + "\n")
+    return tmp_path, feats, ali
+
+
+def read_corpus(out):
+    manifest = load_manifest(str(out))
+    data = {}
+    for i in range(len(manifest.shards)):
+        with ShardReader(manifest.shard_path(i)) as shard:
+            f, l, o = shard.read(0, shard.num_utterances)
+            for k, utt in enumerate(shard.utt_ids):
+                data[utt] = (f[o[k]:o[k + 1]], l[o[k]:o[k + 1]])
+    return manifest, data
+
+
+@pytest.mark.parametrize("feats_spec,ali_spec", [
+    ("scp:{d}/feats.scp", "ark:{d}/ali.ark"),
+    ("ark:{d}/feats.ark", "ark,t:{d}/ali.txt"),
+    ("{d}/feats.scp", "{d}/ali.txt"),
+])
+def test_import_reads_back_exactly_and_counts_skips(kaldi_dir, feats_spec, ali_spec):
+    d, feats, ali = kaldi_dir
+    out = d / "corpus"
+    report = import_kaldi(feats_spec.format(d=d), ali_spec.format(d=d), str(out), shards=2)
+    good = ["spk1-utt0", "spk1-utt1", "spk1-utt2", "spk1-utt4"]
+    assert report.imported == 4
+    assert report.frames == sum(feats[k].shape[0] for k in good)
+    assert report.missing_alignment == ["spk1-utt5"]
+    assert report.length_mismatch == [("spk1-utt3", feats["spk1-utt3"].shape[0],
+                                       feats["spk1-utt3"].shape[0] - 2)]
+    assert report.alignments_without_features == 1
+    assert report.num_classes == 12 and report.feat_dim == 13
+    assert "imported 4 utterances" in report.summary()
+
+    manifest, data = read_corpus(out)
+    assert manifest.num_classes == 12 and manifest.feat_dim == 13
+    assert manifest.source["kind"] == "kaldi"
+    assert sorted(data) == good
+    for k in good:
+        np.testing.assert_array_equal(data[k][0], feats[k])
+        np.testing.assert_array_equal(data[k][1], ali[k])
+
+    with open(out / "import-report.yaml") as f:
+        saved = yaml.safe_load(f)
+    assert saved["imported"] == 4 and saved["missing_alignment"] == ["spk1-utt5"]
+    assert saved["length_mismatch"][0]["utt"] == "spk1-utt3"
+
+
+def test_binary_and_text_alignments_agree(kaldi_dir):
+    d, _, ali = kaldi_dir
+    kaldiio.save_ark(str(d / "ali-bracketed.txt"), ali, text=True)
+    binary = read_alignments(f"ark:{d}/ali.ark")
+    for other in (read_alignments(f"ark,t:{d}/ali.txt"),
+                  read_alignments(f"ark,t:{d}/ali-bracketed.txt")):
+        assert sorted(binary) == sorted(other) == sorted(ali)
+        for k in ali:
+            np.testing.assert_array_equal(binary[k], other[k])
+            np.testing.assert_array_equal(binary[k], ali[k])
+
+
+def test_explicit_num_classes_is_checked(kaldi_dir):
+    d, _, _ = kaldi_dir
+    report = import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/ali.ark", str(d / "c1"), num_classes=20)
+    assert load_manifest(str(d / "c1")).num_classes == 20 == report.num_classes
+    with pytest.raises(CorpusError, match=r"ali.ark: utterance 'spk1-utt0': pdf id 11 is outside"):
+        import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/ali.ark", str(d / "c2"), num_classes=10)
+    assert not os.path.exists(d / "c2" / "corpus.yaml")
+
+
+def test_errors_name_the_file(kaldi_dir):
+    d, _, _ = kaldi_dir
+    with pytest.raises(CorpusError, match=r"missing.scp: scp file not found"):
+        import_kaldi(f"scp:{d}/missing.scp", f"ark:{d}/ali.ark", str(d / "c"))
+    (d / "bad.txt").write_text("spk1-utt0 1 2 x 4\n")
+    with pytest.raises(CorpusError, match=r"bad.txt:1: utterance 'spk1-utt0': expected integer "
+                                          r"pdf ids, got 'x'"):
+        read_alignments(f"ark,t:{d}/bad.txt")
+    (d / "pipe.scp").write_text("spk1-utt0 copy-feats ark:x.ark ark:- |\n")
+    with pytest.raises(CorpusError, match=r"pipe.scp:1: .*pipes are not supported"):
+        import_kaldi(f"scp:{d}/pipe.scp", f"ark:{d}/ali.ark", str(d / "c"))
+    (d / "dangling.scp").write_text(f"spk1-utt0 {d}/nowhere.ark:3\n")
+    with pytest.raises(CorpusError, match=r"dangling.scp: utterance 'spk1-utt0' points to"):
+        import_kaldi(f"scp:{d}/dangling.scp", f"ark:{d}/ali.ark", str(d / "c"))
+
+
+def test_pickled_records_are_refused(tmp_path):
+    # A kaldiio ark may carry a pickle ("PKL" marker); loading it would run code.
+    (tmp_path / "evil.ark").write_bytes(b"utt1 PKL\x80\x04N.")
+    (tmp_path / "ali.txt").write_text("utt1 0 0\n")
+    with pytest.raises(CorpusError, match="pickled"):
+        import_kaldi(f"ark:{tmp_path}/evil.ark", f"ark,t:{tmp_path}/ali.txt", str(tmp_path / "c"))
+
+
+def test_compressed_and_double_features_are_imported_as_float32(tmp_path):
+    rng = np.random.default_rng(1)
+    feats = {"a": rng.normal(size=(7, 5)), "b": rng.normal(size=(4, 5))}
+    kaldiio.save_ark(str(tmp_path / "cm.ark"), {"a": feats["a"].astype(np.float32)},
+                     compression_method=2)
+    kaldiio.save_ark(str(tmp_path / "cm.ark"), {"b": feats["b"]}, append=True)   # float64
+    (tmp_path / "ali.txt").write_text("a " + " ".join(["1"] * 7) + "\nb 0 0 0 0\n")
+    import_kaldi(f"ark:{tmp_path}/cm.ark", f"{tmp_path}/ali.txt", str(tmp_path / "c"))
+    _, data = read_corpus(tmp_path / "c")
+    expected = dict(kaldiio.load_ark(str(tmp_path / "cm.ark")))
+    assert data["a"][0].dtype == np.float32
+    np.testing.assert_array_equal(data["a"][0], expected["a"].astype(np.float32))
+    np.testing.assert_allclose(data["a"][0], feats["a"], atol=0.05)       # lossy compression
+    np.testing.assert_array_equal(data["b"][0], feats["b"].astype(np.float32))
