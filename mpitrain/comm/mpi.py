@@ -50,6 +50,10 @@ def _encode_or_flag(obj: Any):
         return np.zeros(0, dtype=np.uint8), exc
 
 
+
+# Large host buffers are reduced in pieces of this size (see _allreduce_host_).
+HOST_PIECE_BYTES = 4 << 20
+
 class MpiCommunicator(Communicator):
     """Communicator over an mpi4py communicator (COMM_WORLD by default).
 
@@ -161,8 +165,11 @@ class MpiCommunicator(Communicator):
         check_mean_dtype(buf, op, where="allreduce_")
         start = time.perf_counter()
         if type(buf) is np.ndarray:
-            # The hot path of model averaging: straight to MPI.
-            self._comm.Allreduce(MPI.IN_PLACE, buf, op=_MPI_OPS[op])
+            # The hot path of model averaging: straight to MPI, in cache-sized
+            # pieces when the buffer is large (see _allreduce_host_).
+            self._allreduce_host_(buf, op)
+            self._comm_time += time.perf_counter() - start
+            return buf
         else:
             path, nccl = self._route(buf, collective=True)
             if nccl is not None:
@@ -175,6 +182,30 @@ class MpiCommunicator(Communicator):
         if op == "mean" and self._size > 1:
             scale_(buf, 1.0 / self._size)
         return buf
+
+    def _allreduce_host_(self, buf: np.ndarray, op: str) -> None:
+        """In-place Allreduce of a host buffer; "mean" scales each piece while hot.
+
+        A large buffer goes in pieces of ``HOST_PIECE_BYTES``: each piece's
+        reduction and its 1/size scaling then stay in the last-level cache.
+        Measured with MPICH on 2 ranks (docs/benchmarks.md), 4 MB pieces made a
+        whole "mean" as fast as one bare Allreduce of the buffer, where a
+        separate scaling pass added 15-35%.
+        """
+        mpi_op = _MPI_OPS[op]
+        flat = buf.reshape(-1)
+        piece = max(1, HOST_PIECE_BYTES // flat.itemsize)
+        factor = flat.dtype.type(1.0 / self._size) if op == "mean" and self._size > 1 else None
+        if flat.size <= 2 * piece:
+            self._comm.Allreduce(MPI.IN_PLACE, flat, op=mpi_op)
+            if factor is not None:
+                flat *= factor
+            return
+        for lo in range(0, flat.size, piece):
+            part = flat[lo:lo + piece]
+            self._comm.Allreduce(MPI.IN_PLACE, part, op=mpi_op)
+            if factor is not None:
+                part *= factor
 
     def iallreduce_(self, buf, op: str = "mean") -> Request:
         check_op(op, where="iallreduce_")
