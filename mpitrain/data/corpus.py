@@ -109,10 +109,22 @@ class CorpusManifest:
 
 
 def manifest_path(corpus_dir: str) -> str:
+    """Path of the manifest of ``corpus_dir``.
+
+    Example::
+
+        manifest_path("data/train")     # 'data/train/corpus.yaml'
+    """
     return os.path.join(str(corpus_dir), MANIFEST_NAME)
 
 
 def shard_name(index: int) -> str:
+    """File name of shard ``index``.
+
+    Example::
+
+        shard_name(3)                   # 'shard-00003.h5'
+    """
     return f"shard-{index:05d}.h5"
 
 
@@ -235,7 +247,12 @@ def manifest_problems(data, path: str) -> tuple[CorpusManifest | None, list[str]
 
 
 def read_manifest_data(path: str):
-    """Parse a manifest file with ``yaml.safe_load``; CorpusError names the file."""
+    """Parse a manifest file with ``yaml.safe_load``; CorpusError names the file.
+
+    Example::
+
+        data = read_manifest_data("data/train/corpus.yaml")   # dict, not yet validated
+    """
     if not os.path.exists(path):
         directory = os.path.dirname(path) or "."
         raise CorpusError(f"{path}: not found; expected a corpus directory "
@@ -266,7 +283,13 @@ def load_manifest(corpus_dir: str) -> CorpusManifest:
 
 
 def write_manifest(manifest: CorpusManifest) -> str:
-    """Write ``corpus.yaml`` atomically (temporary name, flush, rename)."""
+    """Write ``corpus.yaml`` atomically (temporary name, flush, rename); return its path.
+
+    Example::
+
+        manifest.source["note"] = "re-aligned"
+        write_manifest(manifest)
+    """
     path = manifest.manifest_path
     tmp = os.path.join(manifest.directory, f".{MANIFEST_NAME}.partial")
     with open(tmp, "w", encoding="utf-8") as f:

@@ -56,7 +56,12 @@ def chunk_rows(feat_dim: int) -> int:
 
 
 def temporary_path(path: str) -> str:
-    """The name a file is written under before it is renamed into place."""
+    """The name a file is written under before it is renamed into place.
+
+    Example::
+
+        temporary_path("out/shard-00000.h5")    # 'out/.shard-00000.h5.partial'
+    """
     directory, name = os.path.split(path)
     return os.path.join(directory, f".{name}.partial")
 

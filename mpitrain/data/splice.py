@@ -22,7 +22,12 @@ from ..backend import get_array_module
 
 
 def context_offsets(left: int, right: int, xp=np, dtype=np.int64):
-    """The offsets ``-left .. right`` as a 1-D array."""
+    """The offsets ``-left .. right`` as a 1-D array.
+
+    Example::
+
+        context_offsets(2, 1)     # array([-2, -1, 0, 1])
+    """
     if left < 0 or right < 0:
         raise ValueError(f"context must be non-negative, got left={left}, right={right}")
     return xp.arange(-left, right + 1, dtype=dtype)
