@@ -180,6 +180,8 @@ class Trainer:
         eval_every = cfg.training.eval_interval
         next_eval = (self.frames_seen // comm.size // eval_every + 1) * eval_every \
             if eval_every else None
+        ck = cfg.training.checkpoint_interval
+        next_checkpoint = (self.step // ck + 1) * ck if ck else 0
         while self.step < self.total_steps:
             lr = self.strategy.learning_rate(self.schedule(self.step / self.planned_steps),
                                              self.step)
@@ -230,10 +232,11 @@ class Trainer:
                 self._log_eval()
                 if next_eval is not None:
                     next_eval += eval_every
-            ck = cfg.training.checkpoint_interval
-            if ck and self.step % ck == 0 and self.step % self.strategy.sync_period == 0 \
-                    and not last:
+            # checkpoint at the first point after each interval where all ranks agree
+            if next_checkpoint and self.step >= next_checkpoint and not last \
+                    and (comm.size == 1 or self.step % self.strategy.sync_period == 0):
                 self.save_checkpoint()
+                next_checkpoint = (self.step // ck + 1) * ck
         self.strategy.finalize(net, self.optimizer, self.step)
         self.save_checkpoint()
         result = self._log_eval() if self.dev_manifest is not None else {}
