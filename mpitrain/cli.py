@@ -22,16 +22,20 @@ def cmd_synth(args) -> int:
     from .data.synthetic import synthesize
     info = synthesize(args.out_dir, hours=args.hours, speakers=args.speakers,
                       shards=args.shards, seed=args.seed, dev_hours=args.dev_hours,
-                      dev_speakers=args.dev_speakers)
-    for split, corpus in info.items():
-        print(f"{split}: {corpus}")
+                      dev_speakers=args.dev_speakers, overwrite=args.overwrite)
+    print(f"train: {info['train_dir']}: {info['train_frames']} frames, "
+          f"{info['train_utterances']} utterances, {len(info['train_speakers'])} speakers")
+    print(f"dev:   {info['dev_dir']}: {info['dev_frames']} frames, "
+          f"{info['dev_utterances']} utterances, {len(info['dev_speakers'])} unseen speakers")
+    print(f"{info['feat_dim']}-dim features, {info['num_classes']} classes; "
+          f"written in {info['seconds']:.1f} s")
     return 0
 
 
 def cmd_prepare(args) -> int:
     from .data.kaldi import import_kaldi
     report = import_kaldi(args.feats, args.ali, args.out, shards=args.shards,
-                          num_classes=args.num_classes)
+                          num_classes=args.num_classes, overwrite=args.overwrite)
     print(report.summary())
     return 0 if report.imported else 1
 
@@ -145,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dev-hours", type=float, default=0.1, help="hours of held-out speech")
     p.add_argument("--dev-speakers", type=int, default=8, help="held-out (unseen) speakers")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
     p.set_defaults(func=cmd_synth)
 
     p = sub.add_parser("prepare", formatter_class=fmt,
@@ -156,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shards", type=int, default=1)
     p.add_argument("--num-classes", type=int, default=None,
                    help="number of pdfs (default: largest label + 1)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("check", formatter_class=fmt, help="validate a corpus directory")

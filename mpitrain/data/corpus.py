@@ -379,7 +379,7 @@ class CorpusWriter:
         if os.path.exists(existing):
             if not overwrite:
                 raise CorpusError(f"{existing}: a corpus already exists here; "
-                                  "choose another directory or pass overwrite=True")
+                                  "choose another directory or pass overwrite=True (--overwrite on the command line)")
             # Remove the old manifest first: a crash below must not leave it
             # pointing at half-replaced shards.
             os.remove(existing)

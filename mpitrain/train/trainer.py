@@ -17,7 +17,7 @@ from .. import backend
 from ..config import RunConfig, config_to_yaml
 from ..data.batcher import MinibatchStream, plan_chunks
 from ..data.corpus import load_manifest
-from ..data.sharding import assign_shards
+from ..data.sharding import plan_shards
 from ..data.splice import splice, splice_indices
 from ..nn.model_file import save_model
 from ..nn.network import build_network
@@ -27,6 +27,21 @@ from ..parallel.factory import build_strategy
 from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint, save_checkpoint
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .metrics import MetricsLog, format_duration
+
+
+# Whole shards per rank unless that leaves ranks more than this far apart in frames:
+# every rank takes the smallest rank's number of steps, so imbalance is lost data.
+MAX_SHARD_IMBALANCE = 1.05
+
+
+def balanced_plan(manifest, size: int) -> list:
+    """Every rank's shard slices: whole shards when balanced, else utterance ranges."""
+    offsets = shard_offsets_reader(manifest)
+    plan = plan_shards(manifest.shards, size, utt_offsets_of=offsets)
+    frames = [sum(s.frames for s in slices) for slices in plan]
+    if size > 1 and max(frames) > MAX_SHARD_IMBALANCE * max(min(frames), 1):
+        plan = plan_shards(manifest.shards, size, utt_offsets_of=offsets, split=True)
+    return plan
 
 
 class TrainingError(RuntimeError):
@@ -87,8 +102,7 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg, comm = self.cfg, self.comm
-        slices = assign_shards(self.manifest.shards, comm.rank, comm.size,
-                               utt_offsets_of=shard_offsets_reader(self.manifest))
+        slices = balanced_plan(self.manifest, comm.size)[comm.rank]
         chunks = plan_chunks(self.manifest, slices, cfg.data.chunk_frames)
         local_steps = sum(c.frames // cfg.training.minibatch for c in chunks)
         # every rank must take the same number of steps, or a collective hangs
