@@ -1,0 +1,97 @@
+"""Step time of NG-SGD relative to plain SGD on the same model, in one run.
+
+Two copies of one network, one trained with SGD and one with NG-SGD, take
+steps on the same random minibatches in alternating rounds (so machine load
+hits both alike); the ratio of median step times is printed.
+
+Usage::
+
+    python -m mpitrain.bench.ngsgd_overhead [--hidden 2048 --layers 4 --classes 4000
+                                             --minibatch 512 --rounds 7 --steps 5]
+
+Example::
+
+    rows = measure(hidden=64, layers=2, classes=10, minibatch=32, rounds=2, steps=2)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+
+def _network(args, xp):
+    from ..nn.network import build_network
+    net = build_network(feat_dim=40, num_classes=args["classes"], left_context=5,
+                        right_context=5, hidden_layers=args["layers"],
+                        hidden_dim=args["hidden"], xp=xp)
+    net.init_params(seed=1)
+    return net
+
+
+def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
+            device="cpu", variant="online") -> dict:
+    from .. import backend
+    from ..optim.ngsgd import NaturalGradientSGD
+    from ..optim.sgd import SGD
+    xp = backend.select(device)
+    shape = dict(hidden=hidden, layers=layers, classes=classes)
+    nets = {"sgd": _network(shape, xp), "ngsgd": _network(shape, xp)}
+    opts = {"sgd": SGD(nets["sgd"]),
+            "ngsgd": NaturalGradientSGD(nets["ngsgd"], variant=variant)}
+    rng = np.random.default_rng(0)
+    x = xp.asarray(rng.standard_normal((minibatch, nets["sgd"].input_dim)).astype(np.float32))
+    labels = xp.asarray(rng.integers(0, classes, minibatch).astype(np.int64))
+
+    def run(name, n):
+        net, opt = nets[name], opts[name]
+        backend.synchronize(xp)
+        start = time.perf_counter()
+        for _ in range(n):
+            net.forward_backward(x, labels)
+            opt.step(1e-4)
+        backend.synchronize(xp)
+        return (time.perf_counter() - start) / n
+
+    for name in nets:              # warm-up: buffers, NG initialisation
+        run(name, 12)
+    times = {name: [] for name in nets}
+    for r in range(rounds):
+        order = ("sgd", "ngsgd") if r % 2 == 0 else ("ngsgd", "sgd")
+        for name in order:
+            times[name].append(run(name, steps))
+    med = {name: float(np.median(t)) for name, t in times.items()}
+    return {"model": f"440-{layers}x{hidden}-{classes}", "minibatch": minibatch,
+            "device": backend.device_name(xp), "sgd_step_ms": med["sgd"] * 1e3,
+            "ngsgd_step_ms": med["ngsgd"] * 1e3, "ratio": med["ngsgd"] / med["sgd"]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mpitrain.bench.ngsgd_overhead",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--classes", type=int, default=4000)
+    p.add_argument("--minibatch", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    p.add_argument("--json", default=None, help="also write the result here")
+    args = p.parse_args(argv)
+    result = measure(hidden=args.hidden, layers=args.layers, classes=args.classes,
+                     minibatch=args.minibatch, rounds=args.rounds, steps=args.steps,
+                     device=args.device)
+    print(f"{result['model']} minibatch {result['minibatch']} on {result['device']}: "
+          f"SGD {result['sgd_step_ms']:.1f} ms/step, NG-SGD {result['ngsgd_step_ms']:.1f} "
+          f"ms/step, NG-SGD / SGD = {result['ratio']:.3f}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
