@@ -1,0 +1,94 @@
+"""The command line: help texts, exit codes and one-line errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from mpitrain.cli import build_parser, main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+COMMANDS = ["synth", "prepare", "check", "train", "eval", "export"]
+
+
+def _run(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=env)
+
+
+def test_help_lists_every_subcommand():
+    out = _run("--help")
+    assert out.returncode == 0
+    for name in COMMANDS:
+        assert name in out.stdout
+
+
+@pytest.mark.parametrize("name", COMMANDS)
+def test_each_subcommand_has_help(name, capsys):
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args([name, "--help"])
+    assert info.value.code == 0
+    assert "usage: mpitrain " + name in capsys.readouterr().out
+
+
+def test_bad_config_is_one_line_and_exit_2(tmp_path):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("optimizer:\n  momentum: 2\n")
+    out = _run("train", str(cfg), "--run-dir", str(tmp_path / "run"))
+    assert out.returncode == 2
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines == [f"mpitrain train: error: {cfg}: optimizer.momentum: "
+                     "expected a number in [0, 1), got 2"]
+
+
+def test_missing_corpus_names_the_file(tmp_path, capsys):
+    code = main(["train", os.path.join(REPO, "jobs", "configs", "quickstart.yaml"),
+                 "--set", f"data.train={tmp_path}/nowhere", "--run-dir", str(tmp_path / "r")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "nowhere" in err and "corpus.yaml" in err
+
+
+def test_gpu_without_cupy_or_device_is_a_clear_error(tmp_path, capsys):
+    from mpitrain import backend
+    if backend.gpu_available():
+        pytest.skip("a GPU is present: the error path cannot be exercised")
+    from mpitrain.data.synthetic import synthesize
+    synthesize(str(tmp_path / "c"), hours=0.01, speakers=2, shards=1, dev_hours=0.01,
+               dev_speakers=1)
+    code = main(["train", os.path.join(REPO, "jobs", "configs", "quickstart.yaml"),
+                 "--set", f"data.train={tmp_path}/c/train", "--set", "device=gpu",
+                 "--run-dir", str(tmp_path / "r")])
+    assert code == 2
+    assert "device: gpu" in capsys.readouterr().err
+
+
+def test_check_reports_problems_and_fails(tmp_path, capsys):
+    import h5py
+    from mpitrain.data.synthetic import synthesize
+    synthesize(str(tmp_path / "c"), hours=0.01, speakers=2, shards=2, dev_hours=0.01,
+               dev_speakers=1)
+    assert main(["check", str(tmp_path / "c")]) == 0
+    shard = tmp_path / "c" / "train" / "shard-00001.h5"
+    with h5py.File(shard, "a") as f:
+        labels = f["labels"][...]
+        labels[3] = 10_000
+        f["labels"][...] = labels
+    assert main(["check", str(tmp_path / "c" / "train")]) == 1
+    err = capsys.readouterr().err
+    assert "shard-00001.h5" in err and "labels" in err
+
+
+def test_eval_rejects_a_mismatched_corpus(tmp_path, capsys):
+    import numpy as np
+    from mpitrain.data.corpus import CorpusWriter
+    from mpitrain.nn.model_file import save_model
+    from mpitrain.nn.network import build_network
+    net = build_network(feat_dim=5, num_classes=3, left_context=1, right_context=1,
+                        hidden_layers=1, hidden_dim=4)
+    save_model(tmp_path / "m.h5", net)
+    with CorpusWriter(str(tmp_path / "c"), feat_dim=6, num_classes=3, num_shards=1) as w:
+        w.add("u1", np.zeros((10, 6), np.float32), np.zeros(10, np.int32))
+    assert main(["eval", str(tmp_path / "m.h5"), str(tmp_path / "c")]) == 2
+    assert "feat_dim 6" in capsys.readouterr().err
