@@ -1,0 +1,61 @@
+"""Training on the GPU gives the CPU's results to float32 tolerance.
+
+Skips without CuPy and a CUDA device; MPITRAIN_TEST_GPU=1 makes that a failure.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+from mpitrain import backend
+from mpitrain.data.splice import splice, splice_indices
+from mpitrain.nn.network import build_network
+from mpitrain.optim.factory import build_optimizer
+from mpitrain.config import OptimizerConfig
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture
+def cupy():
+    if not backend.gpu_available():
+        if os.environ.get("MPITRAIN_TEST_GPU") == "1":
+            pytest.fail("MPITRAIN_TEST_GPU=1 but no usable CuPy/CUDA device")
+        pytest.skip("cupy with a usable CUDA device is not available")
+    return backend.select("gpu")
+
+
+def _train(xp, optimizer_name, steps=6):
+    net = build_network(feat_dim=8, num_classes=12, left_context=2, right_context=2,
+                        hidden_layers=2, hidden_dim=48, xp=xp)
+    net.init_params(seed=3)
+    opt = build_optimizer(OptimizerConfig(name=optimizer_name, momentum=0.5), net)
+    rng = np.random.default_rng(0)
+    feats = xp.asarray(rng.standard_normal((400, 8)).astype(np.float32))
+    start = xp.asarray(np.repeat([0, 100, 250], [100, 150, 150]))
+    end = xp.asarray(np.repeat([100, 250, 400], [100, 150, 150]))
+    losses = []
+    for step in range(steps):
+        idx = xp.asarray(rng.permutation(400)[:64])
+        ctx = splice_indices(idx, start[idx], end[idx], 2, 2)
+        labels = xp.asarray(rng.integers(0, 12, 64))
+        loss, _ = net.forward_backward(splice(feats, ctx), labels)
+        opt.step(0.01)
+        losses.append(float(loss))
+    return backend.to_host(net.params), losses
+
+
+@pytest.mark.parametrize("optimizer_name", ["sgd", "ngsgd"])
+def test_gpu_training_matches_cpu(cupy, optimizer_name):
+    cpu_params, cpu_losses = _train(np, optimizer_name)
+    gpu_params, gpu_losses = _train(cupy, optimizer_name)
+    np.testing.assert_allclose(gpu_losses, cpu_losses, rtol=1e-4)
+    np.testing.assert_allclose(gpu_params, cpu_params, rtol=1e-3, atol=1e-5)
+
+
+def test_gpu_device_selection_by_local_rank(cupy):
+    count = cupy.cuda.runtime.getDeviceCount()
+    backend.select("gpu", local_rank=count + 1)
+    assert cupy.cuda.Device().id == 1 % count
+    backend.select("gpu", local_rank=0)
