@@ -93,6 +93,9 @@ class ParallelConfig:
     average_every_frames: int = _opt(0, min=0, help="frames per rank between averages; "
                                                     "overrides average_every when > 0")
     average_momentum: bool = _opt(False, help="model_averaging: average momentum buffers too")
+    overlap: bool = _opt(False, help="allreduce: start reducing gradients during backward")
+    bucket_mb: float = _opt(25.0, min=0.0, min_exclusive=True,
+                            help="allreduce with overlap: MiB of gradients per reduction")
     num_jobs_initial: int = _opt(0, min=0, help="kaldi: active ranks at the start; 0: all")
     num_jobs_final: int = _opt(0, min=0, help="kaldi: active ranks at the end; 0: all")
     jobs_step: int = _opt(1, min=1, help="kaldi: past this many jobs, ramp in multiples of it")

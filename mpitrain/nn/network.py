@@ -65,9 +65,12 @@ class Network:
         self.params = xp.zeros(self.num_params, dtype=dtype)
         self.grads = xp.zeros(self.num_params, dtype=dtype)
         self.param_slices = []
+        self._param_offsets = []
+        self.grad_ready_hook = None
         offset = 0
         for c in self.components:
             n = c.num_params
+            self._param_offsets.append(offset)
             if n:
                 c.bind(self.params[offset:offset + n], self.grads[offset:offset + n])
                 self.param_slices.append((c, slice(offset, offset + n)))
@@ -135,10 +138,20 @@ class Network:
         return h
 
     def backward(self, dlogits) -> None:
-        """Fill ``grads`` from the derivative of the loss w.r.t. the logits."""
+        """Fill ``grads`` from the derivative of the loss w.r.t. the logits.
+
+        ``grad_ready_hook``, when set, is called as ``hook(offset)`` each time
+        the gradients from flat offset ``offset`` to the end are final (layers
+        finish last to first), so a strategy can start reducing them while
+        earlier layers still compute.
+        """
         d = dlogits
+        hook = self.grad_ready_hook
+        offsets = self._param_offsets
         for i in range(len(self.components) - 1, -1, -1):
             d = self.components[i].backward(d, need_input_grad=i > 0)
+            if hook is not None and self.components[i].num_params:
+                hook(offsets[i])
 
     def forward_backward(self, x, labels):
         """One training pass: returns (summed loss, correct count); fills grads."""

@@ -54,13 +54,50 @@ class ModelAveraging(Strategy):
 
 
 class GradientAllreduce(Strategy):
-    """Example::
+    """Synchronous SGD: average the gradient buffer every step.
 
-        strategy = GradientAllreduce(comm)     # averages net.grads every step
+    With ``overlap`` the reduction starts during the backward pass: whenever
+    at least ``bucket_bytes`` of finished gradients (the last layers finish
+    first) are pending, a non-blocking Allreduce of them is started; the step
+    waits for all of them before the update.  It pays where the transport
+    progresses on its own (NCCL, or MPI with an asynchronous progress thread);
+    with MPICH's default host progress the reductions mostly run at the wait.
+
+    Example::
+
+        strategy = GradientAllreduce(comm, overlap=True)
     """
 
     name = "allreduce"
 
+    def __init__(self, comm, *, overlap: bool = False, bucket_bytes: int = 25 << 20):
+        super().__init__(comm)
+        if bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+        self.overlap = bool(overlap)
+        self.bucket_bytes = int(bucket_bytes)
+        self._pending = []
+        self._end = None
+
+    def setup(self, net, optimizer) -> None:
+        super().setup(net, optimizer)
+        self.bind(net)
+
+    def bind(self, net) -> None:
+        if self.overlap and self.comm.size > 1:
+            net.grad_ready_hook = lambda offset: self._grads_ready(net, offset)
+
+    def _grads_ready(self, net, offset: int) -> None:
+        end = net.num_params if self._end is None else self._end
+        if (end - offset) * net.grads.itemsize >= self.bucket_bytes or offset == 0:
+            self._pending.append(self.comm.iallreduce_(net.grads[offset:end], op="mean"))
+            self._end = offset
+
     def reduce_gradients(self, net) -> None:
-        if self.comm.size > 1:
+        if self.comm.size == 1:
+            return
+        if not self.overlap:
             self.comm.allreduce_(net.grads, op="mean")
+            return
+        self.comm.waitall(self._pending)
+        self._pending, self._end = [], None

@@ -19,7 +19,8 @@ def build_strategy(cfg, comm, *, total_steps: int = 0):
         return ModelAveraging(comm, every_steps=every, average_momentum=par.average_momentum,
                               reset_preconditioners=reset)
     if par.method == "allreduce":
-        return GradientAllreduce(comm)
+        return GradientAllreduce(comm, overlap=par.overlap,
+                                 bucket_bytes=int(par.bucket_mb * (1 << 20)))
     if par.method == "kaldi":
         from .kaldi import KaldiAveraging
         return KaldiAveraging(comm, every_steps=every, total_steps=total_steps,
