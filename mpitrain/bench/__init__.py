@@ -1,0 +1,1 @@
+"""Benchmarks: collective overhead, single-rank training throughput, speedup curves."""
