@@ -40,6 +40,16 @@ def cmd_prepare(args) -> int:
     return 0 if report.imported else 1
 
 
+def cmd_merge(args) -> int:
+    from .data.merge import merge_corpora
+    manifest = merge_corpora(args.out_dir, args.parts, num_classes=args.num_classes,
+                             overwrite=args.overwrite)
+    print(f"{args.out_dir}: {manifest.num_utterances} utterances, {manifest.num_frames} frames "
+          f"in {len(manifest.shards)} shards from {len(args.parts)} parts "
+          f"(feat_dim {manifest.feat_dim}, {manifest.num_classes} classes)")
+    return 0
+
+
 def cmd_check(args) -> int:
     from .data.check import check_corpus
     from .data.corpus import manifest_path
@@ -163,6 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of pdfs (default: largest label + 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
     p.set_defaults(func=cmd_prepare)
+
+    p = sub.add_parser("merge", formatter_class=fmt,
+                       help="list the shards of part corpora (e.g. from a job array) "
+                            "in one corpus.yaml")
+    p.add_argument("out_dir", help="merged corpus directory; the parts lie inside it")
+    p.add_argument("parts", nargs="+", metavar="PART_DIR", help="part corpus directories")
+    p.add_argument("--num-classes", type=int, default=None,
+                   help="number of pdfs (default: the largest of the parts')")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing corpus.yaml")
+    p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("check", formatter_class=fmt, help="validate a corpus directory")
     p.add_argument("corpus_dir")
