@@ -1,0 +1,596 @@
+"""Single-rank training throughput: mpitrain against PyTorch and the GEMM bound.
+
+For each model and BLAS thread count, three contenders run in interleaved
+rounds within one process (mpitrain, PyTorch, bare GEMMs; the order flips
+every round), so that load from other processes on a shared machine hits all
+three alike.  Rounds are short (a fraction of a second per contender) and
+many; rates are medians over rounds and ratios medians of per-round ratios.
+At one thread, rates from the thread's CPU time are kept too: a process that
+is preempted does not accrue them.
+
+- mpitrain: the per-step work of ``Trainer.run`` on the same objects the
+  trainer builds (``build_network``, ``build_optimizer``, ``build_strategy``
+  with a one-rank communicator, the exponential schedule): minibatch indices
+  from a shuffled chunk, ``splice_indices`` + ``splice`` from unspliced frames,
+  ``forward_backward``, SGD with max-change.
+- PyTorch: ``nn.Sequential`` of ``Linear`` + ``ReLU``, ``CrossEntropyLoss``
+  (summed), ``torch.optim.SGD``, fp32.  Its input is pre-spliced: minibatches
+  are contiguous slices of a spliced copy of the chunk (no gather), which
+  favours PyTorch.
+- GEMM bound: the model's GEMMs at its minibatch size (forward, weight
+  gradient for every layer, data gradient for all but the first) run back to
+  back with numpy's BLAS; frames/s can be no higher than that GEMM FLOP/s over
+  the model FLOPs per frame.
+
+Usage::
+
+    python -m mpitrain.bench.throughput --threads 1,2 --models small,large --json out.json
+
+Example::
+
+    rows = run(parse_args(["--models", "small", "--threads", "1", "--rounds", "3"]))
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from mpitrain.data.splice import splice, splice_indices
+
+METHODS = ("mpitrain", "torch", "gemm")
+SWITCH_PAUSE = 0.2   # seconds between contenders when BLAS runs several threads
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A benchmark model: spliced input, ReLU hidden layers, softmax output.
+
+    Example::
+
+        ModelSpec("tiny", hidden_layers=2, hidden_dim=64, num_classes=10,
+                  minibatch=32).layer_dims     # [440, 64, 64, 10]
+    """
+
+    name: str
+    hidden_layers: int
+    hidden_dim: int
+    num_classes: int
+    minibatch: int
+    feat_dim: int = 40
+    left_context: int = 5
+    right_context: int = 5
+    default_steps: int = 3   # timed steps per round: a fraction of a second
+
+    @property
+    def input_dim(self) -> int:
+        return self.feat_dim * (self.left_context + 1 + self.right_context)
+
+    @property
+    def layer_dims(self) -> list:
+        return [self.input_dim] + [self.hidden_dim] * self.hidden_layers + [self.num_classes]
+
+    def describe(self) -> str:
+        return (f"{self.input_dim}-{self.hidden_layers}x{self.hidden_dim}-{self.num_classes}, "
+                f"minibatch {self.minibatch}")
+
+
+MODELS = {
+    "small": ModelSpec("small", hidden_layers=4, hidden_dim=1024, num_classes=2000,
+                       minibatch=256, default_steps=3),
+    "large": ModelSpec("large", hidden_layers=4, hidden_dim=2048, num_classes=4000,
+                       minibatch=512, default_steps=1),
+}
+
+
+# -- FLOP accounting ---------------------------------------------------------------
+def layer_gemms(dims: Sequence[int], batch: int) -> list:
+    """The (m, k, n) shape of every GEMM of one training step, in execution order.
+
+    Forward ``x (B, in) @ W^T`` per layer, then backward from the last layer:
+    data gradient ``dy (B, out) @ W`` (skipped for the first layer, whose input
+    needs no gradient) and weight gradient ``dy^T (out, B) @ x``.
+
+    Example::
+
+        layer_gemms([4, 3, 2], 5)
+        # [(5, 4, 3), (5, 3, 2), (5, 2, 3), (2, 5, 3), (3, 5, 4)]
+    """
+    if len(dims) < 2 or min(dims) < 1 or batch < 1:
+        raise ValueError(f"need >= 2 positive layer dims and batch >= 1, got {list(dims)}, "
+                         f"batch {batch}")
+    pairs = list(zip(dims[:-1], dims[1:]))
+    gemms = [(batch, i, o) for i, o in pairs]
+    for layer in range(len(pairs) - 1, -1, -1):
+        i, o = pairs[layer]
+        if layer > 0:
+            gemms.append((batch, o, i))
+        gemms.append((o, batch, i))
+    return gemms
+
+
+def gemm_flops(gemms) -> int:
+    """2 m k n summed over (m, k, n) shapes."""
+    return sum(2 * m * k * n for m, k, n in gemms)
+
+
+def flops_per_frame(dims: Sequence[int]) -> int:
+    """Model FLOPs per training frame: 2 sum(in*out) forward, the same for the
+    weight gradients, and the data gradients of all layers but the first.
+
+    Example::
+
+        flops_per_frame([440, 1024, 1024, 1024, 1024, 2000])   # 32_964_608, ~33 MFLOP
+    """
+    return gemm_flops(layer_gemms(dims, 1))
+
+
+# -- results -----------------------------------------------------------------------
+def summarize(model: ModelSpec, threads: int, rates: dict, *, cpu_rates: Optional[dict] = None
+              ) -> dict:
+    """One result row from per-round measurements.
+
+    ``rates`` maps ``"mpitrain"`` and ``"torch"`` to per-round frames/s and
+    ``"gemm"`` to per-round FLOP/s, all from wall-clock time; ``"torch"`` may be
+    missing (PyTorch not installed).  Rates are medians over rounds; ratios are
+    medians of the per-round ratios, so a round slowed by foreign load for all
+    three contenders cancels out.  ``cpu_rates`` (same layout, from the thread's
+    CPU time, meaningful at one thread) adds ``cpu_*`` ratios.
+
+    Example::
+
+        summarize(MODELS["small"], 1, {"mpitrain": [2500.0], "torch": [2000.0],
+                                       "gemm": [9e10]})["mpitrain_vs_torch"]   # 1.25
+    """
+    fpf = flops_per_frame(model.layer_dims)
+    ours, gemm = rates["mpitrain"], rates["gemm"]
+    theirs = rates.get("torch") or None
+    if len(gemm) != len(ours) or (theirs and len(theirs) != len(ours)):
+        raise ValueError("every contender needs one rate per round")
+    med = statistics.median
+    row = {
+        "model": model.name, "layers": model.describe(), "threads": threads,
+        "mflop_per_frame": fpf / 1e6,
+        "mpitrain_fps": med(ours), "torch_fps": med(theirs) if theirs else None,
+        "mpitrain_vs_torch": med(o / t for o, t in zip(ours, theirs)) if theirs else None,
+        "gemm_gflops": med(gemm) / 1e9, "gemm_bound_fps": med(gemm) / fpf,
+        "fraction_of_bound": med(o * fpf / g for o, g in zip(ours, gemm)),
+        "rounds": len(ours),
+        "per_round": {k: list(v) for k, v in rates.items()},
+    }
+    if cpu_rates:
+        c_ours, c_theirs, c_gemm = (cpu_rates["mpitrain"], cpu_rates.get("torch"),
+                                    cpu_rates["gemm"])
+        row["cpu_mpitrain_vs_torch"] = med(o / t for o, t in zip(c_ours, c_theirs)) \
+            if c_theirs else None
+        row["cpu_fraction_of_bound"] = med(o * fpf / g for o, g in zip(c_ours, c_gemm))
+        row["cpu_per_round"] = {k: list(v) for k, v in cpu_rates.items()}
+    return row
+
+
+TABLE_COLUMNS = (
+    ("model", "model", "{}"), ("threads", "threads", "{}"),
+    ("mpitrain fr/s", "mpitrain_fps", "{:,.0f}"), ("torch fr/s", "torch_fps", "{:,.0f}"),
+    ("mpitrain/torch", "mpitrain_vs_torch", "{:.2f}"),
+    ("GEMM GFLOP/s", "gemm_gflops", "{:.1f}"), ("GEMM bound fr/s", "gemm_bound_fps", "{:,.0f}"),
+    ("of bound", "fraction_of_bound", "{:.2f}"),
+)
+
+
+def format_table(rows: Sequence[dict], *, markdown: bool = False) -> str:
+    """Rows from :func:`summarize` as an aligned text (or Markdown) table.
+
+    A missing value (PyTorch not installed) prints as ``-``.
+
+    Example::
+
+        print(format_table(rows, markdown=True))
+    """
+    header = [title for title, _, _ in TABLE_COLUMNS]
+    body = [[("-" if row.get(key) is None else fmt.format(row[key]))
+             for _, key, fmt in TABLE_COLUMNS] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |",
+                 "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|"]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
+              for i, h in enumerate(header)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(header, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(cells, widths)) for cells in body]
+    return "\n".join(lines)
+
+
+# -- synthetic data ----------------------------------------------------------------
+def synthetic_chunk(model: ModelSpec, frames: int, *, seed: int = 0):
+    """A normalised in-memory chunk with random utterance boundaries and labels.
+
+    Returns ``(chunk, perm)``: a :class:`~mpitrain.data.batcher.Chunk` as the
+    minibatch stream yields it, and a shuffled frame order.
+    """
+    from mpitrain.data.batcher import Chunk, ChunkSpec
+    from mpitrain.data.splice import frame_utterance_bounds
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(100, 1000, size=frames // 100 + 1)
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    offsets = offsets[offsets < frames]
+    offsets = np.append(offsets, frames)
+    start, end = frame_utterance_bounds(offsets)
+    feats = rng.standard_normal((frames, model.feat_dim), dtype=np.float32)
+    labels = rng.integers(0, model.num_classes, size=frames).astype(np.int32)
+    spec = ChunkSpec(0, 0, len(offsets) - 1, frames)
+    return Chunk(spec, feats, labels, start, end), rng.permutation(frames)
+
+
+# -- the contenders ----------------------------------------------------------------
+class MpitrainSteps:
+    """The trainer's per-step work on a synthetic chunk (see ``Trainer.run``)."""
+
+    def __init__(self, model: ModelSpec, chunk, perm, *, seed: int = 1):
+        from mpitrain.comm.single import SingleCommunicator
+        from mpitrain.config import RunConfig
+        from mpitrain.nn.network import build_network
+        from mpitrain.optim.factory import build_optimizer
+        from mpitrain.optim.schedule import ExponentialSchedule
+        from mpitrain.parallel.factory import build_strategy
+
+        cfg = RunConfig()
+        cfg.model.hidden_layers, cfg.model.hidden_dim = model.hidden_layers, model.hidden_dim
+        cfg.training.minibatch = model.minibatch
+        cfg.data.left_context, cfg.data.right_context = model.left_context, model.right_context
+        self.cfg, self.model, self.chunk, self.perm = cfg, model, chunk, perm
+        self.net = build_network(
+            feat_dim=model.feat_dim, num_classes=model.num_classes,
+            left_context=model.left_context, right_context=model.right_context,
+            hidden_layers=model.hidden_layers, hidden_dim=model.hidden_dim,
+            nonlinearity="relu", xp=np)
+        self.net.init_params(seed=seed)
+        self.batches = len(perm) // model.minibatch
+        self.planned_steps = 10 * self.batches   # lr decays as over 10 epochs of this chunk
+        self.optimizer = build_optimizer(cfg.optimizer, self.net)
+        self.strategy = build_strategy(cfg, SingleCommunicator(), total_steps=self.planned_steps)
+        self.strategy.setup(self.net, self.optimizer)
+        self.schedule = ExponentialSchedule(cfg.optimizer.initial_learning_rate,
+                                            cfg.optimizer.final_learning_rate)
+        batch = model.minibatch
+        self.spliced = np.empty((batch, self.net.input_dim), dtype=np.float32)
+        self.ctx = np.empty((batch, self.net.context), dtype=np.int64)
+        self.acc_loss = np.zeros((), dtype=np.float64)
+        self.acc_correct = np.zeros((), dtype=np.int64)
+        self.step_count = 0
+
+    def _next_indices(self):
+        b = self.model.minibatch
+        pos = self.step_count % self.batches
+        return self.perm[pos * b:(pos + 1) * b]
+
+    def _learning_rate(self) -> float:
+        return self.strategy.learning_rate(
+            self.schedule(self.step_count / self.planned_steps), self.step_count)
+
+    def step(self) -> None:
+        chunk, net, left, right = self.chunk, self.net, self.model.left_context, \
+            self.model.right_context
+        strategy = self.strategy
+        lr = self._learning_rate()
+        strategy.active_ranks(self.step_count)
+        if strategy.is_active(self.step_count):
+            idx = self._next_indices()
+            splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], left, right,
+                           out=self.ctx)
+            splice(chunk.feats, self.ctx, out=self.spliced)
+            loss, correct = net.forward_backward(self.spliced, chunk.labels[idx])
+            strategy.reduce_gradients(net)
+            self.optimizer.step(lr)
+            self.acc_loss += loss
+            self.acc_correct += correct
+        self.step_count += 1
+        strategy.after_update(net, self.optimizer, self.step_count)
+
+    def step_pieces(self, clock=time.perf_counter) -> dict:
+        """One step as :meth:`step`, returning seconds spent in each piece."""
+        chunk, net = self.chunk, self.net
+        t0 = clock()
+        idx = self._next_indices()
+        splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx],
+                       self.model.left_context, self.model.right_context, out=self.ctx)
+        splice(chunk.feats, self.ctx, out=self.spliced)
+        labels = chunk.labels[idx]
+        t1 = clock()
+        logits = net.forward(self.spliced)
+        t2 = clock()
+        loss, correct = net.loss.forward(logits, labels)
+        dlogits = net.loss.backward()
+        t3 = clock()
+        net.backward(dlogits)
+        t4 = clock()
+        self.strategy.reduce_gradients(net)
+        self.optimizer.step(self._learning_rate())
+        self.step_count += 1
+        self.strategy.after_update(net, self.optimizer, self.step_count)
+        self.acc_loss += loss
+        self.acc_correct += correct
+        t5 = clock()
+        return {"splice": t1 - t0, "forward": t2 - t1, "softmax_xent": t3 - t2,
+                "backward": t4 - t3, "optimizer": t5 - t4}
+
+
+class TorchSteps:
+    """The same model and step in PyTorch, on pre-spliced contiguous minibatches."""
+
+    def __init__(self, model: ModelSpec, chunk, perm, *, seed: int = 1):
+        import torch
+
+        torch.manual_seed(seed)
+        dims = model.layer_dims
+        layers = []
+        for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
+            layers.append(torch.nn.Linear(d_in, d_out))
+            if i < len(dims) - 2:
+                layers.append(torch.nn.ReLU())
+        self.torch, self.model = torch, model
+        self.net = torch.nn.Sequential(*layers)
+        self.loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.002)
+        # Splice the chunk once in shuffled order; a minibatch is then a free view.
+        b = model.minibatch
+        self.batches = min(len(perm) // b, 64)
+        order = perm[:self.batches * b]
+        idx = splice_indices(order, chunk.utt_start[order], chunk.utt_end[order],
+                             model.left_context, model.right_context)
+        self.x = torch.from_numpy(np.ascontiguousarray(splice(chunk.feats, idx)))
+        self.y = torch.from_numpy(chunk.labels[order].astype(np.int64))
+        self.step_count = 0
+
+    def step(self) -> None:
+        b = self.model.minibatch
+        pos = self.step_count % self.batches
+        x, y = self.x[pos * b:(pos + 1) * b], self.y[pos * b:(pos + 1) * b]
+        self.optimizer.zero_grad()  # set_to_none: the cheaper default
+        loss = self.loss_fn(self.net(x), y)
+        loss.backward()
+        self.optimizer.step()
+        self.step_count += 1
+
+
+class GemmSteps:
+    """The model's GEMMs at its minibatch, back to back with numpy's BLAS.
+
+    Operands have the layouts a layer sees: ``x @ W.T`` forward, ``dy @ W``
+    and ``dy.T @ x`` backward, with ``W`` a C-contiguous (out, in) matrix.
+    """
+
+    def __init__(self, model: ModelSpec, *, seed: int = 2):
+        rng = np.random.default_rng(seed)
+        b = model.minibatch
+        dims = model.layer_dims
+        self.flops = gemm_flops(layer_gemms(dims, b))
+
+        def rand(*shape):
+            return rng.standard_normal(shape, dtype=np.float32)
+
+        self.ops = []
+        pairs = list(zip(dims[:-1], dims[1:]))
+        acts = [rand(b, d) for d in dims]
+        weights = [rand(o, i) for i, o in pairs]
+        for layer, w in enumerate(weights):
+            self.ops.append((acts[layer], w.T, acts[layer + 1]))
+        for layer in range(len(pairs) - 1, -1, -1):
+            i, o = pairs[layer]
+            dy = rand(b, o)
+            if layer > 0:
+                self.ops.append((dy, weights[layer], rand(b, i)))
+            self.ops.append((dy.T, acts[layer], rand(o, i)))
+
+    def step(self) -> None:
+        for a, b, out in self.ops:
+            np.matmul(a, b, out=out)
+
+
+# -- running -----------------------------------------------------------------------
+def _time_round(stepper, steps: int, *, pause: float = 0.0) -> tuple:
+    """(wall seconds, this thread's CPU seconds) for ``steps`` steps."""
+    if pause:
+        # The other library's idle workers spin for a while before they sleep;
+        # on few cores they would steal this round's time.
+        time.sleep(pause)
+    wall, cpu = time.perf_counter(), time.thread_time()
+    for _ in range(steps):
+        stepper.step()
+    return time.perf_counter() - wall, time.thread_time() - cpu
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+TORCH_MISSING = ("PyTorch is not installed, so only mpitrain and the GEMM bound are measured. "
+                 "Install it with `pip install torch` (CPU wheel: "
+                 "`pip install torch --index-url https://download.pytorch.org/whl/cpu`).")
+
+
+def measure(model: ModelSpec, threads: int, *, steps: int, rounds: int, warmup: int,
+            frames: int, use_torch: bool = True, breakdown: bool = False,
+            log=None) -> dict:
+    """Interleaved rounds for one model at one thread count; returns a result row.
+
+    At one thread the BLAS of both libraries runs in the calling thread, so
+    rates from its CPU time (which a preempted process does not accrue) are
+    kept as well.
+    """
+    from threadpoolctl import threadpool_limits
+
+    torch = _import_torch() if use_torch else None
+    chunk, perm = synthetic_chunk(model, frames)
+    steppers = {"mpitrain": MpitrainSteps(model, chunk, perm), "gemm": GemmSteps(model)}
+    if torch is not None:
+        steppers["torch"] = TorchSteps(model, chunk, perm)
+    order = [m for m in METHODS if m in steppers]
+    rates = {m: [] for m in order}
+    cpu_rates = {m: [] for m in order}
+    pieces = None
+    if torch is not None:
+        torch_threads = torch.get_num_threads()
+    with threadpool_limits(limits=threads):
+        if torch is not None:
+            torch.set_num_threads(threads)
+        try:
+            for stepper in steppers.values():
+                for _ in range(warmup):
+                    stepper.step()
+            for r in range(rounds):
+                for method in (order if r % 2 == 0 else order[::-1]):
+                    wall, cpu = _time_round(steppers[method], steps,
+                                            pause=SWITCH_PAUSE if threads > 1 else 0.0)
+                    work = steps * (steppers["gemm"].flops if method == "gemm"
+                                    else model.minibatch)
+                    rates[method].append(work / wall)
+                    cpu_rates[method].append(work / max(cpu, 1e-9))
+                if log:
+                    log(f"  {model.name} threads={threads} round {r + 1}/{rounds}: " + ", ".join(
+                        f"{m} {rates[m][-1] / (1e9 if m == 'gemm' else 1):,.1f}"
+                        f"{' GFLOP/s' if m == 'gemm' else ' fr/s'}" for m in order))
+            if breakdown:
+                clock = time.thread_time if threads == 1 else time.perf_counter
+                pieces = _time_pieces(steppers["mpitrain"], steps * rounds, clock)
+        finally:
+            if torch is not None:
+                torch.set_num_threads(torch_threads)
+    row = summarize(model, threads, rates, cpu_rates=cpu_rates if threads == 1 else None)
+    if pieces is not None:
+        # at one thread both are CPU time, so preemption shows in neither
+        gemm_rate = statistics.median(cpu_rates["gemm"]) if threads == 1 \
+            else row["gemm_gflops"] * 1e9
+        row["mpitrain_pieces_ms"] = pieces
+        row["gemm_ms_per_step"] = 1e3 * steppers["gemm"].flops / gemm_rate
+    return row
+
+
+def _time_pieces(stepper: MpitrainSteps, steps: int, clock) -> dict:
+    samples = [stepper.step_pieces(clock) for _ in range(max(steps, 1))]
+    return {k: 1e3 * statistics.median(s[k] for s in samples) for k in samples[0]}
+
+
+def machine_info() -> dict:
+    """CPU model, core count, numpy's BLAS and the PyTorch version."""
+    from threadpoolctl import threadpool_info
+
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    blas = [{"internal_api": i.get("internal_api"), "version": i.get("version"),
+             "architecture": i.get("architecture"), "threading_layer": i.get("threading_layer")}
+            for i in threadpool_info()
+            if i.get("user_api") == "blas" and "numpy" in (i.get("filepath") or "")]
+    torch = _import_torch()
+    return {"cpu": cpu, "cores": os.cpu_count(), "numpy": np.__version__,
+            "numpy_blas": blas[0] if blas else None,
+            "torch": torch.__version__ if torch is not None else None,
+            "python": sys.version.split()[0]}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpitrain.bench.throughput",
+        description="single-rank training frames/s: mpitrain vs PyTorch vs the GEMM bound")
+    parser.add_argument("--threads", default="1,2", help="BLAS thread counts, comma-separated")
+    parser.add_argument("--models", default="small,large",
+                        help=f"comma-separated, from {', '.join(MODELS)}")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="timed steps per round and contender; 0: the model's default "
+                             + ", ".join(f"{m.name} {m.default_steps}" for m in MODELS.values()))
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="interleaved rounds (short rounds, many of them: each round's "
+                             "contenders then see the same foreign load)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the rounds")
+    parser.add_argument("--frames", type=int, default=50_000, help="frames in the synthetic chunk")
+    parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch contender")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time the pieces of the mpitrain step (median ms)")
+    parser.add_argument("--json", default=None, help="also write the results to this file")
+    args = parser.parse_args(argv)
+    try:
+        args.threads = [int(t) for t in args.threads.split(",") if t.strip()]
+    except ValueError:
+        parser.error(f"--threads: expected comma-separated integers, got {args.threads!r}")
+    if not args.threads or min(args.threads) < 1:
+        parser.error("--threads: expected positive thread counts")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        parser.error(f"--models: unknown model {unknown[0] if unknown else '(none)'!r}; "
+                     f"expected some of {', '.join(MODELS)}")
+    if args.steps < 0 or args.rounds < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 0, --rounds >= 1 and --warmup >= 0")
+    biggest = max(MODELS[m].minibatch for m in args.models)
+    if args.frames < biggest:
+        parser.error(f"--frames: expected at least one minibatch ({biggest}), got {args.frames}")
+    return args
+
+
+def run(args: argparse.Namespace, *, log=None) -> list:
+    """Measure every model at every thread count; returns the result rows."""
+    rows = []
+    for name in args.models:
+        model = MODELS[name]
+        for threads in args.threads:
+            rows.append(measure(model, threads, steps=args.steps or model.default_steps,
+                                rounds=args.rounds, warmup=args.warmup, frames=args.frames,
+                                use_torch=not args.no_torch, breakdown=args.breakdown, log=log))
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    info = machine_info()
+    if info["torch"] is None and not args.no_torch:
+        print(TORCH_MISSING, file=sys.stderr)
+    blas = info["numpy_blas"] or {}
+    print(f"# {info['cpu']}, {info['cores']} cores; numpy {info['numpy']} with "
+          f"{blas.get('internal_api')} {blas.get('version')}; torch {info['torch']}")
+    print("# PyTorch input: pre-spliced contiguous minibatches (no gather)")
+
+    def log(line):
+        print(line, file=sys.stderr, flush=True)
+
+    rows = run(args, log=log)
+    print(format_table(rows))
+    for row in rows:
+        if row.get("cpu_fraction_of_bound") is not None:
+            vs_torch = row["cpu_mpitrain_vs_torch"]
+            print(f"# {row['model']} threads=1 on thread CPU time: mpitrain/torch "
+                  f"{'-' if vs_torch is None else f'{vs_torch:.2f}'}, of bound "
+                  f"{row['cpu_fraction_of_bound']:.2f}")
+    for row in rows:
+        if "mpitrain_pieces_ms" in row:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in row["mpitrain_pieces_ms"].items())
+            print(f"# {row['model']} threads={row['threads']} mpitrain step (ms): {parts}; "
+                  f"GEMMs alone {row['gemm_ms_per_step']:.1f}")
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump({"machine": info, "args": {k: v for k, v in vars(args).items()},
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""The throughput benchmark's bookkeeping: FLOP counts, result rows, the table, options."""
+
+import json
+
+import numpy as np
+import pytest
+
+from mpitrain.bench import throughput as tp
+from mpitrain.bench.throughput import (MODELS, GemmSteps, ModelSpec, flops_per_frame,
+                                       format_table, gemm_flops, layer_gemms, parse_args,
+                                       summarize)
+
+TINY = ModelSpec("tiny", hidden_layers=2, hidden_dim=16, num_classes=7, minibatch=8,
+                 feat_dim=3, left_context=1, right_context=1, default_steps=1)
+
+
+def _by_hand(dims):
+    pairs = list(zip(dims[:-1], dims[1:]))
+    forward = sum(2 * i * o for i, o in pairs)
+    weight_grad = forward
+    data_grad = sum(2 * i * o for i, o in pairs[1:])
+    return forward + weight_grad + data_grad
+
+
+def test_layer_gemms_order_and_shapes():
+    # forward per layer, then per layer from the top: data grad (not the first), weight grad
+    assert layer_gemms([4, 3, 2], 5) == [(5, 4, 3), (5, 3, 2),
+                                         (5, 2, 3), (2, 5, 3),
+                                         (3, 5, 4)]
+
+
+@pytest.mark.parametrize("name", ["small", "large"])
+def test_flops_per_frame_of_the_spec_models(name):
+    dims = MODELS[name].layer_dims
+    assert dims[0] == 440 and len(dims) == 6
+    assert flops_per_frame(dims) == _by_hand(dims)
+
+
+def test_flops_per_frame_known_values():
+    # 440-4x1024-2000: 2 * (3 * 5_644_288 - 440 * 1024)
+    assert flops_per_frame([440, 1024, 1024, 1024, 1024, 2000]) == 32_964_608
+    assert flops_per_frame([440, 2048, 2048, 2048, 2048, 4000]) == 128_253_952
+    # one layer: no data gradient at all
+    assert flops_per_frame([10, 4]) == 2 * 2 * 10 * 4
+
+
+def test_gemm_flops_scales_with_batch():
+    dims = MODELS["small"].layer_dims
+    assert gemm_flops(layer_gemms(dims, 256)) == 256 * flops_per_frame(dims)
+
+
+@pytest.mark.parametrize("dims,batch", [([5], 4), ([5, 0], 4), ([5, 3], 0)])
+def test_layer_gemms_rejects_bad_shapes(dims, batch):
+    with pytest.raises(ValueError):
+        layer_gemms(dims, batch)
+
+
+def test_gemm_steps_run_exactly_the_counted_gemms():
+    steps = GemmSteps(TINY)
+    shapes = [(a.shape[0], a.shape[1], b.shape[1]) for a, b, _ in steps.ops]
+    assert shapes == layer_gemms(TINY.layer_dims, TINY.minibatch)
+    assert steps.flops == TINY.minibatch * flops_per_frame(TINY.layer_dims)
+    a, b, out = steps.ops[0]
+    steps.step()
+    np.testing.assert_allclose(out, a @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_summarize_takes_medians_and_per_round_ratios():
+    fpf = flops_per_frame(TINY.layer_dims)
+    rates = {"mpitrain": [100.0, 300.0, 200.0], "torch": [50.0, 300.0, 250.0],
+             "gemm": [fpf * 200.0, fpf * 300.0, fpf * 400.0]}
+    row = summarize(TINY, 2, rates)
+    assert row["mpitrain_fps"] == 200.0
+    assert row["torch_fps"] == 250.0
+    # per-round ratios 2.0, 1.0, 0.8 -> median 1.0 (the ratio of medians would be 0.8)
+    assert row["mpitrain_vs_torch"] == pytest.approx(1.0)
+    assert row["gemm_gflops"] == pytest.approx(fpf * 300.0 / 1e9)
+    assert row["gemm_bound_fps"] == pytest.approx(300.0)
+    # per-round fractions 0.5, 1.0, 0.5
+    assert row["fraction_of_bound"] == pytest.approx(0.5)
+    assert row["threads"] == 2 and row["rounds"] == 3
+    json.dumps(row)  # the row goes to --json as it is
+
+
+def test_summarize_without_torch_and_with_cpu_rates():
+    fpf = flops_per_frame(TINY.layer_dims)
+    rates = {"mpitrain": [90.0], "gemm": [fpf * 100.0]}
+    row = summarize(TINY, 1, rates, cpu_rates={"mpitrain": [95.0], "gemm": [fpf * 100.0]})
+    assert row["torch_fps"] is None and row["mpitrain_vs_torch"] is None
+    assert row["fraction_of_bound"] == pytest.approx(0.9)
+    assert row["cpu_fraction_of_bound"] == pytest.approx(0.95)
+    assert row["cpu_mpitrain_vs_torch"] is None
+
+
+def test_summarize_rejects_uneven_rounds():
+    with pytest.raises(ValueError, match="one rate per round"):
+        summarize(TINY, 1, {"mpitrain": [1.0, 2.0], "gemm": [1.0]})
+
+
+def test_format_table_columns_and_missing_torch():
+    fpf = flops_per_frame(TINY.layer_dims)
+    with_torch = summarize(TINY, 1, {"mpitrain": [1250.0], "torch": [1000.0],
+                                     "gemm": [fpf * 2500.0]})
+    without = summarize(TINY, 2, {"mpitrain": [2000.0], "gemm": [fpf * 4000.0]})
+    text = format_table([with_torch, without]).splitlines()
+    assert len(text) == 3
+    assert text[0].split()[:4] == ["model", "threads", "mpitrain", "fr/s"]
+    assert text[1].split() == ["tiny", "1", "1,250", "1,000", "1.25",
+                               f"{fpf * 2500.0 / 1e9:.1f}", "2,500", "0.50"]
+    assert text[2].split()[2:5] == ["2,000", "-", "-"]
+    md = format_table([with_torch], markdown=True).splitlines()
+    assert md[0].startswith("| model | threads |") and md[1].startswith("|---|---|---:")
+    assert md[2] == ("| tiny | 1 | 1,250 | 1,000 | 1.25 | "
+                     f"{fpf * 2500.0 / 1e9:.1f} | 2,500 | 0.50 |")
+
+
+def test_parse_args_defaults_and_errors(capsys):
+    args = parse_args([])
+    assert args.threads == [1, 2] and args.models == ["small", "large"]
+    assert parse_args(["--threads", "2", "--models", "large"]).threads == [2]
+    for bad in (["--threads", "0"], ["--threads", "a"], ["--models", "huge"],
+                ["--rounds", "0"], ["--frames", "100"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+    assert "--models: unknown model 'huge'" in capsys.readouterr().err
+
+
+def test_measure_runs_the_trainer_step_without_torch():
+    row = tp.measure(TINY, 1, steps=1, rounds=2, warmup=1, frames=200, use_torch=False,
+                     breakdown=True)
+    assert row["torch_fps"] is None and len(row["per_round"]["mpitrain"]) == 2
+    assert row["mpitrain_fps"] > 0 and row["gemm_gflops"] > 0
+    assert set(row["mpitrain_pieces_ms"]) == {"splice", "forward", "softmax_xent",
+                                              "backward", "optimizer"}
+
+
+def test_mpitrain_step_trains_the_model():
+    chunk, perm = tp.synthetic_chunk(TINY, 64)
+    steps = tp.MpitrainSteps(TINY, chunk, perm)
+    before = steps.net.params.copy()
+    steps.step()
+    steps.step()
+    assert steps.step_count == 2 and steps.optimizer.num_steps == 2
+    assert not np.array_equal(before, steps.net.params)
+    assert float(steps.acc_loss) > 0
+    # minibatches walk through the shuffled order
+    assert np.array_equal(steps._next_indices(), perm[2 * TINY.minibatch:3 * TINY.minibatch])
+
+
+def test_main_without_torch_reports_mpitrain_and_gemm(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(tp, "MODELS", {"tiny": TINY})
+    monkeypatch.setattr(tp, "_import_torch", lambda: None)
+    out = tmp_path / "rows.json"
+    assert tp.main(["--models", "tiny", "--threads", "1", "--rounds", "1", "--frames", "100",
+                    "--json", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "pip install torch" in captured.err
+    assert "tiny" in captured.out
+    saved = json.loads(out.read_text())
+    assert saved["machine"]["torch"] is None
+    assert [r["model"] for r in saved["rows"]] == ["tiny"]
