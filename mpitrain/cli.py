@@ -127,6 +127,14 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_plot(args) -> int:
+    from .plotting import plot_runs
+    out = args.out or (os.path.join(args.run_dirs[0], "curves.png")
+                       if len(args.run_dirs) == 1 else "curves.png")
+    print(f"wrote {plot_runs(args.run_dirs, out, x=args.x)}")
+    return 0
+
+
 def _limit_blas_threads(threads: int, comm) -> None:
     """Apply ``blas_threads`` (0: cores on this node divided by ranks on it)."""
     if threads == 0:
@@ -213,6 +221,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="corpus whose class counts give the priors (default: the model's)")
     p.add_argument("--batch", type=int, default=4096)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("plot", formatter_class=fmt,
+                       help="PNG of held-out and training accuracy and cross-entropy of runs")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories to compare")
+    p.add_argument("--out", default=None,
+                   help="PNG to write (default: RUN_DIR/curves.png for one run, "
+                        "else ./curves.png)")
+    p.add_argument("--x", default="frames", choices=("frames", "time"),
+                   help="frames seen (all ranks) or seconds since the start")
+    p.set_defaults(func=cmd_plot)
     return parser
 
 

@@ -1,0 +1,164 @@
+"""Training curves from run directories: read ``metrics.jsonl``, draw PNG plots.
+
+Matplotlib is imported inside the functions and only its Agg canvas is used,
+so importing mpitrain stays light and no display is ever needed.
+
+Example::
+
+    from mpitrain.plotting import plot_runs
+    plot_runs(["runs/sgd", "runs/ngsgd"], "curves.png", x="frames")
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Sequence
+
+#: Record types the trainer writes; read_metrics always returns these keys.
+RECORD_TYPES = ("start", "train", "eval", "end")
+#: What the curves can be drawn against: frames seen (all ranks) or seconds.
+X_AXES = {"frames": ("frames", "frames seen (all ranks)"),
+          "time": ("time", "wall time (s)")}
+
+
+def metrics_path(run_dir) -> str:
+    """The metrics file of a run directory (a path to the file itself is kept).
+
+    Example::
+
+        metrics_path("runs/quickstart")    # 'runs/quickstart/metrics.jsonl'
+    """
+    run_dir = os.fspath(run_dir)
+    if run_dir.endswith(".jsonl") and not os.path.isdir(run_dir):
+        return run_dir
+    return os.path.join(run_dir, "metrics.jsonl")
+
+
+def read_metrics(run_dir) -> dict[str, list[dict]]:
+    """Records of ``RUN_DIR/metrics.jsonl`` grouped by their ``type``, in file order.
+
+    The result always has the keys ``start``, ``train``, ``eval`` and ``end``
+    (possibly empty lists), plus any other type found.  A missing file raises
+    FileNotFoundError and a garbled line ValueError, both naming the file.
+
+    Example::
+
+        records = read_metrics("runs/quickstart")
+        last = records["eval"][-1]        # {'type': 'eval', 'frames': ..., 'dev_acc': ...}
+    """
+    path = metrics_path(run_dir)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no metrics file (a run directory of "
+                                "`mpitrain train` has one)")
+    records: dict[str, list[dict]] = {kind: [] for kind in RECORD_TYPES}
+    with open(path, encoding="utf-8") as fh:
+        for number, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: line {number}: expected one JSON object, "
+                                 f"got unreadable text ({exc.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("type"), str):
+                raise ValueError(f"{path}: line {number}: field 'type': expected a string "
+                                 f"({', '.join(RECORD_TYPES)}) in a JSON object")
+            records.setdefault(record["type"], []).append(record)
+    return records
+
+
+def _series(records: list[dict], x_key: str, y_key: str, path: str):
+    xs, ys = [], []
+    for record in records:
+        if y_key not in record:
+            continue
+        if not isinstance(record.get(x_key), (int, float)) \
+                or not isinstance(record[y_key], (int, float)):
+            raise ValueError(f"{path}: {record['type']} record at step {record.get('step')}: "
+                             f"fields '{x_key}' and '{y_key}': expected numbers")
+        xs.append(record[x_key])
+        ys.append(record[y_key])
+    return xs, ys
+
+
+def run_label(run_dir) -> str:
+    """The name a run is shown under: the last component of its directory.
+
+    Example::
+
+        run_label("bench-out/convergence/sgd-lr0.004-1r/")   # 'sgd-lr0.004-1r'
+    """
+    path = os.path.normpath(os.fspath(run_dir))
+    if path.endswith(".jsonl"):
+        path = os.path.dirname(path) or path
+    return os.path.basename(path)
+
+
+def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
+              labels: Optional[Sequence[str]] = None, title: Optional[str] = None,
+              train: bool = True, dpi: int = 100) -> str:
+    """Draw held-out frame accuracy and cross-entropy of several runs into one PNG.
+
+    Two panels side by side; one colour per run, held-out curves solid,
+    training curves (the averages the trainer logs every ``log_interval``
+    steps) dashed when ``train`` is true.  ``x`` is ``"frames"`` (frames seen,
+    summed over ranks) or ``"time"`` (seconds since the run started).
+    Returns the path written.
+
+    Example::
+
+        plot_runs(["runs/a", "runs/b"], "ab.png", x="time", labels=["SGD", "NG-SGD"])
+    """
+    if x not in X_AXES:
+        raise ValueError(f"plot_runs: x: expected one of {', '.join(X_AXES)}, got {x!r}")
+    run_dirs = list(run_dirs)
+    if not run_dirs:
+        raise ValueError("plot_runs: run_dirs: expected at least one run directory")
+    if labels is None:
+        labels = [run_label(d) for d in run_dirs]
+    elif len(labels) != len(run_dirs):
+        raise ValueError(f"plot_runs: labels: expected {len(run_dirs)} labels "
+                         f"(one per run), got {len(labels)}")
+    if dpi < 10:
+        raise ValueError(f"plot_runs: dpi: expected at least 10, got {dpi}")
+    runs = [(metrics_path(d), read_metrics(d)) for d in run_dirs]
+    for path, records in runs:
+        if not records["eval"] and not (train and records["train"]):
+            raise ValueError(f"{path}: no eval or train records to plot")
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    x_key, x_title = X_AXES[x]
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    ax_acc, ax_xent = fig.subplots(1, 2)
+    for i, ((path, records), label) in enumerate(zip(runs, labels)):
+        colour = f"C{i % 10}"
+        for ax, dev_key, train_key in ((ax_acc, "dev_acc", "acc"), (ax_xent, "dev_xent", "xent")):
+            xs, ys = _series(records["eval"], x_key, dev_key, path)
+            if xs:
+                ax.plot(xs, ys, color=colour, marker="o", markersize=3, label=label)
+            if train:
+                xs, ys = _series(records["train"], x_key, train_key, path)
+                if xs:
+                    ax.plot(xs, ys, color=colour, linestyle="--", linewidth=1,
+                            alpha=0.7, label=None if records["eval"] else f"{label} (train)")
+    ax_acc.set_title("frame accuracy")
+    ax_xent.set_title("cross-entropy per frame")
+    ax_acc.set_ylabel("accuracy")
+    ax_xent.set_ylabel("cross-entropy")
+    for ax in (ax_acc, ax_xent):
+        ax.set_xlabel(x_title)
+        ax.grid(True, alpha=0.3)
+    ax_acc.legend(fontsize="small", loc="lower right")
+    note = "solid: held-out" + (", dashed: training" if train else "")
+    fig.suptitle(f"{title}  ({note})" if title else note, fontsize="medium")
+    fig.tight_layout()
+    out_png = os.fspath(out_png)
+    parent = os.path.dirname(out_png)
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    fig.savefig(out_png, dpi=dpi)
+    return out_png
