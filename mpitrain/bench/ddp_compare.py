@@ -1,0 +1,287 @@
+"""mpitrain's parallel training against PyTorch DDP on the same model, in one run.
+
+Launched with the same launcher as mpitrain::
+
+    mpiexec -n 2 python -m mpitrain.bench.ddp_compare --model quickstart --rounds 15
+
+Every rank runs six contenders in interleaved rounds (order rotating every
+round), same model, same minibatches, same threads (``--threads`` BLAS and
+torch threads per rank):
+
+- ``torch no comm``: an ``nn.Sequential`` of ``Linear`` + ``ReLU``, summed
+  ``CrossEntropyLoss``, ``torch.optim.SGD``, every rank alone;
+- ``torch DDP``: the same wrapped in ``DistributedDataParallel`` over gloo
+  (gradient allreduce every step, bucketed and overlapped with backward);
+- ``torch averager/K``: the local model plus
+  ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager``
+  every K steps;
+- ``mpitrain no comm``, ``mpitrain allreduce``, ``mpitrain averaging/K``: the
+  trainer's network, optimizer (SGD with max-change) and strategies.
+
+Both libraries train on the same pre-spliced minibatches (a pool per rank),
+so the comparison is about the model step and the communication, not
+splicing.  torch.distributed finds its peers from PMI_RANK / PMI_SIZE (set by
+the launcher), MASTER_ADDR 127.0.0.1 and MASTER_PORT: taken from the
+environment when set, otherwise a free port chosen by rank 0 and sent to the
+others over MPI.  PyTorch is a benchmark-only dependency: imported inside the
+functions that need it.
+
+Example::
+
+    result = run(create_communicator(), parse_args(["--model", "tiny", "--rounds", "2"]))
+    result["ratios"]["allreduce"]      # mpitrain frames/s over DDP's
+"""
+
+from __future__ import annotations
+
+import os
+
+# One BLAS thread per rank unless the caller says otherwise: set before numpy loads.
+for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from typing import Optional, Sequence  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from .scaling import MODELS, ModelSize, synthetic_chunk, time_contenders  # noqa: E402
+
+POOL_BATCHES = 16
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m mpitrain.bench.ddp_compare",
+        description="mpitrain allreduce / model averaging vs PyTorch DDP / "
+                    "PeriodicModelAverager, same model and batches, one run")
+    parser.add_argument("--model", default="quickstart", choices=sorted(MODELS))
+    parser.add_argument("--every", type=int, default=8,
+                        help="steps between model averages (both libraries)")
+    parser.add_argument("--steps", type=int, default=16, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=15, help="timed rounds")
+    parser.add_argument("--skip", type=int, default=8, help="untimed warm-up steps")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="BLAS and torch threads per rank")
+    parser.add_argument("--json", default=None, help="also write the result to this file")
+    args = parser.parse_args(argv)
+    if min(args.every, args.steps, args.rounds, args.threads) < 1 or args.skip < 0:
+        parser.error("--every, --steps, --rounds and --threads must be >= 1, --skip >= 0")
+    return args
+
+
+def minibatch_pool(size: ModelSize, rank: int, *, batches: int = POOL_BATCHES):
+    """Pre-spliced minibatches ``[(x (B, input_dim) float32, labels (B,) int32), ...]``."""
+    from mpitrain.data.splice import splice, splice_indices
+    b = size.minibatch
+    chunk, order = synthetic_chunk(size, batches * b, seed=11 + 7 * rank)
+    pool = []
+    for i in range(batches):
+        idx = order[i * b:(i + 1) * b]
+        ctx = splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], size.context,
+                             size.context)
+        pool.append((np.ascontiguousarray(splice(chunk.feats, ctx)), chunk.labels[idx].copy()))
+    return pool
+
+
+# -- mpitrain ---------------------------------------------------------------------------------
+
+class MpitrainSteps:
+    """The trainer's network, optimizer and strategy (``method`` None: no communication).
+
+    Example::
+
+        steps = MpitrainSteps(comm, MODELS["tiny"], "allreduce", pool)
+        steps.run(8)
+    """
+
+    def __init__(self, comm, size: ModelSize, method: Optional[str], pool, *, every: int = 8):
+        from mpitrain.config import RunConfig
+        from mpitrain.nn.network import build_network
+        from mpitrain.optim.factory import build_optimizer
+        from mpitrain.parallel.base import Strategy
+        from mpitrain.parallel.factory import build_strategy
+        cfg = RunConfig()
+        cfg.model.hidden_layers, cfg.model.hidden_dim = size.hidden_layers, size.hidden_dim
+        cfg.training.minibatch = size.minibatch
+        cfg.parallel.average_every = every
+        self.lr = cfg.optimizer.initial_learning_rate
+        self.net = build_network(feat_dim=size.feat_dim, num_classes=size.num_classes,
+                                 left_context=size.context, right_context=size.context,
+                                 hidden_layers=size.hidden_layers, hidden_dim=size.hidden_dim)
+        self.net.init_params(seed=1)
+        self.optimizer = build_optimizer(cfg.optimizer, self.net)
+        if method is None:
+            self.strategy = Strategy(comm)
+        else:
+            cfg.parallel.method = method
+            self.strategy = build_strategy(cfg, comm)
+        self.strategy.setup(self.net, self.optimizer)
+        self.pool, self.step = pool, 0
+
+    def run(self, steps: int) -> None:
+        net, strategy, opt = self.net, self.strategy, self.optimizer
+        for _ in range(steps):
+            x, labels = self.pool[self.step % len(self.pool)]
+            net.forward_backward(x, labels)
+            strategy.reduce_gradients(net)
+            opt.step(strategy.learning_rate(self.lr, self.step))
+            self.step += 1
+            strategy.after_update(net, opt, self.step)
+
+
+# -- PyTorch ----------------------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_torch_distributed(comm, threads: int):
+    """Start torch.distributed (gloo) over the ranks the launcher started; returns torch."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(threads)
+    torch.set_num_interop_threads(1)
+    rank = int(os.environ.get("PMI_RANK", comm.rank))
+    size = int(os.environ.get("PMI_SIZE", comm.size))
+    if (rank, size) != (comm.rank, comm.size):
+        raise RuntimeError(f"PMI_RANK/PMI_SIZE say rank {rank} of {size}, MPI says "
+                           f"{comm.rank} of {comm.size}")
+    port = os.environ.get("MASTER_PORT") or comm.bcast_obj(
+        _free_port() if comm.rank == 0 else None, root=0)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    return torch
+
+
+class TorchSteps:
+    """The same model in PyTorch: ``mode`` is 'local', 'ddp' or 'averager'.
+
+    Example::
+
+        steps = TorchSteps(MODELS["tiny"], "ddp", pool)
+        steps.run(8)
+    """
+
+    def __init__(self, size: ModelSize, mode: str, pool, *, every: int = 8, lr: float = 0.004):
+        import torch
+        if mode not in ("local", "ddp", "averager"):
+            raise ValueError(f"mode must be 'local', 'ddp' or 'averager', got {mode!r}")
+        torch.manual_seed(1)
+        dims = [size.feat_dim * (2 * size.context + 1)] + [size.hidden_dim] * \
+            size.hidden_layers + [size.num_classes]
+        layers = []
+        for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
+            layers.append(torch.nn.Linear(d_in, d_out))
+            if i < len(dims) - 2:
+                layers.append(torch.nn.ReLU())
+        model = torch.nn.Sequential(*layers)
+        self.averager = None
+        if mode == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+        elif mode == "averager":
+            from torch.distributed.algorithms.model_averaging.averagers import (
+                PeriodicModelAverager)
+            self.averager = PeriodicModelAverager(period=every, warmup_steps=0)
+        self.model = model
+        self.loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        self.pool = [(torch.from_numpy(x), torch.from_numpy(y.astype(np.int64)))
+                     for x, y in pool]
+        self.step = 0
+
+    def run(self, steps: int) -> None:
+        for _ in range(steps):
+            x, y = self.pool[self.step % len(self.pool)]
+            self.optimizer.zero_grad(set_to_none=False)
+            self.loss_fn(self.model(x), y).backward()
+            self.optimizer.step()
+            if self.averager is not None:
+                self.averager.average_parameters(self.model.parameters())
+            self.step += 1
+
+
+# -- the run ------------------------------------------------------------------------------------
+
+def run(comm, args: argparse.Namespace) -> dict:
+    """Time all contenders; returns per-contender rows and mpitrain/torch ratios."""
+    size = MODELS[args.model]
+    init_torch_distributed(comm, args.threads)
+    pool = minibatch_pool(size, comm.rank)
+    k = args.every
+    pairs = {  # method -> (mpitrain contender, torch contender)
+        "no communication": ("mpitrain no comm", "torch no comm"),
+        "allreduce": ("mpitrain allreduce", "torch DDP"),
+        "model averaging": (f"mpitrain averaging/{k}", f"torch averager/{k}"),
+    }
+    contenders = {
+        "mpitrain no comm": MpitrainSteps(comm, size, None, pool).run,
+        "mpitrain allreduce": MpitrainSteps(comm, size, "allreduce", pool).run,
+        f"mpitrain averaging/{k}": MpitrainSteps(comm, size, "model_averaging", pool,
+                                                 every=k).run,
+        "torch no comm": TorchSteps(size, "local", pool).run,
+        "torch DDP": TorchSteps(size, "ddp", pool).run,
+        f"torch averager/{k}": TorchSteps(size, "averager", pool, every=k).run,
+    }
+    times = time_contenders(comm, contenders, rounds=args.rounds, steps=args.steps,
+                            skip=args.skip)
+    frames = args.steps * size.minibatch * comm.size
+    rates = {name: [frames / s for s in t["seconds"]] for name, t in times.items()}
+    med = statistics.median
+    rows = []
+    for ours, theirs in pairs.values():
+        for name, local in ((ours, "mpitrain no comm"), (theirs, "torch no comm")):
+            rows.append({"contender": name, "fps": med(rates[name]),
+                         "vs_own_no_comm": med(a / b for a, b in zip(rates[name], rates[local])),
+                         "comm_fraction": med(times[name]["comm"])
+                         if name.startswith("mpitrain") else None})
+    ratios = {method: med(a / b for a, b in zip(rates[ours], rates[theirs]))
+              for method, (ours, theirs) in pairs.items()}
+    return {"ranks": comm.size, "model": size.describe(), "every": k, "steps": args.steps,
+            "rounds": args.rounds, "threads": args.threads, "rows": rows, "ratios": ratios,
+            "per_round": times}
+
+
+def format_result(result: dict) -> str:
+    lines = [f"mpitrain vs PyTorch (gloo), {result['ranks']} ranks x {result['threads']} "
+             f"thread(s), model {result['model']}; median of {result['rounds']} rounds of "
+             f"{result['steps']} steps",
+             f"{'contender':<22} {'frames/s':>10} {'vs own no comm':>15} {'comm':>7}"]
+    for r in result["rows"]:
+        comm = "-" if r["comm_fraction"] is None else f"{r['comm_fraction']:.1%}"
+        lines.append(f"{r['contender']:<22} {r['fps']:>10,.0f} {r['vs_own_no_comm']:>15.3f} "
+                     f"{comm:>7}")
+    lines.append("mpitrain / torch frames/s: " + ", ".join(
+        f"{method} {ratio:.2f}" for method, ratio in result["ratios"].items()))
+    return "\n".join(lines)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from mpitrain.comm import create_communicator
+    args = parse_args(argv)
+    try:
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(args.threads)
+    except ImportError:
+        pass
+    comm = create_communicator("auto")
+    result = run(comm, args)
+    if comm.rank == 0:
+        print(format_result(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(result, handle, indent=2)
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,341 @@
+"""Training on several ranks under real `mpiexec -n 2` and `-n 4` launches.
+
+- the strategies' arithmetic (tests/mpi/workers/strategy_worker.py): averages
+  equal the mean of the pre-averaging buffers on every rank, BMUF follows the
+  spec's block formula, Kaldi averaging counts only the active ranks, gradient
+  allreduce on N ranks equals one rank with an N times larger minibatch, and
+  model averaging every step equals gradient allreduce;
+- `python -m mpitrain train` on several ranks: uneven shards finish, a rank
+  whose shard is unreadable ends the job at once, the quickstart learns as
+  well as on one rank, every method runs to the end, and `--resume` continues
+  bit-exactly.
+
+The machine running the tests may have two cores: models are tiny except in
+the one accuracy test, and corpora are about 0.15 h of synthetic speech.
+"""
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+
+pytestmark = pytest.mark.mpi
+
+WORKERS = Path(__file__).parent / "workers"
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = str(REPO / "jobs" / "configs" / "quickstart.yaml")
+STRATEGY_CHECKS = ["model averaging", "bmuf nesterov", "bmuf classic", "kaldi idle ranks",
+                   "allreduce equals one rank with N*B",
+                   "model averaging K=1 equals allreduce"]
+# a tiny model for the runs that only have to finish (or fail) correctly
+TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
+
+
+def _output(result):
+    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+
+
+def _records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r["type"] == kind]
+
+
+def _train(nranks, run_dir, corpus, settings=(), *, resume=False, timeout=120):
+    """`mpiexec -n nranks python -m mpitrain train quickstart.yaml --set ...`."""
+    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
+              "data.chunk_frames": 20000, "training.log_interval": 50}
+    values.update(item.split("=", 1) for item in settings)
+    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run_dir)]
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    if resume:
+        args.append("--resume")
+    return run_mpi(nranks, args, timeout=timeout)
+
+
+# ------------------------------------------------------------------- corpora
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """0.15 h of training speech in 4 balanced shards, 0.03 h held out (as tests/e2e)."""
+    from mpitrain.data.synthetic import synthesize
+    out = tmp_path_factory.mktemp("corpus")
+    synthesize(str(out), hours=0.15, speakers=20, shards=4, seed=7, dev_hours=0.03,
+               dev_speakers=4)
+    return str(out)
+
+
+def write_uneven_copy(src_dir, out_dir, fractions):
+    """Re-shard a corpus so shard i holds about ``fractions[i]`` of the frames.
+
+    The utterances, class counts and CMVN statistics are those of the source;
+    only the cut into shards changes.
+    """
+    from mpitrain.data.corpus import ShardInfo, load_manifest, shard_name, write_manifest
+    from mpitrain.data.shards import ShardBuilder, ShardReader
+    src = load_manifest(src_dir)
+    os.makedirs(out_dir)
+    bounds = np.cumsum(fractions) * src.num_frames
+    builders = [ShardBuilder(os.path.join(out_dir, shard_name(i)), feat_dim=src.feat_dim)
+                for i in range(len(fractions))]
+    written, current = 0, 0
+    for i in range(len(src.shards)):
+        with ShardReader(src.shard_path(i)) as shard:
+            feats, labels, offsets = shard.read(0, shard.num_utterances)
+            for u, utt_id in enumerate(shard.utt_ids):
+                while current < len(builders) - 1 and written >= bounds[current]:
+                    current += 1
+                lo, hi = offsets[u], offsets[u + 1]
+                builders[current].add(utt_id, feats[lo:hi], labels[lo:hi])
+                written += hi - lo
+    for builder in builders:
+        builder.close()
+    src.shards = [ShardInfo(os.path.basename(b.path), b.num_frames, b.num_utterances)
+                  for b in builders]
+    src.directory = os.path.abspath(out_dir)
+    write_manifest(src)
+    return src
+
+
+@pytest.fixture(scope="module")
+def uneven_corpus(corpus, tmp_path_factory):
+    """The same speech with shards of 80%, 12%, 5% and 3% of the frames."""
+    out = tmp_path_factory.mktemp("uneven")
+    write_uneven_copy(os.path.join(corpus, "train"), str(out / "train"), [0.80, 0.12, 0.05, 0.03])
+    shutil.copytree(os.path.join(corpus, "dev"), out / "dev")
+    return str(out)
+
+
+def local_steps(manifest, plan, minibatch, chunk_frames):
+    """Complete minibatches per epoch on each rank of a sharding plan."""
+    from mpitrain.data.batcher import plan_chunks
+    return [sum(c.frames // minibatch for c in plan_chunks(manifest, slices, chunk_frames))
+            for slices in plan]
+
+
+# -------------------------------------------------------- strategy arithmetic
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_strategies_average_and_match_their_references(nranks):
+    result = run_mpi(nranks, [str(WORKERS / "strategy_worker.py"), str(nranks)], timeout=120)
+    assert result.returncode == 0, _output(result)
+    passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == STRATEGY_CHECKS, _output(result)
+    assert f"all strategy checks passed on {nranks} ranks" in result.stdout
+
+
+# ------------------------------------------------------------- uneven shards
+
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_uneven_shards_finish_without_hanging(uneven_corpus, tmp_path, nranks):
+    from mpitrain.data.corpus import load_manifest
+    from mpitrain.data.sharding import plan_shards
+    from mpitrain.train.trainer import balanced_plan
+    manifest = load_manifest(os.path.join(uneven_corpus, "train"))
+    whole = local_steps(manifest, plan_shards(manifest.shards, nranks, split=False), 256, 20000)
+    assert max(whole) >= 3 * min(whole) > 0, whole       # whole shards: really uneven
+    per_rank = local_steps(manifest, balanced_plan(manifest, nranks), 256, 20000)
+    epochs = 2
+    run = tmp_path / "run"
+    try:
+        result = _train(nranks, run, uneven_corpus, TINY + [
+            "training.epochs=2", "parallel.average_every=4", "training.log_interval=4",
+            "training.eval_interval=1024", "training.checkpoint_interval=4"], timeout=150)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"training on uneven shards hung: {exc}")
+    assert result.returncode == 0, _output(result)
+    end = _records(run, "end")[-1]
+    # every rank takes as many steps as the rank with the least data ...
+    assert end["steps"] == epochs * min(per_rank), (end, per_rank)
+    assert end["frames"] == end["steps"] * 256 * nranks
+    # ... and cutting shards into utterance ranges keeps that from wasting most of the data
+    assert end["frames"] >= 0.85 * epochs * manifest.num_frames, (end, manifest.num_frames)
+    assert len(_records(run, "eval")) >= 2
+    assert (run / "final.h5").exists()
+
+
+# ------------------------------------------------------------- failing ranks
+
+def _rank_one_shards(train_dir, nranks=2):
+    """Shard files only rank 1 opens (the corpus must split into whole shards)."""
+    from mpitrain.data.corpus import load_manifest
+    from mpitrain.train.trainer import balanced_plan
+    manifest = load_manifest(train_dir)
+    plan = balanced_plan(manifest, nranks)
+    whole = all(s.start_utt == 0 and s.end_utt == manifest.shards[s.shard_index].utterances
+                for slices in plan for s in slices)
+    assert whole, f"the test corpus no longer splits into whole shards per rank: {plan}"
+    return [manifest.shard_path(s.shard_index) for s in plan[1]]
+
+
+def _assert_quick_failure(result, elapsed, timeout, *texts):
+    assert result.returncode != 0, _output(result)
+    text = result.stdout + result.stderr
+    for expected in texts:
+        assert expected in text, _output(result)
+    assert elapsed < timeout / 3, f"the failing job took {elapsed:.1f} s to end"
+
+
+def test_unreadable_shard_on_one_rank_ends_the_job(corpus, tmp_path):
+    # rank 1 fails while planning its chunks; rank 0 already waits in a collective
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    bad = _rank_one_shards(str(data / "train"))[0]
+    os.truncate(bad, os.path.getsize(bad) // 2)
+    timeout, start = 90, time.monotonic()
+    try:
+        result = _train(2, tmp_path / "run", str(data), TINY, timeout=timeout)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"the job hung instead of aborting: {exc}")
+    _assert_quick_failure(result, time.monotonic() - start, timeout,
+                          "rank 1: error:", os.path.basename(bad), "cannot open as HDF5")
+    assert not (tmp_path / "run" / "final.h5").exists()
+
+
+def test_shard_going_bad_mid_training_ends_the_job(corpus, tmp_path):
+    # rank 1's shards are truncated after 3 minibatches; with 2000-frame chunks a
+    # later chunk read fails while rank 0 trains on towards its next average
+    data = tmp_path / "data"
+    shutil.copytree(corpus, data)
+    _rank_one_shards(str(data / "train"))
+    run = tmp_path / "run"
+    args = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in TINY + [f"data.train={data / 'train'}", f"data.dev={data / 'dev'}",
+                        "data.chunk_frames=2000", "training.log_interval=2",
+                        "parallel.average_every=4"]:
+        args += ["--set", item]
+    timeout, start = 90, time.monotonic()
+    try:
+        result = run_mpi(2, [str(WORKERS / "train_truncate_worker.py"), "1", "3", "--", *args],
+                         timeout=timeout)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"the job hung instead of aborting: {exc}")
+    _assert_quick_failure(result, time.monotonic() - start, timeout,
+                          "truncated its shards after 3 minibatches",
+                          "rank 1: error:", "cannot open as HDF5")
+    # it got into training before failing, and never finished
+    assert [r["step"] for r in _records(run, "train")][:1] == [2], _output(result)
+    assert not (run / "final.h5").exists()
+
+
+# ----------------------------------------------------------------- end to end
+
+@pytest.mark.slow
+def test_quickstart_on_two_ranks_learns(corpus, tmp_path):
+    from mpitrain.data.corpus import load_manifest
+    run = tmp_path / "run"
+    result = _train(2, run, corpus, ["training.epochs=2"], timeout=240)
+    assert result.returncode == 0, _output(result)
+    dev = load_manifest(os.path.join(corpus, "dev"))
+    counts = np.array(dev.class_counts)
+    majority = counts.max() / counts.sum()
+    evals = _records(run, "eval")
+    final = evals[-1]
+    # the bar of the single-rank test in tests/e2e/test_train_e2e.py
+    assert final["dev_acc"] > 0.45, final
+    assert final["dev_acc"] > majority + 0.40, (final, majority)
+    assert evals[-1]["dev_xent"] < evals[0]["dev_xent"]
+    assert final["dev_frames"] == dev.num_frames         # both ranks' halves counted
+    assert _records(run, "start")[0]["ranks"] == 2
+
+
+def kaldi_frames(total_steps, every, jobs_initial, jobs_final, minibatch):
+    """Frames trained under Kaldi's job ramp (train_dnn.py's formula)."""
+    iters = -(-total_steps // every)
+    frames = 0
+    for step in range(total_steps):
+        i = min(step // every, iters - 1)
+        frames += minibatch * int(0.5 + jobs_initial + (jobs_final - jobs_initial) * i / iters)
+    return frames
+
+
+@pytest.mark.parametrize("method", ["model_averaging", "allreduce", "kaldi", "bmuf"])
+def test_every_method_trains_two_ranks_to_the_end(corpus, tmp_path, method):
+    from mpitrain.nn.model_file import load_model
+    from mpitrain.train.checkpoint import list_checkpoints, load_checkpoint
+    run = tmp_path / "run"
+    steps = 24
+    result = _train(2, run, corpus, TINY + [
+        f"parallel.method={method}", "parallel.average_every=4", "parallel.num_jobs_initial=1",
+        f"training.max_steps={steps}", "training.log_interval=4",
+        "training.checkpoint_interval=8"])
+    assert result.returncode == 0, _output(result)
+    start = _records(run, "start")[0]
+    assert start["strategy"] == method and start["ranks"] == 2
+    end = _records(run, "end")[-1]
+    assert end["steps"] == steps
+    if method == "kaldi":       # one job for the first iterations, then two
+        assert end["frames"] == kaldi_frames(steps, 4, 1, 2, 256) < steps * 2 * 256
+    else:
+        assert end["frames"] == steps * 2 * 256
+    train = _records(run, "train")
+    assert train[-1]["xent"] < train[0]["xent"], train
+    net, _ = load_model(run / "final.h5")
+    assert np.isfinite(net.params).all()
+    last = load_checkpoint(list_checkpoints(run)[-1])
+    assert last.step == steps and last.num_ranks == 2
+    assert np.array_equal(last.net.params, net.params)
+
+
+def test_resume_on_two_ranks_is_bit_exact(corpus, tmp_path):
+    # 32 is a multiple of average_every, so the split run stops at a point where
+    # the ranks agree and finalize() has nothing left to average
+    common = TINY + ["optimizer.momentum=0.5", "parallel.method=model_averaging",
+                     "parallel.average_every=8", "training.checkpoint_interval=8",
+                     "training.epochs=1", "training.log_interval=8"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    for run_dir, extra, resume in ((straight, ["training.max_steps=64"], False),
+                                   (split, ["training.max_steps=32"], False),
+                                   (split, ["training.max_steps=64"], True)):
+        result = _train(2, run_dir, corpus, common + extra, resume=resume)
+        assert result.returncode == 0, _output(result)
+    from mpitrain.nn.model_file import load_model
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert [r["step"] for r in _records(split, "start")] == [0, 32]
+    assert np.array_equal(a.params, b.params)
+    # the logged training loss after the resume point matches too (both ranks' data)
+    after = [r["xent"] for r in _records(straight, "train") if r["step"] > 32]
+    resumed = [r["xent"] for r in _records(split, "train") if r["step"] > 32]
+    assert after == resumed
+
+
+# ---------------------------------------------------------------- benchmarks
+# Smoke tests only: the figures depend on the machine and are not asserted.
+
+def test_scaling_benchmark_runs_and_reports(tmp_path):
+    out = tmp_path / "scaling.json"
+    result = run_mpi(2, ["-m", "mpitrain.bench.scaling", "--model", "tiny", "--rounds", "2",
+                         "--steps", "8", "--skip", "1", "--json", str(out)], timeout=120)
+    assert result.returncode == 0, _output(result)
+    assert "model averaging every 8 / no communication:" in result.stdout, _output(result)
+    summary = json.loads(out.read_text())
+    rows = {r["method"]: r for r in summary["rows"]}
+    assert list(rows) == ["1 rank", "no communication", "model_averaging", "allreduce",
+                          "kaldi", "bmuf"]
+    assert rows["1 rank"]["ranks"] == 1 and rows["allreduce"]["ranks"] == 2
+    assert rows["no communication"]["comm_fraction"] == 0.0
+    assert rows["allreduce"]["comm_fraction"] > 0.0           # it did communicate
+    assert summary["averaging_vs_no_comm"] == rows["model_averaging"]["vs_no_comm"]
+    for row in rows.values():
+        assert row["fps"] > 0 and row["rounds"] == 2
+
+
+def test_ddp_comparison_runs_and_reports(tmp_path):
+    pytest.importorskip("torch", reason="PyTorch is a benchmark-only extra")
+    out = tmp_path / "ddp.json"
+    result = run_mpi(2, ["-m", "mpitrain.bench.ddp_compare", "--model", "tiny", "--rounds",
+                         "2", "--steps", "8", "--skip", "1", "--json", str(out)], timeout=180)
+    assert result.returncode == 0, _output(result)
+    summary = json.loads(out.read_text())
+    assert set(summary["ratios"]) == {"no communication", "allreduce", "model averaging"}
+    names = [r["contender"] for r in summary["rows"]]
+    assert "torch DDP" in names and "torch averager/8" in names
+    assert all(r["fps"] > 0 for r in summary["rows"])
+    assert "mpitrain / torch frames/s:" in result.stdout
