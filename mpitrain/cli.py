@@ -101,6 +101,53 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _number_list(text: str, flag: str, kind=int) -> tuple:
+    if not text:
+        return ()
+    try:
+        return tuple(kind(item) for item in text.split(",") if item.strip())
+    except ValueError:
+        raise UsageError(f"{flag}: expected comma-separated numbers, e.g. 1,2,4; "
+                         f"got {text!r}") from None
+
+
+def cmd_bench(args) -> int:
+    from .bench.mode import BenchOptions, run_bench, write_report
+    from .bench.projection import NetworkModel
+    from .config import load_config
+    cfg = load_config(args.config, args.set)
+    options = BenchOptions(
+        sizes=_number_list(args.sizes, "--sizes"),
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        target_accuracy=args.target_accuracy,
+        phases=tuple(p.strip() for p in args.phases.split(",") if p.strip()),
+        throughput_steps=args.steps, warmup_steps=args.warmup_steps,
+        eval_frames=args.eval_frames, max_steps=args.max_steps, max_frames=args.max_frames,
+        max_seconds=args.max_seconds, project_to=_number_list(args.project_to, "--project-to"),
+        network=NetworkModel(latency_s=args.latency_us * 1e-6,
+                             bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8),
+        compute_seconds=args.compute_ms * 1e-3)
+    from .comm import create_communicator
+    from .comm.abort import install_abort_hook
+    comm = create_communicator()
+    install_abort_hook(comm)
+    _limit_blas_threads(cfg.blas_threads, comm)
+    out_dir = args.out or os.path.join(
+        "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
+    try:
+        report = run_bench(cfg, comm, out_dir=out_dir, options=options)
+        if comm.rank == 0:
+            paths = write_report(report, out_dir, dpi=args.dpi)
+            print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]))
+            print("wrote " + ", ".join(paths.values()))
+    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+        if comm.size == 1:
+            raise
+        print(f"mpitrain bench: rank {comm.rank}: error: {exc}", file=sys.stderr, flush=True)
+        comm.abort(2, str(exc))
+    return 0
+
+
 def cmd_eval(args) -> int:
     from .data.corpus import load_manifest
     from .nn.model_file import load_model
@@ -204,6 +251,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in the run directory")
     p.set_defaults(func=cmd_train)
+
+    from .parallel.factory import METHODS
+    p = sub.add_parser("bench", formatter_class=fmt,
+                       help="speedup curves: throughput and time to accuracy per group size "
+                            "and method, projected to more ranks (under mpiexec)")
+    p.add_argument("config", help="YAML run configuration (see jobs/configs/bench.yaml)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set training.minibatch=512")
+    p.add_argument("--sizes", default="", help="group sizes, e.g. 1,2,4 (must include 1); "
+                   "empty: powers of two up to the number of ranks")
+    p.add_argument("--methods", default="", help="comma-separated parallel methods; "
+                   f"empty: all ({', '.join(METHODS)})")
+    p.add_argument("--target-accuracy", type=float, default=None,
+                   help="held-out frame accuracy for time to accuracy; without it that "
+                        "phase is skipped")
+    p.add_argument("--out", default=None, help="output directory; empty: runs/bench-<config name>")
+    p.add_argument("--phases", default="throughput,accuracy", help="which measurements to run")
+    p.add_argument("--steps", type=int, default=40, help="throughput: measured steps per run")
+    p.add_argument("--warmup-steps", type=int, default=10, help="throughput: steps not measured")
+    p.add_argument("--eval-frames", type=int, default=0,
+                   help="frames (all ranks) between held-out evaluations; 0: "
+                        "training.eval_interval, or 1/20 of an epoch")
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="time to accuracy: steps per rank at most (besides the epochs); 0: no cap")
+    p.add_argument("--max-frames", type=int, default=0,
+                   help="time to accuracy: frames (all ranks) at most; 0: no cap")
+    p.add_argument("--max-seconds", type=float, default=0.0,
+                   help="time to accuracy: training seconds per run at most; 0: no cap")
+    p.add_argument("--project-to", default="16,32,64,128", help="rank counts to project to")
+    p.add_argument("--latency-us", type=float, default=5.0, help="network model: latency per link")
+    p.add_argument("--bandwidth-gbit", type=float, default=100.0,
+                   help="network model: bandwidth per link in Gbit/s")
+    p.add_argument("--compute-ms", type=float, default=0.0,
+                   help="projection: compute time per step in ms; 0: measured on one rank")
+    p.add_argument("--dpi", type=int, default=100, help="resolution of the PNG plots")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", formatter_class=fmt,
                        help="held-out cross-entropy and frame accuracy of a model")

@@ -243,9 +243,11 @@ class Trainer:
             due_eval = (next_eval is not None and self.frames_seen // comm.size >= next_eval) \
                 or (next_eval is None and epoch_done and not last)
             if due_eval and self.dev_manifest is not None:
-                self._log_eval()
+                stop = self.on_eval(self._log_eval())
                 if next_eval is not None:
                     next_eval += eval_every
+                if stop:
+                    break
             # checkpoint at the first point after each interval where all ranks agree
             if next_checkpoint and self.step >= next_checkpoint and not last \
                     and (comm.size == 1 or self.step % self.strategy.sync_period == 0):
@@ -263,6 +265,17 @@ class Trainer:
         self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "
                      f"{format_duration(result['seconds'])}; model {self.run_dir}/final.h5")
         return result
+
+    # -- hook for callers that stop early (benchmark mode) ------------------------------
+    def on_eval(self, result: dict) -> bool:
+        """Called on every rank after each held-out evaluation inside the loop.
+
+        Return True to stop training there; the model is then finalised, saved
+        and evaluated as at the normal end.  Every rank must give the same
+        answer: decide from ``result`` (identical on all ranks) or agree with a
+        collective.
+        """
+        return False
 
     def _log_eval(self) -> dict:
         res = self.evaluate()

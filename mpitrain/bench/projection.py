@@ -1,0 +1,178 @@
+"""Speedup beyond the machine: a stated network model applied to measured figures.
+
+Everything here is a pure function of numbers, so the projection can be checked
+by hand.  The model, for N ranks training a model of ``nbytes`` bytes:
+
+- one step of B frames on one rank costs ``compute_seconds`` (measured on one
+  rank, where nothing is communicated);
+- a strategy exchanges the whole buffer with one ring allreduce every
+  ``sync_every`` steps (model averaging and BMUF: the parameters every K steps;
+  gradient allreduce: the gradients every step), costing
+
+      2 (N - 1) / N * nbytes / bandwidth + 2 (N - 1) * latency
+
+  seconds, with no overlap of computing and communicating and no straggler;
+- throughput speedup at N = N * compute / (compute + allreduce / sync_every);
+- frames needed to reach the target grow as N ** b, with b fitted by least
+  squares on log-log axes to the measured sizes and clipped at 0 (more ranks
+  are never assumed to need fewer frames);
+- time-to-target speedup at N = throughput speedup / N ** b.
+
+Example::
+
+    net = NetworkModel(latency_s=5e-6, bandwidth_bytes_per_s=12.5e9)
+    throughput_speedup(16, compute_seconds=0.01, nbytes=4e6, sync_every=8, network=net)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Mapping, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class NetworkModel:
+    """Latency and bandwidth of one link; every rank sits on its own link.
+
+    Defaults describe a 100 Gbit/s InfiniBand-class link (12.5 GB/s, 5 us).
+
+    Example::
+
+        NetworkModel(latency_s=5e-6, bandwidth_bytes_per_s=12.5e9).allreduce_seconds(4e6, 2)
+    """
+
+    latency_s: float = 5e-6
+    bandwidth_bytes_per_s: float = 12.5e9
+
+    def __post_init__(self):
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"NetworkModel: latency_s must be a finite number >= 0, "
+                             f"got {self.latency_s!r}")
+        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
+            raise ValueError(f"NetworkModel: bandwidth_bytes_per_s must be a finite number "
+                             f"> 0, got {self.bandwidth_bytes_per_s!r}")
+
+    def allreduce_seconds(self, nbytes: float, ranks: int) -> float:
+        return ring_allreduce_seconds(nbytes, ranks, latency_s=self.latency_s,
+                                      bandwidth_bytes_per_s=self.bandwidth_bytes_per_s)
+
+    def describe(self) -> str:
+        return (f"ring allreduce over links of {self.bandwidth_bytes_per_s * 8 / 1e9:g} Gbit/s "
+                f"and {self.latency_s * 1e6:g} us latency: "
+                "2(N-1)/N * bytes / bandwidth + 2(N-1) * latency")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def ring_allreduce_seconds(nbytes: float, ranks: int, *, latency_s: float,
+                           bandwidth_bytes_per_s: float) -> float:
+    """Seconds for one ring allreduce of ``nbytes`` over ``ranks`` ranks.
+
+    Example::
+
+        ring_allreduce_seconds(1e6, 4, latency_s=1e-5, bandwidth_bytes_per_s=1e9)  # 0.00156
+    """
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if ranks == 1:
+        return 0.0
+    return 2.0 * (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s \
+        + 2.0 * (ranks - 1) * latency_s
+
+
+def step_seconds(ranks: int, *, compute_seconds: float, nbytes: float, sync_every: int,
+                 network: NetworkModel) -> float:
+    """Projected wall time of one step: compute plus the allreduce's share.
+
+    Example::
+
+        step_seconds(8, compute_seconds=0.01, nbytes=4e6, sync_every=1, network=NetworkModel())
+    """
+    if sync_every < 1:
+        raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+    return compute_seconds + network.allreduce_seconds(nbytes, ranks) / sync_every
+
+
+def throughput_speedup(ranks: int, *, compute_seconds: float, nbytes: float, sync_every: int,
+                       network: NetworkModel) -> float:
+    """Frames per second on ``ranks`` ranks over frames per second on one.
+
+    Example::
+
+        throughput_speedup(16, compute_seconds=0.01, nbytes=4e6, sync_every=8,
+                           network=NetworkModel())
+    """
+    if compute_seconds <= 0:
+        raise ValueError(f"compute_seconds must be > 0, got {compute_seconds}")
+    return ranks * compute_seconds / step_seconds(
+        ranks, compute_seconds=compute_seconds, nbytes=nbytes, sync_every=sync_every,
+        network=network)
+
+
+def fit_frames_exponent(frames_to_target: Mapping[int, float]) -> Optional[float]:
+    """b in frames(N) = frames(1) * N ** b, by least squares through the origin of
+    log(frames(N) / frames(1)) against log N, clipped at 0.
+
+    Needs size 1 and at least one larger size; returns None otherwise.
+
+    Example::
+
+        fit_frames_exponent({1: 100.0, 2: 120.0, 4: 150.0})   # about 0.29
+    """
+    base = frames_to_target.get(1)
+    points = [(math.log(n), math.log(f / base)) for n, f in frames_to_target.items()
+              if n > 1 and f and base]
+    if not base or not points:
+        return None
+    b = sum(x * y for x, y in points) / sum(x * x for x, _ in points)
+    return max(0.0, b)
+
+
+def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: float,
+                     sync_every: int, network: NetworkModel,
+                     frames_exponent: Optional[float]) -> list:
+    """Projected speedups at each size: one dict per size.
+
+    ``time_to_target`` is None when no frames exponent could be fitted.
+
+    Example::
+
+        project_speedups([16, 32], compute_seconds=0.01, nbytes=4e6, sync_every=8,
+                         network=NetworkModel(), frames_exponent=0.2)
+    """
+    rows = []
+    for n in sizes:
+        thr = throughput_speedup(n, compute_seconds=compute_seconds, nbytes=nbytes,
+                                 sync_every=sync_every, network=network)
+        frames_ratio = None if frames_exponent is None else n ** frames_exponent
+        rows.append({
+            "ranks": int(n),
+            "step_seconds": step_seconds(n, compute_seconds=compute_seconds, nbytes=nbytes,
+                                         sync_every=sync_every, network=network),
+            "allreduce_seconds": network.allreduce_seconds(nbytes, n),
+            "throughput_speedup": thr,
+            "frames_ratio": frames_ratio,
+            "time_to_target_speedup": None if frames_ratio is None else thr / frames_ratio,
+        })
+    return rows
+
+
+def assumptions(network: NetworkModel) -> list:
+    """The model's assumptions as short sentences (printed, plotted, stored).
+
+    Example::
+
+        print("\\n".join(assumptions(NetworkModel())))
+    """
+    return [
+        f"Network: {network.describe()}; one link per rank.",
+        "Per-step compute time: as measured on one rank of this machine; the same at every N.",
+        "One allreduce of the whole buffer (4 bytes per parameter) every sync period of "
+        "the method (gradients every step for allreduce); no overlap with compute, "
+        "no stragglers.",
+        "Throughput speedup = N * compute / (compute + allreduce / sync period).",
+        "Frames to target grow as N^b, b fitted to the measured sizes (least squares on "
+        "log-log, clipped at 0); time-to-target speedup = throughput speedup / N^b.",
+    ]

@@ -1,0 +1,85 @@
+"""The speedup projection against a case worked out by hand."""
+
+import math
+
+import pytest
+
+from mpitrain.bench.projection import (NetworkModel, fit_frames_exponent, project_speedups,
+                                       ring_allreduce_seconds, step_seconds,
+                                       throughput_speedup)
+
+# The hand-computed case: 1,000,000 float32 parameters (4,000,000 bytes), links of
+# 1 GB/s with 10 us latency, 10 ms of compute per step, one average every 8 steps.
+NBYTES = 4_000_000
+NET = NetworkModel(latency_s=10e-6, bandwidth_bytes_per_s=1e9)
+COMPUTE = 0.010
+SYNC = 8
+
+
+def test_ring_allreduce_cost_by_hand():
+    # N = 4: bandwidth term 2 * 3/4 * 4e6 B / 1e9 B/s = 1.5 * 0.004 s = 0.006 s
+    #        latency term   2 * 3 * 10e-6 s             = 0.00006 s
+    #        total                                        0.00606 s
+    assert NET.allreduce_seconds(NBYTES, 4) == pytest.approx(0.00606, rel=1e-12)
+    # N = 2: 2 * 1/2 * 0.004 + 2 * 1 * 1e-5 = 0.004 + 0.00002 = 0.00402 s
+    assert ring_allreduce_seconds(NBYTES, 2, latency_s=10e-6,
+                                  bandwidth_bytes_per_s=1e9) == pytest.approx(0.00402)
+    # one rank sends nothing
+    assert NET.allreduce_seconds(NBYTES, 1) == 0.0
+
+
+def test_throughput_speedup_by_hand():
+    # step at N = 4: 0.010 + 0.00606 / 8 = 0.010 + 0.0007575 = 0.0107575 s
+    assert step_seconds(4, compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=SYNC,
+                        network=NET) == pytest.approx(0.0107575)
+    # speedup: 4 * 0.010 / 0.0107575 = 0.04 / 0.0107575 = 3.718336...
+    s = throughput_speedup(4, compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=SYNC,
+                           network=NET)
+    assert s == pytest.approx(3.718336, rel=1e-6)
+    # gradient allreduce (every step): 0.04 / (0.010 + 0.00606) = 0.04 / 0.01606 = 2.490660
+    assert throughput_speedup(4, compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=1,
+                              network=NET) == pytest.approx(2.490660, rel=1e-6)
+
+
+def test_frames_exponent_by_hand():
+    # frames 1000, 1200, 1440 at N = 1, 2, 4: ratios 1.2 = 2^b and 1.44 = 4^b with the
+    # same b, so the least-squares fit is exact: b = ln 1.2 / ln 2 = 0.263034...
+    b = fit_frames_exponent({1: 1000.0, 2: 1200.0, 4: 1440.0})
+    assert b == pytest.approx(math.log(1.2) / math.log(2))
+    assert b == pytest.approx(0.263034, rel=1e-5)
+    # fewer frames at more ranks would mean b < 0: clipped to 0
+    assert fit_frames_exponent({1: 1000.0, 2: 800.0}) == 0.0
+    # without size 1 there is nothing to compare with
+    assert fit_frames_exponent({2: 1000.0, 4: 1200.0}) is None
+    assert fit_frames_exponent({1: 1000.0}) is None
+
+
+def test_projected_rows_by_hand():
+    b = math.log(1.2) / math.log(2)
+    rows = project_speedups([1, 4, 16], compute_seconds=COMPUTE, nbytes=NBYTES,
+                            sync_every=SYNC, network=NET, frames_exponent=b)
+    assert [r["ranks"] for r in rows] == [1, 4, 16]
+    one, four, sixteen = rows
+    assert one["throughput_speedup"] == 1.0 and one["time_to_target_speedup"] == 1.0
+    # N = 4: frames ratio 4^b = 1.44; time-to-target speedup 3.718336 / 1.44 = 2.582178
+    assert four["frames_ratio"] == pytest.approx(1.44)
+    assert four["time_to_target_speedup"] == pytest.approx(2.582178, rel=1e-6)
+    # N = 16: allreduce 2 * 15/16 * 0.004 + 2 * 15 * 1e-5 = 0.0075 + 0.0003 = 0.0078 s;
+    # step 0.010 + 0.0078 / 8 = 0.010975 s; throughput 0.16 / 0.010975 = 14.578588;
+    # frames ratio 16^b = 1.2^4 = 2.0736; time to target 14.578588 / 2.0736 = 7.030569
+    assert sixteen["allreduce_seconds"] == pytest.approx(0.0078)
+    assert sixteen["throughput_speedup"] == pytest.approx(14.578588, rel=1e-6)
+    assert sixteen["time_to_target_speedup"] == pytest.approx(7.030569, rel=1e-6)
+    # no fitted exponent: throughput only
+    rows = project_speedups([16], compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=SYNC,
+                            network=NET, frames_exponent=None)
+    assert rows[0]["time_to_target_speedup"] is None
+
+
+def test_network_model_rejects_bad_values():
+    with pytest.raises(ValueError, match="bandwidth"):
+        NetworkModel(bandwidth_bytes_per_s=0)
+    with pytest.raises(ValueError, match="latency"):
+        NetworkModel(latency_s=-1e-6)
+    with pytest.raises(ValueError, match="sync_every"):
+        step_seconds(2, compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=0, network=NET)
