@@ -283,10 +283,21 @@ def test_every_method_trains_two_ranks_to_the_end(corpus, tmp_path, method):
     assert np.array_equal(last.net.params, net.params)
 
 
-def test_resume_on_two_ranks_is_bit_exact(corpus, tmp_path):
+BMUF_RESUME_BUG = (
+    "the end-of-run checkpoint holds w_g (finalize) while the next block must start from "
+    "the saved Nesterov start; BlockMomentum.load_state_dict does not restore net.params "
+    "from it")
+
+
+@pytest.mark.parametrize("method", [
+    "model_averaging", "allreduce",
+    pytest.param("bmuf", marks=pytest.mark.xfail(strict=True, reason=BMUF_RESUME_BUG)),
+])
+def test_resume_on_two_ranks_is_bit_exact(corpus, tmp_path, method):
     # 32 is a multiple of average_every, so the split run stops at a point where
-    # the ranks agree and finalize() has nothing left to average
-    common = TINY + ["optimizer.momentum=0.5", "parallel.method=model_averaging",
+    # the ranks agree and finalize() has nothing left to average; momentum makes
+    # each rank's own optimizer state part of what must be restored
+    common = TINY + ["optimizer.momentum=0.5", f"parallel.method={method}",
                      "parallel.average_every=8", "training.checkpoint_interval=8",
                      "training.epochs=1", "training.log_interval=8"]
     straight, split = tmp_path / "straight", tmp_path / "split"
@@ -299,7 +310,7 @@ def test_resume_on_two_ranks_is_bit_exact(corpus, tmp_path):
     a, _ = load_model(straight / "final.h5")
     b, _ = load_model(split / "final.h5")
     assert [r["step"] for r in _records(split, "start")] == [0, 32]
-    assert np.array_equal(a.params, b.params)
+    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
     # the logged training loss after the resume point matches too (both ranks' data)
     after = [r["xent"] for r in _records(straight, "train") if r["step"] > 32]
     resumed = [r["xent"] for r in _records(split, "train") if r["step"] > 32]
