@@ -32,6 +32,7 @@ REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "jobs" / "configs" / "quickstart.yaml")
 STRATEGY_CHECKS = ["model averaging", "bmuf nesterov", "bmuf classic", "kaldi idle ranks",
                    "allreduce equals one rank with N*B",
+                   "allreduce with overlap equals one rank with N*B",
                    "model averaging K=1 equals allreduce"]
 # a tiny model for the runs that only have to finish (or fail) correctly
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]

@@ -206,19 +206,20 @@ def check_kaldi_idle_ranks():
 
 # --------------------------------------------------------------- equivalences
 
-def check_allreduce_equals_big_batch():
+def check_allreduce_equals_big_batch(**options):
     """N ranks x minibatch B with gradient allreduce == 1 rank x minibatch N*B.
 
     The loss is summed over frames, so the N-rank mean of gradients is
     (1/N) x the gradient of the N*B batch.  Both runs take the same step only
     when the N-rank learning rate is N times the single-rank one; the
     momentum recursion and the max-change caps (applied to lr x gradient) then
-    see identical deltas too.
+    see identical deltas too.  ``options`` go to GradientAllreduce (overlap:
+    bucketed non-blocking reductions started during backward).
     """
     B, steps, lr, momentum = 8, 5, 0.02, 0.5
     net = small_net()
     opt = SGD(net, momentum=momentum)
-    strategy = GradientAllreduce(comm)
+    strategy = GradientAllreduce(comm, **options)
     strategy.setup(net, opt)
     start = net.params.copy()
     if rank == 0:
@@ -248,7 +249,10 @@ def check_allreduce_equals_big_batch():
             off = np.abs(np.float64(net.params) - wrong.params).max()
             assert off > 100 * max(diff, 1e-7), \
                 f"unscaled learning rate matched too ({off} vs {diff}): the check is blind"
-    ok("allreduce equals one rank with N*B")
+    if options.get("overlap"):
+        ok("allreduce with overlap equals one rank with N*B")
+    else:
+        ok("allreduce equals one rank with N*B")
 
 
 def check_averaging_k1_equals_allreduce():
@@ -296,6 +300,8 @@ check_bmuf(nesterov=True)
 check_bmuf(nesterov=False)
 check_kaldi_idle_ranks()
 check_allreduce_equals_big_batch()
+# 2 KB buckets: the 18-32-32-7 model's gradients go in several pieces
+check_allreduce_equals_big_batch(overlap=True, bucket_bytes=2048)
 check_averaging_k1_equals_allreduce()
 comm.barrier()
 if rank == 0:
