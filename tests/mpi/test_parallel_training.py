@@ -256,13 +256,17 @@ def kaldi_frames(total_steps, every, jobs_initial, jobs_final, minibatch):
     return frames
 
 
-@pytest.mark.parametrize("method", ["model_averaging", "allreduce", "kaldi", "bmuf"])
-def test_every_method_trains_two_ranks_to_the_end(corpus, tmp_path, method):
+@pytest.mark.parametrize("method,extra", [
+    ("model_averaging", []), ("allreduce", []), ("kaldi", []), ("bmuf", []),
+    # 0.01 MiB buckets: several overlapped reductions per step
+    ("allreduce", ["parallel.overlap=true", "parallel.bucket_mb=0.01"]),
+], ids=["model_averaging", "allreduce", "kaldi", "bmuf", "allreduce-overlap"])
+def test_every_method_trains_two_ranks_to_the_end(corpus, tmp_path, method, extra):
     from mpitrain.nn.model_file import load_model
     from mpitrain.train.checkpoint import list_checkpoints, load_checkpoint
     run = tmp_path / "run"
     steps = 24
-    result = _train(2, run, corpus, TINY + [
+    result = _train(2, run, corpus, TINY + extra + [
         f"parallel.method={method}", "parallel.average_every=4", "parallel.num_jobs_initial=1",
         f"training.max_steps={steps}", "training.log_interval=4",
         "training.checkpoint_interval=8"])
