@@ -46,6 +46,7 @@ class BlockMomentum(Strategy):
         self.global_model[...] = net.params
 
     def _allocate(self, net) -> None:
+        self._net = net
         xp = self._xp = net.xp
         self.start = xp.empty_like(net.params)
         self.delta = xp.zeros_like(net.params)
@@ -91,6 +92,8 @@ class BlockMomentum(Strategy):
         self.start[...] = self._xp.asarray(state["start"])
         self.delta[...] = self._xp.asarray(state["delta"])
         self.global_model[...] = self._xp.asarray(state["global_model"])
+        # A checkpoint's model is w_g; training continues from the block start.
+        self._net.params[...] = self.start
 
     def bind(self, net) -> None:
         """Allocate the block buffers without broadcasting (used on resume)."""

@@ -288,16 +288,7 @@ def test_every_method_trains_two_ranks_to_the_end(corpus, tmp_path, method, extr
     assert np.array_equal(last.net.params, net.params)
 
 
-BMUF_RESUME_BUG = (
-    "the end-of-run checkpoint holds w_g (finalize) while the next block must start from "
-    "the saved Nesterov start; BlockMomentum.load_state_dict does not restore net.params "
-    "from it")
-
-
-@pytest.mark.parametrize("method", [
-    "model_averaging", "allreduce",
-    pytest.param("bmuf", marks=pytest.mark.xfail(strict=True, reason=BMUF_RESUME_BUG)),
-])
+@pytest.mark.parametrize("method", ["model_averaging", "allreduce", "bmuf"])
 def test_resume_on_two_ranks_is_bit_exact(corpus, tmp_path, method):
     # 32 is a multiple of average_every, so the split run stops at a point where
     # the ranks agree and finalize() has nothing left to average; momentum makes
