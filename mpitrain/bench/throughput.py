@@ -518,7 +518,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=0,
                         help="timed steps per round and contender; 0: the model's default "
                              + ", ".join(f"{m.name} {m.default_steps}" for m in MODELS.values()))
-    parser.add_argument("--rounds", type=int, default=15,
+    parser.add_argument("--rounds", type=int, default=11,
                         help="interleaved rounds (short rounds, many of them: each round's "
                              "contenders then see the same foreign load)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps before the rounds")
