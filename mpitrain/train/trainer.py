@@ -237,7 +237,7 @@ class Trainer:
                     f"ETA {format_duration(per_step * (self.total_steps - self.step))}")
                 acc_loss[...] = 0
                 acc_correct[...] = 0
-                acc_frames, window_start, comm_at_window = 0, time.perf_counter(), comm_now
+                acc_frames, window_start, comm_at_window = 0, time.perf_counter(), comm.comm_time
             # decided from the step count alone, so every rank evaluates together
             epoch_done = self.step % self.steps_per_epoch == 0
             due_eval = (next_eval is not None and self.frames_seen // comm.size >= next_eval) \
