@@ -71,7 +71,7 @@ class Trainer:
         self.schedule = ExponentialSchedule(cfg.optimizer.initial_learning_rate,
                                             cfg.optimizer.final_learning_rate)
         self._build_data()
-        self.strategy = build_strategy(cfg, self.comm, total_steps=self.total_steps)
+        self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
         self.step = 0
         self.frames_seen = 0      # summed over all ranks
         if resume:
