@@ -121,7 +121,7 @@ def cmd_bench(args) -> int:
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         target_accuracy=args.target_accuracy,
         phases=tuple(p.strip() for p in args.phases.split(",") if p.strip()),
-        throughput_steps=args.steps, warmup_steps=args.warmup_steps,
+        throughput_steps=args.steps, warmup_steps=args.warmup_steps, repeats=args.repeats,
         eval_frames=args.eval_frames, max_steps=args.max_steps, max_frames=args.max_frames,
         max_seconds=args.max_seconds, project_to=_number_list(args.project_to, "--project-to"),
         network=NetworkModel(latency_s=args.latency_us * 1e-6,
@@ -270,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phases", default="throughput,accuracy", help="which measurements to run")
     p.add_argument("--steps", type=int, default=40, help="throughput: measured steps per run")
     p.add_argument("--warmup-steps", type=int, default=10, help="throughput: steps not measured")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="throughput: runs per method and size, in rotating order; median kept")
     p.add_argument("--eval-frames", type=int, default=0,
                    help="frames (all ranks) between held-out evaluations; 0: "
                         "training.eval_interval, or 1/20 of an epoch")

@@ -69,7 +69,8 @@ class BenchOptions:
     ranks) between held-out evaluations; 0: ``training.eval_interval`` of the
     config, or 1/20 of an epoch.  ``max_steps`` (per rank), ``max_frames``
     (all ranks) and ``max_seconds`` (training time) cap each time-to-accuracy
-    run on top of the config's epochs; 0: no cap.  ``compute_seconds``:
+    run on top of the config's epochs; 0: no cap.  ``repeats``: throughput
+    runs per method and size (the median is kept).  ``compute_seconds``:
     per-step compute time used by the projection instead of the measured one.
 
     Example::
@@ -83,6 +84,7 @@ class BenchOptions:
     target_accuracy: Optional[float] = None
     phases: tuple = _PHASES
     throughput_steps: int = 40
+    repeats: int = 1
     warmup_steps: int = 10
     eval_frames: int = 0
     max_steps: int = 0
@@ -109,7 +111,7 @@ class BenchOptions:
         if self.target_accuracy is not None and not 0 < self.target_accuracy < 1:
             raise ValueError(f"--target-accuracy: expected a frame accuracy in (0, 1), "
                              f"got {self.target_accuracy}")
-        for name in ("throughput_steps", "warmup_steps"):
+        for name in ("throughput_steps", "warmup_steps", "repeats"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
         for name in ("eval_frames", "max_steps", "max_frames", "max_seconds",
@@ -424,14 +426,14 @@ def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None) -
         else:
             try:
                 sync = {}
-                for method in methods:
-                    row = measure_throughput(cfg, group, method=method, options=options,
-                                             run_dir=os.path.join(out_dir, "runs",
-                                                                  f"throughput-{method}-n{size}"))
-                    sync[method] = row["sync_period"]
+                if "throughput" in options.phases:
+                    rows = _throughput_phase(cfg, group, methods=methods, options=options,
+                                             out_dir=out_dir)
+                    sync = {row["method"]: row["sync_period"] for row in rows}
                     if world.rank == 0:
-                        throughput.append(row)
-                        _say(world, stream, _throughput_line(row))
+                        throughput += rows
+                        for row in rows:
+                            _say(world, stream, _throughput_line(row))
                 if options.measures_accuracy:
                     if steps_per_epoch_1 is None:
                         steps_per_epoch_1 = _steps_per_epoch_one_rank(cfg)
@@ -455,7 +457,33 @@ def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None) -
     report = build_report(throughput, accuracy, sizes=sizes, methods=methods, options=options,
                           environment=env, config=cfg.to_dict())
     report["wall_seconds"] = time.perf_counter() - started
+    report["environment"]["load_average_at_end"] = _load_average()
     return report
+
+
+def _throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str) -> list:
+    """Every method ``options.repeats`` times, the order rotating each round so load
+    from other processes hits all alike; per method the run of median frames/s."""
+    runs = {m: [] for m in methods}
+    for rep in range(options.repeats):
+        shift = rep % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            name = f"throughput-{method}-n{group.size}" + (
+                f"-r{rep + 1}" if options.repeats > 1 else "")
+            runs[method].append(measure_throughput(
+                cfg, group, method=method, options=options,
+                run_dir=os.path.join(out_dir, "runs", name)))
+    rows = []
+    for method in methods:
+        done = runs[method]
+        if group.rank != 0:
+            rows.append(done[0])
+            continue
+        ranked = sorted(done, key=lambda r: r["frames_per_sec"])
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["repeat_frames_per_sec"] = [r["frames_per_sec"] for r in done]
+        rows.append(row)
+    return rows
 
 
 def _sync_period(cfg, group, method: str) -> int:
@@ -537,7 +565,16 @@ def environment(world, cfg) -> dict:
             "blas_threads_env": {k: os.environ.get(k) for k in
                                  ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
             "mpi": mpi_info(world), "versions": _versions(cfg),
+            "load_average_at_start": _load_average(),
             "date": time.strftime("%Y-%m-%d %H:%M:%S %z")}
+
+
+def _load_average() -> Optional[list]:
+    # other work on a shared machine shows here, and in every timing
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
 
 
 def _by(rows, method, ranks):
@@ -600,7 +637,8 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
 
 def _options_dict(options: BenchOptions) -> dict:
     out = {k: getattr(options, k) for k in (
-        "target_accuracy", "phases", "throughput_steps", "warmup_steps", "eval_frames",
+        "target_accuracy", "phases", "throughput_steps", "warmup_steps", "repeats",
+        "eval_frames",
         "max_steps", "max_frames", "max_seconds", "project_to", "compute_seconds")}
     return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
@@ -616,6 +654,10 @@ def _notes(env: dict, options: BenchOptions) -> list:
         "Idle ranks sleep while a smaller group runs; every rank keeps the BLAS threads it "
         "was started with.",
     ]
+    load = env.get("load_average_at_start")
+    if load and load[0] > env.get("cpu_count", 1):
+        notes.append(f"Busy machine: load average {load[0]} on {env.get('cpu_count')} cores "
+                     "when the benchmark started; other processes slow the runs unevenly.")
     if env.get("oversubscribed"):
         notes.append("Oversubscribed: more ranks than cores on a host; the largest sizes "
                      "share cores and their figures understate what separate cores give.")
@@ -673,7 +715,9 @@ def summary_markdown(report: dict) -> str:
              f"({env.get('cpu_count')} cores per host"
              f"{', oversubscribed' if env.get('oversubscribed') else ''}), device "
              f"{env.get('device')}; MPI: "
-             f"{(env.get('mpi', {}).get('library_version') or 'none').splitlines()[0]}", "",
+             f"{' '.join((env.get('mpi', {}).get('library_version') or 'none').splitlines()[0].split())}"
+             f"; load average at start {env.get('load_average_at_start')}, at end "
+             f"{env.get('load_average_at_end')}", "",
              "## Throughput and time to target", "",
              "| method | ranks | frames/s | per rank | step ms | comm | throughput speedup "
              "| frames to target | s to target | time-to-target speedup | stat. efficiency |",
