@@ -45,6 +45,7 @@ import numpy as np
 
 from ..config import config_from_dict
 from ..parallel.factory import METHODS, build_strategy
+from ..train.trainer import Trainer
 from .projection import NetworkModel, assumptions, fit_frames_exponent, project_speedups
 
 #: Where the papers' numbers come from (plotted and tabulated next to ours).
@@ -162,53 +163,58 @@ def _with(cfg, **dotted):
     return config_from_dict(data)
 
 
-def _trainer_class():
-    from ..train.trainer import Trainer
+class BenchTrainer(Trainer):
+    """The trainer, timing what is not training and stopping at the target.
 
-    class BenchTrainer(Trainer):
-        """The trainer, timing what is not training and stopping at the target."""
+    Training seconds exclude held-out evaluations and checkpoints; each
+    evaluation is recorded as a point (step, frames, seconds, accuracy).
 
-        def __init__(self, cfg, *, target: Optional[float] = None, max_seconds: float = 0.0,
-                     **kwargs):
-            super().__init__(cfg, **kwargs)
-            self.target, self.max_seconds = target, max_seconds
-            self.points, self.stop_reason = [], None
-            self.outside_seconds, self._t0 = 0.0, None
+    Example::
 
-        def training_seconds(self) -> float:
-            return time.perf_counter() - self._t0 - self.outside_seconds
+        trainer = BenchTrainer(cfg, run_dir="runs/b", comm=group, target=0.6)
+        trainer.run()
+        trainer.points[-1]["dev_acc"]
+    """
 
-        def run(self) -> dict:
-            self._t0 = time.perf_counter()
-            return super().run()
+    def __init__(self, cfg, *, target: Optional[float] = None, max_seconds: float = 0.0,
+                 **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.target, self.max_seconds = target, max_seconds
+        self.points, self.stop_reason = [], None
+        self.outside_seconds, self._t0 = 0.0, None
 
-        def evaluate(self) -> dict:
-            self.comm.barrier()       # the slowest rank's training time counts
-            start = time.perf_counter()
-            seconds = start - self._t0 - self.outside_seconds
-            result = super().evaluate()
-            self.outside_seconds += time.perf_counter() - start
-            if result:
-                self.points.append({"step": self.step, "frames": self.frames_seen,
-                                    "seconds": seconds, "dev_acc": float(result["dev_acc"]),
-                                    "dev_xent": float(result["dev_xent"])})
-            return result
+    def training_seconds(self) -> float:
+        return time.perf_counter() - self._t0 - self.outside_seconds
 
-        def save_checkpoint(self) -> None:
-            start = time.perf_counter()
-            super().save_checkpoint()
-            self.outside_seconds += time.perf_counter() - start
+    def run(self) -> dict:
+        self._t0 = time.perf_counter()
+        return super().run()
 
-        def on_eval(self, result: dict) -> bool:
-            reached = self.target is not None and result.get("dev_acc", 0.0) >= self.target
-            late = bool(self.max_seconds) and self.training_seconds() >= self.max_seconds
-            # clocks differ between ranks: agree, or some ranks would train on alone
-            flags = self.comm.allreduce_scalar(int(reached) * 2 + int(late), op="max")
-            if flags:
-                self.stop_reason = "target" if flags >= 2 else "max_seconds"
-            return bool(flags)
+    def evaluate(self) -> dict:
+        self.comm.barrier()       # the slowest rank's training time counts
+        start = time.perf_counter()
+        seconds = start - self._t0 - self.outside_seconds
+        result = super().evaluate()
+        self.outside_seconds += time.perf_counter() - start
+        if result:
+            self.points.append({"step": self.step, "frames": self.frames_seen,
+                                "seconds": seconds, "dev_acc": float(result["dev_acc"]),
+                                "dev_xent": float(result["dev_xent"])})
+        return result
 
-    return BenchTrainer
+    def save_checkpoint(self) -> None:
+        start = time.perf_counter()
+        super().save_checkpoint()
+        self.outside_seconds += time.perf_counter() - start
+
+    def on_eval(self, result: dict) -> bool:
+        reached = self.target is not None and result.get("dev_acc", 0.0) >= self.target
+        late = bool(self.max_seconds) and self.training_seconds() >= self.max_seconds
+        # clocks differ between ranks: agree, or some ranks would train on alone
+        flags = self.comm.allreduce_scalar(int(reached) * 2 + int(late), op="max")
+        if flags:
+            self.stop_reason = "target" if flags >= 2 else "max_seconds"
+        return bool(flags)
 
 
 def _run_trainer(cfg, group, run_dir: str, **kwargs):
@@ -218,7 +224,7 @@ def _run_trainer(cfg, group, run_dir: str, **kwargs):
         os.makedirs(run_dir, exist_ok=True)
         log = open(os.path.join(run_dir, "train.log"), "w", encoding="utf-8")
     try:
-        trainer = _trainer_class()(cfg, run_dir=run_dir, comm=group, stream=log, **kwargs)
+        trainer = BenchTrainer(cfg, run_dir=run_dir, comm=group, stream=log, **kwargs)
         try:
             result = trainer.run()
         finally:

@@ -3,7 +3,6 @@ the pure pieces it is built from (crossing interpolation, throughput windows).""
 
 import json
 import math
-import os
 
 import numpy as np
 import pytest
