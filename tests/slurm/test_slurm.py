@@ -1,0 +1,232 @@
+"""The batch scripts in jobs/slurm/ on a real one-node Slurm cluster.
+
+The cluster (Debian's slurmctld + slurmd, and munge) runs on loopback from a
+temporary directory; see cluster.py.  Where Slurm is missing the test installs
+it with apt-get (root only); where that or the daemons fail, the tests skip,
+unless MPITRAIN_TEST_SLURM=1 says they must run, when they fail instead.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from .cluster import LocalSlurm, SlurmUnavailable, install_packages, missing_programs
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SLURM_DIR = os.path.join(REPO, "jobs", "slurm")
+SCRIPTS = ("train.sbatch", "bench.sbatch", "prepare.sbatch")
+REQUIRED_ENV = "MPITRAIN_TEST_SLURM"
+JOB_TIMEOUT = 150
+
+pytestmark = pytest.mark.slow
+
+
+def _skip_or_fail(reason: str):
+    if os.environ.get(REQUIRED_ENV) == "1":
+        pytest.fail(f"{REQUIRED_ENV}=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm(request):
+    """A running one-node cluster with all of this machine's cores (at least 2)."""
+    try:
+        if missing_programs():
+            install_packages()
+        cluster = LocalSlurm.start(cpus=max(2, os.cpu_count() or 1))
+    except SlurmUnavailable as exc:
+        _skip_or_fail(f"no local Slurm cluster: {exc}")
+    request.addfinalizer(cluster.stop)
+    return cluster
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The built-in corpus, small: 0.1 h of training speech in 2 shards."""
+    from mpitrain.data.synthetic import synthesize
+    out = tmp_path_factory.mktemp("synth")
+    synthesize(str(out), hours=0.1, speakers=20, shards=2, seed=3, dev_hours=0.03,
+               dev_speakers=4)
+    return str(out)
+
+
+def _job_env(cluster, **extra):
+    """Environment for sbatch: this interpreter's virtualenv and MPICH, one BLAS thread."""
+    env = {"VENV": sys.prefix, "PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    env.update(extra)
+    return env
+
+
+def _train_overrides(corpus, **extra):
+    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
+              "data.chunk_frames": 20000, "model.hidden_dim": 256, "training.epochs": 3,
+              "training.log_interval": 50}
+    values.update(extra)
+    return " ".join(f"{k}={v}" for k, v in values.items())
+
+
+def _gpu_options(cluster):
+    # The scripts ask for one GPU per task; a node without (fake) GPUs cannot give one.
+    return [] if cluster.gpus >= 2 else ["--gpus-per-task=0"]
+
+
+def _finished_ok(cluster, job_id, output):
+    info = cluster.wait(job_id, timeout=JOB_TIMEOUT)
+    text = open(output).read() if os.path.exists(output) else "(no output file)"
+    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), \
+        f"job {job_id}: {info['JobState']} {info['ExitCode']}\n{text}\n{cluster.log_tail()}"
+    return info, text
+
+
+def _records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r["type"] == kind]
+
+
+def _majority(corpus):
+    from mpitrain.data.corpus import load_manifest
+    counts = np.array(load_manifest(os.path.join(corpus, "dev")).class_counts)
+    return counts.max() / counts.sum()
+
+
+# -- without a cluster ------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_script_is_valid_bash_with_directives_before_commands(name):
+    path = os.path.join(SLURM_DIR, name)
+    assert subprocess.run(["bash", "-n", path]).returncode == 0
+    lines = open(path).read().splitlines()
+    assert lines[0] == "#!/bin/bash"
+    # sbatch stops reading #SBATCH lines at the first command
+    first_command = next(i for i, line in enumerate(lines[1:], 1)
+                         if line.strip() and not line.startswith("#"))
+    directives = [i for i, line in enumerate(lines) if line.startswith("#SBATCH")]
+    assert directives and max(directives) < first_command
+
+
+# -- on the cluster -----------------------------------------------------------------------
+
+def test_train_job_on_two_ranks_learns(slurm, corpus, tmp_path):
+    run_dir, output = tmp_path / "run", str(tmp_path / "train.out")
+    env = _job_env(slurm, RUN_DIR=str(run_dir), MPITRAIN_SET=_train_overrides(corpus))
+    job = slurm.sbatch(["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
+                        f"--output={output}", *_gpu_options(slurm),
+                        os.path.join(SLURM_DIR, "train.sbatch"),
+                        "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
+    _, text = _finished_ok(slurm, job, output)
+    assert "srun --mpi=pmi2" in text             # MPICH from PyPI speaks PMI-2 to srun
+    start = _records(run_dir, "start")
+    assert [r["ranks"] for r in start] == [2], text
+    final = _records(run_dir, "eval")[-1]
+    majority = _majority(corpus)
+    assert majority < 0.1
+    assert final["dev_acc"] > majority + 0.3, (final, text)
+    assert (run_dir / "final.h5").exists()
+    if slurm.gpus:
+        assert f"GPUs {','.join(map(str, range(2)))}" in text
+
+
+def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
+    """USR1 (what Slurm sends near the time limit) requeues; the rerun resumes."""
+    run_dir, output = tmp_path / "run", str(tmp_path / "train.out")
+    env = _job_env(slurm, RUN_DIR=str(run_dir), LAUNCHER="mpirun",
+                   MPIEXEC=os.path.join(os.path.dirname(sys.executable), "mpiexec"),
+                   MPITRAIN_SET=_train_overrides(corpus, **{"model.hidden_dim": 512,
+                                                            "training.epochs": 6,
+                                                            "training.checkpoint_interval": 10}))
+    if not os.path.exists(env["MPIEXEC"]):
+        env.pop("MPIEXEC")
+    job = slurm.sbatch(["--ntasks-per-node=2", "--cpus-per-task=1", f"--output={output}",
+                        *_gpu_options(slurm), os.path.join(SLURM_DIR, "train.sbatch"),
+                        "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
+
+    def checkpoint_or_finished(info):
+        if info["JobState"] not in ("PENDING", "RUNNING"):
+            return True
+        return run_dir.exists() and any(name.startswith("ckpt-") and name.endswith(".h5")
+                                        for name in os.listdir(run_dir))
+    info = slurm.wait(job, timeout=JOB_TIMEOUT, until=checkpoint_or_finished)
+    assert info["JobState"] == "RUNNING", open(output).read()
+    slurm.run(["scancel", "--signal=USR1", "--batch", job])
+    # Slurm holds a requeued job for two minutes; let it start again at once.
+    slurm.wait(job, timeout=60, until=lambda info: info["Restarts"] == "1"
+               and info["JobState"] == "PENDING")
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    info, text = _finished_ok(slurm, job, output)
+    assert info["Restarts"] == "1"
+    assert "requeueing to resume from the newest checkpoint" in text
+    assert "mpiexec -n 2" in text
+    steps = [r["step"] for r in _records(run_dir, "start")]
+    assert len(steps) == 2 and steps[0] == 0 and steps[1] > 0, (steps, text)
+    assert "--resume" in text.split("restart 1", 1)[1]
+    assert _records(run_dir, "end")[-1]["steps"] == _records(run_dir, "start")[0]["total_steps"]
+    assert (run_dir / "final.h5").exists()
+
+
+def test_prepare_array_and_merge_make_one_corpus(slurm, tmp_path):
+    import kaldiio
+    from mpitrain.data.check import check_corpus
+    from mpitrain.data.corpus import load_manifest
+    rng = np.random.default_rng(0)
+    feats = {f"spk{u % 3}-utt{u:02d}": rng.standard_normal((int(rng.integers(20, 60)), 13))
+             .astype(np.float32) for u in range(17)}
+    with kaldiio.WriteHelper(f"ark,scp:{tmp_path}/feats.ark,{tmp_path}/feats.scp") as writer:
+        for utt, matrix in feats.items():
+            writer(utt, matrix)
+    unaligned = "spk1-utt04"
+    with open(tmp_path / "ali.txt", "w") as f:
+        for utt, matrix in feats.items():
+            if utt != unaligned:
+                f.write(utt + " " + " ".join(str(int(v)) for v in rng.integers(0, 9, len(matrix)))
+                        + "\n")
+    out = tmp_path / "corpus"
+    env = _job_env(slurm, SHARDS_PER_PART="2")
+    array = slurm.sbatch(["--array=0-2", f"--output={tmp_path}/prepare-%a.out",
+                          f"--chdir={tmp_path}", os.path.join(SLURM_DIR, "prepare.sbatch"),
+                          "feats.scp", "ark,t:ali.txt", "corpus", "--num-classes", "10"],
+                         env=env, cwd=str(tmp_path))
+    merges = []
+
+    def merge_submitted(_):
+        merges[:] = [j for j in slurm.jobs() if j["JobName"] == "mpitrain-prepare-merge"]
+        return bool(merges)
+    slurm.wait(array, timeout=JOB_TIMEOUT, until=merge_submitted)
+    merge_out = str(tmp_path / f"mpitrain-prepare-merge-{merges[0]['JobId']}.out")
+    _, text = _finished_ok(slurm, merges[0]["JobId"], merge_out)
+    tasks = [j for j in slurm.jobs() if j.get("ArrayJobId") == array]
+    assert sorted((j["ArrayTaskId"], j["JobState"], j["ExitCode"]) for j in tasks) == \
+        [(str(i), "COMPLETED", "0:0") for i in range(3)]
+
+    assert check_corpus(str(out)) == []
+    manifest = load_manifest(str(out))
+    assert manifest.num_utterances == len(feats) - 1
+    assert manifest.num_frames == sum(len(m) for u, m in feats.items() if u != unaligned)
+    assert manifest.num_classes == 10
+    assert len(manifest.shards) == 6
+    assert manifest.shards[0].path == "part-00000/shard-00000.h5"
+    report = (out / "import-report.yaml").read_text()
+    assert unaligned in report and "alignments_without_features: 0" in report, report
+    # the parts are contiguous blocks of feats.scp lines: 6, 6 and 5 utterances
+    sizes = [len((out / f"part-{i:05d}" / "feats.scp").read_text().splitlines())
+             for i in range(3)]
+    assert sizes == [6, 6, 5]
+    assert f"{len(feats) - 1} utterances" in text
+
+
+def test_bench_job_writes_its_report(slurm, corpus, tmp_path):
+    out, output = tmp_path / "bench", str(tmp_path / "bench.out")
+    env = _job_env(slurm, BENCH_OUT=str(out), MPITRAIN_SET=_train_overrides(corpus))
+    job = slurm.sbatch(["--ntasks-per-node=2", "--cpus-per-task=1", f"--output={output}",
+                        *_gpu_options(slurm), os.path.join(SLURM_DIR, "bench.sbatch"),
+                        "jobs/configs/bench.yaml", "--sizes", "1,2", "--methods",
+                        "model_averaging", "--phases", "throughput", "--steps", "8",
+                        "--warmup-steps", "2"], env=env, cwd=REPO)
+    _, text = _finished_ok(slurm, job, output)
+    assert "srun --mpi=pmi2" in text
+    report = json.loads((out / "bench.json").read_text())
+    assert report, text
