@@ -76,8 +76,9 @@ def test_summarize_takes_medians_and_per_round_ratios():
     assert row["mpitrain_vs_torch"] == pytest.approx(1.0)
     assert row["gemm_gflops"] == pytest.approx(fpf * 300.0 / 1e9)
     assert row["gemm_bound_fps"] == pytest.approx(300.0)
-    # per-round fractions 0.5, 1.0, 0.5
+    # per-round fractions 0.5, 1.0, 0.5; PyTorch's 0.25, 1.0, 0.625
     assert row["fraction_of_bound"] == pytest.approx(0.5)
+    assert row["torch_fraction_of_bound"] == pytest.approx(0.625)
     assert row["threads"] == 2 and row["rounds"] == 3
     json.dumps(row)  # the row goes to --json as it is
 
@@ -89,7 +90,8 @@ def test_summarize_without_torch_and_with_cpu_rates():
     assert row["torch_fps"] is None and row["mpitrain_vs_torch"] is None
     assert row["fraction_of_bound"] == pytest.approx(0.9)
     assert row["cpu_fraction_of_bound"] == pytest.approx(0.95)
-    assert row["cpu_mpitrain_vs_torch"] is None
+    assert row["cpu_mpitrain_vs_torch"] is None and row["torch_fraction_of_bound"] is None
+    assert row["cpu_mpitrain_fps"] == 95.0 and row["cpu_gemm_bound_fps"] == pytest.approx(100.0)
 
 
 def test_summarize_rejects_uneven_rounds():
