@@ -24,7 +24,8 @@ from ..nn.network import build_network
 from ..optim.factory import build_optimizer
 from ..optim.schedule import ExponentialSchedule
 from ..parallel.factory import build_strategy
-from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint,
+                         save_checkpoint)
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .metrics import MetricsLog, format_duration
 
@@ -67,7 +68,7 @@ class Trainer:
                                 "in the config or with --set data.train=DIR)")
         self.manifest = load_manifest(cfg.data.train)
         self.dev_manifest = load_manifest(cfg.data.dev) if cfg.data.dev else None
-        self._build_model(resume)
+        self._build_model()
         self.schedule = ExponentialSchedule(cfg.optimizer.initial_learning_rate,
                                             cfg.optimizer.final_learning_rate)
         self._build_data()
@@ -81,7 +82,7 @@ class Trainer:
         self._dev = None
 
     # -- construction ------------------------------------------------------------
-    def _build_model(self, resume: bool) -> None:
+    def _build_model(self) -> None:
         cfg, m = self.cfg, self.manifest
         self.net = build_network(
             feat_dim=m.feat_dim, num_classes=m.num_classes,
@@ -110,8 +111,8 @@ class Trainer:
         if steps == 0:
             raise TrainingError(
                 f"{self.manifest.directory}: rank {comm.rank} has no complete minibatch of "
-                f"{cfg.training.minibatch} frames; lower training.minibatch, "
-                "lower data.chunk_frames' effect by adding data, or use fewer ranks")
+                f"{cfg.training.minibatch} frames; lower training.minibatch, raise "
+                "data.chunk_frames, or use fewer ranks")
         self.stream = MinibatchStream(
             self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,
             rank=comm.rank, cmvn=(backend.to_host(self.net.cmvn_mean),
