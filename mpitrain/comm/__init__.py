@@ -133,6 +133,14 @@ def create_communicator(kind: str = "auto", *, device_transport: str = "auto") -
             "load an MPI library; `pip install mpi4py mpich` in the virtualenv, or build "
             "mpi4py against the cluster's MPI") from exc
     comm = MpiCommunicator(device_transport=device_transport)
+    announced = world_size_from_env()
+    if announced is not None and announced > 1 and comm.size == 1:
+        # e.g. srun without an MPI plugin this MPI understands: every task would
+        # otherwise train alone, silently, into the same run directory
+        raise RuntimeError(
+            f"comm: the launcher started {announced} tasks but MPI sees a world of 1; "
+            "the launcher and the MPI library do not talk to each other (with srun, try "
+            "--mpi=pmi2 or --mpi=pmix; or launch with this MPI's own mpiexec)")
     if kind == "auto" and comm.size == 1:
         return SingleCommunicator()
     return comm

@@ -226,3 +226,18 @@ def test_importing_mpitrain_does_not_start_mpi():
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "clean"
+
+
+def test_launcher_announcing_many_tasks_but_world_of_one_is_an_error(tmp_path):
+    # A 2-task launcher whose tasks each see an MPI world of 1 must not train
+    # silently as independent single ranks.
+    import subprocess
+    import sys
+    code = ("from mpitrain.comm import create_communicator\n"
+            "try:\n    create_communicator()\nexcept RuntimeError as e:\n    print(e)\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if not k.startswith(("PMI_", "OMPI_", "MPI_LOCAL", "HYD", "SLURM_", "PMIX_"))}
+    env.update({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert "MPI sees a world of 1" in out.stdout, out.stdout + out.stderr
