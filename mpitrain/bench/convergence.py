@@ -7,13 +7,16 @@ of ``python -m mpitrain train`` (under the MPI launcher for more than one
 rank) with its run directory under ``--out``; finished runs are reused unless
 ``--rerun`` is given.  Written into ``--out``: ``summary.json``,
 ``summary.md`` (a Markdown table), ``best.png`` (held-out curves of the best
-rate of each optimizer on each rank count) and ``sweep.png``.
+rate of each optimizer on each rank count) and ``sweep.png``.  With
+``--lr-factors 1,4`` the runs on more ranks also try each best rate times 4
+(model averaging over N ranks may want a larger rate, as Kaldi's jobs get N
+times theirs); ``lr-factors.png`` then shows them.
 
 Usage::
 
     python -m mpitrain synth bench-out/synth
     python -m mpitrain.bench.convergence --corpus bench-out/synth --out bench-out/convergence \
-        [--ranks 1,4] [--lrs 0.002,0.004,0.008] [--epochs 2]
+        [--ranks 1,4] [--lrs 0.002,0.004,0.008] [--epochs 2] [--lr-factors 1,4]
 
 Example::
 
@@ -234,12 +237,17 @@ def best_rates(rows: Sequence[dict], *, ranks: int) -> dict:
     return {name: row["lr"] for name, row in best.items()}
 
 
-def _fmt_frames(value: Optional[float]) -> str:
-    return "not reached" if value is None else f"{value / 1e3:,.0f}k"
+def _fmt_frames(value: Optional[float], first_eval: Optional[float]) -> str:
+    if value is None:
+        return "not reached"
+    # reached by the first evaluation: only an upper bound is known
+    return f"{'<= ' if value == first_eval else ''}{value / 1e3:,.0f}k"
 
 
 def markdown_table(rows: Sequence[dict], targets: Sequence[float]) -> str:
     """A Markdown table of the runs (one line each, best rates marked with *).
+
+    A target already reached at the first evaluation shows as ``<= frames``.
 
     Example::
 
@@ -250,13 +258,22 @@ def markdown_table(rows: Sequence[dict], targets: Sequence[float]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:
         mark = " *" if row.get("best") else ""
+        first = row["evals"][0]["frames"] if row.get("evals") else None
         cells = [OPTIMIZER_NAMES[row["optimizer"]], str(row["ranks"]), f"{row['lr']:g}{mark}",
                  f"{row['final_dev_acc']:.4f}", f"{row['final_dev_xent']:.4f}",
-                 *[_fmt_frames(row["frames_to_acc"][f"{a:g}"]) for a in targets],
+                 *[_fmt_frames(row["frames_to_acc"][f"{a:g}"], first) for a in targets],
                  f"{row['frames_per_sec']:,.0f}" if row["frames_per_sec"] else "-",
                  f"{row['wall_seconds']:.0f}" if row["wall_seconds"] else "-"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _plot_rows(out_dir: str, png: str, rows: Sequence[dict], *, title: str) -> None:
+    rows = sorted(rows, key=lambda r: (r["ranks"], OPTIMIZERS.index(r["optimizer"]), r["lr"]))
+    plot_runs([os.path.join(out_dir, r["name"]) for r in rows], os.path.join(out_dir, png),
+              train=False, title=title,
+              labels=[f"{OPTIMIZER_NAMES[r['optimizer']]} lr {r['lr']:g}, {r['ranks']} rank"
+                      f"{'s' if r['ranks'] > 1 else ''}" for r in rows])
 
 
 def _floats(text: str) -> list[float]:
@@ -293,6 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=float, default=2.0)
     p.add_argument("--eval-frames", type=int, default=51200,
                    help="frames (all ranks) between held-out evaluations")
+    p.add_argument("--lr-factors", type=_floats, default=[1.0],
+                   help="on more ranks, train each best rate times each of these factors")
     p.add_argument("--average-every", type=int, default=8,
                    help="minibatches between model averages on many ranks")
     p.add_argument("--targets", type=_floats, default=[0.6, 0.7, 0.75, 0.8],
@@ -319,34 +338,40 @@ def main(argv=None) -> int:
             for name in OPTIMIZERS for lr in sweep_lrs[name]]
     best = best_rates(rows, ranks=sweep_ranks)
     for ranks in more_ranks:
-        rows += [run_one(RunSpec(name, best[name], ranks), args.out, rerun=args.rerun,
-                         targets=args.targets, **options) for name in OPTIMIZERS]
+        rows += [run_one(RunSpec(name, best[name] * factor, ranks), args.out, rerun=args.rerun,
+                         targets=args.targets, **options)
+                 for name in OPTIMIZERS for factor in args.lr_factors]
     for row in rows:
         row["best"] = row["lr"] == best[row["optimizer"]]
+        row["lr_factor"] = row["lr"] / best[row["optimizer"]]
     summary = {"corpus": args.corpus, "config": os.path.relpath(config), "epochs": args.epochs,
                "average_every": args.average_every, "eval_frames": args.eval_frames,
-               "sweep_ranks": sweep_ranks, "best_lr": best, "targets": args.targets,
-               "total_wall_seconds": time.perf_counter() - started, "runs": rows}
+               "sweep_ranks": sweep_ranks, "best_lr": best, "lr_factors": args.lr_factors,
+               "targets": args.targets,
+               "total_wall_seconds": time.perf_counter() - started,
+               # reused runs count here with the time they took when trained
+               "runs_wall_seconds": sum(r["wall_seconds"] or 0.0 for r in rows), "runs": rows}
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=2)
     table = markdown_table(rows, args.targets)
     with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as fh:
         fh.write(table)
-    best_rows = [r for r in rows if r["best"]]
-    best_rows.sort(key=lambda r: (r["ranks"], OPTIMIZERS.index(r["optimizer"])))
-    plot_runs([os.path.join(args.out, r["name"]) for r in best_rows],
-              os.path.join(args.out, "best.png"), train=False,
-              labels=[f"{OPTIMIZER_NAMES[r['optimizer']]} lr {r['lr']:g}, {r['ranks']} rank"
-                      f"{'s' if r['ranks'] > 1 else ''}" for r in best_rows],
-              title="best rate of each optimizer")
+    pngs = ["best.png", "sweep.png"]
+    _plot_rows(args.out, "best.png", [r for r in rows if r["best"]],
+               title="best rate of each optimizer")
+    if len(args.lr_factors) > 1:
+        pngs.append("lr-factors.png")
+        _plot_rows(args.out, "lr-factors.png",
+                   [r for r in rows if r["best"] or r["ranks"] != sweep_ranks],
+                   title="best rates, and scaled rates on more ranks")
     sweep_rows = [r for r in rows if r["ranks"] == sweep_ranks]
     plot_runs([os.path.join(args.out, r["name"]) for r in sweep_rows],
               os.path.join(args.out, "sweep.png"), train=False,
               labels=[f"{OPTIMIZER_NAMES[r['optimizer']]} lr {r['lr']:g}" for r in sweep_rows],
-              title=f"learning-rate sweep, {sweep_ranks} rank(s)")
+              title=f"learning-rate sweep, {sweep_ranks} rank{'s' if sweep_ranks > 1 else ''}")
     print(table)
-    print(f"[convergence] wrote {args.out}/summary.json, summary.md, best.png, sweep.png "
+    print(f"[convergence] wrote {args.out}/summary.json, summary.md, {', '.join(pngs)} "
           f"in {summary['total_wall_seconds'] / 60:.1f} min")
     return 0
 
