@@ -832,6 +832,12 @@ def _wrap(text: str, width: int) -> str:
     return "\n".join(textwrap.wrap(text, width, initial_indent="- ", subsequent_indent="  "))
 
 
+def _thousands():
+    from matplotlib.ticker import FuncFormatter
+    return FuncFormatter(lambda x, _: f"{x / 1e6:g}M" if abs(x) >= 1e6 else
+                         f"{x / 1e3:g}k" if abs(x) >= 1e3 else f"{x:g}")
+
+
 def plot_accuracy(report: dict, path: str, *, dpi: int = 100) -> None:
     """Held-out accuracy against frames and against training seconds, one row per
     method, one line per group size, the target as a dashed line.
@@ -851,6 +857,7 @@ def plot_accuracy(report: dict, path: str, *, dpi: int = 100) -> None:
             for ax, key in ((row[0], "frames"), (row[1], "seconds")):
                 ax.plot([p[key] for p in pts], [p["dev_acc"] for p in pts], marker=".",
                         color=f"C{i}", label=f"{acc['ranks']} rank(s)")
+        row[0].xaxis.set_major_formatter(_thousands())
         for ax, label in ((row[0], "frames (all ranks)"), (row[1], "training seconds")):
             ax.axhline(target, color="0.5", ls="--", lw=1)
             ax.set_xlabel(label)
