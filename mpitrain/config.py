@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from .parallel.factory import METHODS as STRATEGY_METHODS
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key."""
@@ -86,8 +88,7 @@ class TrainingConfig:
 
 @dataclass
 class ParallelConfig:
-    method: str = _opt("model_averaging",
-                       choices=("model_averaging", "kaldi", "allreduce", "bmuf"),
+    method: str = _opt("model_averaging", choices=tuple(STRATEGY_METHODS),
                        help="how ranks combine their models (docs/user-guide.md)")
     average_every: int = _opt(8, min=1, help="minibatches between model averages")
     average_every_frames: int = _opt(0, min=0, help="frames per rank between averages; "
