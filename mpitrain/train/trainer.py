@@ -183,6 +183,7 @@ class Trainer:
         ctx = xp.empty((batch, net.context), dtype=xp.int64)
         self.log.say(self._banner())
         self.log.write("start", step=self.step, total_steps=self.total_steps,
+                       planned_steps=self.planned_steps,
                        ranks=comm.size, device=backend.device_name(xp),
                        transport=getattr(comm, "transport", "host"),
                        strategy=self.strategy.name, optimizer=self.optimizer.name)
