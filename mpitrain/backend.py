@@ -64,6 +64,20 @@ def select(device: str = "cpu", local_rank: int = 0):
     return cupy
 
 
+def nccl_module(cupy=None):
+    """CuPy's NCCL binding, or None when this CuPy build or machine has none.
+
+    ``cupy`` may be a stand-in module (tests); by default the real CuPy.
+    """
+    try:
+        import importlib
+        cupy = cupy or _import_cupy()
+        nccl = importlib.import_module(cupy.__name__ + ".cuda.nccl")
+    except Exception:
+        return None
+    return nccl if getattr(nccl, "available", False) else None
+
+
 def get_array_module(*arrays):
     """numpy or cupy, whichever owns the arrays (numpy when CuPy is absent)."""
     if _cupy is not None:

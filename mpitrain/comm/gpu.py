@@ -108,12 +108,8 @@ HOST_PATH = HostPath()
 
 def _load_nccl(cupy):
     """cupy's NCCL binding, or None when this CuPy build or machine has none."""
-    try:
-        import importlib
-        nccl = importlib.import_module(cupy.__name__ + ".cuda.nccl")
-    except Exception:
-        return None
-    return nccl if getattr(nccl, "available", False) else None
+    from .. import backend
+    return backend.nccl_module(cupy)
 
 
 class NcclCollectives:
