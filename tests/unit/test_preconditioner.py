@@ -9,7 +9,6 @@ test oracles.
 from __future__ import annotations
 
 import math
-import warnings
 
 import numpy as np
 import pytest

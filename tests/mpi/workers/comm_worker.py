@@ -13,7 +13,7 @@ import time
 
 import mpitrain
 import mpitrain.comm
-import mpitrain.testing
+import mpitrain.testing  # noqa: F401  (imported only to show it does not start MPI)
 
 # Importing the package must not start MPI: checked before anything else runs.
 assert "mpi4py" not in sys.modules, "importing mpitrain.comm imported mpi4py"
