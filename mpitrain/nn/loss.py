@@ -7,7 +7,6 @@ Kaldi's meaning (per frame) and do not change with the minibatch size.
 from __future__ import annotations
 
 from .affine import _xp
-from .component import BufferCache
 
 
 class SoftmaxCrossEntropy:
@@ -19,7 +18,6 @@ class SoftmaxCrossEntropy:
     """
 
     def __init__(self):
-        self._buffers = BufferCache()
         self._probs = None
         self._labels = None
 
