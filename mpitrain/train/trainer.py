@@ -66,6 +66,12 @@ class Trainer:
         if not cfg.data.train:
             raise TrainingError("data.train: no training corpus given (set data.train "
                                 "in the config or with --set data.train=DIR)")
+        if cfg.training.plot and self.is_root:
+            try:
+                import matplotlib  # noqa: F401  (checked now, not after hours of training)
+            except ImportError as exc:
+                raise TrainingError("training.plot: true needs matplotlib; "
+                                    "pip install matplotlib (or the [plot] extra)") from exc
         self.manifest = load_manifest(cfg.data.train)
         self.dev_manifest = load_manifest(cfg.data.dev) if cfg.data.dev else None
         self._build_model()
@@ -264,6 +270,10 @@ class Trainer:
         result.update(steps=self.step, frames=self.frames_seen,
                       seconds=time.perf_counter() - run_start)
         self.log.write("end", **result)
+        if self.is_root and self.cfg.training.plot:
+            from ..plotting import plot_runs
+            png = plot_runs([self.run_dir], os.path.join(self.run_dir, "curves.png"))
+            self.log.say(f"curves: {png}")
         self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "
                      f"{format_duration(result['seconds'])}; model {self.run_dir}/final.h5")
         return result
