@@ -188,10 +188,7 @@ def _limit_blas_threads(threads: int, comm) -> None:
         if any(v in os.environ for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
             return
         threads = max(1, (os.cpu_count() or 1) // max(1, comm.local_size))
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:
-        return
+    from threadpoolctl import threadpool_limits
     threadpool_limits(threads)
 
 

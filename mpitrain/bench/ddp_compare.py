@@ -266,11 +266,8 @@ def format_result(result: dict) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from mpitrain.comm import create_communicator
     args = parse_args(argv)
-    try:
-        from threadpoolctl import threadpool_limits
-        threadpool_limits(args.threads)
-    except ImportError:
-        pass
+    from threadpoolctl import threadpool_limits
+    threadpool_limits(args.threads)
     comm = create_communicator("auto")
     result = run(comm, args)
     if comm.rank == 0:

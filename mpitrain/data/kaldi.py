@@ -133,18 +133,24 @@ def _read_record(fd, path: str, key: str):
                           f"({type(exc).__name__}: {exc})") from exc
 
 
+def _ark_keys(fd, path: str):
+    """The utterance ids of an open ark file; the caller reads each value after its id."""
+    read_token = _kaldiio_matio().read_token
+    while True:
+        try:
+            key = read_token(fd)
+        except Exception as exc:
+            raise CorpusError(f"{path}: cannot read the next utterance id ({exc})") from exc
+        if key is None:
+            return
+        yield key
+
+
 def _iter_ark(path: str):
     """(key, object) of every entry of an ark file."""
     _check_plain_file(path, "ark")
-    read_token = _kaldiio_matio().read_token
     with open(path, "rb") as fd:
-        while True:
-            try:
-                key = read_token(fd)
-            except Exception as exc:
-                raise CorpusError(f"{path}: cannot read the next utterance id ({exc})") from exc
-            if key is None:
-                return
+        for key in _ark_keys(fd, path):
             yield key, _read_record(fd, path, key)
 
 
@@ -277,16 +283,9 @@ def _read_binary_int_vector(fd, path: str, key: str) -> np.ndarray:
 
 
 def _read_binary_alignments(path: str) -> dict[str, np.ndarray]:
-    read_token = _kaldiio_matio().read_token
     alignments = {}
     with open(path, "rb") as fd:
-        while True:
-            try:
-                key = read_token(fd)
-            except Exception as exc:
-                raise CorpusError(f"{path}: cannot read the next utterance id ({exc})") from exc
-            if key is None:
-                return alignments
+        for key in _ark_keys(fd, path):
             head = fd.read(2)
             fd.seek(-len(head), os.SEEK_CUR)
             if head != b"\0B":
@@ -294,6 +293,7 @@ def _read_binary_alignments(path: str) -> dict[str, np.ndarray]:
             if key in alignments:
                 raise CorpusError(f"{path}: utterance {key!r} appears twice")
             alignments[key] = _read_binary_int_vector(fd, path, key)
+    return alignments
 
 
 def read_alignments(spec: str) -> dict[str, np.ndarray]:

@@ -46,30 +46,23 @@ def test_quickstart_learns_far_above_majority_baseline(small_corpus, tmp_path):
     assert os.path.exists(run / "config.yaml")
 
 
-def test_resume_is_bit_exact(small_corpus, tmp_path):
+@pytest.mark.parametrize("optimizer,steps", [
+    (["optimizer.momentum=0.5"], 60),          # momentum: optimizer state must be restored
+    (["optimizer.name=ngsgd"], 40),            # NG-SGD: preconditioner state too
+], ids=["sgd-momentum", "ngsgd"])
+def test_resume_is_bit_exact(small_corpus, tmp_path, optimizer, steps):
     common = ["training.checkpoint_interval=10", "model.hidden_dim=64", "model.hidden_layers=2",
-              "optimizer.momentum=0.5", "training.epochs=1"]
+              "training.epochs=1"] + optimizer
+    half = steps // 2
     straight, split = tmp_path / "straight", tmp_path / "split"
-    _train(straight, small_corpus, common + ["training.max_steps=60"])
-    _train(split, small_corpus, common + ["training.max_steps=30"])
-    _train(split, small_corpus, common + ["training.max_steps=60"], resume=True)
+    _train(straight, small_corpus, common + [f"training.max_steps={steps}"])
+    _train(split, small_corpus, common + [f"training.max_steps={half}"])
+    _train(split, small_corpus, common + [f"training.max_steps={steps}"], resume=True)
     a, _ = load_model(straight / "final.h5")
     b, _ = load_model(split / "final.h5")
     assert np.array_equal(a.params, b.params)
-    # and the second run really continued from step 30 rather than starting over
-    assert [r["step"] for r in _records(split, "start")] == [0, 30]
-
-
-def test_resume_is_bit_exact_with_ngsgd(small_corpus, tmp_path):
-    common = ["training.checkpoint_interval=10", "model.hidden_dim=64", "model.hidden_layers=2",
-              "optimizer.name=ngsgd", "training.epochs=1"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    _train(straight, small_corpus, common + ["training.max_steps=40"])
-    _train(split, small_corpus, common + ["training.max_steps=20"])
-    _train(split, small_corpus, common + ["training.max_steps=40"], resume=True)
-    a, _ = load_model(straight / "final.h5")
-    b, _ = load_model(split / "final.h5")
-    assert np.array_equal(a.params, b.params)
+    # and the second run really continued from the midpoint rather than starting over
+    assert [r["step"] for r in _records(split, "start")] == [0, half]
 
 
 def test_checkpoints_are_rotated_and_complete(small_corpus, tmp_path):
