@@ -17,7 +17,7 @@ from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
 pytestmark = pytest.mark.mpi
 
 WORKERS = Path(__file__).parent / "workers"
-CHECKS = ["identity", "allreduce_", "bcast_", "sendrecv ring", "isend/irecv",
+CHECKS = ["identity", "allreduce_", "allreduce_ in pieces", "bcast_", "sendrecv ring", "isend/irecv",
           "send/recv/iprobe", "iallreduce_", "split", "dup", "allreduce_scalar",
           "objects", "comm_time", "wtime"]
 

@@ -91,6 +91,23 @@ assert_raises(ValueError, comm.allreduce_, xp.zeros(3, dtype=np.float32), "avg")
 assert_raises(ValueError, comm.allreduce_, xp.zeros((4, 4), dtype=np.float32)[:, 0], "sum")
 ok("allreduce_")
 
+# ---- large host buffers go in pieces, each scaled on its own: shrink the piece
+# size so a small buffer takes that path (several whole pieces plus a remainder)
+if type(comm).__name__ == "MpiCommunicator" and xp is np:
+    import mpitrain.comm.mpi as mpi_module
+    saved_piece = mpi_module.HOST_PIECE_BYTES
+    mpi_module.HOST_PIECE_BYTES = 64                     # 16 float32 per piece
+    try:
+        values = np.arange(101, dtype=np.float32)
+        for op, expected in (("sum", values * triangle), ("mean", values * triangle / size),
+                             ("max", values * size)):
+            buf = values * (rank + 1)
+            comm.allreduce_(buf, op=op)
+            np.testing.assert_allclose(buf, expected, rtol=1e-6, err_msg=f"pieces {op}")
+    finally:
+        mpi_module.HOST_PIECE_BYTES = saved_piece
+    ok("allreduce_ in pieces")
+
 # ---- bcast_
 for root in {0, size - 1}:
     buf = xp.full(513, float(rank), dtype=np.float32)
