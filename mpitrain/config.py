@@ -116,6 +116,16 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = _opt("cpu", choices=("cpu", "gpu"), help="gpu: CuPy, one GPU per local rank")
+    device_transport: str = _opt("auto", choices=("auto", "nccl", "cuda-aware-mpi", "host-staged"),
+                                 help="how GPU buffers travel between ranks; auto: NCCL, else "
+                                      "CUDA-aware MPI, else pinned host staging")
+    precision: str = _opt("fp32", choices=("fp32", "tf32", "bf16"),
+                          help="GPU matrix products: fp32, TF32 tensor cores, or bf16 products "
+                               "with fp32 master weights and reductions")
+    fused_kernels: bool = _opt(True, help="GPU: fused CUDA kernels for the elementwise work of "
+                                          "a step; false: plain CuPy array expressions")
+    cuda_graph: bool = _opt(False, help="GPU: capture the whole step as a CUDA graph and "
+                                        "replay it (fixed shapes)")
     blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: cores / ranks on the node")
 
     def to_dict(self) -> dict:
