@@ -76,7 +76,7 @@ def cmd_train(args) -> int:
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
     cfg = load_config(args.config, args.set)
-    comm = create_communicator()
+    comm = create_communicator(device_transport=cfg.device_transport)
     install_abort_hook(comm)
     _limit_blas_threads(cfg.blas_threads, comm)
     run_dir = args.run_dir or os.path.join(
@@ -129,7 +129,7 @@ def cmd_bench(args) -> int:
         compute_seconds=args.compute_ms * 1e-3)
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
-    comm = create_communicator()
+    comm = create_communicator(device_transport=cfg.device_transport)
     install_abort_hook(comm)
     _limit_blas_threads(cfg.blas_threads, comm)
     out_dir = args.out or os.path.join(

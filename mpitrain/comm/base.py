@@ -29,8 +29,9 @@ REDUCE_OPS = ("mean", "sum", "max", "min")
 ANY_SOURCE = -1
 ANY_TAG = -1
 
-#: Device transports named by ``Communicator.transport``.
-TRANSPORTS = ("host", "nccl", "cuda-aware-mpi", "host-staged")
+#: Device transports named by ``Communicator.transport``; "local": device
+#: buffers on a single rank, which never leave the GPU.
+TRANSPORTS = ("host", "local", "nccl", "cuda-aware-mpi", "host-staged")
 
 
 def check_op(op: str, *, where: str) -> str:
@@ -272,8 +273,30 @@ class Communicator(ABC):
 
     @property
     def transport(self) -> str:
-        """How device buffers travel: 'host', 'nccl', 'cuda-aware-mpi' or 'host-staged'."""
+        """How device buffers travel: 'host', 'local', 'nccl', 'cuda-aware-mpi' or 'host-staged'."""
         return "host"
+
+    @property
+    def transport_reason(self) -> str:
+        """Why :attr:`transport` was chosen, in one line ('' when there was no choice).
+
+        Example::
+
+            print(f"transport {comm.transport} ({comm.transport_reason})")
+        """
+        return ""
+
+    def setup_device_transport(self, xp, *, prefer: Optional[str] = None) -> str:
+        """Collective: choose how ``xp``'s buffers travel; returns :attr:`transport`.
+
+        ``prefer`` overrides the communicator's ``device_transport`` setting.
+        Here (no device routes) it only returns the transport.
+
+        Example::
+
+            name = comm.setup_device_transport(xp)
+        """
+        return self.transport
 
     # ---- timing
     @property

@@ -118,6 +118,11 @@ class MpiCommunicator(Communicator):
         return self._device.name if self._device is not None else "host"
 
     @property
+    def transport_reason(self) -> str:
+        """Why :attr:`transport` was chosen, in one line; '' before a device route exists."""
+        return self._device.reason if self._device is not None else ""
+
+    @property
     def thread_multiple(self) -> bool:
         return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
@@ -129,18 +134,22 @@ class MpiCommunicator(Communicator):
         """Collective: choose how ``xp``'s (cupy) buffers travel; returns the route name.
 
         For numpy this is a no-op returning 'host'.  Call it once after the
-        GPU was selected so the log can name the route before training.
+        GPU was selected so the log can name the route, and
+        :attr:`transport_reason` why, before training.  A route forced by
+        ``device_transport`` that cannot work raises RuntimeError on every rank.
 
         Example::
 
             xp = backend.select("gpu", local_rank=comm.local_rank)
-            log(f"transport: {comm.setup_device_transport(xp)}")
+            name = comm.setup_device_transport(xp)
+            log(f"transport {name} ({comm.transport_reason})")
         """
         if xp is np:
             return "host"
         prefer = self._prefer if prefer is None else prefer
         if self._device is not None:
             self._device.close()
+            self._device = None
         self._device = gpu.choose_device_transport(self._comm, xp, prefer=prefer)
         return self._device.name
 

@@ -20,6 +20,8 @@ import time
 from collections import deque
 from typing import Any, Optional
 
+import numpy as np
+
 from .base import (ANY_SOURCE, ANY_TAG, CompletedRequest, Communicator, Request,
                    check_buffer, check_mean_dtype, check_op, json_copy, scalar_dtype,
                    scalar_result)
@@ -68,6 +70,7 @@ class SingleCommunicator(Communicator):
         super().__init__()
         self._outbox: deque = deque()      # (tag, copy of data) sent to self
         self._pending: deque = deque()     # receives posted before their send
+        self._transport = "host"
 
     @property
     def rank(self) -> int:
@@ -84,6 +87,26 @@ class SingleCommunicator(Communicator):
     @property
     def local_size(self) -> int:
         return 1
+
+    @property
+    def transport(self) -> str:
+        return self._transport
+
+    @property
+    def transport_reason(self) -> str:
+        return ""
+
+    def setup_device_transport(self, xp, *, prefer: Optional[str] = None) -> str:
+        """'host' for numpy, 'local' for a device module: one rank sends nothing anywhere.
+
+        ``prefer`` (a ``device_transport`` value) does not matter for one rank.
+
+        Example::
+
+            SingleCommunicator().setup_device_transport(numpy)   # 'host'
+        """
+        self._transport = "host" if xp is np else "local"
+        return self._transport
 
     def wtime(self) -> float:
         return time.perf_counter()
@@ -176,7 +199,9 @@ class SingleCommunicator(Communicator):
         return self
 
     def dup(self) -> "SingleCommunicator":
-        return SingleCommunicator()
+        twin = SingleCommunicator()
+        twin._transport = self._transport
+        return twin
 
     def barrier(self) -> None:
         return None

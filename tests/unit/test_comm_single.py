@@ -11,6 +11,7 @@ from mpitrain import backend
 from mpitrain.comm import (ANY_SOURCE, create_communicator, launched_by_mpi,
                            local_rank_from_env, world_size_from_env)
 from mpitrain.comm.abort import abort_on_error, install_abort_hook
+from mpitrain.comm import nccl_id
 from mpitrain.comm.base import decode_obj, encode_obj
 from mpitrain.comm.single import SingleCommunicator
 
@@ -27,6 +28,50 @@ def comm():
 def test_identity(comm):
     assert (comm.rank, comm.size, comm.local_rank, comm.local_size) == (0, 1, 0, 1)
     assert comm.name == "single" and comm.transport == "host"
+    assert comm.transport_reason == ""
+
+
+def test_device_transport_of_one_rank(comm, xp):
+    # One rank sends nothing anywhere: 'local' for device arrays, never a reason.
+    expected = "host" if xp is np else "local"
+    assert comm.setup_device_transport(xp, prefer="nccl") == expected
+    assert comm.transport == expected and comm.transport_reason == ""
+    assert comm.dup().transport == expected
+    assert comm.setup_device_transport(np) == "host" and comm.transport == "host"
+
+
+RAW_ID = bytes([0xFF, 0x01, 0x80, 0x7F]) + bytes(range(124))
+
+
+@pytest.mark.parametrize("form,uid", [
+    (nccl_id.ID_AS_BYTES, RAW_ID),
+    (nccl_id.ID_AS_BYTES, bytearray(RAW_ID)),
+    (nccl_id.ID_AS_SIGNED, tuple(b - 256 if b > 127 else b for b in RAW_ID)),
+    (nccl_id.ID_AS_SIGNED, [b - 256 if b > 127 else b for b in RAW_ID]),
+    (nccl_id.ID_AS_UNSIGNED, tuple(RAW_ID)),
+], ids=["bytes", "bytearray", "signed tuple", "signed list", "unsigned tuple"])
+def test_nccl_unique_id_round_trips_through_bytes(form, uid):
+    raw, got_form = nccl_id.unique_id_to_bytes(uid)
+    assert (raw, got_form) == (RAW_ID, form)
+    rebuilt = nccl_id.unique_id_from_bytes(raw, form)
+    assert rebuilt == (bytes(uid) if form == nccl_id.ID_AS_BYTES else tuple(uid))
+    assert nccl_id.unique_id_from_bytes(raw, nccl_id.ID_AS_SIGNED)[:4] == (-1, 1, -128, 127)
+    assert nccl_id.unique_id_from_bytes(raw, nccl_id.ID_AS_UNSIGNED)[:4] == (255, 1, 128, 127)
+
+
+def test_nccl_unique_id_rejects_what_is_not_an_id():
+    with pytest.raises(ValueError, match="expected 128 bytes, got 127"):
+        nccl_id.unique_id_to_bytes(RAW_ID[:-1])
+    with pytest.raises(ValueError, match="chars"):
+        nccl_id.unique_id_to_bytes((256,) * 128)
+    with pytest.raises(ValueError, match="mixes"):
+        nccl_id.unique_id_to_bytes((-1, 200) + (0,) * 126)
+    with pytest.raises(TypeError, match="expected bytes or a tuple"):
+        nccl_id.unique_id_to_bytes("not an id")
+    with pytest.raises(ValueError, match="unknown form"):
+        nccl_id.unique_id_from_bytes(RAW_ID, 7)
+    assert nccl_id.forms_to_try(nccl_id.ID_AS_SIGNED) == [
+        nccl_id.ID_AS_SIGNED, nccl_id.ID_AS_BYTES, nccl_id.ID_AS_UNSIGNED]
 
 
 @pytest.mark.parametrize("op", ["mean", "sum", "max", "min"])

@@ -71,7 +71,7 @@ base = np.arange(1000, dtype=np.float64)
 # ---- identity
 assert 0 <= rank < size
 assert comm.local_size == size and comm.local_rank == rank   # one node
-assert comm.transport == "host"
+assert comm.transport == "host" and comm.transport_reason == ""
 assert isinstance(comm.thread_multiple, bool)
 ok("identity")
 
@@ -268,8 +268,11 @@ if xp is not np:
     assert comm.transport in ("nccl", "cuda-aware-mpi", "host-staged"), comm.transport
     if args.transport != "auto":
         assert comm.transport == args.transport, (comm.transport, args.transport)
+    # Every rank took the same route for the same one-line reason.
+    assert comm.transport_reason and "\n" not in comm.transport_reason
+    assert comm.allgather_obj(comm.transport_reason) == [comm.transport_reason] * size
     if rank == 0:
-        print(f"device transport: {comm.transport}", flush=True)
+        print(f"device transport: {comm.transport} ({comm.transport_reason})", flush=True)
 
 comm.barrier()
 if rank == 0:

@@ -1,67 +1,26 @@
 """Device-buffer routing of MpiCommunicator, checked without a GPU.
 
-A stand-in for cupy (host memory behind a cupy-like interface: ``get``/``set``,
-pinned allocation, stream synchronisation) is installed into mpitrain.backend,
-so the route choice, the pinned staging path and the CUDA-aware path run for
-real under ``mpiexec``; only the memory is host memory.  Run by
-tests/mpi/test_comm.py with 2 ranks.
+A stand-in for cupy (fake_cupy.py: host memory behind a cupy-like interface,
+``get``/``set``, pinned allocation, stream synchronisation) is installed into
+mpitrain.backend, so the route choice, the pinned staging path and the
+CUDA-aware path run for real under ``mpiexec``; only the memory is host
+memory.  Run by tests/mpi/test_comm.py with 2 ranks.
 """
 
 import os
-import types
 
 import numpy as np
-
-from mpitrain import backend
-from mpitrain.comm.abort import install_abort_hook
-from mpitrain.comm.mpi import MpiCommunicator
 from mpi4py import MPI
 
-counts = {"get": 0, "set": 0, "sync": 0, "pinned": 0}
+from fake_cupy import FakeDeviceArray, counts, device, install
+from mpitrain.comm.abort import install_abort_hook
+from mpitrain.comm.mpi import MpiCommunicator
 
-
-class FakeDeviceArray(np.ndarray):
-    """Host memory that must be copied with get/set, like a cupy array."""
-
-    def get(self, out=None):
-        counts["get"] += 1
-        out[...] = self.view(np.ndarray)
-        return out
-
-    def set(self, array):
-        counts["set"] += 1
-        self.view(np.ndarray)[...] = array
-
-
-def _pinned(nbytes):
-    counts["pinned"] += 1
-    return bytearray(nbytes)
-
-
-def _sync():
-    counts["sync"] += 1
-
-
-fake = types.SimpleNamespace(
-    __name__="fake_device_module",
-    ndarray=FakeDeviceArray,
-    float32=np.float32,
-    full=lambda *a, **k: np.full(*a, **k).view(FakeDeviceArray),
-    asnumpy=lambda a: np.array(a.view(np.ndarray)),
-    get_array_module=lambda *arrays: (
-        fake if any(isinstance(a, FakeDeviceArray) for a in arrays) else np),
-    cuda=types.SimpleNamespace(
-        alloc_pinned_memory=_pinned,
-        get_current_stream=lambda: types.SimpleNamespace(synchronize=_sync)),
-)
-backend._cupy = fake
+# No NCCL binding registered: NCCL is out, the MPI routes are what is tested.
+fake = install(device_id=MPI.COMM_WORLD.Get_rank())
 
 world = MPI.COMM_WORLD
 rank, size = world.Get_rank(), world.Get_size()
-
-
-def device(values, dtype=np.float32):
-    return np.asarray(values, dtype=dtype).copy().view(FakeDeviceArray)
 
 
 def ok(name):
@@ -108,6 +67,9 @@ assert staged.transport == "host"
 before = dict(counts)
 exercise(staged)
 assert staged.transport == "host-staged", staged.transport
+assert staged.transport_reason == (
+    "NCCL not used: cupy.cuda.nccl unavailable: cannot be imported or reports "
+    "available=False; CUDA-aware MPI not claimed by the library"), staged.transport_reason
 assert counts["get"] > before["get"] and counts["set"] > before["set"], counts
 pinned_after_first = counts["pinned"]
 exercise(staged)
@@ -120,7 +82,7 @@ lazy = MpiCommunicator(world.Dup())
 recv = device(np.zeros(3))
 lazy.sendrecv(device([rank] * 3), (rank + 1) % size, recv, (rank - 1) % size)
 assert (recv.view(np.ndarray) == (rank - 1) % size).all()
-assert lazy.transport == "host", lazy.transport
+assert lazy.transport == "host" and lazy.transport_reason == "", lazy.transport
 ok("point to point before setup")
 
 # 3. A forced CUDA-aware route that the library does not claim fails on every rank.
@@ -128,7 +90,8 @@ forced = MpiCommunicator(world.Dup(), device_transport="cuda-aware-mpi")
 try:
     forced.setup_device_transport(fake)
 except RuntimeError as exc:
-    assert "cuda-aware-mpi" in str(exc)
+    assert str(exc) == ("device transport 'cuda-aware-mpi' was requested (device_transport) "
+                        "but cannot be used: CUDA-aware MPI not claimed by the library"), exc
 else:
     raise AssertionError("forced cuda-aware-mpi without support did not raise")
 ok("forced route refused")
@@ -142,11 +105,15 @@ exercise(aware)
 assert counts["get"] == before["get"] and counts["set"] == before["set"], counts
 assert counts["sync"] > before["sync"], counts
 assert aware.transport == "cuda-aware-mpi"
+assert aware.transport_reason == ("NCCL not used: cupy.cuda.nccl unavailable: cannot be "
+                                  "imported or reports available=False; CUDA-aware MPI "
+                                  "probe passed"), aware.transport_reason
 ok("cuda-aware route")
 
 # 5. Forced staging skips every probe.
 forced_staging = MpiCommunicator(world.Dup(), device_transport="host-staged")
 assert forced_staging.setup_device_transport(fake) == "host-staged"
+assert forced_staging.transport_reason == "host-staged requested by device_transport"
 assert forced_staging.setup_device_transport(np) == "host"
 exercise(forced_staging)
 ok("forced host-staged")
