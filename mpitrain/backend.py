@@ -13,6 +13,8 @@ Example::
 from __future__ import annotations
 
 import os
+from typing import Optional
+
 import numpy as np
 
 _cupy = None
@@ -89,15 +91,104 @@ def is_gpu_array(array) -> bool:
     return _cupy is not None and isinstance(array, _cupy.ndarray)
 
 
+# -- reading device memory from the host -------------------------------------------
+# Every device-to-host read goes through to_host (it waits for the GPU) or
+# copy_to_host_async (it does not); both are counted so that tests can prove a
+# training step never stalls on the host.
+_host_reads = {"blocking": 0, "async": 0}
+
+
+def host_read_counts() -> dict:
+    """How many device arrays were read so far: ``{"blocking": n, "async": m}``.
+
+    Example::
+
+        before = host_read_counts()["blocking"]
+        to_host(device_array)
+        host_read_counts()["blocking"] - before    # 1
+    """
+    return dict(_host_reads)
+
+
 def to_host(array) -> np.ndarray:
-    """A NumPy copy (or the array itself when it already lives on the host)."""
+    """A NumPy copy (or the array itself when it already lives on the host).
+
+    For a device array this waits for the GPU: the one blocking read.
+    """
     if is_gpu_array(array):
+        _host_reads["blocking"] += 1
         return _cupy.asnumpy(array)
     return np.asarray(array)
 
 
+def host_scalar(value) -> float:
+    """A Python float from a number or a 0-d/1-element array on either device."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    return float(to_host(value).reshape(-1)[0])
+
+
+class HostCopy:
+    """A device-to-host copy in flight; :meth:`result` waits for it only.
+
+    Waiting on its event leaves the GPU running whatever was queued after it.
+    """
+
+    def __init__(self, host, event=None):
+        self._host, self._event = host, event
+
+    def done(self) -> bool:
+        return self._event is None or bool(self._event.done)
+
+    def result(self) -> np.ndarray:
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        return self._host
+
+
+def pinned_empty(shape, dtype) -> np.ndarray:
+    """A host array in page-locked memory (plain host memory without CuPy)."""
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64))
+    if _cupy is None:
+        return np.empty(shape, dtype=dtype)
+    memory = _cupy.cuda.alloc_pinned_memory(max(count * dtype.itemsize, 1))
+    return np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+
+
+def copy_to_host_async(array, out=None) -> HostCopy:
+    """Start copying a contiguous array to the host; returns a :class:`HostCopy`.
+
+    ``out`` (pinned, from :func:`pinned_empty`) is reused when given.  On the
+    host the copy is immediate.
+
+    Example::
+
+        pending = copy_to_host_async(gram)        # queued behind the GEMM that wrote it
+        ...                                       # more GPU work is queued meanwhile
+        gram_host = pending.result()
+    """
+    if not is_gpu_array(array):
+        host = np.array(array) if out is None else out
+        if out is not None:
+            out[...] = array
+        return HostCopy(host)
+    _host_reads["async"] += 1
+    if not array.flags.c_contiguous:
+        array = _cupy.ascontiguousarray(array)
+    host = pinned_empty(array.shape, array.dtype) if out is None else out
+    stream = _cupy.cuda.get_current_stream()
+    array.data.copy_to_host_async(host.ctypes.data, array.nbytes, stream)
+    return HostCopy(host, stream.record())
+
+
 def to_device(array, xp):
-    """Move a host array onto the device of ``xp`` (no copy for numpy)."""
+    """Move a host array onto the device of ``xp`` (no copy for numpy).
+
+    CuPy stages host arrays through pinned memory, so this does not wait for
+    the GPU.
+    """
     if xp is np:
         return np.asarray(array)
     return xp.asarray(array)
@@ -112,18 +203,198 @@ def synchronize(xp=None) -> None:
         _cupy.cuda.get_current_stream().synchronize()
 
 
+# -- fused kernels and matrix products ------------------------------------------------
+_fused_kernels = True
+PRECISIONS = ("fp32", "tf32", "bf16")
+_precision = "fp32"
+
+
+def set_fused_kernels(enabled: bool) -> None:
+    """Allow (default) or forbid the hand-written CUDA kernels of nn, optim and data."""
+    global _fused_kernels
+    _fused_kernels = bool(enabled)
+
+
+def fused_kernels(xp) -> bool:
+    """True when ``xp`` compiles CUDA kernels (CuPy) and they are allowed."""
+    return _fused_kernels and xp is not np and xp is _cupy and hasattr(xp, "RawModule")
+
+
+def set_precision(xp, precision: str) -> None:
+    """Matrix products in fp32, TF32 or bf16 tensor-core math (fp32 storage).
+
+    Example::
+
+        set_precision(cupy, "tf32")
+    """
+    global _precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision != "fp32" and xp is np:
+        raise DeviceError(f"precision: {precision} needs device: gpu (the CPU computes in fp32)")
+    if xp is not np and xp is _cupy and hasattr(xp, "RawModule"):
+        import importlib
+        linalg = importlib.import_module(xp.__name__ + "._core._routines_linalg")
+        # cupy.matmul (used outside backend.gemm) follows its compute type: 7 is
+        # TF32, 1 the default; bf16 products go through backend.gemm only.
+        linalg.set_compute_type(np.float32, 7 if precision == "tf32" else 1)
+    _precision = precision
+
+
+def precision() -> str:
+    return _precision
+
+
+_compiled = {}
+
+
+def raw_module(xp, name: str, source: str):
+    """``xp.RawModule`` of CUDA ``source``, compiled once per process.
+
+    Example::
+
+        backend.raw_module(cupy, "nn", SOURCE).get_function("kernel_name")
+    """
+    key = ("module", name)
+    module = _compiled.get(key)
+    if module is None:
+        module = _compiled[key] = xp.RawModule(code=source, options=("--std=c++14",))
+    return module
+
+
+def elementwise_kernel(xp, in_params: str, out_params: str, body: str, name: str):
+    """``xp.ElementwiseKernel`` built once per process (compiled on first use per dtype)."""
+    key = ("elementwise", name)
+    kernel = _compiled.get(key)
+    if kernel is None:
+        kernel = _compiled[key] = xp.ElementwiseKernel(in_params, out_params, body, name)
+    return kernel
+
+
+_GEMM_COMPUTE = {"fp32": 68, "tf32": 77, "bf16": 75}   # cublasComputeType_t
+_CUDA_R_32F = 0
+_host_scalars = {}
+
+
+def _host_scalar_ptr(value: float) -> int:
+    # cuBLAS reads host scalars during the call; small cached cells stay alive.
+    cell = _host_scalars.get(value)
+    if cell is None:
+        if len(_host_scalars) > 64:
+            _host_scalars.clear()
+        cell = _host_scalars[value] = np.array([value], dtype=np.float32)
+    return cell.ctypes.data
+
+
+_device_scalars = {}
+
+
+def _device_scalar(value: float):
+    # With a device alpha cuBLAS reads beta from the device too; one cell per value.
+    cell = _device_scalars.get(value)
+    if cell is None:
+        cell = _device_scalars[value] = _cupy.full((), value, dtype=np.float32)
+    return cell
+
+
+def _leading_dim(a) -> Optional[int]:
+    """Row stride in elements of a 2-D array with unit column stride, else None."""
+    if a.ndim != 2 or a.strides[1] != a.itemsize or a.strides[0] % a.itemsize:
+        return None
+    lead = a.strides[0] // a.itemsize
+    return lead if lead >= max(a.shape[1], 1) else None
+
+
+def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False, alpha=1.0,
+         beta: float = 0.0):
+    """``out = alpha op(a) @ op(b) + beta out`` for float32 matrices, in place.
+
+    ``op`` transposes when asked.  ``alpha`` may be a 0-d device array (read by
+    the GPU, so nothing waits for it).  On the GPU this is one cuBLAS call in
+    the configured precision; elsewhere array expressions.
+
+    Example::
+
+        gemm(dy, x, grad_block, trans_a=True)            # grad = dy^T x
+        gemm(h, w, x, alpha=-1.0, beta=1.0)               # x -= h w
+    """
+    left = a.T if trans_a else a
+    right = b.T if trans_b else b
+    if not (fused_kernels(_cupy) and is_gpu_array(out)) or out.dtype != np.float32:
+        return _gemm_expressions(left, right, out, alpha, beta)
+    lda, ldb, ldc = _leading_dim(a), _leading_dim(b), _leading_dim(out)
+    if None in (lda, ldb, ldc) or a.dtype != np.float32 or b.dtype != np.float32:
+        return _gemm_expressions(left, right, out, alpha, beta)
+    m, n = out.shape
+    k = left.shape[1]
+    if left.shape[0] != m or right.shape != (k, n):
+        raise ValueError(f"gemm: shapes {left.shape} @ {right.shape} do not give {out.shape}")
+    if m == 0 or n == 0:
+        return out
+    from cupy_backends.cuda.libs import cublas
+    handle = _cupy.cuda.device.get_cublas_handle()
+    device_alpha = is_gpu_array(alpha)
+    if device_alpha:
+        alpha_ptr = alpha.data.ptr
+        beta_ptr = _device_scalar(float(beta)).data.ptr
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_DEVICE)
+    else:
+        alpha_ptr, beta_ptr = _host_scalar_ptr(float(alpha)), _host_scalar_ptr(float(beta))
+    compute = _GEMM_COMPUTE[_precision]
+    algo = -1 if _precision == "fp32" else 99
+    try:
+        # Row-major out (m, n) is column-major out^T = op(b)^T op(a)^T.
+        cublas.gemmEx(handle, 1 if trans_b else 0, 1 if trans_a else 0, n, m, k,
+                      alpha_ptr, b.data.ptr, _CUDA_R_32F, ldb, a.data.ptr, _CUDA_R_32F, lda,
+                      beta_ptr, out.data.ptr, _CUDA_R_32F, ldc, compute, algo)
+    finally:
+        if device_alpha:
+            cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    return out
+
+
+def _gemm_expressions(left, right, out, alpha, beta):
+    xp = get_array_module(out)
+    plain_alpha = not is_gpu_array(alpha) and float(alpha) == 1.0
+    if beta == 0.0 and plain_alpha:
+        xp.matmul(left, right, out=out)
+        return out
+    product = xp.matmul(left, right)
+    if not plain_alpha:
+        product *= alpha
+    if beta == 0.0:
+        out[...] = product
+    else:
+        if beta != 1.0:
+            out *= out.dtype.type(beta)
+        out += product
+    return out
+
+
+def device_info(xp) -> dict:
+    """GPU name, NVIDIA driver, CUDA runtime and CuPy versions (empty on the CPU)."""
+    if xp is np:
+        return {}
+    runtime = _cupy.cuda.runtime
+
+    def version(number: int) -> str:
+        return f"{number // 1000}.{number % 1000 // 10}"
+
+    driver = "unknown"
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as fh:
+            words = fh.readline().split()
+        driver = next((w for w in words if w[:1].isdigit() and "." in w), driver)
+    except OSError:
+        pass
+    return {"gpu": device_name(xp), "driver": driver,
+            "cuda_driver_api": version(runtime.driverGetVersion()),
+            "cuda_runtime": version(runtime.runtimeGetVersion()), "cupy": _cupy.__version__}
+
+
 def device_name(xp) -> str:
     if xp is np:
         return "cpu"
     props = _cupy.cuda.runtime.getDeviceProperties(_cupy.cuda.Device().id)
     name = props["name"]
     return name.decode() if isinstance(name, bytes) else str(name)
-
-
-def set_blas_threads(n: int) -> None:
-    """Ask the BLAS for ``n`` threads; effective only before numpy's BLAS starts.
-
-    The CLI calls this from ``__main__`` before importing numpy-heavy modules.
-    """
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        os.environ[var] = str(n)

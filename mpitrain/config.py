@@ -124,8 +124,6 @@ class RunConfig:
                                "with fp32 master weights and reductions")
     fused_kernels: bool = _opt(True, help="GPU: fused CUDA kernels for the elementwise work of "
                                           "a step; false: plain CuPy array expressions")
-    cuda_graph: bool = _opt(False, help="GPU: capture the whole step as a CUDA graph and "
-                                        "replay it (fixed shapes)")
     blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: cores / ranks on the node")
 
     def to_dict(self) -> dict:

@@ -1,13 +1,17 @@
 """Step time of NG-SGD relative to plain SGD on the same model, in one run.
 
-Two copies of one network, one trained with SGD and one with NG-SGD, take
-steps on the same random minibatches in alternating rounds (so machine load
-hits both alike); the ratio of median step times is printed.
+Two copies of one model take the trainer's own step
+(:class:`~mpitrain.train.step.TrainingStep`, through the throughput
+benchmark's ``MpitrainSteps``), one with SGD and one with NG-SGD, on the same
+synthetic chunk in alternating rounds (so machine load hits both alike); the
+ratio of median step times is printed.  On a GPU each round starts and ends
+with the GPU idle.
 
 Usage::
 
     python -m mpitrain.bench.ngsgd_overhead [--hidden 2048 --layers 4 --classes 4000
-                                             --minibatch 512 --rounds 7 --steps 5]
+                                             --minibatch 512 --rounds 7 --steps 5
+                                             --device cpu|gpu]
 
 Example::
 
@@ -23,42 +27,28 @@ import time
 import numpy as np
 
 
-def _network(args, xp):
-    from ..nn.network import build_network
-    net = build_network(feat_dim=40, num_classes=args["classes"], left_context=5,
-                        right_context=5, hidden_layers=args["layers"],
-                        hidden_dim=args["hidden"], xp=xp)
-    net.init_params(seed=1)
-    return net
-
-
 def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
             device="cpu", variant="online") -> dict:
     from .. import backend
-    from ..optim.ngsgd import NaturalGradientSGD
-    from ..optim.sgd import SGD
+    from .throughput import ModelSpec, MpitrainSteps, synthetic_chunk
     xp = backend.select(device)
-    shape = dict(hidden=hidden, layers=layers, classes=classes)
-    nets = {"sgd": _network(shape, xp), "ngsgd": _network(shape, xp)}
-    opts = {"sgd": SGD(nets["sgd"]),
-            "ngsgd": NaturalGradientSGD(nets["ngsgd"], variant=variant)}
-    rng = np.random.default_rng(0)
-    x = xp.asarray(rng.standard_normal((minibatch, nets["sgd"].input_dim)).astype(np.float32))
-    labels = xp.asarray(rng.integers(0, classes, minibatch).astype(np.int64))
+    model = ModelSpec("ngsgd-overhead", hidden_layers=layers, hidden_dim=hidden,
+                      num_classes=classes, minibatch=minibatch)
+    chunk, perm = synthetic_chunk(model, max(20 * minibatch, 20_000))
+    runners = {name: MpitrainSteps(model, chunk, perm, xp=xp, optimizer=name,
+                                   ngsgd_variant=variant) for name in ("sgd", "ngsgd")}
 
     def run(name, n):
-        net, opt = nets[name], opts[name]
         backend.synchronize(xp)
         start = time.perf_counter()
         for _ in range(n):
-            net.forward_backward(x, labels)
-            opt.step(1e-4)
+            runners[name].step()
         backend.synchronize(xp)
         return (time.perf_counter() - start) / n
 
-    for name in nets:              # warm-up: buffers, NG initialisation
+    for name in runners:           # warm-up: buffers, kernels, NG initialisation
         run(name, 12)
-    times = {name: [] for name in nets}
+    times = {name: [] for name in runners}
     for r in range(rounds):
         order = ("sgd", "ngsgd") if r % 2 == 0 else ("ngsgd", "sgd")
         for name in order:

@@ -1,5 +1,9 @@
 """Single-rank training throughput: mpitrain against PyTorch and the GEMM bound.
 
+On the CPU (``--device cpu``, the default) or on one GPU (``--device gpu``:
+CuPy for mpitrain, PyTorch on CUDA, cuBLAS for the bound, each in the
+precision of ``--precision``).
+
 For each model and BLAS thread count, three contenders run in interleaved
 rounds within one process (mpitrain, PyTorch, bare GEMMs; the order flips
 every round), so that load from other processes on a shared machine hits all
@@ -25,6 +29,7 @@ is preempted does not accrue them.
 Usage::
 
     python -m mpitrain.bench.throughput --threads 1,2 --models small,large --json out.json
+    python -m mpitrain.bench.throughput --device gpu --models quick,small,large --precision fp32,tf32
 
 Example::
 
@@ -84,6 +89,8 @@ class ModelSpec:
 
 
 MODELS = {
+    "quick": ModelSpec("quick", hidden_layers=3, hidden_dim=512, num_classes=120,
+                       minibatch=256, default_steps=5),
     "small": ModelSpec("small", hidden_layers=4, hidden_dim=1024, num_classes=2000,
                        minibatch=256, default_steps=3),
     "large": ModelSpec("large", hidden_layers=4, hidden_dim=2048, num_classes=4000,
@@ -134,8 +141,8 @@ def flops_per_frame(dims: Sequence[int]) -> int:
 
 
 # -- results -----------------------------------------------------------------------
-def summarize(model: ModelSpec, threads: int, rates: dict, *, cpu_rates: Optional[dict] = None
-              ) -> dict:
+def summarize(model: ModelSpec, threads: int, rates: dict, *, cpu_rates: Optional[dict] = None,
+              precision: str = "fp32") -> dict:
     """One result row from per-round measurements.
 
     ``rates`` maps ``"mpitrain"`` and ``"torch"`` to per-round frames/s and
@@ -158,6 +165,7 @@ def summarize(model: ModelSpec, threads: int, rates: dict, *, cpu_rates: Optiona
     med = statistics.median
     row = {
         "model": model.name, "layers": model.describe(), "threads": threads,
+        "precision": precision,
         "mflop_per_frame": fpf / 1e6,
         "mpitrain_fps": med(ours), "torch_fps": med(theirs) if theirs else None,
         "mpitrain_vs_torch": med(o / t for o, t in zip(ours, theirs)) if theirs else None,
@@ -185,11 +193,12 @@ def summarize(model: ModelSpec, threads: int, rates: dict, *, cpu_rates: Optiona
 
 
 TABLE_COLUMNS = (
-    ("model", "model", "{}"), ("threads", "threads", "{}"),
+    ("model", "model", "{}"), ("threads", "threads", "{}"), ("precision", "precision", "{}"),
     ("mpitrain fr/s", "mpitrain_fps", "{:,.0f}"), ("torch fr/s", "torch_fps", "{:,.0f}"),
     ("mpitrain/torch", "mpitrain_vs_torch", "{:.2f}"),
     ("GEMM GFLOP/s", "gemm_gflops", "{:.1f}"), ("GEMM bound fr/s", "gemm_bound_fps", "{:,.0f}"),
     ("of bound", "fraction_of_bound", "{:.2f}"),
+    ("torch of bound", "torch_fraction_of_bound", "{:.2f}"),
 )
 
 
@@ -207,7 +216,7 @@ def format_table(rows: Sequence[dict], *, markdown: bool = False) -> str:
              for _, key, fmt in TABLE_COLUMNS] for row in rows]
     if markdown:
         lines = ["| " + " | ".join(header) + " |",
-                 "|" + "|".join("---" if i < 2 else "---:" for i in range(len(header))) + "|"]
+                 "|" + "|".join("---" if i < 3 else "---:" for i in range(len(header))) + "|"]
         lines += ["| " + " | ".join(cells) + " |" for cells in body]
         return "\n".join(lines)
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h)
@@ -240,27 +249,42 @@ def synthetic_chunk(model: ModelSpec, frames: int, *, seed: int = 0):
 
 
 # -- the contenders ----------------------------------------------------------------
-class MpitrainSteps:
-    """The trainer's per-step work on a synthetic chunk (see ``Trainer.run``)."""
+def _chunk_on(chunk, xp):
+    """The chunk's arrays on the device of ``xp`` (as the minibatch stream loads them)."""
+    from mpitrain import backend
+    from mpitrain.data.batcher import Chunk
+    return Chunk(chunk.spec, *(backend.to_device(a, xp) for a in
+                               (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end)))
 
-    def __init__(self, model: ModelSpec, chunk, perm, *, seed: int = 1):
+
+class MpitrainSteps:
+    """The trainer's per-step work on a synthetic chunk: the same
+    :class:`~mpitrain.train.step.TrainingStep` that ``Trainer.run`` takes."""
+
+    def __init__(self, model: ModelSpec, chunk, perm, *, seed: int = 1, xp=np,
+                 optimizer: str = "sgd", ngsgd_variant: str = "online"):
+        from mpitrain import backend
         from mpitrain.comm.single import SingleCommunicator
         from mpitrain.config import RunConfig
         from mpitrain.nn.network import build_network
         from mpitrain.optim.factory import build_optimizer
         from mpitrain.optim.schedule import ExponentialSchedule
         from mpitrain.parallel.factory import build_strategy
+        from mpitrain.train.step import TrainingStep
 
         cfg = RunConfig()
         cfg.model.hidden_layers, cfg.model.hidden_dim = model.hidden_layers, model.hidden_dim
         cfg.training.minibatch = model.minibatch
         cfg.data.left_context, cfg.data.right_context = model.left_context, model.right_context
-        self.cfg, self.model, self.chunk, self.perm = cfg, model, chunk, perm
+        cfg.optimizer.name = optimizer
+        cfg.optimizer.ngsgd.variant = ngsgd_variant
+        self.cfg, self.model, self.xp = cfg, model, xp
+        self.chunk, self.perm = _chunk_on(chunk, xp), backend.to_device(perm, xp)
         self.net = build_network(
             feat_dim=model.feat_dim, num_classes=model.num_classes,
             left_context=model.left_context, right_context=model.right_context,
             hidden_layers=model.hidden_layers, hidden_dim=model.hidden_dim,
-            nonlinearity="relu", xp=np)
+            nonlinearity="relu", xp=xp)
         self.net.init_params(seed=seed)
         self.batches = len(perm) // model.minibatch
         self.planned_steps = 10 * self.batches   # lr decays as over 10 epochs of this chunk
@@ -269,73 +293,66 @@ class MpitrainSteps:
         self.strategy.setup(self.net, self.optimizer)
         self.schedule = ExponentialSchedule(cfg.optimizer.initial_learning_rate,
                                             cfg.optimizer.final_learning_rate)
-        batch = model.minibatch
-        self.spliced = np.empty((batch, self.net.input_dim), dtype=np.float32)
-        self.ctx = np.empty((batch, self.net.context), dtype=np.int64)
-        self.acc_loss = np.zeros((), dtype=np.float64)
-        self.acc_correct = np.zeros((), dtype=np.int64)
+        self.training_step = TrainingStep(self.net, self.optimizer, self.strategy,
+                                          minibatch=model.minibatch,
+                                          left_context=model.left_context,
+                                          right_context=model.right_context)
         self.step_count = 0
 
-    def _next_indices(self):
+    def _next_batch(self):
         b = self.model.minibatch
         pos = self.step_count % self.batches
-        return self.perm[pos * b:(pos + 1) * b]
-
-    def _learning_rate(self) -> float:
-        return self.strategy.learning_rate(
-            self.schedule(self.step_count / self.planned_steps), self.step_count)
+        return self.chunk, self.perm[pos * b:(pos + 1) * b]
 
     def step(self) -> None:
-        chunk, net, left, right = self.chunk, self.net, self.model.left_context, \
-            self.model.right_context
-        strategy = self.strategy
-        lr = self._learning_rate()
-        strategy.active_ranks(self.step_count)
-        if strategy.is_active(self.step_count):
-            idx = self._next_indices()
-            splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], left, right,
-                           out=self.ctx)
-            splice(chunk.feats, self.ctx, out=self.spliced)
-            loss, correct = net.forward_backward(self.spliced, chunk.labels[idx])
-            strategy.reduce_gradients(net)
-            self.optimizer.step(lr)
-            self.acc_loss += loss
-            self.acc_correct += correct
+        self.training_step.run(self.step_count,
+                               self.schedule(self.step_count / self.planned_steps),
+                               self._next_batch)
         self.step_count += 1
-        strategy.after_update(net, self.optimizer, self.step_count)
 
     def step_pieces(self, clock=time.perf_counter) -> dict:
-        """One step as :meth:`step`, returning seconds spent in each piece."""
-        chunk, net = self.chunk, self.net
-        t0 = clock()
-        idx = self._next_indices()
-        splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx],
-                       self.model.left_context, self.model.right_context, out=self.ctx)
-        splice(chunk.feats, self.ctx, out=self.spliced)
+        """One step as :meth:`step`, returning seconds spent in each piece
+        (waiting for the GPU at each boundary when there is one)."""
+        from mpitrain import backend
+        from mpitrain.data.splice import splice_batch_
+
+        def now():
+            backend.synchronize(self.xp)
+            return clock()
+
+        ts = self.training_step
+        net = self.net
+        t0 = now()
+        chunk, idx = self._next_batch()
+        splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, ts.left, ts.right,
+                      out=ts.inputs, ctx=ts.ctx)
         labels = chunk.labels[idx]
-        t1 = clock()
-        logits = net.forward(self.spliced)
-        t2 = clock()
-        loss, correct = net.loss.forward(logits, labels)
+        t1 = now()
+        logits = net.forward(ts.inputs)
+        t2 = now()
+        net.loss.forward(logits, labels, into=ts.sums)
         dlogits = net.loss.backward()
-        t3 = clock()
+        t3 = now()
         net.backward(dlogits)
-        t4 = clock()
+        t4 = now()
         self.strategy.reduce_gradients(net)
-        self.optimizer.step(self._learning_rate())
+        self.optimizer.step(self.schedule(self.step_count / self.planned_steps))
         self.step_count += 1
         self.strategy.after_update(net, self.optimizer, self.step_count)
-        self.acc_loss += loss
-        self.acc_correct += correct
-        t5 = clock()
+        t5 = now()
         return {"splice": t1 - t0, "forward": t2 - t1, "softmax_xent": t3 - t2,
                 "backward": t4 - t3, "optimizer": t5 - t4}
 
 
 class TorchSteps:
-    """The same model and step in PyTorch, on pre-spliced contiguous minibatches."""
+    """The same model and step in PyTorch, on pre-spliced contiguous minibatches.
 
-    def __init__(self, model: ModelSpec, chunk, perm, *, seed: int = 1):
+    ``precision``: 'fp32' (TF32 off), 'tf32' (TF32 matmuls) or 'bf16' (autocast
+    to bfloat16, fp32 weights), on ``device`` ('cpu' or 'cuda').
+    """
+
+    def __init__(self, model: ModelSpec, chunk, perm, *, seed: int = 1, device: str = "cpu",
+                 precision: str = "fp32"):
         import torch
 
         torch.manual_seed(seed)
@@ -345,8 +362,8 @@ class TorchSteps:
             layers.append(torch.nn.Linear(d_in, d_out))
             if i < len(dims) - 2:
                 layers.append(torch.nn.ReLU())
-        self.torch, self.model = torch, model
-        self.net = torch.nn.Sequential(*layers)
+        self.torch, self.model, self.device, self.precision = torch, model, device, precision
+        self.net = torch.nn.Sequential(*layers).to(device)
         self.loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.002)
         # Splice the chunk once in shuffled order; a minibatch is then a free view.
@@ -355,36 +372,51 @@ class TorchSteps:
         order = perm[:self.batches * b]
         idx = splice_indices(order, chunk.utt_start[order], chunk.utt_end[order],
                              model.left_context, model.right_context)
-        self.x = torch.from_numpy(np.ascontiguousarray(splice(chunk.feats, idx)))
-        self.y = torch.from_numpy(chunk.labels[order].astype(np.int64))
+        self.x = torch.from_numpy(np.ascontiguousarray(splice(chunk.feats, idx))).to(device)
+        self.y = torch.from_numpy(chunk.labels[order].astype(np.int64)).to(device)
         self.step_count = 0
 
     def step(self) -> None:
+        torch = self.torch
+        if self.device == "cuda":
+            # set for each step: the rounds interleave contenders of different precision
+            torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
         b = self.model.minibatch
         pos = self.step_count % self.batches
         x, y = self.x[pos * b:(pos + 1) * b], self.y[pos * b:(pos + 1) * b]
         self.optimizer.zero_grad()  # set_to_none: the cheaper default
-        loss = self.loss_fn(self.net(x), y)
+        if self.precision == "bf16":
+            with torch.autocast(device_type=self.device, dtype=torch.bfloat16):
+                loss = self.loss_fn(self.net(x), y)
+        else:
+            loss = self.loss_fn(self.net(x), y)
         loss.backward()
         self.optimizer.step()
         self.step_count += 1
 
+    def synchronize(self) -> None:
+        if self.device == "cuda":
+            self.torch.cuda.synchronize()
+
 
 class GemmSteps:
-    """The model's GEMMs at its minibatch, back to back with numpy's BLAS.
+    """The model's GEMMs at its minibatch, back to back: the bound on frames/s.
 
     Operands have the layouts a layer sees: ``x @ W.T`` forward, ``dy @ W``
-    and ``dy.T @ x`` backward, with ``W`` a C-contiguous (out, in) matrix.
+    and ``dy.T @ x`` backward, with ``W`` a C-contiguous (out, in) matrix.  On
+    the host numpy's BLAS runs them; on a GPU cuBLAS through
+    :func:`mpitrain.backend.gemm`, in the configured precision.
     """
 
-    def __init__(self, model: ModelSpec, *, seed: int = 2):
+    def __init__(self, model: ModelSpec, *, seed: int = 2, xp=np):
         rng = np.random.default_rng(seed)
         b = model.minibatch
         dims = model.layer_dims
         self.flops = gemm_flops(layer_gemms(dims, b))
+        self.xp = xp
 
         def rand(*shape):
-            return rng.standard_normal(shape, dtype=np.float32)
+            return xp.asarray(rng.standard_normal(shape, dtype=np.float32))
 
         self.ops = []
         pairs = list(zip(dims[:-1], dims[1:]))
@@ -400,20 +432,35 @@ class GemmSteps:
             self.ops.append((dy.T, acts[layer], rand(o, i)))
 
     def step(self) -> None:
+        if self.xp is np:
+            for a, b, out in self.ops:
+                np.matmul(a, b, out=out)
+            return
+        from mpitrain import backend
         for a, b, out in self.ops:
-            np.matmul(a, b, out=out)
+            # hand cuBLAS the stored matrices with transpose flags, as the layers do
+            trans_a, trans_b = not a.flags.c_contiguous, not b.flags.c_contiguous
+            backend.gemm(a.T if trans_a else a, b.T if trans_b else b, out,
+                         trans_a=trans_a, trans_b=trans_b)
 
 
 # -- running -----------------------------------------------------------------------
-def _time_round(stepper, steps: int, *, pause: float = 0.0) -> tuple:
-    """(wall seconds, this thread's CPU seconds) for ``steps`` steps."""
+def _time_round(stepper, steps: int, *, pause: float = 0.0, sync=None) -> tuple:
+    """(wall seconds, this thread's CPU seconds) for ``steps`` steps.
+
+    ``sync`` waits for the GPU before the clock starts and before it stops.
+    """
     if pause:
         # The other library's idle workers spin for a while before they sleep;
         # on few cores they would steal this round's time.
         time.sleep(pause)
+    if sync:
+        sync()
     wall, cpu = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         stepper.step()
+    if sync:
+        sync()
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
@@ -432,20 +479,34 @@ TORCH_MISSING = ("PyTorch is not installed, so only mpitrain and the GEMM bound 
 
 def measure(model: ModelSpec, threads: int, *, steps: int, rounds: int, warmup: int,
             frames: int, use_torch: bool = True, breakdown: bool = False,
-            log=None) -> dict:
-    """Interleaved rounds for one model at one thread count; returns a result row.
+            log=None, device: str = "cpu", precision: str = "fp32") -> dict:
+    """Interleaved rounds for one model at one thread count (or on the GPU);
+    returns a result row.
 
     At one thread the BLAS of both libraries runs in the calling thread, so
     rates from its CPU time (which a preempted process does not accrue) are
-    kept as well.
+    kept as well.  On the GPU every round starts and ends with the GPU idle.
     """
     from threadpoolctl import threadpool_limits
+    from mpitrain import backend
 
+    xp = backend.select(device)
+    backend.set_precision(xp, precision)
     torch = _import_torch() if use_torch else None
+    if torch is not None and device == "gpu" and not torch.cuda.is_available():
+        torch = None
     chunk, perm = synthetic_chunk(model, frames)
-    steppers = {"mpitrain": MpitrainSteps(model, chunk, perm), "gemm": GemmSteps(model)}
+    steppers = {"mpitrain": MpitrainSteps(model, chunk, perm, xp=xp),
+                "gemm": GemmSteps(model, xp=xp)}
     if torch is not None:
-        steppers["torch"] = TorchSteps(model, chunk, perm)
+        steppers["torch"] = TorchSteps(model, chunk, perm, precision=precision,
+                                       device="cuda" if device == "gpu" else "cpu")
+    sync = None
+    if device == "gpu":
+        def sync():
+            backend.synchronize(xp)
+            if "torch" in steppers:
+                steppers["torch"].synchronize()
     order = [m for m in METHODS if m in steppers]
     rates = {m: [] for m in order}
     cpu_rates = {m: [] for m in order}
@@ -461,30 +522,41 @@ def measure(model: ModelSpec, threads: int, *, steps: int, rounds: int, warmup: 
                     stepper.step()
             for r in range(rounds):
                 for method in (order if r % 2 == 0 else order[::-1]):
-                    wall, cpu = _time_round(steppers[method], steps,
-                                            pause=SWITCH_PAUSE if threads > 1 else 0.0)
+                    wall, cpu = _time_round(
+                        steppers[method], steps, sync=sync,
+                        pause=SWITCH_PAUSE if threads > 1 and device == "cpu" else 0.0)
                     work = steps * (steppers["gemm"].flops if method == "gemm"
                                     else model.minibatch)
                     rates[method].append(work / wall)
                     cpu_rates[method].append(work / max(cpu, 1e-9))
                 if log:
-                    log(f"  {model.name} threads={threads} round {r + 1}/{rounds}: " + ", ".join(
-                        f"{m} {rates[m][-1] / (1e9 if m == 'gemm' else 1):,.1f}"
-                        f"{' GFLOP/s' if m == 'gemm' else ' fr/s'}" for m in order))
+                    log(f"  {model.name} {_where(device, threads)} {precision} round "
+                        f"{r + 1}/{rounds}: " + ", ".join(
+                            f"{m} {rates[m][-1] / (1e9 if m == 'gemm' else 1):,.1f}"
+                            f"{' GFLOP/s' if m == 'gemm' else ' fr/s'}" for m in order))
             if breakdown:
-                clock = time.thread_time if threads == 1 else time.perf_counter
+                clock = time.thread_time if threads == 1 and device == "cpu" \
+                    else time.perf_counter
                 pieces = _time_pieces(steppers["mpitrain"], steps * rounds, clock)
         finally:
             if torch is not None:
                 torch.set_num_threads(torch_threads)
-    row = summarize(model, threads, rates, cpu_rates=cpu_rates if threads == 1 else None)
+            backend.set_precision(xp, "fp32")
+    one_thread = threads == 1 and device == "cpu"
+    row = summarize(model, threads, rates, cpu_rates=cpu_rates if one_thread else None,
+                    precision=precision)
+    row["device"] = backend.device_name(xp)
     if pieces is not None:
         # at one thread both are CPU time, so preemption shows in neither
-        gemm_rate = statistics.median(cpu_rates["gemm"]) if threads == 1 \
+        gemm_rate = statistics.median(cpu_rates["gemm"]) if one_thread \
             else row["gemm_gflops"] * 1e9
         row["mpitrain_pieces_ms"] = pieces
         row["gemm_ms_per_step"] = 1e3 * steppers["gemm"].flops / gemm_rate
     return row
+
+
+def _where(device: str, threads: int) -> str:
+    return "gpu" if device == "gpu" else f"threads={threads}"
 
 
 def _time_pieces(stepper: MpitrainSteps, steps: int, clock) -> dict:
@@ -492,8 +564,8 @@ def _time_pieces(stepper: MpitrainSteps, steps: int, clock) -> dict:
     return {k: 1e3 * statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
-def machine_info() -> dict:
-    """CPU model, core count, numpy's BLAS and the PyTorch version."""
+def machine_info(device: str = "cpu") -> dict:
+    """CPU model, core count, numpy's BLAS, PyTorch; GPU, driver and CuPy on a GPU."""
     from threadpoolctl import threadpool_info
 
     cpu = "unknown"
@@ -510,10 +582,14 @@ def machine_info() -> dict:
             for i in threadpool_info()
             if i.get("user_api") == "blas" and "numpy" in (i.get("filepath") or "")]
     torch = _import_torch()
-    return {"cpu": cpu, "cores": os.cpu_count(), "numpy": np.__version__,
+    info = {"cpu": cpu, "cores": os.cpu_count(), "numpy": np.__version__,
             "numpy_blas": blas[0] if blas else None,
             "torch": torch.__version__ if torch is not None else None,
             "python": sys.version.split()[0]}
+    if device == "gpu":
+        from mpitrain import backend
+        info.update(backend.device_info(backend.select("gpu")))
+    return info
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -534,8 +610,25 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch contender")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time the pieces of the mpitrain step (median ms)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
+                        help="gpu: CuPy for mpitrain and cuBLAS for the bound, PyTorch on CUDA "
+                             "(thread counts do not apply)")
+    parser.add_argument("--precision", default="fp32",
+                        help="comma-separated from fp32, tf32, bf16 (GPU): the precision of "
+                             "mpitrain's, PyTorch's and the bound's matrix products")
+    parser.add_argument("--minibatch", type=int, default=0,
+                        help="override the models' minibatch size; 0: the model's own")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    args.precision = [p.strip() for p in args.precision.split(",") if p.strip()]
+    if not args.precision or any(p not in ("fp32", "tf32", "bf16") for p in args.precision):
+        parser.error(f"--precision: expected some of fp32, tf32, bf16, got {args.precision}")
+    if args.device == "cpu" and args.precision != ["fp32"]:
+        parser.error("--precision: tf32 and bf16 need --device gpu")
+    if args.device == "gpu":
+        args.threads = [1]
+    if args.minibatch < 0:
+        parser.error("--minibatch must be >= 0")
     try:
         args.threads = [int(t) for t in args.threads.split(",") if t.strip()]
     except ValueError:
@@ -549,7 +642,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                      f"expected some of {', '.join(MODELS)}")
     if args.steps < 0 or args.rounds < 1 or args.warmup < 0:
         parser.error("--steps must be >= 0, --rounds >= 1 and --warmup >= 0")
-    biggest = max(MODELS[m].minibatch for m in args.models)
+    biggest = args.minibatch or max(MODELS[m].minibatch for m in args.models)
     if args.frames < biggest:
         parser.error(f"--frames: expected at least one minibatch ({biggest}), got {args.frames}")
     return args
@@ -557,24 +650,34 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def run(args: argparse.Namespace, *, log=None) -> list:
     """Measure every model at every thread count; returns the result rows."""
+    import dataclasses
     rows = []
+    device = getattr(args, "device", "cpu")
     for name in args.models:
         model = MODELS[name]
+        if getattr(args, "minibatch", 0):
+            model = dataclasses.replace(model, minibatch=args.minibatch)
+        steps = args.steps or (model.default_steps * (20 if device == "gpu" else 1))
         for threads in args.threads:
-            rows.append(measure(model, threads, steps=args.steps or model.default_steps,
-                                rounds=args.rounds, warmup=args.warmup, frames=args.frames,
-                                use_torch=not args.no_torch, breakdown=args.breakdown, log=log))
+            for precision in getattr(args, "precision", ["fp32"]):
+                rows.append(measure(model, threads, steps=steps, rounds=args.rounds,
+                                    warmup=args.warmup, frames=args.frames,
+                                    use_torch=not args.no_torch, breakdown=args.breakdown,
+                                    log=log, device=device, precision=precision))
     return rows
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    info = machine_info()
+    info = machine_info(args.device)
     if info["torch"] is None and not args.no_torch:
         print(TORCH_MISSING, file=sys.stderr)
     blas = info["numpy_blas"] or {}
     print(f"# {info['cpu']}, {info['cores']} cores; numpy {info['numpy']} with "
           f"{blas.get('internal_api')} {blas.get('version')}; torch {info['torch']}")
+    if args.device == "gpu":
+        print(f"# GPU {info.get('gpu')}, driver {info.get('driver')}, CUDA runtime "
+              f"{info.get('cuda_runtime')}, CuPy {info.get('cupy')}")
     print("# PyTorch input: pre-spliced contiguous minibatches (no gather)")
 
     def log(line):

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import backend
 from ..backend import get_array_module
 
 
@@ -113,6 +114,55 @@ def splice(feats, idx, *, out=None):
     else:
         xp.take(feats, idx, axis=0, out=view)
     return out
+
+
+_SPLICE_KERNEL = (
+    "raw T feats, raw I frames, raw J utt_start, raw J utt_end, int32 dim, int32 width, "
+    "int32 left",
+    "T out",
+    """
+    const long long per_row = (long long)width * dim;
+    const long long row = i / per_row;
+    const int rest = (int)(i - row * per_row);
+    const int c = rest / dim;
+    const int d = rest - c * dim;
+    const long long f = (long long)frames[row];
+    const long long lo = (long long)utt_start[f];
+    const long long hi = (long long)utt_end[f] - 1;
+    long long t = f + c - left;
+    t = t < lo ? lo : (t > hi ? hi : t);
+    out = feats[t * dim + d];
+    """,
+    "mpitrain_splice")
+
+
+def splice_batch_(feats, frame_idx, utt_start, utt_end, left: int, right: int, *, out, ctx=None):
+    """Splice the frames ``frame_idx`` of a chunk into ``out`` (B, C * D).
+
+    ``utt_start``/``utt_end`` are the chunk's per-frame utterance bounds (all
+    frames, not just the chosen ones).  On the GPU this is one kernel that may
+    write into a strided view (such as a layer's input buffer); elsewhere it is
+    :func:`splice_indices` into ``ctx`` (B, C) then :func:`splice`, and ``out``
+    must be C-contiguous.
+
+    Example::
+
+        splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, 5, 5,
+                      out=buffer, ctx=np.empty((len(idx), 11), np.int64))
+    """
+    xp = get_array_module(feats)
+    width = left + 1 + right
+    dim = feats.shape[1]
+    if out.shape != (frame_idx.shape[0], width * dim):
+        raise ValueError(f"out must have shape {(frame_idx.shape[0], width * dim)}, got {out.shape}")
+    if backend.fused_kernels(xp) and feats.flags.c_contiguous:
+        backend.elementwise_kernel(xp, *_SPLICE_KERNEL)(
+            feats, frame_idx, utt_start, utt_end, np.int32(dim), np.int32(width),
+            np.int32(left), out)
+        return out
+    ctx = splice_indices(frame_idx, utt_start[frame_idx], utt_end[frame_idx], left, right,
+                         out=ctx)
+    return splice(feats, ctx, out=out)
 
 
 def cmvn_coefficients(mean, var, *, var_floor: float = 1e-10, xp=np, dtype=np.float32):

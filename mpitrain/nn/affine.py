@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 
+from .. import backend
 from .component import BufferCache, Component
 
 
@@ -92,7 +93,7 @@ class Affine(Component):
             x_in[...] = x
         if out is None:
             out = self._buffers.get("y", (batch, self.out_dim), xp, x.dtype)
-        xp.matmul(self._xt, self.block.T, out=out)
+        backend.gemm(self._xt, self.block, out, trans_b=True)
         return out
 
     def backward(self, dy, *, need_input_grad: bool = True):
@@ -101,9 +102,9 @@ class Affine(Component):
         dx = None
         if need_input_grad:
             dx = self._buffers.get("dx", (batch, self.in_dim), xp, dy.dtype)
-            xp.matmul(dy, self.weight, out=dx)
+            backend.gemm(dy, self.weight, dx)
         if self.preconditioner_in is None:
-            xp.matmul(dy.T, self._xt, out=self.grad_block)
+            backend.gemm(dy, self._xt, self.grad_block, trans_a=True)
         else:
             self._natural_gradient(dy, xp)
         return dx
@@ -115,8 +116,15 @@ class Affine(Component):
         rows[...] = self._xt
         rows_hat, gamma_in = self.preconditioner_in.precondition(rows)
         dy_hat, gamma_out = self.preconditioner_out.precondition(dy)
+        if backend.is_gpu_array(dy_hat) and backend.is_gpu_array(gamma_in) \
+                and backend.is_gpu_array(gamma_out):
+            # The gammas stay on the device: cuBLAS reads their product as alpha.
+            alpha = self._buffers.get("gamma", (), xp, dy_hat.dtype)
+            xp.multiply(gamma_in, gamma_out, out=alpha)
+            backend.gemm(dy_hat, rows_hat, self.grad_block, trans_a=True, alpha=alpha)
+            return
         dy_hat *= gamma_in * gamma_out
-        xp.matmul(dy_hat.T, rows_hat, out=self.grad_block)
+        backend.gemm(dy_hat, rows_hat, self.grad_block, trans_a=True)
 
     def spec(self) -> dict:
         return {"kind": self.kind, "in_dim": self.in_dim, "out_dim": self.out_dim,

@@ -7,6 +7,7 @@ Kaldi's meaning (per frame) and do not change with the minibatch size.
 from __future__ import annotations
 
 from .affine import _xp
+from .kernels import softmax_xent_
 
 
 class SoftmaxCrossEntropy:
@@ -18,34 +19,29 @@ class SoftmaxCrossEntropy:
     """
 
     def __init__(self):
-        self._probs = None
-        self._labels = None
+        self._grad = None
 
-    def forward(self, logits, labels, *, need_grad: bool = True):
+    def forward(self, logits, labels, *, need_grad: bool = True, into=None):
         """Return (summed cross-entropy, number of correct argmax predictions).
 
-        Both are 0-d arrays of the logits' module, so no device sync is forced.
-        ``logits`` is overwritten with the posteriors when ``need_grad``.
+        Both are 0-d values of the logits' module, so no device sync is forced.
+        With ``into`` (a float64 array of 2 on the logits' device) the two sums
+        are added there instead and ``into`` is returned: a training loop keeps
+        its running totals on the device and reads them once per log line.
+        ``logits`` is overwritten (with the gradient when ``need_grad``).
         """
         xp = _xp(logits)
-        n = logits.shape[0]
-        rows = xp.arange(n)
-        correct = (xp.argmax(logits, axis=1) == labels).sum()
-        probs = logits
-        probs -= probs.max(axis=1, keepdims=True)
-        xp.exp(probs, out=probs)
-        sums = probs.sum(axis=1, keepdims=True)
-        picked = probs[rows, labels]
-        total = (xp.log(sums[:, 0]) - xp.log(xp.maximum(picked, 1e-30))).sum()
-        if need_grad:
-            probs /= sums
-            self._probs, self._labels, self._rows = probs, labels, rows
-        return total, correct
+        sums = into if into is not None else xp.zeros(2, dtype=xp.float64)
+        softmax_xent_(logits, labels, sums, need_grad=need_grad)
+        self._grad = logits if need_grad else None
+        if into is not None:
+            return into
+        return sums[0], sums[1]
 
     def backward(self):
-        grad = self._probs
-        grad[self._rows, self._labels] -= 1
-        return grad
+        if self._grad is None:
+            raise RuntimeError("SoftmaxCrossEntropy.backward: forward ran without need_grad")
+        return self._grad
 
 
 def log_softmax(logits):

@@ -120,7 +120,8 @@ class Network:
 
     # -- computation -----------------------------------------------------------
     def first_input_view(self, batch: int):
-        """Where the spliced minibatch should be written to avoid a copy."""
+        """Where the spliced minibatch should be written to avoid a copy
+        (a (batch, input_dim) view with a row stride of input_dim + 1), or None."""
         first = self.components[0]
         if isinstance(first, Affine):
             return first.input_view(batch, self.xp)
@@ -153,16 +154,21 @@ class Network:
             if hook is not None and self.components[i].num_params:
                 hook(offsets[i])
 
-    def forward_backward(self, x, labels):
-        """One training pass: returns (summed loss, correct count); fills grads."""
-        logits = self.forward(x)
-        total, correct = self.loss.forward(logits, labels)
-        self.backward(self.loss.backward())
-        return total, correct
+    def forward_backward(self, x, labels, *, into=None):
+        """One training pass: returns (summed loss, correct count); fills grads.
 
-    def evaluate_batch(self, x, labels):
+        With ``into`` (float64 (2,) on the network's device) the two sums are
+        added there and ``into`` is returned, so nothing is read back.
+        """
         logits = self.forward(x)
-        return self.loss.forward(logits, labels, need_grad=False)
+        result = self.loss.forward(logits, labels, into=into)
+        self.backward(self.loss.backward())
+        return result
+
+    def evaluate_batch(self, x, labels, *, into=None):
+        """(summed loss, correct count) of a minibatch, or added to ``into``."""
+        logits = self.forward(x)
+        return self.loss.forward(logits, labels, need_grad=False, into=into)
 
 
 def build_network(*, feat_dim: int, num_classes: int, left_context: int, right_context: int,

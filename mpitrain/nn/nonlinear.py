@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from .affine import _xp
 from .component import BufferCache, Component
+from .kernels import relu_backward
 
 
 class _Elementwise(Component):
@@ -44,8 +45,7 @@ class ReLU(_Elementwise):
         dx = self._buffers.get("dx", dy.shape, xp, dy.dtype)
         # dy * (y > 0) without a float temporary: the mask is bool.
         mask = self._buffers.get("mask", dy.shape, xp, dtype="bool")
-        xp.greater(self._y, 0, out=mask)
-        return xp.multiply(dy, mask, out=dx)
+        return relu_backward(dy, self._y, dx, mask)
 
 
 class Sigmoid(_Elementwise):

@@ -29,6 +29,11 @@ def _is_numpy(xp) -> bool:
     return xp is np
 
 
+def _compiles(xp) -> bool:
+    """Whether this module's fused kernels may be used (CuPy with kernels allowed)."""
+    return backend.fused_kernels(xp)
+
+
 def _kernel(xp, name: str):
     """The CuPy kernel ``name`` built from module ``xp``, compiled once."""
     key = (xp.__name__, name)
@@ -83,10 +88,12 @@ def sqnorm(x):
         sqnorm(np.ones((2, 3), np.float32))   # 6.0
     """
     xp = backend.get_array_module(x)
+    flat = x.reshape(-1)
     if _is_numpy(xp):
-        flat = x.reshape(-1)
         return float(np.dot(flat, flat))
-    return _kernel(xp, "sqnorm")(x)
+    if _compiles(xp):
+        return _kernel(xp, "sqnorm")(x)
+    return xp.dot(flat, flat)
 
 
 def row_dots(x, y):
@@ -97,9 +104,9 @@ def row_dots(x, y):
         row_dots(x, x)   # squared row norms
     """
     xp = backend.get_array_module(x, y)
-    if _is_numpy(xp):
-        return np.einsum("ij,ij->i", x, y)
-    return _kernel(xp, "row_dots")(x, y, axis=1)
+    if _compiles(xp):
+        return _kernel(xp, "row_dots")(x, y, axis=1)
+    return xp.einsum("ij,ij->i", x, y)
 
 
 def gamma(x_sq, xhat_sq):
@@ -117,17 +124,25 @@ def gamma(x_sq, xhat_sq):
             return float(np.sqrt(x_sq / xhat_sq))
         return 1.0
     xp = backend.get_array_module(x_sq, xhat_sq)
-    return _kernel(xp, "gamma")(x_sq, xhat_sq)
+    if _compiles(xp):
+        return _kernel(xp, "gamma")(x_sq, xhat_sq)
+    both = (x_sq > 0) & (xhat_sq > 0)
+    ratio = x_sq.astype(xp.float64) / xp.where(both, xhat_sq, 1).astype(xp.float64)
+    return xp.where(both, xp.sqrt(ratio), 1.0).astype(x_sq.dtype)
 
 
 def subtract_product_(x, h, w, tmp):
     """``x -= h @ w`` in place, using ``tmp`` (shape of ``x``) as scratch.
+
+    On the GPU this is one GEMM with beta = 1 and ``tmp`` is not touched.
 
     Example::
 
         subtract_product_(x, x @ w.T, w, np.empty_like(x))   # x (I - w^T w)
     """
     xp = backend.get_array_module(x)
+    if backend.fused_kernels(xp):
+        return backend.gemm(h, w, x, alpha=-1.0, beta=1.0)
     xp.matmul(h, w, out=tmp)
     xp.subtract(x, tmp, out=x)
     return x
@@ -141,7 +156,7 @@ def add_scaled_rows_(j, g, w):
         add_scaled_rows_(j, np.ones((2, 1)), w)   # j += w
     """
     xp = backend.get_array_module(j)
-    if _is_numpy(xp):
+    if not _compiles(xp):
         j += g * w
         return j
     _kernel(xp, "add_scaled_rows")(g, w, j)
@@ -156,7 +171,7 @@ def scale_rows_(x, v):
         scale_rows_(x, np.full((len(x), 1), 2.0))   # doubles x
     """
     xp = backend.get_array_module(x)
-    if _is_numpy(xp):
+    if not _compiles(xp):
         x *= v
         return x
     _kernel(xp, "scale_rows")(v, x)
@@ -181,3 +196,204 @@ def fetch_float64(*arrays) -> list:
         out.append(host[start:start + part.size].reshape(shape))
         start += part.size
     return out
+
+
+# -- SGD with max-change, on the device ------------------------------------------------
+# The step is three kernels over the flat buffers whatever the number of layers:
+# (1) delta = [delta +] (-lr) g with per-block partial sums of squares, every block
+# inside one layer; (2) one block adds the partials of each layer in a fixed
+# order, so the norms are reproducible, and turns them into per-layer scales
+# (0 for every layer when a norm is not finite: the step is skipped and counted);
+# (3) params += scale * delta, and momentum decays delta.  Nothing is read back.
+
+SGD_SOURCE = r"""
+#define THREADS 256
+
+extern "C" __global__ void mpitrain_sgd_delta_sumsq(
+        float* delta, const float* grads, const float neg_lr, const int accumulate,
+        const long long* begin, const long long* end, double* partial)
+{
+    __shared__ double s_sum[THREADS];
+    const int b = blockIdx.x;
+    const int tid = threadIdx.x;
+    double acc = 0.0;
+    for (long long j = begin[b] + tid; j < end[b]; j += THREADS) {
+        const float g = grads[j] * neg_lr;
+        const float d = accumulate ? delta[j] + g : g;
+        delta[j] = d;
+        acc += (double)d * (double)d;
+    }
+    s_sum[tid] = acc;
+    __syncthreads();
+    for (int s = THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_sum[tid] += s_sum[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) partial[b] = s_sum[0];
+}
+
+// One block of THREADS threads; num_layers <= THREADS.
+extern "C" __global__ void mpitrain_sgd_scales(
+        const double* partial, const int* first_block, const int num_layers,
+        const double* limits, const double q, const double max_change,
+        float* scales, double* norms, int* finite_out, long long* skipped)
+{
+    __shared__ double s_norm[THREADS];
+    const int tid = threadIdx.x;
+    if (tid < num_layers) {
+        double sq = 0.0;
+        for (int b = first_block[tid]; b < first_block[tid + 1]; ++b) sq += partial[b];
+        s_norm[tid] = sqrt(sq);
+        norms[tid] = s_norm[tid];
+    }
+    __syncthreads();
+    if (tid != 0) return;
+    int finite = 1;
+    double total_sq = 0.0;
+    for (int l = 0; l < num_layers; ++l) {
+        const double n = s_norm[l];
+        if (!isfinite(n)) finite = 0;
+        double k = 1.0;
+        if (limits[l] > 0.0 && n * q > limits[l]) k = limits[l] / (n * q);
+        s_norm[l] = k;                       // the norm is no longer needed: keep k
+        total_sq += (k * n) * (k * n);
+    }
+    const double total = q * sqrt(total_sq);
+    double factor = q;
+    if (max_change > 0.0 && total > max_change) factor = q * max_change / total;
+    for (int l = 0; l < num_layers; ++l) scales[l] = finite ? (float)(factor * s_norm[l]) : 0.0f;
+    finite_out[0] = finite;
+    if (!finite) skipped[0] += 1;
+}
+
+extern "C" __global__ void mpitrain_sgd_apply(
+        float* params, float* delta, const float* scales, const int* finite,
+        const int* block_layer, const long long* begin, const long long* end,
+        const float momentum, const int has_momentum)
+{
+    const int b = blockIdx.x;
+    const float s = scales[block_layer[b]];
+    const int ok = finite[0];
+    for (long long j = begin[b] + threadIdx.x; j < end[b]; j += THREADS) {
+        const float d = delta[j];
+        // a skipped step leaves the parameters alone and clears momentum (d may be NaN)
+        if (ok) params[j] = params[j] + s * d;
+        if (has_momentum) delta[j] = ok ? d * momentum : 0.0f;
+    }
+}
+"""
+
+SGD_THREADS = 256
+SGD_BLOCK_ELEMENTS = 16384   # elements per block of kernels (1) and (3)
+
+
+class MaxChangeState:
+    """Device buffers of the max-change step for one flat parameter layout.
+
+    ``offsets``: the (begin, end) of each layer's parameters in the flat buffer;
+    ``limits``: each layer's max-change (0: none).  Holds the per-layer scales of
+    the last step, its finiteness flag and the count of skipped steps, all on
+    the device.
+
+    Example::
+
+        state = MaxChangeState(cupy, [(0, 100), (100, 130)], [0.75, 1.5])
+    """
+
+    def __init__(self, xp, offsets, limits):
+        if len(offsets) > SGD_THREADS:
+            raise ValueError(f"max-change on the device handles at most {SGD_THREADS} layers, "
+                             f"got {len(offsets)}")
+        self.xp = xp
+        self.offsets = [(int(a), int(b)) for a, b in offsets]
+        self.num_layers = len(self.offsets)
+        self.limits = xp.asarray(np.asarray(limits, dtype=np.float64))
+        self.scales = xp.ones(self.num_layers, dtype=xp.float32)
+        self.norms = xp.zeros(self.num_layers, dtype=xp.float64)
+        self.finite = xp.ones(1, dtype=xp.int32)
+        self.skipped = xp.zeros(1, dtype=xp.int64)
+        self._blocks = None
+
+    def blocks(self):
+        """(block_layer, begin, end, first_block, partial) for kernels (1)-(3)."""
+        if self._blocks is None:
+            layer_of, begins, ends, first = [], [], [], [0]
+            for layer, (lo, hi) in enumerate(self.offsets):
+                for start in range(lo, hi, SGD_BLOCK_ELEMENTS):
+                    layer_of.append(layer)
+                    begins.append(start)
+                    ends.append(min(start + SGD_BLOCK_ELEMENTS, hi))
+                first.append(len(begins))
+            xp = self.xp
+            self._blocks = (xp.asarray(np.asarray(layer_of, dtype=np.int32)),
+                            xp.asarray(np.asarray(begins, dtype=np.int64)),
+                            xp.asarray(np.asarray(ends, dtype=np.int64)),
+                            xp.asarray(np.asarray(first, dtype=np.int32)),
+                            xp.zeros(len(begins), dtype=xp.float64))
+        return self._blocks
+
+
+def max_change_step_(params, grads, delta, *, lr: float, momentum: float, max_change: float,
+                     state: MaxChangeState) -> None:
+    """One SGD step with Kaldi's max-change on device buffers, without host reads.
+
+    ``delta`` is the momentum buffer, or None (then ``grads`` is the scratch
+    for ``-lr g``).  Per layer c the scale is ``q k_c`` (``q = 1 - momentum``),
+    shrunk further when the whole-model change exceeds ``max_change``; a
+    non-finite norm skips the step (scales 0, momentum cleared, counted).
+
+    Example::
+
+        max_change_step_(net.params, net.grads, None, lr=0.002, momentum=0.0,
+                         max_change=2.0, state=MaxChangeState(xp, offsets, limits))
+    """
+    xp = state.xp
+    q = 1.0 - momentum
+    if backend.fused_kernels(xp):
+        module = backend.raw_module(xp, "optim_sgd", SGD_SOURCE)
+        block_layer, begin, end, first_block, partial = state.blocks()
+        blocks = (int(partial.size),)
+        target = grads if delta is None else delta
+        module.get_function("mpitrain_sgd_delta_sumsq")(
+            blocks, (SGD_THREADS,), (target, grads, np.float32(-lr),
+                                     np.int32(delta is not None), begin, end, partial))
+        module.get_function("mpitrain_sgd_scales")(
+            (1,), (SGD_THREADS,), (partial, first_block, np.int32(state.num_layers),
+                                   state.limits, np.float64(q), np.float64(max_change),
+                                   state.scales, state.norms, state.finite, state.skipped))
+        module.get_function("mpitrain_sgd_apply")(
+            blocks, (SGD_THREADS,), (params, target, state.scales, state.finite, block_layer,
+                                     begin, end, np.float32(momentum),
+                                     np.int32(delta is not None)))
+        return
+    _max_change_expressions_(params, grads, delta, lr, momentum, max_change, state, q)
+
+
+def _max_change_expressions_(params, grads, delta, lr, momentum, max_change, state, q):
+    """The same step with array expressions: no host reads, a launch per layer."""
+    xp = state.xp
+    grads *= np.float32(-lr)
+    if delta is not None:
+        delta += grads
+    change = grads if delta is None else delta
+    sq = xp.stack([xp.dot(change[lo:hi], change[lo:hi]) for lo, hi in state.offsets])
+    norms = xp.sqrt(sq.astype(xp.float64))
+    finite = xp.all(xp.isfinite(norms))
+    safe = xp.where(xp.isfinite(norms), norms, 0.0)
+    limits = state.limits
+    capped = (limits > 0) & (safe * q > limits)
+    k = xp.where(capped, limits / xp.maximum(safe * q, 1e-300), 1.0)
+    total = q * xp.sqrt(xp.sum((k * safe) ** 2))
+    shrink = xp.where((max_change > 0) & (total > max_change),
+                      max_change / xp.maximum(total, 1e-300), 1.0)
+    state.scales[...] = xp.where(finite, q * k * shrink, 0.0).astype(xp.float32)
+    state.norms[...] = norms
+    state.finite[...] = finite
+    state.skipped += (~finite).astype(xp.int64)
+    for i, (lo, hi) in enumerate(state.offsets):
+        # grads is free now (or is the change itself): it holds scale * change
+        block = xp.multiply(change[lo:hi], state.scales[i], out=grads[lo:hi])
+        # a skipped step must not add 0 * NaN
+        params[lo:hi] += xp.where(finite, block, np.float32(0.0))
+    if delta is not None:
+        delta[...] = xp.where(finite, delta * np.float32(momentum), np.float32(0.0))

@@ -257,6 +257,13 @@ class OnlineNaturalGradient(Preconditioner):
     input and a 0-d device array for CuPy input, so that calls without an
     update never wait for the GPU; ``float(gamma)`` works for both.
 
+    An update is started in the call whose rows it uses and finished at the
+    start of the next call (or when the state is read): its r x r host part
+    needs the Gram matrix of [W; J], which is copied to the host without
+    stopping the GPU, and waiting for it one call later lets the GPU run the
+    rest of the minibatch meanwhile.  The results are the same as finishing
+    at once, because nothing reads W in between.
+
     Example::
 
         prec = OnlineNaturalGradient(rank=80, update_period=4)
@@ -305,6 +312,9 @@ class OnlineNaturalGradient(Preconditioner):
         self._wj = None          # (2 rank, D) device buffer: rows [W; J]
         self._wj_next = None     # the buffer the next W is written into
         self._rows = None        # (H, tmp) scratch for the current minibatch size
+        self._gram = None        # (2 rank, 2 rank) device buffer, and its host copies
+        self._gram_host = None
+        self._pending = None     # an update started but not yet finished
 
     @property
     def initialized(self) -> bool:
@@ -313,17 +323,21 @@ class OnlineNaturalGradient(Preconditioner):
     @property
     def W(self):
         """The (rank, D) matrix ``diag(sqrt e) R`` on the device, or None."""
+        self._finish_update()
         return None if self._wj is None else self._wj[:self._rank]
 
     @property
     def d(self):
+        self._finish_update()
         return None if self._d is None else self._d.copy()
 
     @property
     def rho(self) -> float:
+        self._finish_update()
         return self._rho
 
     def state_dict(self) -> dict:
+        self._finish_update()
         if not self.initialized:
             return {"t": int(self.t), "rank": 0, "W": np.zeros((0, 0), np.float32),
                     "d": np.zeros(0), "rho": 0.0}
@@ -370,6 +384,7 @@ class OnlineNaturalGradient(Preconditioner):
         X = _check_rows(X, "OnlineNaturalGradient.precondition")
         if X.shape[1] == 1:
             return X, 1.0                      # step 1: D = 1 is the identity
+        self._finish_update()                  # the previous call's update, if any
         if not self.initialized:
             self._initialize(X)                # step 2
         updating = self.updating()             # step 3
@@ -395,6 +410,7 @@ class OnlineNaturalGradient(Preconditioner):
         passes = 1 if num_rows <= rank else 3
         for _ in range(passes):
             self._precondition_and_update(x0.copy(), True)
+            self._finish_update()              # each pass starts from the last one's W
 
     def _set_w(self, w, xp, dtype=None) -> None:
         rank, dim = w.shape
@@ -418,26 +434,46 @@ class OnlineNaturalGradient(Preconditioner):
         return xp, rows
 
     def _precondition_and_update(self, X, updating: bool):
-        """Xhat = X - (X W^T) W in place with the pre-call state; update if asked."""
+        """Xhat = X - (X W^T) W in place with the pre-call state; start an update if asked."""
         xp, (h, tmp) = self._buffers(X)
         rank = self._rank
         w, j = self._wj[:rank], self._wj[rank:]
         x_sq = kernels.sqnorm(X)
-        xp.matmul(X, w.T, out=h)                       # H = X W^T
+        backend.gemm(X, w, h, trans_b=True)            # H = X W^T
         if updating:
-            xp.matmul(h.T, X, out=j)                   # J = H^T X, before X changes
+            backend.gemm(h, X, j, trans_a=True)        # J = H^T X, before X changes
         kernels.subtract_product_(X, h, w, tmp)        # Xhat = X - H W
         gamma = kernels.gamma(x_sq, kernels.sqnorm(X))
         if updating:
-            self._update(xp, X.shape[0], X.shape[1], x_sq)
+            self._start_update(xp, X.shape[0], X.shape[1], x_sq)
         return gamma
 
-    def _update(self, xp, num_rows: int, dim: int, x_sq) -> None:
+    def _start_update(self, xp, num_rows: int, dim: int, x_sq) -> None:
+        """Queue the Gram matrix of [W; J] (W W^T, L, K) and ||X||^2 for the host."""
+        size = 2 * self._rank
+        if self._gram is None or self._gram.shape[0] != size \
+                or backend.get_array_module(self._gram) is not xp:
+            self._gram = xp.empty((size, size), dtype=self._wj.dtype)
+            self._gram_host = backend.pinned_empty((size, size), self._wj.dtype)
+        backend.gemm(self._wj, self._wj, self._gram, trans_b=True)
+        self._pending = (backend.copy_to_host_async(self._gram, out=self._gram_host),
+                         backend.copy_to_host_async(x_sq), num_rows, dim)
+
+    def finish_update(self) -> None:
+        """Finish an update started by the last call now (it waits for the GPU)."""
+        self._finish_update()
+
+    def _finish_update(self) -> None:
         """Fisher update from J (in the buffer) and ||X||^2: new W, d, rho."""
+        if self._pending is None:
+            return
+        gram_copy, x_sq_copy, num_rows, dim = self._pending
+        self._pending = None
+        xp = backend.get_array_module(self._wj)
+        gram = np.asarray(gram_copy.result(), dtype=np.float64)
+        x_sq = float(np.asarray(x_sq_copy.result(), dtype=np.float64))
         rank = self._rank
-        gram = xp.matmul(self._wj, self._wj.T)         # [W;J][W;J]^T: WW^T, L, K
-        gram, x_sq = kernels.fetch_float64(gram, x_sq)
-        plan = _plan_update(gram, float(x_sq), self._d, self._rho, num_rows=num_rows,
+        plan = _plan_update(gram, x_sq, self._d, self._rho, num_rows=num_rows,
                             dim=dim, eta=self.eta(num_rows), alpha=self.alpha,
                             epsilon=self.epsilon, delta=self.delta)
         dtype = self._wj.dtype
@@ -446,7 +482,7 @@ class OnlineNaturalGradient(Preconditioner):
         w, b = self._wj[:rank], self._wj[rank:]
         kernels.add_scaled_rows_(b, small[:, rank:], w)   # B = J + diag(g) W
         w_new = self._wj_next[:rank]
-        xp.matmul(small[:, :rank], b, out=w_new)          # W' = A B
+        backend.gemm(small[:, :rank], b, w_new)           # W' = A B
         if plan.gram_schmidt:
             r_new = _gram_schmidt_rows(backend.to_host(w_new))
             w_new[...] = backend.to_device((np.sqrt(plan.e)[:, None] * r_new).astype(dtype), xp)

@@ -7,6 +7,10 @@ is k_c = min(1, m_c / (n_c (1 - momentum))); the whole-model norm
 n = (1 - momentum) sqrt(sum k_c^2 n_c^2) is capped at ``max_change``.  A
 non-finite norm skips the step.  This is what keeps large learning rates and
 model averaging stable, as in Kaldi.
+
+On the host the norms are read and the scales computed in Python; on a GPU
+the same rule runs in three kernels (``kernels.max_change_step_``) and
+nothing is read back, so the host never waits for the GPU during a step.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import math
 
 import numpy as np
 
+from .. import backend
 from ..backend import to_host
+from . import kernels
 
 
 class SGD:
@@ -47,12 +53,42 @@ class SGD:
                                  for i in range(len(slices))]
         xp = net.xp
         self.delta = xp.zeros_like(net.params) if self.momentum > 0 else None
-        self.num_steps = 0
-        self.num_skipped = 0
-        self.last_scales = [1.0] * len(slices)
+        self._calls = 0
+        # On the host: plain numbers.  On a device: buffers the kernels update.
+        self._device = None if xp is np else kernels.MaxChangeState(
+            xp, [(sl.start, sl.stop) for sl in slices], self.layer_max_change)
+        self._skipped = 0
+        self._last_scales = [1.0] * len(slices)
+
+    # -- counters (read from the device only when asked) ---------------------------
+    @property
+    def num_skipped(self) -> int:
+        """Steps skipped because a change was not finite."""
+        if self._device is not None:
+            return int(to_host(self._device.skipped)[0])
+        return self._skipped
+
+    @property
+    def num_steps(self) -> int:
+        """Steps taken (calls to :meth:`step` that were not skipped)."""
+        return self._calls - self.num_skipped
+
+    @property
+    def last_scales(self) -> list:
+        """Each layer's factor on ``-lr g`` in the last step (``q k_c``, shrunk by the
+        global max-change)."""
+        if self._device is not None:
+            return [float(v) for v in to_host(self._device.scales)]
+        return list(self._last_scales)
 
     # -- the update ------------------------------------------------------------
     def step(self, lr: float) -> None:
+        self._calls += 1
+        if self._device is not None:
+            kernels.max_change_step_(self.net.params, self.net.grads, self.delta, lr=lr,
+                                     momentum=self.momentum, max_change=self.max_change,
+                                     state=self._device)
+            return
         net, xp = self.net, self.net.xp
         grads = net.grads
         # grads becomes -lr * g in place: it is scratch until the next backward.
@@ -66,11 +102,11 @@ class SGD:
         q = 1.0 - self.momentum
         scales = self._scales(norms, q)
         if scales is None:
-            self.num_skipped += 1
+            self._skipped += 1
             if self.delta is not None:
                 self.delta[...] = 0
             return
-        self.last_scales = scales
+        self._last_scales = scales
         params = net.params
         if self.delta is None:
             if all(s == 1.0 for s in scales):
@@ -86,7 +122,6 @@ class SGD:
                 xp.multiply(delta[sl], s, out=grads[sl])
                 params[sl] += grads[sl]
             self.delta *= self.momentum
-        self.num_steps += 1
 
     def _block_norms(self, delta):
         xp = self.net.xp
@@ -114,13 +149,13 @@ class SGD:
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.num_steps = int(state.get("num_steps", 0))
-        self.num_skipped = int(state.get("num_skipped", 0))
+        skipped = int(state.get("num_skipped", 0))
+        self._calls = int(state.get("num_steps", 0)) + skipped
+        if self._device is not None:
+            self._device.skipped[...] = skipped
+        else:
+            self._skipped = skipped
         if self.delta is not None:
             if "delta" not in state:
                 raise ValueError("optimizer state has no 'delta' (momentum) buffer")
-            self.delta[...] = self.net.xp.asarray(state["delta"])
-
-    def average_state_keys(self) -> list:
-        """Buffers a strategy may average across ranks (momentum, when present)."""
-        return ["delta"] if self.delta is not None else []
+            self.delta[...] = backend.to_device(state["delta"], self.net.xp)

@@ -8,6 +8,8 @@ Example::
     run_mpi(2, ["tests/mpi/workers/comm_worker.py"])
 """
 
+from .gpu import gpu_required
 from .mpirun import SKIP_EXIT_CODE, MpiTimeoutError, find_mpiexec, run_mpi, skip_worker
 
-__all__ = ["SKIP_EXIT_CODE", "MpiTimeoutError", "find_mpiexec", "run_mpi", "skip_worker"]
+__all__ = ["SKIP_EXIT_CODE", "MpiTimeoutError", "find_mpiexec", "gpu_required", "run_mpi",
+           "skip_worker"]

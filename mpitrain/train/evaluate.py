@@ -52,15 +52,13 @@ def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames:
 def evaluate_chunks(net, chunks) -> tuple:
     """Local sums (cross-entropy, correct, frames) over the chunks."""
     xp = net.xp
-    total = xp.zeros((), dtype=xp.float64)
-    correct = xp.zeros((), dtype=xp.int64)
+    sums = xp.zeros(2, dtype=xp.float64)     # cross-entropy, correct: read once at the end
     frames = 0
     for feats, labels, start, end in chunks:
         for lo in range(0, len(labels), EVAL_BATCH):
             idx = xp.arange(lo, min(lo + EVAL_BATCH, len(labels)))
             ctx = splice_indices(idx, start[idx], end[idx], net.left_context, net.right_context)
-            t, c = net.evaluate_batch(splice(feats, ctx), labels[idx])
-            total += t
-            correct += c
+            net.evaluate_batch(splice(feats, ctx), labels[idx], into=sums)
             frames += len(idx)
-    return float(total), int(correct), frames
+    total, correct = backend.to_host(sums)
+    return float(total), int(round(correct)), frames

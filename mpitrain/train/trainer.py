@@ -18,7 +18,6 @@ from ..config import RunConfig, config_to_yaml
 from ..data.batcher import MinibatchStream, plan_chunks
 from ..data.corpus import load_manifest
 from ..data.sharding import plan_shards
-from ..data.splice import splice, splice_indices
 from ..nn.model_file import save_model
 from ..nn.network import build_network
 from ..optim.factory import build_optimizer
@@ -28,6 +27,7 @@ from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, 
                          save_checkpoint)
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .metrics import MetricsLog, format_duration
+from .step import TrainingStep
 
 
 # Whole shards per rank unless that leaves ranks more than this far apart in frames:
@@ -62,6 +62,13 @@ class Trainer:
         self.cfg, self.run_dir, self.comm = cfg, run_dir, comm
         self.is_root = comm.rank == 0
         self.xp = backend.select(cfg.device, comm.local_rank)
+        backend.set_fused_kernels(cfg.fused_kernels)
+        try:
+            backend.set_precision(self.xp, cfg.precision)
+        except backend.DeviceError as exc:
+            raise TrainingError(str(exc)) from None
+        # Collective: every rank agrees on how device buffers travel before step 1.
+        self.transport = comm.setup_device_transport(self.xp)
         self.log = MetricsLog(run_dir, enabled=self.is_root, stream=stream, append=resume)
         if not cfg.data.train:
             raise TrainingError("data.train: no training corpus given (set data.train "
@@ -184,18 +191,18 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> dict:
         cfg, xp, net, comm = self.cfg, self.xp, self.net, self.comm
-        left, right, batch = cfg.data.left_context, cfg.data.right_context, cfg.training.minibatch
-        spliced = xp.empty((batch, net.input_dim), dtype=xp.float32)
-        ctx = xp.empty((batch, net.context), dtype=xp.int64)
+        batch = cfg.training.minibatch
+        training_step = TrainingStep(net, self.optimizer, self.strategy, minibatch=batch,
+                                     left_context=cfg.data.left_context,
+                                     right_context=cfg.data.right_context)
         self.log.say(self._banner())
         self.log.write("start", step=self.step, total_steps=self.total_steps,
                        planned_steps=self.planned_steps,
                        ranks=comm.size, device=backend.device_name(xp),
-                       transport=getattr(comm, "transport", "host"),
-                       strategy=self.strategy.name, optimizer=self.optimizer.name)
-        acc_loss = xp.zeros((), dtype=xp.float64)
-        acc_correct = xp.zeros((), dtype=xp.int64)
-        acc_frames, window_start = 0, time.perf_counter()
+                       transport=self.transport, transport_reason=self._transport_reason(),
+                       precision=cfg.precision, strategy=self.strategy.name,
+                       optimizer=self.optimizer.name)
+        window_start = time.perf_counter()
         run_start, start_step = time.perf_counter(), self.step
         comm.reset_comm_time()
         comm_at_window = 0.0
@@ -205,29 +212,18 @@ class Trainer:
         ck = cfg.training.checkpoint_interval
         next_checkpoint = (self.step // ck + 1) * ck if ck else 0
         while self.step < self.total_steps:
-            lr = self.strategy.learning_rate(self.schedule(self.step / self.planned_steps),
-                                             self.step)
             active_ranks = self.strategy.active_ranks(self.step)
-            if self.strategy.is_active(self.step):
-                chunk, idx = self.stream.next_batch()
-                splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], left, right,
-                               out=ctx)
-                splice(chunk.feats, ctx, out=spliced)
-                loss, correct = net.forward_backward(spliced, chunk.labels[idx])
-                self.strategy.reduce_gradients(net)
-                self.optimizer.step(lr)
-                acc_loss += loss
-                acc_correct += correct
-                acc_frames += batch
+            lr = training_step.run(self.step, self.schedule(self.step / self.planned_steps),
+                                   self.stream.next_batch)
             self.step += 1
-            self.strategy.after_update(net, self.optimizer, self.step)
             self.frames_seen += batch * active_ranks
             last = self.step == self.total_steps
             if self.step % cfg.training.log_interval == 0 or last:
                 now = time.perf_counter()
                 comm_now = comm.comm_time
-                sums = np.array([float(acc_loss), float(acc_correct), acc_frames,
-                                 comm_now - comm_at_window], dtype=np.float64)
+                loss_sum, correct_sum, frames = training_step.take_sums()
+                sums = np.array([loss_sum, correct_sum, frames, comm_now - comm_at_window],
+                                dtype=np.float64)
                 comm.allreduce_(sums, op="sum")
                 elapsed = now - window_start
                 rate = sums[2] / elapsed
@@ -243,9 +239,7 @@ class Trainer:
                     f"acc {record['acc']:.4f} lr {lr:.3g} {rate:,.0f} fr/s "
                     f"comm {record['comm_fraction']:.1%} "
                     f"ETA {format_duration(per_step * (self.total_steps - self.step))}")
-                acc_loss[...] = 0
-                acc_correct[...] = 0
-                acc_frames, window_start, comm_at_window = 0, time.perf_counter(), comm.comm_time
+                window_start, comm_at_window = time.perf_counter(), comm.comm_time
             # decided from the step count alone, so every rank evaluates together
             epoch_done = self.step % self.steps_per_epoch == 0
             due_eval = (next_eval is not None and self.frames_seen // comm.size >= next_eval) \
@@ -297,9 +291,17 @@ class Trainer:
                          f"acc {res['dev_acc']:.4f} ({res['dev_frames']} frames)")
         return res
 
+    def _transport_reason(self) -> str:
+        return getattr(self.comm, "transport_reason", "") or ""
+
     def _banner(self) -> str:
         cfg, net = self.cfg, self.net
-        return (f"mpitrain: {self.comm.size} rank(s), device {backend.device_name(self.xp)}, "
+        device = backend.device_name(self.xp)
+        if cfg.device == "gpu":
+            reason = self._transport_reason()
+            device += (f" ({cfg.precision}), transport {self.transport}"
+                       + (f" ({reason})" if reason else ""))
+        return (f"mpitrain: {self.comm.size} rank(s), device {device}, "
                 f"strategy {self.strategy.name}, optimizer {self.optimizer.name}; model "
                 f"{net.input_dim}-{cfg.model.hidden_layers}x{cfg.model.hidden_dim}-"
                 f"{net.num_classes} ({net.num_params:,} params); {self.steps_per_epoch} "

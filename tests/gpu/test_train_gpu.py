@@ -59,3 +59,32 @@ def test_gpu_device_selection_by_local_rank(cupy):
     backend.select("gpu", local_rank=count + 1)
     assert cupy.cuda.Device().id == 1 % count
     backend.select("gpu", local_rank=0)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "ngsgd"])
+def test_steady_state_steps_never_wait_for_the_gpu(cupy, optimizer):
+    """On the real device: no read through the backend and no CuPy-detected
+    synchronisation during 24 steady-state steps of the trainer's step."""
+    import warnings
+
+    import cupyx
+
+    from mpitrain.bench.throughput import MODELS, MpitrainSteps, synthetic_chunk
+
+    model = MODELS["quick"]
+    chunk, perm = synthetic_chunk(model, 20_000)
+    steps = MpitrainSteps(model, chunk, perm, xp=cupy, optimizer=optimizer)
+    for _ in range(16):                      # buffers, kernels, NG-SGD's first updates
+        steps.step()
+    before = backend.host_read_counts()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with cupyx.allow_synchronize(False):
+            for _ in range(24):
+                steps.step()
+    after = backend.host_read_counts()
+    assert after["blocking"] == before["blocking"]
+    if optimizer == "sgd":
+        assert after["async"] == before["async"]
+    loss_sum, correct, frames = steps.training_step.take_sums()
+    assert frames == 40 * model.minibatch and np.isfinite(loss_sum)

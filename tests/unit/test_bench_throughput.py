@@ -106,14 +106,15 @@ def test_format_table_columns_and_missing_torch():
     without = summarize(TINY, 2, {"mpitrain": [2000.0], "gemm": [fpf * 4000.0]})
     text = format_table([with_torch, without]).splitlines()
     assert len(text) == 3
-    assert text[0].split()[:4] == ["model", "threads", "mpitrain", "fr/s"]
-    assert text[1].split() == ["tiny", "1", "1,250", "1,000", "1.25",
-                               f"{fpf * 2500.0 / 1e9:.1f}", "2,500", "0.50"]
-    assert text[2].split()[2:5] == ["2,000", "-", "-"]
+    assert text[0].split()[:5] == ["model", "threads", "precision", "mpitrain", "fr/s"]
+    assert text[1].split() == ["tiny", "1", "fp32", "1,250", "1,000", "1.25",
+                               f"{fpf * 2500.0 / 1e9:.1f}", "2,500", "0.50", "0.40"]
+    assert text[2].split()[3:6] == ["2,000", "-", "-"]
     md = format_table([with_torch], markdown=True).splitlines()
-    assert md[0].startswith("| model | threads |") and md[1].startswith("|---|---|---:")
-    assert md[2] == ("| tiny | 1 | 1,250 | 1,000 | 1.25 | "
-                     f"{fpf * 2500.0 / 1e9:.1f} | 2,500 | 0.50 |")
+    assert md[0].startswith("| model | threads | precision |")
+    assert md[1].startswith("|---|---|---|---:")
+    assert md[2] == ("| tiny | 1 | fp32 | 1,250 | 1,000 | 1.25 | "
+                     f"{fpf * 2500.0 / 1e9:.1f} | 2,500 | 0.50 | 0.40 |")
 
 
 def test_parse_args_defaults_and_errors(capsys):
@@ -144,9 +145,10 @@ def test_mpitrain_step_trains_the_model():
     steps.step()
     assert steps.step_count == 2 and steps.optimizer.num_steps == 2
     assert not np.array_equal(before, steps.net.params)
-    assert float(steps.acc_loss) > 0
+    loss_sum, _, frames = steps.training_step.take_sums()
+    assert loss_sum > 0 and frames == 2 * TINY.minibatch
     # minibatches walk through the shuffled order
-    assert np.array_equal(steps._next_indices(), perm[2 * TINY.minibatch:3 * TINY.minibatch])
+    assert np.array_equal(steps._next_batch()[1], perm[2 * TINY.minibatch:3 * TINY.minibatch])
 
 
 def test_main_without_torch_reports_mpitrain_and_gemm(monkeypatch, tmp_path, capsys):

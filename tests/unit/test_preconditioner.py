@@ -573,6 +573,7 @@ def test_reorthogonalisation_paths_restore_orthonormal_rows(monkeypatch, skew, p
     load_skewed_state(prec, rank, dim, skew)
     X = np.random.default_rng(18).standard_normal((40, dim)) * 0.01
     prec.precondition(X)
+    prec.finish_update()
     assert bool(cholesky) == (path is not None)
     assert bool(gram_schmidt) == (path == "_gram_schmidt_rows")
     check_invariants(prec, dim)
@@ -590,6 +591,7 @@ def test_folded_cholesky_equals_transform_of_the_computed_w(monkeypatch):
     folded = OnlineNaturalGradient(rank=rank, update_period=1)
     load_skewed_state(folded, rank, dim, 0.05)
     folded.precondition(X.copy())
+    folded.finish_update()
     monkeypatch.setattr(pc, "ORTHOGONALITY_TOLERANCE", np.inf)
     plain = OnlineNaturalGradient(rank=rank, update_period=1)
     load_skewed_state(plain, rank, dim, 0.05)

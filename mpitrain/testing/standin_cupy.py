@@ -1,0 +1,236 @@
+"""A stand-in for CuPy on machines without a GPU: host memory behind CuPy's interface.
+
+Its arrays are a NumPy subclass that behaves like device arrays where it
+matters for testing the GPU code paths without a GPU: every result of an
+operation stays a stand-in array (0-d results too, as in CuPy), and every
+implicit read of a value on the host -- ``float(a)``, ``int(a)``,
+``bool(a)``, ``a.item()``, ``a.tolist()``, ``cupy.asnumpy(a)``, ``a.get()``
+-- is counted in :data:`READS`.  It has no kernel compiler (no
+``RawModule``), so code that would launch a fused kernel takes its array
+expression path instead, on the same device-array discipline.
+
+Example::
+
+    from mpitrain import backend
+    from mpitrain.testing import standin_cupy
+    with standin_cupy.installed() as cp:
+        x = cp.zeros(3, dtype=cp.float32)
+        float(x.sum())                      # counted
+        standin_cupy.READS["implicit"]      # 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import numpy as np
+
+#: Host reads of stand-in arrays: implicit conversions, and explicit copies.
+READS = {"implicit": 0, "asnumpy": 0}
+
+
+def reset_counts() -> None:
+    for key in READS:
+        READS[key] = 0
+
+
+def _plain(obj):
+    """Unwrap stand-in arrays (also inside lists and tuples) to plain NumPy arrays."""
+    if isinstance(obj, DeviceArray):
+        return obj.view(np.ndarray)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_plain(o) for o in obj)
+    return obj
+
+
+def _wrap(obj):
+    """Results back as stand-in arrays; scalars become 0-d arrays as in CuPy."""
+    if isinstance(obj, DeviceArray):
+        return obj
+    if isinstance(obj, np.ndarray):
+        return obj.view(DeviceArray)
+    if isinstance(obj, np.generic):
+        return np.asarray(obj).view(DeviceArray)
+    if isinstance(obj, tuple):
+        return tuple(_wrap(o) for o in obj)
+    if isinstance(obj, list):
+        return [_wrap(o) for o in obj]
+    return obj
+
+
+class _Pointer:
+    """The ``.data`` of a stand-in array: its address and an async copy to the host."""
+
+    def __init__(self, array):
+        self._array = array
+        self.ptr = array.__array_interface__["data"][0]
+
+    def copy_to_host_async(self, dst_ptr: int, nbytes: int, stream=None) -> None:
+        import ctypes
+        ctypes.memmove(dst_ptr, self.ptr, nbytes)
+
+
+class DeviceArray(np.ndarray):
+    """Host memory that answers like a device array (see the module docstring)."""
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        out = kwargs.get("out")
+        if out is not None:
+            kwargs["out"] = _plain(out)
+        result = getattr(ufunc, method)(*_plain(inputs), **kwargs)
+        if out is not None:
+            return out[0] if len(out) == 1 else out
+        return _wrap(result)
+
+    def __array_function__(self, func, types_, args, kwargs):
+        out = kwargs.get("out")
+        plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
+        result = func(*_plain(args), **plain_kwargs)
+        if out is not None and isinstance(out, DeviceArray):
+            return out
+        return _wrap(result)
+
+    def __getitem__(self, key):
+        return _wrap(np.ndarray.__getitem__(self.view(np.ndarray), _plain(key)))
+
+    def __setitem__(self, key, value):
+        np.ndarray.__setitem__(self.view(np.ndarray), _plain(key), _plain(value))
+
+    # -- implicit host reads: counted --------------------------------------------
+    def __float__(self):
+        READS["implicit"] += 1
+        return float(self.view(np.ndarray))
+
+    def __int__(self):
+        READS["implicit"] += 1
+        return int(self.view(np.ndarray))
+
+    def __index__(self):
+        READS["implicit"] += 1
+        return self.view(np.ndarray).__index__()
+
+    def __bool__(self):
+        READS["implicit"] += 1
+        return bool(self.view(np.ndarray))
+
+    def item(self, *args):
+        READS["implicit"] += 1
+        return self.view(np.ndarray).item(*args)
+
+    def tolist(self):
+        READS["implicit"] += 1
+        return self.view(np.ndarray).tolist()
+
+    def get(self, stream=None, out=None):
+        READS["asnumpy"] += 1
+        if out is None:
+            return np.array(self.view(np.ndarray))
+        out[...] = self.view(np.ndarray)
+        return out
+
+    def set(self, array, stream=None):
+        self.view(np.ndarray)[...] = array
+
+    @property
+    def data(self):
+        return _Pointer(self)
+
+
+class _Event:
+    done = True
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _Stream:
+    ptr = 0
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self, event=None):
+        return _Event()
+
+
+def _asnumpy(array, stream=None, order="C", out=None):
+    READS["asnumpy"] += 1
+    host = np.array(_plain(array), order=order)
+    if out is not None:
+        out[...] = host
+        return out
+    return host
+
+
+def _get_array_module(*arrays):
+    return module if any(isinstance(a, DeviceArray) for a in arrays) else np
+
+
+def _alloc_pinned_memory(nbytes: int):
+    return bytearray(nbytes)
+
+
+class _Device:
+    def __init__(self, device_id: int = 0):
+        self.id = device_id
+
+    def use(self) -> None:
+        pass
+
+
+def _build_module():
+    mod = types.ModuleType("standin_cupy_device")
+    mod.ndarray = DeviceArray
+    mod.asnumpy = _asnumpy
+    mod.get_array_module = _get_array_module
+    mod.__version__ = "stand-in"
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: 1,
+        getDeviceProperties=lambda i: {"name": b"stand-in device"},
+        driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
+    mod.cuda = types.SimpleNamespace(
+        is_available=lambda: True, runtime=runtime, Device=_Device,
+        get_current_stream=lambda: _Stream(), alloc_pinned_memory=_alloc_pinned_memory,
+        Event=_Event)
+
+    def _getattr(name):
+        value = getattr(np, name)
+        if callable(value) and not isinstance(value, type):
+            def wrapped(*args, **kwargs):
+                return _wrap(value(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()}))
+            wrapped.__name__ = name
+            return wrapped
+        return value
+
+    def _copying(name):
+        # CuPy copies host data to the device; a view would alias host memory.
+        def make(obj, dtype=None, **kwargs):
+            if isinstance(obj, DeviceArray) and kwargs.get("copy") is False:
+                return obj if dtype is None else obj.astype(dtype, copy=False)
+            return np.array(_plain(obj), dtype=dtype, copy=True).view(DeviceArray)
+        make.__name__ = name
+        return make
+
+    mod.asarray = _copying("asarray")
+    mod.array = _copying("array")
+    mod.__getattr__ = _getattr
+    return mod
+
+
+module = _build_module()
+
+
+@contextlib.contextmanager
+def installed():
+    """Make the stand-in the backend's CuPy (``backend.select('gpu')`` returns it)."""
+    from mpitrain import backend
+    saved = backend._cupy
+    backend._cupy = module
+    sys.modules.setdefault("standin_cupy_device", module)
+    reset_counts()
+    try:
+        yield module
+    finally:
+        backend._cupy = saved

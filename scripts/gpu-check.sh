@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Verify a GPU install in one command:
+#   1. the GPU tests (MPITRAIN_TEST_GPU=1: a missing GPU is a failure, not a skip);
+#   2. 2-rank GPU training on the built-in corpus with every parallel method,
+#      each of which must learn (held-out accuracy well above chance);
+#   3. the throughput table against PyTorch and the cuBLAS GEMM bound.
+# Exits non-zero on any failure.
+#
+# Environment: PYTHON (default .venv/bin/python, else python3), MPIEXEC (default
+# mpiexec or mpirun on PATH), OUT (default runs/gpu-check), NP (default 2);
+# TESTS=0 skips the tests, BENCH=0 the throughput table.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -z "${PYTHON:-}" ]; then
+    if [ -x .venv/bin/python ]; then PYTHON=$PWD/.venv/bin/python; else PYTHON=$(command -v python3); fi
+fi
+MPIEXEC=${MPIEXEC:-$(command -v mpiexec || command -v mpirun || true)}
+OUT=${OUT:-runs/gpu-check}
+NP=${NP:-2}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$OUT"
+failures=()
+
+step() { printf '\n== %s\n' "$*"; }
+
+if [ "${TESTS:-1}" != 0 ]; then
+    step "GPU tests"
+    if ! MPITRAIN_TEST_GPU=1 "$PYTHON" -m pytest -q -ra tests/gpu; then failures+=("GPU tests"); fi
+fi
+
+step "built-in corpus"
+"$PYTHON" -m mpitrain synth "$OUT/data" --hours 0.5 --speakers 40 --shards 4 --overwrite
+
+if [ -z "$MPIEXEC" ]; then
+    failures+=("no mpiexec/mpirun on PATH: multi-rank training not checked")
+else
+    launch=("$MPIEXEC" -n "$NP")
+    if "$MPIEXEC" --version 2>&1 | grep -q "Open MPI"; then
+        # Open MPI refuses root and more ranks than cores unless told
+        launch+=(--oversubscribe -x PYTHONPATH -x PATH)
+        [ "$(id -u)" = 0 ] && launch+=(--allow-run-as-root)
+    fi
+    for method in model_averaging kaldi allreduce bmuf; do
+        step "$NP-rank GPU training: $method"
+        run_dir="$OUT/train-$method"
+        rm -rf "$run_dir"
+        if "${launch[@]}" "$PYTHON" -m mpitrain train jobs/configs/quickstart.yaml \
+                --set device=gpu --set parallel.method="$method" \
+                --set data.train="$OUT/data/train" --set data.dev="$OUT/data/dev" \
+                --set training.epochs=1 --run-dir "$run_dir"; then
+            if ! "$PYTHON" - "$run_dir/metrics.jsonl" <<'EOF'
+import json, sys
+records = [json.loads(line) for line in open(sys.argv[1])]
+start = next(r for r in records if r.get("type") == "start")
+end = next(r for r in records if r.get("type") == "end")
+print(f"transport {start.get('transport')} ({start.get('transport_reason') or 'no reason given'}); "
+      f"held-out accuracy {end['dev_acc']:.3f} after {end['steps']} steps")
+sys.exit(0 if end["dev_acc"] > 0.3 else 1)
+EOF
+            then failures+=("$method did not learn"); fi
+        else
+            failures+=("$method failed")
+        fi
+    done
+fi
+
+if [ "${BENCH:-1}" != 0 ]; then
+    step "throughput: mpitrain, PyTorch and the GEMM bound on this GPU"
+    if ! "$PYTHON" -m mpitrain.bench.throughput --device gpu --models quick,small,large \
+            --precision fp32,tf32 --rounds 5 --json "$OUT/throughput.json"; then
+        failures+=("throughput benchmark")
+    fi
+fi
+
+if [ ${#failures[@]} -gt 0 ]; then
+    printf '\nGPU check FAILED:\n'
+    printf '  - %s\n' "${failures[@]}"
+    exit 1
+fi
+printf '\nGPU check passed.\n'
