@@ -628,8 +628,9 @@ def choose_device_transport(mpi_comm, cupy, *, prefer: str = "auto") -> DeviceTr
         raise _forced_route_error("cuda-aware-mpi", aware_why_not)
     path = CudaAwarePath() if aware else PinnedStagingPath(cupy)
     if nccl is not None:
-        reason = (f"NCCL over {mpi_comm.Get_size()} ranks on distinct GPUs; "
-                  f"point to point {path.name}")
+        ranks = mpi_comm.Get_size()
+        over = "1 rank" if ranks == 1 else f"{ranks} ranks on distinct GPUs"
+        reason = f"NCCL over {over}; point to point {path.name}"
     elif prefer == "cuda-aware-mpi":
         reason = "cuda-aware-mpi requested by device_transport; probe passed"
     elif aware:
