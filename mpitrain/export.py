@@ -2,15 +2,24 @@
 
 For each utterance: CMVN and splicing as in training, forward pass, then
 log p(s|x) - log p(s), the log posterior minus the log prior of the class
-(priors from the training corpus' class counts).  Written with kaldiio as a
-Kaldi matrix archive, so ``latgen-faster-mapped`` and friends read it directly.
+(priors from the training corpus' class counts).  Written as a Kaldi matrix
+archive, so ``latgen-faster-mapped`` and friends read it directly.
+
+Features are read by :func:`mpitrain.data.kaldi.read_feature_matrices`, which
+accepts only Kaldi matrices and refuses every other record (pickles above all)
+by key.  Output files are written under temporary names and renamed when every
+utterance is done, so an error never leaves a partial archive behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 
 from . import backend
+from .data.kaldi import read_feature_matrices
 from .data.splice import frame_utterance_bounds, splice, splice_indices
 from .nn.loss import log_softmax
 from .nn.model_file import load_model
@@ -39,7 +48,6 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
 
         export_loglikes("runs/x/final.h5", "scp:data/test/feats.scp", "ark:loglikes.ark")
     """
-    import kaldiio
     net, priors = load_model(model_path)
     if corpus_dir is not None:
         from .data.corpus import load_manifest
@@ -53,24 +61,102 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
                          f"{model_path} has {net.num_classes}")
     log_priors = np.log(np.maximum(priors, 1e-20)).astype(np.float32)
     count = 0
-    with kaldiio.WriteHelper(out_wspec) as writer:
-        for utt, feats in _read_feats(feats_rspec):
-            if feats.ndim != 2 or feats.shape[1] != net.feat_dim:
+    with ArkWriter(out_wspec) as writer:
+        for utt, feats in read_feature_matrices(feats_rspec):
+            if feats.shape[1] != net.feat_dim:
                 raise ValueError(f"{feats_rspec}: utterance {utt} has features of shape "
                                  f"{feats.shape}, the model expects dim {net.feat_dim}")
-            writer(utt, utterance_loglikes(net, feats, log_priors, batch=batch))
+            writer.write(utt, utterance_loglikes(net, feats, log_priors, batch=batch))
             count += 1
     return count
 
 
-def _read_feats(rspec: str):
-    import kaldiio
-    kind, _, path = rspec.partition(":")
-    if not path:
-        raise ValueError(f"--feats {rspec}: expected scp:PATH or ark:PATH")
-    if kind.split(",")[0] == "scp":
-        yield from kaldiio.load_scp_sequential(path)
-    elif kind.split(",")[0] == "ark":
-        yield from kaldiio.load_ark(path)
-    else:
-        raise ValueError(f"--feats {rspec}: expected scp:PATH or ark:PATH")
+class ArkWriter:
+    """A Kaldi matrix archive (and optional scp) that appears only when complete.
+
+    ``wspec`` is ``ark:out.ark``, ``ark,t:out.txt`` or ``ark,scp:out.ark,out.scp``.
+    Files are written under temporary names and renamed on a clean exit from
+    the ``with`` block; on an exception they are deleted.  A pipe (``ark:| cmd``)
+    or stdout (``ark:-``) is written directly.
+
+    Example::
+
+        with ArkWriter("ark,scp:loglikes.ark,loglikes.scp") as writer:
+            writer.write("utt1", np.zeros((5, 120), np.float32))
+    """
+
+    def __init__(self, wspec: str):
+        from kaldiio.utils import parse_specifier
+        spec = parse_specifier(wspec)
+        if spec["ark"] is None:
+            raise ValueError(f"--out {wspec}: expected ark:PATH or ark,scp:ARK,SCP")
+        self.text = bool(spec["t"])
+        self.ark, self.scp = spec["ark"], spec["scp"]
+        if self.scp is not None and _is_stream(self.ark):
+            raise ValueError(f"--out {wspec}: an scp needs the ark written to a file")
+        self._targets = [p for p in (self.ark, self.scp) if p is not None and not _is_stream(p)]
+        self._tmp = {p: _temporary_name(p) for p in self._targets}
+        self._files = []
+        self._position = 0       # bytes written to the ark, for the scp offsets
+        try:
+            self._fark = self._open(self.ark, "wb")
+            self._fscp = self._open(self.scp, "w") if self.scp is not None else None
+        except BaseException:
+            self.abort()
+            raise
+
+    def _open(self, name: str, mode: str):
+        if _is_stream(name):
+            from kaldiio.utils import open_like_kaldi
+            handle = open_like_kaldi(name, mode)
+        else:
+            handle = open(self._tmp[name], mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+        self._files.append(handle)
+        return handle
+
+    def write(self, key: str, matrix: np.ndarray) -> None:
+        from kaldiio.matio import write_array, write_array_ascii
+        head = (key + " ").encode("utf-8")
+        self._fark.write(head)
+        self._position += len(head)
+        if self._fscp is not None:
+            self._fscp.write(f"{key} {self.ark}:{self._position}\n")
+        self._position += (write_array_ascii(self._fark, matrix) if self.text
+                           else write_array(self._fark, matrix))
+
+    def close(self) -> None:
+        """Flush and rename the files into place (the ark before its scp)."""
+        self._close_files()
+        for name in self._targets:
+            os.replace(self._tmp[name], name)
+
+    def abort(self) -> None:
+        """Close and delete whatever was written to files."""
+        with contextlib.suppress(Exception):
+            self._close_files()
+        for name in self._targets:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._tmp[name])
+
+    def _close_files(self) -> None:
+        files, self._files = self._files, []
+        for handle in files:
+            handle.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def _is_stream(name: str) -> bool:
+    return name.strip() == "-" or name.strip().startswith("|") or name.strip().endswith("|")
+
+
+def _temporary_name(path: str) -> str:
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.partial-{os.getpid()}")

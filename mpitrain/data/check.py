@@ -19,7 +19,7 @@ import numpy as np
 
 from .corpus import (CorpusError, MomentAccumulator, manifest_path, manifest_problems,
                      read_manifest_data)
-from .shards import FEATS, LABELS, UTT_IDS, shard_layout_problems
+from .shards import FEATS, LABELS, UTT_IDS, shard_layout_problems, shard_storage_problems
 
 _BLOCK_FRAMES = 1 << 16
 
@@ -119,6 +119,12 @@ def _check_shard(directory, index, rel, frames, utts, feat_dim, num_classes, tot
         totals.complete = False
         return
     with f:
+        unsafe = shard_storage_problems(f, path)
+        if unsafe:
+            # Declared sizes the file does not back: reading would allocate them.
+            problems.extend(unsafe)
+            totals.complete = False
+            return
         layout = shard_layout_problems(f, path)
         problems.extend(layout)
         if layout:

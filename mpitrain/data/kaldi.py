@@ -1,7 +1,7 @@
 """Import Kaldi features and frame alignments into a corpus directory.
 
 Features come as ``scp:feats.scp`` or ``ark:feats.ark`` (binary or text
-matrices, compressed or not; decoded by kaldiio).  Alignments are per-frame
+matrices, compressed or not).  Alignments are per-frame
 pdf ids, as written by ``ali-to-pdf``: ``ark:ali.ark`` (binary int vectors),
 ``ark,t:ali.txt`` or a plain text file with lines ``uttid 3 3 3 5 ...``.
 
@@ -9,8 +9,12 @@ Utterances without an alignment, or whose alignment length differs from the
 number of feature frames, are skipped and listed in the report, which is
 also written to ``out_dir/import-report.yaml``.
 
-Records are decoded with kaldiio, but never through its pickle branch, and
-scp entries that are shell pipes are refused: run the pipe into an ark first.
+Archives are data from anyone: each record's type is checked before it is
+decoded, and only Kaldi matrices (features) and int32 vectors (alignments) are
+read; everything else -- kaldiio's pickled objects above all -- is refused by
+key.  A record whose header declares more data than the file holds is refused
+before anything is allocated.  scp entries that are shell pipes are refused:
+run the pipe into an ark first.
 
 Example::
 
@@ -111,36 +115,177 @@ def _check_plain_file(path: str, what: str) -> None:
 
 
 # ---------------------------------------------------------------- reading records
+#
+# kaldiio's read_kaldi dispatches on a record's first bytes and unpickles a
+# record that starts with "PKL" (it also loads "NPY" payloads and audio).  An
+# archive is data from anyone, so read_kaldi is never called: each record's
+# type token is peeked and checked here, its declared size compared with the
+# bytes left in the file, and only then is it decoded (binary matrices and
+# vectors by kaldiio's read_matrix_or_vector, text matrices by our own parser).
+
+_FLOAT_SIZES = {"FM": 4, "FV": 4, "DM": 8, "DV": 8}
+_COMPRESSED = ("CM", "CM2", "CM3")
+_MATRIX_TYPES = tuple(_FLOAT_SIZES) + _COMPRESSED
+EXPECTED_FEATURES = ("a Kaldi float matrix (binary FM, DM, compressed CM, CM2, CM3, "
+                     "or text '[ ... ]')")
+EXPECTED_ALIGNMENT = "a binary int32 vector (pdf ids from ali-to-pdf)"
+# Payloads kaldiio can store besides Kaldi objects; none is ever decoded here.
+_FOREIGN = ((b"PKL", "a pickled Python object"), (b"NPY", "a NumPy .npy payload"),
+            (b"RIFF", "WAV audio"), (b"fLaC", "FLAC audio"), (b"AUDIO", "audio"))
+_MAX_KEY_BYTES = 4096
+_WHITESPACE = b" \t\n\r"
+
 
 def _kaldiio_matio():
     import kaldiio.matio
     return kaldiio.matio
 
 
-def _read_record(fd, path: str, key: str):
-    """Decode one Kaldi object at the current position, refusing pickled payloads."""
-    head = fd.read(5)
-    fd.seek(-len(head), os.SEEK_CUR)
-    if head[:3] == b"PKL":
-        raise CorpusError(f"{path}: entry {key!r} holds a pickled Python object; "
-                          "refusing to load it (only Kaldi matrices and vectors are read)")
+def _refuse(path: str, key: str, found: str, expected: str) -> CorpusError:
+    return CorpusError(f"{path}: entry {key!r} holds {found}; expected {expected}")
+
+
+def _bytes_left(fd) -> int:
+    return os.fstat(fd.fileno()).st_size - fd.tell()
+
+
+def _read_exact(fd, n: int, path: str, key: str) -> bytes:
+    data = fd.read(n)
+    if len(data) != n:
+        raise CorpusError(f"{path}: entry {key!r} is truncated")
+    return data
+
+
+def _binary_type(fd, path: str, key: str) -> str:
+    """The type token after '\\0B' ('FM', 'CM2', ...), or '\\4' for an int32 vector."""
+    if fd.read(2) != b"\0B":
+        raise CorpusError(f"{path}: entry {key!r} is not a binary Kaldi object")
+    token = b""
+    while len(token) < 4:
+        c = fd.read(1)
+        if c in (b" ", b""):
+            break
+        token += c
+        if token == b"\4":
+            return "\4"
+    return token.decode("latin-1")
+
+
+def _check_matrix_header(fd, path: str, key: str, kind: str) -> None:
+    """Compare the declared rows and columns with the bytes that follow them."""
+    if kind in _COMPRESSED:
+        header = _read_exact(fd, 16, path, key)
+        rows, cols = (int(v) for v in np.frombuffer(header[8:16], dtype="<i4"))
+        sizes = {"CM": 8 * cols + rows * cols, "CM2": 2 * rows * cols, "CM3": rows * cols}
+        need = sizes[kind]
+    else:
+        counts = []
+        for _ in range(2 if kind.endswith("M") else 1):
+            header = _read_exact(fd, 5, path, key)
+            if header[:1] != b"\4":
+                raise CorpusError(f"{path}: entry {key!r}: malformed {kind} header")
+            counts.append(int(np.frombuffer(header[1:], dtype="<i4")[0]))
+        rows, cols = counts[0], counts[-1] if len(counts) == 2 else 1
+        need = rows * cols * _FLOAT_SIZES[kind]
+    left = _bytes_left(fd)
+    if rows < 0 or cols < 0 or need > left:
+        shape = f"{rows} x {cols}" if kind.endswith(("M", "M2", "M3")) else f"{rows}"
+        raise CorpusError(f"{path}: entry {key!r}: {kind} header declares {shape} "
+                          f"({need} bytes of data) but only {left} bytes follow in the file")
+
+
+def _read_text_matrix(fd, path: str, key: str) -> np.ndarray:
+    """A Kaldi text matrix ' [\\n  1 2\\n  3 4 ]' (or vector ' [ 1 2 ]') as float32."""
+    text = bytearray()
+    while True:
+        # Read in blocks up to the closing bracket; the file size bounds the text.
+        block = fd.read(1 << 16)
+        if not block:
+            raise CorpusError(f"{path}: entry {key!r}: text matrix has no closing ']'")
+        close = block.find(b"]")
+        if close >= 0:
+            text += block[:close]
+            fd.seek(close + 1 - len(block), os.SEEK_CUR)
+            if fd.read(1) not in (b"\n", b""):
+                fd.seek(-1, os.SEEK_CUR)
+            break
+        text += block
     try:
-        return _kaldiio_matio().read_kaldi(fd)
-    except CorpusError:
-        raise
-    except Exception as exc:
-        raise CorpusError(f"{path}: entry {key!r} cannot be decoded as a Kaldi matrix "
-                          f"({type(exc).__name__}: {exc})") from exc
+        body = text.decode("ascii").strip()[1:]       # after the '['
+        rows = [line.split() for line in body.splitlines() if line.strip()]
+        if not rows:
+            return np.zeros((0, 0), dtype=np.float32)     # Kaldi's empty matrix ' [ ]'
+        if "\n" not in body:
+            return np.array(rows[0], dtype=np.float32)    # a vector ' [ 1 2 ]'
+        if len({len(row) for row in rows}) > 1:
+            raise ValueError("rows of different lengths")
+        return np.array(rows, dtype=np.float32)
+    except ValueError as exc:    # also UnicodeDecodeError
+        raise CorpusError(f"{path}: entry {key!r}: not a Kaldi text matrix ({exc})") from None
+
+
+def _read_record(fd, path: str, key: str, *, expect: str = "matrix"):
+    """Decode the record at the current position if it is of the kind expected.
+
+    ``expect`` is "matrix" (features: float matrices and vectors, binary,
+    compressed or text) or "ints" (alignments: binary int32 vectors).  Any
+    other record is refused by key before a byte of its payload is decoded.
+    """
+    expected = EXPECTED_FEATURES if expect == "matrix" else EXPECTED_ALIGNMENT
+    start = fd.tell()
+    head = fd.read(64)
+    fd.seek(start)
+    for marker, what in _FOREIGN:
+        if head.startswith(marker):
+            raise _refuse(path, key, what, expected)
+    if head.startswith(b"\0B"):
+        kind = _binary_type(fd, path, key)
+        if kind == "\4":
+            if expect != "ints":
+                raise _refuse(path, key, "a binary int32 vector", expected)
+            fd.seek(start)
+            return _read_binary_int_vector(fd, path, key)
+        if kind not in _MATRIX_TYPES:
+            raise _refuse(path, key, f"a binary object of type {kind!r}", expected)
+        if expect != "matrix":
+            raise _refuse(path, key, f"a Kaldi {kind} matrix or vector", expected)
+        _check_matrix_header(fd, path, key, kind)
+        fd.seek(start)
+        try:
+            return _kaldiio_matio().read_matrix_or_vector(fd)
+        except Exception as exc:
+            raise CorpusError(f"{path}: entry {key!r} cannot be decoded as a Kaldi {kind} "
+                              f"({type(exc).__name__}: {exc})") from exc
+    if expect == "matrix" and head.lstrip(_WHITESPACE)[:1] == b"[":
+        return _read_text_matrix(fd, path, key)
+    raise _refuse(path, key, f"an unknown record (it starts with {head[:8]!r})", expected)
+
+
+def _read_key(fd, path: str) -> str | None:
+    """The next utterance id of an ark (None at the end); the value follows it."""
+    c = fd.read(1)
+    while c and c in _WHITESPACE:
+        c = fd.read(1)
+    key = b""
+    while c not in (b" ", b""):
+        key += c
+        if len(key) > _MAX_KEY_BYTES:
+            raise CorpusError(f"{path}: an utterance id is longer than {_MAX_KEY_BYTES} bytes; "
+                              "not a Kaldi archive")
+        c = fd.read(1)
+    if not key:
+        return None
+    try:
+        return key.decode("utf-8")
+    except UnicodeDecodeError:
+        raise CorpusError(f"{path}: utterance id {bytes(key[:40])!r} is not UTF-8; "
+                          "not a Kaldi archive") from None
 
 
 def _ark_keys(fd, path: str):
     """The utterance ids of an open ark file; the caller reads each value after its id."""
-    read_token = _kaldiio_matio().read_token
     while True:
-        try:
-            key = read_token(fd)
-        except Exception as exc:
-            raise CorpusError(f"{path}: cannot read the next utterance id ({exc})") from exc
+        key = _read_key(fd, path)
         if key is None:
             return
         yield key
@@ -201,6 +346,9 @@ def _iter_scp(path: str, *, max_open: int = 16):
                     handles.popitem(last=False)[1].close()
             else:
                 handles.move_to_end(ark)
+            if (offset or 0) >= os.fstat(fd.fileno()).st_size:
+                raise CorpusError(f"{path}: utterance {key!r} points to offset {offset} of "
+                                  f"{ark!r}, at or past its end")
             # Without an offset the file holds one bare object (no key), as in Kaldi.
             fd.seek(offset or 0)
             yield key, _read_record(fd, ark, key)
@@ -209,11 +357,21 @@ def _iter_scp(path: str, *, max_open: int = 16):
             fd.close()
 
 
-def _iter_features(spec: str):
+def read_feature_matrices(spec: str):
+    """(utterance id, float32 matrix (T, D)) for each entry of an 'scp:' or 'ark:' rspecifier.
+
+    Only Kaldi float matrices are accepted (binary, compressed or text); any
+    other record is refused by key with a :class:`CorpusError` naming the file.
+
+    Example::
+
+        for utt, feats in read_feature_matrices("scp:data/test/feats.scp"):
+            feats.shape        # (frames, feat_dim)
+    """
     kind, path = _split_spec(spec, "feats")
-    if kind == "scp":
-        return _iter_scp(path)
-    return _iter_ark(path)     # kaldiio tells binary from text matrices itself
+    records = _iter_scp(path) if kind == "scp" else _iter_ark(path)   # ark: binary or text
+    for key, value in records:
+        yield key, _as_features(path, key, value)
 
 
 # ---------------------------------------------------------------- alignments
@@ -228,12 +386,13 @@ def _is_binary_ark(path: str) -> bool:
 def _read_text_alignments(path: str) -> dict[str, np.ndarray]:
     alignments = {}
     try:
-        f = open(path, encoding="utf-8")
+        f = open(path, "rb")
     except OSError as exc:
         raise CorpusError(f"{path}: cannot read alignment file ({exc})") from exc
     with f:
-        for lineno, line in enumerate(f, 1):
-            parts = line.split()
+        for lineno, raw in enumerate(f, 1):
+            # Decoded leniently: a line that is not text fails below as a bad pdf id.
+            parts = raw.decode("utf-8", errors="replace").split()
             if not parts:
                 continue
             # Kaldi writes "utt 3 3 5"; kaldiio's text mode brackets it: "utt [ 3 3 5 ]".
@@ -243,7 +402,7 @@ def _read_text_alignments(path: str) -> dict[str, np.ndarray]:
             except ValueError:
                 bad = next(v for v in values if not _is_int_token(v))
                 raise CorpusError(f"{path}:{lineno}: utterance {key!r}: expected integer pdf ids, "
-                                  f"got {bad!r}") from None
+                                  f"got {bad[:40]!r}") from None
             if key in alignments:
                 raise CorpusError(f"{path}:{lineno}: utterance {key!r} appears twice")
             alignments[key] = _as_pdf_ids(path, key, labels)
@@ -272,9 +431,12 @@ def _read_binary_int_vector(fd, path: str, key: str) -> np.ndarray:
         raise CorpusError(f"{path}: entry {key!r} is not a binary integer vector "
                           "(expected pdf ids from ali-to-pdf)")
     count = int(np.frombuffer(header[3:7], dtype="<i4")[0])
+    left = _bytes_left(fd)
+    # Checked before reading: the count alone must not decide what is allocated.
+    if count < 0 or 5 * count > left:
+        raise CorpusError(f"{path}: entry {key!r}: int32 vector header declares {count} "
+                          f"elements ({5 * count} bytes) but only {left} bytes follow in the file")
     body = fd.read(5 * count)
-    if count < 0 or len(body) != 5 * count:
-        raise CorpusError(f"{path}: entry {key!r} is truncated")
     # Vectorised decode of the (size byte, value) pairs; kaldiio loops in Python.
     pairs = np.frombuffer(body, dtype=np.dtype([("size", "u1"), ("value", "<i4")]))
     if count and not (pairs["size"] == 4).all():
@@ -286,13 +448,10 @@ def _read_binary_alignments(path: str) -> dict[str, np.ndarray]:
     alignments = {}
     with open(path, "rb") as fd:
         for key in _ark_keys(fd, path):
-            head = fd.read(2)
-            fd.seek(-len(head), os.SEEK_CUR)
-            if head != b"\0B":
-                raise CorpusError(f"{path}: entry {key!r} is text inside a binary ark")
+            labels = _read_record(fd, path, key, expect="ints")
             if key in alignments:
                 raise CorpusError(f"{path}: utterance {key!r} appears twice")
-            alignments[key] = _read_binary_int_vector(fd, path, key)
+            alignments[key] = labels
     return alignments
 
 
@@ -320,6 +479,9 @@ def _as_features(path: str, key: str, value) -> np.ndarray:
         shape = getattr(value, "shape", None)
         raise CorpusError(f"{path}: utterance {key!r}: expected a float matrix of features, "
                           f"got {type(value).__name__} with shape {shape}")
+    if value.shape[0] and not value.shape[1]:
+        raise CorpusError(f"{path}: utterance {key!r}: feature matrix has {value.shape[0]} "
+                          "rows and no columns")
     return value.astype(np.float32, copy=False)
 
 
@@ -358,8 +520,7 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     seen: set[str] = set()
     writer = None
     try:
-        for key, value in _iter_features(feats):
-            matrix = _as_features(feats_path, key, value)
+        for key, matrix in read_feature_matrices(feats):
             if key in seen:
                 raise CorpusError(f"{feats_path}: utterance {key!r} appears twice")
             seen.add(key)

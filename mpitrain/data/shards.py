@@ -35,6 +35,9 @@ LABELS = "labels"
 UTT_OFFSETS = "utt_offsets"
 UTT_IDS = "utt_ids"
 
+# Wider frames than any speech feature: a larger width is a damaged or crafted file.
+MAX_FEAT_DIM = 1 << 16
+
 # Aim for chunks of about 512 KiB of features: big enough that a contiguous
 # range read touches few chunks, small enough that a short read stays cheap.
 _CHUNK_BYTES = 512 * 1024
@@ -213,18 +216,48 @@ def write_shard(path: str, utt_ids: Sequence[str], feats_list: Sequence, labels_
         raise
 
 
-def shard_layout_problems(h5file, path: str) -> list[str]:
-    """Problems with the datasets of an open shard: presence, dtype, shape, offsets.
+def shard_storage_problems(h5file, path: str) -> list[str]:
+    """Declared sizes a shard does not back with stored bytes, or that exceed the bounds.
 
-    Reads only ``utt_offsets`` (small); it does not scan features or labels.
-    Each message names the file and the dataset.
+    Reads metadata only.  Until this list is empty nothing of the shard may be
+    read: a crafted file can declare datasets far larger than itself.  Each
+    message names the file and the dataset.
+
+    Example::
+
+        with h5py.File(path, "r") as f:
+            assert shard_storage_problems(f, path) == []
+    """
+    from ..h5io import dataset_problem
+    problems = []
+    for name in (FEATS, LABELS, UTT_OFFSETS, UTT_IDS):
+        if name in h5file:
+            problem = dataset_problem(h5file, name, path, what="shard")
+            if problem:
+                problems.append(problem)
+    feats = h5file.get(FEATS)
+    if not problems and isinstance(feats, _h5py().Dataset) and feats.ndim == 2 \
+            and feats.shape[1] > MAX_FEAT_DIM:
+        problems.append(f"{path}: dataset '{FEATS}' has {feats.shape[1]} columns; at most "
+                        f"{MAX_FEAT_DIM} are accepted")
+    return problems
+
+
+def shard_layout_problems(h5file, path: str) -> list[str]:
+    """Problems with the datasets of an open shard: storage, presence, dtype, shape, offsets.
+
+    Reads only ``utt_offsets`` (small, and only once :func:`shard_storage_problems`
+    found nothing); it does not scan features or labels.  Each message names
+    the file and the dataset.
 
     Example::
 
         with h5py.File(path, "r") as f:
             problems = shard_layout_problems(f, path)
     """
-    problems: list[str] = []
+    problems = shard_storage_problems(h5file, path)
+    if problems:
+        return problems
     version = h5file.attrs.get("format_version")
     if version is None:
         problems.append(f"{path}: attribute 'format_version' is missing; expected {FORMAT_VERSION}")
@@ -269,6 +302,11 @@ def shard_layout_problems(h5file, path: str) -> list[str]:
         if offsets_ds.ndim != 1 or offsets_ds.shape[0] < 1:
             problems.append(f"{path}: dataset '{UTT_OFFSETS}' has shape {offsets_ds.shape}; "
                             "expected 1-D with U+1 entries")
+        elif num_frames is not None and offsets_ds.shape[0] > num_frames + 1:
+            # Utterances are never empty, so there are at most T + 1 offsets.
+            problems.append(f"{path}: dataset '{UTT_OFFSETS}' has {offsets_ds.shape[0]} "
+                            f"entries; expected at most {num_frames + 1} for {num_frames} "
+                            f"rows of '{FEATS}'")
         elif offsets_ds.dtype.kind in "iu":
             offsets = offsets_ds[()]
             num_utts = offsets.shape[0] - 1

@@ -3,16 +3,21 @@
 A model file holds the component specs (JSON in an attribute), the flat
 parameter buffer, the input transform (CMVN, context) and, optionally, the
 class priors used to turn posteriors into pseudo log-likelihoods.
+
+Model files may come from anyone, so loading checks every declared size
+(layer widths, context, parameter count, vector lengths) against the stored
+datasets and fixed bounds before the network allocates anything.
 """
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 
 from ..backend import to_host
-from ..h5io import atomic_h5_file, open_h5_for_reading, require_dataset
+from ..h5io import atomic_h5_file, link_problem, open_h5_for_reading, require_dataset
 from .network import Network, build_component
 
 FORMAT = "mpitrain-model"
@@ -34,26 +39,129 @@ def write_model_group(group, net: Network, *, class_priors=None) -> None:
         group["class_priors"] = np.asarray(class_priors, dtype=np.float64)
 
 
-def read_model_group(group, path, *, xp=np):
-    """Return (network, class_priors or None) from an HDF5 group."""
-    if group.attrs.get("format") != FORMAT:
-        raise ValueError(f"{path}: not an mpitrain model (attribute 'format' is "
-                         f"{group.attrs.get('format')!r}, expected {FORMAT!r})")
+# Bounds on what a model file may declare, checked before anything is allocated.
+# They are far above any acoustic model (Kaldi's widest layers are a few
+# thousand units) and keep a crafted file from asking for hundreds of GiB.
+MAX_FEAT_DIM = 1 << 16
+MAX_CONTEXT = 1000             # frames on each side
+MAX_LAYER_DIM = 1 << 20
+MAX_COMPONENTS = 1000
+MAX_PARAMS = 1 << 31           # 8 GiB of float32
+_MAX_SPEC_CHARS = 1 << 20
+
+
+def _attr(group, name, path):
+    if name not in group.attrs:
+        raise ValueError(f"{path}: model attribute '{name}' is missing")
+    return group.attrs[name]
+
+
+def _int_attr(group, name, path, low, high) -> int:
+    value = _attr(group, name, path)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) \
+            or not low <= int(value) <= high:
+        raise ValueError(f"{path}: model attribute '{name}': expected an int in "
+                         f"[{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def _component_specs(group, path) -> list:
+    text = _attr(group, "components", path)
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    if not isinstance(text, str) or len(text) > _MAX_SPEC_CHARS:
+        raise ValueError(f"{path}: model attribute 'components': expected JSON text of at "
+                         f"most {_MAX_SPEC_CHARS} characters")
     try:
-        specs = json.loads(group.attrs["components"])
-    except (KeyError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: attribute 'components' missing or not JSON") from exc
-    net = Network([build_component(s) for s in specs], feat_dim=int(group.attrs["feat_dim"]),
-                  left_context=int(group.attrs["left_context"]),
-                  right_context=int(group.attrs["right_context"]), xp=xp)
-    params = require_dataset(group, "params", path, what="model")[...]
-    if params.shape != (net.num_params,):
-        raise ValueError(f"{path}: dataset 'params' has shape {params.shape}, "
-                         f"expected ({net.num_params},) for the stored components")
-    net.params[...] = xp.asarray(params)
-    net.cmvn_mean[...] = xp.asarray(require_dataset(group, "cmvn_mean", path, what="model")[...])
-    net.cmvn_scale[...] = xp.asarray(require_dataset(group, "cmvn_scale", path, what="model")[...])
-    priors = group["class_priors"][...] if "class_priors" in group else None
+        specs = json.loads(text)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise ValueError(f"{path}: model attribute 'components' is not JSON "
+                         f"({type(exc).__name__})") from None
+    if not isinstance(specs, list) or not 1 <= len(specs) <= MAX_COMPONENTS:
+        raise ValueError(f"{path}: model attribute 'components': expected a list of 1 to "
+                         f"{MAX_COMPONENTS} component specs")
+    for i, spec in enumerate(specs):
+        where = f"{path}: model attribute 'components': component {i}"
+        if not isinstance(spec, dict) or not isinstance(spec.get("kind"), str):
+            raise ValueError(f"{where}: expected a mapping with a 'kind'")
+        for key in ("in_dim", "out_dim"):
+            dim = spec.get(key)
+            if not isinstance(dim, int) or isinstance(dim, bool) or not 1 <= dim <= MAX_LAYER_DIM:
+                raise ValueError(f"{where} ({spec['kind']}): field '{key}': expected an int in "
+                                 f"[1, {MAX_LAYER_DIM}], got {dim!r}")
+        for key, value in spec.items():
+            # Options are plain numbers or flags; anything else is not ours.
+            if key != "kind" and not (isinstance(value, (bool, int))
+                                      or (isinstance(value, float) and math.isfinite(value))):
+                raise ValueError(f"{where} ({spec['kind']}): field '{key}': expected a finite "
+                                 f"number, got {value!r}")
+    return specs
+
+
+def _build_components(specs, path) -> list:
+    components = []
+    for i, spec in enumerate(specs):
+        try:
+            # Constructors only record dimensions; parameters come with the Network.
+            components.append(build_component(spec))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: model attribute 'components': component {i}: "
+                             f"{exc}") from None
+    return components
+
+
+def _float_vector(group, name, path, length: int, *, what: str):
+    """The 1-D float dataset ``name``, checked for shape and storage before reading."""
+    data = require_dataset(group, name, path, what="model")
+    if data.shape != (length,) or data.dtype.kind != "f":
+        raise ValueError(f"{path}: dataset '{name}' has shape {data.shape} and dtype "
+                         f"{data.dtype}; expected {length} floats ({what})")
+    return data[...]
+
+
+def read_model_group(group, path, *, xp=np):
+    """Return (network, class_priors or None) from an HDF5 group.
+
+    Every declared size is checked against the stored datasets and the bounds
+    above before the network's buffers are allocated; errors name the file
+    and the field.
+
+    Example::
+
+        with h5py.File("final.h5", "r") as f:
+            net, priors = read_model_group(f, "final.h5")
+    """
+    fmt = group.attrs.get("format")
+    if not isinstance(fmt, str) or fmt != FORMAT:
+        raise ValueError(f"{path}: not an mpitrain model (attribute 'format' is "
+                         f"{fmt!r}, expected {FORMAT!r})")
+    components = _build_components(_component_specs(group, path), path)
+    feat_dim = _int_attr(group, "feat_dim", path, 1, MAX_FEAT_DIM)
+    left = _int_attr(group, "left_context", path, 0, MAX_CONTEXT)
+    right = _int_attr(group, "right_context", path, 0, MAX_CONTEXT)
+    num_params = sum(int(c.num_params) for c in components)
+    if num_params > MAX_PARAMS:
+        raise ValueError(f"{path}: model attribute 'components' declares {num_params} "
+                         f"parameters; at most {MAX_PARAMS} are accepted")
+    params = require_dataset(group, "params", path, what="model")
+    if params.shape != (num_params,) or params.dtype.kind != "f":
+        raise ValueError(f"{path}: dataset 'params' has shape {params.shape} and dtype "
+                         f"{params.dtype}; the stored components need ({num_params},) floats")
+    num_classes = components[-1].out_dim
+    cmvn_mean = _float_vector(group, "cmvn_mean", path, feat_dim, what="feat_dim")
+    cmvn_scale = _float_vector(group, "cmvn_scale", path, feat_dim, what="feat_dim")
+    priors = None
+    if "class_priors" in group:
+        priors = _float_vector(group, "class_priors", path, num_classes,
+                               what="one per output class")
+    try:
+        net = Network(components, feat_dim=feat_dim, left_context=left, right_context=right,
+                      xp=xp)
+    except ValueError as exc:
+        raise ValueError(f"{path}: model attribute 'components': {exc}") from None
+    net.params[...] = xp.asarray(params[...])
+    net.cmvn_mean[...] = xp.asarray(cmvn_mean)
+    net.cmvn_scale[...] = xp.asarray(cmvn_scale)
     return net, priors
 
 
@@ -67,7 +175,17 @@ def save_model(path, net: Network, *, class_priors=None) -> None:
 
 
 def load_model(path, *, xp=np):
-    """Return (network, class_priors or None).  Reads plain models and checkpoints."""
+    """Return (network, class_priors or None).  Reads plain models and checkpoints.
+
+    Example::
+
+        net, priors = load_model("runs/quickstart/final.h5")
+    """
     with open_h5_for_reading(path, "model") as f:
-        group = f["model"] if "model" in f else f
+        group = f
+        if "model" in f:
+            problem = link_problem(f, "model", path, what="model")
+            if problem:
+                raise ValueError(problem)
+            group = f["model"]
         return read_model_group(group, path, xp=xp)

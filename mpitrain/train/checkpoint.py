@@ -10,6 +10,7 @@ Layout::
 
 Files are named ``ckpt-<step>.h5`` and written atomically (temporary name,
 fsync, rename); only the newest ``keep`` are kept.  Only rank 0 writes.
+Loading validates every declared size before reading (see ``load_checkpoint``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import glob
 import os
 import re
 
-from ..h5io import atomic_h5_file, open_h5_for_reading, read_state, write_state
+import numpy as np
+
+from ..h5io import (atomic_h5_file, dataset_problem, h5py_module, link_problem,
+                    open_h5_for_reading, read_state, write_state)
 from ..nn.model_file import read_model_group, write_model_group
 
 FORMAT = "mpitrain-checkpoint"
@@ -88,25 +92,105 @@ class Checkpoint:
         return self._ranks[f"{rank:05d}"]
 
 
+# More ranks than any machine has: a larger count is a damaged or crafted file.
+MAX_RANKS = 1 << 20
+# State buffers shaped like the flat parameters, checked against the model.
+_PARAM_SIZED = {"optimizer": ("delta",), "strategy": ("start", "delta", "global_model")}
+
+
+def _count_attr(f, name: str, path, *, low: int = 0, high: int = 1 << 62) -> int:
+    value = f.attrs.get(name)
+    if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) \
+            or not low <= int(value) <= high:
+        raise ValueError(f"{path}: checkpoint attribute '{name}': expected an int in "
+                         f"[{low}, {high}], got {value!r}")
+    return int(value)
+
+
+def _group(parent, name: str, path):
+    problem = link_problem(parent, name, path, what="checkpoint")
+    if problem:
+        raise ValueError(problem)
+    group = parent[name]
+    if not isinstance(group, h5py_module().Group):
+        raise ValueError(f"{path}: '{group.name.strip('/')}' is a dataset, expected a group")
+    return group
+
+
+def _check_param_sized(group, names, num_params: int, path) -> None:
+    """Buffers that must match the model, checked by shape before they are read."""
+    for name in names:
+        if name in group:
+            problem = dataset_problem(group, name, path, what="checkpoint")
+            if problem:
+                raise ValueError(problem)
+            data = group[name]
+            if data.shape != (num_params,) or data.dtype.kind != "f":
+                raise ValueError(f"{path}: dataset '{data.name.strip('/')}' has shape "
+                                 f"{data.shape} and dtype {data.dtype}; expected "
+                                 f"({num_params},) floats like the model's parameters")
+
+
+def _rank_state(ranks, name: str, num_params: int, path) -> dict:
+    group = _group(ranks, name, path)
+    for part in ("optimizer", "reader"):
+        _group(group, part, path)
+    _check_param_sized(group["optimizer"], _PARAM_SIZED["optimizer"], num_params, path)
+    state = read_state(group, path, what="checkpoint")
+    for key, value in state["reader"].items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{path}: field 'ranks/{name}/reader/{key}': expected a "
+                             f"non-negative int, got {value!r}")
+    return state
+
+
 def load_checkpoint(path, *, xp=None, ranks=None) -> Checkpoint:
-    """Read a checkpoint (``ranks``: which ranks' state to read; default all)."""
-    import numpy as np
+    """Read a checkpoint (``ranks``: which ranks' state to read; default all).
+
+    The model is checked as in :func:`~mpitrain.nn.model_file.read_model_group`;
+    rank count, rank names, and the optimizer and strategy buffers are checked
+    against it, and every dataset against the bytes the file stores, before
+    anything is read.  Errors name the file and the field.
+
+    Example::
+
+        ckpt = load_checkpoint("runs/x/ckpt-00000100.h5", ranks=[0])
+    """
     xp = np if xp is None else xp
     with open_h5_for_reading(path, "checkpoint") as f:
-        if f.attrs.get("format") != FORMAT:
+        fmt = f.attrs.get("format")
+        if not isinstance(fmt, str) or fmt != FORMAT:
             raise ValueError(f"{path}: not an mpitrain checkpoint (attribute 'format' is "
-                             f"{f.attrs.get('format')!r})")
+                             f"{fmt!r})")
         if "model" not in f or "ranks" not in f:
             raise ValueError(f"{path}: checkpoint lacks the 'model' or 'ranks' group")
-        net, priors = read_model_group(f["model"], path, xp=xp)
-        names = list(f["ranks"].keys()) if ranks is None else [f"{r:05d}" for r in ranks]
+        attrs = {"step": _count_attr(f, "step", path),
+                 "frames_seen": _count_attr(f, "frames_seen", path),
+                 "num_ranks": _count_attr(f, "num_ranks", path, low=1, high=MAX_RANKS),
+                 "config": f.attrs.get("config")}
+        if not isinstance(attrs["config"], str):
+            raise ValueError(f"{path}: checkpoint attribute 'config': expected YAML text, "
+                             f"got {type(attrs['config']).__name__}")
+        net, priors = read_model_group(_group(f, "model", path), path, xp=xp)
+        rank_group = _group(f, "ranks", path)
+        stored = list(rank_group.keys())
+        expected = [f"{r:05d}" for r in range(attrs["num_ranks"])]
+        if sorted(stored) != expected:
+            raise ValueError(f"{path}: group 'ranks' holds {len(stored)} entries; expected "
+                             f"ranks 00000..{expected[-1]} (attribute 'num_ranks' is "
+                             f"{attrs['num_ranks']})")
+        names = stored if ranks is None else [f"{r:05d}" for r in ranks]
         rank_states = {}
         for name in names:
-            if name not in f["ranks"]:
+            if name not in rank_group:
                 raise ValueError(f"{path}: no state for rank {int(name)} in group 'ranks'")
-            rank_states[name] = read_state(f["ranks"][name])
-        strategy = read_state(f["strategy"]) if "strategy" in f else {}
-        return Checkpoint(path, dict(f.attrs), net, priors, rank_states, strategy)
+            rank_states[name] = _rank_state(rank_group, name, net.num_params, path)
+        strategy = {}
+        if "strategy" in f:
+            group = _group(f, "strategy", path)
+            _check_param_sized(group, _PARAM_SIZED["strategy"], net.num_params, path)
+            strategy = read_state(group, path, what="checkpoint")
+        return Checkpoint(path, attrs, net, priors, rank_states, strategy)
 
 
 _ARRAY_TAG = 7301

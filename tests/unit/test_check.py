@@ -143,3 +143,10 @@ def test_cmvn_statistics_disagree_with_features(corpus):
     problems = check_corpus(corpus)
     assert problems == [f"{path}: field 'cmvn.mean' does not match the mean of the shards' "
                         "features"]
+
+
+def test_dataset_declared_beyond_its_stored_data_is_reported_not_scanned(corpus):
+    with h5py.File(shard(corpus), "a") as f:
+        f["labels"].resize(10 ** 9, axis=0)
+    problems = check_corpus(corpus)
+    one_problem_naming(problems, shard(corpus), "dataset 'labels' declares shape (1000000000,)")

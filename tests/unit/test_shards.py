@@ -190,3 +190,15 @@ def test_load_manifest_of_a_directory_without_corpus(tmp_path):
     (tmp_path / "corpus.yaml").write_text("feat_dim: [unclosed\n")
     with pytest.raises(CorpusError, match="cannot be read as YAML"):
         load_manifest(str(tmp_path))
+
+
+def test_reader_refuses_datasets_declared_beyond_their_stored_data(tmp_path):
+    # Grown without writing: HDF5 would hand back fill values, and a reader would
+    # allocate the declared size.  The file stores none of it, so it is refused.
+    utts = make_utterances(2)
+    path = str(tmp_path / "s.h5")
+    write_shard(path, [u[0] for u in utts], [u[1] for u in utts], [u[2] for u in utts])
+    with h5py.File(path, "a") as f:
+        f["feats"].resize(10 ** 8, axis=0)
+    with pytest.raises(CorpusError, match=r"s.h5: dataset 'feats' declares shape \(100000000, 6\)"):
+        ShardReader(path)
