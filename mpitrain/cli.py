@@ -78,7 +78,7 @@ def cmd_train(args) -> int:
     cfg = load_config(args.config, args.set)
     comm = create_communicator(device_transport=cfg.device_transport)
     install_abort_hook(comm)
-    _limit_blas_threads(cfg.blas_threads, comm)
+    _limit_blas_threads(cfg, comm)
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0])
     if comm.rank == 0:
@@ -131,7 +131,7 @@ def cmd_bench(args) -> int:
     from .comm.abort import install_abort_hook
     comm = create_communicator(device_transport=cfg.device_transport)
     install_abort_hook(comm)
-    _limit_blas_threads(cfg.blas_threads, comm)
+    _limit_blas_threads(cfg, comm)
     out_dir = args.out or os.path.join(
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
     try:
@@ -182,8 +182,13 @@ def cmd_plot(args) -> int:
     return 0
 
 
-def _limit_blas_threads(threads: int, comm) -> None:
-    """Apply ``blas_threads`` (0: cores on this node divided by ranks on it)."""
+def _limit_blas_threads(cfg, comm) -> None:
+    """Apply ``blas_threads`` (0: cores on this node divided by ranks on it; 1 on a
+    GPU, where the host's BLAS only sees the small matrices of NG-SGD's updates and
+    threads would cost more than they give)."""
+    threads = cfg.blas_threads
+    if threads == 0 and cfg.device == "gpu":
+        threads = 1
     if threads == 0:
         if any(v in os.environ for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
             return

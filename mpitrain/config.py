@@ -124,7 +124,8 @@ class RunConfig:
                                "with fp32 master weights and reductions")
     fused_kernels: bool = _opt(True, help="GPU: fused CUDA kernels for the elementwise work of "
                                           "a step; false: plain CuPy array expressions")
-    blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: cores / ranks on the node")
+    blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: cores / ranks on the node "
+                                              "(1 with device: gpu)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -46,13 +46,17 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
         backend.synchronize(xp)
         return (time.perf_counter() - start) / n
 
-    for name in runners:           # warm-up: buffers, kernels, NG initialisation
-        run(name, 12)
-    times = {name: [] for name in runners}
-    for r in range(rounds):
-        order = ("sgd", "ngsgd") if r % 2 == 0 else ("ngsgd", "sgd")
-        for name in order:
-            times[name].append(run(name, steps))
+    from threadpoolctl import threadpool_limits
+    # On a GPU the host's BLAS only sees NG-SGD's small r x r matrices: one
+    # thread, as the trainer uses there.
+    with threadpool_limits(limits=1 if device == "gpu" else None):
+        for name in runners:           # warm-up: buffers, kernels, NG initialisation
+            run(name, 12)
+        times = {name: [] for name in runners}
+        for r in range(rounds):
+            order = ("sgd", "ngsgd") if r % 2 == 0 else ("ngsgd", "sgd")
+            for name in order:
+                times[name].append(run(name, steps))
     med = {name: float(np.median(t)) for name, t in times.items()}
     return {"model": f"440-{layers}x{hidden}-{classes}", "minibatch": minibatch,
             "device": backend.device_name(xp), "sgd_step_ms": med["sgd"] * 1e3,

@@ -626,7 +626,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if args.device == "cpu" and args.precision != ["fp32"]:
         parser.error("--precision: tf32 and bf16 need --device gpu")
     if args.device == "gpu":
-        args.threads = [1]
+        args.threads = "1"   # the host only launches work (and BLAS only tiny matrices)
     if args.minibatch < 0:
         parser.error("--minibatch must be >= 0")
     try:

@@ -44,10 +44,82 @@ def _kernel(xp, name: str):
     return kernel
 
 
+SUMSQ_SOURCE = r"""
+#define THREADS 256
+
+// Sum of squares of n floats in one launch over many blocks: each block writes
+// its partial sum; the last block to finish adds the partials in block order,
+// so the result does not depend on scheduling.  counter must start at 0 and
+// is left at 0.
+extern "C" __global__ void mpitrain_sumsq(
+        const float* x, const long long n, double* partial, unsigned int* counter,
+        float* out)
+{
+    __shared__ double s_sum[THREADS];
+    __shared__ bool s_last;
+    const int tid = threadIdx.x;
+    double acc = 0.0;
+    for (long long i = blockIdx.x * (long long)THREADS + tid; i < n;
+         i += (long long)gridDim.x * THREADS) {
+        const double v = (double)x[i];
+        acc += v * v;
+    }
+    s_sum[tid] = acc;
+    __syncthreads();
+    for (int s = THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_sum[tid] += s_sum[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) {
+        partial[blockIdx.x] = s_sum[0];
+        __threadfence();
+        s_last = (atomicAdd(counter, 1u) == gridDim.x - 1);
+    }
+    __syncthreads();
+    if (!s_last) return;
+    double total = 0.0;
+    for (int b = tid; b < gridDim.x; b += THREADS) total += partial[b];   // fixed split
+    s_sum[tid] = total;
+    __syncthreads();
+    for (int s = THREADS / 2; s > 0; s >>= 1) {
+        if (tid < s) s_sum[tid] += s_sum[tid + s];
+        __syncthreads();
+    }
+    if (tid == 0) {
+        *out = (float)s_sum[0];
+        *counter = 0u;
+    }
+}
+"""
+
+SUMSQ_MAX_BLOCKS = 264   # two per SM on an H100: enough to stream at full bandwidth
+
+
+class _SumsqScratch:
+    def __init__(self, xp):
+        self.partial = xp.zeros(SUMSQ_MAX_BLOCKS, dtype=xp.float64)
+        self.counter = xp.zeros(1, dtype=xp.uint32)
+
+
 def _build_sqnorm(xp):
-    # Accumulate in double: the sum runs over N*D squares of float32 values.
-    return xp.ReductionKernel("T x", "T y", "x * x", "a + b", "y = (T)a", "0",
-                              "mpitrain_ng_sqnorm", reduce_type="double")
+    module = backend.raw_module(xp, "optim_sumsq", SUMSQ_SOURCE)
+    function = module.get_function("mpitrain_sumsq")
+    scratch = _SumsqScratch(xp)
+
+    def sqnorm_kernel(x):
+        # One kernel over all the blocks of the GPU (a ReductionKernel reduces a
+        # whole matrix to one value with a single block, at a fraction of the
+        # memory bandwidth); accumulated in double.
+        if not x.flags.c_contiguous or x.dtype != np.float32:
+            flat = x.astype(np.float64).reshape(-1)
+            return xp.dot(flat, flat).astype(x.dtype)
+        n = x.size
+        out = xp.empty((), dtype=xp.float32)
+        blocks = max(1, min(SUMSQ_MAX_BLOCKS, (n + 4 * 256 - 1) // (4 * 256)))
+        function((blocks,), (256,), (x, np.int64(n), scratch.partial, scratch.counter, out))
+        return out
+
+    return sqnorm_kernel
 
 
 def _build_row_dots(xp):
@@ -200,7 +272,8 @@ def fetch_float64(*arrays) -> list:
 
 # -- SGD with max-change, on the device ------------------------------------------------
 # The step is three kernels over the flat buffers whatever the number of layers:
-# (1) delta = [delta +] (-lr) g with per-block partial sums of squares, every block
+# (1) delta = [delta +] (-lr) g (stored only with momentum) with per-block partial
+# sums of squares, every block
 # inside one layer; (2) one block adds the partials of each layer in a fixed
 # order, so the norms are reproducible, and turns them into per-layer scales
 # (0 for every layer when a norm is not finite: the step is skipped and counted);
@@ -220,7 +293,7 @@ extern "C" __global__ void mpitrain_sgd_delta_sumsq(
     for (long long j = begin[b] + tid; j < end[b]; j += THREADS) {
         const float g = grads[j] * neg_lr;
         const float d = accumulate ? delta[j] + g : g;
-        delta[j] = d;
+        if (accumulate) delta[j] = d;       // without momentum (3) recomputes d: no write
         acc += (double)d * (double)d;
     }
     s_sum[tid] = acc;
@@ -267,15 +340,16 @@ extern "C" __global__ void mpitrain_sgd_scales(
 }
 
 extern "C" __global__ void mpitrain_sgd_apply(
-        float* params, float* delta, const float* scales, const int* finite,
-        const int* block_layer, const long long* begin, const long long* end,
-        const float momentum, const int has_momentum)
+        float* params, float* delta, const float* grads, const float neg_lr,
+        const float* scales, const int* finite, const int* block_layer,
+        const long long* begin, const long long* end, const float momentum,
+        const int has_momentum)
 {
     const int b = blockIdx.x;
     const float s = scales[block_layer[b]];
     const int ok = finite[0];
     for (long long j = begin[b] + threadIdx.x; j < end[b]; j += THREADS) {
-        const float d = delta[j];
+        const float d = has_momentum ? delta[j] : grads[j] * neg_lr;
         // a skipped step leaves the parameters alone and clears momentum (d may be NaN)
         if (ok) params[j] = params[j] + s * d;
         if (has_momentum) delta[j] = ok ? d * momentum : 0.0f;
@@ -353,17 +427,19 @@ def max_change_step_(params, grads, delta, *, lr: float, momentum: float, max_ch
         module = backend.raw_module(xp, "optim_sgd", SGD_SOURCE)
         block_layer, begin, end, first_block, partial = state.blocks()
         blocks = (int(partial.size),)
+        # without momentum delta is not stored: (3) recomputes -lr g from grads
         target = grads if delta is None else delta
+        neg_lr = np.float32(-lr)
         module.get_function("mpitrain_sgd_delta_sumsq")(
-            blocks, (SGD_THREADS,), (target, grads, np.float32(-lr),
+            blocks, (SGD_THREADS,), (target, grads, neg_lr,
                                      np.int32(delta is not None), begin, end, partial))
         module.get_function("mpitrain_sgd_scales")(
             (1,), (SGD_THREADS,), (partial, first_block, np.int32(state.num_layers),
                                    state.limits, np.float64(q), np.float64(max_change),
                                    state.scales, state.norms, state.finite, state.skipped))
         module.get_function("mpitrain_sgd_apply")(
-            blocks, (SGD_THREADS,), (params, target, state.scales, state.finite, block_layer,
-                                     begin, end, np.float32(momentum),
+            blocks, (SGD_THREADS,), (params, target, grads, neg_lr, state.scales, state.finite,
+                                     block_layer, begin, end, np.float32(momentum),
                                      np.int32(delta is not None)))
         return
     _max_change_expressions_(params, grads, delta, lr, momentum, max_change, state, q)

@@ -58,6 +58,7 @@ def elementwise_as_cuda(in_params: str, out_params: str, body: str, name: str) -
 SOURCES = {
     "nn": nn_kernels.SOURCE,
     "optim_sgd": optim_kernels.SGD_SOURCE,
+    "optim_sumsq": optim_kernels.SUMSQ_SOURCE,
     "relu_backward": elementwise_as_cuda(*nn_kernels._RELU_BACKWARD),
     "splice": elementwise_as_cuda(*splice_module._SPLICE_KERNEL),
 }
