@@ -271,6 +271,59 @@ def elementwise_kernel(xp, in_params: str, out_params: str, body: str, name: str
     return kernel
 
 
+# -- CUDA graphs ------------------------------------------------------------------------
+def use_own_stream(xp):
+    """Make a new non-blocking stream current for this thread (graphs cannot be
+    captured on the legacy default stream); returns it.  None on the host."""
+    if not fused_kernels(xp):
+        return None
+    # A non-blocking stream does not wait for the legacy stream: finish its work first.
+    xp.cuda.get_current_stream().synchronize()
+    stream = xp.cuda.Stream(non_blocking=True)
+    stream.use()
+    return stream
+
+
+def capture_graph(xp, work):
+    """Capture the device work that ``work()`` launches as a CUDA graph.
+
+    Returns ``(graph, "")``, or ``(None, reason)`` when the capture failed or
+    the work allocated device memory (an allocation inside a graph could be
+    handed to someone else after the capture).  The work is recorded, not run:
+    launch the graph to run it.
+
+    Example::
+
+        graph, why = capture_graph(cupy, lambda: step_body())
+        graph.launch()
+    """
+    stream = xp.cuda.get_current_stream()
+    allocations = []
+
+    class _Count(xp.cuda.MemoryHook):
+        name = "mpitrain_capture_allocations"
+
+        def malloc_preprocess(self, **kwargs):
+            allocations.append(kwargs.get("size"))
+
+        def alloc_preprocess(self, **kwargs):
+            allocations.append(kwargs.get("mem_size"))
+
+    graph, reason = None, ""
+    try:
+        with _Count():
+            stream.begin_capture()
+            try:
+                work()
+            finally:
+                graph = stream.end_capture()
+    except Exception as exc:           # a capture error leaves nothing to run
+        return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if allocations:
+        return None, f"the step allocated device memory {len(allocations)} time(s)"
+    return graph, reason
+
+
 _GEMM_COMPUTE = {"fp32": 68, "tf32": 77, "bf16": 75}   # cublasComputeType_t
 _CUDA_R_32F = 0
 _host_scalars = {}

@@ -124,6 +124,8 @@ class RunConfig:
                                "with fp32 master weights and reductions")
     fused_kernels: bool = _opt(True, help="GPU: fused CUDA kernels for the elementwise work of "
                                           "a step; false: plain CuPy array expressions")
+    cuda_graph: bool = _opt(False, help="GPU: replay steps whose work is fixed from a captured "
+                                        "CUDA graph (not with the allreduce method)")
     blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: cores / ranks on the node "
                                               "(1 with device: gpu)")
 

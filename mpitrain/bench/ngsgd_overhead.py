@@ -28,7 +28,7 @@ import numpy as np
 
 
 def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
-            device="cpu", variant="online") -> dict:
+            device="cpu", variant="online", cuda_graph: bool = False) -> dict:
     from .. import backend
     from .throughput import ModelSpec, MpitrainSteps, synthetic_chunk
     xp = backend.select(device)
@@ -36,7 +36,8 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
                       num_classes=classes, minibatch=minibatch)
     chunk, perm = synthetic_chunk(model, max(20 * minibatch, 20_000))
     runners = {name: MpitrainSteps(model, chunk, perm, xp=xp, optimizer=name,
-                                   ngsgd_variant=variant) for name in ("sgd", "ngsgd")}
+                                   ngsgd_variant=variant, cuda_graph=cuda_graph)
+               for name in ("sgd", "ngsgd")}
 
     def run(name, n):
         backend.synchronize(xp)
@@ -59,7 +60,8 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
                 times[name].append(run(name, steps))
     med = {name: float(np.median(t)) for name, t in times.items()}
     return {"model": f"440-{layers}x{hidden}-{classes}", "minibatch": minibatch,
-            "device": backend.device_name(xp), "sgd_step_ms": med["sgd"] * 1e3,
+            "device": backend.device_name(xp), "cuda_graph": cuda_graph,
+            "sgd_step_ms": med["sgd"] * 1e3,
             "ngsgd_step_ms": med["ngsgd"] * 1e3, "ratio": med["ngsgd"] / med["sgd"]}
 
 
@@ -73,12 +75,15 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--steps", type=int, default=5, help="steps per round")
     p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="GPU: replay fixed steps from captured CUDA graphs")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     result = measure(hidden=args.hidden, layers=args.layers, classes=args.classes,
                      minibatch=args.minibatch, rounds=args.rounds, steps=args.steps,
-                     device=args.device)
-    print(f"{result['model']} minibatch {result['minibatch']} on {result['device']}: "
+                     device=args.device, cuda_graph=args.cuda_graph)
+    print(f"{result['model']} minibatch {result['minibatch']} on {result['device']}"
+          f"{' (CUDA graphs)' if args.cuda_graph else ''}: "
           f"SGD {result['sgd_step_ms']:.1f} ms/step, NG-SGD {result['ngsgd_step_ms']:.1f} "
           f"ms/step, NG-SGD / SGD = {result['ratio']:.3f}")
     if args.json:

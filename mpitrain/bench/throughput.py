@@ -262,7 +262,8 @@ class MpitrainSteps:
     :class:`~mpitrain.train.step.TrainingStep` that ``Trainer.run`` takes."""
 
     def __init__(self, model: ModelSpec, chunk, perm, *, seed: int = 1, xp=np,
-                 optimizer: str = "sgd", ngsgd_variant: str = "online"):
+                 optimizer: str = "sgd", ngsgd_variant: str = "online",
+                 cuda_graph: bool = False):
         from mpitrain import backend
         from mpitrain.comm.single import SingleCommunicator
         from mpitrain.config import RunConfig
@@ -296,7 +297,8 @@ class MpitrainSteps:
         self.training_step = TrainingStep(self.net, self.optimizer, self.strategy,
                                           minibatch=model.minibatch,
                                           left_context=model.left_context,
-                                          right_context=model.right_context)
+                                          right_context=model.right_context,
+                                          cuda_graph=cuda_graph)
         self.step_count = 0
 
     def _next_batch(self):
@@ -479,7 +481,8 @@ TORCH_MISSING = ("PyTorch is not installed, so only mpitrain and the GEMM bound 
 
 def measure(model: ModelSpec, threads: int, *, steps: int, rounds: int, warmup: int,
             frames: int, use_torch: bool = True, breakdown: bool = False,
-            log=None, device: str = "cpu", precision: str = "fp32") -> dict:
+            log=None, device: str = "cpu", precision: str = "fp32",
+            cuda_graph: bool = False) -> dict:
     """Interleaved rounds for one model at one thread count (or on the GPU);
     returns a result row.
 
@@ -496,7 +499,7 @@ def measure(model: ModelSpec, threads: int, *, steps: int, rounds: int, warmup: 
     if torch is not None and device == "gpu" and not torch.cuda.is_available():
         torch = None
     chunk, perm = synthetic_chunk(model, frames)
-    steppers = {"mpitrain": MpitrainSteps(model, chunk, perm, xp=xp),
+    steppers = {"mpitrain": MpitrainSteps(model, chunk, perm, xp=xp, cuda_graph=cuda_graph),
                 "gemm": GemmSteps(model, xp=xp)}
     if torch is not None:
         steppers["torch"] = TorchSteps(model, chunk, perm, precision=precision,
@@ -546,6 +549,9 @@ def measure(model: ModelSpec, threads: int, *, steps: int, rounds: int, warmup: 
     row = summarize(model, threads, rates, cpu_rates=cpu_rates if one_thread else None,
                     precision=precision)
     row["device"] = backend.device_name(xp)
+    graph = steppers["mpitrain"].training_step.graph
+    if graph is not None:
+        row["cuda_graph"] = {"replays": graph.replays, "off_because": graph.why_not}
     if pieces is not None:
         # at one thread both are CPU time, so preemption shows in neither
         gemm_rate = statistics.median(cpu_rates["gemm"]) if one_thread \
@@ -616,6 +622,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--precision", default="fp32",
                         help="comma-separated from fp32, tf32, bf16 (GPU): the precision of "
                              "mpitrain's, PyTorch's and the bound's matrix products")
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="GPU: mpitrain replays its steps from a captured CUDA graph")
     parser.add_argument("--minibatch", type=int, default=0,
                         help="override the models' minibatch size; 0: the model's own")
     parser.add_argument("--json", default=None, help="also write the results to this file")
@@ -663,7 +671,8 @@ def run(args: argparse.Namespace, *, log=None) -> list:
                 rows.append(measure(model, threads, steps=steps, rounds=args.rounds,
                                     warmup=args.warmup, frames=args.frames,
                                     use_torch=not args.no_torch, breakdown=args.breakdown,
-                                    log=log, device=device, precision=precision))
+                                    log=log, device=device, precision=precision,
+                                    cuda_graph=getattr(args, "cuda_graph", False)))
     return rows
 
 

@@ -106,15 +106,20 @@ def _build_sqnorm(xp):
     function = module.get_function("mpitrain_sumsq")
     scratch = _SumsqScratch(xp)
 
-    def sqnorm_kernel(x):
+    def sqnorm_kernel(x, out=None):
         # One kernel over all the blocks of the GPU (a ReductionKernel reduces a
         # whole matrix to one value with a single block, at a fraction of the
         # memory bandwidth); accumulated in double.
         if not x.flags.c_contiguous or x.dtype != np.float32:
             flat = x.astype(np.float64).reshape(-1)
-            return xp.dot(flat, flat).astype(x.dtype)
+            result = xp.dot(flat, flat).astype(x.dtype)
+            if out is None:
+                return result
+            out[...] = result
+            return out
         n = x.size
-        out = xp.empty((), dtype=xp.float32)
+        if out is None:
+            out = xp.empty((), dtype=xp.float32)
         blocks = max(1, min(SUMSQ_MAX_BLOCKS, (n + 4 * 256 - 1) // (4 * 256)))
         function((blocks,), (256,), (x, np.int64(n), scratch.partial, scratch.counter, out))
         return out
@@ -152,8 +157,9 @@ _BUILDERS = {
 }
 
 
-def sqnorm(x):
-    """Squared Frobenius norm: a Python float on NumPy, a 0-d device array on CuPy.
+def sqnorm(x, out=None):
+    """Squared Frobenius norm: a Python float on NumPy, a 0-d device array on CuPy
+    (written into ``out``, a 0-d float32 device array, when given).
 
     Example::
 
@@ -164,8 +170,12 @@ def sqnorm(x):
     if _is_numpy(xp):
         return float(np.dot(flat, flat))
     if _compiles(xp):
-        return _kernel(xp, "sqnorm")(x)
-    return xp.dot(flat, flat)
+        return _kernel(xp, "sqnorm")(x, out)
+    result = xp.dot(flat, flat)
+    if out is None:
+        return result
+    out[...] = result
+    return out
 
 
 def row_dots(x, y):
@@ -181,8 +191,9 @@ def row_dots(x, y):
     return xp.einsum("ij,ij->i", x, y)
 
 
-def gamma(x_sq, xhat_sq):
-    """``sqrt(x_sq / xhat_sq)``, or 1 when either is zero, in the norms' own form.
+def gamma(x_sq, xhat_sq, out=None):
+    """``sqrt(x_sq / xhat_sq)``, or 1 when either is zero, in the norms' own form
+    (on a device written into ``out`` when given).
 
     Takes what :func:`sqnorm` returned, so on CuPy the result stays a 0-d
     device array and nothing waits for the GPU.
@@ -197,10 +208,16 @@ def gamma(x_sq, xhat_sq):
         return 1.0
     xp = backend.get_array_module(x_sq, xhat_sq)
     if _compiles(xp):
-        return _kernel(xp, "gamma")(x_sq, xhat_sq)
+        if out is None:
+            return _kernel(xp, "gamma")(x_sq, xhat_sq)
+        return _kernel(xp, "gamma")(x_sq, xhat_sq, out)
     both = (x_sq > 0) & (xhat_sq > 0)
     ratio = x_sq.astype(xp.float64) / xp.where(both, xhat_sq, 1).astype(xp.float64)
-    return xp.where(both, xp.sqrt(ratio), 1.0).astype(x_sq.dtype)
+    result = xp.where(both, xp.sqrt(ratio), 1.0).astype(x_sq.dtype)
+    if out is None:
+        return result
+    out[...] = result
+    return out
 
 
 def subtract_product_(x, h, w, tmp):
@@ -282,11 +299,14 @@ def fetch_float64(*arrays) -> list:
 SGD_SOURCE = r"""
 #define THREADS 256
 
+// The rate is read from device memory (-lr at neg_lr[0]) so that a captured
+// CUDA graph of the step follows the schedule.
 extern "C" __global__ void mpitrain_sgd_delta_sumsq(
-        float* delta, const float* grads, const float neg_lr, const int accumulate,
+        float* delta, const float* grads, const float* neg_lr_cell, const int accumulate,
         const long long* begin, const long long* end, double* partial)
 {
     __shared__ double s_sum[THREADS];
+    const float neg_lr = neg_lr_cell[0];
     const int b = blockIdx.x;
     const int tid = threadIdx.x;
     double acc = 0.0;
@@ -340,11 +360,12 @@ extern "C" __global__ void mpitrain_sgd_scales(
 }
 
 extern "C" __global__ void mpitrain_sgd_apply(
-        float* params, float* delta, const float* grads, const float neg_lr,
+        float* params, float* delta, const float* grads, const float* neg_lr_cell,
         const float* scales, const int* finite, const int* block_layer,
         const long long* begin, const long long* end, const float momentum,
         const int has_momentum)
 {
+    const float neg_lr = neg_lr_cell[0];
     const int b = blockIdx.x;
     const float s = scales[block_layer[b]];
     const int ok = finite[0];
@@ -386,6 +407,7 @@ class MaxChangeState:
         self.norms = xp.zeros(self.num_layers, dtype=xp.float64)
         self.finite = xp.ones(1, dtype=xp.int32)
         self.skipped = xp.zeros(1, dtype=xp.int64)
+        self.neg_lr = xp.zeros(1, dtype=xp.float32)   # -lr, set before each step
         self._blocks = None
 
     def blocks(self):
@@ -429,7 +451,9 @@ def max_change_step_(params, grads, delta, *, lr: float, momentum: float, max_ch
         blocks = (int(partial.size),)
         # without momentum delta is not stored: (3) recomputes -lr g from grads
         target = grads if delta is None else delta
-        neg_lr = np.float32(-lr)
+        neg_lr = state.neg_lr
+        if lr is not None:          # None: a captured graph, whose rate is set outside
+            neg_lr.fill(-lr)
         module.get_function("mpitrain_sgd_delta_sumsq")(
             blocks, (SGD_THREADS,), (target, grads, neg_lr,
                                      np.int32(delta is not None), begin, end, partial))

@@ -46,6 +46,23 @@ class NaturalGradientSGD(SGD):
             self.preconditioners[f"layer{i}_in"] = p_in
             self.preconditioners[f"layer{i}_out"] = p_out
 
+    def static_step_ahead(self) -> bool:
+        return super().static_step_ahead() and self.variant == "online" and all(
+            p.static_call_ahead() for p in self.preconditioners.values())
+
+    def host_step_state(self) -> list:
+        return super().host_step_state() + [p.t for p in self.preconditioners.values()]
+
+    def restore_host_step_state(self, state: list) -> None:
+        super().restore_host_step_state(state[:1])
+        for p, t in zip(self.preconditioners.values(), state[1:]):
+            p.t = t
+
+    def count_replayed_step(self) -> None:
+        super().count_replayed_step()
+        for p in self.preconditioners.values():
+            p.count_replayed_call()
+
     def reset_preconditioners(self) -> None:
         """Fresh Fisher estimates, as each Kaldi job starts after an average."""
         for p in self.preconditioners.values():

@@ -431,6 +431,9 @@ class OnlineNaturalGradient(Preconditioner):
             rows = (xp.empty((X.shape[0], self._rank), dtype=X.dtype),
                     xp.empty(X.shape, dtype=X.dtype))
             self._rows = rows
+            # On a device the norms and gamma live in fixed cells, so that a step
+            # allocates nothing (and can be captured as a CUDA graph).
+            self._cells = None if xp is np else xp.empty(3, dtype=X.dtype)
         return xp, rows
 
     def _precondition_and_update(self, X, updating: bool):
@@ -438,12 +441,16 @@ class OnlineNaturalGradient(Preconditioner):
         xp, (h, tmp) = self._buffers(X)
         rank = self._rank
         w, j = self._wj[:rank], self._wj[rank:]
-        x_sq = kernels.sqnorm(X)
+        cells = self._cells
+        x_sq = kernels.sqnorm(X, None if cells is None else cells[0])
         backend.gemm(X, w, h, trans_b=True)            # H = X W^T
         if updating:
             backend.gemm(h, X, j, trans_a=True)        # J = H^T X, before X changes
         kernels.subtract_product_(X, h, w, tmp)        # Xhat = X - H W
-        gamma = kernels.gamma(x_sq, kernels.sqnorm(X))
+        if cells is None:
+            gamma = kernels.gamma(x_sq, kernels.sqnorm(X))
+        else:
+            gamma = kernels.gamma(x_sq, kernels.sqnorm(X, cells[1]), cells[2])
         if updating:
             self._start_update(xp, X.shape[0], X.shape[1], x_sq)
         return gamma
@@ -483,11 +490,27 @@ class OnlineNaturalGradient(Preconditioner):
         kernels.add_scaled_rows_(b, small[:, rank:], w)   # B = J + diag(g) W
         w_new = self._wj_next[:rank]
         backend.gemm(small[:, :rank], b, w_new)           # W' = A B
+        if xp is not np:
+            # Copied back rather than swapped: W stays at one address, which a
+            # captured CUDA graph of later calls keeps using.
+            self._wj[:rank] = w_new
+            w_new = self._wj[:rank]
         if plan.gram_schmidt:
             r_new = _gram_schmidt_rows(backend.to_host(w_new))
             w_new[...] = backend.to_device((np.sqrt(plan.e)[:, None] * r_new).astype(dtype), xp)
-        self._wj, self._wj_next = self._wj_next, self._wj
+        if xp is np:
+            self._wj, self._wj_next = self._wj_next, self._wj
         self._d, self._rho = plan.d, plan.rho
+
+    def static_call_ahead(self) -> bool:
+        """Whether the next call only runs fixed device work (no update to start or
+        finish, nothing to initialise): such a call may be replayed from a CUDA
+        graph, followed by :meth:`count_replayed_call`."""
+        return self.initialized and self._pending is None and not self.updating()
+
+    def count_replayed_call(self) -> None:
+        """The host side of a call that was replayed from a CUDA graph."""
+        self.t += 1
 
 
 class SimpleNaturalGradient(Preconditioner):

@@ -82,7 +82,9 @@ class SGD:
         return list(self._last_scales)
 
     # -- the update ------------------------------------------------------------
-    def step(self, lr: float) -> None:
+    def step(self, lr) -> None:
+        """One update at rate ``lr`` (on a device, None: the rate given to
+        :meth:`load_learning_rate`, as a captured CUDA graph needs)."""
         self._calls += 1
         if self._device is not None:
             kernels.max_change_step_(self.net.params, self.net.grads, self.delta, lr=lr,
@@ -140,6 +142,27 @@ class SGD:
         if self.max_change > 0 and total > self.max_change:
             q = q * self.max_change / total
         return [float(q * ki) for ki in k]
+
+    # -- CUDA graphs: steps whose device work is fixed ---------------------------
+    def static_step_ahead(self) -> bool:
+        """Whether the next :meth:`step` (with the backward pass before it) is fixed
+        device work with fixed buffers, which a captured CUDA graph may replay."""
+        return self._device is not None and backend.fused_kernels(self.net.xp)
+
+    def load_learning_rate(self, lr: float) -> None:
+        """Put ``lr`` where the device step reads it (before a graph replay)."""
+        self._device.neg_lr.fill(-lr)
+
+    def host_step_state(self) -> list:
+        """The host counters one step advances (to undo a failed capture)."""
+        return [self._calls]
+
+    def restore_host_step_state(self, state: list) -> None:
+        self._calls = state[0]
+
+    def count_replayed_step(self) -> None:
+        """The host side of a step whose device work was replayed from a graph."""
+        self._calls += 1
 
     # -- state -----------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -69,6 +69,7 @@ class GradientAllreduce(Strategy):
     """
 
     name = "allreduce"
+    reduces_gradients = True
 
     def __init__(self, comm, *, overlap: bool = False, bucket_bytes: int = 25 << 20):
         super().__init__(comm)

@@ -32,6 +32,9 @@ class Strategy:
 
     name = "local"
     sync_period = 1
+    #: True when ``reduce_gradients`` communicates (a step is then not one
+    #: fixed piece of device work that a CUDA graph could replay).
+    reduces_gradients = False
 
     def __init__(self, comm):
         self.comm = comm

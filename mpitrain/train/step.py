@@ -30,7 +30,7 @@ class TrainingStep:
     """
 
     def __init__(self, net, optimizer, strategy, *, minibatch: int, left_context: int,
-                 right_context: int):
+                 right_context: int, cuda_graph: bool = False, log=None):
         self.net, self.optimizer, self.strategy = net, optimizer, strategy
         self.minibatch = int(minibatch)
         self.left, self.right = int(left_context), int(right_context)
@@ -43,6 +43,9 @@ class TrainingStep:
         self.ctx = xp.empty((self.minibatch, net.context), dtype=xp.int64)
         self.sums = xp.zeros(2, dtype=xp.float64)   # summed cross-entropy, correct frames
         self.frames = 0
+        self.graph = None
+        if cuda_graph:
+            self.graph = _StepGraph(self, log=log)
 
     def run(self, step: int, lr: float, next_batch) -> float:
         """Train 0-based step ``step`` with the schedule's rate ``lr``; returns the
@@ -51,11 +54,14 @@ class TrainingStep:
         lr = strategy.learning_rate(lr, step)
         if strategy.is_active(step):
             chunk, idx = next_batch()
-            splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, self.left,
-                          self.right, out=self.inputs, ctx=self.ctx)
-            net.forward_backward(self.inputs, chunk.labels[idx], into=self.sums)
-            strategy.reduce_gradients(net)
-            self.optimizer.step(lr)
+            if self.graph is not None:
+                self.graph.step(chunk, idx, lr)
+            else:
+                splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, self.left,
+                              self.right, out=self.inputs, ctx=self.ctx)
+                net.forward_backward(self.inputs, chunk.labels[idx], into=self.sums)
+                strategy.reduce_gradients(net)
+                self.optimizer.step(lr)
             self.frames += self.minibatch
         strategy.after_update(net, self.optimizer, step + 1)
         return lr
@@ -70,3 +76,80 @@ class TrainingStep:
         self.sums[...] = 0
         self.frames = 0
         return float(loss_sum), float(correct), frames
+
+
+class _StepGraph:
+    """Replays the device work of a step from a captured CUDA graph.
+
+    A step qualifies when its work is the same fixed kernels on the same
+    buffers each time: the optimizer says so (plain SGD always; NG-SGD between
+    its Fisher updates), the strategy does not communicate inside the step, and
+    the chunk is the one captured (a new chunk is captured anew).  The
+    minibatch's indices, its labels and the learning rate enter through fixed
+    device buffers set before each replay; the host counters a step advances
+    are advanced by hand.  Other steps run eagerly on the same buffers.  A
+    capture that fails turns graphs off for the run, with one log line.
+    """
+
+    def __init__(self, owner: TrainingStep, *, log=None):
+        self.owner, self.log = owner, log
+        net = owner.net
+        xp = net.xp
+        self.xp = xp
+        self.enabled = backend.fused_kernels(xp) and not owner.strategy.reduces_gradients \
+            and hasattr(owner.optimizer, "static_step_ahead")
+        self.why_not = "" if self.enabled else (
+            "needs the fused GPU kernels, a step without gradient communication and an "
+            "optimizer that reports fixed steps")
+        self.stream = backend.use_own_stream(xp) if self.enabled else None
+        self.idx = xp.empty(owner.minibatch, dtype=xp.int64)
+        self.labels = None
+        self.graph, self.key = None, None
+        self.eager_steps = 0
+        self.replays = 0
+
+    def _body(self, chunk) -> None:
+        owner = self.owner
+        splice_batch_(chunk.feats, self.idx, chunk.utt_start, chunk.utt_end, owner.left,
+                      owner.right, out=owner.inputs, ctx=owner.ctx)
+        self.xp.take(chunk.labels, self.idx, out=self.labels)
+        owner.net.forward_backward(owner.inputs, self.labels, into=owner.sums)
+        owner.strategy.reduce_gradients(owner.net)
+        owner.optimizer.step(None)
+
+    def step(self, chunk, idx, lr: float) -> None:
+        owner = self.owner
+        if not self.enabled:
+            splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, owner.left,
+                          owner.right, out=owner.inputs, ctx=owner.ctx)
+            owner.net.forward_backward(owner.inputs, chunk.labels[idx], into=owner.sums)
+            owner.strategy.reduce_gradients(owner.net)
+            owner.optimizer.step(lr)
+            return
+        if self.labels is None or self.labels.dtype != chunk.labels.dtype:
+            self.labels = self.xp.empty(owner.minibatch, dtype=chunk.labels.dtype)
+        self.idx[...] = idx
+        owner.optimizer.load_learning_rate(lr)
+        key = tuple((a.data.ptr, a.shape) for a in
+                    (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end))
+        static = owner.optimizer.static_step_ahead()
+        if static and self.graph is not None and key == self.key:
+            self.graph.launch()
+            owner.optimizer.count_replayed_step()
+            self.replays += 1
+            return
+        if static and self.eager_steps >= 2:
+            # every buffer the step touches exists after two eager steps
+            snapshot = owner.optimizer.host_step_state()
+            graph, why = backend.capture_graph(self.xp, lambda: self._body(chunk))
+            if graph is not None:
+                self.graph, self.key = graph, key
+                graph.launch()
+                self.replays += 1
+                return
+            owner.optimizer.restore_host_step_state(snapshot)
+            self.enabled, self.why_not = False, f"capture failed: {why}"
+            if self.log is not None:
+                self.log(f"cuda_graph: off for this run ({self.why_not})")
+        self._body(chunk)
+        self.eager_steps += 1

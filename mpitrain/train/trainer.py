@@ -194,7 +194,9 @@ class Trainer:
         batch = cfg.training.minibatch
         training_step = TrainingStep(net, self.optimizer, self.strategy, minibatch=batch,
                                      left_context=cfg.data.left_context,
-                                     right_context=cfg.data.right_context)
+                                     right_context=cfg.data.right_context,
+                                     cuda_graph=cfg.cuda_graph and cfg.device == "gpu",
+                                     log=self.log.say)
         self.log.say(self._banner())
         self.log.write("start", step=self.step, total_steps=self.total_steps,
                        planned_steps=self.planned_steps,

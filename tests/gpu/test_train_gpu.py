@@ -88,3 +88,27 @@ def test_steady_state_steps_never_wait_for_the_gpu(cupy, optimizer):
         assert after["async"] == before["async"]
     loss_sum, correct, frames = steps.training_step.take_sums()
     assert frames == 40 * model.minibatch and np.isfinite(loss_sum)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "ngsgd"])
+def test_cuda_graph_replay_trains_like_eager_steps(cupy, optimizer):
+    """With cuda_graph the steps replayed from a graph give the eager steps'
+    parameters: the same kernels on the same data, so equal to float32 rounding
+    of cuBLAS's algorithm choice (rtol 1e-5)."""
+    from mpitrain.bench.throughput import MODELS, MpitrainSteps, synthetic_chunk
+
+    model = MODELS["quick"]
+    chunk, perm = synthetic_chunk(model, 20_000)
+    eager = MpitrainSteps(model, chunk, perm, xp=cupy, optimizer=optimizer)
+    graphed = MpitrainSteps(model, chunk, perm, xp=cupy, optimizer=optimizer, cuda_graph=True)
+    for _ in range(40):
+        eager.step()
+        graphed.step()
+    graph = graphed.training_step.graph
+    assert graph.enabled, graph.why_not
+    assert graph.replays >= (20 if optimizer == "ngsgd" else 35)
+    np.testing.assert_allclose(backend.to_host(graphed.net.params),
+                               backend.to_host(eager.net.params), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(graphed.training_step.take_sums()[:2],
+                               eager.training_step.take_sums()[:2], rtol=1e-5)
+    assert graphed.optimizer.num_steps == eager.optimizer.num_steps == 40
