@@ -309,19 +309,65 @@ def capture_graph(xp, work):
         def alloc_preprocess(self, **kwargs):
             allocations.append(kwargs.get("mem_size"))
 
+    global _capturing
     graph, reason = None, ""
     try:
         with _Count():
             stream.begin_capture()
+            _capturing = True
             try:
                 work()
             finally:
+                _capturing = False
                 graph = stream.end_capture()
     except Exception as exc:           # a capture error leaves nothing to run
         return None, f"{type(exc).__name__}: {exc}".splitlines()[0]
     if allocations:
         return None, f"the step allocated device memory {len(allocations)} time(s)"
     return graph, reason
+
+
+# CuPy's cuBLAS binding refuses to run while a stream is being captured
+# (cuBLAS itself supports capture), so during a capture the GEMMs call the
+# library that binding loaded directly.
+_capturing = False
+_cublas_direct = None
+
+
+def _direct_cublas():
+    global _cublas_direct
+    if _cublas_direct is None:
+        import ctypes
+        from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
+        path = None
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            for line in maps:
+                if "libcublas.so" in line and "libcublasLt" not in line:
+                    path = line.split()[-1]
+                    break
+        if path is None:
+            raise RuntimeError("cuBLAS library not found among the loaded libraries")
+        lib = ctypes.CDLL(path)
+        gemm_ex = lib.cublasGemmEx
+        gemm_ex.restype = ctypes.c_int
+        gemm_ex.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                            ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                            ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        set_stream = lib.cublasSetStream_v2
+        set_stream.restype = ctypes.c_int
+        set_stream.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        set_mode = lib.cublasSetPointerMode_v2
+        set_mode.restype = ctypes.c_int
+        set_mode.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        _cublas_direct = (gemm_ex, set_stream, set_mode)
+    return _cublas_direct
+
+
+def _check_cublas(status: int, what: str) -> None:
+    if status != 0:
+        raise RuntimeError(f"cuBLAS {what} failed with status {status}")
 
 
 _GEMM_COMPUTE = {"fp32": 68, "tf32": 77, "bf16": 75}   # cublasComputeType_t
@@ -390,16 +436,27 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False, alpha=1.0,
     if device_alpha:
         alpha_ptr = alpha.data.ptr
         beta_ptr = _device_scalar(float(beta)).data.ptr
-        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_DEVICE)
     else:
         alpha_ptr, beta_ptr = _host_scalar_ptr(float(alpha)), _host_scalar_ptr(float(beta))
     compute = _GEMM_COMPUTE[_precision]
     algo = -1 if _precision == "fp32" else 99
+    # Row-major out (m, n) is column-major out^T = op(b)^T op(a)^T.
+    args = (handle, 1 if trans_b else 0, 1 if trans_a else 0, n, m, k,
+            alpha_ptr, b.data.ptr, _CUDA_R_32F, ldb, a.data.ptr, _CUDA_R_32F, lda,
+            beta_ptr, out.data.ptr, _CUDA_R_32F, ldc, compute, algo)
+    if _capturing:
+        gemm_ex, set_stream, set_mode = _direct_cublas()
+        _check_cublas(set_stream(handle, _cupy.cuda.get_current_stream().ptr), "SetStream")
+        _check_cublas(set_mode(handle, 1 if device_alpha else 0), "SetPointerMode")
+        try:
+            _check_cublas(gemm_ex(*args), "GemmEx")
+        finally:
+            set_mode(handle, 0)
+        return out
+    if device_alpha:
+        cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_DEVICE)
     try:
-        # Row-major out (m, n) is column-major out^T = op(b)^T op(a)^T.
-        cublas.gemmEx(handle, 1 if trans_b else 0, 1 if trans_a else 0, n, m, k,
-                      alpha_ptr, b.data.ptr, _CUDA_R_32F, ldb, a.data.ptr, _CUDA_R_32F, lda,
-                      beta_ptr, out.data.ptr, _CUDA_R_32F, ldc, compute, algo)
+        cublas.gemmEx(*args)
     finally:
         if device_alpha:
             cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
