@@ -481,6 +481,12 @@ def _gemm_expressions(left, right, out, alpha, beta):
     return out
 
 
+def synchronize_device(xp) -> None:
+    """Wait for all work on every stream of the current GPU (no-op on the host)."""
+    if xp is not np and xp is _cupy:
+        _cupy.cuda.Device().synchronize()
+
+
 def device_info(xp) -> dict:
     """GPU name, NVIDIA driver, CUDA runtime and CuPy versions (empty on the CPU)."""
     if xp is np:
