@@ -461,10 +461,14 @@ class GemmSteps:
         if self.graph is None and backend.fused_kernels(self.xp):
             # The bound is the GPU's time for these GEMMs: replayed from a CUDA
             # graph, so that launching them from Python does not set it.
+            previous = self.xp.cuda.get_current_stream()
             self.stream = self.xp.cuda.Stream(non_blocking=True)
-            with self.stream:
+            self.stream.use()
+            try:
                 self._launch_all()                 # cuBLAS picks and loads its kernels
                 self.graph, _ = backend.capture_graph(self.xp, self._launch_all)
+            finally:
+                previous.use()                     # the other contenders' stream
             self.graph = self.graph or False       # False: eager launches after all
         if self.graph:
             self.graph.launch(self.stream)

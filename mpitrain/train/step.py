@@ -126,6 +126,8 @@ class _StepGraph:
             owner.strategy.reduce_gradients(owner.net)
             owner.optimizer.step(lr)
             return
+        if self.xp.cuda.get_current_stream() != self.stream:
+            self.stream.use()            # all of the step's work in order on one stream
         if self.labels is None or self.labels.dtype != chunk.labels.dtype:
             self.labels = self.xp.empty(owner.minibatch, dtype=chunk.labels.dtype)
         self.idx[...] = idx
