@@ -285,4 +285,7 @@ def test_launcher_announcing_many_tasks_but_world_of_one_is_an_error(tmp_path):
     env.update({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "2"})
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=60)
+    if "MPI sees a world of 1" not in out.stdout and "MPI_INIT failed" in out.stderr:
+        # e.g. Open MPI 4 in a container without ssh cannot start a singleton at all
+        pytest.skip("this MPI library cannot start a process without a launcher here")
     assert "MPI sees a world of 1" in out.stdout, out.stdout + out.stderr
