@@ -146,12 +146,11 @@ class TrainerSteps:
     def __init__(self, comm, size: ModelSize, method: Optional[str], *, every: int = 8,
                  total_steps: int = 10_000, seed: int = 1, chunk_frames: int = 20_000):
         from mpitrain.config import RunConfig
-        from mpitrain.data.splice import splice, splice_indices
         from mpitrain.nn.network import build_network
         from mpitrain.optim.factory import build_optimizer
         from mpitrain.parallel.base import Strategy
         from mpitrain.parallel.factory import build_strategy
-        self._splice, self._splice_indices = splice, splice_indices
+        from mpitrain.train.step import TrainingStep
         cfg = RunConfig()
         cfg.model.hidden_layers, cfg.model.hidden_dim = size.hidden_layers, size.hidden_dim
         cfg.training.minibatch = size.minibatch
@@ -171,26 +170,21 @@ class TrainerSteps:
         # every rank reads its own data, as with its own shards
         self.chunk, self.order = synthetic_chunk(size, chunk_frames, seed=seed + 7 * comm.rank)
         self.batches = chunk_frames // size.minibatch
-        self.spliced = np.empty((size.minibatch, self.net.input_dim), dtype=np.float32)
-        self.ctx = np.empty((size.minibatch, self.net.context), dtype=np.int64)
+        # the trainer's own step: splice, forward/backward, strategy hooks, SGD
+        self.training_step = TrainingStep(self.net, self.optimizer, self.strategy,
+                                          minibatch=size.minibatch, left_context=size.context,
+                                          right_context=size.context)
         self.step = 0
 
+    def _next_batch(self):
+        b = self.size.minibatch
+        pos = self.step % self.batches
+        return self.chunk, self.order[pos * b:(pos + 1) * b]
+
     def run(self, steps: int) -> None:
-        net, chunk, strategy, b = self.net, self.chunk, self.strategy, self.size.minibatch
-        left = right = self.size.context
         for _ in range(steps):
-            lr = strategy.learning_rate(self.lr, self.step)
-            if strategy.is_active(self.step):
-                pos = self.step % self.batches
-                idx = self.order[pos * b:(pos + 1) * b]
-                self._splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], left, right,
-                                     out=self.ctx)
-                self._splice(chunk.feats, self.ctx, out=self.spliced)
-                net.forward_backward(self.spliced, chunk.labels[idx])
-                strategy.reduce_gradients(net)
-                self.optimizer.step(lr)
+            self.training_step.run(self.step, self.lr, self._next_batch)
             self.step += 1
-            strategy.after_update(net, self.optimizer, self.step)
 
 
 # -- timing ---------------------------------------------------------------------------------
