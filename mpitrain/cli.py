@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the newest checkpoint in the run directory")
     p.set_defaults(func=cmd_train)
 
-    from .parallel.factory import METHODS
+    from .parallel.registry import METHODS
     p = sub.add_parser("bench", formatter_class=fmt,
                        help="speedup curves: throughput and time to accuracy per group size "
                             "and method, projected to more ranks (under mpiexec)")

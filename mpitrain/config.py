@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-from .parallel.factory import METHODS as STRATEGY_METHODS
+from .parallel.registry import METHODS as STRATEGY_METHODS
 
 
 class ConfigError(ValueError):

@@ -104,7 +104,7 @@ class MpitrainSteps:
         from mpitrain.nn.network import build_network
         from mpitrain.optim.factory import build_optimizer
         from mpitrain.parallel.base import Strategy
-        from mpitrain.parallel.factory import build_strategy
+        from mpitrain.parallel.registry import build_strategy
         cfg = RunConfig()
         cfg.model.hidden_layers, cfg.model.hidden_dim = size.hidden_layers, size.hidden_dim
         cfg.training.minibatch = size.minibatch

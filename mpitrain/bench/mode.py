@@ -3,7 +3,7 @@
 For each group size N in turn the world is split into one group of N ranks
 (the others wait, sleeping, and all rejoin before the next size).  The group
 runs the trainer itself, once per method from the strategy registry
-(:data:`mpitrain.parallel.factory.METHODS`), in two phases:
+(:data:`mpitrain.parallel.registry.METHODS`), in two phases:
 
 1. throughput: a fixed number of steps without held-out evaluation; frames/s
    in total and per rank, and the share of each step spent inside the
@@ -44,7 +44,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..config import config_from_dict
-from ..parallel.factory import METHODS, build_strategy
+from ..parallel.registry import METHODS, build_strategy
 from ..train.trainer import Trainer
 from .projection import NetworkModel, assumptions, fit_frames_exponent, project_speedups
 

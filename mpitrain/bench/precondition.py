@@ -53,7 +53,7 @@ def time_precondition(np, num_rows: int, dim: int, rank: int, *, update_period: 
 
     The machine may be shared, so the best of ``rounds`` rounds is reported.
     """
-    from mpitrain.optim.preconditioner import NUM_INITIAL_UPDATES, OnlineNaturalGradient
+    from mpitrain.optim.natural_gradient import NUM_INITIAL_UPDATES, OnlineNaturalGradient
 
     rng = np.random.default_rng(seed)
     # A decaying spectrum, like real activations, so the update does real work.
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
               f"ratio to the GEMM {t['mean'] / gemm_ms:.3f}")
 
     if args.model:
-        from mpitrain.optim.preconditioner import default_ranks
+        from mpitrain.optim.natural_gradient import default_ranks
         sgd_ms = ng_ms = 0.0
         for in_dim, out_dim in parse_model(args.model):
             rng = np.random.default_rng(in_dim)

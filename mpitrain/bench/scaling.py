@@ -13,7 +13,7 @@ processes on a shared machine hits all alike):
 - ``no communication``: every rank trains alone, the same steps (the
   ``Strategy`` base class: no collective at all);
 - ``model_averaging``, ``allreduce``, ``kaldi``, ``bmuf``: the trainer's
-  strategies from :func:`~mpitrain.parallel.factory.build_strategy`, averaging
+  strategies from :func:`~mpitrain.parallel.registry.build_strategy`, averaging
   every ``--every`` minibatches (Kaldi with every rank active).
 
 A step is the per-step work of ``Trainer.run`` on the trainer's own objects
@@ -149,7 +149,7 @@ class TrainerSteps:
         from mpitrain.nn.network import build_network
         from mpitrain.optim.factory import build_optimizer
         from mpitrain.parallel.base import Strategy
-        from mpitrain.parallel.factory import build_strategy
+        from mpitrain.parallel.registry import build_strategy
         from mpitrain.train.step import TrainingStep
         cfg = RunConfig()
         cfg.model.hidden_layers, cfg.model.hidden_dim = size.hidden_layers, size.hidden_dim

@@ -270,7 +270,7 @@ class MpitrainSteps:
         from mpitrain.nn.network import build_network
         from mpitrain.optim.factory import build_optimizer
         from mpitrain.optim.schedule import ExponentialSchedule
-        from mpitrain.parallel.factory import build_strategy
+        from mpitrain.parallel.registry import build_strategy
         from mpitrain.train.step import TrainingStep
 
         cfg = RunConfig()

@@ -408,8 +408,12 @@ class ShardReader:
         labels = np.empty(last - first, dtype=np.int32)
         if last > first:
             # read_direct fills our buffer without an intermediate copy.
-            self._feats.read_direct(feats, np.s_[first:last])
-            self._labels.read_direct(labels, np.s_[first:last])
+            try:
+                self._feats.read_direct(feats, np.s_[first:last])
+                self._labels.read_direct(labels, np.s_[first:last])
+            except OSError as exc:   # damaged or truncated on disk since it was opened
+                raise CorpusError(f"{self.path}: cannot read utterances {start_utt}:{end_utt} "
+                                  f"({exc})") from exc
         offsets = self._offsets[start_utt:end_utt + 1] - first
         return feats, labels, offsets
 

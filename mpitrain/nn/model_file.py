@@ -119,12 +119,14 @@ def _float_vector(group, name, path, length: int, *, what: str):
     return data[...]
 
 
-def read_model_group(group, path, *, xp=np):
+def read_model_group(group, path, *, xp=np, into: Network | None = None):
     """Return (network, class_priors or None) from an HDF5 group.
 
     Every declared size is checked against the stored datasets and the bounds
     above before the network's buffers are allocated; errors name the file
-    and the field.
+    and the field.  With ``into`` no network is built: the stored one must
+    have ``into``'s layers, feature dimension and context, and its parameters
+    and CMVN are loaded into ``into``.
 
     Example::
 
@@ -154,15 +156,30 @@ def read_model_group(group, path, *, xp=np):
     if "class_priors" in group:
         priors = _float_vector(group, "class_priors", path, num_classes,
                                what="one per output class")
-    try:
-        net = Network(components, feat_dim=feat_dim, left_context=left, right_context=right,
-                      xp=xp)
-    except ValueError as exc:
-        raise ValueError(f"{path}: model attribute 'components': {exc}") from None
+    if into is not None:
+        stored = ([c.spec() for c in components], feat_dim, left, right)
+        wanted = (into.specs(), into.feat_dim, into.left_context, into.right_context)
+        if stored != wanted:
+            raise ValueError(f"{path}: the stored model ({_describe(*stored)}) is not the "
+                             f"one the config builds ({_describe(*wanted)})")
+        net, xp = into, into.xp
+    else:
+        try:
+            net = Network(components, feat_dim=feat_dim, left_context=left,
+                          right_context=right, xp=xp)
+        except ValueError as exc:
+            raise ValueError(f"{path}: model attribute 'components': {exc}") from None
     net.params[...] = xp.asarray(params[...])
     net.cmvn_mean[...] = xp.asarray(cmvn_mean)
     net.cmvn_scale[...] = xp.asarray(cmvn_scale)
     return net, priors
+
+
+def _describe(specs, feat_dim, left, right) -> str:
+    dims = [specs[0]["in_dim"]] + [spec["out_dim"] for spec in specs
+                                   if spec["kind"] == "affine"]
+    return (f"{'-'.join(str(d) for d in dims)} with {len(specs)} components, feat_dim "
+            f"{feat_dim}, context {left}+{right}")
 
 
 def save_model(path, net: Network, *, class_priors=None) -> None:

@@ -19,4 +19,4 @@ def build_optimizer(opt_cfg, net):
     return NaturalGradientSGD(net, variant=ng.variant, rank_in=ng.rank_in, rank_out=ng.rank_out,
                               update_period=ng.update_period,
                               num_samples_history=ng.num_samples_history, alpha=ng.alpha,
-                              **options)
+                              reset_on_average=ng.reset_on_average, **options)

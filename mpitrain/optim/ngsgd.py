@@ -2,7 +2,7 @@
 
 Each affine layer gets two preconditioners, one for its input rows ``[x, 1]``
 and one for its output derivatives (see natural-gradient.md and
-``preconditioner.py``).  The layer forms its gradient block from the
+``natural_gradient.py``).  The layer forms its gradient block from the
 preconditioned rows during backward, so this optimizer's step is SGD's step
 (max-change included) applied to that gradient, and every parallel strategy
 works unchanged: each rank preconditions its own rows.
@@ -10,7 +10,7 @@ works unchanged: each rank preconditions its own rows.
 
 from __future__ import annotations
 
-from .preconditioner import OnlineNaturalGradient, SimpleNaturalGradient
+from .natural_gradient import OnlineNaturalGradient, SimpleNaturalGradient
 from .sgd import SGD
 
 
@@ -25,8 +25,10 @@ class NaturalGradientSGD(SGD):
 
     def __init__(self, net, *, variant: str = "online", rank_in: int = 20, rank_out: int = 80,
                  update_period: int = 4, num_samples_history: float = 2000.0,
-                 alpha: float = 4.0, **sgd_options):
+                 alpha: float = 4.0, reset_on_average: bool = True, **sgd_options):
         super().__init__(net, **sgd_options)
+        # Kaldi starts every job after an average from fresh Fisher estimates.
+        self.reset_on_average = bool(reset_on_average)
         if variant not in ("online", "simple"):
             raise ValueError(f"variant must be 'online' or 'simple', got {variant!r}")
         self.variant = variant
@@ -67,6 +69,10 @@ class NaturalGradientSGD(SGD):
         """Fresh Fisher estimates, as each Kaldi job starts after an average."""
         for p in self.preconditioners.values():
             p.reset()
+
+    def after_average(self) -> None:
+        if self.reset_on_average:
+            self.reset_preconditioners()
 
     def state_dict(self) -> dict:
         state = super().state_dict()

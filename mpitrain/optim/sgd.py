@@ -22,9 +22,10 @@ import numpy as np
 from .. import backend
 from ..backend import to_host
 from . import kernels
+from .base import Optimizer
 
 
-class SGD:
+class SGD(Optimizer):
     """Plain SGD on a :class:`~mpitrain.nn.network.Network`.
 
     Example::
@@ -142,6 +143,9 @@ class SGD:
         if self.max_change > 0 and total > self.max_change:
             q = q * self.max_change / total
         return [float(q * ki) for ki in k]
+
+    def momentum_buffer(self):
+        return self.delta
 
     # -- CUDA graphs: steps whose device work is fixed ---------------------------
     def static_step_ahead(self) -> bool:

@@ -2,7 +2,8 @@
 
 A strategy talks to other ranks only through a
 :class:`~mpitrain.comm.base.Communicator` and touches only the network's flat
-buffers, so the trainer, the layers and the optimizers never see MPI.
+buffers and what :class:`~mpitrain.optim.base.Optimizer` offers, so the
+trainer, the layers and the optimizers never see MPI.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ class Strategy:
     Hooks, in the order the trainer calls them:
 
     - ``setup(net, optimizer)``: before the first step (broadcast rank 0's model);
-      ``bind(net)`` instead when resuming from a checkpoint.
+      when resuming instead ``bind(net)``, ``load_state_dict(state)`` and
+      ``resume(net)`` (which sets the parameters training continues from).
     - ``is_active(step)``: whether this rank trains at 0-based ``step``.
     - ``learning_rate(lr, step)``: the rate to use, given the schedule's.
     - ``reduce_gradients(net)``: after backward, before the optimizer step.
@@ -70,3 +72,14 @@ class Strategy:
 
     def load_state_dict(self, state: dict) -> None:
         pass
+
+    def resume(self, net) -> None:
+        """After :meth:`load_state_dict` on resume: the parameters continue as saved."""
+
+
+def every_steps_from(cfg) -> int:
+    """Minibatches between syncs: ``parallel.average_every_frames`` wins when set."""
+    par = cfg.parallel
+    if par.average_every_frames:
+        return max(1, par.average_every_frames // cfg.training.minibatch)
+    return par.average_every

@@ -1,18 +1,33 @@
-"""Blockwise model-update filtering (Chen & Huo), with Nesterov by default.
+"""Blockwise model-update filtering (Chen & Huo, "Scalable training of deep
+learning machines by incremental block training with intra-block parallel
+optimization and blockwise model-update filtering", ICASSP 2016), with
+Nesterov look-ahead by default.
 
-Each rank trains ``every_steps`` local minibatches from the block's start
-point w0; then, with one Allreduce of the parameters,
+Each rank trains K local minibatches from the block's start point w0; then,
+with one Allreduce of the parameters::
 
     G = mean_i(w_i) - w0;   Delta = eta_b Delta + zeta G;   w_g = w0 + Delta
 
 and the next block starts from w_g (classic) or from w_g + eta_b Delta
-(Nesterov).  Defaults: eta_b = 1 - 1/N, zeta = 1, local momentum reset after
+(Nesterov).  Defaults: eta_b = 1 - 1/N, zeta = 1, local momentum cleared after
 each sync (as CNTK does).  The saved and final model is w_g.
+
+Symbols in the code: K is ``every_steps``, w0 is ``start``, Delta is
+``delta``, w_g is ``global_model``, eta_b is ``block_momentum``, zeta is
+``block_lr``.
 """
 
 from __future__ import annotations
 
-from .base import Strategy
+from .base import Strategy, every_steps_from
+
+
+def build(cfg, comm, *, total_steps: int = 0):
+    """The strategy for ``parallel.method: bmuf``."""
+    par = cfg.parallel
+    return BlockMomentum(comm, every_steps=every_steps_from(cfg),
+                         block_momentum=None if par.block_momentum < 0 else par.block_momentum,
+                         block_lr=par.block_lr, nesterov=par.nesterov)
 
 
 class BlockMomentum(Strategy):
@@ -24,7 +39,7 @@ class BlockMomentum(Strategy):
     name = "bmuf"
 
     def __init__(self, comm, *, every_steps: int = 16, block_momentum: float | None = None,
-                 block_lr: float = 1.0, nesterov: bool = True, reset_preconditioners: bool = True):
+                 block_lr: float = 1.0, nesterov: bool = True):
         super().__init__(comm)
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
@@ -35,7 +50,6 @@ class BlockMomentum(Strategy):
             raise ValueError(f"block_momentum must be in [0, 1), got {self.block_momentum}")
         self.block_lr = float(block_lr)
         self.nesterov = bool(nesterov)
-        self.reset_preconditioners = reset_preconditioners
         self.sync_period = self.every_steps
         self.start = self.delta = self.global_model = None
 
@@ -46,7 +60,6 @@ class BlockMomentum(Strategy):
         self.global_model[...] = net.params
 
     def _allocate(self, net) -> None:
-        self._net = net
         xp = self._xp = net.xp
         self.start = xp.empty_like(net.params)
         self.delta = xp.zeros_like(net.params)
@@ -70,10 +83,8 @@ class BlockMomentum(Strategy):
         if self.nesterov:
             params += self.block_momentum * self.delta
         self.start[...] = params
-        if getattr(optimizer, "delta", None) is not None:
-            optimizer.delta[...] = 0
-        if self.reset_preconditioners and hasattr(optimizer, "reset_preconditioners"):
-            optimizer.reset_preconditioners()
+        optimizer.clear_momentum()
+        optimizer.after_average()
 
     def finalize(self, net, optimizer, step: int = 0) -> None:
         if step % self.every_steps:
@@ -92,8 +103,10 @@ class BlockMomentum(Strategy):
         self.start[...] = self._xp.asarray(state["start"])
         self.delta[...] = self._xp.asarray(state["delta"])
         self.global_model[...] = self._xp.asarray(state["global_model"])
+
+    def resume(self, net) -> None:
         # A checkpoint's model is w_g; training continues from the block start.
-        self._net.params[...] = self.start
+        net.params[...] = self.start
 
     def bind(self, net) -> None:
         """Allocate the block buffers without broadcasting (used on resume)."""

@@ -144,8 +144,11 @@ def _rank_state(ranks, name: str, num_params: int, path) -> dict:
     return state
 
 
-def load_checkpoint(path, *, xp=None, ranks=None) -> Checkpoint:
+def load_checkpoint(path, *, xp=None, ranks=None, into=None) -> Checkpoint:
     """Read a checkpoint (``ranks``: which ranks' state to read; default all).
+
+    With ``into`` (a network) the stored model must be that network's, and its
+    parameters are loaded into it: no second network is built.
 
     The model is checked as in :func:`~mpitrain.nn.model_file.read_model_group`;
     rank count, rank names, and the optimizer and strategy buffers are checked
@@ -171,7 +174,7 @@ def load_checkpoint(path, *, xp=None, ranks=None) -> Checkpoint:
         if not isinstance(attrs["config"], str):
             raise ValueError(f"{path}: checkpoint attribute 'config': expected YAML text, "
                              f"got {type(attrs['config']).__name__}")
-        net, priors = read_model_group(_group(f, "model", path), path, xp=xp)
+        net, priors = read_model_group(_group(f, "model", path), path, xp=xp, into=into)
         rank_group = _group(f, "ranks", path)
         stored = list(rank_group.keys())
         expected = [f"{r:05d}" for r in range(attrs["num_ranks"])]

@@ -22,7 +22,7 @@ from ..nn.model_file import save_model
 from ..nn.network import build_network
 from ..optim.factory import build_optimizer
 from ..optim.schedule import ExponentialSchedule
-from ..parallel.factory import build_strategy
+from ..parallel.registry import build_strategy
 from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint,
                          save_checkpoint)
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
@@ -144,19 +144,20 @@ class Trainer:
         if not found:
             raise TrainingError(f"{self.run_dir}: --resume given but no checkpoint "
                                 "(ckpt-*.h5) found")
-        ckpt = load_checkpoint(found[-1], ranks=[self.comm.rank])
+        try:
+            # the stored parameters go straight into this run's network
+            ckpt = load_checkpoint(found[-1], ranks=[self.comm.rank], into=self.net)
+        except ValueError as exc:
+            raise TrainingError(str(exc)) from None
         if ckpt.num_ranks != self.comm.size:
             raise TrainingError(f"{ckpt.path}: written by {ckpt.num_ranks} ranks, this job "
                                 f"has {self.comm.size}; resume with the same number of ranks")
-        if ckpt.net.num_params != self.net.num_params:
-            raise TrainingError(f"{ckpt.path}: the model has {ckpt.net.num_params} "
-                                f"parameters, the config builds {self.net.num_params}")
-        self.net.params[...] = self.xp.asarray(backend.to_host(ckpt.net.params))
         state = ckpt.rank_state(self.comm.rank)
         self.optimizer.load_state_dict(state["optimizer"])
         self.stream.load_state_dict(state["reader"])
         self.strategy.bind(self.net)
         self.strategy.load_state_dict(ckpt.strategy_state)
+        self.strategy.resume(self.net)
         self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
         self.log.say(f"resumed from {ckpt.path} at step {self.step}")
 

@@ -13,7 +13,7 @@ import pytest
 
 from mpitrain import backend
 from mpitrain.optim import kernels
-from mpitrain.optim.preconditioner import OnlineNaturalGradient, SimpleNaturalGradient
+from mpitrain.optim.natural_gradient import OnlineNaturalGradient, SimpleNaturalGradient
 
 pytestmark = pytest.mark.gpu
 

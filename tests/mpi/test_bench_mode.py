@@ -11,7 +11,7 @@ from mpitrain.bench import mode
 from mpitrain.bench.mode import (BenchOptions, default_sizes, eval_interval_per_rank,
                                  first_crossing, throughput_from_records)
 from mpitrain.bench.projection import NetworkModel, project_speedups
-from mpitrain.parallel import factory
+from mpitrain.parallel import registry
 from mpitrain.testing.mpirun import run_mpi
 
 TINY_CONFIG = """\
@@ -179,11 +179,11 @@ def test_eval_interval_and_sizes():
 
 
 def test_methods_come_from_the_strategy_registry(monkeypatch):
-    assert BenchOptions().resolve(2) == ((1, 2), tuple(factory.METHODS))
-    monkeypatch.setitem(factory.METHODS, "ring_mix", factory.METHODS["model_averaging"])
+    assert BenchOptions().resolve(2) == ((1, 2), tuple(registry.METHODS))
+    monkeypatch.setitem(registry.METHODS, "ring_mix", registry.METHODS["model_averaging"])
     assert "ring_mix" in BenchOptions().resolve(2)[1]
     assert BenchOptions(methods=("ring_mix",)).methods == ("ring_mix",)
-    assert mode.METHODS is factory.METHODS
+    assert mode.METHODS is registry.METHODS
 
 
 def test_bad_options_name_the_option():

@@ -18,7 +18,7 @@ from mpitrain.comm.single import SingleCommunicator
 from mpitrain.config import OptimizerConfig, RunConfig
 from mpitrain.nn.network import build_network
 from mpitrain.optim.factory import build_optimizer
-from mpitrain.parallel.factory import build_strategy
+from mpitrain.parallel.registry import build_strategy
 from mpitrain.testing import standin_cupy
 from mpitrain.train.step import TrainingStep
 

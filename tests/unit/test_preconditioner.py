@@ -13,9 +13,9 @@ import math
 import numpy as np
 import pytest
 
-from mpitrain.optim import preconditioner as pc
+from mpitrain.optim import natural_gradient as pc
 from mpitrain.optim import kernels
-from mpitrain.optim.preconditioner import (IdentityPreconditioner, OnlineNaturalGradient,
+from mpitrain.optim.natural_gradient import (IdentityPreconditioner, OnlineNaturalGradient,
                                            SimpleNaturalGradient, default_ranks,
                                            forgetting_factor, special_orthonormal)
 

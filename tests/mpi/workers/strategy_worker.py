@@ -19,9 +19,10 @@ from mpitrain.comm import create_communicator
 from mpitrain.comm.abort import install_abort_hook
 from mpitrain.nn.network import build_network
 from mpitrain.optim.sgd import SGD
-from mpitrain.parallel.averaging import GradientAllreduce, ModelAveraging
+from mpitrain.parallel.gradient_allreduce import GradientAllreduce
+from mpitrain.parallel.model_averaging import ModelAveraging
 from mpitrain.parallel.bmuf import BlockMomentum
-from mpitrain.parallel.kaldi import KaldiAveraging
+from mpitrain.parallel.kaldi_averaging import KaldiAveraging
 
 expected_size = int(sys.argv[1])
 comm = create_communicator("auto")

@@ -1,21 +1,33 @@
-"""Kaldi nnet2/nnet3-style parallel training with parameter averaging.
+"""Kaldi nnet2/nnet3 parallel training with parameter averaging (Povey, Zhang &
+Khudanpur, arXiv 1410.7455; Kaldi's train_dnn.py / train_raw_dnn.py).
 
-Training is cut into iterations of ``every_steps`` minibatches per rank
-(Kaldi's ``samples_per_iter``).  In iteration i, J_i ranks ("jobs") train from
-the same model; then their models are averaged and every rank continues from
-the average.  J_i ramps linearly from ``jobs_initial`` to ``jobs_final``
-(rounded to multiples of ``jobs_step`` once past it).  Each job's learning
-rate is J_i times the effective rate, because averaging J independently
-updated models divides each job's step by J.
+Training is cut into iterations of K minibatches per rank (Kaldi's
+``samples_per_iter``).  In iteration i, J_i ranks ("jobs") train from the same
+model at J_i times the scheduled rate; then their models are averaged::
 
-Idle ranks (rank >= J_i) skip their training steps but take part in the
-average with a zero contribution, so the job needs one Allreduce per
-iteration whatever J_i is, and no communicator has to be split.
+    w <- (1/J_i) sum_{j < J_i} w_j        every rank continues from the average
+    J_i = round(J_0 + (J_final - J_0) i / I)   (in multiples of jobs_step past it)
+
+Averaging J independently updated models divides each job's step by J, hence
+the rate J_i lr.  Idle ranks (rank >= J_i) skip their training steps and take
+part in the average with a zero contribution, so each iteration needs one
+Allreduce whatever J_i is, and no communicator has to be split.
+
+Symbols in the code: K is ``every_steps``, J_i is :meth:`KaldiAveraging.num_jobs`,
+the schedule is :func:`jobs_schedule`, w_j is ``net.params``.
 """
 
 from __future__ import annotations
 
-from .base import Strategy
+from .base import Strategy, every_steps_from
+
+
+def build(cfg, comm, *, total_steps: int = 0):
+    """The strategy for ``parallel.method: kaldi``."""
+    par = cfg.parallel
+    return KaldiAveraging(comm, every_steps=every_steps_from(cfg), total_steps=total_steps,
+                          jobs_initial=par.num_jobs_initial, jobs_final=par.num_jobs_final,
+                          jobs_step=par.jobs_step)
 
 
 def jobs_schedule(num_iters: int, jobs_initial: int, jobs_final: int, step: int = 1) -> list:
@@ -42,7 +54,7 @@ class KaldiAveraging(Strategy):
     name = "kaldi"
 
     def __init__(self, comm, *, every_steps: int, total_steps: int, jobs_initial: int = 0,
-                 jobs_final: int = 0, jobs_step: int = 1, reset_preconditioners: bool = True):
+                 jobs_final: int = 0, jobs_step: int = 1):
         super().__init__(comm)
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
@@ -54,7 +66,6 @@ class KaldiAveraging(Strategy):
                              f"(the number of ranks), got {initial} and {final}")
         num_iters = max(1, -(-int(total_steps) // self.every_steps))
         self.jobs = jobs_schedule(num_iters, initial, final, jobs_step)
-        self.reset_preconditioners = reset_preconditioners
         self.sync_period = self.every_steps
 
     def _iteration(self, step: int) -> int:
@@ -83,8 +94,7 @@ class KaldiAveraging(Strategy):
                 net.params[...] = 0
             self.comm.allreduce_(net.params, op="sum")
             net.params *= 1.0 / jobs
-        if self.reset_preconditioners and hasattr(optimizer, "reset_preconditioners"):
-            optimizer.reset_preconditioners()
+        optimizer.after_average()
 
     def finalize(self, net, optimizer, step: int = 0) -> None:
         if step % self.every_steps and self.comm.size > 1:

@@ -1,15 +1,26 @@
-"""Natural-gradient preconditioners for the rows of an affine layer's gradient.
+"""Online natural gradient (Povey, Zhang & Khudanpur, "Parallel training of DNNs
+with natural gradient and parameter averaging", arXiv 1410.7455; Kaldi nnet3's
+``OnlineNaturalGradient``), and nnet2's simple variant.
 
 An affine layer's gradient is ``G^T X`` summed over the N rows of a minibatch.
-NG-SGD (Kaldi nnet2/nnet3; Povey, Zhang & Khudanpur 2014) multiplies it on
-each side by the inverse of a smoothed Fisher estimate, which amounts to
-preconditioning the input rows X and the output-derivative rows G separately.
-Each side of each layer owns one :class:`Preconditioner`.
+NG-SGD multiplies it on each side by the inverse of a smoothed Fisher
+estimate, which amounts to preconditioning the input rows X and the
+output-derivative rows G separately; each side of each layer owns one
+:class:`Preconditioner` (docs/natural-gradient.md has the full spec).
 
-:class:`OnlineNaturalGradient` follows Kaldi's ``OnlineNaturalGradient``
-(docs/natural-gradient.md, section 1): a rank-r plus scaled-identity Fisher
-estimate that is updated from the data it preconditions, at O(N D r) cost and
-without ever forming a D x D matrix.  The comments cite the spec's steps.
+The rule, for rows X (N x D), Fisher estimate ``F = R^T diag(d) R + rho I``::
+
+    W     = diag(sqrt e) R,   e_i = d_i / (d_i + beta),  beta = rho (1 + alpha) + alpha sum(d) / D
+    Xhat  = X - (X W^T) W                     every call
+    gamma = ||X|| / ||Xhat||                  gamma Xhat replaces X in the gradient
+    every update: T = eta X^T X / N + (1 - eta) F;  Y = R T;  Y Y^T = U diag(c) U^T
+                  R' = diag(c)^(-1/2) U^T Y;  d' = sqrt(c) - rho';  rho' keeps tr F' = tr T
+
+Symbols in the code: X and Xhat are ``X`` (overwritten in place), W is
+``self.W`` (rows ``_wj[:rank]``), ``H = X W^T`` is ``h``, ``J = H^T X`` is
+``_wj[rank:]``, d and rho are ``_d`` and ``_rho``, eta is :meth:`eta`, r is
+``rank``, t is ``t``; the r x r part of an update (Z, its eigendecomposition,
+the floors, ``W' = A B``) is :func:`_plan_update`, in float64 on the host.
 
 Example::
 

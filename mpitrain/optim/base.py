@@ -1,0 +1,75 @@
+"""The optimizer contract: what the trainer, the strategies and the step may use.
+
+An optimizer updates ``net.params`` from ``net.grads`` in :meth:`Optimizer.step`.
+A parallel strategy touches an optimizer only through this interface: the
+buffer averaging may include (:meth:`momentum_buffer`), clearing it
+(:meth:`clear_momentum`) and the signal that the ranks' models were just
+averaged (:meth:`after_average`).  Checkpoints go through
+:meth:`state_dict`/:meth:`load_state_dict` (host arrays and plain values).
+The remaining methods let the training step replay a step from a captured
+CUDA graph; an optimizer that never allows it keeps their defaults.
+
+Example::
+
+    class Plain(Optimizer):
+        name = "plain"
+        def __init__(self, net): self.net = net
+        def step(self, lr): self.net.params -= lr * self.net.grads
+        def state_dict(self): return {}
+        def load_state_dict(self, state): pass
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+
+class Optimizer(ABC):
+    """Base class of every optimizer (see the module docstring)."""
+
+    name = "optimizer"
+
+    @abstractmethod
+    def step(self, lr) -> None:
+        """Update the network's parameters from its gradients at rate ``lr``."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        """What continues this optimizer exactly: host arrays, numbers, nested dicts."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s result."""
+
+    # -- what strategies may touch ---------------------------------------------------
+    def momentum_buffer(self):
+        """The flat per-parameter buffer that model averaging may average too, or None."""
+        return None
+
+    def clear_momentum(self) -> None:
+        """Forget accumulated momentum (after a block synchronisation)."""
+        buffer = self.momentum_buffer()
+        if buffer is not None:
+            buffer[...] = 0
+
+    def after_average(self) -> None:
+        """Called right after the ranks' models were averaged."""
+
+    # -- CUDA graphs -----------------------------------------------------------------
+    def static_step_ahead(self) -> bool:
+        """Whether the next step is fixed device work on fixed buffers (replayable)."""
+        return False
+
+    def load_learning_rate(self, lr: float) -> None:
+        """Put ``lr`` where a replayed step reads it."""
+        raise NotImplementedError(f"{type(self).__name__} does not replay steps")
+
+    def host_step_state(self) -> list:
+        """The host counters one step advances (to undo a failed capture)."""
+        return []
+
+    def restore_host_step_state(self, state: list) -> None:
+        """Put back what :meth:`host_step_state` returned."""
+
+    def count_replayed_step(self) -> None:
+        """The host side of a step whose device work was replayed."""

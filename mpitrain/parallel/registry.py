@@ -1,0 +1,36 @@
+"""The parallel methods by name: ``parallel.method`` -> the module that implements it.
+
+This module imports no strategy, so the configuration can validate a method
+name against :data:`METHODS` without loading any strategy's code.  A new
+method is one module in this package with a ``build(cfg, comm, *,
+total_steps)`` function, and one entry here; every tool that enumerates
+methods (the benchmark mode among them) then picks it up.
+
+Example::
+
+    strategy = build_strategy(cfg, comm, total_steps=1000)
+    sorted(METHODS)     # ['allreduce', 'bmuf', 'kaldi', 'model_averaging']
+"""
+
+from __future__ import annotations
+
+import importlib
+
+#: ``parallel.method`` name -> module of :mod:`mpitrain.parallel` defining ``build``.
+METHODS = {
+    "model_averaging": "model_averaging",
+    "allreduce": "gradient_allreduce",
+    "kaldi": "kaldi_averaging",
+    "bmuf": "bmuf",
+}
+
+
+def build_strategy(cfg, comm, *, total_steps: int = 0):
+    """The strategy named by ``cfg.parallel.method``, over ``comm``."""
+    try:
+        module = METHODS[cfg.parallel.method]
+    except KeyError:
+        raise ValueError(f"parallel.method: unknown method {cfg.parallel.method!r}; "
+                         f"expected one of {', '.join(METHODS)}") from None
+    return importlib.import_module(f"{__package__}.{module}").build(
+        cfg, comm, total_steps=total_steps)
