@@ -183,18 +183,9 @@ def cmd_plot(args) -> int:
 
 
 def _limit_blas_threads(cfg, comm) -> None:
-    """Apply ``blas_threads`` (0: cores on this node divided by ranks on it; 1 on a
-    GPU, where the host's BLAS only sees the small matrices of NG-SGD's updates and
-    threads would cost more than they give)."""
-    threads = cfg.blas_threads
-    if threads == 0 and cfg.device == "gpu":
-        threads = 1
-    if threads == 0:
-        if any(v in os.environ for v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")):
-            return
-        threads = max(1, (os.cpu_count() or 1) // max(1, comm.local_size))
-    from threadpoolctl import threadpool_limits
-    threadpool_limits(threads)
+    """Apply ``blas_threads`` with the one thread policy (mpitrain.threads)."""
+    from .threads import apply_blas_threads
+    apply_blas_threads(cfg.blas_threads, device=cfg.device, ranks_on_node=comm.local_size)
 
 
 # -- parser ----------------------------------------------------------------------

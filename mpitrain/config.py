@@ -3,7 +3,7 @@
 Every field is declared once below with its type, default and allowed range.
 ``load_config`` rejects unknown keys, wrong types and out-of-range values with
 a one-line :class:`ConfigError` that names the file, the dotted key and what was
-expected.  This is the only module that imports yaml.
+expected.  YAML itself is read and written by :mod:`mpitrain.files`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
+from .files import parse_yaml, read_yaml, write_yaml, yaml_text
 from .parallel.registry import METHODS as STRATEGY_METHODS
 
 
@@ -227,16 +228,15 @@ def parse_overrides(overrides) -> dict:
     Values are parsed as YAML scalars, so ``true``, ``3`` and ``1e-3`` get their
     natural types.
     """
-    import yaml
     nested: dict = {}
     for item in overrides or ():
         if "=" not in item:
             raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. optimizer.momentum=0.9")
         key, text = item.split("=", 1)
         try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--set {key}: value {text!r} is not a YAML scalar") from exc
+            value = parse_yaml(text, where=f"--set {key}") if text.strip() else ""
+        except ValueError:
+            raise ConfigError(f"--set {key}: value {text!r} is not a YAML scalar") from None
         node = nested
         parts = key.strip().split(".")
         for part in parts[:-1]:
@@ -265,19 +265,14 @@ def load_config(path=None, overrides=()) -> RunConfig:
         cfg = load_config("jobs/configs/quickstart.yaml", ["training.epochs=1"])
         cfg.optimizer.name        # 'sgd'
     """
-    import yaml
     data: Any = {}
     where = f"{path}: " if path else ""
     if path is not None:
         try:
-            with open(path, encoding="utf-8") as fh:
-                data = yaml.safe_load(fh) or {}
-        except FileNotFoundError as exc:
-            raise ConfigError(f"{path}: config file not found") from exc
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            line = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}: not valid YAML{line}") from exc
+            data = read_yaml(path, what="config file")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        data = {} if data is None else data
     data = _merge(data, parse_overrides(overrides))
     cfg = from_dict(RunConfig, data, where=where)
     _cross_checks(cfg, where)
@@ -292,19 +287,15 @@ def config_from_dict(data: dict) -> RunConfig:
 
 
 def dump_config(cfg: RunConfig, path) -> None:
-    import yaml
-    with open(path, "w", encoding="utf-8") as fh:
-        yaml.safe_dump(cfg.to_dict(), fh, sort_keys=False)
+    write_yaml(path, cfg.to_dict())
 
 
 def config_to_yaml(cfg: RunConfig) -> str:
-    import yaml
-    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    return yaml_text(cfg.to_dict())
 
 
 def config_from_yaml(text: str) -> RunConfig:
-    import yaml
-    return config_from_dict(yaml.safe_load(text))
+    return config_from_dict(parse_yaml(text, where="stored config"))
 
 
 def reference_markdown() -> str:

@@ -14,11 +14,11 @@ utterance is done, so an error never leaves a partial archive behind.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 
 from . import backend
+from .files import commit, discard, temporary_path
 from .data.kaldi import read_feature_matrices
 from .data.splice import frame_utterance_bounds, splice, splice_indices
 from .nn.loss import log_softmax
@@ -95,7 +95,7 @@ class ArkWriter:
         if self.scp is not None and _is_stream(self.ark):
             raise ValueError(f"--out {wspec}: an scp needs the ark written to a file")
         self._targets = [p for p in (self.ark, self.scp) if p is not None and not _is_stream(p)]
-        self._tmp = {p: _temporary_name(p) for p in self._targets}
+        self._tmp = {p: temporary_path(p) for p in self._targets}
         self._files = []
         self._position = 0       # bytes written to the ark, for the scp offsets
         try:
@@ -128,15 +128,14 @@ class ArkWriter:
         """Flush and rename the files into place (the ark before its scp)."""
         self._close_files()
         for name in self._targets:
-            os.replace(self._tmp[name], name)
+            commit(self._tmp[name], name)
 
     def abort(self) -> None:
         """Close and delete whatever was written to files."""
         with contextlib.suppress(Exception):
             self._close_files()
         for name in self._targets:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(self._tmp[name])
+            discard(self._tmp[name])
 
     def _close_files(self) -> None:
         files, self._files = self._files, []
@@ -157,6 +156,3 @@ def _is_stream(name: str) -> bool:
     return name.strip() == "-" or name.strip().startswith("|") or name.strip().endswith("|")
 
 
-def _temporary_name(path: str) -> str:
-    directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.partial-{os.getpid()}")

@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from .files import atomic_path
+
 
 def h5py_module():
     try:
@@ -39,21 +41,10 @@ def atomic_h5_file(path):
             f["params"] = params
     """
     h5py = h5py_module()
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
+    with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             yield f
             f.flush()
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-        raise
 
 
 def open_h5_for_reading(path, what: str):

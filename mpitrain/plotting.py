@@ -15,6 +15,8 @@ import json
 import os
 from typing import Optional, Sequence
 
+from .files import atomic_path
+
 #: Record types the trainer writes; read_metrics always returns these keys.
 RECORD_TYPES = ("start", "train", "eval", "end")
 #: What the curves can be drawn against: frames seen (all ranks) or seconds.
@@ -160,5 +162,6 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
     parent = os.path.dirname(out_png)
     if parent:
         os.makedirs(parent, exist_ok=True)
-    fig.savefig(out_png, dpi=dpi)
+    with atomic_path(out_png) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
     return out_png

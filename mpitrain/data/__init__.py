@@ -12,11 +12,12 @@ Example::
 """
 
 from .check import check_corpus
-from .corpus import (CorpusError, CorpusManifest, CorpusWriter, ShardInfo, load_manifest,
+from .corpus import (CorpusError, CorpusManifest, ShardInfo, load_manifest,
                      write_manifest)
 from .kaldi import ImportReport, import_kaldi, read_alignments
 from .sharding import ShardSlice, assign_shards, plan_shards
 from .shards import ShardReader, write_shard
+from .writer import CorpusWriter
 from .splice import (apply_cmvn, cmvn_coefficients, frame_utterance_bounds, splice,
                      splice_indices)
 from .synthetic import SyntheticParams, synthesize

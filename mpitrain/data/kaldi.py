@@ -30,9 +30,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
-import yaml
 
-from .corpus import CorpusError, CorpusWriter
+from ..files import write_yaml
+from .corpus import CorpusError
+from .writer import CorpusWriter
 
 REPORT_NAME = "import-report.yaml"
 
@@ -563,8 +564,4 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
 
 
 def _write_report(report: ImportReport, out_dir: str) -> None:
-    path = os.path.join(str(out_dir), REPORT_NAME)
-    tmp = os.path.join(str(out_dir), f".{REPORT_NAME}.partial")
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(report.to_dict(), f, sort_keys=False)
-    os.replace(tmp, path)
+    write_yaml(os.path.join(str(out_dir), REPORT_NAME), report.to_dict())

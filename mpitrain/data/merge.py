@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import yaml
 
+from ..files import read_yaml, write_yaml
 from .corpus import (CorpusError, CorpusManifest, ShardInfo, load_manifest, manifest_path,
                      write_manifest)
 from .kaldi import REPORT_NAME
@@ -149,8 +149,7 @@ def merge_import_reports(parts) -> dict | None:
         path = os.path.join(str(part), REPORT_NAME)
         if not os.path.exists(path):
             return None
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
+        data = read_yaml(path, what="import report")
         if not isinstance(data, dict):
             raise CorpusError(f"{path}: expected a mapping of import report fields")
         reports.append((path, data))
@@ -200,7 +199,4 @@ def _check_unique_utterances(parts, manifests) -> None:
 
 
 def _write_yaml(path: str, data: dict) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.partial")
-    with open(tmp, "w", encoding="utf-8") as f:
-        yaml.safe_dump(data, f, sort_keys=False, default_flow_style=None, width=100)
-    os.replace(tmp, path)
+    write_yaml(path, data, flow_leaves=True)

@@ -27,6 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
+from ..files import commit, discard, temporary_path
 from .corpus import CorpusError
 
 FORMAT_VERSION = 1
@@ -56,17 +57,6 @@ def chunk_rows(feat_dim: int) -> int:
         chunk_rows(40)   # 3276 rows = 512 KiB of float32
     """
     return max(64, _CHUNK_BYTES // (4 * max(1, int(feat_dim))))
-
-
-def temporary_path(path: str) -> str:
-    """The name a file is written under before it is renamed into place.
-
-    Example::
-
-        temporary_path("out/shard-00000.h5")    # 'out/.shard-00000.h5.partial'
-    """
-    directory, name = os.path.split(path)
-    return os.path.join(directory, f".{name}.partial")
 
 
 def check_utterance(where: str, utt_id: str, feats, labels, feat_dim: int | None = None):
@@ -176,15 +166,14 @@ class ShardBuilder:
         self._file.flush()
         self._file.close()
         self._file = None
-        os.replace(self._tmp, self.path)
+        commit(self._tmp, self.path)
 
     def abort(self) -> None:
         """Discard the partial file."""
         if self._file is not None:
             self._file.close()
             self._file = None
-        if os.path.exists(self._tmp):
-            os.remove(self._tmp)
+        discard(self._tmp)
 
 
 def write_shard(path: str, utt_ids: Sequence[str], feats_list: Sequence, labels_list: Sequence,

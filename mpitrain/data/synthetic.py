@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .corpus import CorpusWriter
+from .writer import CorpusWriter
 from .splice import splice_indices
 
 NUM_UNITS = 40

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 
 from .. import backend
+from ..backend import get_array_module
 from .component import BufferCache, Component
 
 
@@ -86,7 +87,7 @@ class Affine(Component):
         return xt[:, :self.in_dim]
 
     def forward(self, x, *, out=None):
-        xp = _xp(x)
+        xp = get_array_module(x)
         batch = x.shape[0]
         x_in = self.input_view(batch, xp)
         if not _same_view(x, x_in):
@@ -97,7 +98,7 @@ class Affine(Component):
         return out
 
     def backward(self, dy, *, need_input_grad: bool = True):
-        xp = _xp(dy)
+        xp = get_array_module(dy)
         batch = dy.shape[0]
         dx = None
         if need_input_grad:
@@ -129,11 +130,6 @@ class Affine(Component):
     def spec(self) -> dict:
         return {"kind": self.kind, "in_dim": self.in_dim, "out_dim": self.out_dim,
                 "init_scale": self.init_scale, "zero_init": self.zero_init}
-
-
-def _xp(array):
-    from ..backend import get_array_module
-    return get_array_module(array)
 
 
 def _same_view(a, b) -> bool:

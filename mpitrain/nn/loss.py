@@ -6,7 +6,7 @@ Kaldi's meaning (per frame) and do not change with the minibatch size.
 
 from __future__ import annotations
 
-from .affine import _xp
+from ..backend import get_array_module
 from .kernels import softmax_xent_
 
 
@@ -30,7 +30,7 @@ class SoftmaxCrossEntropy:
         its running totals on the device and reads them once per log line.
         ``logits`` is overwritten (with the gradient when ``need_grad``).
         """
-        xp = _xp(logits)
+        xp = get_array_module(logits)
         sums = into if into is not None else xp.zeros(2, dtype=xp.float64)
         softmax_xent_(logits, labels, sums, need_grad=need_grad)
         self._grad = logits if need_grad else None
@@ -46,6 +46,6 @@ class SoftmaxCrossEntropy:
 
 def log_softmax(logits):
     """Row-wise log posteriors (a new array)."""
-    xp = _xp(logits)
+    xp = get_array_module(logits)
     shifted = logits - logits.max(axis=1, keepdims=True)
     return shifted - xp.log(xp.exp(shifted).sum(axis=1, keepdims=True))

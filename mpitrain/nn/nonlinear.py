@@ -6,7 +6,7 @@ and writes into reused buffers.
 
 from __future__ import annotations
 
-from .affine import _xp
+from ..backend import get_array_module
 from .component import BufferCache, Component
 from .kernels import relu_backward
 
@@ -21,7 +21,8 @@ class _Elementwise(Component):
 
     def _out(self, x, out, name="y"):
         if out is None:
-            out = self._buffers.get(name, (x.shape[0], self.out_dim), _xp(x), x.dtype)
+            out = self._buffers.get(name, (x.shape[0], self.out_dim), get_array_module(x),
+                                    x.dtype)
         return out
 
 
@@ -36,12 +37,12 @@ class ReLU(_Elementwise):
     kind = "relu"
 
     def forward(self, x, *, out=None):
-        xp = _xp(x)
+        xp = get_array_module(x)
         self._y = xp.maximum(x, 0, out=self._out(x, out))
         return self._y
 
     def backward(self, dy, *, need_input_grad: bool = True):
-        xp = _xp(dy)
+        xp = get_array_module(dy)
         dx = self._buffers.get("dx", dy.shape, xp, dy.dtype)
         # dy * (y > 0) without a float temporary: the mask is bool.
         mask = self._buffers.get("mask", dy.shape, xp, dtype="bool")
@@ -59,7 +60,7 @@ class Sigmoid(_Elementwise):
     kind = "sigmoid"
 
     def forward(self, x, *, out=None):
-        xp = _xp(x)
+        xp = get_array_module(x)
         y = self._out(x, out)
         xp.negative(x, out=y)
         xp.exp(y, out=y)
@@ -69,7 +70,7 @@ class Sigmoid(_Elementwise):
         return y
 
     def backward(self, dy, *, need_input_grad: bool = True):
-        xp = _xp(dy)
+        xp = get_array_module(dy)
         dx = self._buffers.get("dx", dy.shape, xp, dy.dtype)
         xp.subtract(1, self._y, out=dx)   # 1 - y
         dx *= self._y                     # y (1 - y)
@@ -100,7 +101,7 @@ class PNorm(Component):
         self._x = self._y = None
 
     def forward(self, x, *, out=None):
-        xp = _xp(x)
+        xp = get_array_module(x)
         n = x.shape[0]
         self._x = x
         grouped = x.reshape(n, self.out_dim, self.group) if x.flags.c_contiguous \
@@ -115,7 +116,7 @@ class PNorm(Component):
         return out
 
     def backward(self, dy, *, need_input_grad: bool = True):
-        xp = _xp(dy)
+        xp = get_array_module(dy)
         n = dy.shape[0]
         x = self._x.reshape(n, self.out_dim, self.group)
         y = self._y[:, :, None]
@@ -153,7 +154,7 @@ class Normalize(_Elementwise):
         self.target_rms = float(target_rms)
 
     def forward(self, x, *, out=None):
-        xp = _xp(x)
+        xp = get_array_module(x)
         self._x = x
         power = (x * x).sum(axis=1, keepdims=True) / (self.in_dim * self.target_rms ** 2)
         self._floored = power < self.FLOOR
@@ -163,7 +164,7 @@ class Normalize(_Elementwise):
         return y
 
     def backward(self, dy, *, need_input_grad: bool = True):
-        xp = _xp(dy)
+        xp = get_array_module(dy)
         f, x = self._f, self._x
         dot = (dy * x).sum(axis=1, keepdims=True)
         coef = xp.where(self._floored, 0, f ** 3 / (self.in_dim * self.target_rms ** 2))

@@ -9,7 +9,8 @@ import yaml
 
 from mpitrain.data import check as check_module
 from mpitrain.data.check import check_corpus
-from mpitrain.data.corpus import CorpusWriter, manifest_path
+from mpitrain.data.corpus import manifest_path
+from mpitrain.data.writer import CorpusWriter
 
 
 @pytest.fixture

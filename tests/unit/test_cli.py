@@ -82,7 +82,7 @@ def test_check_reports_problems_and_fails(tmp_path, capsys):
 
 def test_eval_rejects_a_mismatched_corpus(tmp_path, capsys):
     import numpy as np
-    from mpitrain.data.corpus import CorpusWriter
+    from mpitrain.data.writer import CorpusWriter
     from mpitrain.nn.model_file import save_model
     from mpitrain.nn.network import build_network
     net = build_network(feat_dim=5, num_classes=3, left_context=1, right_context=1,

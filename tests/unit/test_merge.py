@@ -8,7 +8,8 @@ import yaml
 
 from mpitrain.cli import main
 from mpitrain.data.check import check_corpus
-from mpitrain.data.corpus import CorpusError, CorpusWriter, load_manifest
+from mpitrain.data.corpus import CorpusError, load_manifest
+from mpitrain.data.writer import CorpusWriter
 from mpitrain.data.merge import merge_corpora, merge_import_reports, pooled_moments
 from mpitrain.data.shards import ShardReader
 

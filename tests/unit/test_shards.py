@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import yaml
 
-from mpitrain.data.corpus import (CorpusError, CorpusWriter, load_manifest, manifest_path)
+from mpitrain.data.corpus import CorpusError, load_manifest, manifest_path
+from mpitrain.data.writer import CorpusWriter
 from mpitrain.data.shards import ShardReader, chunk_rows, write_shard
 
 
@@ -188,7 +189,7 @@ def test_load_manifest_of_a_directory_without_corpus(tmp_path):
     with pytest.raises(CorpusError, match="corpus.yaml: not found"):
         load_manifest(str(tmp_path))
     (tmp_path / "corpus.yaml").write_text("feat_dim: [unclosed\n")
-    with pytest.raises(CorpusError, match="cannot be read as YAML"):
+    with pytest.raises(CorpusError, match="corpus.yaml: not valid YAML at line 2"):
         load_manifest(str(tmp_path))
 
 

@@ -23,7 +23,8 @@ import pytest
 import mpitrain
 from mpitrain.cli import main
 from mpitrain.data.check import check_corpus
-from mpitrain.data.corpus import CorpusError, CorpusWriter
+from mpitrain.data.corpus import CorpusError
+from mpitrain.data.writer import CorpusWriter
 from mpitrain.data.kaldi import import_kaldi, read_alignments, read_feature_matrices
 from mpitrain.data.shards import ShardReader, write_shard
 from mpitrain.nn.affine import Affine

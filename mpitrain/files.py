@@ -1,0 +1,172 @@
+"""Files the program writes appear whole or not at all, and YAML is read in one place.
+
+Every file is written under a hidden temporary name in its own directory,
+flushed to disk, renamed over the target and the directory entry flushed
+too, so a crash or a full disk leaves either the old file or the new one,
+never a half-written one; a failure removes the temporary file.
+:func:`atomic_open` serves files written through a handle, :func:`atomic_path`
+libraries that write by name (h5py, matplotlib).
+
+YAML is parsed with PyYAML's safe loader (no Python objects) extended to read
+numbers such as ``1e-3`` as numbers, as YAML 1.2 does; errors are one line
+naming the file.
+
+Example::
+
+    with atomic_open("run/notes.txt") as f:
+        f.write("done\\n")
+    write_yaml("corpus/corpus.yaml", {"feat_dim": 40})
+    read_yaml("corpus/corpus.yaml", what="corpus manifest")   # {'feat_dim': 40}
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+#: Accepted in YAML as floats besides PyYAML's forms: 1e-3, 5E+2, .5e1, 3.
+_FLOAT_1_2 = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)$")
+
+
+# -- writing whole files ---------------------------------------------------------------
+
+def temporary_path(path) -> str:
+    """A hidden name beside ``path`` for writing it (unique per process)."""
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    return os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+
+
+def _fsync_directory(directory: str) -> None:
+    with contextlib.suppress(OSError):       # not every file system allows it
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def commit(tmp: str, path) -> None:
+    """Flush ``tmp`` to disk and rename it over ``path`` (then flush the directory)."""
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.fspath(path))
+    _fsync_directory(os.path.dirname(os.path.abspath(os.fspath(path))))
+
+
+def discard(tmp: str) -> None:
+    """Remove a temporary file if it is there."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(tmp)
+
+
+@contextlib.contextmanager
+def atomic_path(path):
+    """Yield a temporary name to write ``path`` under; it becomes ``path`` on success.
+
+    Example::
+
+        with atomic_path("curves.png") as tmp:
+            fig.savefig(tmp, format="png")
+    """
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = temporary_path(path)
+    try:
+        yield tmp
+        commit(tmp, path)
+    except BaseException:
+        discard(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_open(path, mode: str = "w"):
+    """Open ``path`` for writing through a temporary file renamed into place on success.
+
+    Example::
+
+        with atomic_open("report.json") as f:
+            json.dump(report, f)
+    """
+    binary = "b" in mode
+    with atomic_path(path) as tmp:
+        with open(tmp, mode, **({} if binary else {"encoding": "utf-8"})) as fh:
+            yield fh
+
+
+# -- YAML ----------------------------------------------------------------------------
+
+def _loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """PyYAML's safe loader, with YAML 1.2's exponent floats (1e-3)."""
+
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2,
+                                 list("-+0123456789."))
+    return Loader
+
+
+_LOADER = None
+
+
+def parse_yaml(text: str, *, where: str = "YAML text"):
+    """The data of a YAML document; ValueError naming ``where`` (and the line) if bad.
+
+    Example::
+
+        parse_yaml("lr: 1e-3")      # {'lr': 0.001}
+    """
+    import yaml
+    global _LOADER
+    if _LOADER is None:
+        _LOADER = _loader()
+    loader = _LOADER(text)          # the safe loader above: builds no Python objects
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        raise ValueError(f"{where}: not valid YAML{line}") from None
+    finally:
+        loader.dispose()
+
+
+def read_yaml(path, *, what: str = "YAML file"):
+    """Parse a YAML file; one-line ValueError naming the file for every way it can fail.
+
+    Example::
+
+        read_yaml("jobs/configs/quickstart.yaml", what="config")
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: {what} not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: is a directory, expected a {what}") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: the {what} is not UTF-8 text (byte {exc.start})") from None
+    return parse_yaml(text, where=path)
+
+
+def yaml_text(data, *, flow_leaves: bool = False) -> str:
+    """YAML for plain data, keys in their order (``flow_leaves``: short lists on one line)."""
+    import yaml
+    return yaml.safe_dump(data, sort_keys=False, width=100,
+                          default_flow_style=None if flow_leaves else False)
+
+
+def write_yaml(path, data, *, flow_leaves: bool = False) -> str:
+    """Write ``data`` as YAML to ``path`` atomically; returns the path."""
+    with atomic_open(path) as fh:
+        fh.write(yaml_text(data, flow_leaves=flow_leaves))
+    return os.fspath(path)

@@ -1,0 +1,67 @@
+"""Whole-or-nothing writes and the one YAML reader."""
+
+import os
+
+import pytest
+
+from mpitrain.files import (atomic_open, atomic_path, parse_yaml, read_yaml, temporary_path,
+                            write_yaml)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temporary(tmp_path):
+    target = tmp_path / "notes.txt"
+    target.write_text("old\n")
+    with pytest.raises(RuntimeError):
+        with atomic_open(target) as fh:
+            fh.write("half")
+            raise RuntimeError("disk full")
+    assert target.read_text() == "old\n"
+    assert sorted(os.listdir(tmp_path)) == ["notes.txt"]
+    with atomic_open(target) as fh:
+        fh.write("new\n")
+    assert target.read_text() == "new\n" and sorted(os.listdir(tmp_path)) == ["notes.txt"]
+
+
+def test_atomic_path_writes_through_a_hidden_name_in_the_same_directory(tmp_path):
+    target = tmp_path / "sub" / "model.bin"
+    with atomic_path(target) as tmp:
+        assert os.path.dirname(tmp) == str(tmp_path / "sub") and tmp == temporary_path(target)
+        assert os.path.basename(tmp).startswith(".") and not target.exists()
+        with open(tmp, "wb") as fh:
+            fh.write(b"\x00\x01")
+    assert target.read_bytes() == b"\x00\x01" and not os.path.exists(tmp)
+
+
+def test_yaml_reads_exponent_numbers_as_numbers():
+    assert parse_yaml("lr: 1e-3\nb: 5E+2\nc: 2.5\nd: 7\ne: 1e5x\nf: '1e-3'") == \
+        {"lr": 0.001, "b": 500.0, "c": 2.5, "d": 7, "e": "1e5x", "f": "1e-3"}
+
+
+def test_yaml_never_builds_python_objects():
+    with pytest.raises(ValueError, match="not valid YAML"):
+        parse_yaml("!!python/object/apply:os.system ['echo unsafe']")
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "config not found"),
+    ("directory", "is a directory"),
+    (b"a: \xff\xfe\n", "not UTF-8"),
+    (b"a: [1, 2\n", "not valid YAML at line 2"),
+])
+def test_read_yaml_errors_are_one_line_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "run.yaml"
+    if content == "directory":
+        path.mkdir()
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        read_yaml(path, what="config")
+    text = str(info.value)
+    assert text.startswith(str(path)) and message in text and "\n" not in text
+
+
+def test_write_yaml_round_trip(tmp_path):
+    data = {"feat_dim": 40, "counts": [1, 2, 3], "name": "x"}
+    path = write_yaml(tmp_path / "c.yaml", data, flow_leaves=True)
+    assert read_yaml(path) == data
+    assert "[1, 2, 3]" in (tmp_path / "c.yaml").read_text()
