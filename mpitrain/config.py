@@ -273,6 +273,10 @@ def load_config(path=None, overrides=()) -> RunConfig:
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
         data = {} if data is None else data
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: expected a mapping of sections (data, model, "
+                              f"optimizer, ...) at the top level, got a "
+                              f"{type(data).__name__}")
     data = _merge(data, parse_overrides(overrides))
     cfg = from_dict(RunConfig, data, where=where)
     _cross_checks(cfg, where)

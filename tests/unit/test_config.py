@@ -97,3 +97,25 @@ def test_user_guide_documents_every_key():
     with open(os.path.join(REPO, "docs", "user-guide.md")) as fh:
         guide = fh.read()
     assert reference_markdown() in guide, "regenerate the table in docs/user-guide.md"
+
+
+@pytest.mark.parametrize("content,message", [
+    ("- a\n- b\n", "expected a mapping of sections"),
+    (b"optimizer:\n  name: \xff\n", "not UTF-8"),
+    ("optimizer: [1,\n", "not valid YAML at line 2"),
+])
+def test_bad_config_files_give_one_line_naming_the_file(tmp_path, content, message):
+    path = tmp_path / "run.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value).startswith(str(path)) and message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_exponent_numbers_are_numbers(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer:\n  initial_learning_rate: 1e-3\n  final_learning_rate: 1E-4\n")
+    cfg = load_config(str(path), ["optimizer.momentum=5e-1"])
+    assert cfg.optimizer.initial_learning_rate == 0.001
+    assert cfg.optimizer.final_learning_rate == 0.0001 and cfg.optimizer.momentum == 0.5
