@@ -112,8 +112,10 @@ def _number_list(text: str, flag: str, kind=int) -> tuple:
 
 
 def cmd_bench(args) -> int:
-    from .bench.mode import BenchOptions, run_bench, write_report
+    from .bench.mode import run_bench
+    from .bench.options import BenchOptions
     from .bench.projection import NetworkModel
+    from .bench.report import write_report
     from .config import load_config
     cfg = load_config(args.config, args.set)
     options = BenchOptions(

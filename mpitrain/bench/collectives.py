@@ -112,8 +112,10 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from mpitrain.comm import create_communicator
+    from mpitrain.comm.abort import install_abort_hook
     args = parse_args(argv)
     comm = create_communicator("mpi")
+    install_abort_hook(comm)     # a failing rank ends the job instead of hanging the others
     rows = run(comm, args)
     if comm.rank == 0:
         print(format_table(rows), flush=True)

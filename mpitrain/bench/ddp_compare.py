@@ -5,8 +5,8 @@ Launched with the same launcher as mpitrain::
     mpiexec -n 2 python -m mpitrain.bench.ddp_compare --model quickstart --rounds 15
 
 Every rank runs six contenders in interleaved rounds (order rotating every
-round), same model, same minibatches, same threads (``--threads`` BLAS and
-torch threads per rank):
+round, :func:`~mpitrain.bench.rounds.time_contenders`), same model, same
+minibatches, same threads (``--threads`` BLAS and torch threads per rank):
 
 - ``torch no comm``: an ``nn.Sequential`` of ``Linear`` + ``ReLU``, summed
   ``CrossEntropyLoss``, ``torch.optim.SGD``, every rank alone;
@@ -16,15 +16,20 @@ torch threads per rank):
   ``torch.distributed.algorithms.model_averaging.averagers.PeriodicModelAverager``
   every K steps;
 - ``mpitrain no comm``, ``mpitrain allreduce``, ``mpitrain averaging/K``: the
-  trainer's network, optimizer (SGD with max-change) and strategies.
+  trainer's own step (``TrainingStep`` through
+  :class:`~mpitrain.bench.steps.TrainerSteps`) with the trainer's network,
+  optimizer (SGD with max-change) and strategies.
 
-Both libraries train on the same pre-spliced minibatches (a pool per rank),
-so the comparison is about the model step and the communication, not
-splicing.  torch.distributed finds its peers from PMI_RANK / PMI_SIZE (set by
-the launcher), MASTER_ADDR 127.0.0.1 and MASTER_PORT: taken from the
-environment when set, otherwise a free port chosen by rank 0 and sent to the
-others over MPI.  PyTorch is a benchmark-only dependency: imported inside the
-functions that need it.
+Both libraries train on the same minibatches, taken in the same order from
+one synthetic chunk per rank.  mpitrain splices each minibatch from the
+unspliced chunk, as the trainer does; PyTorch's input is pre-spliced (a pool
+of contiguous minibatches, no gather), which favours PyTorch.
+
+torch.distributed finds its peers from PMI_RANK / PMI_SIZE (set by the
+launcher), MASTER_ADDR 127.0.0.1 and MASTER_PORT: taken from the environment
+when set, otherwise a free port chosen by rank 0 and sent to the others over
+MPI.  PyTorch is a benchmark-only dependency: imported inside the functions
+that need it.
 
 Example::
 
@@ -36,8 +41,10 @@ from __future__ import annotations
 
 import os
 
+from mpitrain.threads import BLAS_ENV
+
 # One BLAS thread per rank unless the caller says otherwise: set before numpy loads.
-for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+for _name in BLAS_ENV:
     os.environ.setdefault(_name, "1")
 
 import argparse  # noqa: E402
@@ -49,9 +56,12 @@ from typing import Optional, Sequence  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from .scaling import MODELS, ModelSize, synthetic_chunk, time_contenders  # noqa: E402
+from .models import PARALLEL_MODELS as MODELS  # noqa: E402
+from .models import ModelSpec, synthetic_chunk, torch_network  # noqa: E402
+from .rounds import time_contenders  # noqa: E402
+from .steps import TrainerSteps  # noqa: E402
 
-POOL_BATCHES = 16
+POOL_BATCHES = 16   # minibatches per rank, walked in turn by every contender
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -74,64 +84,30 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
-def minibatch_pool(size: ModelSize, rank: int, *, batches: int = POOL_BATCHES):
-    """Pre-spliced minibatches ``[(x (B, input_dim) float32, labels (B,) int32), ...]``."""
-    from mpitrain.data.splice import splice, splice_indices
-    b = size.minibatch
-    chunk, order = synthetic_chunk(size, batches * b, seed=11 + 7 * rank)
-    pool = []
-    for i in range(batches):
-        idx = order[i * b:(i + 1) * b]
-        ctx = splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx], size.context,
-                             size.context)
-        pool.append((np.ascontiguousarray(splice(chunk.feats, ctx)), chunk.labels[idx].copy()))
-    return pool
+# -- the data ---------------------------------------------------------------------------------
 
-
-# -- mpitrain ---------------------------------------------------------------------------------
-
-class MpitrainSteps:
-    """The trainer's network, optimizer and strategy (``method`` None: no communication).
+def rank_chunk(model: ModelSpec, rank: int, *, batches: int = POOL_BATCHES):
+    """This rank's synthetic chunk of ``batches`` minibatches, and its shuffled order.
 
     Example::
 
-        steps = MpitrainSteps(comm, MODELS["tiny"], "allreduce", pool)
-        steps.run(8)
+        chunk, order = rank_chunk(MODELS["tiny"], comm.rank)
     """
+    return synthetic_chunk(model, batches * model.minibatch, seed=11 + 7 * rank)
 
-    def __init__(self, comm, size: ModelSize, method: Optional[str], pool, *, every: int = 8):
-        from mpitrain.config import RunConfig
-        from mpitrain.nn.network import build_network
-        from mpitrain.optim.factory import build_optimizer
-        from mpitrain.parallel.base import Strategy
-        from mpitrain.parallel.registry import build_strategy
-        cfg = RunConfig()
-        cfg.model.hidden_layers, cfg.model.hidden_dim = size.hidden_layers, size.hidden_dim
-        cfg.training.minibatch = size.minibatch
-        cfg.parallel.average_every = every
-        self.lr = cfg.optimizer.initial_learning_rate
-        self.net = build_network(feat_dim=size.feat_dim, num_classes=size.num_classes,
-                                 left_context=size.context, right_context=size.context,
-                                 hidden_layers=size.hidden_layers, hidden_dim=size.hidden_dim)
-        self.net.init_params(seed=1)
-        self.optimizer = build_optimizer(cfg.optimizer, self.net)
-        if method is None:
-            self.strategy = Strategy(comm)
-        else:
-            cfg.parallel.method = method
-            self.strategy = build_strategy(cfg, comm)
-        self.strategy.setup(self.net, self.optimizer)
-        self.pool, self.step = pool, 0
 
-    def run(self, steps: int) -> None:
-        net, strategy, opt = self.net, self.strategy, self.optimizer
-        for _ in range(steps):
-            x, labels = self.pool[self.step % len(self.pool)]
-            net.forward_backward(x, labels)
-            strategy.reduce_gradients(net)
-            opt.step(strategy.learning_rate(self.lr, self.step))
-            self.step += 1
-            strategy.after_update(net, opt, self.step)
+def minibatch_pool(model: ModelSpec, chunk, order):
+    """The chunk's minibatches in ``order``, pre-spliced for PyTorch:
+    ``[(x (B, input_dim) float32, labels (B,) int32), ...]``."""
+    from mpitrain.data.splice import splice, splice_indices
+    b = model.minibatch
+    pool = []
+    for i in range(len(order) // b):
+        idx = order[i * b:(i + 1) * b]
+        ctx = splice_indices(idx, chunk.utt_start[idx], chunk.utt_end[idx],
+                             model.left_context, model.right_context)
+        pool.append((np.ascontiguousarray(splice(chunk.feats, ctx)), chunk.labels[idx].copy()))
+    return pool
 
 
 # -- PyTorch ----------------------------------------------------------------------------------
@@ -170,29 +146,22 @@ class TorchSteps:
         steps.run(8)
     """
 
-    def __init__(self, size: ModelSize, mode: str, pool, *, every: int = 8, lr: float = 0.004):
+    def __init__(self, model: ModelSpec, mode: str, pool, *, every: int = 8, lr: float = 0.004):
         import torch
         if mode not in ("local", "ddp", "averager"):
             raise ValueError(f"mode must be 'local', 'ddp' or 'averager', got {mode!r}")
         torch.manual_seed(1)
-        dims = [size.feat_dim * (2 * size.context + 1)] + [size.hidden_dim] * \
-            size.hidden_layers + [size.num_classes]
-        layers = []
-        for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
-            layers.append(torch.nn.Linear(d_in, d_out))
-            if i < len(dims) - 2:
-                layers.append(torch.nn.ReLU())
-        model = torch.nn.Sequential(*layers)
+        net = torch_network(model)
         self.averager = None
         if mode == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
+            net = torch.nn.parallel.DistributedDataParallel(net)
         elif mode == "averager":
             from torch.distributed.algorithms.model_averaging.averagers import (
                 PeriodicModelAverager)
             self.averager = PeriodicModelAverager(period=every, warmup_steps=0)
-        self.model = model
+        self.model = net
         self.loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        self.optimizer = torch.optim.SGD(net.parameters(), lr=lr)
         self.pool = [(torch.from_numpy(x), torch.from_numpy(y.astype(np.int64)))
                      for x, y in pool]
         self.step = 0
@@ -212,27 +181,33 @@ class TorchSteps:
 
 def run(comm, args: argparse.Namespace) -> dict:
     """Time all contenders; returns per-contender rows and mpitrain/torch ratios."""
-    size = MODELS[args.model]
+    model = MODELS[args.model]
     init_torch_distributed(comm, args.threads)
-    pool = minibatch_pool(size, comm.rank)
+    chunk, order = rank_chunk(model, comm.rank)
+    pool = minibatch_pool(model, chunk, order)
     k = args.every
     pairs = {  # method -> (mpitrain contender, torch contender)
         "no communication": ("mpitrain no comm", "torch no comm"),
         "allreduce": ("mpitrain allreduce", "torch DDP"),
         "model averaging": (f"mpitrain averaging/{k}", f"torch averager/{k}"),
     }
+
+    def ours(method, **kwargs):
+        # the initial rate at every step, as the PyTorch contenders keep theirs
+        return TrainerSteps(model, chunk, order, comm=comm, method=method, lr_decay=False,
+                            **kwargs).run
+
     contenders = {
-        "mpitrain no comm": MpitrainSteps(comm, size, None, pool).run,
-        "mpitrain allreduce": MpitrainSteps(comm, size, "allreduce", pool).run,
-        f"mpitrain averaging/{k}": MpitrainSteps(comm, size, "model_averaging", pool,
-                                                 every=k).run,
-        "torch no comm": TorchSteps(size, "local", pool).run,
-        "torch DDP": TorchSteps(size, "ddp", pool).run,
-        f"torch averager/{k}": TorchSteps(size, "averager", pool, every=k).run,
+        "mpitrain no comm": ours(None),
+        "mpitrain allreduce": ours("allreduce"),
+        f"mpitrain averaging/{k}": ours("model_averaging", every=k),
+        "torch no comm": TorchSteps(model, "local", pool).run,
+        "torch DDP": TorchSteps(model, "ddp", pool).run,
+        f"torch averager/{k}": TorchSteps(model, "averager", pool, every=k).run,
     }
     times = time_contenders(comm, contenders, rounds=args.rounds, steps=args.steps,
                             skip=args.skip)
-    frames = args.steps * size.minibatch * comm.size
+    frames = args.steps * model.minibatch * comm.size
     rates = {name: [frames / s for s in t["seconds"]] for name, t in times.items()}
     med = statistics.median
     rows = []
@@ -244,7 +219,7 @@ def run(comm, args: argparse.Namespace) -> dict:
                          if name.startswith("mpitrain") else None})
     ratios = {method: med(a / b for a, b in zip(rates[ours], rates[theirs]))
               for method, (ours, theirs) in pairs.items()}
-    return {"ranks": comm.size, "model": size.describe(), "every": k, "steps": args.steps,
+    return {"ranks": comm.size, "model": model.describe(), "every": k, "steps": args.steps,
             "rounds": args.rounds, "threads": args.threads, "rows": rows, "ratios": ratios,
             "per_round": times}
 
@@ -265,10 +240,12 @@ def format_result(result: dict) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from mpitrain.comm import create_communicator
+    from mpitrain.comm.abort import install_abort_hook
     args = parse_args(argv)
     from threadpoolctl import threadpool_limits
     threadpool_limits(args.threads)
     comm = create_communicator("auto")
+    install_abort_hook(comm)     # a failing rank ends the job instead of hanging the others
     result = run(comm, args)
     if comm.rank == 0:
         print(format_result(result), flush=True)

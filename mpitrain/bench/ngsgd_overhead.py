@@ -1,10 +1,10 @@
 """Step time of NG-SGD relative to plain SGD on the same model, in one run.
 
 Two copies of one model take the trainer's own step
-(:class:`~mpitrain.train.step.TrainingStep`, through the throughput
-benchmark's ``MpitrainSteps``), one with SGD and one with NG-SGD, on the same
-synthetic chunk in alternating rounds (so machine load hits both alike); the
-ratio of median step times is printed.  On a GPU each round starts and ends
+(:class:`~mpitrain.train.step.TrainingStep`, through
+:class:`~mpitrain.bench.steps.TrainerSteps`), one with SGD and one with
+NG-SGD, on the same synthetic chunk in alternating rounds (so machine load
+hits both alike); the ratio of median step times is printed.  On a GPU each round starts and ends
 with the GPU idle.
 
 Usage::
@@ -30,13 +30,14 @@ import numpy as np
 def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
             device="cpu", variant="online", cuda_graph: bool = False) -> dict:
     from .. import backend
-    from .throughput import ModelSpec, MpitrainSteps, synthetic_chunk
+    from .models import ModelSpec, synthetic_chunk
+    from .steps import TrainerSteps
     xp = backend.select(device)
     model = ModelSpec("ngsgd-overhead", hidden_layers=layers, hidden_dim=hidden,
                       num_classes=classes, minibatch=minibatch)
     chunk, perm = synthetic_chunk(model, max(20 * minibatch, 20_000))
-    runners = {name: MpitrainSteps(model, chunk, perm, xp=xp, optimizer=name,
-                                   ngsgd_variant=variant, cuda_graph=cuda_graph)
+    runners = {name: TrainerSteps(model, chunk, perm, xp=xp, optimizer=name,
+                                  ngsgd_variant=variant, cuda_graph=cuda_graph)
                for name in ("sgd", "ngsgd")}
 
     def run(name, n):

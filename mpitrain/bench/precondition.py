@@ -19,6 +19,8 @@ import os
 import sys
 import time
 
+from mpitrain.threads import BLAS_ENV
+
 
 def parse_model(text: str) -> list[tuple[int, int]]:
     """'440-4x2048-4000' -> the (in, out) dims of its affine layers.
@@ -96,7 +98,7 @@ def main(argv=None) -> int:
 
     if "numpy" in sys.modules:
         print("warning: numpy was imported before the thread count was set", file=sys.stderr)
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for var in BLAS_ENV:
         os.environ[var] = str(args.threads)
     import numpy as np
 

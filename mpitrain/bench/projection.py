@@ -18,6 +18,9 @@ by hand.  The model, for N ranks training a model of ``nbytes`` bytes:
   are never assumed to need fewer frames);
 - time-to-target speedup at N = throughput speedup / N ** b.
 
+:func:`project_method` applies the model to one method's figures as
+``mpitrain bench`` measured them.
+
 Example::
 
     net = NetworkModel(latency_s=5e-6, bandwidth_bytes_per_s=12.5e9)
@@ -157,6 +160,34 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
             "time_to_target_speedup": None if frames_ratio is None else thr / frames_ratio,
         })
     return rows
+
+
+def project_method(sizes: Sequence[int], *, measured_compute_seconds: float, num_params: int,
+                   sync_every: int, frames_to_target: Mapping[int, float],
+                   network: NetworkModel, compute_seconds: float = 0.0) -> dict:
+    """One method's projection from its measured figures, with what it assumed.
+
+    ``measured_compute_seconds``: compute per step on one rank;
+    ``compute_seconds`` > 0 replaces it (e.g. an assumed GPU step).  The
+    allreduce moves 4 bytes per parameter; the frames exponent is fitted to
+    ``frames_to_target`` (ranks -> frames, the sizes that reached the target).
+
+    Example::
+
+        project_method([1, 2, 16], measured_compute_seconds=0.015, num_params=812_664,
+                       sync_every=8, frames_to_target={1: 1e5, 2: 1.1e5},
+                       network=NetworkModel())["rows"][-1]["throughput_speedup"]
+    """
+    compute = compute_seconds or measured_compute_seconds
+    exponent = fit_frames_exponent(frames_to_target)
+    nbytes = 4 * num_params
+    return {"compute_seconds_per_step": compute,
+            "compute_seconds_source": "option" if compute_seconds else "measured on one rank",
+            "bytes_per_allreduce": nbytes, "sync_every_steps": sync_every,
+            "frames_exponent": exponent,
+            "rows": project_speedups(sizes, compute_seconds=compute, nbytes=nbytes,
+                                     sync_every=sync_every, network=network,
+                                     frames_exponent=exponent)}
 
 
 def assumptions(network: NetworkModel) -> list:

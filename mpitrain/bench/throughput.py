@@ -12,11 +12,12 @@ many; rates are medians over rounds and ratios medians of per-round ratios.
 At one thread, rates from the thread's CPU time are kept too: a process that
 is preempted does not accrue them.
 
-- mpitrain: the per-step work of ``Trainer.run`` on the same objects the
-  trainer builds (``build_network``, ``build_optimizer``, ``build_strategy``
-  with a one-rank communicator, the exponential schedule): minibatch indices
-  from a shuffled chunk, ``splice_indices`` + ``splice`` from unspliced frames,
-  ``forward_backward``, SGD with max-change.
+- mpitrain: the trainer's own step (``TrainingStep`` through
+  :class:`~mpitrain.bench.steps.TrainerSteps`) on the objects the trainer
+  builds (``build_network``, ``build_optimizer``, ``build_strategy`` with a
+  one-rank communicator, the exponential schedule): minibatch indices from a
+  shuffled chunk, splicing from unspliced frames, ``forward_backward``, SGD
+  with max-change.
 - PyTorch: ``nn.Sequential`` of ``Linear`` + ``ReLU``, ``CrossEntropyLoss``
   (summed), ``torch.optim.SGD``, fp32.  Its input is pre-spliced: minibatches
   are contiguous slices of a spliced copy of the chunk (no gather), which
@@ -40,62 +41,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
 
 from mpitrain.data.splice import splice, splice_indices
 
+from . import machine
+from .models import THROUGHPUT_MODELS as MODELS
+from .models import ModelSpec, synthetic_chunk, torch_network
+# the mpitrain contender is the trainer's step, as every benchmark runs it
+from .steps import TrainerSteps as MpitrainSteps
+
 METHODS = ("mpitrain", "torch", "gemm")
 SWITCH_PAUSE = 0.2   # seconds between contenders when BLAS runs several threads
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A benchmark model: spliced input, ReLU hidden layers, softmax output.
-
-    Example::
-
-        ModelSpec("tiny", hidden_layers=2, hidden_dim=64, num_classes=10,
-                  minibatch=32).layer_dims     # [440, 64, 64, 10]
-    """
-
-    name: str
-    hidden_layers: int
-    hidden_dim: int
-    num_classes: int
-    minibatch: int
-    feat_dim: int = 40
-    left_context: int = 5
-    right_context: int = 5
-    default_steps: int = 3   # timed steps per round: a fraction of a second
-
-    @property
-    def input_dim(self) -> int:
-        return self.feat_dim * (self.left_context + 1 + self.right_context)
-
-    @property
-    def layer_dims(self) -> list:
-        return [self.input_dim] + [self.hidden_dim] * self.hidden_layers + [self.num_classes]
-
-    def describe(self) -> str:
-        return (f"{self.input_dim}-{self.hidden_layers}x{self.hidden_dim}-{self.num_classes}, "
-                f"minibatch {self.minibatch}")
-
-
-MODELS = {
-    "quick": ModelSpec("quick", hidden_layers=3, hidden_dim=512, num_classes=120,
-                       minibatch=256, default_steps=5),
-    "small": ModelSpec("small", hidden_layers=4, hidden_dim=1024, num_classes=2000,
-                       minibatch=256, default_steps=3),
-    "large": ModelSpec("large", hidden_layers=4, hidden_dim=2048, num_classes=4000,
-                       minibatch=512, default_steps=1),
-}
 
 
 # -- FLOP accounting ---------------------------------------------------------------
@@ -226,124 +188,45 @@ def format_table(rows: Sequence[dict], *, markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-# -- synthetic data ----------------------------------------------------------------
-def synthetic_chunk(model: ModelSpec, frames: int, *, seed: int = 0):
-    """A normalised in-memory chunk with random utterance boundaries and labels.
-
-    Returns ``(chunk, perm)``: a :class:`~mpitrain.data.batcher.Chunk` as the
-    minibatch stream yields it, and a shuffled frame order.
-    """
-    from mpitrain.data.batcher import Chunk, ChunkSpec
-    from mpitrain.data.splice import frame_utterance_bounds
-
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(100, 1000, size=frames // 100 + 1)
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    offsets = offsets[offsets < frames]
-    offsets = np.append(offsets, frames)
-    start, end = frame_utterance_bounds(offsets)
-    feats = rng.standard_normal((frames, model.feat_dim), dtype=np.float32)
-    labels = rng.integers(0, model.num_classes, size=frames).astype(np.int32)
-    spec = ChunkSpec(0, 0, len(offsets) - 1, frames)
-    return Chunk(spec, feats, labels, start, end), rng.permutation(frames)
-
-
 # -- the contenders ----------------------------------------------------------------
-def _chunk_on(chunk, xp):
-    """The chunk's arrays on the device of ``xp`` (as the minibatch stream loads them)."""
+def step_pieces(stepper: MpitrainSteps, clock=time.perf_counter) -> dict:
+    """One step of ``stepper`` taken piece by piece as ``TrainingStep`` takes it
+    (eagerly), returning seconds spent in each piece (waiting for the GPU at
+    each boundary when there is one).
+
+    Example::
+
+        step_pieces(MpitrainSteps(model, chunk, order))["forward"]
+    """
     from mpitrain import backend
-    from mpitrain.data.batcher import Chunk
-    return Chunk(chunk.spec, *(backend.to_device(a, xp) for a in
-                               (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end)))
+    from mpitrain.data.splice import splice_batch_
 
+    def now():
+        backend.synchronize(stepper.xp)
+        return clock()
 
-class MpitrainSteps:
-    """The trainer's per-step work on a synthetic chunk: the same
-    :class:`~mpitrain.train.step.TrainingStep` that ``Trainer.run`` takes."""
-
-    def __init__(self, model: ModelSpec, chunk, perm, *, seed: int = 1, xp=np,
-                 optimizer: str = "sgd", ngsgd_variant: str = "online",
-                 cuda_graph: bool = False):
-        from mpitrain import backend
-        from mpitrain.comm.single import SingleCommunicator
-        from mpitrain.config import RunConfig
-        from mpitrain.nn.network import build_network
-        from mpitrain.optim.factory import build_optimizer
-        from mpitrain.optim.schedule import ExponentialSchedule
-        from mpitrain.parallel.registry import build_strategy
-        from mpitrain.train.step import TrainingStep
-
-        cfg = RunConfig()
-        cfg.model.hidden_layers, cfg.model.hidden_dim = model.hidden_layers, model.hidden_dim
-        cfg.training.minibatch = model.minibatch
-        cfg.data.left_context, cfg.data.right_context = model.left_context, model.right_context
-        cfg.optimizer.name = optimizer
-        cfg.optimizer.ngsgd.variant = ngsgd_variant
-        self.cfg, self.model, self.xp = cfg, model, xp
-        self.chunk, self.perm = _chunk_on(chunk, xp), backend.to_device(perm, xp)
-        self.net = build_network(
-            feat_dim=model.feat_dim, num_classes=model.num_classes,
-            left_context=model.left_context, right_context=model.right_context,
-            hidden_layers=model.hidden_layers, hidden_dim=model.hidden_dim,
-            nonlinearity="relu", xp=xp)
-        self.net.init_params(seed=seed)
-        self.batches = len(perm) // model.minibatch
-        self.planned_steps = 10 * self.batches   # lr decays as over 10 epochs of this chunk
-        self.optimizer = build_optimizer(cfg.optimizer, self.net)
-        self.strategy = build_strategy(cfg, SingleCommunicator(), total_steps=self.planned_steps)
-        self.strategy.setup(self.net, self.optimizer)
-        self.schedule = ExponentialSchedule(cfg.optimizer.initial_learning_rate,
-                                            cfg.optimizer.final_learning_rate)
-        self.training_step = TrainingStep(self.net, self.optimizer, self.strategy,
-                                          minibatch=model.minibatch,
-                                          left_context=model.left_context,
-                                          right_context=model.right_context,
-                                          cuda_graph=cuda_graph)
-        self.step_count = 0
-
-    def _next_batch(self):
-        b = self.model.minibatch
-        pos = self.step_count % self.batches
-        return self.chunk, self.perm[pos * b:(pos + 1) * b]
-
-    def step(self) -> None:
-        self.training_step.run(self.step_count,
-                               self.schedule(self.step_count / self.planned_steps),
-                               self._next_batch)
-        self.step_count += 1
-
-    def step_pieces(self, clock=time.perf_counter) -> dict:
-        """One step as :meth:`step`, returning seconds spent in each piece
-        (waiting for the GPU at each boundary when there is one)."""
-        from mpitrain import backend
-        from mpitrain.data.splice import splice_batch_
-
-        def now():
-            backend.synchronize(self.xp)
-            return clock()
-
-        ts = self.training_step
-        net = self.net
-        t0 = now()
-        chunk, idx = self._next_batch()
-        splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, ts.left, ts.right,
-                      out=ts.inputs, ctx=ts.ctx)
-        labels = chunk.labels[idx]
-        t1 = now()
-        logits = net.forward(ts.inputs)
-        t2 = now()
-        net.loss.forward(logits, labels, into=ts.sums)
-        dlogits = net.loss.backward()
-        t3 = now()
-        net.backward(dlogits)
-        t4 = now()
-        self.strategy.reduce_gradients(net)
-        self.optimizer.step(self.schedule(self.step_count / self.planned_steps))
-        self.step_count += 1
-        self.strategy.after_update(net, self.optimizer, self.step_count)
-        t5 = now()
-        return {"splice": t1 - t0, "forward": t2 - t1, "softmax_xent": t3 - t2,
-                "backward": t4 - t3, "optimizer": t5 - t4}
+    ts = stepper.training_step
+    net, strategy, optimizer = stepper.net, stepper.strategy, stepper.optimizer
+    t0 = now()
+    chunk, idx = stepper.next_batch()
+    splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, ts.left, ts.right,
+                  out=ts.inputs, ctx=ts.ctx)
+    labels = chunk.labels[idx]
+    t1 = now()
+    logits = net.forward(ts.inputs)
+    t2 = now()
+    net.loss.forward(logits, labels, into=ts.sums)
+    dlogits = net.loss.backward()
+    t3 = now()
+    net.backward(dlogits)
+    t4 = now()
+    strategy.reduce_gradients(net)
+    optimizer.step(stepper.learning_rate())
+    stepper.step_count += 1
+    strategy.after_update(net, optimizer, stepper.step_count)
+    t5 = now()
+    return {"splice": t1 - t0, "forward": t2 - t1, "softmax_xent": t3 - t2,
+            "backward": t4 - t3, "optimizer": t5 - t4}
 
 
 class TorchSteps:
@@ -358,14 +241,8 @@ class TorchSteps:
         import torch
 
         torch.manual_seed(seed)
-        dims = model.layer_dims
-        layers = []
-        for i, (d_in, d_out) in enumerate(zip(dims[:-1], dims[1:])):
-            layers.append(torch.nn.Linear(d_in, d_out))
-            if i < len(dims) - 2:
-                layers.append(torch.nn.ReLU())
         self.torch, self.model, self.device, self.precision = torch, model, device, precision
-        self.net = torch.nn.Sequential(*layers).to(device)
+        self.net = torch_network(model).to(device)
         self.loss_fn = torch.nn.CrossEntropyLoss(reduction="sum")
         self.optimizer = torch.optim.SGD(self.net.parameters(), lr=0.002)
         # Splice the chunk once in shuffled order; a minibatch is then a free view.
@@ -496,14 +373,6 @@ def _time_round(stepper, steps: int, *, pause: float = 0.0, sync=None) -> tuple:
     return time.perf_counter() - wall, time.thread_time() - cpu
 
 
-def _import_torch():
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch
-
-
 TORCH_MISSING = ("PyTorch is not installed, so only mpitrain and the GEMM bound are measured. "
                  "Install it with `pip install torch` (CPU wheel: "
                  "`pip install torch --index-url https://download.pytorch.org/whl/cpu`).")
@@ -525,7 +394,7 @@ def measure(model: ModelSpec, threads: int, *, steps: int, rounds: int, warmup: 
 
     xp = backend.select(device)
     backend.set_precision(xp, precision)
-    torch = _import_torch() if use_torch else None
+    torch = machine.import_torch() if use_torch else None
     if torch is not None and device == "gpu" and not torch.cuda.is_available():
         torch = None
     chunk, perm = synthetic_chunk(model, frames)
@@ -594,36 +463,8 @@ def _where(device: str, threads: int) -> str:
 
 
 def _time_pieces(stepper: MpitrainSteps, steps: int, clock) -> dict:
-    samples = [stepper.step_pieces(clock) for _ in range(max(steps, 1))]
+    samples = [step_pieces(stepper, clock) for _ in range(max(steps, 1))]
     return {k: 1e3 * statistics.median(s[k] for s in samples) for k in samples[0]}
-
-
-def machine_info(device: str = "cpu") -> dict:
-    """CPU model, core count, numpy's BLAS, PyTorch; GPU, driver and CuPy on a GPU."""
-    from threadpoolctl import threadpool_info
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    blas = [{"internal_api": i.get("internal_api"), "version": i.get("version"),
-             "architecture": i.get("architecture"), "threading_layer": i.get("threading_layer")}
-            for i in threadpool_info()
-            if i.get("user_api") == "blas" and "numpy" in (i.get("filepath") or "")]
-    torch = _import_torch()
-    info = {"cpu": cpu, "cores": os.cpu_count(), "numpy": np.__version__,
-            "numpy_blas": blas[0] if blas else None,
-            "torch": torch.__version__ if torch is not None else None,
-            "python": sys.version.split()[0]}
-    if device == "gpu":
-        from mpitrain import backend
-        info.update(backend.device_info(backend.select("gpu")))
-    return info
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
@@ -706,7 +547,7 @@ def run(args: argparse.Namespace, *, log=None) -> list:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    info = machine_info(args.device)
+    info = machine.machine_info(args.device)
     if info["torch"] is None and not args.no_torch:
         print(TORCH_MISSING, file=sys.stderr)
     blas = info["numpy_blas"] or {}

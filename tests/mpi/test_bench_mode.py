@@ -7,9 +7,9 @@ import math
 import numpy as np
 import pytest
 
-from mpitrain.bench import mode
-from mpitrain.bench.mode import (BenchOptions, default_sizes, eval_interval_per_rank,
-                                 first_crossing, throughput_from_records)
+from mpitrain.bench import options as bench_options
+from mpitrain.bench.options import BenchOptions, default_sizes
+from mpitrain.bench.phases import eval_interval_per_rank, first_crossing, throughput_from_records
 from mpitrain.bench.projection import NetworkModel, project_speedups
 from mpitrain.parallel import registry
 from mpitrain.testing.mpirun import run_mpi
@@ -183,7 +183,7 @@ def test_methods_come_from_the_strategy_registry(monkeypatch):
     monkeypatch.setitem(registry.METHODS, "ring_mix", registry.METHODS["model_averaging"])
     assert "ring_mix" in BenchOptions().resolve(2)[1]
     assert BenchOptions(methods=("ring_mix",)).methods == ("ring_mix",)
-    assert mode.METHODS is registry.METHODS
+    assert bench_options.METHODS is registry.METHODS
 
 
 def test_bad_options_name_the_option():

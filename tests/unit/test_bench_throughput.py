@@ -5,13 +5,39 @@ import json
 import numpy as np
 import pytest
 
+from mpitrain.bench import machine
 from mpitrain.bench import throughput as tp
-from mpitrain.bench.throughput import (MODELS, GemmSteps, ModelSpec, flops_per_frame,
-                                       format_table, gemm_flops, layer_gemms, parse_args,
-                                       summarize)
+from mpitrain.bench.models import PARALLEL_MODELS, THROUGHPUT_MODELS, ModelSpec, synthetic_chunk
+from mpitrain.bench.steps import TrainerSteps
+from mpitrain.bench.throughput import (MODELS, GemmSteps, flops_per_frame, format_table,
+                                       gemm_flops, layer_gemms, parse_args, summarize)
 
 TINY = ModelSpec("tiny", hidden_layers=2, hidden_dim=16, num_classes=7, minibatch=8,
                  feat_dim=3, left_context=1, right_context=1, default_steps=1)
+
+
+def test_each_command_keeps_its_model_names_and_sizes():
+    assert tp.MODELS is THROUGHPUT_MODELS
+    assert {n: m.describe() for n, m in THROUGHPUT_MODELS.items()} == {
+        "quick": "440-3x512-120, minibatch 256", "small": "440-4x1024-2000, minibatch 256",
+        "large": "440-4x2048-4000, minibatch 512"}
+    # scaling and ddp_compare: "large" has long been the smaller model there
+    assert {n: m.describe() for n, m in PARALLEL_MODELS.items()} == {
+        "tiny": "440-2x64-32, minibatch 64", "quickstart": "440-3x512-120, minibatch 256",
+        "large": "440-4x1024-2000, minibatch 256"}
+
+
+def test_synthetic_chunk_is_a_chunk_of_whole_utterances():
+    chunk, order = synthetic_chunk(TINY, 1000, seed=5)
+    again, same = synthetic_chunk(TINY, 1000, seed=5)
+    assert np.array_equal(chunk.feats, again.feats) and np.array_equal(order, same)
+    assert chunk.feats.shape == (1000, TINY.feat_dim) and chunk.feats.dtype == np.float32
+    assert chunk.labels.min() >= 0 and chunk.labels.max() < TINY.num_classes
+    assert sorted(order) == list(range(1000))
+    # every frame lies inside its utterance, and the last utterance ends at the chunk's end
+    frames = np.arange(1000)
+    assert np.all(chunk.utt_start <= frames) and np.all(frames < chunk.utt_end)
+    assert chunk.utt_end[-1] == 1000
 
 
 def _by_hand(dims):
@@ -138,8 +164,9 @@ def test_measure_runs_the_trainer_step_without_torch():
 
 
 def test_mpitrain_step_trains_the_model():
-    chunk, perm = tp.synthetic_chunk(TINY, 64)
-    steps = tp.MpitrainSteps(TINY, chunk, perm)
+    chunk, perm = synthetic_chunk(TINY, 64)
+    steps = TrainerSteps(TINY, chunk, perm)
+    assert tp.MpitrainSteps is TrainerSteps      # the contender is the shared step
     before = steps.net.params.copy()
     steps.step()
     steps.step()
@@ -148,12 +175,12 @@ def test_mpitrain_step_trains_the_model():
     loss_sum, _, frames = steps.training_step.take_sums()
     assert loss_sum > 0 and frames == 2 * TINY.minibatch
     # minibatches walk through the shuffled order
-    assert np.array_equal(steps._next_batch()[1], perm[2 * TINY.minibatch:3 * TINY.minibatch])
+    assert np.array_equal(steps.next_batch()[1], perm[2 * TINY.minibatch:3 * TINY.minibatch])
 
 
 def test_main_without_torch_reports_mpitrain_and_gemm(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(tp, "MODELS", {"tiny": TINY})
-    monkeypatch.setattr(tp, "_import_torch", lambda: None)
+    monkeypatch.setattr(machine, "import_torch", lambda: None)
     out = tmp_path / "rows.json"
     assert tp.main(["--models", "tiny", "--threads", "1", "--rounds", "1", "--frames", "100",
                     "--json", str(out)]) == 0

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from mpitrain.bench.projection import (NetworkModel, fit_frames_exponent, project_speedups,
-                                       ring_allreduce_seconds, step_seconds,
+from mpitrain.bench.projection import (NetworkModel, fit_frames_exponent, project_method,
+                                       project_speedups, ring_allreduce_seconds, step_seconds,
                                        throughput_speedup)
 
 # The hand-computed case: 1,000,000 float32 parameters (4,000,000 bytes), links of
@@ -74,6 +74,27 @@ def test_projected_rows_by_hand():
     rows = project_speedups([16], compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=SYNC,
                             network=NET, frames_exponent=None)
     assert rows[0]["time_to_target_speedup"] is None
+
+
+def test_method_projection_from_measured_figures():
+    # 1,000,000 parameters are the 4,000,000 bytes of the hand-computed case
+    frames = {1: 100.0, 2: 120.0}          # b = log 1.2 / log 2, as above
+    proj = project_method([1, 4, 16], measured_compute_seconds=COMPUTE,
+                          num_params=1_000_000, sync_every=SYNC, frames_to_target=frames,
+                          network=NET)
+    assert proj["compute_seconds_per_step"] == COMPUTE
+    assert proj["compute_seconds_source"] == "measured on one rank"
+    assert proj["bytes_per_allreduce"] == NBYTES and proj["sync_every_steps"] == SYNC
+    assert proj["frames_exponent"] == pytest.approx(math.log(1.2) / math.log(2))
+    assert proj["rows"][2]["throughput_speedup"] == pytest.approx(14.578588, rel=1e-6)
+    assert proj["rows"][2]["time_to_target_speedup"] == pytest.approx(7.030569, rel=1e-6)
+    # a stated compute time replaces the measured one; no crossing: throughput only
+    proj = project_method([16], measured_compute_seconds=1.0, num_params=1_000_000,
+                          sync_every=SYNC, frames_to_target={}, network=NET,
+                          compute_seconds=COMPUTE)
+    assert proj["compute_seconds_source"] == "option" and proj["frames_exponent"] is None
+    assert proj["rows"][0]["throughput_speedup"] == pytest.approx(14.578588, rel=1e-6)
+    assert proj["rows"][0]["time_to_target_speedup"] is None
 
 
 def test_network_model_rejects_bad_values():

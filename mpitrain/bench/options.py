@@ -1,0 +1,120 @@
+"""What ``mpitrain bench`` measures: group sizes, methods, phases and every budget.
+
+:class:`BenchOptions` is checked when it is made, so a bad option stops the
+command with one line naming it before any rank trains.  Methods come from
+the strategy registry (:data:`mpitrain.parallel.registry.METHODS`), so a new
+strategy is benchmarked without changes here.
+
+Example::
+
+    options = BenchOptions(sizes=(1, 2, 4), methods=("model_averaging", "bmuf"),
+                           target_accuracy=0.5, max_seconds=120)
+    sizes, methods = options.resolve(world_size=4)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..parallel.registry import METHODS
+from .projection import NetworkModel
+
+DEFAULT_PROJECT_TO = (16, 32, 64, 128)
+PHASES = ("throughput", "accuracy")
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What to measure; every budget keeps each run finite.
+
+    ``sizes``/``methods`` empty: powers of two up to the world size (and the
+    world size), every registered method.  ``eval_frames``: total frames (all
+    ranks) between held-out evaluations; 0: ``training.eval_interval`` of the
+    config, or 1/20 of an epoch.  ``max_steps`` (per rank), ``max_frames``
+    (all ranks) and ``max_seconds`` (training time) cap each time-to-accuracy
+    run on top of the config's epochs; 0: no cap.  ``repeats``: throughput
+    runs per method and size (the median is kept).  ``compute_seconds``:
+    per-step compute time used by the projection instead of the measured one.
+
+    Example::
+
+        BenchOptions(sizes=(1, 2, 4), methods=("model_averaging", "bmuf"),
+                     target_accuracy=0.5, max_seconds=120)
+    """
+
+    sizes: tuple = ()
+    methods: tuple = ()
+    target_accuracy: Optional[float] = None
+    phases: tuple = PHASES
+    throughput_steps: int = 40
+    repeats: int = 1
+    warmup_steps: int = 10
+    eval_frames: int = 0
+    max_steps: int = 0
+    max_frames: int = 0
+    max_seconds: float = 0.0
+    project_to: tuple = DEFAULT_PROJECT_TO
+    network: NetworkModel = field(default_factory=NetworkModel)
+    compute_seconds: float = 0.0
+
+    def __post_init__(self):
+        if any(int(n) != n or n < 1 for n in self.sizes):
+            raise ValueError(f"--sizes: expected positive integers, got {list(self.sizes)}")
+        if self.sizes and 1 not in self.sizes:
+            raise ValueError(f"--sizes: must include 1 (speedups are relative to one rank), "
+                             f"got {list(self.sizes)}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"--methods: unknown {', '.join(unknown)}; expected some of "
+                             f"{', '.join(METHODS)}")
+        bad_phases = [p for p in self.phases if p not in PHASES]
+        if bad_phases or not self.phases:
+            raise ValueError(f"--phases: expected some of {', '.join(PHASES)}, "
+                             f"got {list(self.phases)}")
+        if self.target_accuracy is not None and not 0 < self.target_accuracy < 1:
+            raise ValueError(f"--target-accuracy: expected a frame accuracy in (0, 1), "
+                             f"got {self.target_accuracy}")
+        for name in ("throughput_steps", "warmup_steps", "repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
+        for name in ("eval_frames", "max_steps", "max_frames", "max_seconds",
+                     "compute_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)}")
+        if any(int(n) != n or n < 2 for n in self.project_to):
+            raise ValueError(f"--project-to: expected integers >= 2, got {list(self.project_to)}")
+
+    def resolve(self, world_size: int) -> tuple:
+        """(sizes, methods) for a world of ``world_size`` ranks."""
+        sizes = tuple(sorted(set(self.sizes))) if self.sizes else default_sizes(world_size)
+        if sizes[-1] > world_size:
+            raise ValueError(f"--sizes: {sizes[-1]} ranks asked for, but the job has "
+                             f"{world_size}; launch with mpiexec -n {sizes[-1]} or more")
+        return sizes, tuple(self.methods) or tuple(METHODS)
+
+    @property
+    def measures_accuracy(self) -> bool:
+        return "accuracy" in self.phases and self.target_accuracy is not None
+
+    def to_dict(self) -> dict:
+        """The options a report records (JSON-able: tuples as lists)."""
+        out = {k: getattr(self, k) for k in (
+            "target_accuracy", "phases", "throughput_steps", "warmup_steps", "repeats",
+            "eval_frames",
+            "max_steps", "max_frames", "max_seconds", "project_to", "compute_seconds")}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
+
+
+def default_sizes(world_size: int) -> tuple:
+    """Powers of two up to ``world_size``, and ``world_size`` itself.
+
+    Example::
+
+        default_sizes(6)     # (1, 2, 4, 6)
+    """
+    sizes, n = [], 1
+    while n <= world_size:
+        sizes.append(n)
+        n *= 2
+    return tuple(sorted(set(sizes + [world_size])))

@@ -1,0 +1,316 @@
+"""The two measured phases of ``mpitrain bench``, each a run of the trainer on one group.
+
+1. Throughput (:func:`throughput_phase`, :func:`measure_throughput`): a fixed
+   number of steps without held-out evaluation; frames/s in total and per
+   rank, and the share of each step spent inside the communicator (waiting
+   for a slower rank included) versus computing, from the trainer's own
+   progress windows with the first (warm-up) dropped.
+2. Time to accuracy (:func:`time_to_accuracy`): training with the config's
+   schedule and epochs until the held-out frame accuracy reaches the target
+   or a budget runs out.  Frames and training seconds (evaluations and
+   checkpoints excluded, :class:`BenchTrainer`) at the target are
+   interpolated linearly between the two evaluations around the first
+   crossing.  Evaluations are placed at sync points of the method, so they
+   see the model all ranks agree on.
+
+Each run is the trainer itself (``Trainer.run``, the one ``TrainingStep``),
+configured by a validated copy of the user's config.
+
+Example::
+
+    rows = throughput_phase(cfg, group, methods=("bmuf",), options=BenchOptions(),
+                            out_dir="runs/b")
+    row = time_to_accuracy(cfg, group, method="bmuf", run_dir="runs/b/a-bmuf-n2",
+                           options=BenchOptions(target_accuracy=0.4), sync_period=8,
+                           steps_per_epoch_1=1400)
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import time
+from typing import Optional, Sequence
+
+from ..config import config_from_dict
+from ..parallel.registry import build_strategy
+from ..train.trainer import Trainer
+from .options import BenchOptions
+
+#: Evaluations per epoch (of the one-rank run) when neither option nor config says.
+DEFAULT_EVALS_PER_EPOCH = 20
+
+
+def _with(cfg, **dotted):
+    """A validated copy of ``cfg`` with ``section__key=value`` replaced."""
+    data = cfg.to_dict()
+    for key, value in dotted.items():
+        node = data
+        *parents, leaf = key.split("__")
+        for part in parents:
+            node = node[part]
+        node[leaf] = value
+    return config_from_dict(data)
+
+
+class BenchTrainer(Trainer):
+    """The trainer, timing what is not training and stopping at the target.
+
+    Training seconds exclude held-out evaluations and checkpoints; each
+    evaluation is recorded as a point (step, frames, seconds, accuracy).
+
+    Example::
+
+        trainer = BenchTrainer(cfg, run_dir="runs/b", comm=group, target=0.6)
+        trainer.run()
+        trainer.points[-1]["dev_acc"]
+    """
+
+    def __init__(self, cfg, *, target: Optional[float] = None, max_seconds: float = 0.0,
+                 **kwargs):
+        super().__init__(cfg, **kwargs)
+        self.target, self.max_seconds = target, max_seconds
+        self.points, self.stop_reason = [], None
+        self.outside_seconds, self._t0 = 0.0, None
+
+    def training_seconds(self) -> float:
+        return time.perf_counter() - self._t0 - self.outside_seconds
+
+    def run(self) -> dict:
+        self._t0 = time.perf_counter()
+        return super().run()
+
+    def evaluate(self) -> dict:
+        self.comm.barrier()       # the slowest rank's training time counts
+        start = time.perf_counter()
+        seconds = start - self._t0 - self.outside_seconds
+        result = super().evaluate()
+        self.outside_seconds += time.perf_counter() - start
+        if result:
+            self.points.append({"step": self.step, "frames": self.frames_seen,
+                                "seconds": seconds, "dev_acc": float(result["dev_acc"]),
+                                "dev_xent": float(result["dev_xent"])})
+        return result
+
+    def save_checkpoint(self) -> None:
+        start = time.perf_counter()
+        super().save_checkpoint()
+        self.outside_seconds += time.perf_counter() - start
+
+    def on_eval(self, result: dict) -> bool:
+        reached = self.target is not None and result.get("dev_acc", 0.0) >= self.target
+        late = bool(self.max_seconds) and self.training_seconds() >= self.max_seconds
+        # clocks differ between ranks: agree, or some ranks would train on alone
+        flags = self.comm.allreduce_scalar(int(reached) * 2 + int(late), op="max")
+        if flags:
+            self.stop_reason = "target" if flags >= 2 else "max_seconds"
+        return bool(flags)
+
+
+def _run_trainer(cfg, group, run_dir: str, **kwargs):
+    """Build, run and close one trainer; rank 0 of the group logs into ``run_dir``."""
+    log = None
+    if group.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        log = open(os.path.join(run_dir, "train.log"), "w", encoding="utf-8")
+    try:
+        trainer = BenchTrainer(cfg, run_dir=run_dir, comm=group, stream=log, **kwargs)
+        try:
+            result = trainer.run()
+        finally:
+            trainer.close()
+    finally:
+        if log is not None:
+            log.close()
+    if group.rank == 0:
+        # keep the metrics and log; models and checkpoints of a benchmark are not needed
+        for path in glob.glob(os.path.join(run_dir, "ckpt-*.h5")) + \
+                [os.path.join(run_dir, "final.h5")]:
+            if os.path.exists(path):
+                os.remove(path)
+    return trainer, result
+
+
+def _records(run_dir: str, kind: str) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        return [r for r in map(json.loads, fh) if r.get("type") == kind]
+
+
+def throughput_from_records(records: Sequence[dict], *, ranks: int) -> dict:
+    """Frames/s and compute/communication split from the trainer's progress records,
+    dropping the first window (warm-up).
+
+    Each record covers the steps since the previous one: its frames are the
+    difference of the cumulative ``frames``, its seconds those frames over its
+    ``frames_per_sec``, its communication seconds ``comm_fraction`` of that.
+
+    Example::
+
+        throughput_from_records(_records(run_dir, "train"), ranks=2)["frames_per_sec"]
+    """
+    if len(records) < 2:
+        raise ValueError("throughput: need at least two progress records (warm-up and one "
+                         f"measured window), got {len(records)}")
+    frames = seconds = comm = steps = 0.0
+    for prev, rec in zip(records, records[1:]):
+        window = rec["frames"] - prev["frames"]
+        elapsed = window / rec["frames_per_sec"]
+        frames += window
+        seconds += elapsed
+        comm += rec["comm_fraction"] * elapsed
+        steps += rec["step"] - prev["step"]
+    comm_fraction = comm / seconds
+    step_s = seconds / steps
+    return {"frames_per_sec": frames / seconds, "frames_per_sec_per_rank": frames / seconds / ranks,
+            "measured_steps": int(steps), "measured_seconds": seconds,
+            "step_seconds": step_s, "comm_fraction": comm_fraction,
+            "compute_seconds_per_step": step_s * (1 - comm_fraction),
+            "comm_seconds_per_step": step_s * comm_fraction}
+
+
+def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchOptions) -> dict:
+    """Phase 1 for one method on ``group``; the dict is complete on group rank 0.
+
+    Example::
+
+        row = measure_throughput(cfg, group, method="bmuf", run_dir="runs/b/t-bmuf-n2",
+                                 options=BenchOptions())
+    """
+    steps = options.warmup_steps + options.throughput_steps
+    run_cfg = _with(cfg, parallel__method=method, data__dev="", training__max_steps=steps,
+                    training__epochs=1000.0, training__log_interval=options.warmup_steps,
+                    training__checkpoint_interval=0)
+    trainer, _ = _run_trainer(run_cfg, group, run_dir)
+    row = {"method": method, "ranks": group.size, "minibatch": run_cfg.training.minibatch,
+           "num_params": int(trainer.net.num_params),
+           "sync_period": int(trainer.strategy.sync_period), "run_dir": run_dir}
+    if group.rank == 0:
+        row.update(throughput_from_records(_records(run_dir, "train"), ranks=group.size))
+    return row
+
+
+def eval_interval_per_rank(total_frames: int, *, ranks: int, minibatch: int,
+                           sync_period: int) -> int:
+    """Frames per rank between evaluations: ``total_frames`` shared by the ranks,
+    rounded up to whole sync periods so each evaluation sees the agreed model.
+
+    Example::
+
+        eval_interval_per_rank(20000, ranks=2, minibatch=256, sync_period=8)   # 10240
+    """
+    block = minibatch * sync_period
+    return max(1, math.ceil(total_frames / ranks / block)) * block
+
+
+def first_crossing(points: Sequence[dict], target: float) -> Optional[dict]:
+    """Frames and seconds where accuracy first reaches ``target``, interpolated
+    linearly between the evaluation before and the first one at or above it.
+
+    The first evaluation already at the target gives its own figures (an upper
+    bound, ``interpolated`` False).  None when the target is never reached.
+
+    Example::
+
+        first_crossing([{"frames": 100, "seconds": 1.0, "dev_acc": 0.2},
+                        {"frames": 200, "seconds": 2.0, "dev_acc": 0.6}], 0.4)
+        # {'frames': 150.0, 'seconds': 1.5, 'interpolated': True, ...}
+    """
+    prev = None
+    for point in points:
+        if point["dev_acc"] >= target:
+            if prev is None:
+                return {"frames": float(point["frames"]), "seconds": float(point["seconds"]),
+                        "interpolated": False, "eval_step": point.get("step")}
+            frac = (target - prev["dev_acc"]) / (point["dev_acc"] - prev["dev_acc"])
+            return {"frames": prev["frames"] + frac * (point["frames"] - prev["frames"]),
+                    "seconds": prev["seconds"] + frac * (point["seconds"] - prev["seconds"]),
+                    "interpolated": True, "eval_step": point.get("step")}
+        prev = point
+    return None
+
+
+def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOptions,
+                     sync_period: int, steps_per_epoch_1: int) -> dict:
+    """Phase 2 for one method on ``group``; the dict is complete on group rank 0.
+
+    Example::
+
+        row = time_to_accuracy(cfg, group, method="kaldi", run_dir="runs/b/a-kaldi-n2",
+                               options=BenchOptions(target_accuracy=0.4), sync_period=8,
+                               steps_per_epoch_1=1400)
+    """
+    batch, n = cfg.training.minibatch, group.size
+    total_between = options.eval_frames or cfg.training.eval_interval or max(
+        batch, steps_per_epoch_1 * batch // DEFAULT_EVALS_PER_EPOCH)
+    interval = eval_interval_per_rank(total_between, ranks=n, minibatch=batch,
+                                      sync_period=sync_period)
+    caps = [c for c in (cfg.training.max_steps, options.max_steps,
+                        math.ceil(options.max_frames / (batch * n)) if options.max_frames else 0)
+            if c]
+    run_cfg = _with(cfg, parallel__method=method, training__eval_interval=interval,
+                    training__max_steps=min(caps) if caps else 0,
+                    training__checkpoint_interval=0)
+    trainer, result = _run_trainer(run_cfg, group, run_dir, target=options.target_accuracy,
+                                   max_seconds=options.max_seconds)
+    points = trainer.points
+    if points:
+        points[-1]["final"] = True      # after the strategy's finalize (e.g. a last average)
+    crossing = first_crossing(points, options.target_accuracy)
+    stopped = trainer.stop_reason or "budget (epochs/max steps)"
+    return {"method": method, "ranks": n, "target_accuracy": options.target_accuracy,
+            "reached": crossing is not None, "stopped_by": stopped,
+            "frames_to_target": crossing["frames"] if crossing else None,
+            "seconds_to_target": crossing["seconds"] if crossing else None,
+            "interpolated": crossing["interpolated"] if crossing else None,
+            "eval_interval_frames_per_rank": interval, "steps": int(result["steps"]),
+            "frames": int(result["frames"]),
+            "training_seconds": points[-1]["seconds"] if points else None,
+            "outside_seconds": trainer.outside_seconds, "final_dev_acc": result.get("dev_acc"),
+            "points": points, "run_dir": run_dir}
+
+
+def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str) -> list:
+    """Phase 1 on ``group``: every method ``options.repeats`` times, the order
+    rotating each round so load from other processes hits all alike; per method
+    the run of median frames/s (complete on group rank 0).
+
+    Example::
+
+        rows = throughput_phase(cfg, group, methods=("allreduce", "bmuf"),
+                                options=BenchOptions(repeats=3), out_dir="runs/b")
+    """
+    runs = {m: [] for m in methods}
+    for rep in range(options.repeats):
+        shift = rep % len(methods)
+        for method in methods[shift:] + methods[:shift]:
+            name = f"throughput-{method}-n{group.size}" + (
+                f"-r{rep + 1}" if options.repeats > 1 else "")
+            runs[method].append(measure_throughput(
+                cfg, group, method=method, options=options,
+                run_dir=os.path.join(out_dir, "runs", name)))
+    rows = []
+    for method in methods:
+        done = runs[method]
+        if group.rank != 0:
+            rows.append(done[0])
+            continue
+        ranked = sorted(done, key=lambda r: r["frames_per_sec"])
+        row = dict(ranked[(len(ranked) - 1) // 2])
+        row["repeat_frames_per_sec"] = [r["frames_per_sec"] for r in done]
+        rows.append(row)
+    return rows
+
+
+def sync_period(cfg, group, method: str) -> int:
+    """Steps between the method's synchronisations under ``cfg`` (1: every step)."""
+    # building a strategy communicates nothing; only its period is needed here
+    return int(build_strategy(_with(cfg, parallel__method=method), group,
+                              total_steps=1).sync_period)
+
+
+def steps_per_epoch_one_rank(cfg) -> int:
+    """Steps of one epoch of the training corpus on one rank."""
+    from ..data.corpus import load_manifest
+    return max(1, load_manifest(cfg.data.train).num_frames // cfg.training.minibatch)

@@ -1,0 +1,309 @@
+"""The report of ``mpitrain bench``: what it holds, and the files it is written to.
+
+:func:`build_report` turns the measured rows into the report: speedups over
+one rank (throughput and time to target), statistical efficiency, each
+method's projection beyond the machine (:mod:`mpitrain.bench.projection`),
+the stated assumptions, notes on the machine and the papers' figures.
+:func:`write_report` writes it into the output directory as ``bench.json``
+(everything), ``bench.md`` (summary tables), ``bench-speedup.png`` (speedup
+against ranks: measured, projected, ideal, papers) and ``bench-accuracy.png``
+(held-out accuracy against frames and seconds).
+
+Example::
+
+    report = build_report(throughput_rows, accuracy_rows, sizes=(1, 2),
+                          methods=("model_averaging",), options=BenchOptions(),
+                          environment=environment(comm, cfg), config=cfg.to_dict())
+    paths = write_report(report, "runs/bench")
+    paths["speedup_png"]       # 'runs/bench/bench-speedup.png'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from .options import BenchOptions
+from .projection import assumptions, project_method
+
+#: Where the papers' numbers come from (plotted and tabulated next to ours).
+PAPER_POINTS = ({"source": "Su & Chen 2015 (SWB-300h, model averaging)", "ranks": 16,
+                 "speedup": 9.3},
+                {"source": "Su & Chen 2015 (SWB-300h, model averaging)", "ranks": 32,
+                 "speedup": 17.0})
+
+
+# -- what the report holds ---------------------------------------------------------------------
+
+def _by(rows, method, ranks):
+    for row in rows:
+        if row["method"] == method and row["ranks"] == ranks:
+            return row
+    return None
+
+
+def build_report(throughput: list, accuracy: list, *, sizes, methods, options: BenchOptions,
+                 environment: dict, config: dict) -> dict:
+    """Measured speedups, statistical efficiency and projections, per method.
+
+    Example::
+
+        report = build_report(thr_rows, acc_rows, sizes=(1, 2), methods=("bmuf",),
+                              options=BenchOptions(), environment={}, config={})
+    """
+    speedups, projections = [], {}
+    network = options.network
+    for method in methods:
+        base_t, base_a = _by(throughput, method, 1), _by(accuracy, method, 1)
+        frames = {}
+        for n in sizes:
+            thr, acc = _by(throughput, method, n), _by(accuracy, method, n)
+            row = {"method": method, "ranks": n, "throughput_speedup": None,
+                   "time_to_target_speedup": None, "statistical_efficiency": None}
+            if thr and base_t:
+                row["throughput_speedup"] = thr["frames_per_sec"] / base_t["frames_per_sec"]
+            if acc and base_a and acc["reached"] and base_a["reached"]:
+                row["time_to_target_speedup"] = (base_a["seconds_to_target"]
+                                                 / acc["seconds_to_target"])
+                row["statistical_efficiency"] = (base_a["frames_to_target"]
+                                                 / acc["frames_to_target"])
+            if acc and acc["reached"]:
+                frames[n] = acc["frames_to_target"]
+            speedups.append(row)
+        if base_t is None:
+            continue
+        projections[method] = project_method(
+            sorted(set(sizes) | set(options.project_to)),
+            measured_compute_seconds=base_t["compute_seconds_per_step"],
+            num_params=base_t["num_params"], sync_every=base_t["sync_period"],
+            frames_to_target=frames, network=network,
+            compute_seconds=options.compute_seconds)
+    return {"format": "mpitrain-bench/1", "sizes": list(sizes), "methods": list(methods),
+            "options": options.to_dict(), "environment": environment,
+            "network_model": network.to_dict(), "assumptions": assumptions(network),
+            "notes": _notes(environment, options),
+            "throughput": throughput, "accuracy": accuracy, "speedups": speedups,
+            "projections": projections, "paper_points": list(PAPER_POINTS), "config": config}
+
+
+def _notes(env: dict, options: BenchOptions) -> list:
+    notes = [
+        "Frames/s: the trainer's progress windows after the first (warm-up); per rank = "
+        "total / ranks. comm = time inside the communicator, waiting for slower ranks "
+        "included; compute = the rest of the step.",
+        "Time to target: training seconds (held-out evaluations and checkpoints excluded) "
+        "and frames summed over ranks, interpolated linearly between the evaluation before "
+        "and the first evaluation at or above the target.",
+        "Idle ranks sleep while a smaller group runs; every rank keeps the BLAS threads it "
+        "was started with.",
+    ]
+    load = env.get("load_average_at_start")
+    if load and load[0] > env.get("cpu_count", 1):
+        notes.append(f"Busy machine: load average {load[0]} on {env.get('cpu_count')} cores "
+                     "when the benchmark started; other processes slow the runs unevenly.")
+    if env.get("oversubscribed"):
+        notes.append("Oversubscribed: more ranks than cores on a host; the largest sizes "
+                     "share cores and their figures understate what separate cores give.")
+    return notes
+
+
+# -- outputs -----------------------------------------------------------------------------------
+
+def _json_default(obj):
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"bench.json: cannot store {type(obj).__name__}")
+
+
+def write_report(report: dict, out_dir: str, *, dpi: int = 100) -> dict:
+    """Write bench.json, bench.md and the PNG plots into ``out_dir``; their paths.
+
+    Example::
+
+        paths = write_report(report, "runs/bench")
+        paths["speedup_png"]       # 'runs/bench/bench-speedup.png'
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    paths = {"json": os.path.join(out_dir, "bench.json"),
+             "markdown": os.path.join(out_dir, "bench.md"),
+             "speedup_png": os.path.join(out_dir, "bench-speedup.png"),
+             "accuracy_png": os.path.join(out_dir, "bench-accuracy.png")}
+    plot_speedup(report, paths["speedup_png"], dpi=dpi)
+    if report["accuracy"]:
+        plot_accuracy(report, paths["accuracy_png"], dpi=dpi)
+    else:
+        del paths["accuracy_png"]
+    report = dict(report, outputs={k: os.path.basename(v) for k, v in paths.items()})
+    with open(paths["json"], "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1, default=_json_default, allow_nan=False)
+    with open(paths["markdown"], "w", encoding="utf-8") as fh:
+        fh.write(summary_markdown(report))
+    return paths
+
+
+def _fmt(value, spec: str, none: str = "—") -> str:
+    return none if value is None else format(value, spec)
+
+
+def summary_markdown(report: dict) -> str:
+    """The tables of bench.md: measurements, speedups, projection, assumptions.
+
+    Example::
+
+        print(summary_markdown(report))
+    """
+    env = report["environment"]
+    lines = [f"# mpitrain bench: {', '.join(report['methods'])}", "",
+             f"{env.get('ranks')} ranks on {', '.join(env.get('hosts', []))} "
+             f"({env.get('cpu_count')} cores per host"
+             f"{', oversubscribed' if env.get('oversubscribed') else ''}), device "
+             f"{env.get('device')}; MPI: "
+             f"{' '.join((env.get('mpi', {}).get('library_version') or 'none').splitlines()[0].split())}"
+             f"; load average at start {env.get('load_average_at_start')}, at end "
+             f"{env.get('load_average_at_end')}", "",
+             "## Throughput and time to target", "",
+             "| method | ranks | frames/s | per rank | step ms | comm | throughput speedup "
+             "| frames to target | s to target | time-to-target speedup | stat. efficiency |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for s in report["speedups"]:
+        thr = _by(report["throughput"], s["method"], s["ranks"]) or {}
+        acc = _by(report["accuracy"], s["method"], s["ranks"]) or {}
+        frames = acc.get("frames_to_target")
+        secs = acc.get("seconds_to_target")
+        if acc and not acc.get("reached"):
+            frames_text = secs_text = f"not reached ({acc.get('stopped_by')})"
+        else:
+            frames_text, secs_text = _fmt(frames, ",.0f"), _fmt(secs, ".1f")
+        lines.append(
+            f"| {s['method']} | {s['ranks']} | {_fmt(thr.get('frames_per_sec'), ',.0f')} | "
+            f"{_fmt(thr.get('frames_per_sec_per_rank'), ',.0f')} | "
+            f"{_fmt(thr.get('step_seconds') and thr['step_seconds'] * 1e3, '.1f')} | "
+            f"{_fmt(thr.get('comm_fraction'), '.1%')} | "
+            f"{_fmt(s['throughput_speedup'], '.2f')} | {frames_text} | {secs_text} | "
+            f"{_fmt(s['time_to_target_speedup'], '.2f')} | "
+            f"{_fmt(s['statistical_efficiency'], '.2f')} |")
+    if report["accuracy"]:
+        lines += ["", f"Target held-out frame accuracy: "
+                      f"{report['options']['target_accuracy']}."]
+    lines += ["", "## Projection", "",
+              "| method | compute ms/step | MB per allreduce | sync every | b | "
+              + " | ".join(f"N={r['ranks']}" for r in next(iter(
+                  report["projections"].values()), {"rows": []})["rows"]) + " |"]
+    if report["projections"]:
+        ncols = len(next(iter(report["projections"].values()))["rows"])
+        lines.append("|---|---:|---:|---:|---:|" + "---:|" * ncols)
+    for method, proj in report["projections"].items():
+        cells = []
+        for r in proj["rows"]:
+            tt = r["time_to_target_speedup"]
+            cells.append(f"{r['throughput_speedup']:.1f}"
+                         + (f" / {tt:.1f}" if tt is not None else ""))
+        lines.append(f"| {method} | {proj['compute_seconds_per_step'] * 1e3:.1f} | "
+                     f"{proj['bytes_per_allreduce'] / 1e6:.2f} | {proj['sync_every_steps']} | "
+                     f"{_fmt(proj['frames_exponent'], '.2f')} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: projected throughput speedup / time-to-target speedup.", "",
+              "Papers: " + "; ".join(f"{p['source']}: {p['speedup']}x on {p['ranks']} GPUs"
+                                     for p in report["paper_points"]) + ".",
+              "", "## Assumptions of the projection", ""]
+    lines += [f"- {a}" for a in report["assumptions"]]
+    lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
+    return "\n".join(lines)
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_speedup(report: dict, path: str, *, dpi: int = 100) -> None:
+    """Speedup against ranks: measured points, projected lines, the ideal line, and
+    the projection's assumptions printed beside.
+
+    Example::
+
+        plot_speedup(report, "runs/bench/bench-speedup.png")
+    """
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.6))
+    methods = report["methods"]
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    all_ranks = sorted({r["ranks"] for p in report["projections"].values() for r in p["rows"]}
+                       | set(report["sizes"]))
+    for ax, key, title in ((axes[0], "throughput_speedup", "throughput (frames/s)"),
+                           (axes[1], "time_to_target_speedup", "time to target accuracy")):
+        ax.plot(all_ranks, all_ranks, color="0.6", lw=1, ls=":", label="ideal")
+        for method in methods:
+            proj = report["projections"].get(method)
+            if proj:
+                pts = [(r["ranks"], r[key]) for r in proj["rows"] if r[key] is not None]
+                if pts:
+                    ax.plot(*zip(*pts), color=colors[method], ls="--", lw=1.2)
+            meas = [(s["ranks"], s[key]) for s in report["speedups"]
+                    if s["method"] == method and s[key] is not None]
+            if meas:
+                ax.plot(*zip(*meas), color=colors[method], marker="o", lw=2,
+                        label=f"{method} (measured; dashed: projected)")
+        if key == "time_to_target_speedup":
+            ax.plot([p["ranks"] for p in report["paper_points"]],
+                    [p["speedup"] for p in report["paper_points"]], "k*", ms=10,
+                    label="Su & Chen 2015, 16/32 GPUs")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log", base=2)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("speedup over one rank")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7, loc="upper left")
+    text = "Projection model:\n" + "\n".join(
+        _wrap(a, 150) for a in report["assumptions"])
+    fig.text(0.01, 0.01, text, fontsize=6.5, va="bottom", family="monospace")
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+def _wrap(text: str, width: int) -> str:
+    import textwrap
+    return "\n".join(textwrap.wrap(text, width, initial_indent="- ", subsequent_indent="  "))
+
+
+def _thousands():
+    from matplotlib.ticker import FuncFormatter
+    return FuncFormatter(lambda x, _: f"{x / 1e6:g}M" if abs(x) >= 1e6 else
+                         f"{x / 1e3:g}k" if abs(x) >= 1e3 else f"{x:g}")
+
+
+def plot_accuracy(report: dict, path: str, *, dpi: int = 100) -> None:
+    """Held-out accuracy against frames and against training seconds, one row per
+    method, one line per group size, the target as a dashed line.
+
+    Example::
+
+        plot_accuracy(report, "runs/bench/bench-accuracy.png")
+    """
+    plt = _pyplot()
+    methods = [m for m in report["methods"] if any(a["method"] == m for a in report["accuracy"])]
+    fig, axes = plt.subplots(len(methods), 2, figsize=(10, 2.6 * len(methods) + 0.4),
+                             squeeze=False)
+    target = report["options"]["target_accuracy"]
+    for row, method in zip(axes, methods):
+        for i, acc in enumerate(a for a in report["accuracy"] if a["method"] == method):
+            pts = acc["points"]
+            for ax, key in ((row[0], "frames"), (row[1], "seconds")):
+                ax.plot([p[key] for p in pts], [p["dev_acc"] for p in pts], marker=".",
+                        color=f"C{i}", label=f"{acc['ranks']} rank(s)")
+        row[0].xaxis.set_major_formatter(_thousands())
+        for ax, label in ((row[0], "frames (all ranks)"), (row[1], "training seconds")):
+            ax.axhline(target, color="0.5", ls="--", lw=1)
+            ax.set_xlabel(label)
+            ax.set_ylabel("held-out frame acc.")
+            ax.set_title(method, fontsize=9)
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
