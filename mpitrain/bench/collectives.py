@@ -25,6 +25,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from mpitrain.files import atomic_open
+
 METHODS = ("bare", "ours_sum", "ours_mean")
 MB = 1_000_000
 
@@ -120,7 +122,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if comm.rank == 0:
         print(format_table(rows), flush=True)
         if args.json:
-            with open(args.json, "w") as handle:
+            with atomic_open(args.json) as handle:
                 json.dump(rows, handle, indent=2)
     return 0
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..files import atomic_open
 from ..plotting import plot_runs, read_metrics
 
 #: The package's repository root (quickstart config lives under it).
@@ -352,10 +353,10 @@ def main(argv=None) -> int:
                # reused runs count here with the time they took when trained
                "runs_wall_seconds": sum(r["wall_seconds"] or 0.0 for r in rows), "runs": rows}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as fh:
+    with atomic_open(os.path.join(args.out, "summary.json")) as fh:
         json.dump(summary, fh, indent=2)
     table = markdown_table(rows, args.targets)
-    with open(os.path.join(args.out, "summary.md"), "w", encoding="utf-8") as fh:
+    with atomic_open(os.path.join(args.out, "summary.md")) as fh:
         fh.write(table)
     pngs = ["best.png", "sweep.png"]
     _plot_rows(args.out, "best.png", [r for r in rows if r["best"]],

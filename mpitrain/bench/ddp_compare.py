@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 
+from mpitrain.files import atomic_open
 from mpitrain.threads import BLAS_ENV
 
 # One BLAS thread per rank unless the caller says otherwise: set before numpy loads.
@@ -250,7 +251,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if comm.rank == 0:
         print(format_result(result), flush=True)
         if args.json:
-            with open(args.json, "w") as handle:
+            with atomic_open(args.json) as handle:
                 json.dump(result, handle, indent=2)
     import torch.distributed as dist
     dist.destroy_process_group()

@@ -26,6 +26,8 @@ import time
 
 import numpy as np
 
+from ..files import atomic_open
+
 
 def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
             device="cpu", variant="online", cuda_graph: bool = False) -> dict:
@@ -88,7 +90,7 @@ def main(argv=None) -> int:
           f"SGD {result['sgd_step_ms']:.1f} ms/step, NG-SGD {result['ngsgd_step_ms']:.1f} "
           f"ms/step, NG-SGD / SGD = {result['ratio']:.3f}")
     if args.json:
-        with open(args.json, "w") as fh:
+        with atomic_open(args.json) as fh:
             json.dump(result, fh, indent=2)
     return 0
 

@@ -25,6 +25,7 @@ import os
 
 import numpy as np
 
+from ..files import atomic_open, atomic_path
 from .options import BenchOptions
 from .projection import assumptions, project_method
 
@@ -136,9 +137,9 @@ def write_report(report: dict, out_dir: str, *, dpi: int = 100) -> dict:
     else:
         del paths["accuracy_png"]
     report = dict(report, outputs={k: os.path.basename(v) for k, v in paths.items()})
-    with open(paths["json"], "w", encoding="utf-8") as fh:
+    with atomic_open(paths["json"]) as fh:
         json.dump(report, fh, indent=1, default=_json_default, allow_nan=False)
-    with open(paths["markdown"], "w", encoding="utf-8") as fh:
+    with atomic_open(paths["markdown"]) as fh:
         fh.write(summary_markdown(report))
     return paths
 
@@ -262,7 +263,8 @@ def plot_speedup(report: dict, path: str, *, dpi: int = 100) -> None:
         _wrap(a, 150) for a in report["assumptions"])
     fig.text(0.01, 0.01, text, fontsize=6.5, va="bottom", family="monospace")
     fig.tight_layout(rect=(0, 0.2, 1, 1))
-    fig.savefig(path, dpi=dpi)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
     plt.close(fig)
 
 
@@ -305,5 +307,6 @@ def plot_accuracy(report: dict, path: str, *, dpi: int = 100) -> None:
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=dpi, format="png")
     plt.close(fig)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 
+from mpitrain.files import atomic_open
 from mpitrain.threads import BLAS_ENV
 
 # One BLAS thread per rank unless the caller says otherwise: set before numpy loads.
@@ -182,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"model averaging every {args.every} / no communication: "
                   f"{result['averaging_vs_no_comm']:.3f} (target >= 0.97)", flush=True)
         if args.json:
-            with open(args.json, "w") as handle:
+            with atomic_open(args.json) as handle:
                 json.dump(result, handle, indent=2)
     return 0
 

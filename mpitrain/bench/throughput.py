@@ -48,6 +48,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from mpitrain.files import atomic_open
 from mpitrain.data.splice import splice, splice_indices
 
 from . import machine
@@ -578,7 +579,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"# {row['model']} threads={row['threads']} mpitrain step (ms): {parts}; "
                   f"GEMMs alone {row['gemm_ms_per_step']:.1f}")
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
+        with atomic_open(args.json) as f:
             json.dump({"machine": info, "args": {k: v for k, v in vars(args).items()},
                        "rows": rows}, f, indent=1)
     return 0
