@@ -16,7 +16,7 @@ from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
 
 pytestmark = pytest.mark.mpi
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
 CHECKS = ["identity", "allreduce_", "allreduce_ in pieces", "bcast_", "sendrecv ring", "isend/irecv",
           "send/recv/iprobe", "iallreduce_", "split", "dup", "allreduce_scalar",
           "objects", "comm_time", "wtime"]

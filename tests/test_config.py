@@ -6,7 +6,7 @@ import pytest
 
 from mpitrain.config import ConfigError, config_from_yaml, config_to_yaml, load_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _error(tmp_path, text, overrides=()):

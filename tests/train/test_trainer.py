@@ -27,7 +27,7 @@ from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
 
 pytestmark = pytest.mark.mpi
 
-WORKERS = Path(__file__).parent / "workers"
+WORKERS = Path(__file__).resolve().parents[1] / "workers"
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = str(REPO / "jobs" / "configs" / "quickstart.yaml")
 STRATEGY_CHECKS = ["model averaging", "bmuf nesterov", "bmuf classic", "kaldi idle ranks",

@@ -1,7 +1,7 @@
 """The batch scripts in jobs/slurm/ on a real one-node Slurm cluster.
 
 The cluster (Debian's slurmctld + slurmd, and munge) runs on loopback from a
-temporary directory; see cluster.py.  Where Slurm is missing the test installs
+temporary directory; see slurm_cluster.py.  Where Slurm is missing the test installs
 it with apt-get (root only); where that or the daemons fail, the tests skip,
 unless MPITRAIN_TEST_SLURM=1 says they must run, when they fail instead.
 """
@@ -14,9 +14,9 @@ import sys
 import numpy as np
 import pytest
 
-from .cluster import LocalSlurm, SlurmUnavailable, install_packages, missing_programs
+from .slurm_cluster import LocalSlurm, SlurmUnavailable, install_packages, missing_programs
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_DIR = os.path.join(REPO, "jobs", "slurm")
 SCRIPTS = ("train.sbatch", "bench.sbatch", "prepare.sbatch")
 REQUIRED_ENV = "MPITRAIN_TEST_SLURM"

@@ -8,7 +8,7 @@ import pytest
 
 from mpitrain.cli import build_parser, main
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ["synth", "prepare", "check", "train", "eval", "export"]
 
 
