@@ -1,4 +1,9 @@
-"""Shared fixtures: array modules to test with, and the MPI launcher."""
+"""Shared fixtures: array modules to test with, the MPI launcher, a small corpus.
+
+Kinds of tests are markers (declared in pyproject.toml): ``mpi`` (launches
+mpiexec), ``gpu`` (needs CuPy and a CUDA device; MPITRAIN_TEST_GPU=1 turns
+their skips into failures) and ``slow`` (end-to-end training runs, Slurm).
+"""
 
 import os
 
@@ -6,6 +11,7 @@ import numpy
 import pytest
 
 from mpitrain import backend
+from mpitrain.testing import gpu_required
 
 GPU_REQUIRED_ENV = "MPITRAIN_TEST_GPU"
 
@@ -35,3 +41,22 @@ def mpiexec():
     if launcher is None:
         pytest.skip("no MPI launcher: set $MPIEXEC or `pip install mpich` into the venv")
     return launcher
+
+
+@pytest.fixture
+def cp():
+    """CuPy with a device selected and the fused kernels on, for tests marked gpu."""
+    xp = gpu_required()
+    backend.set_fused_kernels(True)
+    assert backend.fused_kernels(xp)
+    return xp
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory):
+    """0.15 h of training speech (4 shards) and 0.03 h of held-out speech."""
+    from mpitrain.data.synthetic import synthesize
+    out = tmp_path_factory.mktemp("corpus")
+    synthesize(str(out), hours=0.15, speakers=20, shards=4, seed=7, dev_hours=0.03,
+               dev_speakers=4)
+    return str(out)

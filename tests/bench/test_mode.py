@@ -1,17 +1,14 @@
-"""Benchmark mode: ``mpiexec -n 2 python -m mpitrain bench`` on a tiny corpus, and
-the pure pieces it is built from (crossing interpolation, throughput windows)."""
+"""Benchmark mode: ``mpiexec -n 2 python -m mpitrain bench`` on a tiny corpus writes
+every measurement, the plots and the Markdown report (its pure pieces are tested
+in test_phases.py, test_options.py and test_projection.py)."""
 
 import json
-import math
 
 import numpy as np
 import pytest
 
-from mpitrain.bench import options as bench_options
-from mpitrain.bench.options import BenchOptions, default_sizes
-from mpitrain.bench.phases import eval_interval_per_rank, first_crossing, throughput_from_records
+from mpitrain.bench.phases import first_crossing
 from mpitrain.bench.projection import NetworkModel, project_speedups
-from mpitrain.parallel import registry
 from mpitrain.testing.mpirun import run_mpi
 
 TINY_CONFIG = """\
@@ -132,67 +129,3 @@ def test_bench_writes_plots_and_markdown(bench_run):
     assert "## Assumptions of the projection" in text and "N=32" in text
     # rank 0 alone reports
     assert result.stdout.count("projection model:") == 1, _output(result)
-
-
-# -- the pure pieces ----------------------------------------------------------------------
-
-def test_first_crossing_interpolates_linearly():
-    points = [{"frames": 1000, "seconds": 2.0, "dev_acc": 0.30, "step": 4},
-              {"frames": 2000, "seconds": 4.0, "dev_acc": 0.40, "step": 8},
-              {"frames": 3000, "seconds": 7.0, "dev_acc": 0.60, "step": 12},
-              {"frames": 4000, "seconds": 9.0, "dev_acc": 0.70, "step": 16}]
-    # 0.55 lies 3/4 of the way from 0.40 to 0.60: 2000 + 0.75 * 1000, 4.0 + 0.75 * 3.0
-    hit = first_crossing(points, 0.55)
-    assert hit["frames"] == pytest.approx(2750) and hit["seconds"] == pytest.approx(6.25)
-    assert hit["interpolated"] and hit["eval_step"] == 12
-    # already reached at the first evaluation: its own figures, not interpolated
-    hit = first_crossing(points, 0.25)
-    assert (hit["frames"], hit["seconds"], hit["interpolated"]) == (1000, 2.0, False)
-    assert first_crossing(points, 0.9) is None
-    # the first crossing counts even when accuracy dips later
-    dip = points[:3] + [{"frames": 4000, "seconds": 9.0, "dev_acc": 0.5}]
-    assert first_crossing(dip, 0.55)["frames"] == pytest.approx(2750)
-
-
-def test_throughput_windows_drop_the_warmup():
-    records = [  # cumulative frames; the first window is warm-up
-        {"step": 5, "frames": 1280, "frames_per_sec": 100.0, "comm_fraction": 0.9},
-        {"step": 10, "frames": 2560, "frames_per_sec": 1280.0, "comm_fraction": 0.25},
-        {"step": 20, "frames": 5120, "frames_per_sec": 1280.0, "comm_fraction": 0.5}]
-    # windows: 1280 frames in 1 s (0.25 s comm), 2560 frames in 2 s (1 s comm)
-    got = throughput_from_records(records, ranks=2)
-    assert got["frames_per_sec"] == pytest.approx(3840 / 3)
-    assert got["frames_per_sec_per_rank"] == pytest.approx(3840 / 3 / 2)
-    assert got["comm_fraction"] == pytest.approx(1.25 / 3)
-    assert got["step_seconds"] == pytest.approx(3 / 15)
-    assert got["compute_seconds_per_step"] == pytest.approx(3 / 15 * (1 - 1.25 / 3))
-    with pytest.raises(ValueError, match="two progress records"):
-        throughput_from_records(records[:1], ranks=1)
-
-
-def test_eval_interval_and_sizes():
-    # 20000 frames over 2 ranks = 10000 per rank, rounded up to blocks of 8 x 256 = 2048
-    assert eval_interval_per_rank(20000, ranks=2, minibatch=256, sync_period=8) == 5 * 2048
-    assert eval_interval_per_rank(1, ranks=4, minibatch=128, sync_period=1) == 128
-    assert default_sizes(1) == (1,) and default_sizes(4) == (1, 2, 4)
-    assert default_sizes(6) == (1, 2, 4, 6)
-
-
-def test_methods_come_from_the_strategy_registry(monkeypatch):
-    assert BenchOptions().resolve(2) == ((1, 2), tuple(registry.METHODS))
-    monkeypatch.setitem(registry.METHODS, "ring_mix", registry.METHODS["model_averaging"])
-    assert "ring_mix" in BenchOptions().resolve(2)[1]
-    assert BenchOptions(methods=("ring_mix",)).methods == ("ring_mix",)
-    assert bench_options.METHODS is registry.METHODS
-
-
-def test_bad_options_name_the_option():
-    with pytest.raises(ValueError, match="--sizes: must include 1"):
-        BenchOptions(sizes=(2, 4))
-    with pytest.raises(ValueError, match="--methods: unknown nope"):
-        BenchOptions(methods=("nope",))
-    with pytest.raises(ValueError, match="--target-accuracy"):
-        BenchOptions(target_accuracy=1.5)
-    with pytest.raises(ValueError, match="--sizes: 4 ranks asked for, but the job has 2"):
-        BenchOptions(sizes=(1, 4)).resolve(2)
-    assert not math.isnan(BenchOptions().network.latency_s)

@@ -1,11 +1,12 @@
-"""Context splicing and CMVN, on NumPy and (through the ``xp`` fixture) CuPy."""
+"""Context splicing and CMVN, on NumPy and (through the ``xp`` fixture) CuPy,
+and the fused GPU splice kernel (marked gpu) against NumPy."""
 
 import numpy as np
 import pytest
 
 from mpitrain import backend
 from mpitrain.data.splice import (apply_cmvn, cmvn_coefficients, frame_utterance_bounds, splice,
-                                  splice_indices)
+                                  splice_batch_, splice_indices)
 
 
 def reference_splice(feats, offsets, frames, left, right):
@@ -75,3 +76,21 @@ def test_cmvn_gives_zero_mean_unit_variance(xp):
     # A constant dimension (variance 0) is floored instead of dividing by zero.
     _, scale = cmvn_coefficients([0.0], [0.0])
     assert np.isfinite(scale).all()
+
+
+@pytest.mark.gpu
+def test_splice_kernel_writes_a_layer_input_view(cp):
+    rng = np.random.default_rng(2)
+    feats = rng.standard_normal((300, 7)).astype(np.float32)
+    offsets = np.array([0, 40, 41, 190, 300])
+    starts = np.repeat(offsets[:-1], np.diff(offsets))
+    ends = np.repeat(offsets[1:], np.diff(offsets))
+    idx = rng.permutation(300)[:64]
+    want = splice(feats, splice_indices(idx, starts[idx], ends[idx], 3, 2))
+    buffer = cp.full((64, 6 * 7 + 1), 5.0, dtype=cp.float32)   # an input with its bias column
+    view = buffer[:, :42]
+    splice_batch_(cp.asarray(feats), cp.asarray(idx), cp.asarray(starts), cp.asarray(ends),
+                  3, 2, out=view)
+    got = backend.to_host(buffer)
+    np.testing.assert_array_equal(got[:, :42], want)
+    assert (got[:, 42] == 5.0).all(), "the bias column is not touched"

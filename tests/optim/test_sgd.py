@@ -1,8 +1,9 @@
+"""SGD: Kaldi's max-change per layer and globally, momentum, skipped non-finite steps."""
+
 import numpy as np
 import pytest
 
 from mpitrain.nn.network import build_network
-from mpitrain.optim.schedule import ExponentialSchedule
 from mpitrain.optim.sgd import SGD
 
 
@@ -78,11 +79,3 @@ def test_momentum_accumulates_and_scales_by_one_minus_momentum():
     opt2 = SGD(net, momentum=0.5)
     opt2.load_state_dict(state)
     np.testing.assert_array_equal(opt2.delta, opt.delta)
-
-
-def test_exponential_schedule():
-    s = ExponentialSchedule(0.01, 0.001)
-    assert s(0) == pytest.approx(0.01)
-    assert s(0.5) == pytest.approx(0.01 * 0.1 ** 0.5)
-    assert s(1) == pytest.approx(0.001)
-    assert s(2) == pytest.approx(0.001)

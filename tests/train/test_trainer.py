@@ -1,39 +1,39 @@
-"""Training on several ranks under real `mpiexec -n 2` and `-n 4` launches.
+"""The training loop (train/trainer.py), end to end through `mpitrain train`.
 
-- the strategies' arithmetic (tests/mpi/workers/strategy_worker.py): averages
-  equal the mean of the pre-averaging buffers on every rank, BMUF follows the
-  spec's block formula, Kaldi averaging counts only the active ranks, gradient
-  allreduce on N ranks equals one rank with an N times larger minibatch, and
-  model averaging every step equals gradient allreduce;
-- `python -m mpitrain train` on several ranks: uneven shards finish, a rank
-  whose shard is unreadable ends the job at once, the quickstart learns as
-  well as on one rank, every method runs to the end, and `--resume` continues
-  bit-exactly.
+On one rank, in this process: the quickstart configuration learns far above
+the majority baseline and `--resume` continues bit-exactly (marked slow), and
+on the stand-in device the trainer reads device values only at log lines.
+
+On several ranks under real `mpiexec -n 2` and `-n 4` launches (marked mpi):
+uneven shards finish, a rank whose shard is unreadable ends the job at once,
+the quickstart learns as well as on one rank, every method runs to the end,
+and `--resume` continues bit-exactly.
 
 The machine running the tests may have two cores: models are tiny except in
-the one accuracy test, and corpora are about 0.15 h of synthetic speech.
+the accuracy tests, and the corpus (``small_corpus``, tests/conftest.py) is
+about 0.15 h of synthetic speech.
 """
 
 import json
+import math
 import os
 import shutil
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from mpitrain import backend
+from mpitrain.cli import main
+from mpitrain.comm.single import SingleCommunicator
+from mpitrain.data.corpus import load_manifest
+from mpitrain.nn.model_file import load_model
+from mpitrain.testing import standin_cupy
 from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+from mpitrain.train.step import TrainingStep
 
-pytestmark = pytest.mark.mpi
+from ..helpers import QUICKSTART, WORKERS, train_in_process
 
-WORKERS = Path(__file__).resolve().parents[1] / "workers"
-REPO = Path(__file__).resolve().parents[2]
-QUICKSTART = str(REPO / "jobs" / "configs" / "quickstart.yaml")
-STRATEGY_CHECKS = ["model averaging", "bmuf nesterov", "bmuf classic", "kaldi idle ranks",
-                   "allreduce equals one rank with N*B",
-                   "allreduce with overlap equals one rank with N*B",
-                   "model averaging K=1 equals allreduce"]
 # a tiny model for the runs that only have to finish (or fail) correctly
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
 
@@ -47,7 +47,7 @@ def _records(run_dir, kind):
         return [r for r in map(json.loads, fh) if r["type"] == kind]
 
 
-def _train(nranks, run_dir, corpus, settings=(), *, resume=False, timeout=120):
+def _train_on_ranks(nranks, run_dir, corpus, settings=(), *, resume=False, timeout=120):
     """`mpiexec -n nranks python -m mpitrain train quickstart.yaml --set ...`."""
     values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
               "data.chunk_frames": 20000, "training.log_interval": 50}
@@ -60,17 +60,101 @@ def _train(nranks, run_dir, corpus, settings=(), *, resume=False, timeout=120):
     return run_mpi(nranks, args, timeout=timeout)
 
 
-# ------------------------------------------------------------------- corpora
+# ------------------------------------------------------------------ one rank
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """0.15 h of training speech in 4 balanced shards, 0.03 h held out (as tests/e2e)."""
+def small_corpus_for_reads(tmp_path_factory):
     from mpitrain.data.synthetic import synthesize
-    out = tmp_path_factory.mktemp("corpus")
-    synthesize(str(out), hours=0.15, speakers=20, shards=4, seed=7, dev_hours=0.03,
-               dev_speakers=4)
-    return str(out)
+    out = tmp_path_factory.mktemp("reads_corpus")
+    synthesize(str(out), hours=0.02, speakers=4, shards=1, seed=3, dev_hours=0.005,
+               dev_speakers=1)
+    return str(out / "train"), str(out / "dev")
 
+
+def test_trainer_reads_once_per_log_line(tmp_path, small_corpus_for_reads):
+    """The whole trainer on the stand-in device: reads happen only at log lines,
+    evaluations and checkpoints, never inside a step."""
+    from mpitrain.config import load_config
+    from mpitrain.train import trainer as trainer_module
+
+    train, dev = small_corpus_for_reads
+    cfg = load_config(None, [f"data.train={train}", f"data.dev={dev}", "device=gpu",
+                             "data.chunk_frames=5000", "training.minibatch=64",
+                             "training.epochs=1", "training.log_interval=10",
+                             "training.checkpoint_interval=0", "model.hidden_layers=2",
+                             "model.hidden_dim=32", "optimizer.name=ngsgd"])
+    step_reads = []
+    take_calls = []
+    original_run, original_take = TrainingStep.run, TrainingStep.take_sums
+
+    def counted_run(self, *args, **kwargs):
+        before = (backend.host_read_counts()["blocking"], dict(standin_cupy.READS))
+        result = original_run(self, *args, **kwargs)
+        step_reads.append(backend.host_read_counts()["blocking"] - before[0]
+                          + sum(standin_cupy.READS.values()) - sum(before[1].values()))
+        return result
+
+    def counted_take(self):
+        take_calls.append(1)
+        return original_take(self)
+
+    with standin_cupy.installed():
+        TrainingStep.run, TrainingStep.take_sums = counted_run, counted_take
+        try:
+            trainer = trainer_module.Trainer(cfg, run_dir=str(tmp_path / "run"),
+                                             comm=SingleCommunicator())
+            try:
+                result = trainer.run()
+            finally:
+                trainer.close()
+        finally:
+            TrainingStep.run, TrainingStep.take_sums = original_run, original_take
+    steps = result["steps"]
+    assert len(step_reads) == steps and sum(step_reads) == 0
+    assert len(take_calls) == math.ceil(steps / 10)
+    assert result["dev_acc"] > 0.05          # it trained (chance is 1/num_classes)
+
+
+@pytest.mark.slow
+def test_quickstart_learns_far_above_majority_baseline(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, ["training.epochs=4"])
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    counts = np.array(dev.class_counts)
+    majority = counts.max() / counts.sum()          # about 0.03 on this corpus
+    final = _records(run, "eval")[-1]
+    # 120 classes: chance is 0.008, the majority class about 0.03
+    assert majority < 0.06
+    assert final["dev_acc"] > 0.45, final
+    assert final["dev_acc"] > majority + 0.40
+    evals = _records(run, "eval")
+    assert evals[-1]["dev_xent"] < evals[0]["dev_xent"]
+    # the final model, read back, scores the same held-out accuracy
+    assert main(["eval", str(run / "final.h5"), os.path.join(small_corpus, "dev")]) == 0
+    assert os.path.exists(run / "config.yaml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optimizer,steps", [
+    (["optimizer.momentum=0.5"], 60),          # momentum: optimizer state must be restored
+    (["optimizer.name=ngsgd"], 40),            # NG-SGD: preconditioner state too
+], ids=["sgd-momentum", "ngsgd"])
+def test_resume_is_bit_exact(small_corpus, tmp_path, optimizer, steps):
+    common = ["training.checkpoint_interval=10", "model.hidden_dim=64", "model.hidden_layers=2",
+              "training.epochs=1"] + optimizer
+    half = steps // 2
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train_in_process(straight, small_corpus, common + [f"training.max_steps={steps}"])
+    train_in_process(split, small_corpus, common + [f"training.max_steps={half}"])
+    train_in_process(split, small_corpus, common + [f"training.max_steps={steps}"], resume=True)
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert np.array_equal(a.params, b.params)
+    # and the second run really continued from the midpoint rather than starting over
+    assert [r["step"] for r in _records(split, "start")] == [0, half]
+
+
+# ------------------------------------------------------- several ranks: corpora
 
 def write_uneven_copy(src_dir, out_dir, fractions):
     """Re-shard a corpus so shard i holds about ``fractions[i]`` of the frames.
@@ -105,11 +189,12 @@ def write_uneven_copy(src_dir, out_dir, fractions):
 
 
 @pytest.fixture(scope="module")
-def uneven_corpus(corpus, tmp_path_factory):
+def uneven_corpus(small_corpus, tmp_path_factory):
     """The same speech with shards of 80%, 12%, 5% and 3% of the frames."""
     out = tmp_path_factory.mktemp("uneven")
-    write_uneven_copy(os.path.join(corpus, "train"), str(out / "train"), [0.80, 0.12, 0.05, 0.03])
-    shutil.copytree(os.path.join(corpus, "dev"), out / "dev")
+    write_uneven_copy(os.path.join(small_corpus, "train"), str(out / "train"),
+                      [0.80, 0.12, 0.05, 0.03])
+    shutil.copytree(os.path.join(small_corpus, "dev"), out / "dev")
     return str(out)
 
 
@@ -120,19 +205,9 @@ def local_steps(manifest, plan, minibatch, chunk_frames):
             for slices in plan]
 
 
-# -------------------------------------------------------- strategy arithmetic
+# ------------------------------------------------- several ranks: uneven shards
 
-@pytest.mark.parametrize("nranks", [2, 4])
-def test_strategies_average_and_match_their_references(nranks):
-    result = run_mpi(nranks, [str(WORKERS / "strategy_worker.py"), str(nranks)], timeout=120)
-    assert result.returncode == 0, _output(result)
-    passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
-    assert passed == STRATEGY_CHECKS, _output(result)
-    assert f"all strategy checks passed on {nranks} ranks" in result.stdout
-
-
-# ------------------------------------------------------------- uneven shards
-
+@pytest.mark.mpi
 @pytest.mark.parametrize("nranks", [2, 4])
 def test_uneven_shards_finish_without_hanging(uneven_corpus, tmp_path, nranks):
     from mpitrain.data.corpus import load_manifest
@@ -145,7 +220,7 @@ def test_uneven_shards_finish_without_hanging(uneven_corpus, tmp_path, nranks):
     epochs = 2
     run = tmp_path / "run"
     try:
-        result = _train(nranks, run, uneven_corpus, TINY + [
+        result = _train_on_ranks(nranks, run, uneven_corpus, TINY + [
             "training.epochs=2", "parallel.average_every=4", "training.log_interval=4",
             "training.eval_interval=1024", "training.checkpoint_interval=4"], timeout=150)
     except MpiTimeoutError as exc:
@@ -161,7 +236,7 @@ def test_uneven_shards_finish_without_hanging(uneven_corpus, tmp_path, nranks):
     assert (run / "final.h5").exists()
 
 
-# ------------------------------------------------------------- failing ranks
+# ------------------------------------------------- several ranks: failing ranks
 
 def _rank_one_shards(train_dir, nranks=2):
     """Shard files only rank 1 opens (the corpus must split into whole shards)."""
@@ -183,15 +258,16 @@ def _assert_quick_failure(result, elapsed, timeout, *texts):
     assert elapsed < timeout / 3, f"the failing job took {elapsed:.1f} s to end"
 
 
-def test_unreadable_shard_on_one_rank_ends_the_job(corpus, tmp_path):
+@pytest.mark.mpi
+def test_unreadable_shard_on_one_rank_ends_the_job(small_corpus, tmp_path):
     # rank 1 fails while planning its chunks; rank 0 already waits in a collective
     data = tmp_path / "data"
-    shutil.copytree(corpus, data)
+    shutil.copytree(small_corpus, data)
     bad = _rank_one_shards(str(data / "train"))[0]
     os.truncate(bad, os.path.getsize(bad) // 2)
     timeout, start = 90, time.monotonic()
     try:
-        result = _train(2, tmp_path / "run", str(data), TINY, timeout=timeout)
+        result = _train_on_ranks(2, tmp_path / "run", str(data), TINY, timeout=timeout)
     except MpiTimeoutError as exc:
         pytest.fail(f"the job hung instead of aborting: {exc}")
     _assert_quick_failure(result, time.monotonic() - start, timeout,
@@ -199,11 +275,12 @@ def test_unreadable_shard_on_one_rank_ends_the_job(corpus, tmp_path):
     assert not (tmp_path / "run" / "final.h5").exists()
 
 
-def test_shard_going_bad_mid_training_ends_the_job(corpus, tmp_path):
+@pytest.mark.mpi
+def test_shard_going_bad_mid_training_ends_the_job(small_corpus, tmp_path):
     # rank 1's shards are truncated after 3 minibatches; with 2000-frame chunks a
     # later chunk read fails while rank 0 trains on towards its next average
     data = tmp_path / "data"
-    shutil.copytree(corpus, data)
+    shutil.copytree(small_corpus, data)
     _rank_one_shards(str(data / "train"))
     run = tmp_path / "run"
     args = ["train", QUICKSTART, "--run-dir", str(run)]
@@ -225,20 +302,21 @@ def test_shard_going_bad_mid_training_ends_the_job(corpus, tmp_path):
     assert not (run / "final.h5").exists()
 
 
-# ----------------------------------------------------------------- end to end
+# ---------------------------------------------------- several ranks: end to end
 
+@pytest.mark.mpi
 @pytest.mark.slow
-def test_quickstart_on_two_ranks_learns(corpus, tmp_path):
+def test_quickstart_on_two_ranks_learns(small_corpus, tmp_path):
     from mpitrain.data.corpus import load_manifest
     run = tmp_path / "run"
-    result = _train(2, run, corpus, ["training.epochs=2"], timeout=240)
+    result = _train_on_ranks(2, run, small_corpus, ["training.epochs=2"], timeout=240)
     assert result.returncode == 0, _output(result)
-    dev = load_manifest(os.path.join(corpus, "dev"))
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
     counts = np.array(dev.class_counts)
     majority = counts.max() / counts.sum()
     evals = _records(run, "eval")
     final = evals[-1]
-    # the bar of the single-rank test in tests/e2e/test_train_e2e.py
+    # the bar of test_quickstart_learns_far_above_majority_baseline
     assert final["dev_acc"] > 0.45, final
     assert final["dev_acc"] > majority + 0.40, (final, majority)
     assert evals[-1]["dev_xent"] < evals[0]["dev_xent"]
@@ -257,17 +335,18 @@ def kaldi_frames(steps, planned_steps, every, jobs_initial, jobs_final, minibatc
     return frames
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("method,extra", [
     ("model_averaging", []), ("allreduce", []), ("kaldi", []), ("bmuf", []),
     # 0.01 MiB buckets: several overlapped reductions per step
     ("allreduce", ["parallel.overlap=true", "parallel.bucket_mb=0.01"]),
 ], ids=["model_averaging", "allreduce", "kaldi", "bmuf", "allreduce-overlap"])
-def test_every_method_trains_two_ranks_to_the_end(corpus, tmp_path, method, extra):
+def test_every_method_trains_two_ranks_to_the_end(small_corpus, tmp_path, method, extra):
     from mpitrain.nn.model_file import load_model
     from mpitrain.train.checkpoint import list_checkpoints, load_checkpoint
     run = tmp_path / "run"
     steps = 24
-    result = _train(2, run, corpus, TINY + extra + [
+    result = _train_on_ranks(2, run, small_corpus, TINY + extra + [
         f"parallel.method={method}", "parallel.average_every=4", "parallel.num_jobs_initial=1",
         f"training.max_steps={steps}", "training.log_interval=4",
         "training.checkpoint_interval=8"])
@@ -291,8 +370,9 @@ def test_every_method_trains_two_ranks_to_the_end(corpus, tmp_path, method, extr
     assert np.array_equal(last.net.params, net.params)
 
 
+@pytest.mark.mpi
 @pytest.mark.parametrize("method", ["model_averaging", "allreduce", "bmuf"])
-def test_resume_on_two_ranks_is_bit_exact(corpus, tmp_path, method):
+def test_resume_on_two_ranks_is_bit_exact(small_corpus, tmp_path, method):
     # 32 is a multiple of average_every, so the split run stops at a point where
     # the ranks agree and finalize() has nothing left to average; momentum makes
     # each rank's own optimizer state part of what must be restored
@@ -303,7 +383,7 @@ def test_resume_on_two_ranks_is_bit_exact(corpus, tmp_path, method):
     for run_dir, extra, resume in ((straight, ["training.max_steps=64"], False),
                                    (split, ["training.max_steps=32"], False),
                                    (split, ["training.max_steps=64"], True)):
-        result = _train(2, run_dir, corpus, common + extra, resume=resume)
+        result = _train_on_ranks(2, run_dir, small_corpus, common + extra, resume=resume)
         assert result.returncode == 0, _output(result)
     from mpitrain.nn.model_file import load_model
     a, _ = load_model(straight / "final.h5")
@@ -314,38 +394,3 @@ def test_resume_on_two_ranks_is_bit_exact(corpus, tmp_path, method):
     after = [r["xent"] for r in _records(straight, "train") if r["step"] > 32]
     resumed = [r["xent"] for r in _records(split, "train") if r["step"] > 32]
     assert after == resumed
-
-
-# ---------------------------------------------------------------- benchmarks
-# Smoke tests only: the figures depend on the machine and are not asserted.
-
-def test_scaling_benchmark_runs_and_reports(tmp_path):
-    out = tmp_path / "scaling.json"
-    result = run_mpi(2, ["-m", "mpitrain.bench.scaling", "--model", "tiny", "--rounds", "2",
-                         "--steps", "8", "--skip", "1", "--json", str(out)], timeout=120)
-    assert result.returncode == 0, _output(result)
-    assert "model averaging every 8 / no communication:" in result.stdout, _output(result)
-    summary = json.loads(out.read_text())
-    rows = {r["method"]: r for r in summary["rows"]}
-    assert list(rows) == ["1 rank", "no communication", "model_averaging", "allreduce",
-                          "kaldi", "bmuf"]
-    assert rows["1 rank"]["ranks"] == 1 and rows["allreduce"]["ranks"] == 2
-    assert rows["no communication"]["comm_fraction"] == 0.0
-    assert rows["allreduce"]["comm_fraction"] > 0.0           # it did communicate
-    assert summary["averaging_vs_no_comm"] == rows["model_averaging"]["vs_no_comm"]
-    for row in rows.values():
-        assert row["fps"] > 0 and row["rounds"] == 2
-
-
-def test_ddp_comparison_runs_and_reports(tmp_path):
-    pytest.importorskip("torch", reason="PyTorch is a benchmark-only extra")
-    out = tmp_path / "ddp.json"
-    result = run_mpi(2, ["-m", "mpitrain.bench.ddp_compare", "--model", "tiny", "--rounds",
-                         "2", "--steps", "8", "--skip", "1", "--json", str(out)], timeout=180)
-    assert result.returncode == 0, _output(result)
-    summary = json.loads(out.read_text())
-    assert set(summary["ratios"]) == {"no communication", "allreduce", "model averaging"}
-    names = [r["contender"] for r in summary["rows"]]
-    assert "torch DDP" in names and "torch averager/8" in names
-    assert all(r["fps"] > 0 for r in summary["rows"])
-    assert "mpitrain / torch frames/s:" in result.stdout

@@ -1,4 +1,4 @@
-"""Checks of MpiCommunicator, run under ``mpiexec -n N`` by tests/mpi/test_comm.py.
+"""Checks of MpiCommunicator, run under ``mpiexec -n N`` by tests/comm/test_mpi.py.
 
 Usage: comm_worker.py NRANKS [--xp numpy|cupy] [--transport auto|host-staged|...]
 

@@ -4,7 +4,7 @@ A stand-in for cupy (fake_cupy.py: host memory behind a cupy-like interface,
 ``get``/``set``, pinned allocation, stream synchronisation) is installed into
 mpitrain.backend, so the route choice, the pinned staging path and the
 CUDA-aware path run for real under ``mpiexec``; only the memory is host
-memory.  Run by tests/mpi/test_comm.py with 2 ranks.
+memory.  Run by tests/comm/test_gpu.py with 2 ranks.
 """
 
 import os

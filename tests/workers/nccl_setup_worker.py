@@ -5,7 +5,7 @@ Usage: nccl_setup_worker.py SCENARIO RENDEZVOUS_DIR
 Each scenario installs the cupy stand-in of fake_cupy.py with an NCCL binding
 that mimics one CuPy API variant (or a failure), lets MpiCommunicator choose
 its device route, and checks the route's name, its reason (the same on every
-rank) and reduced values.  Run by tests/mpi/test_comm.py, one launch per
+rank) and reduced values.  Run by tests/comm/test_gpu.py, one launch per
 scenario, with a timeout so a hang fails the test.
 """
 

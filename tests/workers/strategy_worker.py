@@ -2,7 +2,7 @@
 
 Usage: strategy_worker.py NRANKS
 
-Run by tests/mpi/test_parallel_training.py.  Every expected value is computed
+Run by tests/parallel/test_strategies.py.  Every expected value is computed
 here, independently of the strategy under test: each rank's buffer content is
 a known function of (seed, rank), and the buffers are also brought to rank 0
 with plain point-to-point messages, so the reference mean, the BMUF update and

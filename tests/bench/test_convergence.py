@@ -1,0 +1,41 @@
+"""The convergence study's arithmetic: frames to reach an accuracy, best rates, the table."""
+
+import pytest
+
+from mpitrain.bench.convergence import frames_to_reach
+
+from ..helpers import write_run
+
+
+def test_frames_to_reach_interpolates_between_evaluations():
+    evals = [{"frames": 100, "dev_acc": 0.2}, {"frames": 200, "dev_acc": 0.6},
+             {"frames": 300, "dev_acc": 0.5}, {"frames": 400, "dev_acc": 0.9}]
+    assert frames_to_reach(evals, 0.4) == pytest.approx(150.0)
+    assert frames_to_reach(evals, 0.1) == 100.0          # reached at the first point
+    assert frames_to_reach(evals, 0.7) == pytest.approx(350.0)
+    assert frames_to_reach(evals, 0.95) is None
+
+
+def test_best_rates_and_table_of_summarized_runs(tmp_path):
+    from mpitrain.bench.convergence import RunSpec, best_rates, markdown_table, summarize_run
+    rows = []
+    for opt, lr, acc in (("sgd", 0.002, 0.6), ("sgd", 0.004, 0.7), ("ngsgd", 0.004, 0.8)):
+        spec = RunSpec(opt, lr, 1)
+        write_run(tmp_path / spec.name, acc_at_end=acc)
+        rows.append(summarize_run(tmp_path / spec.name, spec, targets=(0.1, 0.5, 0.9)))
+    assert best_rates(rows, ranks=1) == {"sgd": 0.004, "ngsgd": 0.004}
+    assert best_rates(rows, ranks=4) == {}
+    ng = rows[2]
+    assert ng["final_dev_acc"] == pytest.approx(0.78)
+    # eval accuracies 0.14, 0.30, 0.46, 0.62, 0.78 at 2560-frame steps
+    assert ng["frames_to_acc"]["0.5"] == pytest.approx(7680 + 0.25 * 2560)
+    assert ng["frames_to_acc"]["0.9"] is None
+    for row in rows:
+        row["best"] = row["lr"] == 0.004
+    table = markdown_table(rows, (0.1, 0.5, 0.9)).splitlines()
+    assert len(table) == 2 + 3
+    assert table[4].startswith("| NG-SGD | 1 | 0.004 * | 0.7800 |")
+    # 0.1 is reached by the first evaluation: only a bound is known
+    assert "| <= 3k | 8k | not reached |" in table[4]
+    with pytest.raises(ValueError, match="optimizer"):
+        RunSpec("adam", 0.1, 1)

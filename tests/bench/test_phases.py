@@ -1,0 +1,49 @@
+"""The benchmark's phases: crossing interpolation, throughput windows, evaluation
+intervals (and the default rank counts of its options)."""
+
+import pytest
+
+from mpitrain.bench.options import default_sizes
+from mpitrain.bench.phases import eval_interval_per_rank, first_crossing, throughput_from_records
+
+
+def test_first_crossing_interpolates_linearly():
+    points = [{"frames": 1000, "seconds": 2.0, "dev_acc": 0.30, "step": 4},
+              {"frames": 2000, "seconds": 4.0, "dev_acc": 0.40, "step": 8},
+              {"frames": 3000, "seconds": 7.0, "dev_acc": 0.60, "step": 12},
+              {"frames": 4000, "seconds": 9.0, "dev_acc": 0.70, "step": 16}]
+    # 0.55 lies 3/4 of the way from 0.40 to 0.60: 2000 + 0.75 * 1000, 4.0 + 0.75 * 3.0
+    hit = first_crossing(points, 0.55)
+    assert hit["frames"] == pytest.approx(2750) and hit["seconds"] == pytest.approx(6.25)
+    assert hit["interpolated"] and hit["eval_step"] == 12
+    # already reached at the first evaluation: its own figures, not interpolated
+    hit = first_crossing(points, 0.25)
+    assert (hit["frames"], hit["seconds"], hit["interpolated"]) == (1000, 2.0, False)
+    assert first_crossing(points, 0.9) is None
+    # the first crossing counts even when accuracy dips later
+    dip = points[:3] + [{"frames": 4000, "seconds": 9.0, "dev_acc": 0.5}]
+    assert first_crossing(dip, 0.55)["frames"] == pytest.approx(2750)
+
+
+def test_throughput_windows_drop_the_warmup():
+    records = [  # cumulative frames; the first window is warm-up
+        {"step": 5, "frames": 1280, "frames_per_sec": 100.0, "comm_fraction": 0.9},
+        {"step": 10, "frames": 2560, "frames_per_sec": 1280.0, "comm_fraction": 0.25},
+        {"step": 20, "frames": 5120, "frames_per_sec": 1280.0, "comm_fraction": 0.5}]
+    # windows: 1280 frames in 1 s (0.25 s comm), 2560 frames in 2 s (1 s comm)
+    got = throughput_from_records(records, ranks=2)
+    assert got["frames_per_sec"] == pytest.approx(3840 / 3)
+    assert got["frames_per_sec_per_rank"] == pytest.approx(3840 / 3 / 2)
+    assert got["comm_fraction"] == pytest.approx(1.25 / 3)
+    assert got["step_seconds"] == pytest.approx(3 / 15)
+    assert got["compute_seconds_per_step"] == pytest.approx(3 / 15 * (1 - 1.25 / 3))
+    with pytest.raises(ValueError, match="two progress records"):
+        throughput_from_records(records[:1], ranks=1)
+
+
+def test_eval_interval_and_sizes():
+    # 20000 frames over 2 ranks = 10000 per rank, rounded up to blocks of 8 x 256 = 2048
+    assert eval_interval_per_rank(20000, ranks=2, minibatch=256, sync_period=8) == 5 * 2048
+    assert eval_interval_per_rank(1, ranks=4, minibatch=128, sync_period=1) == 128
+    assert default_sizes(1) == (1,) and default_sizes(4) == (1, 2, 4)
+    assert default_sizes(6) == (1, 2, 4, 6)

@@ -1,0 +1,10 @@
+"""The one-rank communicator the comm tests call."""
+
+import pytest
+
+from mpitrain.comm.single import SingleCommunicator
+
+
+@pytest.fixture
+def comm():
+    return SingleCommunicator()

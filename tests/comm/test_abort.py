@@ -1,0 +1,52 @@
+"""Abort on error: one rank lets its exception propagate; on several ranks under
+`mpiexec -n 2` a failing rank ends the whole job at once instead of leaving the
+others waiting in a collective."""
+
+import sys
+import time
+
+import pytest
+
+from mpitrain.comm.abort import abort_on_error, install_abort_hook
+from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+
+from ..helpers import WORKERS
+
+
+def _output(result):
+    return f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+
+
+def test_abort_helpers_let_a_single_rank_fail_normally(comm):
+    with pytest.raises(KeyError):
+        with abort_on_error(comm):
+            raise KeyError("single rank: the exception propagates")
+    with pytest.raises(SystemExit):
+        with abort_on_error(comm):
+            sys.exit(2)
+    previous = install_abort_hook(comm)
+    try:
+        assert sys.excepthook is not previous
+    finally:
+        sys.excepthook = previous
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,message", [
+    ("hook", "deliberate failure on rank 1 (hook)"),
+    ("context", "deliberate failure on rank 1 (context)"),
+    ("exit", "exiting with status 3"),
+])
+def test_failing_rank_aborts_the_job(mode, message):
+    timeout = 60
+    start = time.monotonic()
+    try:
+        result = run_mpi(2, [str(WORKERS / "abort_worker.py"), mode], timeout=timeout)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"the job hung instead of aborting: {exc}")
+    elapsed = time.monotonic() - start
+    assert result.returncode != 0, _output(result)
+    assert message in result.stdout + result.stderr, _output(result)
+    assert "[rank 1/2]" in result.stderr, _output(result)
+    assert "passed a barrier" not in result.stdout, _output(result)
+    assert elapsed < timeout / 3, f"abort took {elapsed:.1f} s"

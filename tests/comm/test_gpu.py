@@ -1,0 +1,60 @@
+"""The device transports under `mpiexec -n 2`, GPU-free: route choice, pinned staging
+and the CUDA-aware path with a stand-in device, and NCCL set-up against each CuPy
+API variant and failure with a stand-in binding (tests/workers/fake_cupy.py)."""
+
+import pytest
+
+from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+
+from ..helpers import WORKERS
+
+pytestmark = pytest.mark.mpi
+
+
+def _output(result):
+    return f"--- stdout ---\n{result.stdout}\n--- stderr ---\n{result.stderr}"
+
+
+def test_device_routes_with_a_stand_in_device():
+    # Route choice, pinned staging (with reuse) and the CUDA-aware path, GPU-free.
+    result = run_mpi(2, [str(WORKERS / "device_route_worker.py")], timeout=120)
+    assert result.returncode == 0, _output(result)
+    passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == ["host-staged route", "point to point before setup",
+                      "forced route refused", "cuda-aware route", "forced host-staged"]
+
+
+# (scenario of nccl_setup_worker.py, what rank 0 reports); the worker checks
+# the reason and the reduced values, see its SCENARIOS.
+NCCL_SCENARIOS = [
+    ("cupy13-tuple", "nccl"),
+    ("cupy14-bytes", "nccl"),
+    ("tuple-id-bytes-init", "nccl"),
+    ("unsigned-id-signed-init", "nccl"),
+    ("init-fails-on-one-rank", "host-staged"),
+    ("init-hangs-on-one-rank", "host-staged"),
+    ("unique-id-fails", "host-staged"),
+    ("nccl-unavailable", "host-staged"),
+    ("nccl-missing-on-one-rank", "host-staged"),
+    ("shared-gpu", "host-staged"),
+    ("shared-gpu-without-pci", "host-staged"),
+    ("same-id-distinct-pci", "nccl"),
+    ("forced-nccl-works", "nccl"),
+    ("forced-nccl-init-fails", "RuntimeError on every rank"),
+    ("forced-nccl-shared-gpu", "RuntimeError on every rank"),
+]
+
+
+@pytest.mark.parametrize("scenario,outcome", NCCL_SCENARIOS, ids=[s for s, _ in NCCL_SCENARIOS])
+def test_nccl_setup_with_a_stand_in_binding(scenario, outcome, tmp_path):
+    # NCCL set-up against each CuPy API variant and failure, GPU-free; a rank
+    # left waiting in NCCL's init would show up as a timeout here.
+    try:
+        result = run_mpi(2, [str(WORKERS / "nccl_setup_worker.py"), scenario, str(tmp_path)],
+                         timeout=90)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"NCCL set-up hung: {exc}")
+    assert result.returncode == 0, _output(result)
+    passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == [f"{scenario}: {outcome}"], _output(result)
+    assert f"nccl_setup_worker: {scenario} passed" in result.stdout, _output(result)

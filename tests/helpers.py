@@ -1,0 +1,47 @@
+"""Paths and helpers shared by test files in different folders."""
+
+import json
+import os
+from pathlib import Path
+
+from mpitrain.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = str(REPO / "jobs" / "configs" / "quickstart.yaml")
+#: The scripts the ``mpi`` tests launch under mpiexec.
+WORKERS = REPO / "tests" / "workers"
+
+
+def small_overrides(corpus, **extra):
+    """--set values that point the quickstart config at the small corpus."""
+    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
+              "data.chunk_frames": 20000, "training.log_interval": 50}
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def train_in_process(run_dir, corpus, extra=(), resume=False):
+    """`mpitrain train` of the quickstart config on ``corpus``, in this process."""
+    argv = ["train", QUICKSTART, "--run-dir", str(run_dir)]
+    for item in small_overrides(corpus) + list(extra):
+        argv += ["--set", item]
+    if resume:
+        argv.append("--resume")
+    assert main(argv) == 0
+
+
+def write_run(run_dir, *, acc_at_end, steps=5):
+    """A run directory with a metrics file like the trainer's: start, train, eval, end."""
+    os.makedirs(run_dir, exist_ok=True)
+    lines = [{"type": "start", "time": 0.0, "step": 0, "ranks": 1}]
+    for i in range(1, steps + 1):
+        acc = acc_at_end * i / steps
+        lines.append({"type": "train", "time": 1.5 * i, "step": 10 * i, "frames": 2560 * i,
+                      "xent": 3.0 - 2 * acc, "acc": acc})
+        lines.append({"type": "eval", "time": 1.5 * i + 0.1, "step": 10 * i,
+                      "frames": 2560 * i, "dev_xent": 3.2 - 2 * acc, "dev_acc": acc - 0.02,
+                      "dev_frames": 1000})
+    lines.append({"type": "end", "time": 9.0, "steps": 10 * steps, "frames": 2560 * steps,
+                  "dev_acc": acc_at_end - 0.02, "dev_xent": 3.2 - 2 * acc_at_end})
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w", encoding="utf-8") as fh:
+        fh.write("\n".join(json.dumps(line) for line in lines) + "\n")

@@ -1,0 +1,59 @@
+"""Whole networks: float64 central-difference gradients, the summed loss, one flat buffer."""
+
+import numpy as np
+import pytest
+
+from mpitrain.nn.network import Network, build_network
+
+from .gradcheck import numeric_grad
+
+
+def _float64_net(nonlinearity, normalize=False):
+    net = build_network(feat_dim=3, num_classes=5, left_context=1, right_context=1,
+                        hidden_layers=2, hidden_dim=8, nonlinearity=nonlinearity,
+                        pnorm_output_dim=4, normalize=normalize)
+    comps = net.components
+    net64 = Network(comps, feat_dim=3, left_context=1, right_context=1, dtype="float64")
+    net64.params[...] = np.random.default_rng(6).standard_normal(net64.num_params) * 0.5
+    return net64
+
+
+@pytest.mark.parametrize("nonlinearity,normalize",
+                         [("relu", False), ("sigmoid", False), ("pnorm", True)])
+def test_full_network_gradient(nonlinearity, normalize):
+    net = _float64_net(nonlinearity, normalize)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((6, net.input_dim))
+    labels = rng.integers(0, net.num_classes, 6)
+
+    def loss():
+        total, _ = net.evaluate_batch(x.copy(), labels)
+        return float(total)
+
+    net.forward_backward(x.copy(), labels)
+    analytic = net.grads.copy()
+    np.testing.assert_allclose(analytic, numeric_grad(loss, net.params), rtol=1e-5, atol=1e-7)
+
+
+def test_loss_is_summed_cross_entropy():
+    net = _float64_net("relu")
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((5, net.input_dim))
+    labels = rng.integers(0, 5, 5)
+    logits = net.forward(x.copy()).copy()
+    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) \
+        - logits.max(1, keepdims=True)
+    total, correct = net.evaluate_batch(x.copy(), labels)
+    assert float(total) == pytest.approx(-logp[np.arange(5), labels].sum(), rel=1e-10)
+    assert int(correct) == int((logits.argmax(1) == labels).sum())
+
+
+def test_parameters_are_views_of_one_flat_buffer():
+    net = build_network(feat_dim=4, num_classes=3, left_context=0, right_context=0,
+                        hidden_layers=2, hidden_dim=6)
+    net.params[...] = 7.0
+    for layer in net.affine_layers():
+        assert np.all(layer.weight == 7.0) and np.all(layer.bias == 7.0)
+        assert np.shares_memory(layer.block, net.params)
+        assert np.shares_memory(layer.grad_block, net.grads)
+    assert net.num_params == (4 + 1) * 6 + (6 + 1) * 6 + (6 + 1) * 3

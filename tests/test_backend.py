@@ -1,0 +1,70 @@
+"""The backend on a GPU: the cuBLAS path of backend.gemm against NumPy, asynchronous
+host copies, and the device of each local rank.
+
+Skipped without CuPy and a CUDA device; MPITRAIN_TEST_GPU=1 turns the skip
+into a failure.  GEMMs with inner dimension K differ from NumPy by ~sqrt(K)
+ulps (rtol 1e-4 at K <= 2048).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpitrain import backend
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
+                                             (True, True)])
+def test_gemm_matches_numpy(cp, trans_a, trans_b):
+    rng = np.random.default_rng(6)
+    m, k, n = 70, 2048, 33
+    a = rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32)
+    b = rng.standard_normal((n, k) if trans_b else (k, n)).astype(np.float32)
+    c = rng.standard_normal((m, n + 1)).astype(np.float32)   # a strided output view
+    want = 0.5 * ((a.T if trans_a else a) @ (b.T if trans_b else b)) + 2.0 * c[:, :n]
+    out = cp.asarray(c)
+    backend.gemm(cp.asarray(a), cp.asarray(b), out[:, :n], trans_a=trans_a, trans_b=trans_b,
+                 alpha=0.5, beta=2.0)
+    got = backend.to_host(out)
+    np.testing.assert_allclose(got[:, :n], want, rtol=1e-4, atol=1e-3)
+    np.testing.assert_array_equal(got[:, n], c[:, n])
+    # alpha read from the device
+    out2 = cp.empty((m, n), dtype=cp.float32)
+    backend.gemm(cp.asarray(a), cp.asarray(b), out2, trans_a=trans_a, trans_b=trans_b,
+                 alpha=cp.asarray(np.float32(3.0)))
+    np.testing.assert_allclose(backend.to_host(out2),
+                               3.0 * ((a.T if trans_a else a) @ (b.T if trans_b else b)),
+                               rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("precision,rtol", [("tf32", 5e-3), ("bf16", 3e-2)])
+def test_reduced_precision_gemm_is_close(cp, precision, rtol):
+    """TF32 keeps 10 mantissa bits (relative error ~1e-3 per product), bf16 7 bits."""
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((256, 512)).astype(np.float32)
+    b = rng.standard_normal((512, 128)).astype(np.float32)
+    out = cp.empty((256, 128), dtype=cp.float32)
+    backend.set_precision(cp, precision)
+    try:
+        backend.gemm(cp.asarray(a), cp.asarray(b), out)
+    finally:
+        backend.set_precision(cp, "fp32")
+    want = a @ b
+    err = np.linalg.norm(backend.to_host(out) - want) / np.linalg.norm(want)
+    assert err < rtol
+
+
+def test_async_host_copy_waits_only_for_its_data(cp):
+    x = cp.arange(1000, dtype=cp.float32)
+    pending = backend.copy_to_host_async(x * 2)
+    np.testing.assert_array_equal(pending.result(), np.arange(1000, dtype=np.float32) * 2)
+
+
+def test_gpu_device_selection_by_local_rank(cp):
+    count = cp.cuda.runtime.getDeviceCount()
+    backend.select("gpu", local_rank=count + 1)
+    assert cp.cuda.Device().id == 1 % count
+    backend.select("gpu", local_rank=0)
