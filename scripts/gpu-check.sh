@@ -26,7 +26,7 @@ step() { printf '\n== %s\n' "$*"; }
 
 if [ "${TESTS:-1}" != 0 ]; then
     step "GPU tests"
-    if ! MPITRAIN_TEST_GPU=1 "$PYTHON" -m pytest -q -ra tests/gpu; then failures+=("GPU tests"); fi
+    if ! MPITRAIN_TEST_GPU=1 "$PYTHON" -m pytest -q -ra -m gpu tests; then failures+=("GPU tests"); fi
 fi
 
 step "built-in corpus"
