@@ -5,7 +5,7 @@ Importing this package imports neither pytest nor mpi4py.
 Example::
 
     from mpitrain.testing.mpirun import run_mpi
-    run_mpi(2, ["tests/mpi/workers/comm_worker.py"])
+    run_mpi(2, ["tests/workers/comm_worker.py"])
 """
 
 from .gpu import gpu_required

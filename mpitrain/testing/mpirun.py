@@ -7,7 +7,7 @@ and may exit with :data:`SKIP_EXIT_CODE` via :func:`skip_worker`, which
 
 Example::
 
-    result = run_mpi(2, ["tests/mpi/workers/comm_worker.py"], timeout=60)
+    result = run_mpi(2, ["tests/workers/comm_worker.py"], timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
 """
 
