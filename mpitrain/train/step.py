@@ -96,11 +96,9 @@ class _StepGraph:
         net = owner.net
         xp = net.xp
         self.xp = xp
-        self.enabled = backend.fused_kernels(xp) and not owner.strategy.reduces_gradients \
-            and hasattr(owner.optimizer, "static_step_ahead")
+        self.enabled = backend.fused_kernels(xp) and not owner.strategy.reduces_gradients
         self.why_not = "" if self.enabled else (
-            "needs the fused GPU kernels, a step without gradient communication and an "
-            "optimizer that reports fixed steps")
+            "needs the fused GPU kernels and a step without gradient communication")
         self.stream = backend.use_own_stream(xp) if self.enabled else None
         self.idx = xp.empty(owner.minibatch, dtype=xp.int64)
         self.labels = None

@@ -295,7 +295,7 @@ class Trainer:
         return res
 
     def _transport_reason(self) -> str:
-        return getattr(self.comm, "transport_reason", "") or ""
+        return self.comm.transport_reason
 
     def _banner(self) -> str:
         cfg, net = self.cfg, self.net
