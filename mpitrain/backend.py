@@ -121,13 +121,6 @@ def to_host(array) -> np.ndarray:
     return np.asarray(array)
 
 
-def host_scalar(value) -> float:
-    """A Python float from a number or a 0-d/1-element array on either device."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    return float(to_host(value).reshape(-1)[0])
-
-
 class HostCopy:
     """A device-to-host copy in flight; :meth:`result` waits for it only.
 
@@ -136,9 +129,6 @@ class HostCopy:
 
     def __init__(self, host, event=None):
         self._host, self._event = host, event
-
-    def done(self) -> bool:
-        return self._event is None or bool(self._event.done)
 
     def result(self) -> np.ndarray:
         if self._event is not None:

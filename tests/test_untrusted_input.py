@@ -9,7 +9,6 @@ passing unnoticed on a large machine.
 
 import json
 import os
-import pickle
 import resource
 import struct
 import subprocess
@@ -40,18 +39,13 @@ FEAT_DIM, NUM_CLASSES = 4, 3
 
 # ---------------------------------------------------------------- helpers
 
-class _CreateMarker:
-    """Unpickling this calls open(marker, "w"): code run by merely loading data."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def pickled_record(marker) -> bytes:
-    return b"PKL" + pickle.dumps(_CreateMarker(marker))
+    """A Kaldi ark record flagged as a Python object whose unpickling calls
+    ``open(marker, "w")``: code run by merely loading data.  Written out in
+    pickle's protocol 0 (global, argument tuple, call) rather than produced by
+    the pickle module."""
+    path = str(marker).encode("raw_unicode_escape")
+    return b"PKL" + b"cbuiltins\nopen\n(V" + path + b"\nVw\ntR."
 
 
 def run_limited(args, *, cwd):
@@ -153,6 +147,14 @@ def evil(tmp_path):
     (tmp_path / "evil.scp").write_text(f"utt1 {ark}:{offset}\n")
     write_text_ali(tmp_path / "ali.txt", ali)
     return tmp_path, marker
+
+
+def test_the_crafted_record_is_a_live_payload(evil):
+    """Control: kaldiio's own loader does run it, so the refusals below are real."""
+    d, marker = evil
+    for _ in kaldiio.load_ark(str(d / "evil.ark")):
+        pass
+    assert marker.exists()
 
 
 @pytest.mark.parametrize("feats", ["ark:{d}/evil.ark", "scp:{d}/evil.scp"])

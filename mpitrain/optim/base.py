@@ -6,8 +6,8 @@ buffer averaging may include (:meth:`momentum_buffer`), clearing it
 (:meth:`clear_momentum`) and the signal that the ranks' models were just
 averaged (:meth:`after_average`).  Checkpoints go through
 :meth:`state_dict`/:meth:`load_state_dict` (host arrays and plain values).
-The remaining methods let the training step replay a step from a captured
-CUDA graph; an optimizer that never allows it keeps their defaults.
+:class:`ReplayableOptimizer` adds what the training step needs to replay a
+step from a captured CUDA graph.
 
 Example::
 
@@ -55,21 +55,39 @@ class Optimizer(ABC):
     def after_average(self) -> None:
         """Called right after the ranks' models were averaged."""
 
-    # -- CUDA graphs -----------------------------------------------------------------
+
+class ReplayableOptimizer(Optimizer):
+    """An optimizer whose steps a captured CUDA graph may replay.
+
+    The training step asks :meth:`static_step_ahead` before each step; when it
+    says yes, the rate goes in through :meth:`load_learning_rate`, the step is
+    ``step(None)`` (captured once, then replayed), and a replay's host side is
+    :meth:`count_replayed_step`.
+
+    Example::
+
+        if opt.static_step_ahead():
+            opt.load_learning_rate(lr)
+            graph.launch()
+            opt.count_replayed_step()
+    """
+
+    @abstractmethod
     def static_step_ahead(self) -> bool:
         """Whether the next step is fixed device work on fixed buffers (replayable)."""
-        return False
 
+    @abstractmethod
     def load_learning_rate(self, lr: float) -> None:
-        """Put ``lr`` where a replayed step reads it."""
-        raise NotImplementedError(f"{type(self).__name__} does not replay steps")
+        """Put ``lr`` where ``step(None)`` reads it on the device."""
 
+    @abstractmethod
     def host_step_state(self) -> list:
         """The host counters one step advances (to undo a failed capture)."""
-        return []
 
+    @abstractmethod
     def restore_host_step_state(self, state: list) -> None:
         """Put back what :meth:`host_step_state` returned."""
 
+    @abstractmethod
     def count_replayed_step(self) -> None:
         """The host side of a step whose device work was replayed."""

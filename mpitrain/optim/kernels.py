@@ -1,12 +1,14 @@
-"""Array kernels for the natural-gradient preconditioner, on NumPy or CuPy.
+"""Array kernels of the optimizers, on NumPy or CuPy: NG-SGD's preconditioner
+pieces and SGD's max-change step.
 
 Every function takes arrays of one array module and does the same math on
-both: plain NumPy expressions on the host, and on the GPU small CuPy kernels
-(a fused square-sum reduction, an elementwise gamma, a fused row-scaled add)
-that keep the preconditioner free of host synchronisation except where the
-host really needs a number.  CuPy is never imported here: the kernels are
+all: NumPy expressions on the host; on the GPU small CUDA kernels (a
+one-launch sum of squares, an elementwise gamma, a row-scaled add, the
+three-kernel max-change step) that never wait for the host; and the same
+array expressions on a device module that cannot compile kernels (or with
+``fused_kernels: false``).  CuPy is never imported here: the kernels are
 built lazily from the array module that :func:`mpitrain.backend.get_array_module`
-returns for the arrays at hand, and cached per module.
+returns for the arrays at hand, and cached.
 
 Example::
 
@@ -265,26 +267,6 @@ def scale_rows_(x, v):
         return x
     _kernel(xp, "scale_rows")(v, x)
     return x
-
-
-def fetch_float64(*arrays) -> list:
-    """Host float64 copies of small arrays (or scalars), in one transfer on CuPy.
-
-    Example::
-
-        gram, x_sq = fetch_float64(gram_dev, x_sq_dev)
-    """
-    if all(isinstance(a, (float, int)) or not backend.is_gpu_array(a) for a in arrays):
-        return [np.asarray(a, dtype=np.float64) for a in arrays]
-    xp = backend.get_array_module(*[a for a in arrays if backend.is_gpu_array(a)])
-    parts = [xp.asarray(a, dtype=xp.float64).reshape(-1) for a in arrays]
-    host = backend.to_host(xp.concatenate(parts))
-    out, start = [], 0
-    for a, part in zip(arrays, parts):
-        shape = getattr(a, "shape", ())
-        out.append(host[start:start + part.size].reshape(shape))
-        start += part.size
-    return out
 
 
 # -- SGD with max-change, on the device ------------------------------------------------

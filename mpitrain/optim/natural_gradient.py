@@ -325,6 +325,7 @@ class OnlineNaturalGradient(Preconditioner):
         self._rows = None        # (H, tmp) scratch for the current minibatch size
         self._gram = None        # (2 rank, 2 rank) device buffer, and its host copies
         self._gram_host = None
+        self._x_sq_host = None
         self._pending = None     # an update started but not yet finished
 
     @property
@@ -473,9 +474,11 @@ class OnlineNaturalGradient(Preconditioner):
                 or backend.get_array_module(self._gram) is not xp:
             self._gram = xp.empty((size, size), dtype=self._wj.dtype)
             self._gram_host = backend.pinned_empty((size, size), self._wj.dtype)
+            # on a device ||X||^2 is a 0-d array of X's dtype; on the host a float
+            self._x_sq_host = None if xp is np else backend.pinned_empty((), self._wj.dtype)
         backend.gemm(self._wj, self._wj, self._gram, trans_b=True)
         self._pending = (backend.copy_to_host_async(self._gram, out=self._gram_host),
-                         backend.copy_to_host_async(x_sq), num_rows, dim)
+                         backend.copy_to_host_async(x_sq, out=self._x_sq_host), num_rows, dim)
 
     def finish_update(self) -> None:
         """Finish an update started by the last call now (it waits for the GPU)."""

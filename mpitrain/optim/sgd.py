@@ -22,10 +22,10 @@ import numpy as np
 from .. import backend
 from ..backend import to_host
 from . import kernels
-from .base import Optimizer
+from .base import ReplayableOptimizer
 
 
-class SGD(Optimizer):
+class SGD(ReplayableOptimizer):
     """Plain SGD on a :class:`~mpitrain.nn.network.Network`.
 
     Example::

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from .. import backend
 from ..data.splice import splice_batch_
+from ..optim.base import ReplayableOptimizer
 
 
 class TrainingStep:
@@ -54,17 +55,22 @@ class TrainingStep:
         lr = strategy.learning_rate(lr, step)
         if strategy.is_active(step):
             chunk, idx = next_batch()
-            if self.graph is not None:
+            if self.graph is not None and self.graph.enabled:
                 self.graph.step(chunk, idx, lr)
             else:
-                splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, self.left,
-                              self.right, out=self.inputs, ctx=self.ctx)
-                net.forward_backward(self.inputs, chunk.labels[idx], into=self.sums)
-                strategy.reduce_gradients(net)
-                self.optimizer.step(lr)
+                self.launch(chunk, idx, lr)
             self.frames += self.minibatch
         strategy.after_update(net, self.optimizer, step + 1)
         return lr
+
+    def launch(self, chunk, idx, lr) -> None:
+        """The step's device work, launched from Python (``lr`` None: a replayable
+        optimizer's loaded rate)."""
+        splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, self.left,
+                      self.right, out=self.inputs, ctx=self.ctx)
+        self.net.forward_backward(self.inputs, chunk.labels[idx], into=self.sums)
+        self.strategy.reduce_gradients(self.net)
+        self.optimizer.step(lr)
 
     def take_sums(self) -> tuple:
         """(summed cross-entropy, correct frames, frames) since the last call; resets them.
@@ -96,9 +102,11 @@ class _StepGraph:
         net = owner.net
         xp = net.xp
         self.xp = xp
-        self.enabled = backend.fused_kernels(xp) and not owner.strategy.reduces_gradients
+        self.enabled = (backend.fused_kernels(xp) and not owner.strategy.reduces_gradients
+                        and isinstance(owner.optimizer, ReplayableOptimizer))
         self.why_not = "" if self.enabled else (
-            "needs the fused GPU kernels and a step without gradient communication")
+            "needs the fused GPU kernels, a step without gradient communication and an "
+            "optimizer whose steps can be replayed")
         self.stream = backend.use_own_stream(xp) if self.enabled else None
         self.idx = xp.empty(owner.minibatch, dtype=xp.int64)
         self.labels = None
@@ -107,6 +115,7 @@ class _StepGraph:
         self.replays = 0
 
     def _body(self, chunk) -> None:
+        """The device work of a fixed step, on the fixed index and label buffers."""
         owner = self.owner
         splice_batch_(chunk.feats, self.idx, chunk.utt_start, chunk.utt_end, owner.left,
                       owner.right, out=owner.inputs, ctx=owner.ctx)
@@ -116,38 +125,34 @@ class _StepGraph:
         owner.optimizer.step(None)
 
     def step(self, chunk, idx, lr: float) -> None:
-        owner = self.owner
-        if not self.enabled:
-            splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, owner.left,
-                          owner.right, out=owner.inputs, ctx=owner.ctx)
-            owner.net.forward_backward(owner.inputs, chunk.labels[idx], into=owner.sums)
-            owner.strategy.reduce_gradients(owner.net)
-            owner.optimizer.step(lr)
-            return
+        owner, optimizer = self.owner, self.owner.optimizer
         if self.xp.cuda.get_current_stream() != self.stream:
             self.stream.use()            # all of the step's work in order on one stream
+        if not optimizer.static_step_ahead():
+            owner.launch(chunk, idx, lr)
+            self.eager_steps += 1
+            return
         if self.labels is None or self.labels.dtype != chunk.labels.dtype:
             self.labels = self.xp.empty(owner.minibatch, dtype=chunk.labels.dtype)
         self.idx[...] = idx
-        owner.optimizer.load_learning_rate(lr)
+        optimizer.load_learning_rate(lr)
         key = tuple((a.data.ptr, a.shape) for a in
                     (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end))
-        static = owner.optimizer.static_step_ahead()
-        if static and self.graph is not None and key == self.key:
+        if self.graph is not None and key == self.key:
             self.graph.launch()
-            owner.optimizer.count_replayed_step()
+            optimizer.count_replayed_step()
             self.replays += 1
             return
-        if static and self.eager_steps >= 2:
-            # every buffer the step touches exists after two eager steps
-            snapshot = owner.optimizer.host_step_state()
+        if self.eager_steps >= 2:
+            # every buffer the step touches exists after two launched steps
+            snapshot = optimizer.host_step_state()
             graph, why = backend.capture_graph(self.xp, lambda: self._body(chunk))
             if graph is not None:
                 self.graph, self.key = graph, key
                 graph.launch()
                 self.replays += 1
                 return
-            owner.optimizer.restore_host_step_state(snapshot)
+            optimizer.restore_host_step_state(snapshot)
             self.enabled, self.why_not = False, f"capture failed: {why}"
             if self.log is not None:
                 self.log(f"cuda_graph: off for this run ({self.why_not})")
