@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+import warnings
 
 
 class UsageError(Exception):
@@ -72,7 +74,7 @@ def cmd_check(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from .config import dump_config, load_config
+    from .config import load_config
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
     cfg = load_config(args.config, args.set)
@@ -81,23 +83,35 @@ def cmd_train(args) -> int:
     _limit_blas_threads(cfg, comm)
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0])
-    if comm.rank == 0:
-        os.makedirs(run_dir, exist_ok=True)
-        dump_config(cfg, os.path.join(run_dir, "config.yaml"))
-    comm.barrier()
+    from .train.run_dir import run_dir_problem
+    # rank 0 looks, every rank hears the same answer: all stop together or none
+    problem = comm.bcast_obj(run_dir_problem(run_dir, resume=args.resume,
+                                             overwrite=args.overwrite)
+                             if comm.rank == 0 else None, root=0)
+    if problem:
+        if comm.rank != 0:
+            return 2
+        raise UsageError(problem)
     from .train.trainer import Trainer
     try:
-        trainer = Trainer(cfg, run_dir=run_dir, comm=comm, resume=args.resume)
+        trainer = Trainer(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
+                          overwrite=args.overwrite, accept_changes=args.accept_changes)
         try:
             trainer.run()
         finally:
             trainer.close()
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, MemoryError) as exc:
+        if getattr(exc, "agreed", False):
+            # every rank took this decision together: one line, and no abort
+            if comm.rank != 0:
+                return 2
+            raise
         if comm.size == 1:
             raise
         # one rank's bad input must end the whole job, not leave the others waiting
-        print(f"mpitrain train: rank {comm.rank}: error: {exc}", file=sys.stderr, flush=True)
-        comm.abort(2, str(exc))
+        print(f"mpitrain train: rank {comm.rank}: error: {_one_line(exc)}", file=sys.stderr,
+              flush=True)
+        comm.abort(2, _one_line(exc))
     return 0
 
 
@@ -142,11 +156,12 @@ def cmd_bench(args) -> int:
             paths = write_report(report, out_dir, dpi=args.dpi)
             print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]))
             print("wrote " + ", ".join(paths.values()))
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
+    except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if comm.size == 1:
             raise
-        print(f"mpitrain bench: rank {comm.rank}: error: {exc}", file=sys.stderr, flush=True)
-        comm.abort(2, str(exc))
+        print(f"mpitrain bench: rank {comm.rank}: error: {_one_line(exc)}", file=sys.stderr,
+              flush=True)
+        comm.abort(2, _one_line(exc))
     return 0
 
 
@@ -244,7 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override a config value, e.g. --set optimizer.name=ngsgd")
     p.add_argument("--run-dir", default=None, help="default: runs/<config name>")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the newest checkpoint in the run directory")
+                   help="continue from the newest good checkpoint in the run directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in the run directory")
+    p.add_argument("--accept-changes", action="store_true",
+                   help="with --resume: apply settings that differ from the checkpoint's "
+                        "and change the result (each is listed in the log)")
     p.set_defaults(func=cmd_train)
 
     from .parallel.registry import METHODS
@@ -314,15 +334,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Numerical trouble is counted and reported by the program (see
+    # train/divergence.py); numpy's own warnings would only repeat it unclearly.
+    warnings.simplefilter("ignore", RuntimeWarning)
     try:
         return args.func(args)
     except UsageError as exc:
-        print(f"mpitrain {args.command}: {exc}", file=sys.stderr)
+        print(f"mpitrain {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, RuntimeError) as exc:
-        # ConfigError, CorpusError, TrainingError and bad files: one clear line
-        print(f"mpitrain {args.command}: error: {exc}", file=sys.stderr, flush=True)
+    except (ValueError, OSError, RuntimeError) as exc:
+        # ConfigError, CorpusError, TrainingError and files that cannot be read or
+        # written (OSError names the file): one clear line
+        print(f"mpitrain {args.command}: error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 2
+    except MemoryError:
+        print(f"mpitrain {args.command}: error: out of memory (use fewer ranks per node, "
+              "a smaller data.chunk_frames or a smaller model)", file=sys.stderr, flush=True)
+        return 2
+    except KeyboardInterrupt:
+        print(f"mpitrain {args.command}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print(f"mpitrain {args.command}: internal error: this is a bug in mpitrain; please "
+              "report it with the traceback above", file=sys.stderr, flush=True)
+        return 1

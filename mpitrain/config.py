@@ -87,6 +87,16 @@ class TrainingConfig:
     keep_checkpoints: int = _opt(3, min=1, help="newest checkpoints kept in the run directory")
     plot: bool = _opt(False, help="draw curves.png into the run directory at the end "
                                   "(needs matplotlib)")
+    divergence_factor: float = _opt(3.0, min=0.0, help="a log window whose cross-entropy "
+                                    "exceeds this factor times the running mean counts as a "
+                                    "divergence event; 0: only non-finite losses count")
+    max_divergence_events: int = _opt(10, min=0, help="non-finite minibatches and exploding "
+                                      "windows tolerated between checkpoints before rolling "
+                                      "back to the last good checkpoint")
+    max_rollbacks: int = _opt(3, min=0, help="roll backs, each scaling the learning rate by "
+                                             "rollback_lr_factor, before the run stops")
+    rollback_lr_factor: float = _opt(0.5, min=0.0, max=1.0, min_exclusive=True,
+                                     help="learning-rate factor applied at each roll back")
 
 
 @dataclass

@@ -135,6 +135,24 @@ class MinibatchStream:
         self.steps_in_epoch = int(state["steps_in_epoch"])
         self._current_key = None
 
+    def seek(self, epoch: int, steps_in_epoch: int) -> None:
+        """Stand before minibatch ``steps_in_epoch`` of ``epoch`` (to continue a run
+        whose reader positions belong to another number of ranks)."""
+        if not 0 <= steps_in_epoch < max(self.steps_per_epoch, 1):
+            raise ValueError(f"steps_in_epoch must be in [0, {self.steps_per_epoch}), "
+                             f"got {steps_in_epoch}")
+        self.epoch, self.chunk_pos, self.batch_pos = int(epoch), 0, int(steps_in_epoch)
+        order = self.chunk_order(self.epoch)
+        # walk the epoch's chunk order, each chunk holding frames // minibatch batches
+        for pos, index in enumerate(order):
+            batches = self.chunks[int(index)].frames // self.minibatch
+            if self.batch_pos < batches:
+                self.chunk_pos = pos
+                break
+            self.batch_pos -= batches
+        self.steps_in_epoch = int(steps_in_epoch)
+        self._current_key = None
+
     # -- reading -----------------------------------------------------------------
     def _spec_at(self, epoch: int, chunk_pos: int) -> ChunkSpec:
         return self.chunks[int(self.chunk_order(epoch)[chunk_pos])]

@@ -41,6 +41,11 @@ class Optimizer(ABC):
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`'s result."""
 
+    def skipped_steps(self):
+        """Steps skipped so far because their change was not finite: an int, or on a
+        device a one-element array, read only when the trainer logs."""
+        return 0
+
     # -- what strategies may touch ---------------------------------------------------
     def momentum_buffer(self):
         """The flat per-parameter buffer that model averaging may average too, or None."""

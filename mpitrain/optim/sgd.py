@@ -69,6 +69,9 @@ class SGD(ReplayableOptimizer):
             return int(to_host(self._device.skipped)[0])
         return self._skipped
 
+    def skipped_steps(self):
+        return self._device.skipped if self._device is not None else self._skipped
+
     @property
     def num_steps(self) -> int:
         """Steps taken (calls to :meth:`step` that were not skipped)."""

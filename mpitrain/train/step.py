@@ -12,7 +12,7 @@ Example::
                         left_context=5, right_context=5)
     for n in range(steps):
         lr = step.run(n, schedule(n / steps), stream.next_batch)
-    loss_sum, correct, frames = step.take_sums()
+    loss_sum, correct, frames, skipped = step.take_sums()
 """
 
 from __future__ import annotations
@@ -44,6 +44,9 @@ class TrainingStep:
         self.ctx = xp.empty((self.minibatch, net.context), dtype=xp.int64)
         self.sums = xp.zeros(2, dtype=xp.float64)   # summed cross-entropy, correct frames
         self.frames = 0
+        # what one log line reads: the sums and the optimizer's count of skipped steps
+        self._readout = xp.zeros(3, dtype=xp.float64)
+        self._skipped_before = int(backend.to_host(self._readout_now())[2])
         self.graph = None
         if cuda_graph:
             self.graph = _StepGraph(self, log=log)
@@ -72,16 +75,27 @@ class TrainingStep:
         self.strategy.reduce_gradients(self.net)
         self.optimizer.step(lr)
 
+    def _readout_now(self):
+        readout = self._readout
+        readout[:2] = self.sums
+        skipped = self.optimizer.skipped_steps()
+        readout[2] = skipped if isinstance(skipped, int) else skipped[0]
+        return readout
+
     def take_sums(self) -> tuple:
-        """(summed cross-entropy, correct frames, frames) since the last call; resets them.
+        """(summed cross-entropy, correct frames, frames, skipped steps) since the last
+        call; resets them.  A skipped step's loss was not finite or its change was
+        not (the optimizer left the parameters alone).
 
         The one read of the device per log line.
         """
-        loss_sum, correct = backend.to_host(self.sums)
+        loss_sum, correct, skipped = backend.to_host(self._readout_now())
         frames = self.frames
         self.sums[...] = 0
         self.frames = 0
-        return float(loss_sum), float(correct), frames
+        new_skips = int(skipped) - self._skipped_before
+        self._skipped_before = int(skipped)
+        return float(loss_sum), float(correct), frames, new_skips
 
 
 class _StepGraph:

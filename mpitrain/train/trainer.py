@@ -23,10 +23,13 @@ from ..nn.network import build_network
 from ..optim.factory import build_optimizer
 from ..optim.schedule import ExponentialSchedule
 from ..parallel.registry import build_strategy
+from ..config import config_from_yaml, dump_config
 from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint,
                          save_checkpoint)
+from .divergence import ROLL_BACK, DivergenceGuard, Diverged
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .metrics import MetricsLog, format_duration
+from .run_dir import changed_settings, clear_run
 from .step import TrainingStep
 
 
@@ -46,7 +49,16 @@ def balanced_plan(manifest, size: int) -> list:
 
 
 class TrainingError(RuntimeError):
-    """A problem that stops training, with a message for the user."""
+    """A problem that stops training, with a message for the user.
+
+    ``agreed``: every rank raises it at the same point (a decision taken from
+    collective results), so the job can end without an abort and one rank
+    alone needs to print it.
+    """
+
+    def __init__(self, message: str, *, agreed: bool = False):
+        super().__init__(message)
+        self.agreed = agreed
 
 
 class Trainer:
@@ -58,9 +70,15 @@ class Trainer:
     """
 
     def __init__(self, cfg: RunConfig, *, run_dir: str, comm, resume: bool = False,
-                 stream=None):
+                 overwrite: bool = False, accept_changes: bool = False, stream=None):
         self.cfg, self.run_dir, self.comm = cfg, run_dir, comm
         self.is_root = comm.rank == 0
+        self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
+        # Nothing is written before the run is validated: lines wait for the log.
+        self._stream_out = stream
+        self.log = None
+        self._pending_lines: list = []
+        self._pending_records: list = []
         self.xp = backend.select(cfg.device, comm.local_rank)
         backend.set_fused_kernels(cfg.fused_kernels)
         try:
@@ -69,7 +87,6 @@ class Trainer:
             raise TrainingError(str(exc)) from None
         # Collective: every rank agrees on how device buffers travel before step 1.
         self.transport = comm.setup_device_transport(self.xp)
-        self.log = MetricsLog(run_dir, enabled=self.is_root, stream=stream, append=resume)
         if not cfg.data.train:
             raise TrainingError("data.train: no training corpus given (set data.train "
                                 "in the config or with --set data.train=DIR)")
@@ -88,10 +105,17 @@ class Trainer:
         self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
         self.step = 0
         self.frames_seen = 0      # summed over all ranks
+        t = cfg.training
+        self.guard = DivergenceGuard(factor=t.divergence_factor,
+                                     max_events=t.max_divergence_events,
+                                     max_rollbacks=t.max_rollbacks, lr_factor=t.rollback_lr_factor)
         if resume:
             self._resume()
+            self._initial = None
         else:
             self.strategy.setup(self.net, self.optimizer)
+            # what a roll back before the first checkpoint returns to
+            self._initial = self._state_snapshot()
         self._dev = None
 
     # -- construction ------------------------------------------------------------
@@ -138,28 +162,160 @@ class Trainer:
         self.total_steps = max(total, 1)
         self.planned_steps = max(int(round(cfg.training.epochs * steps)), 1)
 
-    # -- resume --------------------------------------------------------------------
-    def _resume(self) -> None:
-        found = list_checkpoints(self.run_dir)
-        if not found:
-            raise TrainingError(f"{self.run_dir}: --resume given but no checkpoint "
-                                "(ckpt-*.h5) found")
+    # -- the run directory ------------------------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.log is not None:
+            self.log.say(text)
+        else:
+            self._pending_lines.append(text)
+
+    def _record(self, kind: str, **fields) -> None:
+        if self.log is not None:
+            self.log.write(kind, **fields)
+        else:
+            self._pending_records.append((kind, fields))
+
+    def _open_run_dir(self) -> None:
+        """Rank 0 writes the run directory once the run has been validated."""
+        if self.is_root:
+            os.makedirs(self.run_dir, exist_ok=True)
+            if self.overwrite and not self.resuming:
+                removed = clear_run(self.run_dir)
+                if removed:
+                    self._pending_lines.insert(
+                        0, f"--overwrite: removed the previous run's {len(removed)} file(s)")
+            dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
+        self.log = MetricsLog(self.run_dir, enabled=self.is_root, stream=self._stream_out,
+                              append=self.resuming)
+        for kind, fields in self._pending_records:
+            self.log.write(kind, **fields)
+        for line in self._pending_lines:
+            self.log.say(line)
+        self._pending_lines, self._pending_records = [], []
+
+    # -- state: snapshots, resume, roll back --------------------------------------------
+    def _state_snapshot(self) -> dict:
+        """This rank's whole training state, on the host (the start of the run)."""
+        return {"params": backend.to_host(self.net.params).copy(),
+                "optimizer": self.optimizer.state_dict(), "reader": self.stream.state_dict(),
+                "strategy": self.strategy.state_dict(), "step": self.step,
+                "frames_seen": self.frames_seen}
+
+    def _trainer_state(self) -> dict:
+        return {**self.guard.state_dict(), "planned_steps": self.planned_steps,
+                "steps_per_epoch": self.steps_per_epoch}
+
+    def _choose_checkpoint(self):
+        """Rank 0 picks the newest checkpoint that verifies; every rank loads that one."""
+        chosen, num_ranks, notes, problem = None, 0, [], None
+        if self.is_root:
+            found = list_checkpoints(self.run_dir)
+            if not found:
+                problem = f"{self.run_dir}: no checkpoint (ckpt-*.h5) to continue from"
+            for path in reversed(found):
+                try:
+                    num_ranks = load_checkpoint(path, ranks=[]).num_ranks
+                except (ValueError, OSError) as exc:
+                    notes.append(f"skipped {os.path.basename(path)}: {exc}")
+                    continue
+                chosen = path
+                break
+            if found and chosen is None:
+                problem = (f"{self.run_dir}: no checkpoint verifies; tried "
+                           + "; ".join(notes))
+        chosen, num_ranks, notes, problem = self.comm.bcast_obj(
+            [chosen, num_ranks, notes, problem], root=0)
+        if problem:
+            raise TrainingError(problem, agreed=True)
+        mine = [self.comm.rank] if num_ranks == self.comm.size else []
         try:
-            # the stored parameters go straight into this run's network
-            ckpt = load_checkpoint(found[-1], ranks=[self.comm.rank], into=self.net)
-        except ValueError as exc:
+            ckpt = load_checkpoint(chosen, ranks=mine, into=self.net)
+        except (ValueError, OSError) as exc:
             raise TrainingError(str(exc)) from None
-        if ckpt.num_ranks != self.comm.size:
-            raise TrainingError(f"{ckpt.path}: written by {ckpt.num_ranks} ranks, this job "
-                                f"has {self.comm.size}; resume with the same number of ranks")
-        state = ckpt.rank_state(self.comm.rank)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.stream.load_state_dict(state["reader"])
+        return ckpt, notes
+
+    def _resume(self) -> None:
+        ckpt, notes = self._choose_checkpoint()
+        changes = changed_settings(config_from_yaml(ckpt.config_yaml), self.cfg)
+        if changes and not self.accept_changes:
+            raise TrainingError(
+                f"{ckpt.path}: --resume with settings that change the result: "
+                + "; ".join(changes) + " (restore them, or pass --accept-changes)", agreed=True)
+        for line in notes:
+            self._say(f"resume: {line}")
+        if changes:
+            self._say("resume: settings changed (--accept-changes): " + "; ".join(changes))
+            self._record("config_change", changes=changes)
+        self._restore(ckpt)
+        self._say(f"resumed from {ckpt.path} at step {self.step}")
+
+    def _restore(self, ckpt) -> None:
+        """Continue from a loaded checkpoint (its model is already in the network)."""
+        self.guard.load_state_dict(ckpt.trainer_state)
         self.strategy.bind(self.net)
         self.strategy.load_state_dict(ckpt.strategy_state)
         self.strategy.resume(self.net)
-        self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
-        self.log.say(f"resumed from {ckpt.path} at step {self.step}")
+        self.frames_seen = ckpt.frames_seen
+        if ckpt.num_ranks == self.comm.size:
+            state = ckpt.rank_state(self.comm.rank)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.stream.load_state_dict(state["reader"])
+            self.step = ckpt.step
+            return
+        # N -> M ranks: the data was re-planned over this job's ranks; the same
+        # fraction of the schedule is done; per-rank state cannot carry over.
+        old_planned = int(ckpt.trainer_state.get("planned_steps", 0))
+        if old_planned <= 0:
+            raise TrainingError(
+                f"{ckpt.path}: written by {ckpt.num_ranks} ranks, this job has "
+                f"{self.comm.size}, and the checkpoint predates resuming on another number "
+                "of ranks; resume with the same number of ranks", agreed=True)
+        self.step = min(int(round(ckpt.step * self.planned_steps / old_planned)),
+                        self.total_steps)
+        self.stream.seek(self.step // self.steps_per_epoch, self.step % self.steps_per_epoch)
+        self._say(f"resume: written by {ckpt.num_ranks} ranks, continuing on "
+                  f"{self.comm.size}: data re-planned over {self.comm.size} ranks, step "
+                  f"{ckpt.step} of {old_planned} becomes {self.step} of {self.planned_steps}, "
+                  "optimizer state (momentum, natural-gradient statistics) starts afresh")
+        self._record("rank_change", from_ranks=ckpt.num_ranks, to_ranks=self.comm.size,
+                     from_step=ckpt.step, to_step=self.step)
+
+    def _roll_back(self, reason: str) -> None:
+        """Return to the newest good checkpoint (or the start) with a lower rate."""
+        try:
+            self.guard.roll_back()
+        except Diverged as exc:
+            raise TrainingError(f"{self.run_dir}: {exc}", agreed=True) from None
+        counts = self.guard.state_dict()     # the checkpoint's counts are older
+        found = self.comm.bcast_obj(bool(list_checkpoints(self.run_dir)) if self.is_root
+                                    else None, root=0)
+        if found:
+            ckpt, _ = self._choose_checkpoint()
+            self._restore(ckpt)
+            where = os.path.basename(ckpt.path)
+        else:
+            init = self._initial
+            self.net.params[...] = backend.to_device(init["params"], self.xp)
+            self.optimizer.load_state_dict(init["optimizer"])
+            self.stream.load_state_dict(init["reader"])
+            self.strategy.load_state_dict(init["strategy"])
+            self.strategy.resume(self.net)
+            self.step, self.frames_seen = init["step"], init["frames_seen"]
+            where = "the initial model"
+        self.guard.load_state_dict(counts)
+        self.guard.events, self.guard.running_mean = 0, None
+        lr_scale, rollbacks = self.guard.lr_scale, self.guard.rollbacks
+        self._say(f"divergence: {reason}; rolled back to {where} (step {self.step}), "
+                  f"learning rate x{lr_scale:g} (roll back {rollbacks} of "
+                  f"{self.guard.max_rollbacks})")
+        self._record("rollback", step=self.step, reason=reason, lr_scale=lr_scale,
+                     rollbacks=rollbacks)
+
+    def _params_finite(self) -> bool:
+        """Whether every rank's parameters are finite (collective)."""
+        xp = self.xp
+        local = int(bool(backend.to_host(xp.isfinite(self.net.params).all())))
+        return bool(self.comm.allreduce_scalar(local, op="min"))
 
     def save_checkpoint(self) -> None:
         rank_state = {"optimizer": self.optimizer.state_dict(),
@@ -171,7 +327,9 @@ class Trainer:
                             config_yaml=config_to_yaml(self.cfg), rank_states=states,
                             strategy_state=self.strategy.state_dict(),
                             class_priors=self.manifest.class_priors(),
-                            keep=self.cfg.training.keep_checkpoints)
+                            keep=self.cfg.training.keep_checkpoints,
+                            trainer_state=self._trainer_state())
+        self.guard.checkpoint_written()
 
     # -- evaluation ------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -190,14 +348,17 @@ class Trainer:
                 "dev_frames": int(sums[2])}
 
     # -- the loop ------------------------------------------------------------------------
+    def _new_training_step(self) -> TrainingStep:
+        cfg = self.cfg
+        return TrainingStep(self.net, self.optimizer, self.strategy,
+                            minibatch=cfg.training.minibatch,
+                            left_context=cfg.data.left_context,
+                            right_context=cfg.data.right_context,
+                            cuda_graph=cfg.cuda_graph and cfg.device == "gpu", log=self._say)
+
     def run(self) -> dict:
         cfg, xp, net, comm = self.cfg, self.xp, self.net, self.comm
-        batch = cfg.training.minibatch
-        training_step = TrainingStep(net, self.optimizer, self.strategy, minibatch=batch,
-                                     left_context=cfg.data.left_context,
-                                     right_context=cfg.data.right_context,
-                                     cuda_graph=cfg.cuda_graph and cfg.device == "gpu",
-                                     log=self.log.say)
+        self._open_run_dir()
         self.log.say(self._banner())
         self.log.write("start", step=self.step, total_steps=self.total_steps,
                        planned_steps=self.planned_steps,
@@ -205,10 +366,48 @@ class Trainer:
                        transport=self.transport, transport_reason=self._transport_reason(),
                        precision=cfg.precision, strategy=self.strategy.name,
                        optimizer=self.optimizer.name)
-        window_start = time.perf_counter()
-        run_start, start_step = time.perf_counter(), self.step
+        run_start, self._start_step = time.perf_counter(), self.step
         comm.reset_comm_time()
-        comm_at_window = 0.0
+        while True:
+            if self._train_to_end(run_start) == ROLL_BACK:
+                continue
+            self.strategy.finalize(net, self.optimizer, self.step)
+            # a model that is not finite is never saved as the result
+            if self._params_finite():
+                break
+            self._roll_back("the final parameters are not finite")
+        self.save_checkpoint()
+        result = self._log_eval() if self.dev_manifest is not None else {}
+        if self.is_root:
+            save_model(os.path.join(self.run_dir, "final.h5"), net,
+                       class_priors=self.manifest.class_priors())
+        result.update(steps=self.step, frames=self.frames_seen,
+                      seconds=time.perf_counter() - run_start,
+                      skipped_minibatches=self.guard.skipped_total,
+                      exploded_windows=self.guard.exploded_total,
+                      rollbacks=self.guard.rollbacks)
+        self.log.write("end", **result)
+        if self.is_root and self.cfg.training.plot:
+            from ..plotting import plot_runs
+            png = plot_runs([self.run_dir], os.path.join(self.run_dir, "curves.png"))
+            self.log.say(f"curves: {png}")
+        trouble = ""
+        if self.guard.skipped_total or self.guard.rollbacks:
+            trouble = (f"; {self.guard.skipped_total} minibatch(es) skipped as non-finite, "
+                       f"{self.guard.rollbacks} roll back(s)")
+        self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "
+                     f"{format_duration(result['seconds'])}{trouble}; model "
+                     f"{self.run_dir}/final.h5")
+        return result
+
+    def _train_to_end(self, run_start: float):
+        """Steps until the planned end or an early stop; ``ROLL_BACK`` when it rolled
+        back (the caller starts again from the restored step)."""
+        cfg, comm = self.cfg, self.comm
+        batch = cfg.training.minibatch
+        training_step = self._new_training_step()
+        window_start = time.perf_counter()
+        comm_at_window = comm.comm_time
         eval_every = cfg.training.eval_interval
         next_eval = (self.frames_seen // comm.size // eval_every + 1) * eval_every \
             if eval_every else None
@@ -216,33 +415,48 @@ class Trainer:
         next_checkpoint = (self.step // ck + 1) * ck if ck else 0
         while self.step < self.total_steps:
             active_ranks = self.strategy.active_ranks(self.step)
-            lr = training_step.run(self.step, self.schedule(self.step / self.planned_steps),
-                                   self.stream.next_batch)
+            rate = self.guard.lr_scale * self.schedule(self.step / self.planned_steps)
+            lr = training_step.run(self.step, rate, self.stream.next_batch)
             self.step += 1
             self.frames_seen += batch * active_ranks
             last = self.step == self.total_steps
             if self.step % cfg.training.log_interval == 0 or last:
                 now = time.perf_counter()
                 comm_now = comm.comm_time
-                loss_sum, correct_sum, frames = training_step.take_sums()
-                sums = np.array([loss_sum, correct_sum, frames, comm_now - comm_at_window],
-                                dtype=np.float64)
+                loss_sum, correct_sum, frames, skipped = training_step.take_sums()
+                sums = np.array([loss_sum, correct_sum, frames, comm_now - comm_at_window,
+                                 skipped], dtype=np.float64)
                 comm.allreduce_(sums, op="sum")
                 elapsed = now - window_start
-                rate = sums[2] / elapsed
-                per_step = (now - run_start) / max(self.step - start_step, 1)
+                per_step = (now - run_start) / max(self.step - self._start_step, 1)
+                with np.errstate(all="ignore"):       # a NaN window is reported, not warned
+                    xent = sums[0] / sums[2]
+                skipped = int(sums[4])
                 record = {"step": self.step, "epoch": self.stream.epoch,
-                          "frames": self.frames_seen, "xent": sums[0] / sums[2],
-                          "acc": sums[1] / sums[2], "lr": lr, "frames_per_sec": rate,
-                          "comm_fraction": min(1.0, sums[3] / comm.size / elapsed)}
+                          "frames": self.frames_seen, "xent": float(xent),
+                          "acc": sums[1] / sums[2], "lr": lr,
+                          "frames_per_sec": sums[2] / elapsed,
+                          "comm_fraction": min(1.0, sums[3] / comm.size / elapsed),
+                          "skipped": skipped}
+                verdict = self.guard.observe(xent=float(xent), skipped=skipped)
                 self.log.write("train", **record)
+                trouble = ""
+                if verdict != "ok":
+                    trouble = (f" | divergence: {skipped} skipped, "
+                               f"{self.guard.events} event(s) since the last checkpoint "
+                               f"(limit {self.guard.max_events})")
                 self.log.say(
                     f"step {self.step}/{self.total_steps} ep {self.stream.epoch} "
                     f"frames {self.frames_seen} xent {record['xent']:.4f} "
-                    f"acc {record['acc']:.4f} lr {lr:.3g} {rate:,.0f} fr/s "
-                    f"comm {record['comm_fraction']:.1%} "
-                    f"ETA {format_duration(per_step * (self.total_steps - self.step))}")
+                    f"acc {record['acc']:.4f} lr {lr:.3g} {record['frames_per_sec']:,.0f} "
+                    f"fr/s comm {record['comm_fraction']:.1%} "
+                    f"ETA {format_duration(per_step * (self.total_steps - self.step))}"
+                    + trouble)
                 window_start, comm_at_window = time.perf_counter(), comm.comm_time
+                if verdict == ROLL_BACK:
+                    self._roll_back(f"{self.guard.events} non-finite or exploding "
+                                    f"minibatches/windows since the last checkpoint")
+                    return ROLL_BACK
             # decided from the step count alone, so every rank evaluates together
             epoch_done = self.step % self.steps_per_epoch == 0
             due_eval = (next_eval is not None and self.frames_seen // comm.size >= next_eval) \
@@ -252,28 +466,17 @@ class Trainer:
                 if next_eval is not None:
                     next_eval += eval_every
                 if stop:
-                    break
+                    return None
             # checkpoint at the first point after each interval where all ranks agree
             if next_checkpoint and self.step >= next_checkpoint and not last \
                     and (comm.size == 1 or self.step % self.strategy.sync_period == 0):
-                self.save_checkpoint()
                 next_checkpoint = (self.step // ck + 1) * ck
-        self.strategy.finalize(net, self.optimizer, self.step)
-        self.save_checkpoint()
-        result = self._log_eval() if self.dev_manifest is not None else {}
-        if self.is_root:
-            save_model(os.path.join(self.run_dir, "final.h5"), net,
-                       class_priors=self.manifest.class_priors())
-        result.update(steps=self.step, frames=self.frames_seen,
-                      seconds=time.perf_counter() - run_start)
-        self.log.write("end", **result)
-        if self.is_root and self.cfg.training.plot:
-            from ..plotting import plot_runs
-            png = plot_runs([self.run_dir], os.path.join(self.run_dir, "curves.png"))
-            self.log.say(f"curves: {png}")
-        self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "
-                     f"{format_duration(result['seconds'])}; model {self.run_dir}/final.h5")
-        return result
+                if self.guard.last_window_good and self._params_finite():
+                    self.save_checkpoint()
+                else:
+                    self.log.say(f"step {self.step}: checkpoint not written (the model is "
+                                 "diverging or not finite)")
+        return None
 
     # -- hook for callers that stop early (benchmark mode) ------------------------------
     def on_eval(self, result: dict) -> bool:
@@ -313,4 +516,5 @@ class Trainer:
 
     def close(self) -> None:
         self.stream.close()
-        self.log.close()
+        if self.log is not None:
+            self.log.close()

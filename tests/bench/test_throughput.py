@@ -172,7 +172,7 @@ def test_mpitrain_step_trains_the_model():
     steps.step()
     assert steps.step_count == 2 and steps.optimizer.num_steps == 2
     assert not np.array_equal(before, steps.net.params)
-    loss_sum, _, frames = steps.training_step.take_sums()
+    loss_sum, _, frames, _ = steps.training_step.take_sums()
     assert loss_sum > 0 and frames == 2 * TINY.minibatch
     # minibatches walk through the shuffled order
     assert np.array_equal(steps.next_batch()[1], perm[2 * TINY.minibatch:3 * TINY.minibatch])

@@ -90,7 +90,7 @@ def test_steady_state_steps_read_nothing_back(optimizer, momentum):
             preconditioners = len(opt.preconditioners)
             assert 0 < fisher_copies <= 2 * preconditioners * math.ceil(steps / 4)
         # the log line's read: one blocking read
-        loss_sum, correct, frames = step.take_sums()
+        loss_sum, correct, frames, _ = step.take_sums()
         assert backend.host_read_counts()["blocking"] == after["blocking"] + 1
         assert frames == (warmup + steps) * MINIBATCH and loss_sum > 0 and correct >= 0
 
@@ -182,7 +182,7 @@ def test_steady_state_steps_never_wait_for_the_gpu(cp, optimizer):
     assert after["blocking"] == before["blocking"]
     if optimizer == "sgd":
         assert after["async"] == before["async"]
-    loss_sum, correct, frames = steps.training_step.take_sums()
+    loss_sum, correct, frames, _ = steps.training_step.take_sums()
     assert frames == 40 * model.minibatch and np.isfinite(loss_sum)
 
 

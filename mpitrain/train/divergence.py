@@ -1,0 +1,119 @@
+"""Divergence: seen by every rank at the same step, counted, and rolled back.
+
+Rule, applied at every progress line to figures already summed over all
+ranks (so every rank takes the same decision at the same step)::
+
+    events += s_w                       minibatches skipped in the window:
+                                        their loss or update was not finite
+    x_w = window cross-entropy per frame
+    if s_w == 0 and x_w is not finite:  events += 1
+    elif m exists and x_w > f * m:      events += 1      (the objective exploded)
+    else:                               m <- x_w if m is None else (1 - a) m + a x_w
+    if events > E:                      roll back
+
+``m`` is a running mean of the good windows (a = 0.3 follows the falling
+objective of early training without letting one window move it far), ``f``
+is ``training.divergence_factor`` and ``E`` ``training.max_divergence_events``.
+The event count restarts at each checkpoint written, so rare bad minibatches
+are only skipped.  A roll back reloads the newest good checkpoint (or the
+initial model if none was written yet) and multiplies the learning rate by
+``training.rollback_lr_factor``; after ``training.max_rollbacks`` of them the
+run stops with :class:`Diverged`.  A checkpoint is written only when the
+parameters are finite on every rank and the last window was good, so a roll
+back never returns to a model that was already diverging.
+
+Example::
+
+    guard = DivergenceGuard(factor=3.0, max_events=10, max_rollbacks=3)
+    verdict = guard.observe(xent=2.1, skipped=0)     # "ok", "event" or "roll back"
+"""
+
+from __future__ import annotations
+
+import math
+
+#: Weight of a new window in the running mean of the objective.
+MEAN_WEIGHT = 0.3
+
+OK, EVENT, ROLL_BACK = "ok", "event", "roll back"
+
+
+class Diverged(RuntimeError):
+    """Training diverged more often than the configured roll backs allow."""
+
+
+class DivergenceGuard:
+    """Counts divergence events between checkpoints and decides on roll backs.
+
+    ``factor`` 0 turns the explosion test off (non-finite windows still count).
+    """
+
+    def __init__(self, *, factor: float, max_events: int, max_rollbacks: int,
+                 lr_factor: float = 0.5):
+        self.factor, self.max_events = float(factor), int(max_events)
+        self.max_rollbacks, self.lr_factor = int(max_rollbacks), float(lr_factor)
+        self.running_mean = None
+        self.events = 0              # since the last checkpoint or roll back
+        self.last_window_good = True
+        # kept in checkpoints: the run continues with what it learned
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self.skipped_total = 0       # minibatches, summed over ranks
+        self.exploded_total = 0      # windows
+
+    def observe(self, *, xent: float, skipped: int) -> str:
+        """Judge one log window (``xent`` per frame, ``skipped`` minibatches)."""
+        skipped = int(skipped)
+        self.skipped_total += skipped
+        new_events = skipped
+        good = skipped == 0
+        if not math.isfinite(xent):
+            good = False
+            if skipped == 0:
+                new_events += 1
+                self.exploded_total += 1
+        elif self.factor > 0 and self.running_mean is not None \
+                and xent > self.factor * self.running_mean:
+            good = False
+            new_events += 1
+            self.exploded_total += 1
+        elif skipped == 0:
+            self.running_mean = xent if self.running_mean is None else \
+                (1.0 - MEAN_WEIGHT) * self.running_mean + MEAN_WEIGHT * xent
+        self.last_window_good = good
+        self.events += new_events
+        if self.events > self.max_events:
+            return ROLL_BACK
+        return OK if new_events == 0 else EVENT
+
+    def checkpoint_written(self) -> None:
+        self.events = 0
+
+    def roll_back(self) -> None:
+        """Count a roll back and lower the rate; :class:`Diverged` past the limit."""
+        if self.rollbacks >= self.max_rollbacks:
+            raise Diverged(
+                f"training diverged: {self.events} non-finite or exploding minibatches/"
+                f"windows since the last checkpoint after {self.rollbacks} roll back(s) "
+                f"(learning rate now x{self.lr_scale:g}); lower "
+                "optimizer.initial_learning_rate or the max-change values")
+        self.rollbacks += 1
+        self.lr_scale *= self.lr_factor
+        self.events = 0
+        self.running_mean = None
+        self.last_window_good = True
+
+    # -- checkpointed part ------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
+                "skipped_total": self.skipped_total, "exploded_total": self.exploded_total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.rollbacks = int(state.get("rollbacks", 0))
+        self.lr_scale = float(state.get("lr_scale", 1.0))
+        self.skipped_total = int(state.get("skipped_total", 0))
+        self.exploded_total = int(state.get("exploded_total", 0))
+        if not (math.isfinite(self.lr_scale) and 0.0 < self.lr_scale <= 1.0) \
+                or self.rollbacks < 0 or self.skipped_total < 0 or self.exploded_total < 0:
+            raise ValueError(f"checkpoint group 'trainer': expected lr_scale in (0, 1] and "
+                             f"non-negative counts, got {state!r}")

@@ -1,0 +1,92 @@
+"""The run directory: what counts as a run in it, and when it may be (re)used.
+
+A run directory holds one run: ``config.yaml``, ``metrics.jsonl``,
+``ckpt-*.h5``, ``final.h5`` and ``curves.png``.  A new run refuses a
+directory holding another one (``--resume`` continues it, ``--overwrite``
+replaces it); ``--resume`` refuses to apply settings that change the result
+unless ``--accept-changes`` is given, and then lists each difference.
+Nothing is written until the run has been validated, so a failed start
+leaves no directory behind.
+
+Example::
+
+    problem = run_dir_problem("runs/x", resume=False, overwrite=False)
+    changes = changed_settings(old_cfg, new_cfg)   # ["optimizer.initial_learning_rate: ..."]
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+#: Files a run writes (checkpoints are matched separately).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "final.h5", "curves.png")
+
+#: Settings that change how a run is carried out or reported, not what it computes:
+#: they may differ on --resume.  Every other setting changes the result.
+NEUTRAL_SETTINGS = (
+    "data.dev", "data.prefetch", "training.max_steps", "training.log_interval",
+    "training.eval_interval", "training.eval_max_frames", "training.checkpoint_interval",
+    "training.keep_checkpoints", "training.plot", "training.divergence_factor",
+    "training.max_divergence_events", "training.max_rollbacks",
+    "training.rollback_lr_factor", "device", "device_transport", "fused_kernels",
+    "cuda_graph", "blas_threads")
+
+
+def run_files(run_dir) -> list:
+    """The files of a run found in ``run_dir`` (sorted)."""
+    found = [os.path.join(run_dir, name) for name in RUN_FILES
+             if os.path.exists(os.path.join(run_dir, name))]
+    found += glob.glob(os.path.join(run_dir, "ckpt-*.h5"))
+    return sorted(found)
+
+
+def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
+    """Why ``run_dir`` cannot be used as asked, as one line; None when it can."""
+    if resume and overwrite:
+        return "--resume and --overwrite exclude each other"
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        return f"{run_dir}: run directory exists and is not a directory"
+    if resume:
+        if not os.path.isdir(run_dir):
+            return f"{run_dir}: --resume given but the run directory does not exist"
+        return None
+    files = run_files(run_dir) if os.path.isdir(run_dir) else []
+    if files and not overwrite:
+        names = ", ".join(os.path.basename(p) for p in files[:4])
+        more = f" and {len(files) - 4} more" if len(files) > 4 else ""
+        return (f"{run_dir}: holds another run ({names}{more}); continue it with --resume, "
+                "replace it with --overwrite, or choose another --run-dir")
+    parent = os.path.dirname(os.path.abspath(run_dir))
+    if not os.path.isdir(run_dir) and os.path.exists(parent) and not os.access(parent, os.W_OK):
+        return f"{run_dir}: cannot create the run directory ({parent} is not writable)"
+    if os.path.isdir(run_dir) and not os.access(run_dir, os.W_OK):
+        return f"{run_dir}: run directory is not writable"
+    return None
+
+
+def clear_run(run_dir) -> list:
+    """Remove the files of the run in ``run_dir`` (for --overwrite); returns them."""
+    removed = run_files(run_dir)
+    for path in removed:
+        os.remove(path)
+    return removed
+
+
+def _flatten(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS) -> list:
+    """``"key: old -> new"`` for each setting that differs and changes the result."""
+    old, new = _flatten(old_cfg.to_dict()), _flatten(new_cfg.to_dict())
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
+            for key in sorted(set(old) | set(new))
+            if key not in neutral and old.get(key) != new.get(key)]

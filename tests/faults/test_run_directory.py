@@ -1,0 +1,139 @@
+"""Run directories are never mixed, and nothing is written before a run is valid.
+
+Each case runs ``mpitrain train`` in this process on the small corpus with a
+tiny model and checks the exit status, that the one-line message names the
+run directory (or checkpoint) and the setting, and that no file was written
+or changed when the run was refused.
+"""
+
+import hashlib
+import json
+import os
+
+import pytest
+
+from mpitrain.cli import main
+from mpitrain.train.checkpoint import list_checkpoints
+
+from ..helpers import QUICKSTART, small_overrides
+
+TINY = ["model.hidden_dim=32", "model.hidden_layers=2", "training.log_interval=5",
+        "training.max_steps=20", "training.checkpoint_interval=10"]
+
+
+def _train(run_dir, corpus, settings=(), flags=()):
+    argv = ["train", QUICKSTART, "--run-dir", str(run_dir), *flags]
+    for item in small_overrides(corpus) + TINY + list(settings):
+        argv += ["--set", item]
+    return main(argv)
+
+
+def _snapshot(directory):
+    """Every file's name and content digest, to prove nothing changed."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as fh:
+                out[os.path.relpath(path, directory)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+def _one_line(err):
+    assert err.startswith("mpitrain train: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture
+def finished_run(small_corpus, tmp_path_factory):
+    run = tmp_path_factory.mktemp("runs") / "run"
+    assert _train(run, small_corpus) == 0
+    return run
+
+
+def test_reusing_a_run_directory_is_refused_and_changes_nothing(finished_run, small_corpus,
+                                                                capsys):
+    before = _snapshot(finished_run)
+    capsys.readouterr()
+    assert _train(finished_run, small_corpus) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert str(finished_run) in err and "--resume" in err and "--overwrite" in err
+    assert _snapshot(finished_run) == before
+
+
+def test_overwrite_replaces_the_previous_run(finished_run, small_corpus, capsys):
+    (finished_run / "ckpt-00099999.h5").write_bytes(b"from an older run")
+    (finished_run / "notes.txt").write_text("the user's own file")
+    assert _train(finished_run, small_corpus, ["training.max_steps=15"],
+                  flags=["--overwrite"]) == 0
+    assert "removed the previous run's" in capsys.readouterr().out
+    assert [os.path.basename(p) for p in list_checkpoints(finished_run)] == \
+        ["ckpt-00000010.h5", "ckpt-00000015.h5"]
+    with open(finished_run / "metrics.jsonl") as fh:
+        starts = [r for r in map(json.loads, fh) if r["type"] == "start"]
+    assert len(starts) == 1                      # the old run's log is gone
+    assert (finished_run / "notes.txt").read_text() == "the user's own file"
+
+
+def test_resume_with_a_changed_learning_rate_is_refused_before_writing(finished_run,
+                                                                       small_corpus, capsys):
+    before = _snapshot(finished_run)
+    capsys.readouterr()
+    code = _train(finished_run, small_corpus, ["optimizer.initial_learning_rate=0.01",
+                                               "training.minibatch=128",
+                                               "training.max_steps=30"], flags=["--resume"])
+    assert code == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "ckpt-00000020.h5" in err and "--accept-changes" in err
+    assert "optimizer.initial_learning_rate: 0.004 -> 0.01" in err
+    assert "training.minibatch: 256 -> 128" in err
+    assert "max_steps" not in err                     # extending a run changes no result
+    assert _snapshot(finished_run) == before
+
+
+def test_accept_changes_applies_and_logs_them(finished_run, small_corpus, capsys):
+    assert _train(finished_run, small_corpus, ["optimizer.initial_learning_rate=0.001",
+                                               "training.max_steps=30"],
+                  flags=["--resume", "--accept-changes"]) == 0
+    assert "settings changed (--accept-changes): optimizer.initial_learning_rate" in \
+        capsys.readouterr().out
+    with open(finished_run / "metrics.jsonl") as fh:
+        records = list(map(json.loads, fh))
+    change, = [r for r in records if r["type"] == "config_change"]
+    assert change["changes"] == ["optimizer.initial_learning_rate: 0.004 -> 0.001"]
+    assert "initial_learning_rate: 0.001" in (finished_run / "config.yaml").read_text()
+
+
+def test_a_failed_start_leaves_no_run_directory(small_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    code = _train(run, small_corpus, ["data.dev=" + str(tmp_path / "no-such-corpus")])
+    assert code == 2
+    err = _one_line(capsys.readouterr().err)
+    assert "no-such-corpus" in err
+    assert not run.exists()
+
+
+def test_resume_without_a_run_directory_or_checkpoint(small_corpus, tmp_path, capsys):
+    assert _train(tmp_path / "nothing", small_corpus, flags=["--resume"]) == 2
+    assert "does not exist" in _one_line(capsys.readouterr().err)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _train(empty, small_corpus, flags=["--resume"]) == 2
+    assert "no checkpoint" in _one_line(capsys.readouterr().err)
+    assert os.listdir(empty) == []
+
+
+def test_a_run_directory_that_is_a_file(small_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.write_text("not a directory")
+    assert _train(run, small_corpus) == 2
+    assert "not a directory" in _one_line(capsys.readouterr().err)
+    assert run.read_text() == "not a directory"
+
+
+def test_resume_and_overwrite_together_are_refused(finished_run, small_corpus, capsys):
+    before = _snapshot(finished_run)
+    capsys.readouterr()
+    assert _train(finished_run, small_corpus, flags=["--resume", "--overwrite"]) == 2
+    assert "exclude each other" in _one_line(capsys.readouterr().err)
+    assert _snapshot(finished_run) == before

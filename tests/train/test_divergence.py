@@ -1,0 +1,80 @@
+"""The divergence rule (train/divergence.py): events, explosions, roll backs, the stop."""
+
+import math
+
+import pytest
+
+from mpitrain.train.divergence import EVENT, OK, ROLL_BACK, DivergenceGuard, Diverged
+
+
+def _guard(**kw):
+    args = dict(factor=3.0, max_events=4, max_rollbacks=2, lr_factor=0.5)
+    args.update(kw)
+    return DivergenceGuard(**args)
+
+
+def test_falling_objective_is_never_an_event():
+    guard = _guard()
+    for xent in (4.8, 4.0, 3.1, 2.5, 2.4, 2.6, 2.2):
+        assert guard.observe(xent=xent, skipped=0) == OK
+    assert guard.events == 0 and guard.last_window_good
+
+
+def test_skipped_minibatches_count_and_a_nan_window_counts_once():
+    guard = _guard()
+    guard.observe(xent=3.0, skipped=0)
+    # the window's loss is NaN because of the skipped minibatches: not a second event
+    assert guard.observe(xent=math.nan, skipped=2) == EVENT
+    assert guard.events == 2 and guard.skipped_total == 2 and guard.exploded_total == 0
+    assert not guard.last_window_good
+    # a non-finite window without skipped steps is one event
+    assert guard.observe(xent=math.inf, skipped=0) == EVENT
+    assert guard.events == 3 and guard.exploded_total == 1
+
+
+def test_explosion_over_the_factor_of_the_running_mean():
+    guard = _guard(factor=3.0)
+    guard.observe(xent=2.0, skipped=0)
+    assert guard.observe(xent=5.9, skipped=0) == OK            # under 3 x 2.0
+    mean = guard.running_mean
+    assert guard.observe(xent=3.0 * mean + 0.01, skipped=0) == EVENT
+    assert guard.running_mean == mean        # an exploding window does not move the mean
+    assert guard.exploded_total == 1
+
+
+def test_factor_zero_turns_the_explosion_test_off():
+    guard = _guard(factor=0.0)
+    guard.observe(xent=1.0, skipped=0)
+    assert guard.observe(xent=100.0, skipped=0) == OK
+
+
+def test_more_events_than_allowed_roll_back_and_checkpoints_reset_the_count():
+    guard = _guard(max_events=4)
+    assert guard.observe(xent=math.nan, skipped=3) == EVENT
+    guard.checkpoint_written()
+    assert guard.events == 0
+    assert guard.observe(xent=math.nan, skipped=4) == EVENT      # 4 is allowed
+    assert guard.observe(xent=math.nan, skipped=1) == ROLL_BACK  # the fifth is not
+
+
+def test_roll_backs_halve_the_rate_then_stop():
+    guard = _guard(max_rollbacks=2, lr_factor=0.5)
+    guard.roll_back()
+    guard.roll_back()
+    assert guard.lr_scale == 0.25 and guard.rollbacks == 2 and guard.events == 0
+    with pytest.raises(Diverged, match="optimizer.initial_learning_rate"):
+        guard.roll_back()
+
+
+def test_state_round_trip_and_bad_state_refused():
+    guard = _guard()
+    guard.observe(xent=math.nan, skipped=3)
+    guard.roll_back()
+    other = _guard()
+    other.load_state_dict(guard.state_dict())
+    assert other.state_dict() == guard.state_dict() == {
+        "rollbacks": 1, "lr_scale": 0.5, "skipped_total": 3, "exploded_total": 0}
+    other.load_state_dict({})                      # checkpoints written before the guard
+    assert other.lr_scale == 1.0 and other.rollbacks == 0
+    with pytest.raises(ValueError, match="trainer"):
+        other.load_state_dict({"lr_scale": float("nan")})
