@@ -28,7 +28,7 @@ from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, 
                          save_checkpoint)
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
-from .metrics import MetricsLog, format_duration
+from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import changed_settings, clear_run
 from .step import TrainingStep
 
@@ -322,6 +322,7 @@ class Trainer:
                       "reader": self.stream.state_dict()}
         states = gather_rank_states(self.comm, rank_state)
         if self.is_root:
+            started = time.perf_counter()
             save_checkpoint(checkpoint_path(self.run_dir, self.step), net=self.net,
                             step=self.step, frames_seen=self.frames_seen,
                             config_yaml=config_to_yaml(self.cfg), rank_states=states,
@@ -329,6 +330,8 @@ class Trainer:
                             class_priors=self.manifest.class_priors(),
                             keep=self.cfg.training.keep_checkpoints,
                             trainer_state=self._trainer_state())
+            self._record("checkpoint", step=self.step,
+                         seconds=round(time.perf_counter() - started, 4))
         self.guard.checkpoint_written()
 
     # -- evaluation ------------------------------------------------------------------
@@ -437,7 +440,7 @@ class Trainer:
                           "acc": sums[1] / sums[2], "lr": lr,
                           "frames_per_sec": sums[2] / elapsed,
                           "comm_fraction": min(1.0, sums[3] / comm.size / elapsed),
-                          "skipped": skipped}
+                          "skipped": skipped, "rss_mb": resident_mb()}
                 verdict = self.guard.observe(xent=float(xent), skipped=skipped)
                 self.log.write("train", **record)
                 trouble = ""

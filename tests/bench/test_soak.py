@@ -1,0 +1,46 @@
+"""The soak check (bench/soak.py) reads a run's memory and speed and judges flatness."""
+
+import json
+
+import pytest
+
+from mpitrain.bench.soak import main, summarize
+
+
+def _write(run_dir, rss, fps):
+    run_dir.mkdir(exist_ok=True)
+    lines = [{"type": "start", "step": 0}]
+    for i, (m, f) in enumerate(zip(rss, fps)):
+        lines.append({"type": "train", "time": float(i), "step": 10 * (i + 1), "rss_mb": m,
+                      "frames_per_sec": f})
+        if i % 5 == 0:
+            lines.append({"type": "checkpoint", "step": 10 * (i + 1), "seconds": 0.01})
+    (run_dir / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+
+
+def test_flat_run_passes_despite_slow_checkpoint_windows(tmp_path, capsys):
+    fps = [1000.0 if i % 5 else 600.0 for i in range(40)]     # checkpoint windows slower
+    _write(tmp_path / "run", [200.0 + (i % 3) for i in range(40)], fps)
+    s = summarize(tmp_path / "run")
+    assert s["flat"] and abs(s["rss_growth_mb"]) < 3 and s["slowdown"] == 1.0
+    assert s["checkpoints"] == 8
+    assert main([str(tmp_path / "run")]) == 0
+    assert "flat: yes" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("rss,fps", [
+    ([200.0 + 5 * i for i in range(40)], [1000.0] * 40),                # leaks 5 MiB a window
+    ([200.0] * 40, [1000.0 - 10 * i for i in range(40)]),               # slows down
+])
+def test_growth_or_slowdown_fails(tmp_path, rss, fps):
+    _write(tmp_path / "run", rss, fps)
+    assert not summarize(tmp_path / "run")["flat"]
+    assert main([str(tmp_path / "run")]) == 1
+
+
+def test_too_short_or_missing_metrics_is_one_line(tmp_path, capsys):
+    _write(tmp_path / "run", [1.0] * 3, [1.0] * 3)
+    assert main([str(tmp_path / "run")]) == 2
+    assert main([str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and "at least 8" in err[0] and "metrics.jsonl" in err[1]
