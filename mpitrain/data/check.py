@@ -19,14 +19,8 @@ import numpy as np
 
 from .corpus import (CorpusError, MomentAccumulator, manifest_path, manifest_problems,
                      read_manifest_data)
-from .shards import FEATS, LABELS, UTT_IDS, shard_layout_problems, shard_storage_problems
-
-_BLOCK_FRAMES = 1 << 16
-
-
-def _h5py():
-    import h5py
-    return h5py
+from .shards import UTT_IDS
+from .validate import ShardCheck, empty_corpus_problems
 
 
 def _positive_int(value):
@@ -52,100 +46,37 @@ class _Totals:
     """What the shards hold, summed for the corpus-wide comparisons."""
 
     def __init__(self, feat_dim, num_classes):
+        self.num_classes = num_classes
         self.counts = np.zeros(num_classes or 1, dtype=np.int64)
         self.moments = MomentAccumulator(feat_dim) if feat_dim else None
         self.utt_ids: dict[str, str] = {}
-        self.complete = True          # every shard was scanned in full
+        self.complete = True          # every shard was scanned in full and found sound
 
-
-def _scan_shard(f, path, feat_dim, num_classes, totals, problems) -> None:
-    feats, labels = f.get(FEATS), f.get(LABELS)
-    usable = (hasattr(feats, "dtype") and hasattr(labels, "dtype") and feats.ndim == 2
-              and labels.ndim == 1 and feats.shape[0] == labels.shape[0]
-              and feats.dtype.kind == "f" and labels.dtype.kind in "iu")
-    if not usable:
-        totals.complete = False
-        return
-    if feat_dim and feats.shape[1] != feat_dim:
-        problems.append(f"{path}: dataset '{FEATS}' has {feats.shape[1]} columns; "
-                        f"expected feat_dim = {feat_dim} from the manifest")
-        totals.complete = False
-        return
-    bad_labels = bad_feats = 0
-    first_label = first_feat = None
-    for start in range(0, feats.shape[0], _BLOCK_FRAMES):
-        end = min(start + _BLOCK_FRAMES, feats.shape[0])
-        block = np.asarray(feats[start:end], dtype=np.float32)
-        finite = np.isfinite(block).all(axis=1)
-        if not finite.all():
-            bad_feats += int((~finite).sum())
-            if first_feat is None:
-                first_feat = start + int(np.argmin(finite))
-        elif totals.moments is not None:
-            totals.moments.add(block)
-        lab = np.asarray(labels[start:end], dtype=np.int64)
-        if num_classes:
-            outside = (lab < 0) | (lab >= num_classes)
-            if outside.any():
-                bad_labels += int(outside.sum())
-                if first_label is None:
-                    k = int(np.argmax(outside))
-                    first_label = (start + k, int(lab[k]))
-                lab = lab[~outside]
-            totals.counts += np.bincount(lab, minlength=num_classes)
-    if bad_feats:
-        problems.append(f"{path}: dataset '{FEATS}': {bad_feats} frame(s) contain NaN or inf, "
-                        f"the first at frame {first_feat}")
-        totals.complete = False
-    if bad_labels:
-        problems.append(f"{path}: dataset '{LABELS}': {bad_labels} label(s) outside "
-                        f"[0, {num_classes}), the first is {first_label[1]} at frame "
-                        f"{first_label[0]}")
-        totals.complete = False
+    def add_block(self, feats, labels) -> None:
+        self.counts += np.bincount(labels, minlength=self.num_classes)
+        if self.moments is not None:
+            self.moments.add(feats)
 
 
 def _check_shard(directory, index, rel, frames, utts, feat_dim, num_classes, totals,
                  problems) -> None:
     path = os.path.join(directory, rel)
-    if not os.path.isfile(path):
-        problems.append(f"{path}: shard file is missing (listed as shards[{index}].path in "
-                        f"{manifest_path(directory)})")
+    with ShardCheck(path, feat_dim=feat_dim,
+                    listed_as=f"shards[{index}].path in {manifest_path(directory)}") as shard:
+        shard.compare_listing(index, frames=frames, utterances=utts,
+                              manifest=manifest_path(directory))
+        if shard.num_frames is not None:
+            shard.scan(0, shard.num_frames, num_classes=num_classes, on_block=totals.add_block)
+        ids = shard.utt_ids() or ()
+    problems.extend(shard.problems)
+    if shard.problems:
         totals.complete = False
-        return
-    try:
-        f = _h5py().File(path, "r")
-    except OSError as exc:
-        problems.append(f"{path}: cannot open as HDF5 ({exc})")
-        totals.complete = False
-        return
-    with f:
-        unsafe = shard_storage_problems(f, path)
-        if unsafe:
-            # Declared sizes the file does not back: reading would allocate them.
-            problems.extend(unsafe)
-            totals.complete = False
-            return
-        layout = shard_layout_problems(f, path)
-        problems.extend(layout)
-        if layout:
-            totals.complete = False
-        feats = f.get(FEATS)
-        offsets = f.get("utt_offsets")
-        if frames is not None and hasattr(feats, "shape") and feats.shape[0] != frames:
-            problems.append(f"{path}: dataset '{FEATS}' has {feats.shape[0]} frames; the manifest "
-                            f"(shards[{index}].frames) says {frames}")
-        if utts is not None and hasattr(offsets, "shape") and offsets.shape[0] - 1 != utts:
-            problems.append(f"{path}: dataset 'utt_offsets' lists {offsets.shape[0] - 1} "
-                            f"utterances; the manifest (shards[{index}].utterances) says {utts}")
-        ids = f.get(UTT_IDS)
-        if hasattr(ids, "dtype") and ids.ndim == 1 and _h5py().check_string_dtype(ids.dtype):
-            for utt in ids.asstr()[()]:
-                if utt in totals.utt_ids:
-                    problems.append(f"{path}: dataset '{UTT_IDS}': utterance {utt!r} also "
-                                    f"appears in {totals.utt_ids[utt]}")
-                    break
-                totals.utt_ids[utt] = path
-        _scan_shard(f, path, feat_dim, num_classes, totals, problems)
+    for utt in ids:
+        if utt in totals.utt_ids:
+            problems.append(f"{path}: dataset '{UTT_IDS}': utterance {utt!r} also appears in "
+                            f"{totals.utt_ids[utt]}")
+            break
+        totals.utt_ids[utt] = path
 
 
 def _compare_totals(manifest, totals, problems) -> None:
@@ -190,6 +121,8 @@ def check_corpus(corpus_dir: str) -> list[str]:
     except CorpusError as exc:
         return [str(exc)]
     manifest, problems = manifest_problems(data, path)
+    if manifest is not None:
+        problems += empty_corpus_problems(manifest)
     feat_dim = _positive_int(data.get("feat_dim")) if isinstance(data, dict) else None
     num_classes = _positive_int(data.get("num_classes")) if isinstance(data, dict) else None
 

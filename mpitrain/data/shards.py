@@ -39,6 +39,22 @@ UTT_IDS = "utt_ids"
 # Wider frames than any speech feature: a larger width is a damaged or crafted file.
 MAX_FEAT_DIM = 1 << 16
 
+# What h5py raises where a file's bytes are damaged: a bad object header is a
+# KeyError, a bad B-tree or symbol table a RuntimeError, unreadable data an OSError.
+HDF5_ERRORS = (OSError, KeyError, RuntimeError)
+
+def hdf5_reason(exc: BaseException) -> str:
+    """h5py's message of one of :data:`HDF5_ERRORS`, without a KeyError's quotes.
+
+    Example::
+
+        hdf5_reason(KeyError("Unable to open object"))    # 'Unable to open object'
+    """
+    if isinstance(exc, KeyError) and exc.args:
+        return str(exc.args[0])
+    return str(exc)
+
+
 # Aim for chunks of about 512 KiB of features: big enough that a contiguous
 # range read touches few chunks, small enough that a short read stays cheap.
 _CHUNK_BYTES = 512 * 1024
@@ -219,11 +235,19 @@ def shard_storage_problems(h5file, path: str) -> list[str]:
     """
     from ..h5io import dataset_problem
     problems = []
-    for name in (FEATS, LABELS, UTT_OFFSETS, UTT_IDS):
-        if name in h5file:
+    try:
+        present = [name for name in (FEATS, LABELS, UTT_OFFSETS, UTT_IDS) if name in h5file]
+    except HDF5_ERRORS as exc:
+        return [f"{path}: the index of its datasets cannot be read ({hdf5_reason(exc)}); "
+                "the file is damaged"]
+    for name in present:
+        try:
             problem = dataset_problem(h5file, name, path, what="shard")
-            if problem:
-                problems.append(problem)
+        except HDF5_ERRORS as exc:
+            problem = (f"{path}: dataset '{name}' cannot be opened ({hdf5_reason(exc)}); "
+                       "the file is damaged")
+        if problem:
+            problems.append(problem)
     feats = h5file.get(FEATS)
     if not problems and isinstance(feats, _h5py().Dataset) and feats.ndim == 2 \
             and feats.shape[1] > MAX_FEAT_DIM:
@@ -297,7 +321,12 @@ def shard_layout_problems(h5file, path: str) -> list[str]:
                             f"entries; expected at most {num_frames + 1} for {num_frames} "
                             f"rows of '{FEATS}'")
         elif offsets_ds.dtype.kind in "iu":
-            offsets = offsets_ds[()]
+            try:
+                offsets = offsets_ds[()]
+            except HDF5_ERRORS as exc:
+                problems.append(f"{path}: dataset '{UTT_OFFSETS}' cannot be read "
+                                f"({hdf5_reason(exc)}); the file is damaged")
+                return problems
             num_utts = offsets.shape[0] - 1
             if offsets[0] != 0:
                 problems.append(f"{path}: dataset '{UTT_OFFSETS}' starts at {offsets[0]}; "
@@ -322,7 +351,36 @@ def shard_layout_problems(h5file, path: str) -> list[str]:
     return problems
 
 
-class ShardReader:
+class ShardFile:
+    """A shard file held open in ``_file`` until ``close()`` or the end of a ``with`` block.
+
+    Example::
+
+        with ShardReader("corpus/shard-00000.h5") as shard:   # a ShardFile
+            shard.num_frames
+    """
+
+    _file = None
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class ShardReader(ShardFile):
     """Read-only access to one shard file.
 
     Opening checks the layout (datasets, dtypes, shapes, offsets) and raises
@@ -400,25 +458,8 @@ class ShardReader:
             try:
                 self._feats.read_direct(feats, np.s_[first:last])
                 self._labels.read_direct(labels, np.s_[first:last])
-            except OSError as exc:   # damaged or truncated on disk since it was opened
+            except HDF5_ERRORS as exc:   # damaged or truncated on disk since it was opened
                 raise CorpusError(f"{self.path}: cannot read utterances {start_utt}:{end_utt} "
-                                  f"({exc})") from exc
+                                  f"({hdf5_reason(exc)})") from exc
         offsets = self._offsets[start_utt:end_utt + 1] - first
         return feats, labels, offsets
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass

@@ -5,39 +5,26 @@ import os
 import h5py
 import numpy as np
 import pytest
-import yaml
 
-from mpitrain.data import check as check_module
+from mpitrain.data import validate as validate_module
 from mpitrain.data.check import check_corpus
 from mpitrain.data.corpus import manifest_path
-from mpitrain.data.writer import CorpusWriter
+from mpitrain.data.shards import write_shard
+
+from .corpora import (FEAT_DIM, NUM_CLASSES, edit_manifest, layout_damage_cases,
+                      one_problem_naming, overwrite, shard, signature_offsets, utterance_at,
+                      write_corpus)
 
 
 @pytest.fixture
 def corpus(tmp_path):
-    rng = np.random.default_rng(0)
-    out = str(tmp_path / "corpus")
-    with CorpusWriter(out, feat_dim=4, num_classes=6, num_shards=2) as writer:
-        for i in range(12):
-            t = int(rng.integers(5, 30))
-            writer.add(f"utt{i}", rng.normal(size=(t, 4)).astype(np.float32),
-                       rng.integers(0, 6, t))
-    return out
-
-
-def shard(corpus, i=0):
-    return os.path.join(corpus, f"shard-{i:05d}.h5")
-
-
-def one_problem_naming(problems, *parts):
-    assert problems, "expected a problem"
-    assert any(all(p in msg for p in parts) for msg in problems), problems
+    return write_corpus(tmp_path / "corpus")
 
 
 def test_a_sound_corpus_has_no_problems(corpus, monkeypatch):
     assert check_corpus(corpus) == []
     # Scanning in many small blocks gives the same verdict (and the same statistics).
-    monkeypatch.setattr(check_module, "_BLOCK_FRAMES", 7)
+    monkeypatch.setattr(validate_module, "BLOCK_FRAMES", 7)
     assert check_corpus(corpus) == []
 
 
@@ -50,7 +37,7 @@ def test_label_out_of_range(corpus):
 
 
 def test_nan_in_features(corpus, monkeypatch):
-    monkeypatch.setattr(check_module, "_BLOCK_FRAMES", 5)
+    monkeypatch.setattr(validate_module, "BLOCK_FRAMES", 5)
     with h5py.File(shard(corpus, 1), "a") as f:
         f["feats"][17, 2] = np.nan
     one_problem_naming(check_corpus(corpus), shard(corpus, 1), "dataset 'feats'", "NaN",
@@ -108,23 +95,15 @@ def test_not_an_hdf5_file(corpus):
      "field 'shards[0].path': expected a relative file name"),
 ])
 def test_garbled_manifest_field(corpus, field, value, expected):
-    path = manifest_path(corpus)
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    data[field] = value
-    with open(path, "w") as f:
-        yaml.safe_dump(data, f)
+    path = edit_manifest(corpus, lambda data: data.update({field: value}))
     one_problem_naming(check_corpus(corpus), path, expected)
 
 
 def test_manifest_frames_disagree_with_shard(corpus):
-    path = manifest_path(corpus)
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    data["shards"][0]["frames"] += 1
-    data["shards"][1]["frames"] -= 1
-    with open(path, "w") as f:
-        yaml.safe_dump(data, f)
+    def change(data):
+        data["shards"][0]["frames"] += 1
+        data["shards"][1]["frames"] -= 1
+    edit_manifest(corpus, change)
     problems = check_corpus(corpus)
     one_problem_naming(problems, shard(corpus), "shards[0].frames")
     one_problem_naming(problems, shard(corpus, 1), "shards[1].frames")
@@ -135,12 +114,9 @@ def test_missing_manifest(tmp_path):
 
 
 def test_cmvn_statistics_disagree_with_features(corpus):
-    path = manifest_path(corpus)
-    with open(path) as f:
-        data = yaml.safe_load(f)
-    data["cmvn"]["mean"][1] += 0.5
-    with open(path, "w") as f:
-        yaml.safe_dump(data, f)
+    def change(data):
+        data["cmvn"]["mean"][1] += 0.5
+    path = edit_manifest(corpus, change)
     problems = check_corpus(corpus)
     assert problems == [f"{path}: field 'cmvn.mean' does not match the mean of the shards' "
                         "features"]
@@ -151,3 +127,120 @@ def test_dataset_declared_beyond_its_stored_data_is_reported_not_scanned(corpus)
         f["labels"].resize(10 ** 9, axis=0)
     problems = check_corpus(corpus)
     one_problem_naming(problems, shard(corpus), "dataset 'labels' declares shape (1000000000,)")
+
+
+# ---------------------------------------------------------------- empty corpora
+
+def _empty_manifest(data):
+    data.update(num_frames=0, num_utterances=0, class_counts=[0] * NUM_CLASSES)
+    for entry in data["shards"]:
+        entry.update(frames=0, utterances=0)
+
+
+def test_corpus_of_empty_shards(corpus):
+    for i in range(2):
+        os.remove(shard(corpus, i))
+        write_shard(shard(corpus, i), [], [], [], feat_dim=FEAT_DIM)
+    path = edit_manifest(corpus, _empty_manifest)
+    assert check_corpus(corpus) == [f"{path}: field 'num_frames' is 0 (2 shard(s), "
+                                    "0 utterance(s)); expected a corpus with at least one frame"]
+
+
+def test_manifest_of_zero_frames_over_full_shards(corpus):
+    path = edit_manifest(corpus, _empty_manifest)
+    problems = check_corpus(corpus)
+    one_problem_naming(problems, path, "field 'num_frames' is 0")
+    one_problem_naming(problems, shard(corpus), "dataset 'feats' has", "shards[0].frames) says 0")
+    one_problem_naming(problems, shard(corpus, 1), "dataset 'utt_offsets' lists",
+                       "shards[1].utterances) says 0")
+
+
+def test_manifest_with_no_shards(corpus):
+    def change(data):
+        _empty_manifest(data)
+        data["shards"] = []
+    path = edit_manifest(corpus, change)
+    one_problem_naming(check_corpus(corpus), path, "field 'shards'", "expected a non-empty list")
+
+
+def test_manifest_of_frames_in_no_utterances(corpus):
+    def change(data):
+        for entry in data["shards"]:
+            entry["utterances"] = 0
+        data["num_utterances"] = 0
+    path = edit_manifest(corpus, change)
+    one_problem_naming(check_corpus(corpus), path, "field 'num_utterances' is 0",
+                       "expected at least one utterance")
+
+
+# ---------------------------------------------------------------- every kind of bad data
+
+def test_nan_names_the_utterance(corpus):
+    with h5py.File(shard(corpus, 1), "a") as f:
+        f["feats"][50, 0] = np.nan
+        f["feats"][51, 0] = np.inf
+    utt, k = utterance_at(shard(corpus, 1), 50)
+    one_problem_naming(check_corpus(corpus), shard(corpus, 1), "dataset 'feats'",
+                       "2 frame(s) contain NaN or inf",
+                       f"frame 50 (utterance {utt!r}, frame {k} of it)")
+
+
+def test_negative_label_names_the_utterance(corpus):
+    with h5py.File(shard(corpus), "a") as f:
+        f["labels"][70] = -4
+    utt, k = utterance_at(shard(corpus), 70)
+    one_problem_naming(check_corpus(corpus), shard(corpus), "dataset 'labels'",
+                       "1 label(s) outside [0, 6)",
+                       f"the first is -4 at frame 70 (utterance {utt!r}, frame {k} of it)")
+
+
+@pytest.mark.parametrize("damage,parts", layout_damage_cases())
+def test_layout_damage_is_one_line_naming_shard_and_dataset(corpus, damage, parts):
+    damage(shard(corpus, 1))
+    one_problem_naming(check_corpus(corpus), shard(corpus, 1), *parts)
+
+
+def test_manifest_utterances_disagree_with_shard(corpus):
+    def change(data):
+        data["shards"][0]["utterances"] += 1
+        data["shards"][1]["utterances"] -= 1
+    path = edit_manifest(corpus, change)
+    problems = check_corpus(corpus)
+    one_problem_naming(problems, shard(corpus), "dataset 'utt_offsets' lists", path,
+                       "shards[0].utterances")
+
+
+def test_duplicate_utterance_id(corpus):
+    with h5py.File(shard(corpus), "r") as f:
+        ids = list(f["utt_ids"].asstr()[()])
+    with h5py.File(shard(corpus, 1), "a") as f:
+        f["utt_ids"][0] = ids[2]
+    one_problem_naming(check_corpus(corpus), shard(corpus, 1), "dataset 'utt_ids'",
+                       f"utterance {ids[2]!r} also appears in {shard(corpus)}")
+
+
+# ---------------------------------------------------------------- damaged on disk
+
+def test_damaged_index_of_datasets(corpus):
+    # The root group's symbol table node lists the datasets by name.
+    overwrite(shard(corpus), dict(signature_offsets(shard(corpus)))[b"SNOD"], b"XXXX")
+    problems = check_corpus(corpus)
+    one_problem_naming(problems, shard(corpus), "the index of its datasets cannot be read",
+                       "the file is damaged")
+
+
+def test_every_damaged_structure_is_one_line(tmp_path):
+    sound = write_corpus(tmp_path / "sound")
+    structures = signature_offsets(shard(sound))
+    assert {s for s, _ in structures} == {b"TREE", b"HEAP", b"SNOD", b"GCOL"}
+    for n, (signature, offset) in enumerate(structures):
+        corpus = write_corpus(tmp_path / f"c{n}")
+        overwrite(shard(corpus), offset, b"XXXX")
+        problems = check_corpus(corpus)
+        assert problems, (signature, offset)
+        one_problem_naming(problems, shard(corpus), "the file is damaged")
+
+
+def test_overwritten_file_start(corpus):
+    overwrite(shard(corpus, 1), 0, b"\0" * 64)
+    one_problem_naming(check_corpus(corpus), shard(corpus, 1), "cannot open as HDF5")
