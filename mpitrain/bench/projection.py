@@ -30,59 +30,10 @@ Example::
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
 from typing import Mapping, Optional, Sequence
 
-
-@dataclass(frozen=True)
-class NetworkModel:
-    """Latency and bandwidth of one link; every rank sits on its own link.
-
-    Defaults describe a 100 Gbit/s InfiniBand-class link (12.5 GB/s, 5 us).
-
-    Example::
-
-        NetworkModel(latency_s=5e-6, bandwidth_bytes_per_s=12.5e9).allreduce_seconds(4e6, 2)
-    """
-
-    latency_s: float = 5e-6
-    bandwidth_bytes_per_s: float = 12.5e9
-
-    def __post_init__(self):
-        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
-            raise ValueError(f"NetworkModel: latency_s must be a finite number >= 0, "
-                             f"got {self.latency_s!r}")
-        if not (self.bandwidth_bytes_per_s > 0 and math.isfinite(self.bandwidth_bytes_per_s)):
-            raise ValueError(f"NetworkModel: bandwidth_bytes_per_s must be a finite number "
-                             f"> 0, got {self.bandwidth_bytes_per_s!r}")
-
-    def allreduce_seconds(self, nbytes: float, ranks: int) -> float:
-        return ring_allreduce_seconds(nbytes, ranks, latency_s=self.latency_s,
-                                      bandwidth_bytes_per_s=self.bandwidth_bytes_per_s)
-
-    def describe(self) -> str:
-        return (f"ring allreduce over links of {self.bandwidth_bytes_per_s * 8 / 1e9:g} Gbit/s "
-                f"and {self.latency_s * 1e6:g} us latency: "
-                "2(N-1)/N * bytes / bandwidth + 2(N-1) * latency")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def ring_allreduce_seconds(nbytes: float, ranks: int, *, latency_s: float,
-                           bandwidth_bytes_per_s: float) -> float:
-    """Seconds for one ring allreduce of ``nbytes`` over ``ranks`` ranks.
-
-    Example::
-
-        ring_allreduce_seconds(1e6, 4, latency_s=1e-5, bandwidth_bytes_per_s=1e9)  # 0.00156
-    """
-    if ranks < 1:
-        raise ValueError(f"ranks must be >= 1, got {ranks}")
-    if ranks == 1:
-        return 0.0
-    return 2.0 * (ranks - 1) / ranks * nbytes / bandwidth_bytes_per_s \
-        + 2.0 * (ranks - 1) * latency_s
+# The one network model, shared with the virtual cluster's clock; re-exported here.
+from ..comm.netmodel import NetworkModel, ring_allreduce_seconds  # noqa: F401
 
 
 def step_seconds(ranks: int, *, compute_seconds: float, nbytes: float, sync_every: int,

@@ -1,0 +1,219 @@
+"""Training as N virtual ranks in one process, on a simulated clock.
+
+Every virtual rank (a thread of :class:`~mpitrain.comm.virtual.VirtualCluster`)
+builds its own trainer — network, optimizer, strategy, data reader — exactly
+as a rank under ``mpiexec`` does, and runs the same loop; the ranks meet only
+in the communicator.  Rank 0 logs and writes the run directory as usual.
+
+The clock: each training step a rank takes (a step where the strategy has it
+train) advances that rank's clock by the step time of :class:`ComputeModel`:
+
+    t_step(rank, k) = step_seconds * slowdown[rank] * exp(jitter * z - jitter^2 / 2)
+
+with z ~ N(0, 1) drawn from a generator seeded by (seed, rank), so the
+jitter has mean 1 and the same seed gives the same times.  ``step_seconds``
+is given (``--compute-ms``, e.g. a GPU's step) or measured once on this
+machine for the model (:func:`measure_step_seconds`).  Communication time
+comes from the network model at each collective
+(:mod:`mpitrain.comm.virtual`).  The trainer's progress lines and metrics
+then show simulated frames/s, communication share and seconds.
+
+Only one virtual rank computes at a time, with one BLAS thread unless
+``blas_threads`` says otherwise.
+
+Memory: each virtual rank holds its network, optimizer state and data
+reader, i.e. N models and about the whole corpus's share of chunks (one
+chunk, plus one being read ahead, per rank).
+
+Example::
+
+    result = train_virtual(cfg, size=16, run_dir="runs/v16",
+                           network=NetworkModel(), compute=ComputeModel(step_seconds=0.002))
+    result["dev_acc"], result["seconds"]          # seconds: simulated
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from ..comm.virtual import VirtualCluster
+from .trainer import Trainer
+
+
+@dataclass(frozen=True)
+class ComputeModel:
+    """Seconds of computing per training step, per rank.
+
+    ``slowdown``: rank -> factor (a rank not named runs at 1); ``jitter``:
+    the standard deviation of the log of a step's time factor (0: none).
+
+    Example::
+
+        model = ComputeModel(step_seconds=0.002, slowdown={3: 2.0}, jitter=0.1, seed=1)
+        clock = model.step_times(3)
+        next(clock)      # about 0.004
+    """
+
+    step_seconds: float
+    slowdown: dict = field(default_factory=dict)
+    jitter: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not (self.step_seconds >= 0 and math.isfinite(self.step_seconds)):
+            raise ValueError(f"compute: step time must be a finite number >= 0 seconds, "
+                             f"got {self.step_seconds!r}")
+        for rank, factor in self.slowdown.items():
+            if int(rank) != rank or rank < 0 or not factor > 0:
+                raise ValueError(f"slowdown: expected rank=factor with rank >= 0 and "
+                                 f"factor > 0, got {rank}={factor}")
+        if not self.jitter >= 0:
+            raise ValueError(f"jitter: expected a number >= 0, got {self.jitter!r}")
+
+    def step_times(self, rank: int):
+        """An endless iterator of this rank's step times, in seconds."""
+        base = self.step_seconds * float(self.slowdown.get(rank, 1.0))
+        if not self.jitter:
+            while True:
+                yield base
+        rng = np.random.default_rng([int(self.seed), int(rank)])
+        shift = self.jitter ** 2 / 2      # keeps the mean factor at 1
+        while True:
+            yield base * math.exp(self.jitter * rng.standard_normal() - shift)
+
+    def describe(self) -> str:
+        text = f"{self.step_seconds * 1e3:.3g} ms per step"
+        if self.slowdown:
+            text += "; slower ranks " + ", ".join(f"{r}: x{f:g}"
+                                                  for r, f in sorted(self.slowdown.items()))
+        if self.jitter:
+            text += f"; log-normal jitter {self.jitter:g} (seed {self.seed})"
+        return text
+
+    def to_dict(self) -> dict:
+        return {"step_seconds": self.step_seconds,
+                "slowdown": {str(r): f for r, f in sorted(self.slowdown.items())},
+                "jitter": self.jitter, "seed": self.seed}
+
+
+class ClockedStream:
+    """The trainer's minibatch stream, charging a step's compute time per minibatch.
+
+    A rank takes a minibatch exactly when it trains a step, so the charge
+    lands before the step's collectives, as the computing would.
+
+    Example::
+
+        trainer.stream = ClockedStream(trainer.stream, comm, model.step_times(comm.rank))
+    """
+
+    def __init__(self, stream, comm, step_times):
+        self._stream, self._comm, self._times = stream, comm, step_times
+
+    def next_batch(self):
+        self._comm.advance(next(self._times))
+        return self._stream.next_batch()
+
+    def __getattr__(self, name):
+        # epoch, state_dict, load_state_dict, close: the stream's own
+        return getattr(self._stream, name)
+
+
+def measure_step_seconds(cfg, *, feat_dim: int, num_classes: int, steps: int = 20,
+                         warmup: int = 5) -> float:
+    """Seconds of one training step of ``cfg``'s model on this machine (one rank,
+    no communication; the median of three timed runs of ``steps`` steps).
+
+    Example::
+
+        measure_step_seconds(cfg, feat_dim=40, num_classes=120)    # e.g. 0.0021
+    """
+    from .. import backend
+    from ..comm.single import SingleCommunicator
+    from ..data.batcher import Chunk, ChunkSpec
+    from ..nn.network import build_network
+    from ..optim.factory import build_optimizer
+    from ..parallel.base import Strategy
+    from .step import TrainingStep
+
+    xp = backend.select(cfg.device, 0)
+    batch = cfg.training.minibatch
+    net = build_network(
+        feat_dim=feat_dim, num_classes=num_classes, left_context=cfg.data.left_context,
+        right_context=cfg.data.right_context, hidden_layers=cfg.model.hidden_layers,
+        hidden_dim=cfg.model.hidden_dim, nonlinearity=cfg.model.nonlinearity,
+        pnorm_output_dim=cfg.model.pnorm_output_dim, pnorm_p=cfg.model.pnorm_p,
+        normalize=cfg.model.normalize, xp=xp)
+    net.init_params(seed=cfg.training.seed)
+    optimizer = build_optimizer(cfg.optimizer, net)
+    rng = np.random.default_rng(0)
+    frames = 8 * batch
+    chunk = Chunk(ChunkSpec(0, 0, 1, frames),
+                  *(backend.to_device(a, xp) for a in (
+                      rng.standard_normal((frames, feat_dim), dtype=np.float32),
+                      rng.integers(0, num_classes, frames).astype(np.int32),
+                      np.zeros(frames, dtype=np.int64), np.full(frames, frames, np.int64))))
+    order = backend.to_device(rng.permutation(frames), xp)
+    step = TrainingStep(net, optimizer, Strategy(SingleCommunicator()), minibatch=batch,
+                        left_context=cfg.data.left_context,
+                        right_context=cfg.data.right_context)
+    lr = cfg.optimizer.initial_learning_rate
+    count = [0]
+
+    def next_batch():
+        k = count[0] % 8
+        count[0] += 1
+        return chunk, order[k * batch:(k + 1) * batch]
+
+    for n in range(warmup):
+        step.run(n, lr, next_batch)
+    timings = []
+    for _ in range(3):
+        backend.synchronize(xp)
+        start = time.perf_counter()
+        for n in range(steps):
+            step.run(n, lr, next_batch)
+        step.take_sums()                 # waits for the device
+        timings.append((time.perf_counter() - start) / steps)
+    return sorted(timings)[1]
+
+
+def train_virtual(cfg, *, size: int, run_dir: str, network=None,
+                  compute: Optional[ComputeModel] = None, resume: bool = False, stream=None,
+                  trainer_class=Trainer, **trainer_kwargs) -> dict:
+    """Train ``cfg`` as ``size`` virtual ranks; rank 0's result (seconds: simulated).
+
+    ``network`` prices communication (None: free); ``compute`` the steps
+    (None: no compute time, the clock then counts communication only).
+
+    Example::
+
+        train_virtual(cfg, size=4, run_dir="runs/v4", network=NetworkModel(),
+                      compute=ComputeModel(step_seconds=0.002))["dev_acc"]
+    """
+    from threadpoolctl import threadpool_limits
+    cluster = VirtualCluster(size, network=network)
+
+    def rank_main(comm):
+        trainer = trainer_class(cfg, run_dir=run_dir, comm=comm, resume=resume,
+                                stream=stream if comm.rank == 0 else None, **trainer_kwargs)
+        try:
+            if compute is not None:
+                trainer.stream = ClockedStream(trainer.stream, comm,
+                                               compute.step_times(comm.rank))
+            result = trainer.run()
+        finally:
+            trainer.close()
+        if comm.rank == 0:
+            result["simulated_seconds"] = comm.wtime()
+        return result
+
+    # One BLAS thread unless the config asks: with many calling threads a
+    # multi-threaded OpenBLAS ran a 32-rank run 20x slower on 2 cores.
+    with threadpool_limits(cfg.blas_threads or 1):
+        return cluster.run(rank_main)[0]

@@ -1,0 +1,194 @@
+"""The virtual cluster's communicator (comm/virtual.py), in this process.
+
+Reductions are MPICH's recursive-doubling order (measured equal to MPICH's
+Allreduce at 2..8 ranks; tests/train/test_virtual.py compares whole training
+runs with mpiexec), every call of the contract works across virtual ranks,
+mismatched or missing calls raise instead of hanging, and the simulated clock
+gives hand-computed times on a scripted case with one slow rank.
+"""
+
+import numpy as np
+import pytest
+
+from mpitrain.comm.netmodel import NetworkModel
+from mpitrain.comm.virtual import VirtualCluster, VirtualClusterError, mpich_order_sum
+
+
+def _awkward(n, size, dtype=np.float32, seed=0):
+    """Per-rank values whose float sums depend on the order of addition."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((n, size)) * 10.0 ** rng.integers(-4, 5, (n, size))).astype(dtype)
+
+
+def test_mpich_order_is_recursive_doubling_with_the_remainder_folded_first():
+    a = list(_awkward(6, 1000, np.float64))
+    assert np.array_equal(mpich_order_sum(a[:4]), (a[0] + a[1]) + (a[2] + a[3]))
+    assert np.array_equal(mpich_order_sum(a[:3]), (a[0] + a[1]) + a[2])
+    assert np.array_equal(mpich_order_sum(a), ((a[0] + a[1]) + (a[2] + a[3])) + (a[4] + a[5]))
+    # the order matters for these values: a sequential sum differs somewhere
+    sequential = ((a[0] + a[1]) + a[2]) + a[3]
+    assert not np.array_equal(mpich_order_sum(a[:4]), sequential)
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 7, 16])
+@pytest.mark.parametrize("op", ["sum", "mean", "max", "min"])
+def test_allreduce_gives_every_rank_the_ordered_reduction(nranks, op):
+    data = _awkward(nranks, 3001)
+    if op in ("sum", "mean"):
+        expected = mpich_order_sum(list(data))
+        if op == "mean" and nranks > 1:
+            expected = expected * np.float32(1.0 / nranks)
+    else:
+        expected = data.max(axis=0) if op == "max" else data.min(axis=0)
+
+    def work(comm):
+        buf = data[comm.rank].copy()
+        assert comm.allreduce_(buf, op=op) is buf
+        return buf
+
+    for buf in VirtualCluster(nranks).run(work):
+        assert np.array_equal(buf, expected)
+
+
+def test_large_buffers_reduce_piece_by_piece_to_the_same_result(monkeypatch):
+    from mpitrain.comm import virtual
+    data = _awkward(4, 10_000)
+    monkeypatch.setattr(virtual, "REDUCE_PIECE", 999)
+    out = VirtualCluster(4).run(lambda comm: comm.allreduce_(data[comm.rank].copy(), op="sum"))
+    assert all(np.array_equal(b, mpich_order_sum(list(data))) for b in out)
+
+
+def test_scalars_objects_bcast_and_nonblocking_allreduce():
+    def work(comm):
+        buf = np.full(5, float(comm.rank), dtype=np.float64)
+        comm.bcast_(buf, root=2)
+        grads = np.full(3, comm.rank + 1.0, dtype=np.float32)
+        comm.iallreduce_(grads, op="mean").wait()
+        return (comm.allreduce_scalar(comm.rank), comm.allreduce_scalar(comm.rank, op="max"),
+                comm.allreduce_scalar(2.5, op="mean"), buf[0], grads[0],
+                comm.bcast_obj({"from": comm.rank}, root=1),
+                comm.allgather_obj([comm.rank]), comm.gather_obj(comm.rank, root=0))
+
+    results = VirtualCluster(4).run(work)
+    for rank, r in enumerate(results):
+        assert r[:5] == (6, 3, 2.5, 2.0, 2.5)
+        assert isinstance(r[0], int) and isinstance(r[2], float)
+        assert r[5] == {"from": 1}
+        assert r[6] == [[0], [1], [2], [3]]
+        assert r[7] == ([0, 1, 2, 3] if rank == 0 else None)
+
+
+def test_split_and_dup_make_groups_with_their_own_collectives():
+    def work(comm):
+        half = comm.split(comm.rank % 2, key=-comm.rank)        # reversed order
+        none = comm.split(None if comm.rank else 0)
+        twin = comm.dup()
+        return (half.rank, half.size, half.allreduce_scalar(comm.rank),
+                none is None, twin.allreduce_scalar(1))
+
+    results = VirtualCluster(5).run(work)
+    assert [r[:3] for r in results] == [(2, 3, 6), (1, 2, 4), (1, 3, 6), (0, 2, 4), (0, 3, 6)]
+    assert [r[3] for r in results] == [False, True, True, True, True]
+    assert all(r[4] == 5 for r in results)
+
+
+def test_point_to_point_messages_match_by_source_and_tag_in_order():
+    def work(comm):
+        if comm.rank == 0:
+            comm.send(np.array([1.0, 2.0]), 1, tag=7)
+            comm.send(np.array([3.0, 4.0]), 1, tag=7)
+            comm.send(np.array([9.0, 9.0]), 1, tag=8)
+            return None
+        if comm.rank == 1:
+            first, second, tagged = np.zeros(2), np.zeros(2), np.zeros(2)
+            status = comm.recv(tagged, tag=8)
+            comm.recv(first, 0, 7)
+            request = comm.irecv(second, source=0)
+            request.wait()
+            swapped = np.zeros(1)
+            comm.sendrecv(np.array([10.0]), 2, swapped, 2, tag=1)
+            return status, first.tolist(), second.tolist(), request.source, swapped[0]
+        swapped = np.zeros(1)
+        comm.sendrecv(np.array([20.0]), 1, swapped, 1, tag=1)
+        assert comm.iprobe() is None
+        return swapped[0]
+
+    _, got, other = VirtualCluster(3).run(work)
+    assert got == ((0, 8), [1.0, 2.0], [3.0, 4.0], 0, 20.0)
+    assert other == 10.0
+
+
+def test_mismatched_collectives_raise_on_every_rank_instead_of_hanging():
+    with pytest.raises(VirtualClusterError, match="would hang or corrupt"):
+        VirtualCluster(2).run(lambda c: c.allreduce_scalar(1) if c.rank == 0 else c.barrier())
+    with pytest.raises(VirtualClusterError, match="would hang or corrupt"):
+        VirtualCluster(2).run(
+            lambda c: c.allreduce_(np.zeros(3 + c.rank, dtype=np.float32), op="sum"))
+
+
+def test_a_missing_collective_is_a_reported_deadlock():
+    with pytest.raises(VirtualClusterError, match="rank 0: barrier"):
+        VirtualCluster(3).run(lambda c: c.barrier() if c.rank == 0 else None)
+    with pytest.raises(VirtualClusterError, match="recv"):
+        VirtualCluster(2).run(lambda c: c.recv(np.zeros(1), 1 - c.rank))
+
+
+def test_one_rank_error_ends_every_rank_and_is_raised():
+    def work(comm):
+        if comm.rank == 2:
+            raise KeyError("rank 2 broke")
+        comm.barrier()
+
+    with pytest.raises(KeyError, match="rank 2 broke"):
+        VirtualCluster(4).run(work)
+    with pytest.raises(VirtualClusterError, match="aborted the job"):
+        VirtualCluster(2).run(lambda c: c.abort(3, "bad input") if c.rank else c.barrier())
+
+
+def test_scripted_clock_with_one_slow_rank_gives_hand_computed_times():
+    # 1 ms latency, 1 MB/s links; 4 ranks; 1000 float32 = 4000 bytes per allreduce:
+    # ring cost 2 * 3/4 * 4000 / 1e6 + 2 * 3 * 1e-3 = 0.006 + 0.006 = 0.012 s.
+    network = NetworkModel(latency_s=1e-3, bandwidth_bytes_per_s=1e6)
+    step = {0: 0.010, 1: 0.010, 2: 0.030, 3: 0.010}          # rank 2 is three times slower
+
+    def work(comm):
+        params = np.ones(1000, dtype=np.float32)
+        marks = []
+        for block in range(2):
+            for _ in range(2):
+                comm.advance(step[comm.rank])
+            comm.allreduce_(params, op="mean")
+            marks.append((comm.wtime(), comm.comm_time))
+        # rank 0 sends 1000 bytes to rank 1: 1 ms injecting, arrives after 1 ms + 1 ms
+        message = np.zeros(250, dtype=np.float32)
+        if comm.rank == 0:
+            comm.send(message, 1)
+        elif comm.rank == 1:
+            comm.recv(message, 0)
+        marks.append((comm.wtime(), comm.comm_time))
+        return marks
+
+    marks = VirtualCluster(4, network=network).run(work)
+    # block 1: ranks 0, 1, 3 arrive at 0.020, rank 2 at 0.060; all leave at 0.060 + 0.012
+    # block 2: 0.092 and 0.132 -> 0.144
+    for rank in range(4):
+        assert marks[rank][0][0] == pytest.approx(0.072)
+        assert marks[rank][1][0] == pytest.approx(0.144)
+    assert marks[0][1][1] == pytest.approx(2 * (0.072 - 0.020))   # waited for rank 2 twice
+    assert marks[2][1][1] == pytest.approx(2 * 0.012)             # only the transfers
+    assert marks[0][2] == pytest.approx((0.145, 0.104 + 0.001))   # sent: 1 ms injecting
+    assert marks[1][2] == pytest.approx((0.146, 0.104 + 0.002))   # waited for the arrival
+    assert marks[3][2] == pytest.approx((0.144, 0.104))
+
+
+def test_clock_is_free_without_a_network_and_comm_time_resets():
+    def work(comm):
+        comm.advance(0.5 * (comm.rank + 1))
+        comm.barrier()
+        before = comm.comm_time
+        comm.reset_comm_time()
+        return comm.wtime(), before, comm.comm_time
+
+    assert VirtualCluster(2).run(work) == [(1.0, 0.5, 0.0), (1.0, 0.0, 0.0)]
+    with pytest.raises(ValueError):
+        VirtualCluster(1).run(lambda comm: comm.advance(-1.0))

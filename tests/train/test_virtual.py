@@ -1,0 +1,97 @@
+"""Training on virtual ranks (train/virtual.py) against real `mpiexec -n N` runs.
+
+The same configuration and seed trained on N virtual ranks in this process
+and on N MPI ranks (N = 2, 4) must give the same final model bit for bit, for
+every synchronous method: the virtual communicator sums in MPICH's order
+(comm/virtual.py).  The progress records agree too.  A 32-rank virtual run
+of a tiny model finishes in seconds and learns; the clock carries the
+simulated step and network times.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from mpitrain.comm.netmodel import NetworkModel
+from mpitrain.config import load_config
+from mpitrain.data.corpus import load_manifest
+from mpitrain.nn.model_file import load_model
+from mpitrain.testing.mpirun import run_mpi
+from mpitrain.train.virtual import ComputeModel, measure_step_seconds, train_virtual
+
+from ..helpers import QUICKSTART, WORKERS, small_overrides
+
+METHODS = ["model_averaging", "allreduce", "bmuf", "kaldi"]
+# a tiny model, several averages and a last short block (30 % 4), a checkpoint on the way
+SETTINGS = ["model.hidden_dim=32", "model.hidden_layers=2", "training.max_steps=30",
+            "parallel.average_every=4", "training.log_interval=10",
+            "training.checkpoint_interval=12", "parallel.num_jobs_initial=1"]
+
+
+def _output(result):
+    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+
+
+def _records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r["type"] == kind]
+
+
+def _settings(corpus, method=None):
+    extra = [f"parallel.method={method}"] if method else []
+    return small_overrides(corpus) + SETTINGS + extra
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_virtual_ranks_equal_mpiexec_bit_for_bit(nranks, small_corpus, tmp_path):
+    real_dir, virtual_dir = tmp_path / "mpi", tmp_path / "virtual"
+    result = run_mpi(nranks, [str(WORKERS / "train_methods_worker.py"), QUICKSTART,
+                              str(real_dir), ",".join(METHODS)] + _settings(small_corpus),
+                     timeout=300)
+    assert result.returncode == 0, _output(result)
+    for method in METHODS:
+        cfg = load_config(QUICKSTART, _settings(small_corpus, method))
+        train_virtual(cfg, size=nranks, run_dir=str(virtual_dir / method))
+        real, _ = load_model(real_dir / method / "final.h5")
+        virtual, _ = load_model(virtual_dir / method / "final.h5")
+        assert _records(real_dir / method, "start")[0]["ranks"] == nranks
+        assert _records(virtual_dir / method, "start")[0]["ranks"] == nranks
+        assert np.array_equal(real.params, virtual.params), method
+        for kind, keys in (("train", ("step", "frames", "xent", "acc")),
+                           ("eval", ("dev_xent", "dev_acc"))):
+            real_rows = [[r[k] for k in keys] for r in _records(real_dir / method, kind)]
+            virtual_rows = [[r[k] for k in keys] for r in _records(virtual_dir / method, kind)]
+            assert real_rows == virtual_rows, (method, kind)
+        checkpoints = sorted(p for p in os.listdir(virtual_dir / method) if p.startswith("ckpt"))
+        assert checkpoints == sorted(p for p in os.listdir(real_dir / method)
+                                     if p.startswith("ckpt")), method
+
+
+def test_thirty_two_virtual_ranks_learn_in_ci_time(small_corpus, tmp_path):
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.hidden_dim=64", "model.hidden_layers=2", "training.minibatch=64",
+        "training.epochs=3", "parallel.average_every=4", "training.log_interval=20",
+        "training.checkpoint_interval=0", "optimizer.initial_learning_rate=0.01"])
+    compute = ComputeModel(step_seconds=0.002)
+    network = NetworkModel(latency_s=5e-6, bandwidth_bytes_per_s=12.5e9)
+    result = train_virtual(cfg, size=32, run_dir=str(tmp_path / "v32"), network=network,
+                           compute=compute)
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    counts = np.array(dev.class_counts)
+    majority = counts.max() / counts.sum()
+    assert result["dev_acc"] > majority + 0.10, result          # chance is 1/120
+    # every step cost 2 ms of simulated compute, plus the averages' network time
+    steps = result["steps"]
+    assert result["seconds"] >= steps * 0.002
+    train = _records(tmp_path / "v32", "train")
+    assert all(0 < r["comm_fraction"] < 0.5 for r in train)
+
+
+def test_measured_step_time_is_positive_and_small(small_corpus):
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.hidden_dim=32", "model.hidden_layers=2"])
+    seconds = measure_step_seconds(cfg, feat_dim=40, num_classes=120, steps=5, warmup=2)
+    assert 0 < seconds < 0.5
