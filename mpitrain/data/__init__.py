@@ -21,11 +21,12 @@ from .writer import CorpusWriter
 from .splice import (apply_cmvn, cmvn_coefficients, frame_utterance_bounds, splice,
                      splice_indices)
 from .synthetic import SyntheticParams, synthesize
+from .validate import validate_corpus, validate_slices
 
 __all__ = [
     "CorpusError", "CorpusManifest", "CorpusWriter", "ShardInfo", "load_manifest",
     "write_manifest", "ShardReader", "write_shard", "ShardSlice", "assign_shards",
     "plan_shards", "splice_indices", "frame_utterance_bounds", "splice", "cmvn_coefficients",
     "apply_cmvn", "synthesize", "SyntheticParams", "import_kaldi", "read_alignments",
-    "ImportReport", "check_corpus",
+    "ImportReport", "check_corpus", "validate_slices", "validate_corpus",
 ]

@@ -33,9 +33,11 @@ import numpy as np
 from .shards import (FEATS, HDF5_ERRORS, LABELS, UTT_IDS, UTT_OFFSETS, ShardFile, hdf5_reason,
                      shard_layout_problems, shard_storage_problems)
 
-# Frames per read: 10 MiB of float32 features at D = 40, so memory stays small
-# and numpy's per-call cost is spread over many frames.
+# Frames per read, at most: 10 MiB of float32 features at D = 40, so memory stays
+# small and numpy's per-call cost is spread over many frames.  Wider features
+# are read in fewer frames, never more than BLOCK_BYTES of them.
 BLOCK_FRAMES = 1 << 16
+BLOCK_BYTES = 10 << 20
 
 
 def _h5py():
@@ -192,9 +194,10 @@ class ShardCheck(ShardFile):
              on_block: Callable[[np.ndarray, np.ndarray], None] | None = None) -> None:
         """Scan frames ``first:end`` for NaN or inf features and labels outside the classes.
 
-        Reads :data:`BLOCK_FRAMES` frames at a time.  ``num_classes=None``
-        leaves labels unchecked.  ``on_block(feats, labels)`` is called with
-        every block found sound (when ``num_classes`` is given), for totals.
+        Reads :data:`BLOCK_FRAMES` frames (at most :data:`BLOCK_BYTES` of
+        features) at a time.  ``num_classes=None`` leaves labels unchecked.
+        ``on_block(feats, labels)`` is called with every block found sound
+        (when ``num_classes`` is given), for totals.
 
         Example::
 
@@ -203,7 +206,8 @@ class ShardCheck(ShardFile):
         if not self._scannable or end <= first:
             return
         feats, labels = self._file[FEATS], self._file[LABELS]
-        block = min(BLOCK_FRAMES, end - first)
+        row_bytes = feats.shape[1] * feats.dtype.itemsize
+        block = max(1, min(BLOCK_FRAMES, BLOCK_BYTES // max(row_bytes, 1), end - first))
         feat_buf = np.empty((block, feats.shape[1]), dtype=feats.dtype)
         label_buf = np.empty(block, dtype=labels.dtype)
         bad_feats = bad_labels = 0

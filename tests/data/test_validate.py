@@ -60,6 +60,21 @@ def test_every_rank_of_a_sound_corpus_finds_nothing(corpus, monkeypatch):
     assert validate_slices(manifest, whole(manifest, 0) + whole(manifest, 1)) == []
 
 
+def test_blocks_stay_within_their_byte_bound(corpus, monkeypatch):
+    reads = []
+    read_direct = h5py.Dataset.read_direct
+
+    def counted(self, dest, source_sel=None, dest_sel=None):
+        reads.append(dest.nbytes)
+        return read_direct(self, dest, source_sel, dest_sel)
+    monkeypatch.setattr(h5py.Dataset, "read_direct", counted)
+    monkeypatch.setattr(validate_module, "BLOCK_BYTES", 3 * FEAT_DIM * 4)
+    with h5py.File(shard(corpus), "a") as f:
+        f["labels"][100] = 50
+    one_problem_naming(validate_shard(corpus), shard(corpus), "the first is 50 at frame 100")
+    assert max(reads) == 3 * FEAT_DIM * 4
+
+
 def test_no_slices_is_nothing_to_check(corpus):
     assert validate_slices(load_manifest(corpus), []) == []
 
