@@ -6,6 +6,8 @@ places h5py reports (an object header, the first chunk of a dataset).
 """
 
 import os
+import shutil
+import tempfile
 
 import h5py
 import numpy as np
@@ -19,14 +21,21 @@ from .utterances import make_utterances
 FEAT_DIM, NUM_CLASSES = 4, 6
 
 
+# Written once per shape, then copied: the writer fsyncs every file, which
+# costs seconds on a disk shared with other jobs.
+_TEMPLATES = tempfile.TemporaryDirectory(prefix="mpitrain-corpora-")
+
+
 def write_corpus(out, *, num_shards=2, num_utts=12, seed=0):
     """A sound corpus of ``num_utts`` short utterances in ``num_shards`` shards; its path."""
-    out = str(out)
-    with CorpusWriter(out, feat_dim=FEAT_DIM, num_classes=NUM_CLASSES,
-                      num_shards=num_shards) as writer:
-        for utt_id, feats, labels in make_utterances(num_utts, FEAT_DIM, NUM_CLASSES, seed):
-            writer.add(utt_id, feats, labels)
-    return out
+    template = os.path.join(_TEMPLATES.name, f"{num_shards}-{num_utts}-{seed}")
+    if not os.path.exists(manifest_path(template)):
+        with CorpusWriter(template, feat_dim=FEAT_DIM, num_classes=NUM_CLASSES,
+                          num_shards=num_shards, overwrite=True) as writer:
+            for utt_id, feats, labels in make_utterances(num_utts, FEAT_DIM, NUM_CLASSES, seed):
+                writer.add(utt_id, feats, labels)
+    shutil.copytree(template, str(out))
+    return str(out)
 
 
 def shard(corpus, i=0):
