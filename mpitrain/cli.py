@@ -78,6 +78,8 @@ def cmd_train(args) -> int:
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
     cfg = load_config(args.config, args.set)
+    if args.virtual:
+        return _train_virtual(args, cfg)
     comm = create_communicator(device_transport=cfg.device_transport)
     install_abort_hook(comm)
     _limit_blas_threads(cfg, comm)
@@ -113,6 +115,66 @@ def cmd_train(args) -> int:
               flush=True)
         comm.abort(2, _one_line(exc))
     return 0
+
+
+def _train_virtual(args, cfg) -> int:
+    """``train --virtual N``: N virtual ranks in this process, on a simulated clock."""
+    from .train.run_dir import run_dir_problem
+    from .train.virtual import train_virtual
+    if args.virtual < 1:
+        raise UsageError(f"--virtual: expected a number of ranks >= 1, got {args.virtual}")
+    run_dir = args.run_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(args.config))[0])
+    problem = run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite)
+    if problem:
+        raise UsageError(problem)
+    train_virtual(cfg, size=args.virtual, run_dir=run_dir, network=_network_model(args),
+                  compute=_compute_model(args, cfg), resume=args.resume,
+                  overwrite=args.overwrite, accept_changes=args.accept_changes)
+    return 0
+
+
+def _network_model(args):
+    from .comm.netmodel import NetworkModel
+    return NetworkModel(latency_s=args.latency_us * 1e-6,
+                        bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8,
+                        allreduce_algorithm=args.allreduce_algorithm)
+
+
+def _compute_model(args, cfg):
+    """The virtual ranks' step times from --compute-ms, --slowdown and --jitter."""
+    from .train.virtual import compute_model
+    slowdown = {}
+    for item in (i.strip() for i in args.slowdown.split(",")):
+        if not item:
+            continue
+        rank, _, factor = item.partition("=")
+        try:
+            slowdown[int(rank)] = float(factor)
+        except ValueError:
+            raise UsageError(f"--slowdown: expected RANK=FACTOR[,RANK=FACTOR...], e.g. 3=2.0; "
+                             f"got {args.slowdown!r}") from None
+    return compute_model(cfg, step_ms=args.compute_ms, slowdown=slowdown, jitter=args.jitter,
+                         seed=args.jitter_seed)
+
+
+def _add_virtual_options(p, *, network: bool) -> None:
+    """The virtual cluster's compute and (``network``) network model options."""
+    if network:
+        p.add_argument("--latency-us", type=float, default=5.0,
+                       help="network model: latency per link")
+        p.add_argument("--bandwidth-gbit", type=float, default=100.0,
+                       help="network model: bandwidth per link in Gbit/s")
+        p.add_argument("--compute-ms", type=float, default=0.0,
+                       help="virtual ranks: compute time per step in ms (e.g. a GPU's); "
+                            "0: measured once on this machine")
+    p.add_argument("--allreduce-algorithm", default="ring", choices=("ring", "tree", "auto"),
+                   help="network model: allreduce cost (auto: the cheaper per buffer)")
+    p.add_argument("--slowdown", default="", metavar="RANK=FACTOR,...",
+                   help="virtual ranks: slower ranks, e.g. 3=2.0 (rank 3 takes twice as long)")
+    p.add_argument("--jitter", type=float, default=0.0,
+                   help="virtual ranks: log-normal noise of each step time (sigma of its log)")
+    p.add_argument("--jitter-seed", type=int, default=0, help="virtual ranks: seed of the jitter")
 
 
 def _number_list(text: str, flag: str, kind=int) -> tuple:
@@ -265,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--accept-changes", action="store_true",
                    help="with --resume: apply settings that differ from the checkpoint's "
                         "and change the result (each is listed in the log)")
+    p.add_argument("--virtual", type=int, default=0, metavar="N",
+                   help="train as N virtual ranks in this process, on a simulated clock "
+                        "(same results as mpiexec -n N; docs/parallel.md)")
+    _add_virtual_options(p, network=True)
     p.set_defaults(func=cmd_train)
 
     from .parallel.registry import METHODS

@@ -14,16 +14,16 @@ import time
 import numpy as np
 
 from .. import backend
-from ..config import RunConfig, config_to_yaml
+from ..config import RunConfig, config_from_yaml, config_to_yaml, dump_config
 from ..data.batcher import MinibatchStream, plan_chunks
-from ..data.corpus import load_manifest
+from ..data.corpus import CorpusError, load_manifest
 from ..data.sharding import plan_shards
+from ..data.validate import validate_corpus, validate_slices
 from ..nn.model_file import save_model
 from ..nn.network import build_network
 from ..optim.factory import build_optimizer
 from ..optim.schedule import ExponentialSchedule
 from ..parallel.registry import build_strategy
-from ..config import config_from_yaml, dump_config
 from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint,
                          save_checkpoint)
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
@@ -140,7 +140,17 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg, comm = self.cfg, self.comm
-        slices = balanced_plan(self.manifest, comm.size)[comm.rank]
+        try:
+            slices = balanced_plan(self.manifest, comm.size)[comm.rank]
+        except CorpusError as exc:
+            # planning reads the same files on every rank: every rank fails alike
+            raise TrainingError(" ".join(str(exc).split()), agreed=True) from None
+        # every rank checks its own part before step 1, the held-out set shared out
+        problems = validate_slices(self.manifest, slices, num_classes=self.manifest.num_classes)
+        if self.dev_manifest is not None:
+            problems += validate_corpus(self.dev_manifest, rank=comm.rank, size=comm.size,
+                                        num_classes=self.manifest.num_classes)
+        self._stop_on_data_problems(problems)
         chunks = plan_chunks(self.manifest, slices, cfg.data.chunk_frames)
         local_steps = sum(c.frames // cfg.training.minibatch for c in chunks)
         # every rank must take the same number of steps, or a collective hangs
@@ -161,6 +171,19 @@ class Trainer:
             total = min(total, cfg.training.max_steps)
         self.total_steps = max(total, 1)
         self.planned_steps = max(int(round(cfg.training.epochs * steps)), 1)
+
+    def _stop_on_data_problems(self, problems: list) -> None:
+        """All ranks stop together when any rank found bad data; rank 0 names the first."""
+        total = int(self.comm.allreduce_scalar(len(problems), op="sum"))
+        if not total:
+            return
+        firsts = self.comm.gather_obj(problems[:1], root=0)
+        if self.is_root:
+            first = next(p for found in firsts for p in found)
+            more = f" ({total - 1} more problem(s): run `mpitrain check` on the corpus)" \
+                if total > 1 else ""
+            raise TrainingError(first + more, agreed=True)
+        raise TrainingError("bad training data (reported by rank 0)", agreed=True)
 
     # -- the run directory ------------------------------------------------------------
     def _say(self, text: str) -> None:
@@ -369,7 +392,8 @@ class Trainer:
                        transport=self.transport, transport_reason=self._transport_reason(),
                        precision=cfg.precision, strategy=self.strategy.name,
                        optimizer=self.optimizer.name)
-        run_start, self._start_step = time.perf_counter(), self.step
+        # the communicator's clock: wall time under MPI, simulated time on virtual ranks
+        run_start, self._start_step = comm.wtime(), self.step
         comm.reset_comm_time()
         while True:
             if self._train_to_end(run_start) == ROLL_BACK:
@@ -385,7 +409,7 @@ class Trainer:
             save_model(os.path.join(self.run_dir, "final.h5"), net,
                        class_priors=self.manifest.class_priors())
         result.update(steps=self.step, frames=self.frames_seen,
-                      seconds=time.perf_counter() - run_start,
+                      seconds=comm.wtime() - run_start,
                       skipped_minibatches=self.guard.skipped_total,
                       exploded_windows=self.guard.exploded_total,
                       rollbacks=self.guard.rollbacks)
@@ -409,7 +433,7 @@ class Trainer:
         cfg, comm = self.cfg, self.comm
         batch = cfg.training.minibatch
         training_step = self._new_training_step()
-        window_start = time.perf_counter()
+        window_start = comm.wtime()
         comm_at_window = comm.comm_time
         eval_every = cfg.training.eval_interval
         next_eval = (self.frames_seen // comm.size // eval_every + 1) * eval_every \
@@ -424,7 +448,7 @@ class Trainer:
             self.frames_seen += batch * active_ranks
             last = self.step == self.total_steps
             if self.step % cfg.training.log_interval == 0 or last:
-                now = time.perf_counter()
+                now = comm.wtime()
                 comm_now = comm.comm_time
                 loss_sum, correct_sum, frames, skipped = training_step.take_sums()
                 sums = np.array([loss_sum, correct_sum, frames, comm_now - comm_at_window,
@@ -455,7 +479,7 @@ class Trainer:
                     f"fr/s comm {record['comm_fraction']:.1%} "
                     f"ETA {format_duration(per_step * (self.total_steps - self.step))}"
                     + trouble)
-                window_start, comm_at_window = time.perf_counter(), comm.comm_time
+                window_start, comm_at_window = comm.wtime(), comm.comm_time
                 if verdict == ROLL_BACK:
                     self._roll_back(f"{self.guard.events} non-finite or exploding "
                                     f"minibatches/windows since the last checkpoint")

@@ -42,6 +42,7 @@ from typing import Optional
 import numpy as np
 
 from ..comm.virtual import VirtualCluster
+from .metrics import MetricsLog
 from .trainer import Trainer
 
 
@@ -183,37 +184,85 @@ def measure_step_seconds(cfg, *, feat_dim: int, num_classes: int, steps: int = 2
     return sorted(timings)[1]
 
 
-def train_virtual(cfg, *, size: int, run_dir: str, network=None,
-                  compute: Optional[ComputeModel] = None, resume: bool = False, stream=None,
-                  trainer_class=Trainer, **trainer_kwargs) -> dict:
-    """Train ``cfg`` as ``size`` virtual ranks; rank 0's result (seconds: simulated).
+def compute_model(cfg, *, step_ms: float = 0.0, slowdown: Optional[dict] = None,
+                  jitter: float = 0.0, seed: int = 0) -> ComputeModel:
+    """The step times of a virtual run: ``step_ms`` when > 0, else measured once here
+    for ``cfg``'s model (:func:`measure_step_seconds`).
 
-    ``network`` prices communication (None: free); ``compute`` the steps
-    (None: no compute time, the clock then counts communication only).
+    Example::
+
+        compute_model(cfg, step_ms=2.0, slowdown={0: 1.5})     # a GPU-class step
+    """
+    seconds = step_ms * 1e-3
+    if seconds <= 0:
+        from ..data.corpus import load_manifest
+        manifest = load_manifest(cfg.data.train)
+        seconds = measure_step_seconds(cfg, feat_dim=manifest.feat_dim,
+                                       num_classes=manifest.num_classes)
+    return ComputeModel(step_seconds=seconds, slowdown=dict(slowdown or {}), jitter=jitter,
+                        seed=seed)
+
+
+def run_virtual_trainers(cfg, *, size: int, run_dir: str, compute: ComputeModel, network=None,
+                         trainer_class=Trainer, stream=None, **trainer_kwargs) -> list:
+    """Build and run one trainer per virtual rank; every rank's (trainer, result).
+
+    Each rank's minibatches charge ``compute``'s step times to its clock.
+    Runs with one BLAS thread unless ``cfg.blas_threads`` says otherwise: with
+    many calling threads a multi-threaded OpenBLAS ran a 32-rank run 20x
+    slower on 2 cores.
+
+    Example::
+
+        pairs = run_virtual_trainers(cfg, size=4, run_dir="runs/v4",
+                                     compute=ComputeModel(step_seconds=0.002))
+        pairs[0][1]["dev_acc"]
+    """
+    from threadpoolctl import threadpool_limits
+    cluster = VirtualCluster(size, network=network)
+
+    def rank_main(comm):
+        trainer = trainer_class(cfg, run_dir=run_dir, comm=comm,
+                                stream=stream if comm.rank == 0 else None, **trainer_kwargs)
+        try:
+            trainer.stream = ClockedStream(trainer.stream, comm, compute.step_times(comm.rank))
+            result = trainer.run()
+        finally:
+            trainer.close()
+        return trainer, result
+
+    with threadpool_limits(cfg.blas_threads or 1):
+        return cluster.run(rank_main)
+
+
+def train_virtual(cfg, *, size: int, run_dir: str, compute: ComputeModel, network=None,
+                  stream=None, **trainer_kwargs) -> dict:
+    """Train ``cfg`` as ``size`` virtual ranks; rank 0's result (``seconds``: simulated).
+
+    Rank 0 adds a "virtual" record to ``metrics.jsonl``: the ranks, the
+    network and compute models, simulated and wall seconds.  ``network``
+    prices communication (None: free).
 
     Example::
 
         train_virtual(cfg, size=4, run_dir="runs/v4", network=NetworkModel(),
                       compute=ComputeModel(step_seconds=0.002))["dev_acc"]
     """
-    from threadpoolctl import threadpool_limits
-    cluster = VirtualCluster(size, network=network)
-
-    def rank_main(comm):
-        trainer = trainer_class(cfg, run_dir=run_dir, comm=comm, resume=resume,
-                                stream=stream if comm.rank == 0 else None, **trainer_kwargs)
-        try:
-            if compute is not None:
-                trainer.stream = ClockedStream(trainer.stream, comm,
-                                               compute.step_times(comm.rank))
-            result = trainer.run()
-        finally:
-            trainer.close()
-        if comm.rank == 0:
-            result["simulated_seconds"] = comm.wtime()
-        return result
-
-    # One BLAS thread unless the config asks: with many calling threads a
-    # multi-threaded OpenBLAS ran a 32-rank run 20x slower on 2 cores.
-    with threadpool_limits(cfg.blas_threads or 1):
-        return cluster.run(rank_main)[0]
+    started = time.perf_counter()
+    trainer, result = run_virtual_trainers(cfg, size=size, run_dir=run_dir, compute=compute,
+                                           network=network, stream=stream,
+                                           **trainer_kwargs)[0]
+    wall = time.perf_counter() - started
+    network_text = "free communication" if network is None else network.describe()
+    record = {"ranks": size, "compute": compute.to_dict(),
+              "network": None if network is None else network.to_dict(),
+              "simulated_seconds": result["seconds"], "wall_seconds": wall}
+    log = MetricsLog(run_dir, stream=stream, append=True)   # the run's own log is closed
+    try:
+        log.write("virtual", **record)
+        log.say(f"virtual cluster: {size} ranks in {wall:.1f} s of wall time; simulated "
+                f"{result['seconds']:.2f} s with compute {compute.describe()} and "
+                f"{network_text}")
+    finally:
+        log.close()
+    return dict(result, wall_seconds=wall)

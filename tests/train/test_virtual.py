@@ -54,7 +54,8 @@ def test_virtual_ranks_equal_mpiexec_bit_for_bit(nranks, small_corpus, tmp_path)
     assert result.returncode == 0, _output(result)
     for method in METHODS:
         cfg = load_config(QUICKSTART, _settings(small_corpus, method))
-        train_virtual(cfg, size=nranks, run_dir=str(virtual_dir / method))
+        train_virtual(cfg, size=nranks, run_dir=str(virtual_dir / method),
+                      compute=ComputeModel(step_seconds=0.001))
         real, _ = load_model(real_dir / method / "final.h5")
         virtual, _ = load_model(virtual_dir / method / "final.h5")
         assert _records(real_dir / method, "start")[0]["ranks"] == nranks
@@ -95,3 +96,50 @@ def test_measured_step_time_is_positive_and_small(small_corpus):
         "model.hidden_dim=32", "model.hidden_layers=2"])
     seconds = measure_step_seconds(cfg, feat_dim=40, num_classes=120, steps=5, warmup=2)
     assert 0 < seconds < 0.5
+
+
+def test_train_virtual_on_the_command_line_reports_simulated_time(small_corpus, tmp_path):
+    """`mpitrain train --virtual 4` with a slow rank: the run's seconds are the
+    straggler's compute plus the averages' network time, by hand."""
+    from mpitrain.cli import main
+    from mpitrain.nn.network import build_network
+
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--virtual", "4", "--run-dir", str(run),
+            "--compute-ms", "10", "--slowdown", "3=2", "--bandwidth-gbit", "1",
+            "--latency-us", "5"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=32", "model.hidden_layers=2", "training.max_steps=8",
+            "parallel.average_every=4", "training.log_interval=100", "data.dev=",
+            "training.checkpoint_interval=0"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    net = build_network(feat_dim=40, num_classes=120, left_context=5, right_context=5,
+                        hidden_layers=2, hidden_dim=32)
+    average = NetworkModel(latency_s=5e-6, bandwidth_bytes_per_s=1e9 / 8).allreduce_seconds(
+        4 * net.num_params, 4)
+    # two blocks of 4 steps; rank 3 takes 20 ms a step, the others wait for it
+    expected = 2 * (4 * 0.020 + average)
+    end = _records(run, "end")[0]
+    # the rest: a few small collectives (log sums, checks, the last checkpoint's gather)
+    assert expected <= end["seconds"] <= expected + 1e-3
+    train = _records(run, "train")[-1]
+    # per block ranks 0-2 wait 40 ms, rank 3 none, and all four spend one average
+    share = (3 * 0.040 + 4 * average) / 4 / (0.080 + average)
+    assert train["comm_fraction"] == pytest.approx(share, rel=0.02)
+    virtual = _records(run, "virtual")[0]
+    assert virtual["ranks"] == 4 and virtual["compute"]["slowdown"] == {"3": 2.0}
+    assert virtual["simulated_seconds"] == end["seconds"]
+
+
+def test_compute_model_jitter_is_seeded_and_keeps_the_mean():
+    model = ComputeModel(step_seconds=0.01, slowdown={1: 3.0}, jitter=0.2, seed=5)
+    first = [t for t, _ in zip(model.step_times(1), range(2000))]
+    again = [t for t, _ in zip(model.step_times(1), range(2000))]
+    other = [t for t, _ in zip(model.step_times(0), range(2000))]
+    assert first == again and first != other
+    assert np.mean(first) == pytest.approx(0.03, rel=0.03)
+    assert np.mean(other) == pytest.approx(0.01, rel=0.03)
+    assert next(ComputeModel(step_seconds=0.01).step_times(7)) == 0.01
+    with pytest.raises(ValueError, match="slowdown"):
+        ComputeModel(step_seconds=0.01, slowdown={2: 0.0})
