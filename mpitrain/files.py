@@ -5,7 +5,10 @@ flushed to disk, renamed over the target and the directory entry flushed
 too, so a crash or a full disk leaves either the old file or the new one,
 never a half-written one; a failure removes the temporary file.
 :func:`atomic_open` serves files written through a handle, :func:`atomic_path`
-libraries that write by name (h5py, matplotlib).
+libraries that write by name (h5py, matplotlib).  A full disk (or quota) is
+reported as one line naming the file being written (:class:`DiskFullError`),
+whatever library hit it.  A process killed mid-write leaves its hidden
+temporary behind; :func:`remove_stale_temporaries` clears a directory of them.
 
 YAML is parsed with PyYAML's safe loader (no Python objects) extended to read
 numbers such as ``1e-3`` as numbers, as YAML 1.2 does; errors are one line
@@ -22,8 +25,10 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
+import stat
 
 #: Accepted in YAML as floats besides PyYAML's forms: 1e-3, 5E+2, .5e1, 3.
 _FLOAT_1_2 = re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)$")
@@ -36,6 +41,74 @@ def temporary_path(path) -> str:
     path = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(path))
     return os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+
+
+#: The names :func:`temporary_path` makes, and no others.
+TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)")
+
+
+def remove_stale_temporaries(directory) -> list:
+    """Delete the temporaries that writers killed mid-write left in ``directory``.
+
+    Only regular files named exactly as :func:`temporary_path` names them are
+    removed (not this process's own); call it before the program writes in
+    ``directory``, when no other process writes there.  Returns the removed
+    paths, sorted.
+
+    Example::
+
+        remove_stale_temporaries("runs/x")   # ['runs/x/.ckpt-00000100.h5.tmp-4242']
+    """
+    directory = os.fspath(directory)
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        match = TEMPORARY_NAME.fullmatch(name)
+        if not match or int(match.group("pid")) == os.getpid():
+            continue
+        path = os.path.join(directory, name)
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                os.remove(path)
+                removed.append(path)
+    return removed
+
+
+class DiskFullError(OSError, RuntimeError):
+    """A write failed for lack of space; ``str`` is one line naming the file.
+
+    A RuntimeError too, so the command line reports it as one line.
+
+    Example::
+
+        DiskFullError(errno.ENOSPC, "no space left on device writing runs/x/final.h5")
+    """
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+#: errno values that mean the file system (or the user's quota) is full.
+_FULL = {errno.ENOSPC: "no space left on device", errno.EDQUOT: "disk quota exceeded"}
+# h5py reports the C library's errno inside its message, not in ``errno``.
+_H5_ERRNO = re.compile(r"errno = (\d+)")
+
+
+def disk_full_error(exc: BaseException, path) -> DiskFullError | None:
+    """The one-line error for ``exc`` if it means the disk is full, else None.
+
+    Example::
+
+        disk_full_error(OSError(errno.ENOSPC, "No space left"), "a.h5")   # ... writing a.h5
+    """
+    if not isinstance(exc, OSError):
+        return None
+    code = exc.errno
+    if code not in _FULL:
+        found = _H5_ERRNO.search(str(exc))
+        code = int(found.group(1)) if found else None
+    if code not in _FULL:
+        return None
+    return DiskFullError(code, f"{_FULL[code]} writing {os.fspath(path)}")
 
 
 def _fsync_directory(directory: str) -> None:
@@ -76,8 +149,11 @@ def atomic_path(path):
     try:
         yield tmp
         commit(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         discard(tmp)
+        full = disk_full_error(exc, path)
+        if full is not None:
+            raise full from exc
         raise
 
 

@@ -1,8 +1,28 @@
-"""HDF5 helpers: atomic writes, and reads that trust nothing in the file.
+"""HDF5 helpers: atomic writes, checksums, and reads that trust nothing in the file.
 
 A file is written under a temporary name in the same directory, flushed and
 fsynced, then renamed over the target, so a crash never leaves a half-written
 model or checkpoint under the real name.
+
+Models and checkpoints carry a checksum of everything they hold, so a file
+damaged on disk (bit rot, a bad copy) is refused instead of resumed.  It is a
+stored SHA-256 digest rather than HDF5's fletcher32 filter: fletcher32 covers
+chunked datasets only, and much of what must survive intact is not in one --
+scalar state and the trainer's figures are attributes, step, frame count and
+config are root attributes, and NG-SGD's empty buffers cannot be chunked.
+Datasets also stay contiguous, so the storage checks below stay exact.  The
+digest (:func:`write_checksums`) covers, in one canonical order (members
+sorted by name, depth first), every object's path and kind, every attribute's
+name and value, and every dataset's dtype, shape and the SHA-256 of its bytes;
+it is stored as the root attribute ``checksum`` (``"sha256:<hex>"``).  Each
+dataset also keeps its own digest in its attribute ``sha256``, so damaged data
+is reported by dataset name, and a file whose ``checksum`` itself was lost is
+still told apart from one written before checksums existed.  Such older files
+have no digest anywhere and load unverified.  :func:`verify_file` reads the
+whole file, whichever part the caller needs, so every MPI rank reaches the
+same verdict on the same file; it also refuses NaN and infinity in any float
+dataset or attribute (what a diverged or damaged model holds), in old files
+too.  Writing runs the same walk, so a non-finite model is never written.
 
 Files we read may come from anyone.  HDF5 lets a file declare a dataset of any
 shape without storing its bytes (unwritten chunks read as the fill value), so
@@ -18,7 +38,9 @@ file it writes.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import re
 
 from .files import atomic_path
 
@@ -32,18 +54,23 @@ def h5py_module():
 
 
 @contextlib.contextmanager
-def atomic_h5_file(path):
+def atomic_h5_file(path, *, checksum: bool = False, what: str = "file"):
     """Yield an h5py File open for writing; it appears at ``path`` only on success.
+
+    With ``checksum`` the file's digest is stored when the block ends
+    (:func:`write_checksums`); a non-finite float value is refused then.
 
     Example::
 
-        with atomic_h5_file("model.h5") as f:
+        with atomic_h5_file("model.h5", checksum=True, what="model") as f:
             f["params"] = params
     """
     h5py = h5py_module()
     with atomic_path(path) as tmp:
         with h5py.File(tmp, "w") as f:
             yield f
+            if checksum:
+                write_checksums(f, path, what=what)
             f.flush()
 
 
@@ -56,6 +83,31 @@ def open_h5_for_reading(path, what: str):
         return h5py.File(path, "r")
     except OSError as exc:
         raise ValueError(f"{path}: not a readable HDF5 {what} ({exc})") from exc
+
+
+@contextlib.contextmanager
+def reading_errors(path, what: str):
+    """Turn what h5py raises on a damaged file into one ValueError naming the file.
+
+    Our own ValueErrors (they start with the file name) pass unchanged.
+
+    Example::
+
+        with open_h5_for_reading(path, "model") as f, reading_errors(path, "model"):
+            ...
+    """
+    try:
+        yield
+    except ValueError as exc:
+        if str(exc).startswith(f"{path}:"):
+            raise
+        raise ValueError(f"{path}: damaged {what} ({_one_line(exc)})") from None
+    except (OSError, RuntimeError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: damaged {what} ({_one_line(exc)})") from None
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def link_problem(group, name: str, path, *, what: str) -> str | None:
@@ -199,3 +251,187 @@ def read_state(group, path=None, *, what: str = "file", _depth: int = 0) -> dict
                              "expected numbers")
         state[key] = item[...]
     return state
+
+
+# -- checksums ---------------------------------------------------------------------------
+
+#: Root attribute: ``"sha256:"`` and the hex digest of the whole file.
+CHECKSUM_ATTR = "checksum"
+#: Dataset attribute: the hex SHA-256 of the dataset's bytes.
+DIGEST_ATTR = "sha256"
+_CHECKSUM_TEXT = re.compile(r"sha256:[0-9a-f]{64}")
+# Datasets are read this many bytes at a time, so checking never holds a whole file.
+_BLOCK_BYTES = 16 << 20
+# Deeper than any model or checkpoint (ranks/r/optimizer/... plus state nesting).
+MAX_DEPTH = MAX_STATE_DEPTH + 8
+
+
+def write_checksums(f, path, *, what: str = "file") -> None:
+    """Store the digests of the open, fully written file ``f`` (see the module docstring).
+
+    ValueError (``"<path>: not written: ..."``) if a float is not finite.
+
+    Example::
+
+        with h5py.File(tmp, "w") as f:
+            f["params"] = params
+            write_checksums(f, "final.h5", what="model")
+    """
+    digest = _Walk(f, path, what, mode="write").run()
+    f.attrs[CHECKSUM_ATTR] = "sha256:" + digest
+
+
+def verify_file(f, path, *, what: str = "file") -> bool:
+    """Check the whole open file ``f``: its digests, finite floats, only hard links.
+
+    Returns True when a stored checksum matched, False for a file written
+    before checksums (checked for finite values only).  ValueError naming
+    the file and what failed otherwise.
+
+    Example::
+
+        with open_h5_for_reading("final.h5", "model") as f:
+            verify_file(f, "final.h5", what="model")
+    """
+    stored = f.attrs.get(CHECKSUM_ATTR)
+    if stored is None:
+        _Walk(f, path, what, mode="check").run()
+        return False
+    if not isinstance(stored, str) or not _CHECKSUM_TEXT.fullmatch(stored):
+        raise ValueError(f"{path}: damaged {what}: attribute '{CHECKSUM_ATTR}' is not "
+                         "'sha256:' and 64 hex digits")
+    if _Walk(f, path, what, mode="verify").run() != stored[len("sha256:"):]:
+        raise ValueError(f"{path}: damaged {what}: its attributes or layout do not match "
+                         "the stored SHA-256 checksum")
+    return True
+
+
+def _field(h, tag: bytes, payload: bytes) -> None:
+    """One length-prefixed record, so no two layouts hash the same byte stream."""
+    h.update(tag + len(payload).to_bytes(8, "little") + payload)
+
+
+def _attr_bytes(value) -> bytes:
+    """A canonical encoding of an attribute value as h5py reads it back."""
+    import numpy as np
+    if isinstance(value, str):
+        return b"s" + value.encode("utf-8", "surrogatepass")
+    if isinstance(value, bytes):
+        return b"b" + value
+    if isinstance(value, h5py_module().Empty):
+        return b"e" + str(value.dtype).encode()
+    array = np.asarray(value)
+    shape = repr(tuple(array.shape)).encode()
+    if array.dtype.kind in "OSU":
+        parts = b"".join(len(p).to_bytes(8, "little") + p
+                         for p in (_attr_bytes(item) for item in array.ravel().tolist()))
+        return b"l" + shape + b";" + parts
+    return b"n" + array.dtype.str.encode() + shape + b";" + array.tobytes()
+
+
+class _Walk:
+    """One pass over every object of a file, in canonical order.
+
+    ``mode``: "write" stores each dataset's digest, "verify" compares it,
+    "check" (files without checksums) only checks values.  ``run`` returns
+    the hex digest of the whole file ("check": of nothing useful).
+    """
+
+    def __init__(self, f, path, what: str, *, mode: str):
+        self.f, self.path, self.what, self.mode = f, path, what, mode
+        self.prefix = f"{path}: not written:" if mode == "write" else f"{path}:"
+        self.hash = hashlib.sha256()
+        self.seen = set()
+        self.digests_found = False
+
+    def run(self) -> str:
+        self._visit(self.f, "", 0)
+        if self.mode == "check" and self.digests_found:
+            # A dataset digest without the file's: the 'checksum' attribute was lost.
+            raise ValueError(f"{self.path}: damaged {self.what}: attribute "
+                             f"'{CHECKSUM_ATTR}' is missing but its datasets carry checksums")
+        return self.hash.hexdigest()
+
+    def _visit(self, obj, name: str, depth: int) -> None:
+        h5py = h5py_module()
+        if depth > MAX_DEPTH:
+            raise ValueError(f"{self.prefix} '{name}' is nested more than {MAX_DEPTH} deep")
+        if obj.id in self.seen:
+            # Hard links may form cycles; each object is stored once in files we write.
+            raise ValueError(f"{self.prefix} '{name}' is reached by more than one link")
+        self.seen.add(obj.id)
+        is_dataset = isinstance(obj, h5py.Dataset)
+        _field(self.hash, b"D" if is_dataset else b"G", name.encode("utf-8", "surrogatepass"))
+        reserved = DIGEST_ATTR if is_dataset else (CHECKSUM_ATTR if depth == 0 else None)
+        for key in sorted(obj.attrs.keys()):
+            if key == reserved:
+                continue
+            value = obj.attrs[key]
+            self._check_finite_attr(value, f"{name}/{key}" if name else key)
+            _field(self.hash, b"A", key.encode("utf-8", "surrogatepass"))
+            _field(self.hash, b"V", _attr_bytes(value))
+        if is_dataset:
+            self._dataset(obj, name)
+            return
+        for key in sorted(obj.keys()):
+            problem = link_problem(obj, key, self.path, what=self.what)
+            if problem:
+                raise ValueError(problem)
+            child = f"{name}/{key}" if name else key
+            item = obj[key]
+            if isinstance(item, h5py.Dataset):
+                problem = dataset_problem(obj, key, self.path, what=self.what)
+                if problem:
+                    raise ValueError(problem)
+            self._visit(item, child, depth + 1)
+
+    def _check_finite_attr(self, value, where: str) -> None:
+        import numpy as np
+        if isinstance(value, (np.floating, np.complexfloating, float)) or (
+                isinstance(value, np.ndarray) and value.dtype.kind in "fc"):
+            if not np.all(np.isfinite(value)):
+                raise ValueError(f"{self.prefix} attribute '{where}' is not finite "
+                                 f"({value!r})")
+
+    def _dataset(self, data, name: str) -> None:
+        import numpy as np
+        if data.dtype.kind not in "biuf":
+            raise ValueError(f"{self.prefix} dataset '{name}' has dtype {data.dtype}; "
+                             "expected numbers")
+        digest = hashlib.sha256() if self.mode != "check" else None
+        for offset, block in _blocks(data):
+            if data.dtype.kind == "f" and not np.isfinite(block).all():
+                index = offset + int(np.flatnonzero(~np.isfinite(block.ravel()))[0])
+                raise ValueError(f"{self.prefix} dataset '{name}' holds a non-finite value "
+                                 f"({block.ravel()[index - offset]} at flat index {index})")
+            if digest is not None:
+                digest.update(np.ascontiguousarray(block).view(np.uint8).ravel())
+        stored = data.attrs.get(DIGEST_ATTR)
+        self.digests_found |= stored is not None
+        if self.mode == "write":
+            data.attrs[DIGEST_ATTR] = digest.hexdigest()
+        elif self.mode == "verify":
+            if stored is None:
+                raise ValueError(f"{self.path}: damaged {self.what}: dataset '{name}' has no "
+                                 f"'{DIGEST_ATTR}' checksum attribute")
+            if stored != digest.hexdigest():
+                raise ValueError(f"{self.path}: damaged {self.what}: the data of dataset "
+                                 f"'{name}' does not match its SHA-256 checksum")
+        _field(self.hash, b"T", data.dtype.str.encode())
+        _field(self.hash, b"S", repr(tuple(data.shape)).encode())
+        if digest is not None:
+            _field(self.hash, b"H", digest.digest())
+
+
+def _blocks(data):
+    """(flat offset, array) pieces of dataset ``data``, at most ~_BLOCK_BYTES each."""
+    import numpy as np
+    if data.shape == ():
+        yield 0, np.asarray(data[()]).reshape(1)
+        return
+    if _product(data.shape) == 0:
+        return
+    row = _product(data.shape[1:])
+    rows = max(1, _BLOCK_BYTES // max(1, row * data.dtype.itemsize))
+    for start in range(0, data.shape[0], rows):
+        yield start * row, data[start:start + rows]

@@ -6,7 +6,11 @@ class priors used to turn posteriors into pseudo log-likelihoods.
 
 Model files may come from anyone, so loading checks every declared size
 (layer widths, context, parameter count, vector lengths) against the stored
-datasets and fixed bounds before the network allocates anything.
+datasets and fixed bounds before the network allocates anything.  The whole
+file is then verified (:func:`~mpitrain.h5io.verify_file`: its SHA-256
+checksum and finite values; files written before checksums load unverified)
+before anything reaches a network, so a damaged file leaves the network as
+it was.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import math
 import numpy as np
 
 from ..backend import to_host
-from ..h5io import atomic_h5_file, link_problem, open_h5_for_reading, require_dataset
+from ..h5io import (atomic_h5_file, link_problem, open_h5_for_reading, reading_errors,
+                    require_dataset, verify_file)
 from .network import Network, build_component
 
 FORMAT = "mpitrain-model"
@@ -119,19 +124,63 @@ def _float_vector(group, name, path, length: int, *, what: str):
     return data[...]
 
 
-def read_model_group(group, path, *, xp=np, into: Network | None = None):
-    """Return (network, class_priors or None) from an HDF5 group.
+class ModelMismatchError(ValueError):
+    """The stored model is not the network it is to be loaded into (not damage)."""
+
+
+class StoredModel:
+    """A model read and checked from a file, not yet in any network.
+
+    Example::
+
+        stored = read_stored_model(f, "final.h5")
+        net, priors = stored.install()
+    """
+
+    def __init__(self, path, components, feat_dim, left, right, arrays, priors):
+        self.path, self.components = path, components
+        self.feat_dim, self.left_context, self.right_context = feat_dim, left, right
+        self.arrays, self.class_priors = arrays, priors
+
+    def check_fits(self, into: Network) -> None:
+        """ModelMismatchError unless ``into`` has these layers, feature dim and context."""
+        stored = ([c.spec() for c in self.components], self.feat_dim, self.left_context,
+                  self.right_context)
+        wanted = (into.specs(), into.feat_dim, into.left_context, into.right_context)
+        if stored != wanted:
+            raise ModelMismatchError(f"{self.path}: the stored model ({_describe(*stored)}) is "
+                                     f"not the one the config builds ({_describe(*wanted)})")
+
+    def install(self, *, xp=np, into: Network | None = None):
+        """Return (network, class_priors): ``into`` filled in, or a new network."""
+        if into is not None:
+            self.check_fits(into)
+            net, xp = into, into.xp
+        else:
+            try:
+                net = Network(self.components, feat_dim=self.feat_dim,
+                              left_context=self.left_context,
+                              right_context=self.right_context, xp=xp)
+            except ValueError as exc:
+                raise ValueError(f"{self.path}: model attribute 'components': {exc}") from None
+        net.params[...] = xp.asarray(self.arrays["params"])
+        net.cmvn_mean[...] = xp.asarray(self.arrays["cmvn_mean"])
+        net.cmvn_scale[...] = xp.asarray(self.arrays["cmvn_scale"])
+        return net, self.class_priors
+
+
+def read_stored_model(group, path) -> StoredModel:
+    """Read the model in an HDF5 group into host arrays, checking it first.
 
     Every declared size is checked against the stored datasets and the bounds
-    above before the network's buffers are allocated; errors name the file
-    and the field.  With ``into`` no network is built: the stored one must
-    have ``into``'s layers, feature dimension and context, and its parameters
-    and CMVN are loaded into ``into``.
+    above before anything of that size is read; errors name the file and the
+    field.  Nothing is verified against the checksum here: that is the whole
+    file's (:func:`load_model`, checkpoints).
 
     Example::
 
         with h5py.File("final.h5", "r") as f:
-            net, priors = read_model_group(f, "final.h5")
+            stored = read_stored_model(f, "final.h5")
     """
     fmt = group.attrs.get("format")
     if not isinstance(fmt, str) or fmt != FORMAT:
@@ -156,23 +205,24 @@ def read_model_group(group, path, *, xp=np, into: Network | None = None):
     if "class_priors" in group:
         priors = _float_vector(group, "class_priors", path, num_classes,
                                what="one per output class")
-    if into is not None:
-        stored = ([c.spec() for c in components], feat_dim, left, right)
-        wanted = (into.specs(), into.feat_dim, into.left_context, into.right_context)
-        if stored != wanted:
-            raise ValueError(f"{path}: the stored model ({_describe(*stored)}) is not the "
-                             f"one the config builds ({_describe(*wanted)})")
-        net, xp = into, into.xp
-    else:
-        try:
-            net = Network(components, feat_dim=feat_dim, left_context=left,
-                          right_context=right, xp=xp)
-        except ValueError as exc:
-            raise ValueError(f"{path}: model attribute 'components': {exc}") from None
-    net.params[...] = xp.asarray(params[...])
-    net.cmvn_mean[...] = xp.asarray(cmvn_mean)
-    net.cmvn_scale[...] = xp.asarray(cmvn_scale)
-    return net, priors
+    arrays = {"params": params[...], "cmvn_mean": cmvn_mean, "cmvn_scale": cmvn_scale}
+    return StoredModel(path, components, feat_dim, left, right, arrays, priors)
+
+
+def read_model_group(group, path, *, xp=np, into: Network | None = None):
+    """Return (network, class_priors or None) from an HDF5 group.
+
+    Checked as in :func:`read_stored_model`.  With ``into`` no network is
+    built: the stored one must have ``into``'s layers, feature dimension and
+    context (else :class:`ModelMismatchError`), and its parameters and CMVN
+    are loaded into ``into``.
+
+    Example::
+
+        with h5py.File("final.h5", "r") as f:
+            net, priors = read_model_group(f, "final.h5")
+    """
+    return read_stored_model(group, path).install(xp=xp, into=into)
 
 
 def _describe(specs, feat_dim, left, right) -> str:
@@ -187,22 +237,27 @@ def save_model(path, net: Network, *, class_priors=None) -> None:
 
         save_model("final.h5", net, class_priors=manifest.class_priors())
     """
-    with atomic_h5_file(path) as f:
+    with atomic_h5_file(path, checksum=True, what="model") as f:
         write_model_group(f, net, class_priors=class_priors)
 
 
 def load_model(path, *, xp=np):
     """Return (network, class_priors or None).  Reads plain models and checkpoints.
 
+    The model is checked as in :func:`read_stored_model`, then the whole file
+    is verified (checksum, finite values) before a network is built.
+
     Example::
 
         net, priors = load_model("runs/quickstart/final.h5")
     """
-    with open_h5_for_reading(path, "model") as f:
+    with open_h5_for_reading(path, "model") as f, reading_errors(path, "model"):
         group = f
         if "model" in f:
             problem = link_problem(f, "model", path, what="model")
             if problem:
                 raise ValueError(problem)
             group = f["model"]
-        return read_model_group(group, path, xp=xp)
+        stored = read_stored_model(group, path)
+        verify_file(f, path, what="model")
+    return stored.install(xp=xp)

@@ -6,11 +6,22 @@ Layout::
     /ranks/<r>/optimizer        rank r's optimizer and preconditioner state
     /ranks/<r>/reader           rank r's reader position
     /strategy                   the parallel strategy's state (identical on all ranks)
-    attrs: format, step, frames_seen, num_ranks, config (YAML text)
+    /trainer                    the trainer's own scalars (learning-rate scale, counts)
+    attrs: format, step, frames_seen, num_ranks, config (YAML text), checksum
 
 Files are named ``ckpt-<step>.h5`` and written atomically (temporary name,
-fsync, rename); only the newest ``keep`` are kept.  Only rank 0 writes.
-Loading validates every declared size before reading (see ``load_checkpoint``).
+fsync, rename); only rank 0 writes.  Rotation keeps the one just written and
+the ``keep - 1`` before it, never fewer than two in all, so a damaged newest
+still leaves a good one; checkpoints with a higher step than the one written
+belong to a timeline the run abandoned (it resumed from before them) and go.
+
+Loading validates every declared size before reading (see ``load_checkpoint``)
+and then verifies the whole file -- its SHA-256 checksum and that every float
+is finite (``h5io.verify_file``; the module docstring there says why a stored
+digest and not HDF5's fletcher32) -- before anything is copied into a network.
+Files written before checksums existed load unverified.
+:func:`load_latest_good_checkpoint` falls back from a damaged newest
+checkpoint to the newest one that verifies.
 """
 
 from __future__ import annotations
@@ -21,40 +32,70 @@ import re
 
 import numpy as np
 
+from ..files import remove_stale_temporaries
 from ..h5io import (atomic_h5_file, dataset_problem, h5py_module, link_problem,
-                    open_h5_for_reading, read_state, write_state)
-from ..nn.model_file import read_model_group, write_model_group
+                    open_h5_for_reading, read_state, reading_errors, verify_file, write_state)
+from ..nn.model_file import ModelMismatchError, read_stored_model, write_model_group
+
+__all__ = ["Checkpoint", "MIN_KEEP", "checkpoint_path", "gather_rank_states",
+           "list_checkpoints", "load_checkpoint", "load_latest_good_checkpoint",
+           "remove_stale_temporaries", "save_checkpoint"]
 
 FORMAT = "mpitrain-checkpoint"
 _NAME = re.compile(r"ckpt-(\d+)\.h5$")
+#: Checkpoints rotation always leaves, so a damaged newest one has a fallback.
+MIN_KEEP = 2
 
 
 def checkpoint_path(run_dir, step: int) -> str:
     return os.path.join(run_dir, f"ckpt-{step:08d}.h5")
 
 
-def list_checkpoints(run_dir) -> list:
-    """Complete checkpoints in ``run_dir``, oldest first."""
+def _numbered(run_dir) -> list:
     found = []
     for path in glob.glob(os.path.join(run_dir, "ckpt-*.h5")):
         m = _NAME.search(os.path.basename(path))
         if m:
             found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
+    return sorted(found)
+
+
+def list_checkpoints(run_dir) -> list:
+    """Complete checkpoints in ``run_dir``, oldest first."""
+    return [p for _, p in _numbered(run_dir)]
+
+
+def _trainer_scalars(state: dict) -> dict:
+    """``state`` if it holds only named scalars (what group 'trainer' stores)."""
+    for key, value in state.items():
+        if not isinstance(key, str) or not (value is None or isinstance(
+                value, (bool, int, float, str, np.bool_, np.integer, np.floating))):
+            raise TypeError(f"trainer_state[{key!r}]: expected a scalar, got "
+                            f"{type(value).__name__}")
+    return state
 
 
 def save_checkpoint(path, *, net, step: int, frames_seen: int, config_yaml: str,
                     rank_states: list, strategy_state: dict, class_priors=None,
-                    keep: int | None = None) -> None:
+                    keep: int | None = None, trainer_state: dict | None = None) -> None:
     """Write one checkpoint; ``rank_states[r]`` = {"optimizer": ..., "reader": ...}.
+
+    ``trainer_state``: the trainer's scalars (stored in group 'trainer').
+    ``keep``: checkpoints left in the directory, at least ``MIN_KEEP``
+    (None or 0: all).  The file gets a checksum; a non-finite float anywhere
+    in it is refused (ValueError) before it replaces anything.  A full disk
+    raises :class:`~mpitrain.files.DiskFullError` naming ``path``; either
+    way no temporary file is left.
 
     Example::
 
         save_checkpoint(checkpoint_path(run_dir, 100), net=net, step=100, frames_seen=25600,
                         config_yaml=text, rank_states=[{"optimizer": {}, "reader": {}}],
-                        strategy_state={}, keep=3)
+                        strategy_state={}, keep=3, trainer_state={"lr_scale": 1.0})
     """
-    with atomic_h5_file(path) as f:
+    if trainer_state is not None:
+        _trainer_scalars(trainer_state)
+    with atomic_h5_file(path, checksum=True, what="checkpoint") as f:
         f.attrs["format"] = FORMAT
         f.attrs["step"] = int(step)
         f.attrs["frames_seen"] = int(frames_seen)
@@ -65,9 +106,26 @@ def save_checkpoint(path, *, net, step: int, frames_seen: int, config_yaml: str,
         for r, state in enumerate(rank_states):
             write_state(ranks.create_group(f"{r:05d}"), state)
         write_state(f.create_group("strategy"), strategy_state)
+        if trainer_state is not None:
+            write_state(f.create_group("trainer"), trainer_state)
     if keep:
-        for old in list_checkpoints(os.path.dirname(os.path.abspath(path)))[:-keep]:
-            os.remove(old)
+        _rotate(path, max(int(keep), MIN_KEEP))
+
+
+def _rotate(path, keep: int) -> None:
+    """Keep ``path`` and the ``keep - 1`` checkpoints before it; remove the rest."""
+    m = _NAME.search(os.path.basename(os.fspath(path)))
+    found = _numbered(os.path.dirname(os.path.abspath(path)))
+    if m is None:                       # not named by step: plain newest ``keep``
+        doomed = [p for _, p in found[:-keep]]
+    else:
+        step = int(m.group(1))
+        older = [p for s, p in found if s < step]
+        doomed = older[:max(len(older) - (keep - 1), 0)]
+        # a higher step than the one just written: a timeline the run left
+        doomed += [p for s, p in found if s > step]
+    for old in doomed:
+        os.remove(old)
 
 
 class Checkpoint:
@@ -79,7 +137,7 @@ class Checkpoint:
         ckpt.step, ckpt.rank_state(0)["reader"]
     """
 
-    def __init__(self, path, attrs, net, priors, ranks, strategy):
+    def __init__(self, path, attrs, net, priors, ranks, strategy, trainer=None):
         self.path = path
         self.step = int(attrs["step"])
         self.frames_seen = int(attrs["frames_seen"])
@@ -87,6 +145,8 @@ class Checkpoint:
         self.config_yaml = str(attrs["config"])
         self.net, self.class_priors = net, priors
         self._ranks, self.strategy_state = ranks, strategy
+        # the trainer's own counts (learning-rate scale, roll backs); {} in older files
+        self.trainer_state = trainer or {}
 
     def rank_state(self, rank: int) -> dict:
         return self._ranks[f"{rank:05d}"]
@@ -144,23 +204,44 @@ def _rank_state(ranks, name: str, num_params: int, path) -> dict:
     return state
 
 
+def _trainer_state(f, path) -> dict:
+    """Group 'trainer': attributes only (scalars), so nothing of a declared size is read."""
+    if "trainer" not in f:
+        return {}
+    group = _group(f, "trainer", path)
+    members = list(group.keys())
+    if members:
+        raise ValueError(f"{path}: checkpoint group 'trainer' holds '{members[0]}'; "
+                         "expected scalars only")
+    state = read_state(group, path, what="checkpoint")
+    for key, value in state.items():
+        if not (value is None or isinstance(value, (bool, int, float, str))):
+            raise ValueError(f"{path}: field 'trainer/{key}': expected a scalar, got "
+                             f"{type(value).__name__}")
+    return state
+
+
 def load_checkpoint(path, *, xp=None, ranks=None, into=None) -> Checkpoint:
     """Read a checkpoint (``ranks``: which ranks' state to read; default all).
 
-    With ``into`` (a network) the stored model must be that network's, and its
+    With ``into`` (a network) the stored model must be that network's
+    (else :class:`~mpitrain.nn.model_file.ModelMismatchError`), and its
     parameters are loaded into it: no second network is built.
 
-    The model is checked as in :func:`~mpitrain.nn.model_file.read_model_group`;
+    The model is checked as in :func:`~mpitrain.nn.model_file.read_stored_model`;
     rank count, rank names, and the optimizer and strategy buffers are checked
     against it, and every dataset against the bytes the file stores, before
-    anything is read.  Errors name the file and the field.
+    anything is read.  Then the whole file, every rank's part included, is
+    verified (checksum, finite floats; ``h5io.verify_file``), so all ranks
+    judge a file alike; only then is ``into`` written.  Errors are one line
+    naming the file and the field.
 
     Example::
 
         ckpt = load_checkpoint("runs/x/ckpt-00000100.h5", ranks=[0])
     """
     xp = np if xp is None else xp
-    with open_h5_for_reading(path, "checkpoint") as f:
+    with open_h5_for_reading(path, "checkpoint") as f, reading_errors(path, "checkpoint"):
         fmt = f.attrs.get("format")
         if not isinstance(fmt, str) or fmt != FORMAT:
             raise ValueError(f"{path}: not an mpitrain checkpoint (attribute 'format' is "
@@ -174,7 +255,10 @@ def load_checkpoint(path, *, xp=None, ranks=None, into=None) -> Checkpoint:
         if not isinstance(attrs["config"], str):
             raise ValueError(f"{path}: checkpoint attribute 'config': expected YAML text, "
                              f"got {type(attrs['config']).__name__}")
-        net, priors = read_model_group(_group(f, "model", path), path, xp=xp, into=into)
+        model = read_stored_model(_group(f, "model", path), path)
+        if into is not None:
+            model.check_fits(into)
+        num_params = int(model.arrays["params"].shape[0])
         rank_group = _group(f, "ranks", path)
         stored = list(rank_group.keys())
         expected = [f"{r:05d}" for r in range(attrs["num_ranks"])]
@@ -187,13 +271,51 @@ def load_checkpoint(path, *, xp=None, ranks=None, into=None) -> Checkpoint:
         for name in names:
             if name not in rank_group:
                 raise ValueError(f"{path}: no state for rank {int(name)} in group 'ranks'")
-            rank_states[name] = _rank_state(rank_group, name, net.num_params, path)
+            rank_states[name] = _rank_state(rank_group, name, num_params, path)
         strategy = {}
         if "strategy" in f:
             group = _group(f, "strategy", path)
-            _check_param_sized(group, _PARAM_SIZED["strategy"], net.num_params, path)
+            _check_param_sized(group, _PARAM_SIZED["strategy"], num_params, path)
             strategy = read_state(group, path, what="checkpoint")
-        return Checkpoint(path, attrs, net, priors, rank_states, strategy)
+        trainer = _trainer_state(f, path)
+        verify_file(f, path, what="checkpoint")
+    net, priors = model.install(xp=xp, into=into)
+    return Checkpoint(path, attrs, net, priors, rank_states, strategy, trainer)
+
+
+def load_latest_good_checkpoint(run_dir, *, ranks=None, into=None, xp=None):
+    """The newest checkpoint in ``run_dir`` that verifies, and the newer ones skipped.
+
+    Returns ``(checkpoint, skipped)``, ``skipped`` a list of ``(path, reason)``
+    for each newer checkpoint that failed to load, newest first; ``reason``
+    is the one-line error without the path.  Loads as :func:`load_checkpoint`
+    (``ranks``, ``into``, ``xp``); a file that fails leaves ``into`` as it
+    was, since it is written only after the whole file verified.  A model that
+    does not fit ``into`` is not damage: its ModelMismatchError is raised at
+    once.  ValueError (one line listing every file tried and why) if none
+    verifies or there is none.
+
+    Example::
+
+        ckpt, skipped = load_latest_good_checkpoint("runs/x", ranks=[0], into=net)
+        # skipped: [("runs/x/ckpt-00000200.h5", "damaged checkpoint: the data of ...")]
+    """
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise ValueError(f"{run_dir}: no checkpoint (ckpt-*.h5) found")
+    skipped = []
+    for path in reversed(found):
+        try:
+            return load_checkpoint(path, xp=xp, ranks=ranks, into=into), skipped
+        except ModelMismatchError:
+            raise
+        except (ValueError, OSError) as exc:
+            reason = str(exc)
+            if reason.startswith(f"{path}: "):
+                reason = reason[len(f"{path}: "):]
+            skipped.append((path, reason))
+    tried = "; ".join(f"{os.path.basename(p)} ({reason})" for p, reason in skipped)
+    raise ValueError(f"{run_dir}: no checkpoint verifies; tried {tried}")
 
 
 _ARRAY_TAG = 7301
