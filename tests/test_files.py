@@ -1,10 +1,12 @@
 """Whole-or-nothing writes and the one YAML reader."""
 
+import errno
 import os
 
 import pytest
 
-from mpitrain.files import (atomic_open, atomic_path, parse_yaml, read_yaml, temporary_path,
+from mpitrain.files import (DiskFullError, atomic_open, atomic_path, disk_full_error,
+                            parse_yaml, read_yaml, remove_stale_temporaries, temporary_path,
                             write_yaml)
 
 
@@ -65,3 +67,37 @@ def test_write_yaml_round_trip(tmp_path):
     path = write_yaml(tmp_path / "c.yaml", data, flow_leaves=True)
     assert read_yaml(path) == data
     assert "[1, 2, 3]" in (tmp_path / "c.yaml").read_text()
+
+
+def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary(tmp_path):
+    target = tmp_path / "config.yaml"
+    with pytest.raises(DiskFullError) as info:
+        with atomic_open(target) as fh:
+            fh.write("a: 1\n")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert str(info.value) == f"no space left on device writing {target}"
+    assert info.value.errno == errno.ENOSPC and os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("exc,expected", [
+    (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded writing a.h5"),
+    (OSError("Unable to synchronously close file (file write failed: errno = 28, error "
+             "message = 'No space left on device')"), "no space left on device writing a.h5"),
+    (OSError(errno.EACCES, "Permission denied"), None),
+    (RuntimeError("errno = 28"), None),
+])
+def test_disk_full_errors_are_recognised_from_errno_or_h5py_text(exc, expected):
+    found = disk_full_error(exc, "a.h5")
+    assert (None if found is None else str(found)) == expected
+
+
+def test_stale_temporaries_of_any_writer_are_removed(tmp_path):
+    for target in ("ckpt-00000100.h5", "final.h5", "config.yaml"):
+        stale = temporary_path(tmp_path / target).replace(f"-{os.getpid()}", "-1")
+        open(stale, "w").close()
+    (tmp_path / "final.h5").write_text("kept")
+    (tmp_path / temporary_path("x").split(os.sep)[-1]).write_text("this process's own")
+    removed = remove_stale_temporaries(tmp_path)
+    assert [os.path.basename(p) for p in removed] == [
+        ".ckpt-00000100.h5.tmp-1", ".config.yaml.tmp-1", ".final.h5.tmp-1"]
+    assert sorted(os.listdir(tmp_path)) == [f".x.tmp-{os.getpid()}", "final.h5"]

@@ -1,0 +1,130 @@
+"""Model files: checksummed, verified before a network is built, finite, old files still load."""
+
+import errno
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+from mpitrain.files import DiskFullError
+from mpitrain.h5io import CHECKSUM_ATTR, DIGEST_ATTR
+from mpitrain.nn.affine import Affine
+from mpitrain.nn.model_file import (ModelMismatchError, load_model, read_model_group,
+                                    save_model, write_model_group)
+from mpitrain.nn.network import Network
+from mpitrain.nn.nonlinear import ReLU
+
+PRIORS = np.array([0.2, 0.3, 0.5])
+
+
+def small_net(seed=1, hidden=8):
+    net = Network([Affine(12, hidden), ReLU(hidden), Affine(hidden, 3)], feat_dim=4,
+                  left_context=1, right_context=1)
+    net.init_params(seed=seed)
+    return net
+
+
+@pytest.fixture
+def model(tmp_path):
+    path = tmp_path / "final.h5"
+    save_model(path, small_net(), class_priors=PRIORS)
+    return path
+
+
+def flip_data_byte(path, dataset, index=0):
+    with h5py.File(path, "r") as f:
+        offset = f[dataset].id.get_offset()
+    with open(path, "r+b") as fh:
+        fh.seek(offset + index)
+        byte = fh.read(1)
+        fh.seek(offset + index)
+        fh.write(bytes([byte[0] ^ 0x01]))
+
+
+def error_of(path) -> str:
+    with pytest.raises(ValueError) as err:
+        load_model(path)
+    text = str(err.value)
+    assert text.startswith(f"{path}: ") and "\n" not in text, text
+    return text
+
+
+def test_a_saved_model_carries_digests_and_loads_exactly(model):
+    with h5py.File(model, "r") as f:
+        assert f.attrs[CHECKSUM_ATTR].startswith("sha256:")
+        assert all(DIGEST_ATTR in f[name].attrs for name in f)
+    net, priors = load_model(model)
+    assert net.params.tobytes() == small_net().params.tobytes()
+    np.testing.assert_array_equal(priors, PRIORS)
+
+
+@pytest.mark.parametrize("dataset", ["params", "cmvn_mean", "cmvn_scale", "class_priors"])
+def test_a_flipped_bit_in_any_dataset_is_refused_naming_it(model, dataset):
+    flip_data_byte(model, dataset, index=2)
+    assert error_of(model) == (f"{model}: damaged model: the data of dataset '{dataset}' does "
+                               "not match its SHA-256 checksum")
+
+
+def test_a_changed_attribute_is_refused(model):
+    with h5py.File(model, "a") as f:
+        f.attrs["version"] = 2
+    assert "attributes or layout do not match the stored SHA-256 checksum" in error_of(model)
+    with h5py.File(model, "a") as f:
+        f.attrs[CHECKSUM_ATTR] = "sha256:xyz"
+    assert "attribute 'checksum' is not 'sha256:' and 64 hex digits" in error_of(model)
+
+
+def write_old_format(path, net):
+    """A model file as written before checksums."""
+    with h5py.File(path, "w") as f:
+        write_model_group(f, net, class_priors=PRIORS)
+
+
+def test_an_old_model_without_checksums_still_loads(tmp_path):
+    path = tmp_path / "old.h5"
+    write_old_format(path, small_net(4))
+    net, priors = load_model(path)
+    assert net.params.tobytes() == small_net(4).params.tobytes()
+    np.testing.assert_array_equal(priors, PRIORS)
+
+
+@pytest.mark.parametrize("dataset,index,value", [("params", 7, np.nan), ("params", 0, -np.inf),
+                                                 ("cmvn_scale", 1, np.inf),
+                                                 ("class_priors", 2, np.nan)])
+def test_non_finite_values_are_refused_naming_the_dataset(tmp_path, dataset, index, value):
+    path = tmp_path / "old.h5"
+    write_old_format(path, small_net())
+    with h5py.File(path, "a") as f:
+        f[dataset][index] = value
+    assert error_of(path) == (f"{path}: dataset '{dataset}' holds a non-finite value "
+                              f"({value} at flat index {index})")
+
+
+def test_a_non_finite_model_is_not_written(tmp_path, model):
+    net = small_net()
+    net.params[2] = np.nan
+    with pytest.raises(ValueError, match=r"final.h5: not written: dataset 'params' holds"):
+        save_model(model, net)
+    assert sorted(os.listdir(tmp_path)) == ["final.h5"]
+    load_model(model)                        # the previous file is untouched
+
+
+def test_a_full_disk_names_the_model_file(tmp_path, model, monkeypatch):
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(h5py.Group, "create_dataset", no_space)
+    monkeypatch.setattr(h5py.Group, "__setitem__", no_space)
+    with pytest.raises(DiskFullError) as err:
+        save_model(model, small_net(2))
+    assert str(err.value) == f"no space left on device writing {model}"
+    assert sorted(os.listdir(tmp_path)) == ["final.h5"]
+
+
+def test_loading_into_another_shape_is_a_mismatch_not_damage(model):
+    other = small_net(hidden=5)
+    before = other.params.copy()
+    with h5py.File(model, "r") as f, pytest.raises(ModelMismatchError, match="stored model"):
+        read_model_group(f, str(model), into=other)
+    np.testing.assert_array_equal(other.params, before)
