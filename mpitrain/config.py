@@ -84,7 +84,7 @@ class TrainingConfig:
                                              "0: at the end of each epoch")
     eval_max_frames: int = _opt(0, min=0, help="cap on held-out frames; 0: all")
     checkpoint_interval: int = _opt(1000, min=0, help="steps between checkpoints; 0: end only")
-    keep_checkpoints: int = _opt(3, min=1, help="newest checkpoints kept in the run directory")
+    keep_checkpoints: int = _opt(3, min=2, help="newest checkpoints kept in the run directory")
     plot: bool = _opt(False, help="draw curves.png into the run directory at the end "
                                   "(needs matplotlib)")
     divergence_factor: float = _opt(3.0, min=0.0, help="a log window whose cross-entropy "
