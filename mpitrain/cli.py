@@ -194,8 +194,9 @@ def cmd_bench(args) -> int:
     from .bench.report import write_report
     from .config import load_config
     cfg = load_config(args.config, args.set)
+    virtual_sizes = _number_list(args.virtual, "--virtual")
     options = BenchOptions(
-        sizes=_number_list(args.sizes, "--sizes"),
+        sizes=virtual_sizes or _number_list(args.sizes, "--sizes"),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         target_accuracy=args.target_accuracy,
         phases=tuple(p.strip() for p in args.phases.split(",") if p.strip()),
@@ -203,8 +204,18 @@ def cmd_bench(args) -> int:
         eval_frames=args.eval_frames, max_steps=args.max_steps, max_frames=args.max_frames,
         max_seconds=args.max_seconds, project_to=_number_list(args.project_to, "--project-to"),
         network=NetworkModel(latency_s=args.latency_us * 1e-6,
-                             bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8),
+                             bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8,
+                             allreduce_algorithm=args.allreduce_algorithm),
         compute_seconds=args.compute_ms * 1e-3)
+    out_dir = args.out or os.path.join(
+        "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
+    if virtual_sizes:
+        from .bench.virtual import run_virtual_bench
+        report = run_virtual_bench(cfg, out_dir=out_dir, options=options,
+                                   compute=_compute_model(args, cfg))
+        paths = write_report(report, out_dir, dpi=args.dpi)
+        print("wrote " + ", ".join(paths.values()))
+        return 0
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
     comm = create_communicator(device_transport=cfg.device_transport)
@@ -369,6 +380,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-ms", type=float, default=0.0,
                    help="projection: compute time per step in ms; 0: measured on one rank")
     p.add_argument("--dpi", type=int, default=100, help="resolution of the PNG plots")
+    p.add_argument("--virtual", default="", metavar="1,2,4,...",
+                   help="simulate these group sizes as virtual ranks in this process "
+                        "(no mpiexec; --compute-ms is then each step's time, 0: measured)")
+    _add_virtual_options(p, network=False)
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("eval", formatter_class=fmt,

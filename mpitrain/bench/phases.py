@@ -14,7 +14,9 @@
    see the model all ranks agree on.
 
 Each run is the trainer itself (``Trainer.run``, the one ``TrainingStep``),
-configured by a validated copy of the user's config.
+configured by a validated copy of the user's config.  Times come from the
+communicator's clock; on virtual ranks (``compute``, a
+:class:`~mpitrain.train.virtual.ComputeModel`) they are simulated.
 
 Example::
 
@@ -31,7 +33,6 @@ import glob
 import json
 import math
 import os
-import time
 from typing import Optional, Sequence
 
 from ..config import config_from_dict
@@ -69,25 +70,32 @@ class BenchTrainer(Trainer):
     """
 
     def __init__(self, cfg, *, target: Optional[float] = None, max_seconds: float = 0.0,
-                 **kwargs):
+                 compute=None, **kwargs):
         super().__init__(cfg, **kwargs)
         self.target, self.max_seconds = target, max_seconds
+        if compute is not None:
+            # virtual ranks: each minibatch charges the compute model's step time
+            from ..train.virtual import ClockedStream
+            self.stream = ClockedStream(self.stream, self.comm,
+                                        compute.step_times(self.comm.rank))
         self.points, self.stop_reason = [], None
         self.outside_seconds, self._t0 = 0.0, None
 
+    # Times come from the communicator's clock: wall time under MPI, simulated
+    # time on virtual ranks.
     def training_seconds(self) -> float:
-        return time.perf_counter() - self._t0 - self.outside_seconds
+        return self.comm.wtime() - self._t0 - self.outside_seconds
 
     def run(self) -> dict:
-        self._t0 = time.perf_counter()
+        self._t0 = self.comm.wtime()
         return super().run()
 
     def evaluate(self) -> dict:
         self.comm.barrier()       # the slowest rank's training time counts
-        start = time.perf_counter()
+        start = self.comm.wtime()
         seconds = start - self._t0 - self.outside_seconds
         result = super().evaluate()
-        self.outside_seconds += time.perf_counter() - start
+        self.outside_seconds += self.comm.wtime() - start
         if result:
             self.points.append({"step": self.step, "frames": self.frames_seen,
                                 "seconds": seconds, "dev_acc": float(result["dev_acc"]),
@@ -95,9 +103,9 @@ class BenchTrainer(Trainer):
         return result
 
     def save_checkpoint(self) -> None:
-        start = time.perf_counter()
+        start = self.comm.wtime()
         super().save_checkpoint()
-        self.outside_seconds += time.perf_counter() - start
+        self.outside_seconds += self.comm.wtime() - start
 
     def on_eval(self, result: dict) -> bool:
         reached = self.target is not None and result.get("dev_acc", 0.0) >= self.target
@@ -170,7 +178,8 @@ def throughput_from_records(records: Sequence[dict], *, ranks: int) -> dict:
             "comm_seconds_per_step": step_s * comm_fraction}
 
 
-def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchOptions) -> dict:
+def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchOptions,
+                       compute=None) -> dict:
     """Phase 1 for one method on ``group``; the dict is complete on group rank 0.
 
     Example::
@@ -182,7 +191,7 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
     run_cfg = _with(cfg, parallel__method=method, data__dev="", training__max_steps=steps,
                     training__epochs=1000.0, training__log_interval=options.warmup_steps,
                     training__checkpoint_interval=0)
-    trainer, _ = _run_trainer(run_cfg, group, run_dir)
+    trainer, _ = _run_trainer(run_cfg, group, run_dir, compute=compute)
     row = {"method": method, "ranks": group.size, "minibatch": run_cfg.training.minibatch,
            "num_params": int(trainer.net.num_params),
            "sync_period": int(trainer.strategy.sync_period), "run_dir": run_dir}
@@ -232,7 +241,7 @@ def first_crossing(points: Sequence[dict], target: float) -> Optional[dict]:
 
 
 def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOptions,
-                     sync_period: int, steps_per_epoch_1: int) -> dict:
+                     sync_period: int, steps_per_epoch_1: int, compute=None) -> dict:
     """Phase 2 for one method on ``group``; the dict is complete on group rank 0.
 
     Example::
@@ -253,7 +262,7 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
                     training__max_steps=min(caps) if caps else 0,
                     training__checkpoint_interval=0)
     trainer, result = _run_trainer(run_cfg, group, run_dir, target=options.target_accuracy,
-                                   max_seconds=options.max_seconds)
+                                   max_seconds=options.max_seconds, compute=compute)
     points = trainer.points
     if points:
         points[-1]["final"] = True      # after the strategy's finalize (e.g. a last average)
@@ -271,7 +280,8 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
             "points": points, "run_dir": run_dir}
 
 
-def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str) -> list:
+def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str,
+                     compute=None) -> list:
     """Phase 1 on ``group``: every method ``options.repeats`` times, the order
     rotating each round so load from other processes hits all alike; per method
     the run of median frames/s (complete on group rank 0).
@@ -288,7 +298,7 @@ def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str
             name = f"throughput-{method}-n{group.size}" + (
                 f"-r{rep + 1}" if options.repeats > 1 else "")
             runs[method].append(measure_throughput(
-                cfg, group, method=method, options=options,
+                cfg, group, method=method, options=options, compute=compute,
                 run_dir=os.path.join(out_dir, "runs", name)))
     rows = []
     for method in methods:

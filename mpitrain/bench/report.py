@@ -207,10 +207,34 @@ def summary_markdown(report: dict) -> str:
     lines += ["", "Cells: projected throughput speedup / time-to-target speedup.", "",
               "Papers: " + "; ".join(f"{p['source']}: {p['speedup']}x on {p['ranks']} GPUs"
                                      for p in report["paper_points"]) + ".",
-              "", "## Assumptions of the projection", ""]
+              ""]
+    lines += _virtual_markdown(report)
+    lines += ["## Assumptions of the projection", ""]
     lines += [f"- {a}" for a in report["assumptions"]]
     lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
     return "\n".join(lines)
+
+
+def _virtual_markdown(report: dict) -> list:
+    """The simulated points' assumptions and, per point, frames per rank and syncs."""
+    virtual = report.get("virtual")
+    if not virtual:
+        return []
+    lines = ["## Simulated points (virtual ranks)", "",
+             "Every row above is simulated (`\"simulated\": true` in bench.json).", ""]
+    lines += [f"- {a}" for a in virtual["assumptions"]]
+    lines += ["", "| phase | method | ranks | steps | frames per rank | syncs | "
+                  "simulated s |", "|---|---|---:|---:|---:|---:|---:|"]
+    for phase, rows in (("throughput", report["throughput"]), ("accuracy", report["accuracy"])):
+        for r in rows:
+            seconds = r.get("measured_seconds") if phase == "throughput" \
+                else r.get("training_seconds")
+            lines.append(f"| {phase} | {r['method']} | {r['ranks']} | {r.get('steps', '—')} | "
+                         f"{_fmt(r.get('frames_per_rank'), ',.0f')} | {r.get('syncs', '—')} | "
+                         f"{_fmt(seconds, '.3f')} |")
+    lines += ["", "Syncs: model averages (gradient allreduces for `allreduce`) each rank took "
+                  "part in; throughput seconds: the measured windows after warm-up.", ""]
+    return lines
 
 
 def _pyplot():
@@ -246,8 +270,9 @@ def plot_speedup(report: dict, path: str, *, dpi: int = 100) -> None:
             meas = [(s["ranks"], s[key]) for s in report["speedups"]
                     if s["method"] == method and s[key] is not None]
             if meas:
+                kind = "simulated" if report.get("virtual") else "measured"
                 ax.plot(*zip(*meas), color=colors[method], marker="o", lw=2,
-                        label=f"{method} (measured; dashed: projected)")
+                        label=f"{method} ({kind}; dashed: projected)")
         if key == "time_to_target_speedup":
             ax.plot([p["ranks"] for p in report["paper_points"]],
                     [p["speedup"] for p in report["paper_points"]], "k*", ms=10,

@@ -1,0 +1,50 @@
+"""Benchmark mode on virtual ranks (bench/virtual.py), through `mpitrain bench --virtual`.
+
+The report has the real-rank mode's files and tables; every row is marked
+simulated and says how many frames each rank saw and how many syncs it took;
+the report states the compute and network assumptions; simulated throughput
+follows the compute and network models.
+"""
+
+import json
+import os
+
+import pytest
+
+from mpitrain.cli import main
+
+from ..helpers import QUICKSTART, small_overrides
+
+
+def test_bench_virtual_writes_the_report_with_simulated_points(small_corpus, tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2,4", "--methods", "model_averaging,allreduce",
+            "--steps", "16", "--warmup-steps", "4", "--target-accuracy", "0.08",
+            "--compute-ms", "2", "--out", str(out), "--dpi", "40"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=32", "model.hidden_layers=2", "training.epochs=1",
+            "parallel.average_every=4"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["sizes"] == [1, 2, 4]
+    rows = report["throughput"] + report["accuracy"]
+    assert len(report["throughput"]) == 6 and all(r["simulated"] for r in rows)
+    for row in report["throughput"]:
+        assert row["frames_per_rank"] == 20 * 256
+        expected_syncs = 0 if row["ranks"] == 1 else (
+            20 if row["method"] == "allreduce" else 5)
+        assert row["syncs"] == expected_syncs, row
+        # 2 ms a step; the communication share is what the network model adds
+        assert row["compute_seconds_per_step"] == pytest.approx(0.002, rel=1e-6)
+        assert row["frames_per_sec_per_rank"] <= 256 / 0.002 * (1 + 1e-9)
+    assert report["virtual"]["compute"]["step_seconds"] == 0.002
+    assert report["virtual"]["network"]["bandwidth_bytes_per_s"] == 12.5e9
+    assert any("2 ms per step" in a for a in report["virtual"]["assumptions"])
+    for row in report["accuracy"]:
+        assert row["frames_per_rank"] == pytest.approx(row["frames"] / row["ranks"])
+    speedups = {(s["method"], s["ranks"]): s for s in report["speedups"]}
+    assert speedups[("model_averaging", 4)]["throughput_speedup"] == pytest.approx(4, rel=0.05)
+    text = (out / "bench.md").read_text()
+    assert "## Simulated points (virtual ranks)" in text and "frames per rank" in text
+    assert os.path.getsize(out / "bench-speedup.png") > 1000
