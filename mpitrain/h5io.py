@@ -311,6 +311,11 @@ def _field(h, tag: bytes, payload: bytes) -> None:
     h.update(tag + len(payload).to_bytes(8, "little") + payload)
 
 
+def _name_bytes(name) -> bytes:
+    # h5py hands back names it cannot decode as bytes
+    return name if isinstance(name, bytes) else name.encode("utf-8", "surrogatepass")
+
+
 def _attr_bytes(value) -> bytes:
     """A canonical encoding of an attribute value as h5py reads it back."""
     import numpy as np
@@ -361,19 +366,19 @@ class _Walk:
             raise ValueError(f"{self.prefix} '{name}' is reached by more than one link")
         self.seen.add(obj.id)
         is_dataset = isinstance(obj, h5py.Dataset)
-        _field(self.hash, b"D" if is_dataset else b"G", name.encode("utf-8", "surrogatepass"))
+        _field(self.hash, b"D" if is_dataset else b"G", _name_bytes(name))
         reserved = DIGEST_ATTR if is_dataset else (CHECKSUM_ATTR if depth == 0 else None)
-        for key in sorted(obj.attrs.keys()):
+        for key in sorted(obj.attrs.keys(), key=_name_bytes):
             if key == reserved:
                 continue
             value = obj.attrs[key]
             self._check_finite_attr(value, f"{name}/{key}" if name else key)
-            _field(self.hash, b"A", key.encode("utf-8", "surrogatepass"))
+            _field(self.hash, b"A", _name_bytes(key))
             _field(self.hash, b"V", _attr_bytes(value))
         if is_dataset:
             self._dataset(obj, name)
             return
-        for key in sorted(obj.keys()):
+        for key in sorted(obj.keys(), key=_name_bytes):
             problem = link_problem(obj, key, self.path, what=self.what)
             if problem:
                 raise ValueError(problem)
