@@ -96,19 +96,24 @@ _H5_ERRNO = re.compile(r"errno = (\d+)")
 def disk_full_error(exc: BaseException, path) -> DiskFullError | None:
     """The one-line error for ``exc`` if it means the disk is full, else None.
 
+    h5py raises RuntimeError or OSError with the C errno in its text, and on
+    a full disk often a second error about its cache while cleaning up, so
+    the exceptions ``exc`` was raised during are looked at too.
+
     Example::
 
         disk_full_error(OSError(errno.ENOSPC, "No space left"), "a.h5")   # ... writing a.h5
     """
-    if not isinstance(exc, OSError):
-        return None
-    code = exc.errno
-    if code not in _FULL:
-        found = _H5_ERRNO.search(str(exc))
-        code = int(found.group(1)) if found else None
-    if code not in _FULL:
-        return None
-    return DiskFullError(code, f"{_FULL[code]} writing {os.fspath(path)}")
+    seen = 0
+    while exc is not None and seen < 8:
+        code = exc.errno if isinstance(exc, OSError) else None
+        if code not in _FULL and isinstance(exc, (OSError, RuntimeError)):
+            found = _H5_ERRNO.search(str(exc))
+            code = int(found.group(1)) if found else None
+        if code in _FULL:
+            return DiskFullError(code, f"{_FULL[code]} writing {os.fspath(path)}")
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
 
 
 def _fsync_directory(directory: str) -> None:

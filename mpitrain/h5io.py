@@ -42,7 +42,7 @@ import hashlib
 import os
 import re
 
-from .files import atomic_path
+from .files import atomic_open
 
 
 def h5py_module():
@@ -59,19 +59,34 @@ def atomic_h5_file(path, *, checksum: bool = False, what: str = "file"):
 
     With ``checksum`` the file's digest is stored when the block ends
     (:func:`write_checksums`); a non-finite float value is refused then.
+    HDF5 builds the file in memory and plain file writes put it on disk:
+    HDF5 itself never meets a full disk, which leaves its caches broken
+    (later errors, even a crash at exit) instead of one clean error.  The
+    price is the file's size in memory while it is written.
 
     Example::
 
         with atomic_h5_file("model.h5", checksum=True, what="model") as f:
             f["params"] = params
     """
+    import io
     h5py = h5py_module()
-    with atomic_path(path) as tmp:
-        with h5py.File(tmp, "w") as f:
-            yield f
-            if checksum:
-                write_checksums(f, path, what=what)
-            f.flush()
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
+        yield f
+        if checksum:
+            write_checksums(f, path, what=what)
+    view = image.getbuffer()
+    try:
+        with atomic_open(path, "wb") as fh:
+            for start in range(0, len(view), _WRITE_BYTES):
+                fh.write(view[start:start + _WRITE_BYTES])
+    finally:
+        view.release()
+
+
+# Written to disk this many bytes at a time, so no second copy of the image is made.
+_WRITE_BYTES = 64 << 20
 
 
 def open_h5_for_reading(path, what: str):
@@ -384,7 +399,7 @@ class _Walk:
                 raise ValueError(problem)
             child = f"{name}/{key}" if name else key
             item = obj[key]
-            if isinstance(item, h5py.Dataset):
+            if isinstance(item, h5py.Dataset) and self.mode != "write":
                 problem = dataset_problem(obj, key, self.path, what=self.what)
                 if problem:
                     raise ValueError(problem)

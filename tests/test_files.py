@@ -83,12 +83,25 @@ def test_a_full_disk_is_one_line_naming_the_file_and_leaves_no_temporary(tmp_pat
     (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded writing a.h5"),
     (OSError("Unable to synchronously close file (file write failed: errno = 28, error "
              "message = 'No space left on device')"), "no space left on device writing a.h5"),
+    (RuntimeError("Unable to synchronously flush file (file write failed: errno = 28, "
+                  "error message = 'No space left on device')"),
+     "no space left on device writing a.h5"),
     (OSError(errno.EACCES, "Permission denied"), None),
-    (RuntimeError("errno = 28"), None),
+    (ValueError("errno = 28"), None),
 ])
 def test_disk_full_errors_are_recognised_from_errno_or_h5py_text(exc, expected):
     found = disk_full_error(exc, "a.h5")
     assert (None if found is None else str(found)) == expected
+
+
+def test_a_full_disk_is_found_behind_the_cleanup_error_it_caused():
+    try:
+        try:
+            raise RuntimeError("Unable to synchronously flush file (errno = 28)")
+        except RuntimeError:
+            raise RuntimeError("Can't destroy cache (slist already enabled?)")
+    except RuntimeError as exc:
+        assert str(disk_full_error(exc, "c.h5")) == "no space left on device writing c.h5"
 
 
 def test_stale_temporaries_of_any_writer_are_removed(tmp_path):

@@ -1,5 +1,6 @@
 """Model files: checksummed, verified before a network is built, finite, old files still load."""
 
+import contextlib
 import errno
 import os
 
@@ -111,15 +112,23 @@ def test_a_non_finite_model_is_not_written(tmp_path, model):
 
 
 def test_a_full_disk_names_the_model_file(tmp_path, model, monkeypatch):
-    def no_space(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    import mpitrain.h5io
+    real = mpitrain.h5io.atomic_open
 
-    monkeypatch.setattr(h5py.Group, "create_dataset", no_space)
-    monkeypatch.setattr(h5py.Group, "__setitem__", no_space)
+    @contextlib.contextmanager
+    def atomic_open(path, mode="w"):
+        with real(path, mode) as fh:
+            fh.write(b"\x89HDF")
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+            yield fh
+
+    monkeypatch.setattr(mpitrain.h5io, "atomic_open", atomic_open)
     with pytest.raises(DiskFullError) as err:
         save_model(model, small_net(2))
-    assert str(err.value) == f"no space left on device writing {model}"
+    assert str(err.value) == f"disk quota exceeded writing {model}"
     assert sorted(os.listdir(tmp_path)) == ["final.h5"]
+    monkeypatch.undo()
+    assert load_model(model)[0].params.tobytes() == small_net().params.tobytes()
 
 
 def test_loading_into_another_shape_is_a_mismatch_not_damage(model):
