@@ -283,6 +283,7 @@ class Trainer:
             state = ckpt.rank_state(self.comm.rank)
             self.optimizer.load_state_dict(state["optimizer"])
             self.stream.load_state_dict(state["reader"])
+            self.strategy.load_rank_state_dict(state.get("strategy", {}))
             self.step = ckpt.step
             return
         # N -> M ranks: the data was re-planned over this job's ranks; the same
@@ -343,6 +344,9 @@ class Trainer:
     def save_checkpoint(self) -> None:
         rank_state = {"optimizer": self.optimizer.state_dict(),
                       "reader": self.stream.state_dict()}
+        own_model = self.strategy.rank_state_dict()      # ADPSGD: each rank's own model
+        if own_model:
+            rank_state["strategy"] = own_model
         states = gather_rank_states(self.comm, rank_state)
         if self.is_root:
             started = time.perf_counter()
