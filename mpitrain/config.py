@@ -100,6 +100,15 @@ class TrainingConfig:
 
 
 @dataclass
+class StragglerConfig:
+    ranks: tuple = _opt((), min=0, help="ranks made slow on purpose, e.g. [1]; empty: none")
+    slowdown: float = _opt(2.0, min=1.0, help="a slow rank's step takes this many times its "
+                                              "measured compute time (it sleeps the rest)")
+    jitter: float = _opt(0.0, min=0.0, help="plus a seeded random extra fraction of up to this "
+                                            "much of the compute time, per step")
+
+
+@dataclass
 class ParallelConfig:
     method: str = _opt("model_averaging", choices=tuple(STRATEGY_METHODS),
                        help="how ranks combine their models (docs/user-guide.md)")
@@ -117,6 +126,12 @@ class ParallelConfig:
                                  help="bmuf: eta_b; -1: 1 - 1/ranks")
     block_lr: float = _opt(1.0, min=0.0, min_exclusive=True, help="bmuf: zeta")
     nesterov: bool = _opt(True, help="bmuf: Nesterov look-ahead at each block start")
+    topology: str = _opt("fixed_ring", choices=("fixed_ring", "random_ring"),
+                         help="adpsgd: partners on a fixed ring, or on a ring drawn anew "
+                              "each step from training.seed")
+    delay_by_one: bool = _opt(False, help="adpsgd: exchange the weights while the step "
+                                          "runs; the mix is added when it arrives")
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
 
 
 @dataclass
@@ -147,8 +162,8 @@ class RunConfig:
 # -- validation ----------------------------------------------------------------
 
 def _type_name(tp) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+            tuple: "a list of integers"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _range_text(meta) -> str:
@@ -186,6 +201,15 @@ def _check_value(key: str, tp, meta, value, where: str):
     elif tp is str:
         if not isinstance(value, str):
             raise bad
+    elif tp is tuple:
+        # a list of integers; the field's range applies to each
+        if not isinstance(value, (list, tuple)) or any(
+                isinstance(v, bool) or not isinstance(v, int) for v in value):
+            raise bad
+        lo, hi = meta.get("min"), meta.get("max")
+        if any((lo is not None and v < lo) or (hi is not None and v > hi) for v in value):
+            raise bad
+        return tuple(value)
     if meta.get("choices") and value not in meta["choices"]:
         raise bad
     lo, hi = meta.get("min"), meta.get("max")
@@ -327,7 +351,8 @@ def reference_markdown() -> str:
             allowed = ", ".join(meta["choices"]) if meta.get("choices") else \
                 (_type_name(tp) + _range_text(meta)).replace("an integer", "integer") \
                 .replace("a number", "number").replace("a string", "string")
-            default = f.default if f.default != "" else '""'
+            default = list(f.default) if isinstance(f.default, tuple) else \
+                f.default if f.default != "" else '""'
             lines.append(f"| `{prefix}{f.name}` | `{default}` | {allowed} | {meta.get('help', '')} |")
 
     walk(RunConfig, "")

@@ -25,6 +25,13 @@ class Strategy:
 
     ``sync_period``: steps between points where all ranks hold the same model;
     checkpoints are taken only there, so a resumed run continues exactly.
+    A strategy whose ranks never agree (ADPSGD) keeps each rank's own model
+    in :meth:`rank_state_dict`.
+
+    ``straggler``: set by :func:`~mpitrain.parallel.registry.build_strategy` on
+    the ranks ``parallel.straggler`` makes slow (a
+    :class:`~mpitrain.parallel.straggler.Straggler`), None elsewhere; the
+    training step calls it around each step.
 
     Example::
 
@@ -37,6 +44,7 @@ class Strategy:
     #: True when ``reduce_gradients`` communicates (a step is then not one
     #: fixed piece of device work that a CUDA graph could replay).
     reduces_gradients = False
+    straggler = None
 
     def __init__(self, comm):
         self.comm = comm
@@ -75,6 +83,14 @@ class Strategy:
 
     def resume(self, net) -> None:
         """After :meth:`load_state_dict` on resume: the parameters continue as saved."""
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own state to checkpoint (host arrays, numbers); {} when the
+        ranks agree at every checkpoint."""
+        return {}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        """Restore :meth:`rank_state_dict`'s result (resume on the same number of ranks)."""
 
 
 def every_steps_from(cfg) -> int:

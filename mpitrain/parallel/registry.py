@@ -9,7 +9,7 @@ methods (the benchmark mode among them) then picks it up.
 Example::
 
     strategy = build_strategy(cfg, comm, total_steps=1000)
-    sorted(METHODS)     # ['allreduce', 'bmuf', 'kaldi', 'model_averaging']
+    sorted(METHODS)     # ['adpsgd', 'allreduce', 'bmuf', 'kaldi', 'model_averaging']
 """
 
 from __future__ import annotations
@@ -22,15 +22,22 @@ METHODS = {
     "allreduce": "gradient_allreduce",
     "kaldi": "kaldi_averaging",
     "bmuf": "bmuf",
+    "adpsgd": "adpsgd",
 }
 
 
 def build_strategy(cfg, comm, *, total_steps: int = 0):
-    """The strategy named by ``cfg.parallel.method``, over ``comm``."""
+    """The strategy named by ``cfg.parallel.method``, over ``comm``, with this rank's
+    ``parallel.straggler`` slowdown attached (``strategy.straggler``, None if none)."""
     try:
         module = METHODS[cfg.parallel.method]
     except KeyError:
         raise ValueError(f"parallel.method: unknown method {cfg.parallel.method!r}; "
                          f"expected one of {', '.join(METHODS)}") from None
-    return importlib.import_module(f"{__package__}.{module}").build(
+    strategy = importlib.import_module(f"{__package__}.{module}").build(
         cfg, comm, total_steps=total_steps)
+    from .straggler import build_straggler
+    slow = cfg.parallel.straggler
+    strategy.straggler = build_straggler(slow.ranks, comm, slowdown=slow.slowdown,
+                                         jitter=slow.jitter, seed=cfg.training.seed)
+    return strategy

@@ -30,7 +30,8 @@ NEUTRAL_SETTINGS = (
     "training.keep_checkpoints", "training.plot", "training.divergence_factor",
     "training.max_divergence_events", "training.max_rollbacks",
     "training.rollback_lr_factor", "device", "device_transport", "fused_kernels",
-    "cuda_graph", "blas_threads")
+    "cuda_graph", "blas_threads", "parallel.straggler.ranks", "parallel.straggler.slowdown",
+    "parallel.straggler.jitter")
 
 
 def run_files(run_dir) -> list:

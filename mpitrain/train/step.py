@@ -57,12 +57,18 @@ class TrainingStep:
         net, strategy = self.net, self.strategy
         lr = strategy.learning_rate(lr, step)
         if strategy.is_active(step):
+            # parallel.straggler: a rank made slow on purpose sleeps after its step
+            slow = strategy.straggler
+            if slow is not None:
+                slow.step_started()
             chunk, idx = next_batch()
             if self.graph is not None and self.graph.enabled:
                 self.graph.step(chunk, idx, lr)
             else:
                 self.launch(chunk, idx, lr)
             self.frames += self.minibatch
+            if slow is not None:
+                slow.step_finished()
         strategy.after_update(net, self.optimizer, step + 1)
         return lr
 

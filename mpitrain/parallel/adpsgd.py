@@ -1,0 +1,250 @@
+"""Decentralized parallel SGD on a ring with pairwise model mixing (ADPSGD: Zhang,
+Cui et al., "A highly efficient distributed deep learning system for automatic
+speech recognition", Interspeech 2019; Cui, Zhang et al., "Asynchronous
+decentralized distributed training of acoustic models", TASLP 2021; after Lian
+et al.'s AD-PSGD, arXiv 1710.06952), run as lock-step pairs.
+
+Every step, rank i takes its own SGD step and then averages its model with
+one partner j, the rank beside it on a ring::
+
+    w_i <- w_i - lr g_i(w_i)                 the local step (the optimizer)
+    w_i, w_j <- (w_i + w_j) / 2              one Sendrecv between i and j only
+
+In matrix form W_{k+1} = (W_k - lr G_k) T_k, T_k doubly stochastic with 1/2
+at each pair, so each mix keeps the mean of the models over the ranks.
+
+Delay-by-one (``delay_by_one``): the exchange of the weights w_i^k starts,
+non-blocking, on a copy before step k+1; the step runs meanwhile on w_i^k;
+when the exchange completes the mix is added to the stepped weights::
+
+    w_i^{k+1} = w_i^k - lr g_i(w_i^k) + (w_j^k - w_i^k) / 2
+              = (w_i^k + w_j^k) / 2 - lr g_i(w_i^k)
+
+so the gradient is taken on the weights before the mix it is added to
+(one mix stale), and computing and communicating overlap.
+
+Pairs at iteration k (the k-th step, from 1): the ranks stand on a ring (in
+rank order for ``fixed_ring``; in an order drawn from ``seed`` and k for
+``random_ring``, the same on every rank without communication); ring places
+(p, p+1) pair for p = k mod 2, k mod 2 + 2, ..., so the even places pair
+with their right neighbour on even iterations and their left one on odd
+iterations.  With an odd number of ranks the ring is not closed: one rank
+(the last place or the first) sits the iteration out.  Every rank computes
+the same matching, so each Sendrecv meets exactly its partner's: no deadlock
+and no wait for anyone but the partner.  The final model is the average of
+all ranks' models (one Allreduce at the end).
+
+Symbols in the code: w_i is ``net.params``, j is :meth:`RingMixing.partner`,
+k is the step count ``iteration``; the exchanged copy of w_i^k is ``sent``,
+w_j^k is ``received``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Strategy
+
+#: ``parallel.topology`` values.
+TOPOLOGIES = ("fixed_ring", "random_ring")
+#: Message tag of the weight exchange (apart from the checkpoint gather's).
+MIX_TAG = 7400
+# Kept apart from the other seeded streams (initialisation, shuffling).
+_RING_STREAM = 0x41D
+
+
+def build(cfg, comm, *, total_steps: int = 0):
+    """The strategy for ``parallel.method: adpsgd``."""
+    par = cfg.parallel
+    return RingMixing(comm, topology=par.topology, delay_by_one=par.delay_by_one,
+                      seed=cfg.training.seed)
+
+
+def ring_order(topology: str, size: int, iteration: int, seed: int = 0) -> list:
+    """The ranks in ring order at ``iteration``.
+
+    Example::
+
+        ring_order("fixed_ring", 4, 7)          # [0, 1, 2, 3]
+        ring_order("random_ring", 4, 7, seed=1) # a permutation, the same on every rank
+    """
+    if topology == "fixed_ring":
+        return list(range(size))
+    if topology == "random_ring":
+        rng = np.random.default_rng([int(seed), _RING_STREAM, int(iteration)])
+        return [int(r) for r in rng.permutation(size)]
+    raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
+
+
+def ring_pairs(topology: str, size: int, iteration: int, seed: int = 0) -> list:
+    """The pairs (a, b) that mix at ``iteration``; a rank in none sits it out.
+
+    Example::
+
+        ring_pairs("fixed_ring", 4, 2)   # [(0, 1), (2, 3)]
+        ring_pairs("fixed_ring", 4, 3)   # [(1, 2), (3, 0)]
+        ring_pairs("fixed_ring", 3, 3)   # [(1, 2)]   rank 0 sits out
+    """
+    order = ring_order(topology, size, iteration, seed)
+    first = iteration % 2
+    return [(order[p % size], order[(p + 1) % size])
+            for p in range(first, first + 2 * (size // 2), 2)]
+
+
+def partner_of(rank: int, topology: str, size: int, iteration: int, seed: int = 0):
+    """``rank``'s partner at ``iteration``, or None when it sits the iteration out.
+
+    Example::
+
+        partner_of(0, "fixed_ring", 4, 2)   # 1
+    """
+    for a, b in ring_pairs(topology, size, iteration, seed):
+        if rank == a:
+            return b
+        if rank == b:
+            return a
+    return None
+
+
+class RingMixing(Strategy):
+    """ADPSGD's pairwise mixing on a ring, lock-step (see the module docstring).
+
+    Example::
+
+        strategy = RingMixing(comm, topology="random_ring", delay_by_one=True, seed=1)
+        strategy.setup(net, optimizer)
+    """
+
+    name = "adpsgd"
+    # Each rank's model is its own: checkpoints store every rank's (rank_state_dict).
+    sync_period = 1
+
+    def __init__(self, comm, *, topology: str = "fixed_ring", delay_by_one: bool = False,
+                 seed: int = 0):
+        super().__init__(comm)
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, "
+                             f"got {topology!r}")
+        self.topology = topology
+        self.delay_by_one = bool(delay_by_one)
+        self.seed = int(seed)
+        self.iteration = 0          # steps taken (mixes done)
+        self.num_mixes = 0          # mixes this rank took part in
+        self.net = None
+        self.sent = self.received = None
+        self._requests = []         # the exchange in flight (delay-by-one)
+        self._final_local = None    # this rank's own model before the final average
+
+    def partner(self, iteration: int):
+        """This rank's partner at ``iteration`` (None: it sits the iteration out)."""
+        return partner_of(self.comm.rank, self.topology, self.comm.size, iteration, self.seed)
+
+    # -- life cycle ----------------------------------------------------------------
+    def setup(self, net, optimizer) -> None:
+        super().setup(net, optimizer)
+        self.bind(net)
+        self._start_exchange(self.iteration + 1)
+
+    def bind(self, net) -> None:
+        self._drain()
+        if self.net is not net or self.received is None:
+            xp = net.xp
+            self.received = xp.empty_like(net.params)
+            self.sent = xp.empty_like(net.params) if self.delay_by_one else None
+        self.net = net
+
+    def after_update(self, net, optimizer, step: int) -> None:
+        self.iteration = step
+        if self.delay_by_one:
+            self._finish_exchange()
+            self._start_exchange(step + 1)
+        else:
+            self._mix_now(step)
+
+    def finalize(self, net, optimizer, step: int = 0) -> None:
+        # the exchange started for a step that will not run is dropped; the
+        # result is the average of every rank's model
+        self._drain()
+        self._final_local = net.params.copy()
+        if self.comm.size > 1:
+            self.comm.allreduce_(net.params, op="mean")
+
+    # -- the mix -------------------------------------------------------------------
+    def _mix_now(self, iteration: int) -> None:
+        partner = self.partner(iteration)
+        if partner is None:
+            return
+        params = self.net.params
+        self.comm.sendrecv(params, partner, self.received, partner, tag=MIX_TAG)
+        # a + b is the same sum on both sides (IEEE addition commutes): the pair agrees
+        params += self.received
+        params *= params.dtype.type(0.5)
+        self.num_mixes += 1
+
+    def _start_exchange(self, iteration: int) -> None:
+        if not self.delay_by_one:
+            return
+        partner = self.partner(iteration)
+        if partner is None:
+            return
+        self.sent[...] = self.net.params
+        self._requests = [self.comm.irecv(self.received, partner, tag=MIX_TAG),
+                          self.comm.isend(self.sent, partner, tag=MIX_TAG)]
+
+    def _finish_exchange(self) -> None:
+        if not self._requests:
+            return
+        self._drain()
+        # the pair's two corrections are exact negatives, so the mean is kept
+        self.received -= self.sent
+        self.received *= self.received.dtype.type(0.5)
+        self.net.params += self.received
+        self.num_mixes += 1
+
+    def _drain(self) -> None:
+        """Complete the exchange in flight (its data then unused unless the caller uses it)."""
+        requests, self._requests = self._requests, []
+        if requests:
+            self.comm.waitall(requests)
+
+    # -- checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"iteration": int(self.iteration)}
+
+    def load_state_dict(self, state: dict) -> None:
+        iteration = state.get("iteration", 0)
+        if not isinstance(iteration, (int, np.integer)) or isinstance(iteration, bool) \
+                or iteration < 0:
+            raise ValueError(f"checkpoint group 'strategy': ADPSGD 'iteration' must be a "
+                             f"non-negative int, got {iteration!r}")
+        self._drain()
+        self.iteration = int(iteration)
+        self._final_local = None
+
+    def resume(self, net) -> None:
+        self._restart_exchange()
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own model (before the final average, once there was one)."""
+        from ..backend import to_host
+        local = self._final_local if self._final_local is not None else self.net.params
+        return {"params": to_host(local).copy()}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        params = state.get("params") if isinstance(state, dict) else None
+        if params is None:
+            return
+        params = np.asarray(params)
+        if params.shape != self.net.params.shape or params.dtype.kind != "f":
+            raise ValueError(f"checkpoint rank state 'strategy/params' has shape "
+                             f"{params.shape} and dtype {params.dtype}; expected "
+                             f"{self.net.params.shape} floats like the model's parameters")
+        self.net.params[...] = self.net.xp.asarray(params)
+        self._restart_exchange()
+
+    def _restart_exchange(self) -> None:
+        """The exchange that was in flight at the checkpoint, started again from the
+        restored weights (delay-by-one)."""
+        self._drain()
+        self._final_local = None
+        self._start_exchange(self.iteration + 1)
