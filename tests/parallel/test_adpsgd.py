@@ -76,6 +76,14 @@ def test_random_ring_is_shared_and_changes_with_seed_and_iteration():
     assert len(met - {None}) >= 5
 
 
+def test_config_offers_exactly_the_topologies():
+    import dataclasses
+    from mpitrain.config import ParallelConfig
+    from mpitrain.parallel.adpsgd import TOPOLOGIES
+    field = {f.name: f for f in dataclasses.fields(ParallelConfig)}["topology"]
+    assert field.metadata["choices"] == TOPOLOGIES
+
+
 def test_bad_topology_is_refused():
     with pytest.raises(ValueError, match="topology"):
         RingMixing(SingleCommunicator(), topology="star")
