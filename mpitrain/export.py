@@ -110,7 +110,12 @@ class ArkWriter:
             from kaldiio.utils import open_like_kaldi
             handle = open_like_kaldi(name, mode)
         else:
-            handle = open(self._tmp[name], mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+            try:
+                handle = open(self._tmp[name], mode,
+                              **({} if "b" in mode else {"encoding": "utf-8"}))
+            except OSError as exc:
+                # the user named the target, not our temporary beside it
+                raise OSError(f"cannot write {name}: {exc.strerror}") from None
         self._files.append(handle)
         return handle
 

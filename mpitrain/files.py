@@ -134,8 +134,8 @@ def commit(tmp: str, path) -> None:
 
 
 def discard(tmp: str) -> None:
-    """Remove a temporary file if it is there."""
-    with contextlib.suppress(FileNotFoundError):
+    """Remove a temporary file if it is there (never masking the error that led here)."""
+    with contextlib.suppress(OSError):
         os.remove(tmp)
 
 

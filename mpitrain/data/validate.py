@@ -73,6 +73,7 @@ class ShardCheck(ShardFile):
         self.num_frames: int | None = None        # rows of 'feats', when 2-D
         self.num_utterances: int | None = None    # entries of 'utt_offsets' minus one
         self._file = None
+        self._unsafe = False
         self._offsets: np.ndarray | None = None   # set only when consistent with 'feats'
         self._scannable = False
         if not os.path.isfile(self.path):
@@ -98,8 +99,10 @@ class ShardCheck(ShardFile):
         f, path = self._file, self.path
         unsafe = shard_storage_problems(f, path)
         if unsafe:
-            # Declared sizes the file does not back: reading would allocate them.
+            # Declared sizes the file does not back: reading would allocate them,
+            # so nothing of this file is read (utt_ids included).
             self.problems.extend(unsafe)
+            self._unsafe = True
             return
         self.problems.extend(shard_layout_problems(f, path))
         feats, labels, offsets = _dataset(f, FEATS), _dataset(f, LABELS), _dataset(f, UTT_OFFSETS)
@@ -165,6 +168,8 @@ class ShardCheck(ShardFile):
 
             ids = shard.utt_ids()
         """
+        if self._unsafe:
+            return None
         ids = _dataset(self._file, UTT_IDS) if self._file is not None else None
         if ids is None or ids.ndim != 1 or _h5py().check_string_dtype(ids.dtype) is None:
             return None

@@ -19,6 +19,7 @@ from ..data.batcher import MinibatchStream, plan_chunks
 from ..data.corpus import CorpusError, load_manifest
 from ..data.sharding import plan_shards
 from ..data.validate import validate_corpus, validate_slices
+from ..files import remove_stale_temporaries
 from ..nn.model_file import save_model
 from ..nn.network import build_network
 from ..optim.factory import build_optimizer
@@ -202,6 +203,11 @@ class Trainer:
         """Rank 0 writes the run directory once the run has been validated."""
         if self.is_root:
             os.makedirs(self.run_dir, exist_ok=True)
+            stale = remove_stale_temporaries(self.run_dir)
+            if stale:
+                self._pending_lines.insert(0, f"removed {len(stale)} temporary file(s) left by "
+                                              "an interrupted write: " + ", ".join(
+                                                  os.path.basename(p) for p in stale))
             if self.overwrite and not self.resuming:
                 removed = clear_run(self.run_dir)
                 if removed:

@@ -260,7 +260,8 @@ def _assert_quick_failure(result, elapsed, timeout, *texts):
 
 @pytest.mark.mpi
 def test_unreadable_shard_on_one_rank_ends_the_job(small_corpus, tmp_path):
-    # rank 1 fails while planning its chunks; rank 0 already waits in a collective
+    # rank 1 finds the damage when it checks its part before step 1; all ranks
+    # learn of it in the same collective and end together, rank 0 saying why
     data = tmp_path / "data"
     shutil.copytree(small_corpus, data)
     bad = _rank_one_shards(str(data / "train"))[0]
@@ -271,8 +272,9 @@ def test_unreadable_shard_on_one_rank_ends_the_job(small_corpus, tmp_path):
     except MpiTimeoutError as exc:
         pytest.fail(f"the job hung instead of aborting: {exc}")
     _assert_quick_failure(result, time.monotonic() - start, timeout,
-                          "rank 1: error:", os.path.basename(bad), "cannot open as HDF5")
-    assert not (tmp_path / "run" / "final.h5").exists()
+                          "mpitrain train: error:", os.path.basename(bad), "cannot open as HDF5")
+    assert result.stderr.count("\n") == 1, _output(result)       # one line, from rank 0
+    assert not (tmp_path / "run").exists()                       # nothing was written
 
 
 @pytest.mark.mpi

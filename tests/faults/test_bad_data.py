@@ -1,0 +1,111 @@
+"""Bad data is found before training, on every rank, with one line naming file and record.
+
+Each case damages a copy of the small corpus and runs ``mpitrain train``: the
+exit status is 2, stderr is one line naming the shard and what is wrong, and no
+run directory is written.  (The checks themselves are tested in
+tests/data/test_validate.py and tests/data/test_check.py.)
+"""
+
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from mpitrain.cli import main
+from mpitrain.data.corpus import load_manifest
+
+from ..helpers import QUICKSTART
+
+TINY = ["model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=5"]
+
+
+@pytest.fixture
+def corpus(small_corpus, tmp_path):
+    copy = tmp_path / "corpus"
+    shutil.copytree(small_corpus, copy)
+    return copy
+
+
+def _train(corpus, run_dir, extra=()):
+    argv = ["train", QUICKSTART, "--run-dir", str(run_dir)]
+    for item in [f"data.train={corpus / 'train'}", f"data.dev={corpus / 'dev'}",
+                 "data.chunk_frames=20000"] + TINY + list(extra):
+        argv += ["--set", item]
+    return main(argv)
+
+
+def _shard(corpus, split="train", index=0):
+    return load_manifest(str(corpus / split)).shard_path(index)
+
+
+def _refused(corpus, tmp_path, capsys, *parts):
+    run = tmp_path / "run"
+    assert _train(corpus, run) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpitrain train: error: ") and err.count("\n") == 1, err
+    for part in parts:
+        assert part in err, err
+    assert not run.exists()
+    return err
+
+
+def test_nan_features_are_refused_naming_shard_utterance_and_frame(corpus, tmp_path, capsys):
+    path = _shard(corpus)
+    with h5py.File(path, "r+") as f:
+        f["feats"][7, 3] = np.nan
+        utt = f["utt_ids"].asstr()[0]
+    _refused(corpus, tmp_path, capsys, path, "NaN", "frame 7", utt)
+
+
+def test_labels_out_of_range_are_refused_before_any_checkpoint(corpus, tmp_path, capsys):
+    path = _shard(corpus, index=1)
+    with h5py.File(path, "r+") as f:
+        f["labels"][11] = 5000
+    _refused(corpus, tmp_path, capsys, path, "labels", "5000", "frame 11")
+
+
+def test_bad_held_out_data_is_refused_too(corpus, tmp_path, capsys):
+    path = _shard(corpus, split="dev")
+    with h5py.File(path, "r+") as f:
+        f["feats"][0, 0] = np.inf
+    _refused(corpus, tmp_path, capsys, path, "inf")
+
+
+def test_features_of_the_wrong_dimension(corpus, tmp_path, capsys):
+    path = _shard(corpus)
+    with h5py.File(path, "r+") as f:
+        feats = f["feats"][()]
+        del f["feats"]
+        f.create_dataset("feats", data=feats[:, :-1])
+    _refused(corpus, tmp_path, capsys, path, "feats", "columns", "feat_dim")
+
+
+def test_a_missing_dataset(corpus, tmp_path, capsys):
+    path = _shard(corpus)
+    with h5py.File(path, "r+") as f:
+        del f["labels"]
+    _refused(corpus, tmp_path, capsys, path, "labels")
+
+
+def test_features_stored_as_integers(corpus, tmp_path, capsys):
+    path = _shard(corpus)
+    with h5py.File(path, "r+") as f:
+        feats = f["feats"][()]
+        del f["feats"]
+        f.create_dataset("feats", data=feats.astype(np.int16))
+    _refused(corpus, tmp_path, capsys, path, "feats", "int16")
+
+
+def test_a_shard_damaged_on_disk(corpus, tmp_path, capsys):
+    path = _shard(corpus)
+    with open(path, "r+b") as fh:
+        fh.write(b"\0" * 512)            # the superblock and the root group are gone
+    _refused(corpus, tmp_path, capsys, os.path.basename(path))
+
+
+def test_a_missing_shard_file(corpus, tmp_path, capsys):
+    path = _shard(corpus, index=2)
+    os.remove(path)
+    _refused(corpus, tmp_path, capsys, os.path.basename(path))

@@ -1,0 +1,86 @@
+"""A damaged newest checkpoint never spoils a resume, and no temporary survives a restart.
+
+Each case trains a tiny model to step 20 (checkpoints at 10 and 20), damages
+what is on disk, and resumes through ``mpitrain train --resume``.
+"""
+
+import h5py
+import numpy as np
+import pytest
+
+from mpitrain.cli import main
+from mpitrain.nn.model_file import load_model
+from mpitrain.train.checkpoint import checkpoint_path
+
+from ..helpers import QUICKSTART, small_overrides
+
+TINY = ["model.hidden_dim=32", "model.hidden_layers=2", "training.log_interval=5",
+        "training.checkpoint_interval=10"]
+
+
+def _train(run_dir, corpus, steps, resume=False):
+    argv = ["train", QUICKSTART, "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+    for item in small_overrides(corpus) + TINY + [f"training.max_steps={steps}"]:
+        argv += ["--set", item]
+    return main(argv)
+
+
+@pytest.fixture
+def run(small_corpus, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    assert _train(run_dir, small_corpus, 20) == 0
+    capsys.readouterr()
+    return run_dir
+
+
+def _flip_param_bytes(path):
+    with h5py.File(path, "r") as f:
+        offset = f["model/params"].id.get_offset()
+    assert offset is not None
+    with open(path, "r+b") as fh:
+        fh.seek(offset + 40)
+        byte = fh.read(1)
+        fh.seek(offset + 40)
+        fh.write(bytes([byte[0] ^ 0x10]))
+
+
+@pytest.mark.parametrize("damage", ["bits", "truncated", "nan"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous(run, small_corpus, capsys,
+                                                                damage):
+    newest = checkpoint_path(run, 20)
+    if damage == "bits":
+        _flip_param_bytes(newest)
+    elif damage == "truncated":
+        with open(newest, "r+b") as fh:
+            fh.truncate(2048)
+    else:
+        with h5py.File(newest, "r+") as f:
+            f["model/params"][3] = np.nan
+    assert _train(run, small_corpus, 30, resume=True) == 0
+    out = capsys.readouterr().out
+    assert "resume: skipped ckpt-00000020.h5" in out
+    assert f"resumed from {checkpoint_path(run, 10)} at step 10" in out
+    net, _ = load_model(run / "final.h5")
+    assert np.isfinite(net.params).all()
+
+
+def test_no_good_checkpoint_is_one_line_and_changes_nothing(run, small_corpus, capsys):
+    for step in (10, 20):
+        _flip_param_bytes(checkpoint_path(run, step))
+    metrics = (run / "metrics.jsonl").read_bytes()
+    assert _train(run, small_corpus, 30, resume=True) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpitrain train: error: ") and err.count("\n") == 1, err
+    assert "no checkpoint verifies" in err and "ckpt-00000010.h5" in err
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_temporaries_of_an_interrupted_write_are_removed_on_restart(run, small_corpus, capsys):
+    stale = run / ".ckpt-00000030.h5.tmp-999999"
+    stale.write_bytes(b"half a checkpoint")
+    mine = run / "notes.tmp"
+    mine.write_text("not ours")
+    assert _train(run, small_corpus, 30, resume=True) == 0
+    assert "removed 1 temporary file(s) left by an interrupted write" in capsys.readouterr().out
+    assert not stale.exists() and mine.exists()
+    assert not [p for p in run.iterdir() if ".tmp-" in p.name]

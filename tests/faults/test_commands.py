@@ -1,0 +1,193 @@
+"""Every command answers bad input with one line, exit status 2, and no output left.
+
+Each case runs the command through ``mpitrain.cli.main`` in this process and
+checks the exit status, that stderr is one line prefixed with the command and
+naming the file, and that nothing was written (or that what existed is
+unchanged).  An unexpected internal error is reported as a bug, with its
+traceback.
+"""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain import cli
+from mpitrain.cli import main
+
+from ..helpers import QUICKSTART, small_overrides
+
+
+def _one_line(capsys, command):
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain {command}: ") and err.count("\n") == 1, err
+    return err
+
+
+@pytest.fixture(scope="module")
+def model(small_corpus, tmp_path_factory):
+    """A trained model file (a few steps of a tiny network)."""
+    run = tmp_path_factory.mktemp("model") / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                 "training.max_steps=5"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    return run / "final.h5"
+
+
+@pytest.fixture
+def feats_scp(tmp_path):
+    import kaldiio
+    rng = np.random.default_rng(0)
+    kaldiio.save_ark(str(tmp_path / "feats.ark"),
+                     {f"u{i}": rng.standard_normal((30, 40)).astype(np.float32)
+                      for i in range(3)}, scp=str(tmp_path / "feats.scp"))
+    return f"scp:{tmp_path / 'feats.scp'}"
+
+
+# -- train: the configuration file ------------------------------------------------------
+
+@pytest.mark.parametrize("make,message", [
+    (lambda p: p.mkdir(), "is a directory"),
+    (lambda p: p.write_text("- a\n- b\n"), "top level"),
+    (lambda p: p.write_bytes(b"training:\n  seed: \xff\xfe\n"), "UTF-8"),
+    (lambda p: None, "not found"),
+], ids=["directory", "list", "not-utf8", "missing"])
+def test_config_that_is_not_a_mapping_file(tmp_path, capsys, make, message):
+    path = tmp_path / "run.yaml"
+    make(path)
+    assert main(["train", str(path), "--run-dir", str(tmp_path / "run")]) == 2
+    err = _one_line(capsys, "train")
+    assert str(path) in err and message in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_set_without_equals_sign(tmp_path, capsys):
+    assert main(["train", QUICKSTART, "--set", "training.seed", "--run-dir",
+                 str(tmp_path / "run")]) == 2
+    assert "training.seed" in _one_line(capsys, "train")
+    assert not (tmp_path / "run").exists()
+
+
+# -- export --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("target", ["afile/x.ark", "nodir/x.ark"])
+def test_export_to_a_place_that_cannot_be_written(model, feats_scp, tmp_path, capsys, target):
+    (tmp_path / "afile").write_text("a file, not a directory")
+    before = sorted(os.listdir(tmp_path))
+    out = tmp_path / target
+    assert main(["export", str(model), "--feats", feats_scp, "--out", f"ark:{out}"]) == 2
+    err = _one_line(capsys, "export")
+    assert f"cannot write {out}" in err
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+def test_export_with_features_of_the_wrong_dimension_writes_nothing(model, tmp_path, capsys):
+    import kaldiio
+    kaldiio.save_ark(str(tmp_path / "f.ark"), {"u1": np.zeros((20, 13), np.float32)},
+                     scp=str(tmp_path / "f.scp"))
+    out = tmp_path / "out.ark"
+    assert main(["export", str(model), "--feats", f"scp:{tmp_path / 'f.scp'}",
+                 "--out", f"ark:{out}"]) == 2
+    err = _one_line(capsys, "export")
+    assert "u1" in err and "13" in err and "40" in err
+    assert not out.exists() and not [n for n in os.listdir(tmp_path) if ".tmp-" in n]
+
+
+def test_export_of_a_missing_model(feats_scp, tmp_path, capsys):
+    assert main(["export", str(tmp_path / "none.h5"), "--feats", feats_scp,
+                 "--out", f"ark:{tmp_path / 'o.ark'}"]) == 2
+    assert "none.h5" in _one_line(capsys, "export")
+    assert not (tmp_path / "o.ark").exists()
+
+
+def test_export_of_a_file_that_is_not_a_model(feats_scp, tmp_path, capsys):
+    bogus = tmp_path / "model.h5"
+    bogus.write_bytes(b"\x89HDF\r\n\x1a\n" + b"\0" * 100)
+    assert main(["export", str(bogus), "--feats", feats_scp,
+                 "--out", f"ark:{tmp_path / 'o.ark'}"]) == 2
+    assert "model.h5" in _one_line(capsys, "export")
+
+
+# -- prepare, eval, merge ---------------------------------------------------------------
+
+def test_a_failed_prepare_leaves_no_directory(feats_scp, tmp_path, capsys):
+    out = tmp_path / "corpus"
+    assert main(["prepare", "--feats", feats_scp, "--ali", f"ark:{tmp_path / 'none.ark'}",
+                 "--out", str(out)]) == 2
+    assert "none.ark" in _one_line(capsys, "prepare")
+    assert not out.exists()
+
+
+def test_prepare_refuses_an_existing_corpus_without_overwrite(small_corpus, feats_scp,
+                                                             tmp_path, capsys):
+    import kaldiio
+    kaldiio.save_ark(str(tmp_path / "ali.ark"),
+                     {f"u{i}": np.zeros(30, dtype=np.int32) for i in range(3)})
+    target = os.path.join(small_corpus, "dev")
+    before = sorted(os.listdir(target))
+    assert main(["prepare", "--feats", feats_scp, "--ali", f"ark:{tmp_path / 'ali.ark'}",
+                 "--out", target]) == 2
+    err = _one_line(capsys, "prepare")
+    assert target in err
+    assert sorted(os.listdir(target)) == before
+
+
+def test_eval_of_a_missing_model_and_of_a_missing_corpus(model, small_corpus, tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nope.h5"), os.path.join(small_corpus, "dev")]) == 2
+    assert "nope.h5" in _one_line(capsys, "eval")
+    assert main(["eval", str(model), str(tmp_path / "nocorpus")]) == 2
+    assert "nocorpus" in _one_line(capsys, "eval")
+
+
+def test_merge_of_a_part_that_is_not_a_corpus(tmp_path, capsys):
+    (tmp_path / "out" / "part").mkdir(parents=True)
+    assert main(["merge", str(tmp_path / "out"), str(tmp_path / "out" / "part")]) == 2
+    assert "part" in _one_line(capsys, "merge")
+    assert not (tmp_path / "out" / "corpus.yaml").exists()
+
+
+# -- the last line of defence -------------------------------------------------------------
+
+def test_an_internal_error_is_reported_as_a_bug_with_its_traceback(monkeypatch, capsys):
+    def broken(args):
+        raise KeyError("a bug")
+    monkeypatch.setattr(cli, "cmd_check", broken)
+    parser = cli.build_parser
+    monkeypatch.setattr(cli, "build_parser", lambda: _with_check(parser(), broken))
+    assert main(["check", "anything"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError" in err
+    assert err.strip().splitlines()[-1].startswith("mpitrain check: internal error: this is a bug")
+
+
+def _with_check(parser, func):
+    sub = next(a for a in parser._actions if a.dest == "command")
+    sub.choices["check"].set_defaults(func=func)
+    return parser
+
+
+def test_numpy_warnings_never_reach_the_user(tmp_path):
+    # in a fresh interpreter: pytest would catch the warnings itself
+    script = tmp_path / "noisy.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from mpitrain import cli\n"
+        "def noisy(args):\n"
+        "    np.log(np.zeros(3))\n"
+        "    np.float32(1e38) * np.float32(10)\n"
+        "    return 0\n"
+        "parser = cli.build_parser\n"
+        "def patched():\n"
+        "    p = parser()\n"
+        "    sub = next(a for a in p._actions if a.dest == 'command')\n"
+        "    sub.choices['check'].set_defaults(func=noisy)\n"
+        "    return p\n"
+        "cli.build_parser = patched\n"
+        "raise SystemExit(cli.main(['check', 'anything']))\n")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                            timeout=60, env={**os.environ, "PYTHONWARNINGS": "default"})
+    assert result.returncode == 0 and result.stderr == "", result.stderr
