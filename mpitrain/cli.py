@@ -69,7 +69,7 @@ def cmd_check(args) -> int:
         if not found:
             print(f"{d}: OK")
     for p in problems:
-        print(p, file=sys.stderr)
+        print(f"mpitrain check: {p}", file=sys.stderr)
     return 1 if problems else 0
 
 
