@@ -109,3 +109,30 @@ def test_a_missing_shard_file(corpus, tmp_path, capsys):
     path = _shard(corpus, index=2)
     os.remove(path)
     _refused(corpus, tmp_path, capsys, os.path.basename(path))
+
+
+def test_no_training_corpus_given(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", QUICKSTART, "--run-dir", str(run), "--set", "data.train="]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpitrain train: error: data.train: no training corpus given"), err
+    assert err.count("\n") == 1 and not run.exists()
+
+
+def test_held_out_corpus_of_another_shape(corpus, tmp_path, capsys):
+    from ..data.corpora import write_corpus
+    other = write_corpus(tmp_path / "other")
+    run = tmp_path / "run"
+    assert _train(corpus, run, [f"data.dev={other}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpitrain train: error: ") and err.count("\n") == 1, err
+    assert "corpus.yaml: feat_dim is 4, but the training corpus has 40" in err
+    assert not run.exists()
+
+
+def test_a_minibatch_larger_than_a_ranks_data(corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(corpus, run, ["training.minibatch=10000000"]) == 2
+    err = capsys.readouterr().err
+    assert "no complete minibatch of 10000000 frames" in err and "training.minibatch" in err
+    assert err.count("\n") == 1 and not run.exists()
