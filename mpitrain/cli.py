@@ -206,7 +206,7 @@ def cmd_bench(args) -> int:
         network=NetworkModel(latency_s=args.latency_us * 1e-6,
                              bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8,
                              allreduce_algorithm=args.allreduce_algorithm),
-        compute_seconds=args.compute_ms * 1e-3)
+        compute_seconds=args.compute_ms * 1e-3, lr_scale=args.lr_scale)
     out_dir = args.out or os.path.join(
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
     if virtual_sizes:
@@ -379,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="network model: bandwidth per link in Gbit/s")
     p.add_argument("--compute-ms", type=float, default=0.0,
                    help="projection: compute time per step in ms; 0: measured on one rank")
+    p.add_argument("--lr-scale", default="none", choices=("none", "linear", "sqrt"),
+                   help="learning rates of N ranks: the config's x1, xN or x sqrt(N) (on top "
+                        "of the method's own rule: kaldi already scales by its jobs)")
     p.add_argument("--dpi", type=int, default=100, help="resolution of the PNG plots")
     p.add_argument("--virtual", default="", metavar="1,2,4,...",
                    help="simulate these group sizes as virtual ranks in this process "

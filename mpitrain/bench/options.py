@@ -22,6 +22,8 @@ from .projection import NetworkModel
 
 DEFAULT_PROJECT_TO = (16, 32, 64, 128)
 PHASES = ("throughput", "accuracy")
+#: How ``--lr-scale`` sets the learning rate of N ranks from the config's (one rank's).
+LR_SCALES = ("none", "linear", "sqrt")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,9 @@ class BenchOptions:
     run on top of the config's epochs; 0: no cap.  ``repeats``: throughput
     runs per method and size (the median is kept).  ``compute_seconds``:
     per-step compute time used by the projection instead of the measured one.
+    ``lr_scale``: the learning rates (initial and final) of an N-rank run are
+    the config's times 1 (``none``), N (``linear``) or sqrt(N) (``sqrt``), on
+    top of the method's own rule (``kaldi`` already multiplies by its jobs).
 
     Example::
 
@@ -57,6 +62,7 @@ class BenchOptions:
     project_to: tuple = DEFAULT_PROJECT_TO
     network: NetworkModel = field(default_factory=NetworkModel)
     compute_seconds: float = 0.0
+    lr_scale: str = "none"
 
     def __post_init__(self):
         if any(int(n) != n or n < 1 for n in self.sizes):
@@ -82,6 +88,9 @@ class BenchOptions:
                      "compute_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)}")
+        if self.lr_scale not in LR_SCALES:
+            raise ValueError(f"--lr-scale: expected one of {', '.join(LR_SCALES)}, "
+                             f"got {self.lr_scale!r}")
         if any(int(n) != n or n < 2 for n in self.project_to):
             raise ValueError(f"--project-to: expected integers >= 2, got {list(self.project_to)}")
 
@@ -93,6 +102,15 @@ class BenchOptions:
                              f"{world_size}; launch with mpiexec -n {sizes[-1]} or more")
         return sizes, tuple(self.methods) or tuple(METHODS)
 
+    def lr_factor(self, ranks: int) -> float:
+        """The factor ``lr_scale`` applies to the learning rates of ``ranks`` ranks.
+
+        Example::
+
+            BenchOptions(lr_scale="linear").lr_factor(16)     # 16.0
+        """
+        return {"none": 1.0, "linear": float(ranks), "sqrt": float(ranks) ** 0.5}[self.lr_scale]
+
     @property
     def measures_accuracy(self) -> bool:
         return "accuracy" in self.phases and self.target_accuracy is not None
@@ -102,7 +120,7 @@ class BenchOptions:
         out = {k: getattr(self, k) for k in (
             "target_accuracy", "phases", "throughput_steps", "warmup_steps", "repeats",
             "eval_frames",
-            "max_steps", "max_frames", "max_seconds", "project_to", "compute_seconds")}
+            "max_steps", "max_frames", "max_seconds", "project_to", "compute_seconds", "lr_scale")}
         return {k: list(v) if isinstance(v, tuple) else v for k, v in out.items()}
 
 

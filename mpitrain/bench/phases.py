@@ -44,6 +44,23 @@ from .options import BenchOptions
 DEFAULT_EVALS_PER_EPOCH = 20
 
 
+def scaled_rates(cfg, options: BenchOptions, ranks: int) -> dict:
+    """``_with`` overrides of the learning rates for ``ranks`` ranks under
+    ``options.lr_scale`` (empty when the rates stay the config's).
+
+    Example::
+
+        scaled_rates(cfg, BenchOptions(lr_scale="linear"), 4)
+        # {'optimizer__initial_learning_rate': 0.016, 'optimizer__final_learning_rate': 0.0016}
+    """
+    factor = options.lr_factor(ranks)
+    if factor == 1.0:
+        return {}
+    opt = cfg.optimizer
+    return {"optimizer__initial_learning_rate": opt.initial_learning_rate * factor,
+            "optimizer__final_learning_rate": opt.final_learning_rate * factor}
+
+
 def _with(cfg, **dotted):
     """A validated copy of ``cfg`` with ``section__key=value`` replaced."""
     data = cfg.to_dict()
@@ -188,13 +205,15 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
                                  options=BenchOptions())
     """
     steps = options.warmup_steps + options.throughput_steps
-    run_cfg = _with(cfg, parallel__method=method, data__dev="", training__max_steps=steps,
+    run_cfg = _with(cfg, **scaled_rates(cfg, options, group.size),
+                    parallel__method=method, data__dev="", training__max_steps=steps,
                     training__epochs=1000.0, training__log_interval=options.warmup_steps,
                     training__checkpoint_interval=0)
     trainer, _ = _run_trainer(run_cfg, group, run_dir, compute=compute)
     row = {"method": method, "ranks": group.size, "minibatch": run_cfg.training.minibatch,
            "num_params": int(trainer.net.num_params),
-           "sync_period": int(trainer.strategy.sync_period), "run_dir": run_dir}
+           "sync_period": int(trainer.strategy.sync_period), "run_dir": run_dir,
+           "initial_learning_rate": run_cfg.optimizer.initial_learning_rate}
     if group.rank == 0:
         row.update(throughput_from_records(_records(run_dir, "train"), ranks=group.size))
     return row
@@ -258,7 +277,8 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
     caps = [c for c in (cfg.training.max_steps, options.max_steps,
                         math.ceil(options.max_frames / (batch * n)) if options.max_frames else 0)
             if c]
-    run_cfg = _with(cfg, parallel__method=method, training__eval_interval=interval,
+    run_cfg = _with(cfg, **scaled_rates(cfg, options, n),
+                    parallel__method=method, training__eval_interval=interval,
                     training__max_steps=min(caps) if caps else 0,
                     training__checkpoint_interval=0)
     trainer, result = _run_trainer(run_cfg, group, run_dir, target=options.target_accuracy,
@@ -269,6 +289,7 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
     crossing = first_crossing(points, options.target_accuracy)
     stopped = trainer.stop_reason or "budget (epochs/max steps)"
     return {"method": method, "ranks": n, "target_accuracy": options.target_accuracy,
+            "initial_learning_rate": run_cfg.optimizer.initial_learning_rate,
             "reached": crossing is not None, "stopped_by": stopped,
             "frames_to_target": crossing["frames"] if crossing else None,
             "seconds_to_target": crossing["seconds"] if crossing else None,

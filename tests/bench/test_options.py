@@ -27,3 +27,20 @@ def test_bad_options_name_the_option():
     with pytest.raises(ValueError, match="--sizes: 4 ranks asked for, but the job has 2"):
         BenchOptions(sizes=(1, 4)).resolve(2)
     assert not math.isnan(BenchOptions().network.latency_s)
+
+
+def test_lr_scale_sets_the_rates_of_n_ranks():
+    from mpitrain.bench.phases import scaled_rates
+    from mpitrain.config import config_from_dict
+    cfg = config_from_dict({"optimizer": {"initial_learning_rate": 0.004,
+                                          "final_learning_rate": 0.0004}})
+    assert scaled_rates(cfg, BenchOptions(), 16) == {}
+    assert scaled_rates(cfg, BenchOptions(lr_scale="linear"), 1) == {}
+    got = scaled_rates(cfg, BenchOptions(lr_scale="linear"), 16)
+    assert got == {"optimizer__initial_learning_rate": pytest.approx(0.064),
+                   "optimizer__final_learning_rate": pytest.approx(0.0064)}
+    got = scaled_rates(cfg, BenchOptions(lr_scale="sqrt"), 16)
+    assert got["optimizer__initial_learning_rate"] == pytest.approx(0.016)
+    assert BenchOptions(lr_scale="sqrt").to_dict()["lr_scale"] == "sqrt"
+    with pytest.raises(ValueError, match="--lr-scale: expected one of none, linear, sqrt"):
+        BenchOptions(lr_scale="cubic")
