@@ -188,13 +188,14 @@ def summary_markdown(report: dict) -> str:
     if report["accuracy"]:
         lines += ["", f"Target held-out frame accuracy: "
                       f"{report['options']['target_accuracy']}."]
-    lines += ["", "## Projection", "",
-              "| method | compute ms/step | MB per allreduce | sync every | b | "
-              + " | ".join(f"N={r['ranks']}" for r in next(iter(
-                  report["projections"].values()), {"rows": []})["rows"]) + " |"]
+    lines += ["", "## Projection", ""]
     if report["projections"]:
-        ncols = len(next(iter(report["projections"].values()))["rows"])
-        lines.append("|---|---:|---:|---:|---:|" + "---:|" * ncols)
+        first = next(iter(report["projections"].values()))["rows"]
+        lines += ["| method | compute ms/step | MB per allreduce | sync every | b | "
+                  + " | ".join(f"N={r['ranks']}" for r in first) + " |",
+                  "|---|---:|---:|---:|---:|" + "---:|" * len(first)]
+    else:
+        lines.append("None: the projection needs the throughput phase.")
     for method, proj in report["projections"].items():
         cells = []
         for r in proj["rows"]:

@@ -48,3 +48,21 @@ def test_bench_virtual_writes_the_report_with_simulated_points(small_corpus, tmp
     text = (out / "bench.md").read_text()
     assert "## Simulated points (virtual ranks)" in text and "frames per rank" in text
     assert os.path.getsize(out / "bench-speedup.png") > 1000
+
+
+def test_bench_virtual_accuracy_only_with_linear_rates(small_corpus, tmp_path):
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "allreduce",
+            "--phases", "accuracy", "--lr-scale", "linear", "--target-accuracy", "0.08",
+            "--compute-ms", "2", "--out", str(out), "--dpi", "40"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=32", "model.hidden_layers=2", "training.epochs=1",
+            "optimizer.initial_learning_rate=0.003"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["throughput"] == [] and report["options"]["lr_scale"] == "linear"
+    rates = {r["ranks"]: r["initial_learning_rate"] for r in report["accuracy"]}
+    assert rates == {1: pytest.approx(0.003), 2: pytest.approx(0.006)}
+    # no throughput rows: the report says there is no projection, not an empty table
+    assert "None: the projection needs the throughput phase." in (out / "bench.md").read_text()
