@@ -3,7 +3,8 @@
 :class:`BenchOptions` is checked when it is made, so a bad option stops the
 command with one line naming it before any rank trains.  Methods come from
 the strategy registry (:data:`mpitrain.parallel.registry.METHODS`), so a new
-strategy is benchmarked without changes here.
+strategy is benchmarked without changes here; asynchronous ones
+(``param_server``: no common steps, no one-rank group) are left out.
 
 Example::
 
@@ -17,13 +18,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from ..parallel.registry import METHODS
+from ..parallel.registry import ASYNCHRONOUS_METHODS, METHODS
 from .projection import NetworkModel
 
 DEFAULT_PROJECT_TO = (16, 32, 64, 128)
 PHASES = ("throughput", "accuracy")
 #: How ``--lr-scale`` sets the learning rate of N ranks from the config's (one rank's).
 LR_SCALES = ("none", "linear", "sqrt")
+
+
+def bench_methods() -> tuple:
+    """The registry's methods whose ranks step together (the ones benchmarked).
+
+    Example::
+
+        bench_methods()     # ('model_averaging', 'allreduce', 'kaldi', 'bmuf', 'adpsgd')
+    """
+    return tuple(m for m in METHODS if m not in ASYNCHRONOUS_METHODS)
 
 
 @dataclass(frozen=True)
@@ -70,10 +81,10 @@ class BenchOptions:
         if self.sizes and 1 not in self.sizes:
             raise ValueError(f"--sizes: must include 1 (speedups are relative to one rank), "
                              f"got {list(self.sizes)}")
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in bench_methods()]
         if unknown:
             raise ValueError(f"--methods: unknown {', '.join(unknown)}; expected some of "
-                             f"{', '.join(METHODS)}")
+                             f"{', '.join(bench_methods())}")
         bad_phases = [p for p in self.phases if p not in PHASES]
         if bad_phases or not self.phases:
             raise ValueError(f"--phases: expected some of {', '.join(PHASES)}, "
@@ -100,7 +111,7 @@ class BenchOptions:
         if sizes[-1] > world_size:
             raise ValueError(f"--sizes: {sizes[-1]} ranks asked for, but the job has "
                              f"{world_size}; launch with mpiexec -n {sizes[-1]} or more")
-        return sizes, tuple(self.methods) or tuple(METHODS)
+        return sizes, tuple(self.methods) or bench_methods()
 
     def lr_factor(self, ranks: int) -> float:
         """The factor ``lr_scale`` applies to the learning rates of ``ranks`` ranks.

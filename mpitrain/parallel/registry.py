@@ -9,7 +9,9 @@ methods (the benchmark mode among them) then picks it up.
 Example::
 
     strategy = build_strategy(cfg, comm, total_steps=1000)
-    sorted(METHODS)     # ['adpsgd', 'allreduce', 'bmuf', 'kaldi', 'model_averaging']
+    sorted(METHODS)     # ['adpsgd', 'allreduce', 'bmuf', 'kaldi', 'model_averaging',
+                        #  'param_server']
+    data_share(cfg, rank=0, size=4)     # (0, 4): rank 0 trains on part 0 of 4
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ METHODS = {
     "kaldi": "kaldi_averaging",
     "bmuf": "bmuf",
     "adpsgd": "adpsgd",
+    "param_server": "param_server",
 }
+
+#: Methods whose ranks take their own numbers of steps (no collective in between).
+ASYNCHRONOUS_METHODS = ("param_server",)
 
 
 def build_strategy(cfg, comm, *, total_steps: int = 0):
@@ -41,3 +47,14 @@ def build_strategy(cfg, comm, *, total_steps: int = 0):
     strategy.straggler = build_straggler(slow.ranks, comm, slowdown=slow.slowdown,
                                          jitter=slow.jitter, seed=cfg.training.seed)
     return strategy
+
+
+def data_share(cfg, *, rank: int, size: int) -> tuple:
+    """(share, shares): ``rank`` trains on part ``share`` of ``shares`` equal parts of
+    the training data; share None: on none (a parameter server).  (rank, size)
+    unless the method's module says otherwise with its own ``data_share``."""
+    module = METHODS.get(cfg.parallel.method)
+    if module is None:
+        return rank, size
+    own = getattr(importlib.import_module(f"{__package__}.{module}"), "data_share", None)
+    return (rank, size) if own is None else own(rank, size)

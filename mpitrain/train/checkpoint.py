@@ -155,7 +155,8 @@ class Checkpoint:
 # More ranks than any machine has: a larger count is a damaged or crafted file.
 MAX_RANKS = 1 << 20
 # State buffers shaped like the flat parameters, checked against the model.
-_PARAM_SIZED = {"optimizer": ("delta",), "strategy": ("start", "delta", "global_model")}
+_PARAM_SIZED = {"optimizer": ("delta",),
+                "strategy": ("start", "delta", "global_model", "current", "average")}
 
 
 def _count_attr(f, name: str, path, *, low: int = 0, high: int = 1 << 62) -> int:

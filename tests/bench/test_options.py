@@ -10,7 +10,9 @@ from mpitrain.parallel import registry
 
 
 def test_methods_come_from_the_strategy_registry(monkeypatch):
-    assert BenchOptions().resolve(2) == ((1, 2), tuple(registry.METHODS))
+    synchronous = tuple(m for m in registry.METHODS if m not in registry.ASYNCHRONOUS_METHODS)
+    assert BenchOptions().resolve(2) == ((1, 2), synchronous)
+    assert "param_server" not in synchronous     # no common steps, no one-rank group
     monkeypatch.setitem(registry.METHODS, "ring_mix", registry.METHODS["model_averaging"])
     assert "ring_mix" in BenchOptions().resolve(2)[1]
     assert BenchOptions(methods=("ring_mix",)).methods == ("ring_mix",)

@@ -1,0 +1,295 @@
+"""The training loop of an asynchronous method (``parallel.method: param_server``).
+
+The ranks take their own numbers of steps, so none of the trainer's
+collectives (log sums, sharded evaluation, checkpoint gather) can run between
+the start and the end.  Instead:
+
+- the server (rank 0) applies each client's gradient as it arrives and, by
+  its own count of updates, writes the progress records (the clients' loss
+  sums travel with their gradients), evaluates theta and the averaged model
+  on the whole held-out set by itself, switches the average to uniform, and
+  writes checkpoints alone;
+- each client pulls the weights, computes the gradient of its next
+  minibatch, pushes it, until its own data is done.
+
+Both then return to :meth:`Trainer.run`, whose end (``finalize``: every rank
+gets the averaged model; the final checkpoint, evaluation and ``final.h5``)
+is the same as every method's.  The protocol is in
+:mod:`mpitrain.parallel.param_server`.
+
+Example::
+
+    # in Trainer._train_to_end, for param_server
+    return train_asynchronously(trainer, run_start)
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .. import backend
+from ..config import config_to_yaml
+from ..data.splice import splice_batch_
+from ..parallel.param_server import DONE, LAST, UNIFORM
+from ..parallel.registry import data_share
+from .checkpoint import checkpoint_path, save_checkpoint
+from .divergence import ROLL_BACK, Diverged
+from .evaluate import evaluate_chunks, load_eval_chunks
+from .metrics import format_duration, resident_mb
+
+
+def plan_own_steps(cfg, comm, local_steps: int) -> tuple:
+    """(steps per epoch, total steps, planned steps) of this rank when each client
+    takes its own minibatches: a client's own counts; the server's are the sums
+    over the clients (one update per minibatch).  Collective (one allgather).
+
+    Example::
+
+        plan_own_steps(cfg, comm, 120)    # client: (120, 360, 360) for 3 epochs
+    """
+    counts = comm.allgather_obj(int(local_steps))
+    epochs, cap = cfg.training.epochs, cfg.training.max_steps
+    planned = [int(round(epochs * n)) for n in counts]
+    totals = [min(p, cap) if cap else p for p in planned]
+    clients = [r for r in range(comm.size)
+               if data_share(cfg, rank=r, size=comm.size)[0] is not None]
+    if not sum(totals[r] for r in clients):
+        raise ValueError(f"no client rank has a complete minibatch of "
+                         f"{cfg.training.minibatch} frames; lower training.minibatch, raise "
+                         "data.chunk_frames, or use fewer ranks")
+    if comm.rank in clients:
+        return counts[comm.rank], totals[comm.rank], max(planned[comm.rank], 1)
+    return (max(sum(counts[r] for r in clients), 1), sum(totals[r] for r in clients),
+            max(sum(planned[r] for r in clients), 1))
+
+
+def train_asynchronously(trainer, run_start: float) -> None:
+    """Serve (rank 0) or train as a client until every client's data is done.
+
+    Example::
+
+        train_asynchronously(trainer, run_start=trainer.comm.wtime())
+    """
+    if trainer.strategy.is_server:
+        Server(trainer, run_start).serve()
+    else:
+        train_client(trainer)
+
+
+# ------------------------------------------------------------------- a client
+
+def train_client(trainer) -> None:
+    """Pull, compute a minibatch's gradient, push; ``trainer.total_steps`` times
+    (less the minibatches a resumed checkpoint had applied).
+
+    Example::
+
+        train_client(trainer)       # on ranks 1..N-1 of a param_server job
+    """
+    ps, net, stream = trainer.strategy, trainer.net, trainer.stream
+    cfg = trainer.cfg
+    start = ps.resumed_client_steps()
+    if start is None:               # a fresh run, or a resume on another number of ranks
+        start = trainer.step
+    total = trainer.total_steps
+    step = trainer._new_training_step()      # its input buffers and loss sums
+    ps.pull(net)                             # every client gets the weights first
+    if start >= total:
+        ps.done_without_data()
+        trainer.step = total
+        return
+    if start:
+        stream.seek(start // trainer.steps_per_epoch, start % trainer.steps_per_epoch)
+    slow = ps.straggler
+    for k in range(start, total):
+        if slow is not None:
+            slow.step_started()
+        chunk, idx = stream.next_batch()
+        splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, cfg.data.left_context,
+                      cfg.data.right_context, out=step.inputs, ctx=step.ctx)
+        net.forward_backward(step.inputs, chunk.labels[idx], into=step.sums)
+        step.frames += step.minibatch
+        if slow is not None:
+            slow.step_finished()
+        loss_sum, correct, frames, _ = step.take_sums()
+        last = k == total - 1
+        ps.push(net, loss_sum=loss_sum, correct=correct, frames=frames, position=k,
+                last=last)
+        if not last:
+            ps.pull(net)
+    trainer.step = total
+
+
+# ------------------------------------------------------------------ the server
+
+class Server:
+    """Rank 0's loop: apply pushes, log, evaluate, checkpoint (module docstring).
+
+    Example::
+
+        Server(trainer, run_start=comm.wtime()).serve()
+    """
+
+    def __init__(self, trainer, run_start: float):
+        self.t, self.run_start = trainer, run_start
+        self.ps = trainer.strategy
+        self._dev = None
+        self._new_window()
+
+    def _new_window(self) -> None:
+        t = self.t
+        self.window_start, self.comm_at_window = t.comm.wtime(), t.comm.comm_time
+        self.sums = np.zeros(3)              # loss, correct, frames
+        self.staleness: list = []
+        self.skipped_before = self._skipped()
+
+    def _skipped(self) -> int:
+        skipped = self.t.optimizer.skipped_steps()
+        return skipped if isinstance(skipped, int) else int(backend.to_host(skipped)[0])
+
+    def serve(self) -> None:
+        t, ps, net = self.t, self.ps, self.t.net
+        cfg = t.cfg
+        for client in ps.clients:
+            ps.send_weights(net, client)
+        left = set(ps.clients)
+        clients = len(ps.clients)
+        eval_every = cfg.training.eval_interval
+        next_eval = (t.frames_seen // clients // eval_every + 1) * eval_every \
+            if eval_every else None
+        ck = cfg.training.checkpoint_interval
+        next_checkpoint = (t.step // ck + 1) * ck if ck else 0
+        rate = 0.0
+        while left:
+            push = ps.receive_push(net)
+            if push.kind == DONE:
+                left.discard(push.source)
+                continue
+            rate = t.guard.lr_scale * t.schedule.rate(t.step)
+            ps.apply(net, t.optimizer, rate, push)
+            if push.kind == LAST:
+                left.discard(push.source)
+            else:
+                ps.send_weights(net, push.source)
+            t.step += 1
+            t.frames_seen += push.frames
+            self.sums += (push.loss_sum, push.correct, push.frames)
+            self.staleness.append(push.staleness)
+            last = not left
+            if t.step % cfg.training.log_interval == 0 or last:
+                self._log(rate)
+            if last:
+                break
+            epoch_done = t.step % t.steps_per_epoch == 0
+            due_eval = (next_eval is not None and t.frames_seen // clients >= next_eval) \
+                or (next_eval is None and epoch_done)
+            if due_eval and t.dev_manifest is not None:
+                self.evaluate()
+                if next_eval is not None:
+                    next_eval += eval_every
+            if next_checkpoint and t.step >= next_checkpoint:
+                next_checkpoint = (t.step // ck + 1) * ck
+                self.checkpoint()
+        if self.staleness:
+            self._log(rate)
+
+    # -- progress ----------------------------------------------------------------
+    def _log(self, lr: float) -> None:
+        t = self.t
+        now, comm_now = t.comm.wtime(), t.comm.comm_time
+        elapsed = max(now - self.window_start, 1e-9)
+        loss, correct, frames = self.sums
+        with np.errstate(all="ignore"):       # a NaN window is reported, not warned
+            xent = loss / frames
+        stale = np.asarray(self.staleness or [0])
+        skipped = self._skipped() - self.skipped_before
+        record = {"step": t.step, "epoch": t.step // t.steps_per_epoch,
+                  "frames": t.frames_seen, "xent": float(xent), "acc": correct / frames,
+                  "lr": lr, "frames_per_sec": frames / elapsed,
+                  "comm_fraction": min(1.0, (comm_now - self.comm_at_window) / elapsed),
+                  "skipped": skipped, "rss_mb": resident_mb(),
+                  "staleness_min": int(stale.min()), "staleness_mean": float(stale.mean()),
+                  "staleness_max": int(stale.max()), "seconds": now - self.run_start}
+        verdict = t.guard.observe(xent=float(xent), skipped=skipped)
+        t.log.write("train", **record)
+        per_step = (now - self.run_start) / max(t.step - t._start_step, 1)
+        t.log.say(
+            f"step {t.step}/{t.total_steps} ep {record['epoch']} frames {t.frames_seen} "
+            f"xent {record['xent']:.4f} acc {record['acc']:.4f} lr {lr:.3g} "
+            f"{record['frames_per_sec']:,.0f} fr/s staleness {record['staleness_min']}/"
+            f"{record['staleness_mean']:.1f}/{record['staleness_max']} (min/mean/max) "
+            f"ETA {format_duration(per_step * max(t.total_steps - t.step, 0))}")
+        if verdict == ROLL_BACK:
+            raise Diverged(
+                f"{t.run_dir}: param_server: {t.guard.events} non-finite or exploding "
+                "windows since the last checkpoint; an asynchronous run cannot roll back: "
+                "resume from the last checkpoint with a lower learning rate")
+        self._new_window()
+
+    # -- held-out evaluation and the average's switch ---------------------------------
+    def _held_out(self) -> tuple:
+        """(cross-entropy per frame, accuracy, frames) of the network's parameters."""
+        t = self.t
+        if self._dev is None:
+            self._dev = load_eval_chunks(t.dev_manifest, t.net, rank=0, size=1,
+                                         max_frames=t.cfg.training.eval_max_frames)
+        total, correct, frames = evaluate_chunks(t.net, self._dev)
+        frames = max(frames, 1)
+        return total / frames, correct / frames, frames
+
+    def evaluate(self) -> dict:
+        """Both models while the average is exponential; the average from then on.
+        The first time the average is the better, it turns uniform."""
+        t, ps, net = self.t, self.ps, self.t.net
+        average = ps.average
+        compare = average.mode != UNIFORM
+        if compare:
+            current_xent, current_acc, _ = self._held_out()
+        theta = net.params.copy()
+        net.params[...] = average.average
+        try:
+            xent, acc, frames = self._held_out()
+        finally:
+            net.params[...] = theta
+        result = {"dev_xent": xent, "dev_acc": acc, "dev_frames": frames}
+        extra = {"average_mode": average.mode}
+        if compare:
+            extra.update(current_dev_xent=current_xent, current_dev_acc=current_acc)
+        t.log.write("eval", step=t.step, frames=t.frames_seen, **result, **extra,
+                    seconds=t.comm.wtime() - self.run_start)
+        text = f"held-out at step {t.step}: xent {xent:.4f} acc {acc:.4f} ({frames} frames, " \
+               f"{average.mode} average)"
+        if compare:
+            text += f"; current model xent {current_xent:.4f} acc {current_acc:.4f}"
+        t.log.say(text)
+        if compare and xent < current_xent:
+            average.switch_to_uniform(updates=ps.updates)
+            t.log.write("average", step=t.step, mode=UNIFORM, switched_at=ps.updates)
+            t.log.say(f"step {t.step}: the averaged model is the better on held-out data; "
+                      "uniform (Polyak) average from here on")
+        return result
+
+    # -- checkpoints -------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """The server writes alone: its model, the average, the counters.  Every
+        rank's entry holds the server's optimizer and reader state; the clients'
+        data positions are the strategy's ``client_steps``."""
+        t, ps, net = self.t, self.ps, self.t.net
+        finite = bool(backend.to_host(t.xp.isfinite(net.params).all()))
+        if not (t.guard.last_window_good and finite):
+            t.log.say(f"step {t.step}: checkpoint not written (the model is diverging or "
+                      "not finite)")
+            return
+        own = {"optimizer": t.optimizer.state_dict(), "reader": t.stream.state_dict()}
+        started = time.perf_counter()
+        save_checkpoint(checkpoint_path(t.run_dir, t.step), net=net, step=t.step,
+                        frames_seen=t.frames_seen, config_yaml=config_to_yaml(t.cfg),
+                        rank_states=[own] * t.comm.size,
+                        strategy_state=ps.server_state(net),
+                        class_priors=t.manifest.class_priors(),
+                        keep=t.cfg.training.keep_checkpoints,
+                        trainer_state=t._trainer_state())
+        t.log.write("checkpoint", step=t.step, seconds=round(time.perf_counter() - started, 4))
+        t.guard.checkpoint_written()

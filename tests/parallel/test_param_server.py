@@ -1,0 +1,270 @@
+"""The parameter server with averaged SGD (parallel/param_server.py, train/serving.py).
+
+In this process: the running average follows its formula on a scripted
+sequence (exponential, then uniform from the switch); the data shares leave
+the server out; one client equals sequential SGD on the same minibatches bit
+for bit (2 virtual ranks against one rank); a virtual run replays exactly with
+the same seed.  Under real ``mpiexec``: 3 ranks learn far above chance (slow);
+uneven shards with a 2x slow client finish within a timeout, every client
+having taken its own number of minibatches; a resumed run continues from the
+checkpoint's model and counters.
+"""
+
+import json
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from mpitrain.comm.virtual import VirtualCluster
+from mpitrain.config import load_config
+from mpitrain.nn.model_file import load_model
+from mpitrain.parallel.param_server import (EXPONENTIAL, UNIFORM, ModelAverage,
+                                            ParameterServer, data_share)
+from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+from mpitrain.train.virtual import ComputeModel, train_virtual
+
+from ..helpers import QUICKSTART, small_overrides, train_in_process
+
+TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
+
+
+def _output(result):
+    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+
+
+def _records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r["type"] == kind]
+
+
+def _strategy_group(path):
+    with h5py.File(path, "r") as f:
+        group = f["strategy"]
+        state = {k: group[k][()] for k in group}
+        state.update(group.attrs)
+    return state
+
+
+# ---------------------------------------------------------------- the average
+
+def test_average_follows_its_formula_on_a_scripted_sequence():
+    rng = np.random.default_rng(4)
+    thetas = [rng.standard_normal(6).astype(np.float32) for _ in range(40)]
+    eta, switch_after = 0.1, 25
+    avg = ModelAverage(thetas[0], eta=eta)
+    ref = np.float64(thetas[0])
+    for t, theta in enumerate(thetas[1:], start=1):
+        if t == switch_after + 1:
+            avg.switch_to_uniform(updates=switch_after)
+            samples = 1                       # theta_bar at t0 is the first sample
+        avg.update(theta)
+        if t <= switch_after:
+            ref = (1 - eta) * ref + eta * np.float64(theta)
+            assert avg.mode == EXPONENTIAL
+        else:
+            samples += 1
+            ref = ref + (np.float64(theta) - ref) / (t - switch_after + 1)
+            assert avg.mode == UNIFORM and avg.samples == samples == t - switch_after + 1
+        np.testing.assert_allclose(avg.average, ref, rtol=1e-5, atol=1e-6)
+    # the uniform part is the plain mean of theta_bar(t0) and the thetas after it
+    at_switch = np.float64(thetas[0])
+    for theta in thetas[1:switch_after + 1]:
+        at_switch = (1 - eta) * at_switch + eta * np.float64(theta)
+    mean = np.mean([at_switch] + [np.float64(x) for x in thetas[switch_after + 1:]], axis=0)
+    np.testing.assert_allclose(avg.average, mean, rtol=1e-5, atol=1e-6)
+    assert avg.switched_at == switch_after
+
+
+def test_average_state_round_trip_and_refusals():
+    avg = ModelAverage(np.ones(3, dtype=np.float32), eta=0.5)
+    avg.update(np.zeros(3, dtype=np.float32))
+    avg.switch_to_uniform(updates=7)
+    other = ModelAverage(np.zeros(3, dtype=np.float32), eta=0.5)
+    other.load_state_dict(avg.state_dict())
+    assert (other.mode, other.samples, other.switched_at) == (UNIFORM, 1, 7)
+    np.testing.assert_array_equal(other.average, avg.average)
+    with pytest.raises(ValueError, match="average_eta"):
+        ModelAverage(np.zeros(2, dtype=np.float32), eta=0.0)
+    with pytest.raises(ValueError, match="average_mode"):
+        other.load_state_dict(dict(avg.state_dict(), average_mode="cubic"))
+
+
+def test_the_server_trains_on_no_data():
+    assert data_share(0, 3) == (None, 2)
+    assert [data_share(r, 3) for r in (1, 2)] == [(0, 2), (1, 2)]
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        data_share(0, 1)
+
+
+def test_push_and_pull_carry_raw_buffers_on_virtual_ranks():
+    """Two clients push twice each; the server sees every push once, with staleness."""
+    from mpitrain.nn.network import build_network
+    from mpitrain.optim.sgd import SGD
+
+    def work(comm):
+        net = build_network(feat_dim=3, num_classes=2, left_context=0, right_context=0,
+                            hidden_layers=1, hidden_dim=4)
+        net.init_params(seed=1)
+        opt = SGD(net, max_change_per_layer=0, max_change_output=0, max_change=0)
+        ps = ParameterServer(comm, average_eta=0.5)
+        ps.setup(net, opt)
+        if ps.is_server:
+            for client in ps.clients:
+                ps.send_weights(net, client)
+            seen, left = [], set(ps.clients)
+            while left:
+                push = ps.receive_push(net)
+                seen.append((push.source, push.kind, push.frames, push.staleness,
+                             float(net.grads[0])))
+                ps.apply(net, opt, 1.0, push)
+                if push.kind == 2:
+                    left.discard(push.source)
+                else:
+                    ps.send_weights(net, push.source)
+            return seen, ps.client_steps
+        for k in range(2):
+            ps.pull(net)
+            net.grads[...] = comm.rank * 10 + k
+            ps.push(net, loss_sum=1.0, correct=0.0, frames=comm.rank, position=k,
+                    last=k == 1)
+        return None
+
+    seen, counts = VirtualCluster(3).run(work)[0]
+    assert sorted((s, g) for s, _, _, _, g in seen) == [(1, 10.0), (1, 11.0), (2, 20.0),
+                                                       (2, 21.0)]
+    assert counts == [2, 2]
+    assert [f for s, _, f, _, _ in seen] == [s for s, _, _, _, _ in seen]
+    # both clients computed on version 0 first: the second gradient applied is 1 old
+    assert [st for _, _, _, st, _ in seen][:2] == [0, 1]
+
+
+# ------------------------------------------------------------ whole runs
+
+def _virtual(corpus, run_dir, size, extra=(), *, slowdown=None):
+    cfg = load_config(QUICKSTART, small_overrides(corpus) + TINY + [
+        "parallel.method=param_server"] + list(extra))
+    return train_virtual(cfg, size=size, run_dir=str(run_dir),
+                         compute=ComputeModel(step_seconds=0.002, slowdown=slowdown or {}))
+
+
+def test_one_client_equals_sequential_sgd_bit_for_bit(small_corpus, tmp_path):
+    # the server's step is the one rank's step (max-change included) on the same
+    # gradient of the same minibatch at the same weights
+    common = TINY + ["training.max_steps=30", "training.log_interval=10",
+                     "training.checkpoint_interval=0"]
+    sequential = tmp_path / "sequential"
+    train_in_process(sequential, small_corpus, common)
+    served = tmp_path / "served"
+    _virtual(small_corpus, served, 2, common)
+    reference, _ = load_model(sequential / "final.h5")
+    ckpt = sorted(served.glob("ckpt-*.h5"))[-1]
+    state = _strategy_group(ckpt)
+    assert state["updates"] == 30 and list(state["client_steps"]) == [30]
+    assert np.array_equal(state["current"], reference.params)
+    # final.h5 is the average, not theta
+    averaged, _ = load_model(served / "final.h5")
+    np.testing.assert_array_equal(averaged.params, state["average"])
+    assert not np.array_equal(averaged.params, reference.params)
+
+
+def test_virtual_replay_is_identical_with_the_same_seed(small_corpus, tmp_path):
+    extra = ["training.max_steps=40", "training.log_interval=10",
+             "training.eval_interval=2560", "training.checkpoint_interval=25"]
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        _virtual(small_corpus, run, 4, extra, slowdown={2: 2.0})
+    a, _ = load_model(runs[0] / "final.h5")
+    b, _ = load_model(runs[1] / "final.h5")
+    assert np.array_equal(a.params, b.params)
+    for kind in ("train", "eval", "end"):
+        strip = ("time", "rss_mb")
+        ra = [{k: v for k, v in r.items() if k not in strip} for r in _records(runs[0], kind)]
+        rb = [{k: v for k, v in r.items() if k not in strip} for r in _records(runs[1], kind)]
+        assert ra == rb and ra, kind
+    train = _records(runs[0], "train")
+    assert train[-1]["step"] == 120 and max(r["staleness_max"] for r in train) >= 2
+    assert all(r["staleness_min"] <= r["staleness_mean"] <= r["staleness_max"] for r in train)
+    # the server evaluated both models while the average was exponential
+    assert "current_dev_xent" in _records(runs[0], "eval")[0]
+
+
+# ------------------------------------------------------------ real launches
+
+def _train(nranks, run_dir, corpus, settings, *, timeout=120, resume=False):
+    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
+              "data.chunk_frames": 20000, "training.log_interval": 50,
+              "parallel.method": "param_server"}
+    values.update(item.split("=", 1) for item in settings)
+    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run_dir)]
+    if resume:
+        args.append("--resume")
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return run_mpi(nranks, args, timeout=timeout)
+
+
+@pytest.mark.mpi
+def test_slow_client_on_uneven_shards_finishes(small_corpus, tmp_path_factory, tmp_path):
+    from ..train.test_trainer import write_uneven_copy
+    corpus = tmp_path_factory.mktemp("uneven")
+    write_uneven_copy(os.path.join(small_corpus, "train"), str(corpus / "train"),
+                      [0.70, 0.20, 0.07, 0.03])
+    shutil.copytree(os.path.join(small_corpus, "dev"), corpus / "dev")
+    run = tmp_path / "run"
+    try:
+        result = _train(3, run, str(corpus), TINY + [
+            "training.epochs=1", "training.log_interval=16", "training.checkpoint_interval=40",
+            "parallel.straggler.ranks=[1]", "parallel.straggler.slowdown=2.0",
+            "parallel.straggler.jitter=0.5"], timeout=150)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"param_server with a slow client on uneven shards hung: {exc}")
+    assert result.returncode == 0, _output(result)
+    end = _records(run, "end")[-1]
+    counts = list(_strategy_group(sorted(run.glob("ckpt-*.h5"))[-1])["client_steps"])
+    # every client did its own data, however much: nothing lost to the smallest
+    assert end["steps"] == sum(counts) == _records(run, "start")[0]["total_steps"]
+    assert counts[0] != counts[1], counts
+    assert end["frames"] == 256 * end["steps"] and (run / "final.h5").exists()
+    train = _records(run, "train")
+    assert all("staleness_mean" in r for r in train)
+
+
+@pytest.mark.mpi
+def test_resume_continues_from_the_saved_model_and_counters(small_corpus, tmp_path):
+    common = TINY + ["training.epochs=1", "training.log_interval=10",
+                     "training.checkpoint_interval=20"]
+    run = tmp_path / "run"
+    first = _train(3, run, small_corpus, common + ["training.max_steps=20"])
+    assert first.returncode == 0, _output(first)
+    saved = _strategy_group(sorted(run.glob("ckpt-*.h5"))[-1])
+    assert saved["updates"] == 40 and list(saved["client_steps"]) == [20, 20]
+    second = _train(3, run, small_corpus, common + ["training.max_steps=50"], resume=True)
+    assert second.returncode == 0, _output(second)
+    assert [r["step"] for r in _records(run, "start")] == [0, 40]
+    end = _records(run, "end")[-1]
+    assert end["steps"] == 100 and end["frames"] == 100 * 256
+    final = _strategy_group(sorted(run.glob("ckpt-*.h5"))[-1])
+    assert final["updates"] == 100 and list(final["client_steps"]) == [50, 50]
+    # the resumed run went on from the trained model, not from the start
+    train = _records(run, "train")
+    fresh, resumed = train[0], [r for r in train if r["step"] > 40][0]
+    assert resumed["xent"] < fresh["xent"], train
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+def test_three_ranks_learn_far_above_chance(small_corpus, tmp_path):
+    from mpitrain.data.corpus import load_manifest
+    run = tmp_path / "run"
+    result = _train(3, run, small_corpus, ["training.epochs=2"], timeout=300)
+    assert result.returncode == 0, _output(result)
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    counts = np.array(dev.class_counts)
+    majority = counts.max() / counts.sum()
+    final = _records(run, "eval")[-1]
+    # the bar of the other methods' two-rank runs (chance: 1/120)
+    assert final["dev_acc"] > 0.45, final
+    assert final["dev_acc"] > majority + 0.40, (final, majority)
