@@ -133,7 +133,10 @@ class MinibatchStream:
         self.chunk_pos = int(state["chunk_pos"])
         self.batch_pos = int(state["batch_pos"])
         self.steps_in_epoch = int(state["steps_in_epoch"])
-        self._current_key = None
+        # a chunk's content and order depend on its position alone: keep the one
+        # loaded if the position is still in it (a search trial rewinds here)
+        if self._current_key != (self.epoch, self.chunk_pos):
+            self._current_key = None
 
     def seek(self, epoch: int, steps_in_epoch: int) -> None:
         """Stand before minibatch ``steps_in_epoch`` of ``epoch`` (to continue a run

@@ -1,4 +1,5 @@
-"""Build the optimizer named in the config."""
+"""Build the optimizer and the learning-rate schedule named in the config: the one
+place where ``optimizer.name`` and ``optimizer.schedule`` become classes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ def build_optimizer(opt_cfg, net):
     """
     options = dict(momentum=opt_cfg.momentum, max_change_per_layer=opt_cfg.max_change_per_layer,
                    max_change_output=opt_cfg.max_change_output, max_change=opt_cfg.max_change)
+    if opt_cfg.schedule == "adapt":
+        from .adapt import LimitedMemoryAdagrad
+        options["gradient_scaling"] = LimitedMemoryAdagrad(net.params, k=opt_cfg.adapt_k,
+                                                           decay=opt_cfg.adapt_decay)
     if opt_cfg.name == "sgd":
         return SGD(net, **options)
     from .ngsgd import NaturalGradientSGD
@@ -20,3 +25,34 @@ def build_optimizer(opt_cfg, net):
                               update_period=ng.update_period,
                               num_samples_history=ng.num_samples_history, alpha=ng.alpha,
                               reset_on_average=ng.reset_on_average, **options)
+
+
+def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int):
+    """The schedule of ``optimizer.schedule``; ``frames_per_step``: frames one step
+    trains over all ranks (search cuts its chunks by it).
+
+    Example::
+
+        sched = build_schedule(cfg.optimizer, planned_steps=3000, frames_per_step=512)
+        rate = sched.rate(step)
+    """
+    from .schedule import ConstantSchedule, HandSchedule, PlannedExponential
+    name, initial = opt_cfg.schedule, opt_cfg.initial_learning_rate
+    if name == "exponential":
+        return PlannedExponential(initial, opt_cfg.final_learning_rate,
+                                  planned_steps=planned_steps)
+    if name == "hand":
+        return HandSchedule(initial, factor=opt_cfg.hand_factor)
+    if name == "adapt":
+        return ConstantSchedule(initial)
+    if name == "search":
+        from .search import SearchSchedule
+        chunk_steps = max(1, round(opt_cfg.search_chunk_frames / max(frames_per_step, 1)))
+        trial_steps = max(1, round(opt_cfg.search_trial_fraction * chunk_steps))
+        return SearchSchedule(initial, factors=opt_cfg.search_factors, chunk_steps=chunk_steps,
+                              trial_steps=trial_steps)
+    if name == "newbob":
+        from .newbob import NewbobSchedule
+        return NewbobSchedule(initial, start_halving=opt_cfg.newbob_start_halving,
+                              stop=opt_cfg.newbob_stop)
+    raise ValueError(f"optimizer.schedule: unknown schedule {name!r}")

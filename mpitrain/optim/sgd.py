@@ -11,6 +11,9 @@ model averaging stable, as in Kaldi.
 On the host the norms are read and the scales computed in Python; on a GPU
 the same rule runs in three kernels (``kernels.max_change_step_``) and
 nothing is read back, so the host never waits for the GPU during a step.
+
+With ``gradient_scaling`` (``optimizer.schedule: adapt``, ``adapt.py``) the
+gradient is first scaled per parameter, and ``g`` above is the scaled one.
 """
 
 from __future__ import annotations
@@ -39,12 +42,15 @@ class SGD(ReplayableOptimizer):
     name = "sgd"
 
     def __init__(self, net, *, momentum: float = 0.0, max_change_per_layer: float = 0.75,
-                 max_change_output: float = 1.5, max_change: float = 2.0):
+                 max_change_output: float = 1.5, max_change: float = 2.0,
+                 gradient_scaling=None):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if min(max_change_per_layer, max_change_output, max_change) < 0:
             raise ValueError("max-change values must be >= 0 (0 disables)")
         self.net = net
+        # per-parameter scaling of g before the step (adapt.LimitedMemoryAdagrad), or None
+        self.gradient_scaling = gradient_scaling
         self.momentum = float(momentum)
         self.max_change = float(max_change)
         slices = [s for _, s in net.param_slices]
@@ -90,6 +96,8 @@ class SGD(ReplayableOptimizer):
         """One update at rate ``lr`` (on a device, None: the rate given to
         :meth:`load_learning_rate`, as a captured CUDA graph needs)."""
         self._calls += 1
+        if self.gradient_scaling is not None:
+            self.gradient_scaling.scale_(self.net.grads)
         if self._device is not None:
             kernels.max_change_step_(self.net.params, self.net.grads, self.delta, lr=lr,
                                      momentum=self.momentum, max_change=self.max_change,
@@ -154,7 +162,9 @@ class SGD(ReplayableOptimizer):
     def static_step_ahead(self) -> bool:
         """Whether the next :meth:`step` (with the backward pass before it) is fixed
         device work with fixed buffers, which a captured CUDA graph may replay."""
-        return self._device is not None and backend.fused_kernels(self.net.xp)
+        # adapt's array expressions allocate temporaries: not captured in a graph
+        return self._device is not None and backend.fused_kernels(self.net.xp) \
+            and self.gradient_scaling is None
 
     def load_learning_rate(self, lr: float) -> None:
         """Put ``lr`` where the device step reads it (before a graph replay)."""
@@ -176,6 +186,8 @@ class SGD(ReplayableOptimizer):
         state = {"num_steps": self.num_steps, "num_skipped": self.num_skipped}
         if self.delta is not None:
             state["delta"] = to_host(self.delta)
+        if self.gradient_scaling is not None:
+            state["adapt"] = self.gradient_scaling.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -189,3 +201,5 @@ class SGD(ReplayableOptimizer):
             if "delta" not in state:
                 raise ValueError("optimizer state has no 'delta' (momentum) buffer")
             self.delta[...] = backend.to_device(state["delta"], self.net.xp)
+        if self.gradient_scaling is not None:
+            self.gradient_scaling.load_state_dict(state.get("adapt", {}))

@@ -1,8 +1,16 @@
-"""The learning-rate schedule."""
+"""The learning-rate schedules (optim/schedule.py, search.py, newbob.py, factory.py):
+each follows its rule on scripted inputs, and its state continues it exactly."""
+
+import math
 
 import pytest
 
-from mpitrain.optim.schedule import ExponentialSchedule
+from mpitrain.config import OptimizerConfig
+from mpitrain.optim.factory import build_schedule
+from mpitrain.optim.newbob import NewbobSchedule
+from mpitrain.optim.schedule import (ConstantSchedule, ExponentialSchedule, HandSchedule,
+                                     PlannedExponential)
+from mpitrain.optim.search import SearchSchedule
 
 
 def test_exponential_schedule():
@@ -11,3 +19,98 @@ def test_exponential_schedule():
     assert s(0.5) == pytest.approx(0.01 * 0.1 ** 0.5)
     assert s(1) == pytest.approx(0.001)
     assert s(2) == pytest.approx(0.001)
+
+
+def test_planned_exponential_is_the_old_rule_bit_for_bit():
+    curve, sched = ExponentialSchedule(0.004, 0.0004), PlannedExponential(0.004, 0.0004,
+                                                                          planned_steps=417)
+    assert all(sched.rate(n) == curve(n / 417) for n in range(0, 500, 7))
+
+
+def test_hand_rate_after_n_steps_is_r0_times_f_to_the_n():
+    sched = HandSchedule(0.008, factor=0.999)
+    for n in (0, 1, 10, 1000):
+        assert sched.rate(n) == pytest.approx(0.008 * 0.999 ** n, rel=1e-12)
+    assert sched.state_dict() == {}          # the step count alone continues it
+
+
+def test_adapt_rate_is_constant_gamma():
+    assert ConstantSchedule(0.008).rate(0) == ConstantSchedule(0.008).rate(10 ** 6) == 0.008
+
+
+def _scripted_trial(objectives_by_factor, calls):
+    def trial(rate):
+        calls.append(rate)
+        return objectives_by_factor[len(calls) - 1], 256
+    return trial
+
+
+def test_search_picks_the_factor_with_the_best_objective():
+    sched = SearchSchedule(0.008, factors=(0.5, 1.0, 2.0), chunk_steps=100, trial_steps=3)
+    assert sched.search_due(0) and not sched.search_due(50)
+    calls = []
+    found = sched.search(0, _scripted_trial([2.0, 1.5, 1.7], calls))
+    assert calls == [0.004, 0.008, 0.016]
+    assert found["chosen"] == sched.rate(0) == sched.rate(99) == 0.008
+    assert not sched.search_due(0) and sched.search_due(100)
+    calls = []
+    sched.search(100, _scripted_trial([1.0, 1.5, 1.7], calls))
+    assert calls == [0.004, 0.008, 0.016] and sched.rate(100) == 0.004
+    assert sched.trial_frames == 6 * 256 and sched.searches == 2
+
+
+def test_search_never_picks_a_non_finite_trial():
+    sched = SearchSchedule(0.008, factors=(0.5, 1.0, 2.0), chunk_steps=10, trial_steps=1)
+    sched.search(0, _scripted_trial([3.0, math.nan, math.inf], []))
+    assert sched.rate(0) == 0.004
+    sched.search(10, _scripted_trial([math.inf] * 3, []))
+    assert sched.rate(10) == 0.002           # all diverged: the smallest rate
+
+
+def test_search_state_continues_it():
+    a = SearchSchedule(0.008, factors=(0.5, 2.0), chunk_steps=10, trial_steps=1)
+    a.search(0, _scripted_trial([1.0, 2.0], []))
+    b = SearchSchedule(0.008, factors=(0.5, 2.0), chunk_steps=10, trial_steps=1)
+    b.load_state_dict(a.state_dict())
+    assert b.rate(5) == a.rate(5) == 0.004 and not b.search_due(0) and b.search_due(10)
+    assert b.trial_frames == a.trial_frames
+
+
+def test_newbob_halves_then_stops_on_a_scripted_sequence():
+    sched = NewbobSchedule(0.004, start_halving=0.005, stop=0.001)
+    assert sched.uses_epoch_eval
+    steps = [(2.000, 0.500),          # epoch 1: the baseline only
+             (1.800, 0.550),          # 10% better: keep the rate
+             (1.795, 0.560),          # 0.28% < 0.5%: start halving
+             (1.790, 0.5650),         # halving: acc gain 0.5% >= 0.1%: halve again
+             (1.789, 0.5655)]         # acc gain 0.05% < 0.1%: stop
+    rates = []
+    for xent, acc in steps:
+        decision = sched.end_epoch(xent, acc)
+        rates.append(sched.rate(0))
+        assert decision["rate"] == sched.rate(0)
+    assert rates == [0.004, 0.004, 0.002, 0.001, 0.001]
+    assert sched.halving and sched.stopped
+
+
+def test_newbob_state_continues_it():
+    a = NewbobSchedule(0.004, start_halving=0.005, stop=0.001)
+    a.end_epoch(2.0, 0.5)
+    a.end_epoch(1.999, 0.51)
+    b = NewbobSchedule(0.004, start_halving=0.005, stop=0.001)
+    b.load_state_dict(a.state_dict())
+    assert (b.rate(0), b.halving, b.last_xent) == (a.rate(0), True, 1.999)
+    a.end_epoch(1.998, 0.5101)
+    b.end_epoch(1.998, 0.5101)
+    assert a.state_dict() == b.state_dict() and b.stopped
+
+
+def test_factory_builds_each_schedule_and_cuts_search_chunks_in_steps():
+    def cfg(name, **kw):
+        return OptimizerConfig(schedule=name, initial_learning_rate=0.008, **kw)
+    names = {n: build_schedule(cfg(n), planned_steps=100, frames_per_step=512).name
+             for n in ("exponential", "hand", "adapt", "search", "newbob")}
+    assert names == {n: n for n in names}
+    search = build_schedule(cfg("search", search_chunk_frames=360_000), planned_steps=100,
+                            frames_per_step=512)
+    assert search.chunk_steps == 703 and search.trial_steps == 21     # 360000 / 512, 3%

@@ -1,0 +1,92 @@
+"""``search``: You & Xu's ASGD-search, one pass with a rate chosen by trials per chunk.
+
+Rule.  The run is cut into chunks of ``chunk_steps`` minibatches (about an
+hour of frames over all ranks: ``optimizer.search_chunk_frames``).  Before
+each chunk, for every factor f in ``optimizer.search_factors`` (0.5, 1, 2),
+a trial trains ``trial_steps`` minibatches (``search_trial_fraction``, ~3% of
+the chunk) at rate ``r f`` from the current weights; the trial's objective is
+its training cross-entropy per frame summed over all ranks (each minibatch is
+scored before its update: progressive validation).  The chunk is trained at
+``r <- r f*`` with f* the factor of the lowest objective (the first one on a
+tie; a non-finite trial never wins; if all are non-finite the smallest rate is
+kept).  ``r`` starts at ``optimizer.initial_learning_rate``.
+
+This class decides; running a trial (and putting the weights, the optimizer
+and the reader back afterwards) is the trainer's (``train/search.py``), given
+as the ``trial`` callable, so the objectives arrive already summed over ranks
+and every rank picks the same rate.
+
+Example::
+
+    sched = SearchSchedule(0.008, factors=(0.5, 1.0, 2.0), chunk_steps=1400, trial_steps=42)
+    if sched.search_due(step):
+        found = sched.search(step, trial)     # trial(rate) -> (objective, frames)
+    rate = sched.rate(step)
+"""
+
+from __future__ import annotations
+
+import math
+
+from .schedule import Schedule
+
+
+class SearchSchedule(Schedule):
+    """See the module docstring."""
+
+    name = "search"
+
+    def __init__(self, initial: float, *, factors, chunk_steps: int, trial_steps: int):
+        factors = tuple(float(f) for f in factors)
+        if initial <= 0 or not factors or min(factors) <= 0:
+            raise ValueError(f"search schedule: need initial > 0 and positive factors, got "
+                             f"{initial}, {factors}")
+        if chunk_steps < 1 or trial_steps < 1:
+            raise ValueError(f"search schedule: chunk_steps and trial_steps must be >= 1, got "
+                             f"{chunk_steps}, {trial_steps}")
+        self.factors = factors
+        self.chunk_steps, self.trial_steps = int(chunk_steps), int(trial_steps)
+        self.current = float(initial)
+        self.searched_at = -1        # the step whose chunk already has its rate
+        self.searches = 0
+        self.trial_frames = 0        # frames the trials trained on, summed over ranks
+
+    def rate(self, step: int) -> float:
+        return self.current
+
+    def search_due(self, step: int) -> bool:
+        return step % self.chunk_steps == 0 and step != self.searched_at
+
+    def search(self, step: int, trial) -> dict:
+        """Try every factor with ``trial(rate) -> (objective, frames)`` and keep the best
+        rate; returns the rates tried, their objectives and the choice."""
+        rates = [self.current * f for f in self.factors]
+        objectives = []
+        for rate in rates:
+            objective, frames = trial(rate)
+            objective = float(objective)
+            objectives.append(objective if math.isfinite(objective) else math.inf)
+            self.trial_frames += int(frames)
+        if all(math.isinf(o) for o in objectives):
+            best = min(range(len(rates)), key=lambda i: rates[i])
+        else:
+            best = min(range(len(rates)), key=lambda i: objectives[i])
+        self.current = rates[best]
+        self.searched_at = int(step)
+        self.searches += 1
+        return {"rates": rates, "objectives": objectives, "chosen": self.current}
+
+    def state_dict(self) -> dict:
+        return {"rate": self.current, "searched_at": self.searched_at,
+                "searches": self.searches, "trial_frames": self.trial_frames}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "rate" not in state:
+            raise ValueError("search schedule state: missing 'rate'")
+        rate = float(state["rate"])
+        if not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"search schedule state: rate must be > 0, got {rate!r}")
+        self.current = rate
+        self.searched_at = int(state.get("searched_at", -1))
+        self.searches = int(state.get("searches", 0))
+        self.trial_frames = int(state.get("trial_frames", 0))

@@ -1,0 +1,90 @@
+"""Trials of ``optimizer.schedule: search``: train a few minibatches at a trial rate,
+score them, and put everything back.
+
+A trial starts from this rank's current weights, optimizer state and reader
+position, trains ``steps`` minibatches of the coming data at the given rate
+on this rank alone (no averaging or gradient exchange: a trial is short),
+scores each minibatch's cross-entropy before its update, and then restores
+the weights, the optimizer (momentum, natural-gradient and adapt statistics,
+counters) and the reader, so the real run continues as if nothing happened.
+The scores are summed over all ranks with one allreduce, so every rank sees
+the same objective and :class:`~mpitrain.optim.search.SearchSchedule` picks
+the same rate everywhere.
+
+Example::
+
+    trials = RateTrials(net, optimizer, strategy, stream, comm, minibatch=256,
+                        left_context=5, right_context=5)
+    objective, frames = trials.run(0.004, steps=42, step=step)
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .step import TrainingStep
+
+
+class _Alone:
+    """The strategy of a trial step: this rank trains alone, nothing is exchanged."""
+
+    reduces_gradients = False
+    straggler = None
+
+    def learning_rate(self, lr: float, step: int = 0) -> float:
+        return lr
+
+    def is_active(self, step: int) -> bool:
+        return True
+
+    def reduce_gradients(self, net) -> None:
+        pass
+
+    def after_update(self, net, optimizer, step: int) -> None:
+        pass
+
+
+def _copied(state):
+    """A deep copy of a state dict (host arrays may alias the live buffers)."""
+    if isinstance(state, dict):
+        return {key: _copied(value) for key, value in state.items()}
+    if isinstance(state, np.ndarray):
+        return state.copy()
+    return state
+
+
+class RateTrials:
+    """Runs trials for the search schedule (see the module docstring)."""
+
+    def __init__(self, net, optimizer, strategy, stream, comm, *, minibatch: int,
+                 left_context: int, right_context: int):
+        self.net, self.optimizer, self.strategy = net, optimizer, strategy
+        self.stream, self.comm = stream, comm
+        self.step = TrainingStep(net, optimizer, _Alone(), minibatch=minibatch,
+                                 left_context=left_context, right_context=right_context)
+
+    def run(self, rate: float, *, steps: int, step: int) -> tuple:
+        """(cross-entropy per frame over all ranks' trial minibatches, their frames);
+        the objective is inf if any rank's trial skipped a non-finite step."""
+        net, optimizer, stream = self.net, self.optimizer, self.stream
+        params = net.params.copy()
+        opt_state = _copied(optimizer.state_dict())
+        reader = dict(stream.state_dict())
+        # the rate real steps would take here (kaldi scales it by its number of jobs)
+        lr = self.strategy.learning_rate(rate, step)
+        self.step.take_sums()                     # start from empty sums
+        try:
+            for n in range(steps):
+                self.step.run(step + n, lr, stream.next_batch)
+            loss, _, frames, skipped = self.step.take_sums()
+        finally:
+            net.params[...] = params
+            optimizer.load_state_dict(opt_state)
+            stream.load_state_dict(reader)
+        sums = np.array([loss, frames, skipped], dtype=np.float64)
+        self.comm.allreduce_(sums, op="sum")
+        frames = int(sums[1])
+        objective = sums[0] / sums[1] if sums[1] > 0 and sums[2] == 0 else math.inf
+        return (objective if math.isfinite(objective) else math.inf), frames
