@@ -1,32 +1,53 @@
 """Pseudo log-likelihoods for Kaldi's decoders.
 
 For each utterance: CMVN and splicing as in training, forward pass, then
-log p(s|x) - log p(s), the log posterior minus the log prior of the class
-(priors from the training corpus' class counts).  Written as a Kaldi matrix
-archive, so ``latgen-faster-mapped`` and friends read it directly.
+the pseudo log-likelihood of each pdf s,
 
-Features are read by :func:`mpitrain.data.kaldi.read_feature_matrices`, which
-accepts only Kaldi matrices and refuses every other record (pickles above all)
-by key.  Output files are written under temporary names and renamed when every
+    log p(x|s) = log p(s|x) - scale * log p(s)        (up to a constant)
+
+with p(s) the pdf's prior (the training corpus' class frequencies) and
+``scale`` the prior scale (1 by default; 0, or ``priors=False``, writes log
+posteriors).  A pdf never seen in training has no usable prior: as in Kaldi,
+it gets a very low score (``UNSEEN_SCORE`` below every other), so the decoder
+never picks it, and one warning names how many there are.  Written as a
+Kaldi matrix archive, so ``latgen-faster-mapped`` and friends read it
+directly.
+
+Features are read by :func:`mpitrain.data.kaldi_read.read_feature_matrices`,
+the reader ``prepare`` uses (any rspecifier, pipes included), which accepts
+only Kaldi matrices and refuses every other record (pickles above all) by key.  Output files are written under temporary names and renamed when every
 utterance is done, so an error never leaves a partial archive behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import numpy as np
 
 from . import backend
 from .files import commit, discard, temporary_path
-from .data.kaldi import read_feature_matrices
+from .data.kaldi_read import read_feature_matrices
 from .data.splice import frame_utterance_bounds, splice, splice_indices
 from .nn.loss import log_softmax
 from .nn.model_file import load_model
 
+# A prior at or below this marks a pdf never seen in training: the corpus
+# floors an unseen class' prior to 1e-8 (CorpusManifest.class_priors), and a
+# pdf seen once in 50 million frames is rare enough to count as unseen.
+UNSEEN_PRIOR = 2e-8
+# Kaldi's score for such pdfs (nnet1's PdfPrior): log p(s) := sqrt(FLT_MAX),
+# far below any real log-likelihood yet finite in float32.
+UNSEEN_SCORE = -float(np.sqrt(np.finfo(np.float32).max))
 
-def utterance_loglikes(net, feats, log_priors, *, batch: int = 4096) -> np.ndarray:
-    """(T, num_classes) pseudo log-likelihoods of one utterance's raw features."""
+
+def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
+    """(T, num_classes) log posteriors of one utterance's raw features plus ``offsets``.
+
+    ``offsets`` is ``-scale * log p(s)`` per class (:func:`prior_offsets`);
+    zeros give log posteriors.
+    """
     xp = net.xp
     frames = net.normalize_frames(backend.to_device(np.array(feats, dtype=np.float32), xp))
     n = frames.shape[0]
@@ -36,39 +57,82 @@ def utterance_loglikes(net, feats, log_priors, *, batch: int = 4096) -> np.ndarr
         idx = xp.arange(lo, min(lo + batch, n))
         ctx = splice_indices(idx, start[idx], end[idx], net.left_context, net.right_context)
         logp = log_softmax(net.forward(splice(frames, ctx)))
-        out[lo:lo + len(idx)] = backend.to_host(logp) - log_priors
+        out[lo:lo + len(idx)] = backend.to_host(logp) + offsets
     return out
 
 
+def prior_offsets(priors, *, scale: float = 1.0, unseen=None):
+    """(offsets, number of unseen pdfs): what to add to log posteriors per class.
+
+    ``offsets[s] = -scale * log p(s)``; a pdf in ``unseen`` (default: prior at
+    or below ``UNSEEN_PRIOR``) gets ``UNSEEN_SCORE`` instead, whatever the scale.
+
+    Example::
+
+        offsets, n_unseen = prior_offsets([0.5, 0.5, 0.0])   # n_unseen == 1
+    """
+    priors = np.asarray(priors, dtype=np.float64)
+    if unseen is None:
+        unseen = priors <= UNSEEN_PRIOR
+    unseen = np.asarray(unseen, dtype=bool)
+    offsets = -scale * np.log(np.where(unseen, 1.0, priors))
+    offsets[unseen] = UNSEEN_SCORE
+    return offsets.astype(np.float32), int(unseen.sum())
+
+
 def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=None,
-                    batch: int = 4096) -> int:
+                    batch: int = 4096, prior_scale: float = 1.0, priors: bool = True,
+                    warn=None) -> int:
     """Write loglikes for every utterance of ``feats_rspec``; returns the count.
+
+    ``log p(x|s) = log p(s|x) - prior_scale * log p(s)``; ``priors=False``
+    writes log posteriors.  ``warn(message)`` hears about pdfs never seen in
+    training (default: printed to stderr).
 
     Example::
 
         export_loglikes("runs/x/final.h5", "scp:data/test/feats.scp", "ark:loglikes.ark")
     """
-    net, priors = load_model(model_path)
-    if corpus_dir is not None:
-        from .data.corpus import load_manifest
-        priors = load_manifest(corpus_dir).class_priors()
-    if priors is None:
-        raise ValueError(f"{model_path}: the model stores no class priors; "
-                         "pass --corpus with the training corpus")
-    priors = np.asarray(priors, dtype=np.float64)
-    if priors.shape != (net.num_classes,):
-        raise ValueError(f"priors have {priors.shape[0]} classes, the model "
-                         f"{model_path} has {net.num_classes}")
-    log_priors = np.log(np.maximum(priors, 1e-20)).astype(np.float32)
+    net, stored = load_model(model_path)
+    offsets = np.zeros(net.num_classes, dtype=np.float32)
+    if priors:
+        offsets = _offsets(net, model_path, stored, corpus_dir, prior_scale, warn)
     count = 0
     with ArkWriter(out_wspec) as writer:
         for utt, feats in read_feature_matrices(feats_rspec):
             if feats.shape[1] != net.feat_dim:
                 raise ValueError(f"{feats_rspec}: utterance {utt} has features of shape "
                                  f"{feats.shape}, the model expects dim {net.feat_dim}")
-            writer.write(utt, utterance_loglikes(net, feats, log_priors, batch=batch))
+            writer.write(utt, utterance_loglikes(net, feats, offsets, batch=batch))
             count += 1
     return count
+
+
+def _offsets(net, model_path, priors, corpus_dir, scale, warn):
+    """Per-class offsets from the model's priors or the corpus' counts, with the warning."""
+    if not np.isfinite(scale) or scale < 0:
+        raise ValueError(f"--prior-scale: expected a number >= 0, got {scale}")
+    unseen = None
+    source = str(model_path)
+    if corpus_dir is not None:
+        from .data.corpus import load_manifest
+        manifest = load_manifest(corpus_dir)
+        priors = manifest.class_priors()
+        unseen = np.asarray(manifest.class_counts) == 0
+        source = f"{corpus_dir}/corpus.yaml"
+    if priors is None:
+        raise ValueError(f"{model_path}: the model stores no class priors; "
+                         "pass --corpus with the training corpus, or --no-priors")
+    priors = np.asarray(priors, dtype=np.float64)
+    if priors.shape != (net.num_classes,):
+        raise ValueError(f"{source}: priors have {priors.shape[0]} classes, the model "
+                         f"{model_path} has {net.num_classes}")
+    offsets, n_unseen = prior_offsets(priors, scale=scale, unseen=unseen)
+    if n_unseen:
+        message = (f"warning: {n_unseen} of {net.num_classes} pdfs were never seen in "
+                   f"training ({source}); they get the score {UNSEEN_SCORE:.3g}")
+        (warn or _to_stderr)(message)
+    return offsets
 
 
 class ArkWriter:
@@ -145,7 +209,11 @@ class ArkWriter:
     def _close_files(self) -> None:
         files, self._files = self._files, []
         for handle in files:
-            handle.close()
+            # a pipe's close waits for its command and returns its status
+            status = handle.close()
+            if status:
+                raise OSError(f"--out {self.ark.strip()}: the command failed with exit "
+                              f"status {status >> 8 or status}")
 
     def __enter__(self):
         return self
@@ -155,6 +223,10 @@ class ArkWriter:
             self.close()
         else:
             self.abort()
+
+
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _is_stream(name: str) -> bool:

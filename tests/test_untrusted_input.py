@@ -271,6 +271,47 @@ def test_matrix_headers_beyond_the_file_are_refused_before_allocating(tmp_path, 
     assert not (tmp_path / "ll.ark").exists() and listing(tmp_path / "corpus") == []
 
 
+@pytest.mark.parametrize("record,declared", [
+    (_fm_header(b"FM", 10 ** 9, 10 ** 9), "FM header declares 1000000000 x 1000000000"),
+    (_cm_header(b"CM2", 10 ** 9, 40), "CM2 header declares 1000000000 x 40"),
+])
+def test_headers_through_a_pipe_are_refused_before_allocating(tmp_path, model, record, declared):
+    # A pipe has no size to compare with: the payload is read in blocks, so memory
+    # follows the bytes that arrive, not the header.
+    (tmp_path / "big.ark").write_bytes(b"utt7 " + record + b"\0" * 100)
+    _, ali = feats_and_ali(1)
+    write_text_ali(tmp_path / "ali.txt", {"utt7": ali["utt0"]})
+    prepare = run_limited(["-m", "mpitrain", "prepare", "--feats", "ark:cat big.ark |",
+                           "--ali", "ark,t:cat ali.txt |", "--out", "corpus"], cwd=tmp_path)
+    assert_refused(prepare, "cat big.ark |", "'utt7'", declared, "bytes follow in the stream")
+    export = run_limited(["-m", "mpitrain", "export", str(model), "--feats",
+                          "ark:gzip -c big.ark | gunzip -c |", "--out", "ark:ll.ark"],
+                         cwd=tmp_path)
+    assert_refused(export, "gunzip -c |", "'utt7'", declared)
+    assert not (tmp_path / "ll.ark").exists() and listing(tmp_path / "corpus") == []
+
+
+@pytest.mark.parametrize("feats", ["ark:cat {d}/evil.ark |", "scp:cat {d}/evil.scp |"])
+def test_a_pickled_record_through_a_pipe_is_refused(evil, model, feats, capsys):
+    d, marker = evil
+    out = d / "out"
+    out.mkdir()
+    assert main(["export", str(model), "--feats", feats.format(d=d),
+                 "--out", f"ark,scp:{out}/ll.ark,{out}/ll.scp"]) != 0
+    err = one_line_error(capsys)
+    assert "evil.ark" in err and "'utt1'" in err and "pickled" in err
+    assert main(["prepare", "--feats", feats.format(d=d), "--ali", f"ark,t:cat {d}/ali.txt |",
+                 "--out", str(d / "corpus")]) != 0
+    err = one_line_error(capsys)
+    assert "'utt1'" in err and "pickled" in err
+    # an scp entry that is itself a pipe printing the pickle
+    (d / "p.ark").write_bytes(b"utt1 " + pickled_record(marker))
+    (d / "pipe.scp").write_text(f"utt1 cut -c 6- {d}/p.ark |\n")
+    with pytest.raises(CorpusError, match=r"cut -c 6- .*p.ark \|: entry 'utt1' holds a pickled"):
+        list(read_feature_matrices(f"scp:{d}/pipe.scp"))
+    assert not marker.exists() and listing(out) == [] and listing(d / "corpus") == []
+
+
 def test_int_vector_header_beyond_the_file_is_refused_before_allocating(tmp_path):
     feats, _ = feats_and_ali(1)
     kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)

@@ -1,0 +1,149 @@
+"""One reader for every Kaldi rspecifier: files, scp offsets, pipes both in the
+rspecifier and in scp entries, stdin, gzip'd arks through pipes, and failing
+commands."""
+
+import gzip
+import os
+import subprocess
+import sys
+
+import kaldiio
+import numpy as np
+import pytest
+
+from mpitrain.cli import main
+from mpitrain.data.corpus import CorpusError
+from mpitrain.data.kaldi_read import read_alignments, read_feature_matrices, split_rspecifier
+
+
+@pytest.fixture
+def arks(tmp_path):
+    rng = np.random.default_rng(5)
+    feats = {f"utt{i}": rng.normal(size=(int(rng.integers(4, 9)), 3)).astype(np.float32)
+             for i in range(4)}
+    ali = {k: rng.integers(0, 5, v.shape[0]).astype(np.int32) for k, v in feats.items()}
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats, scp=str(tmp_path / "feats.scp"))
+    kaldiio.save_ark(str(tmp_path / "ali.ark"), ali)
+    for name in ("feats.ark", "ali.ark"):
+        with open(tmp_path / name, "rb") as src, gzip.open(tmp_path / (name + ".gz"), "wb") as gz:
+            gz.write(src.read())
+    with open(tmp_path / "ali.txt", "w") as f:
+        for k, v in ali.items():
+            f.write(k + " " + " ".join(map(str, v)) + "\n")
+    return tmp_path, feats, ali
+
+
+def _same(got, expected):
+    assert list(got) == list(expected)
+    for key in expected:
+        np.testing.assert_array_equal(got[key], expected[key])
+
+
+@pytest.mark.parametrize("spec", [
+    "ark:{d}/feats.ark", "ark,s,cs:{d}/feats.ark", "scp:{d}/feats.scp", "scp,s,cs:{d}/feats.scp",
+    "ark:cat {d}/feats.ark |", "ark,s,cs:gunzip -c {d}/feats.ark.gz |",
+    "scp:cat {d}/feats.scp |", "{d}/feats.scp", "{d}/feats.ark",
+])
+def test_every_rspecifier_form_reads_the_same_features(arks, spec):
+    d, feats, _ = arks
+    _same(dict(read_feature_matrices(spec.format(d=d))), feats)
+
+
+def test_scp_entries_that_are_pipes(arks):
+    d, feats, _ = arks
+    # as Kaldi writes them: each entry a command printing one bare matrix
+    for key, matrix in feats.items():
+        kaldiio.save_mat(str(d / f"{key}.mat"), matrix)
+    (d / "pipes.scp").write_text("".join(f"{k} cat {d}/{k}.mat |\n" for k in feats))
+    _same(dict(read_feature_matrices(f"scp:{d}/pipes.scp")), feats)
+
+
+@pytest.mark.parametrize("spec", ["ark:{d}/ali.ark", "ark:gunzip -c {d}/ali.ark.gz |",
+                                  "ark,t:cat {d}/ali.txt |", "{d}/ali.txt"])
+def test_alignments_through_every_form(arks, spec):
+    d, _, ali = arks
+    _same(read_alignments(spec.format(d=d)), ali)
+
+
+def test_stdin_is_read_as_an_ark(arks):
+    d, feats, _ = arks
+    code = ("import sys; from mpitrain.data.kaldi_read import read_feature_matrices as r; "
+            "print(sorted(k for k, _ in r('ark:-')))")
+    with open(d / "feats.ark", "rb") as stdin:
+        result = subprocess.run([sys.executable, "-c", code], stdin=stdin, capture_output=True,
+                                text=True, timeout=60)
+    assert result.stdout.strip() == str(sorted(feats)), result.stderr
+
+
+def test_split_rspecifier():
+    assert split_rspecifier("ark,t:a b.txt", "x") == ("text", "a b.txt")
+    assert split_rspecifier("ark,s,cs:gunzip -c a.gz |", "x") == ("ark", "gunzip -c a.gz |")
+    assert split_rspecifier("scp,p:a.scp", "x") == ("scp", "a.scp")
+    assert split_rspecifier("dir:with:colons.scp", "x") == ("scp", "dir:with:colons.scp")
+    with pytest.raises(ValueError, match="not both"):
+        split_rspecifier("ark,scp:a.ark,a.scp", "feats")
+
+
+def test_prepare_and_export_read_pipes_like_files(arks, tmp_path, capsys):
+    d, feats, ali = arks
+    assert main(["prepare", "--feats", f"ark:gunzip -c {d}/feats.ark.gz |",
+                 "--ali", f"ark:gunzip -c {d}/ali.ark.gz |", "--out", str(d / "c1")]) == 0
+    assert main(["prepare", "--feats", f"ark:{d}/feats.ark", "--ali", f"ark:{d}/ali.ark",
+                 "--out", str(d / "c2")]) == 0
+    assert "imported 4 utterances" in capsys.readouterr().out
+    for name in ("shard-00000.h5",):
+        with open(d / "c1" / name, "rb") as a, open(d / "c2" / name, "rb") as b:
+            assert a.read() == b.read()
+    from .tiny_models import tiny_model
+    model = tiny_model(d / "model.h5", feat_dim=3, num_classes=5)
+    assert main(["export", str(model), "--feats", f"ark:cat {d}/feats.ark |",
+                 "--out", f"ark:{d}/pipe.ark"]) == 0
+    assert main(["export", str(model), "--feats", f"scp:{d}/feats.scp",
+                 "--out", f"ark:{d}/file.ark"]) == 0
+    assert (d / "pipe.ark").read_bytes() == (d / "file.ark").read_bytes()
+    captured = capsys.readouterr()
+    assert "pseudo log-likelihoods of 4 utterances" in captured.out + captured.err
+
+
+@pytest.mark.parametrize("command", [
+    "gunzip -c {d}/missing.ark.gz",                       # fails before writing anything
+    "sh -c 'cat {d}/feats.ark; echo giving up >&2; exit 3'",  # fails after every record
+])
+def test_a_failing_pipe_is_one_line_naming_the_command_and_leaves_nothing(arks, command,
+                                                                          capsys):
+    d, _, _ = arks
+    from .tiny_models import tiny_model
+    model = tiny_model(d / "model.h5", feat_dim=3, num_classes=5)
+    command = command.format(d=d)
+    out = d / "out"
+    out.mkdir()
+    assert main(["export", str(model), "--feats", f"ark:{command} |",
+                 "--out", f"ark,scp:{out}/ll.ark,{out}/ll.scp"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert f"{command} |: the command failed with exit status" in err
+    assert os.listdir(out) == []
+    assert main(["prepare", "--feats", f"ark:{command} |", "--ali", f"ark:{d}/ali.ark",
+                 "--out", str(d / "corpus")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"{command} |: the command failed" in err, err
+    assert not (d / "corpus").exists() or os.listdir(d / "corpus") == []
+
+
+def test_a_failing_output_pipe_is_an_error(arks, capsys):
+    d, _, _ = arks
+    from .tiny_models import tiny_model
+    model = tiny_model(d / "model.h5", feat_dim=3, num_classes=5)
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", "ark:| sh -c 'cat > /dev/null; exit 4'"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "failed with exit status 4" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_truncated_record_from_a_pipe_names_the_command(arks):
+    d, _, _ = arks
+    data = (d / "feats.ark").read_bytes()
+    (d / "cut.ark").write_bytes(data[:len(data) - 10])
+    with pytest.raises(CorpusError, match=r"cat .*cut.ark \|: entry 'utt3': FM header declares "
+                                          r".* but only \d+ bytes follow in the stream"):
+        list(read_feature_matrices(f"ark:cat {d}/cut.ark |"))
