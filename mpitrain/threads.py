@@ -11,12 +11,18 @@ Example::
     blas_threads(0, device="cpu", ranks_on_node=2, cores=16)   # 8
     blas_threads(0, device="gpu", ranks_on_node=2, cores=16)   # 1
     blas_threads(3, device="cpu", ranks_on_node=2, cores=16)   # 3 (asked for)
+    available_cores()      # e.g. 4 in a container limited to 4 CPUs on a 64-core host
+
+The cores are those this process may use: its CPU affinity (taskset, Slurm's
+and mpiexec's binding), capped by a cgroup CPU quota (containers, Slurm's
+cgroup plugin) -- not ``os.cpu_count()``, the host's count.
 """
 
 from __future__ import annotations
 
+import math
 import os
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
@@ -32,8 +38,91 @@ def blas_threads(requested: int = 0, *, device: str = "cpu", ranks_on_node: int 
         return int(requested)
     if device == "gpu":
         return 1
-    cores = cores or os.cpu_count() or 1
+    cores = cores or available_cores()
     return max(1, cores // max(1, ranks_on_node))
+
+
+def available_cores(*, affinity: Optional[Callable[[], set]] = None,
+                    cgroup_root: str = "/sys/fs/cgroup",
+                    proc_cgroup: str = "/proc/self/cgroup") -> int:
+    """Cores this process may run on: its affinity, capped by a cgroup CPU quota.
+
+    ``affinity``, ``cgroup_root`` and ``proc_cgroup`` are for tests.
+    """
+    if affinity is None and hasattr(os, "sched_getaffinity"):   # not on macOS
+        affinity = lambda: os.sched_getaffinity(0)  # noqa: E731
+    try:
+        cores = len(affinity()) if affinity else 0
+    except OSError:
+        cores = 0
+    cores = cores or os.cpu_count() or 1
+    quota = cgroup_cpu_limit(cgroup_root, proc_cgroup)
+    if quota is not None:
+        cores = min(cores, quota)
+    return max(1, cores)
+
+
+def cgroup_cpu_limit(cgroup_root: str = "/sys/fs/cgroup",
+                     proc_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
+    """CPUs the cgroup quota allows (rounded up), or None without a readable quota.
+
+    cgroup v2: ``cpu.max`` ("QUOTA PERIOD" or "max PERIOD") of this process'
+    cgroup and its ancestors, the tightest; v1: ``cpu.cfs_quota_us`` over
+    ``cpu.cfs_period_us`` (quota -1: none).
+    """
+    v2_path, v1_path = _cgroup_paths(proc_cgroup)
+    limits = []
+    # v2: the limit of any ancestor applies too
+    path = v2_path
+    while path is not None:
+        pair = _read_words(os.path.join(cgroup_root, path.lstrip("/"), "cpu.max"))
+        if pair and len(pair) == 2 and pair[0] != "max":
+            limits.append(_cpus(pair[0], pair[1]))
+        path = None if path in ("/", "") else os.path.dirname(path.rstrip("/")) or "/"
+    for controller in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        for sub in {v1_path or "/", "/"}:
+            base = os.path.join(cgroup_root, controller, sub.lstrip("/"))
+            quota = _read_words(os.path.join(base, "cpu.cfs_quota_us"))
+            period = _read_words(os.path.join(base, "cpu.cfs_period_us"))
+            if quota and period:
+                limits.append(_cpus(quota[0], period[0]))
+    limits = [n for n in limits if n is not None]
+    return min(limits) if limits else None
+
+
+def _cgroup_paths(proc_cgroup: str):
+    """(v2 path, v1 cpu controller path) of this process, each None when absent."""
+    v2 = v1 = None
+    try:
+        with open(proc_cgroup, encoding="utf-8") as f:
+            for line in f:
+                hierarchy, _, rest = line.strip().partition(":")
+                controllers, _, path = rest.partition(":")
+                if hierarchy == "0" and controllers == "":
+                    v2 = path or "/"
+                elif "cpu" in controllers.split(","):
+                    v1 = path or "/"
+    except OSError:
+        v2 = "/"
+    return v2, v1
+
+
+def _read_words(path: str):
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().split()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _cpus(quota: str, period: str) -> Optional[int]:
+    try:
+        q, p = int(quota), int(period)
+    except ValueError:
+        return None
+    if q <= 0 or p <= 0:
+        return None           # -1: no quota (cgroup v1)
+    return max(1, math.ceil(q / p))
 
 
 def ranks_on_node_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
@@ -53,7 +142,7 @@ def preset_blas_env(env=None) -> None:
     ranks = ranks_on_node_from_env(env)
     if ranks is None or ranks <= 1:
         return
-    threads = str(blas_threads(0, ranks_on_node=ranks))
+    threads = str(blas_threads(0, ranks_on_node=ranks))   # the cores we may use, shared
     for name in BLAS_ENV:
         env.setdefault(name, threads)
 

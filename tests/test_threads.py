@@ -20,7 +20,7 @@ def test_ranks_on_node_from_launcher_variables():
 
 
 def test_preset_gives_each_rank_its_share_unless_the_user_chose(monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    monkeypatch.setattr("mpitrain.threads.available_cores", lambda: 8)
     env = {"OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
     preset_blas_env(env)
     assert env["OPENBLAS_NUM_THREADS"] == env["OMP_NUM_THREADS"] == "2"
@@ -30,3 +30,53 @@ def test_preset_gives_each_rank_its_share_unless_the_user_chose(monkeypatch):
     env = {}
     preset_blas_env(env)
     assert env == {}
+
+
+# -- the cores this process may use -------------------------------------------------------
+
+def _cgroup(tmp_path, files, proc="0::/job\n"):
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    (tmp_path / "proc_cgroup").write_text(proc)
+    return dict(cgroup_root=str(root), proc_cgroup=str(tmp_path / "proc_cgroup"))
+
+
+def test_affinity_not_cpu_count_gives_the_cores(tmp_path, monkeypatch):
+    from mpitrain.threads import available_cores
+    monkeypatch.setattr("os.cpu_count", lambda: 64)
+    fake = _cgroup(tmp_path, {})
+    assert available_cores(affinity=lambda: {0, 1, 2, 3}, **fake) == 4
+    # and the thread policy divides those among the node's ranks
+    monkeypatch.setattr("mpitrain.threads.available_cores", lambda: 4)
+    assert blas_threads(0, ranks_on_node=2) == 2
+
+
+@pytest.mark.parametrize("files,proc,expected", [
+    ({"job/cpu.max": "200000 100000\n"}, "0::/job\n", 2),               # v2: 2 CPUs
+    ({"job/cpu.max": "150000 100000\n"}, "0::/job\n", 2),               # 1.5 rounds up
+    ({"job/cpu.max": "max 100000\n"}, "0::/job\n", 8),                  # no limit
+    ({"cpu.max": "100000 100000\n", "job/cpu.max": "max 100000\n"}, "0::/job\n", 1),  # parent
+    ({"cpu/cpu.cfs_quota_us": "300000\n", "cpu/cpu.cfs_period_us": "100000\n"},
+     "4:cpu,cpuacct:/\n", 3),                                           # v1
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},
+     "4:cpu,cpuacct:/\n", 8),                                           # v1, no quota
+    ({"cpu,cpuacct/slurm/cpu.cfs_quota_us": "50000\n",
+      "cpu,cpuacct/slurm/cpu.cfs_period_us": "100000\n"}, "4:cpu,cpuacct:/slurm\n", 1),
+    ({"job/cpu.max": "garbage\n"}, "0::/job\n", 8),                     # unreadable: ignored
+])
+def test_cgroup_quota_caps_the_cores(tmp_path, files, proc, expected):
+    from mpitrain.threads import available_cores
+    fake = _cgroup(tmp_path, files, proc)
+    assert available_cores(affinity=lambda: set(range(8)), **fake) == expected
+
+
+def test_no_cgroup_files_and_no_affinity_fall_back_to_cpu_count(tmp_path, monkeypatch):
+    from mpitrain.threads import available_cores
+
+    def refused():
+        raise OSError("no affinity here")
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    assert available_cores(affinity=refused, cgroup_root=str(tmp_path / "none"),
+                           proc_cgroup=str(tmp_path / "none")) == 6
