@@ -95,6 +95,39 @@ def test_steady_state_steps_read_nothing_back(optimizer, momentum):
         assert frames == (warmup + steps) * MINIBATCH and loss_sum > 0 and correct >= 0
 
 
+@pytest.mark.parametrize("device", ["host", "standin"])
+@pytest.mark.parametrize("optimizer", ["sgd", "ngsgd"])
+def test_non_finite_steps_are_skipped_and_counted_in_the_one_log_read(device, optimizer):
+    """A minibatch whose inputs are NaN leaves the parameters alone, and the log
+    line's single read carries the count of skipped steps (device or host)."""
+    import contextlib
+    context = standin_cupy.installed() if device == "standin" else contextlib.nullcontext(np)
+    with context as xp:
+        net, opt, step, next_batch = _run(xp, optimizer, 0.0, 12)
+        step.take_sums()
+        before = backend.to_host(net.params).copy()
+
+        forward_backward = net.forward_backward
+
+        def on_nan_inputs(x, labels, *, into=None):
+            x[...] = np.nan                 # what splicing NaN features would leave
+            return forward_backward(x, labels, into=into)
+
+        net.forward_backward = on_nan_inputs
+        for n in range(12, 14):
+            step.run(n, 0.01, next_batch)
+        net.forward_backward = forward_backward
+        reads = backend.host_read_counts()["blocking"]
+        _, _, frames, skipped = step.take_sums()
+        # one read of the device per log line (the host has nothing to read)
+        assert backend.host_read_counts()["blocking"] == reads + (device == "standin")
+        assert skipped == 2 and frames == 2 * MINIBATCH
+        np.testing.assert_array_equal(backend.to_host(net.params), before)
+        step.run(14, 0.01, next_batch)                   # a sound step is not counted
+        assert step.take_sums()[3] == 0
+        assert not np.array_equal(backend.to_host(net.params), before)
+
+
 @pytest.mark.parametrize("optimizer,momentum", [("sgd", 0.0), ("sgd", 0.5), ("ngsgd", 0.0)])
 def test_device_paths_compute_what_the_host_paths_compute(optimizer, momentum):
     """The device expressions (max-change, loss sums, NG-SGD) equal the NumPy code."""
