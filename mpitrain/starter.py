@@ -1,0 +1,81 @@
+"""The example configurations shipped with the package, and ``mpitrain init``.
+
+The examples are ``jobs/configs/*.yaml`` of the source tree; the build copies
+them into the package as ``mpitrain/configs/`` (setup.py), so an installed
+mpitrain has them too.  ``init`` writes one of them as ``DIR/mpitrain.yaml``
+with the corpus paths filled in, the file ``python -m mpitrain`` with no
+command trains.
+
+Example::
+
+    path = write_starter("exp1", corpus="data/synth")     # exp1/mpitrain.yaml
+    sorted(example_configs())                             # ['bench', 'ngsgd', ...]
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .files import atomic_open
+
+DEFAULT_CONFIG = "mpitrain.yaml"
+DEFAULT_EXAMPLE = "quickstart"
+
+
+def examples_dir() -> Path:
+    """Where the example configs are: in the package, else in the source tree."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "configs", here.parent / "jobs" / "configs"):
+        if candidate.is_dir() and any(candidate.glob("*.yaml")):
+            return candidate
+    raise FileNotFoundError(f"{here / 'configs'}: the example configurations are missing "
+                            "from this installation")
+
+
+def example_configs() -> dict[str, Path]:
+    """{name: path} of the shipped example configurations."""
+    return {p.stem: p for p in sorted(examples_dir().glob("*.yaml"))}
+
+
+def write_starter(out_dir, *, corpus: str | None = "data/synth", train: str | None = None,
+                  dev: str | None = None, example: str = DEFAULT_EXAMPLE,
+                  overwrite: bool = False, warn=None) -> Path:
+    """Write ``out_dir/mpitrain.yaml`` from an example with absolute corpus paths.
+
+    ``train`` and ``dev`` default to ``corpus/train`` and ``corpus/dev`` (the
+    layout ``mpitrain synth`` writes).  ``warn(message)`` hears of a corpus
+    directory without a ``corpus.yaml`` (it may be written later).
+    """
+    examples = example_configs()
+    if example not in examples:
+        raise ValueError(f"--example: no example configuration {example!r}; "
+                         f"choose one of {', '.join(examples)}")
+    train = train or (os.path.join(corpus, "train") if corpus else None)
+    dev = dev or (os.path.join(corpus, "dev") if corpus else None)
+    if not train or not dev:
+        raise ValueError("init: give --corpus DIR, or both --train and --dev")
+    target = Path(out_dir) / DEFAULT_CONFIG
+    if target.exists() and not overwrite:
+        raise ValueError(f"{target}: already exists; pass --overwrite to replace it")
+    text = examples[example].read_text(encoding="utf-8")
+    # the example's own "Run: ..." comment speaks of its place in the source tree
+    text = "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith("# Run:"))
+    for key, value in (("train", train), ("dev", dev)):
+        path = os.path.abspath(value)
+        # the run may start in another directory: absolute paths always resolve
+        text, found = re.subn(rf"^(  {key}:)[^\n]*$", lambda m: f"{m.group(1)} {path}",
+                              text, count=1, flags=re.M)
+        if not found:
+            raise ValueError(f"{examples[example]}: no 'data.{key}' line to fill in")
+        if warn and not os.path.isfile(os.path.join(path, "corpus.yaml")):
+            warn(f"warning: {path}/corpus.yaml does not exist yet (write it with "
+                 "`mpitrain synth` or `mpitrain prepare`)")
+    header = (f"# Written by `mpitrain init` from the example '{example}'.\n"
+              f"# Run it from this directory: mpiexec -n N python -m mpitrain\n")
+    os.makedirs(out_dir, exist_ok=True)
+    with atomic_open(target, "w") as f:
+        f.write(header + text)
+    return target
