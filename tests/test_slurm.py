@@ -18,7 +18,7 @@ from .slurm_cluster import LocalSlurm, SlurmUnavailable, install_packages, missi
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_DIR = os.path.join(REPO, "jobs", "slurm")
-SCRIPTS = ("train.sbatch", "bench.sbatch", "prepare.sbatch")
+SCRIPTS = ("train.sbatch", "train-gpu.sbatch", "bench.sbatch", "prepare.sbatch")
 REQUIRED_ENV = "MPITRAIN_TEST_SLURM"
 JOB_TIMEOUT = 150
 
@@ -112,11 +112,11 @@ def test_script_is_valid_bash_with_directives_before_commands(name):
 # -- on the cluster -----------------------------------------------------------------------
 
 def test_train_job_on_two_ranks_learns(slurm, corpus, tmp_path):
+    # the CPU script as the README submits it: no GPU options
     run_dir, output = tmp_path / "run", str(tmp_path / "train.out")
     env = _job_env(slurm, RUN_DIR=str(run_dir), MPITRAIN_SET=_train_overrides(corpus))
     job = slurm.sbatch(["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1",
-                        f"--output={output}", *_gpu_options(slurm),
-                        os.path.join(SLURM_DIR, "train.sbatch"),
+                        f"--output={output}", os.path.join(SLURM_DIR, "train.sbatch"),
                         "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
     _, text = _finished_ok(slurm, job, output)
     assert "srun --mpi=pmi2" in text             # MPICH from PyPI speaks PMI-2 to srun
@@ -127,8 +127,31 @@ def test_train_job_on_two_ranks_learns(slurm, corpus, tmp_path):
     assert majority < 0.1
     assert final["dev_acc"] > majority + 0.3, (final, text)
     assert (run_dir / "final.h5").exists()
-    if slurm.gpus:
-        assert f"GPUs {','.join(map(str, range(2)))}" in text
+    assert "GPUs none" in text
+
+
+def test_gpu_script_asks_one_gpu_per_task_and_runs_train_sbatch(slurm, corpus, tmp_path):
+    script = os.path.join(SLURM_DIR, "train-gpu.sbatch")
+    test_only = slurm.run(["sbatch", "--test-only", "--ntasks-per-node=2", "--cpus-per-task=1",
+                           script, "jobs/configs/quickstart.yaml"], env=_job_env(slurm),
+                          cwd=REPO, check=False)
+    if not slurm.gpus:
+        # a node without GPUs cannot run it: sbatch says so at once
+        assert test_only.returncode != 0, test_only.stdout
+        return
+    assert test_only.returncode == 0, test_only.stdout + test_only.stderr
+    assert "to start at" in test_only.stdout + test_only.stderr
+    # On the node's (fake) GPUs, trained with DEVICE=cpu: the allocation and the hand-over
+    # to train.sbatch are the GPU script's own part.
+    run_dir, output = tmp_path / "run", str(tmp_path / "train.out")
+    env = _job_env(slurm, RUN_DIR=str(run_dir), DEVICE="cpu",
+                   MPITRAIN_SET=_train_overrides(corpus, **{"training.epochs": 1}))
+    job = slurm.sbatch(["--ntasks-per-node=2", "--cpus-per-task=1", f"--output={output}",
+                        script, "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
+    _, text = _finished_ok(slurm, job, output)
+    assert f"GPUs {','.join(map(str, range(2)))}" in text
+    assert "--set device=cpu" in text
+    assert (run_dir / "final.h5").exists()
 
 
 def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
@@ -142,7 +165,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
     if not os.path.exists(env["MPIEXEC"]):
         env.pop("MPIEXEC")
     job = slurm.sbatch(["--ntasks-per-node=2", "--cpus-per-task=1", f"--output={output}",
-                        *_gpu_options(slurm), os.path.join(SLURM_DIR, "train.sbatch"),
+                        os.path.join(SLURM_DIR, "train.sbatch"),
                         "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
 
     def checkpoint_or_finished(info):
