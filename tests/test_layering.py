@@ -28,6 +28,7 @@ ALLOWED = {
     "config": {"files", "parallel"},
     "plotting": {"files"},
     "starter": {"files"},
+    "inference": {"backend", "data", "export", "files", "nn"},
     "export": {"backend", "data", "files", "nn"},
     "train": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
               "plotting"},
@@ -36,7 +37,7 @@ ALLOWED = {
     "cli": {"backend", "bench", "comm", "config", "data", "export", "files", "nn", "optim",
             "parallel", "plotting", "starter", "threads", "train"},
     "__main__": {"cli", "threads"},
-    "__init__": set(),
+    "__init__": {"inference"},
 }
 #: third-party modules only one component may import.
 ONLY = {"mpi4py": {"comm"}, "cupy": {"backend"}, "cupy_backends": {"backend"},

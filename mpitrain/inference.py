@@ -1,0 +1,92 @@
+"""A trained model for use from Python: posteriors and pseudo log-likelihoods.
+
+``mpitrain.load_model(path)`` opens ``final.h5`` (or a checkpoint) with every
+check of :func:`mpitrain.nn.model_file.load_model` and returns an
+:class:`AcousticModel`.  Features are one utterance's raw (T, feat_dim)
+frames: CMVN and splicing are applied as in training (context does not cross
+the utterance's ends; the edge frames are repeated), exactly as ``mpitrain
+export`` does.
+
+Example::
+
+    import mpitrain
+    model = mpitrain.load_model("runs/quickstart/final.h5")
+    post = model.predict(feats)               # (T, num_classes), rows sum to 1
+    ll = model.log_likelihoods(feats)         # log p(s|x) - log p(s), as export writes
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .export import prior_offsets, utterance_loglikes
+from .nn.model_file import load_model as _load_network
+
+
+class AcousticModel:
+    """A network with its input transform and class priors, on the host (NumPy).
+
+    Example::
+
+        model = AcousticModel.load("final.h5")
+        model.feat_dim, model.num_classes, model.context    # 40, 120, (5, 5)
+    """
+
+    def __init__(self, net, class_priors, path):
+        self.net, self.path = net, str(path)
+        self.class_priors = None if class_priors is None else np.asarray(class_priors)
+
+    @classmethod
+    def load(cls, path) -> "AcousticModel":
+        net, priors = _load_network(path)
+        return cls(net, priors, path)
+
+    @property
+    def feat_dim(self) -> int:
+        return self.net.feat_dim
+
+    @property
+    def num_classes(self) -> int:
+        return self.net.num_classes
+
+    @property
+    def context(self) -> tuple[int, int]:
+        return self.net.left_context, self.net.right_context
+
+    def _frames(self, feats) -> np.ndarray:
+        feats = np.asarray(feats)
+        if feats.ndim != 2 or feats.shape[1] != self.feat_dim or feats.dtype.kind not in "fiu":
+            raise ValueError(f"{self.path}: expected one utterance's features of shape "
+                             f"(frames, {self.feat_dim}), got {feats.dtype} {feats.shape}")
+        return feats
+
+    def log_posteriors(self, feats, *, batch: int = 4096) -> np.ndarray:
+        """(T, num_classes) log p(s|x), float32."""
+        zeros = np.zeros(self.num_classes, dtype=np.float32)
+        return utterance_loglikes(self.net, self._frames(feats), zeros, batch=batch)
+
+    def predict(self, feats, *, batch: int = 4096) -> np.ndarray:
+        """(T, num_classes) posteriors p(s|x): each row sums to 1."""
+        return np.exp(self.log_posteriors(feats, batch=batch))
+
+    def log_likelihoods(self, feats, *, prior_scale: float = 1.0,
+                        batch: int = 4096) -> np.ndarray:
+        """(T, num_classes) log p(s|x) - prior_scale * log p(s), as ``export`` writes them.
+
+        Pdfs never seen in training get ``mpitrain.export.UNSEEN_SCORE``.
+        """
+        if self.class_priors is None:
+            raise ValueError(f"{self.path}: the model stores no class priors; use predict()")
+        offsets, _ = prior_offsets(self.class_priors, scale=prior_scale)
+        return utterance_loglikes(self.net, self._frames(feats), offsets, batch=batch)
+
+
+def load_model(path) -> AcousticModel:
+    """Open a model file (or checkpoint), checked and verified, for inference.
+
+    Example::
+
+        model = load_model("runs/quickstart/final.h5")
+        model.predict(feats).argmax(axis=1)       # the most likely pdf of each frame
+    """
+    return AcousticModel.load(path)
