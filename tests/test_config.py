@@ -67,6 +67,19 @@ def test_cross_field_check(tmp_path):
     assert "model.pnorm_output_dim" in msg
 
 
+def test_pretraining_and_combination_errors_name_the_key(tmp_path):
+    msg = _error(tmp_path, "pretrain:\n  learning_rate_gaussian: -0.01\n")
+    assert "pretrain.learning_rate_gaussian" in msg
+    msg = _error(tmp_path, "pretrain:\n  momentum_final: 1.0\n")
+    assert "pretrain.momentum_final" in msg
+    msg = _error(tmp_path, "model:\n  init_from: pre.h5\n  nonlinearity: relu\n")
+    assert "model.nonlinearity" in msg and "model.init_from" in msg
+    msg = _error(tmp_path, "training:\n  combine: true\nparallel:\n  method: param_server\n")
+    assert "training.combine" in msg
+    msg = _error(tmp_path, "training:\n  combine_models: 0\n")
+    assert "training.combine_models" in msg
+
+
 def test_override_errors_name_the_key(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("{}\n")

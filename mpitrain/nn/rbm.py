@@ -124,7 +124,7 @@ class RBM:
         h1 = self.hidden_probabilities(v1)
         scale = 1.0 / batch
         gw = self.grad_block[:, :self.visible_dim]
-        xp.matmul(h0.T, v0, out=gw)
+        gw[...] = h0.T @ v0     # a strided view: CuPy's matmul cannot write into it
         gw -= h1.T @ v1
         gw *= scale
         self.grad_block[:, self.visible_dim] = (h0.sum(axis=0) - h1.sum(axis=0)) * scale

@@ -1,0 +1,461 @@
+"""RBM pretraining on many ranks (Su & Chen; Kaldi nnet1's pretrain_dbn.sh).
+
+A stack of ``model.hidden_layers`` RBMs of ``model.hidden_dim`` units is
+trained layer by layer with CD-1 (:mod:`mpitrain.nn.rbm`): the first layer is
+Gaussian-Bernoulli on the spliced, CMVN-normalised features
+(``pretrain.epochs_gaussian`` epochs at ``pretrain.learning_rate_gaussian``),
+the others Bernoulli-Bernoulli on the hidden probabilities of the layers below
+(``pretrain.epochs_per_layer`` at ``pretrain.learning_rate``), each visible
+bias starting at the logit of the mean activation below.  Momentum ramps from
+``momentum_initial`` to ``momentum_final`` in 40 equal steps over
+``momentum_ramp_frames`` frames per rank.
+
+Each rank trains on its own shards, read by the training data pipeline
+(:mod:`mpitrain.data.batcher`, :mod:`mpitrain.data.splice`), and the ranks
+average the RBM's flat parameter buffer every ``pretrain.average_every_frames``
+frames with the supervised model-averaging strategy
+(:class:`~mpitrain.parallel.model_averaging.ModelAveraging`), unchanged.
+
+Every ``training.log_interval`` steps the reconstruction error, summed over
+ranks, is logged; a non-finite error, or one over ``pretrain.divergence_factor``
+times the layer's first window, stops the run (every rank decides alike from
+the summed figures) naming the rate to lower.  Checkpoints
+(``ckpt-NNNNNNNN.h5``, format ``mpitrain-pretrain-checkpoint``) are written at
+averaging points after each ``training.checkpoint_interval`` steps and at the
+end of each layer; ``--resume`` continues from the newest that verifies.  The
+result is ``RUN_DIR/pretrain.h5`` (:mod:`mpitrain.nn.rbm_file`), which
+``train`` reads with ``model.init_from``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from .. import backend
+from ..config import config_from_yaml, config_to_yaml, dump_config
+from ..data.batcher import MinibatchStream, plan_chunks, read_chunk
+from ..data.corpus import CorpusError, load_manifest
+from ..data.splice import splice_batch_
+from ..data.validate import validate_slices
+from ..files import remove_stale_temporaries
+from ..h5io import (atomic_h5_file, open_h5_for_reading, read_state, reading_errors,
+                    verify_file, write_state)
+from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack
+from ..nn.rbm_file import read_stack_group, save_rbm_stack, write_stack_group
+from ..parallel.model_averaging import ModelAveraging
+from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
+from .metrics import MetricsLog, format_duration, resident_mb
+from .run_dir import changed_settings, clear_run
+from .trainer import TrainingError, balanced_plan
+
+CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
+RESULT_NAME = "pretrain.h5"
+#: Momentum rises in this many equal steps (Kaldi's --momentum-steps).
+MOMENTUM_STEPS = 40
+#: The settings a pretraining result depends on (others may change on --resume).
+PRETRAIN_SETTINGS = ("pretrain.", "data.train", "data.left_context", "data.right_context",
+                     "data.chunk_frames", "model.hidden_layers", "model.hidden_dim",
+                     "training.seed", "parallel.average_momentum")
+#: Frames per rank whose mean activation starts a Bernoulli layer's visible bias.
+VISIBLE_BIAS_FRAMES = 10_000
+
+
+def momentum_at(frames: int, *, initial: float, final: float, ramp_frames: int) -> float:
+    """The momentum after ``frames`` frames of this rank (40 equal steps up).
+
+    Example::
+
+        momentum_at(0, initial=0.5, final=0.9, ramp_frames=20_000_000)   # 0.5
+    """
+    if ramp_frames <= 0:
+        return final
+    steps = min(MOMENTUM_STEPS, int(frames * MOMENTUM_STEPS // ramp_frames))
+    return initial + (final - initial) * steps / MOMENTUM_STEPS
+
+
+class Pretrainer:
+    """Example::
+
+        cfg = load_config("jobs/configs/pretrain.yaml")
+        result = Pretrainer(cfg, run_dir="runs/pretrain", comm=create_communicator()).run()
+        result["recon_mse"]       # the top layer's last reconstruction error per unit
+    """
+
+    def __init__(self, cfg, *, run_dir: str, comm, resume: bool = False,
+                 overwrite: bool = False, accept_changes: bool = False, stream=None):
+        self.cfg, self.run_dir, self.comm = cfg, run_dir, comm
+        self.is_root = comm.rank == 0
+        self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
+        self._stream_out, self.log, self._pending = stream, None, []
+        self.xp = backend.select(cfg.device, comm.local_rank)
+        if not cfg.data.train:
+            raise TrainingError("data.train: no training corpus given (set data.train "
+                                "in the config or with --set data.train=DIR)")
+        if cfg.model.hidden_layers < 1:
+            raise TrainingError("model.hidden_layers: pretraining needs at least one hidden "
+                                "layer, got 0")
+        self.manifest = load_manifest(cfg.data.train)
+        m = self.manifest
+        var = np.maximum(np.asarray(m.cmvn_var, dtype=np.float64), 1e-8)
+        self.cmvn = (np.asarray(m.cmvn_mean, dtype=np.float32),
+                     (1.0 / np.sqrt(var)).astype(np.float32))
+        self._build_data()
+        p, t = cfg.pretrain, cfg.training
+        self.every_steps = max(1, p.average_every_frames // p.minibatch)
+        self.strategy = ModelAveraging(comm, every_steps=self.every_steps,
+                                       average_momentum=cfg.parallel.average_momentum)
+        dims = [m.feat_dim * (cfg.data.left_context + 1 + cfg.data.right_context)] \
+            + [cfg.model.hidden_dim] * cfg.model.hidden_layers
+        self.dims = dims
+        self.layer_steps = [self._steps_for(p.epochs_gaussian if i == 0 else p.epochs_per_layer)
+                            for i in range(len(dims) - 1)]
+        self.stack = RBMStack([], feat_dim=m.feat_dim, left_context=cfg.data.left_context,
+                              right_context=cfg.data.right_context, cmvn_mean=self.cmvn[0],
+                              cmvn_scale=self.cmvn[1])
+        self.layer, self.layer_step, self.frames_seen = 0, 0, 0
+        self.rbm = self.cd = None
+        self._resume_state = None
+        if resume:
+            self._resume()
+        self._window_first = None
+
+    # -- construction --------------------------------------------------------------
+    def _build_data(self) -> None:
+        cfg, comm = self.cfg, self.comm
+        try:
+            slices = balanced_plan(self.manifest, comm.size)[comm.rank]
+        except CorpusError as exc:
+            raise TrainingError(" ".join(str(exc).split()), agreed=True) from None
+        problems = validate_slices(self.manifest, slices, num_classes=self.manifest.num_classes)
+        total = int(comm.allreduce_scalar(len(problems), op="sum"))
+        if total:
+            firsts = comm.gather_obj(problems[:1], root=0)
+            first = next((p for found in firsts for p in found), "") if self.is_root else ""
+            raise TrainingError(first or "bad training data (reported by rank 0)", agreed=True)
+        self.chunks = plan_chunks(self.manifest, slices, cfg.data.chunk_frames)
+        batch = cfg.pretrain.minibatch
+        steps = int(comm.allreduce_scalar(sum(c.frames // batch for c in self.chunks), op="min"))
+        if steps == 0:
+            raise TrainingError(
+                f"{self.manifest.directory}: rank {comm.rank} has no complete minibatch of "
+                f"{batch} frames; lower pretrain.minibatch, raise data.chunk_frames, or use "
+                "fewer ranks", agreed=True)
+        self.steps_per_epoch = steps
+        self.stream = MinibatchStream(self.manifest, self.chunks, minibatch=batch,
+                                      seed=cfg.training.seed, rank=comm.rank, cmvn=self.cmvn,
+                                      xp=self.xp, steps_per_epoch=steps,
+                                      prefetch=cfg.data.prefetch)
+        width = cfg.data.left_context + 1 + cfg.data.right_context
+        self.inputs = self.xp.empty((batch, self.manifest.feat_dim * width), dtype=np.float32)
+        self.ctx = self.xp.empty((batch, width), dtype=np.int64)
+
+    def _steps_for(self, epochs: float) -> int:
+        return max(int(round(epochs * self.steps_per_epoch)), 1)
+
+    def _new_layer(self, index: int) -> None:
+        """The RBM of layer ``index``, initialised alike on every rank."""
+        cfg = self.cfg
+        visible = "gaussian" if index == 0 else "bernoulli"
+        self.rbm = RBM(self.dims[index], self.dims[index + 1], visible=visible, xp=self.xp)
+        self.rbm.init_params(seed=[cfg.training.seed, index])
+        if visible == "bernoulli":
+            self.rbm.init_visible_bias_from_mean(self._mean_activation(index))
+        self.cd = ContrastiveDivergence(self.rbm, weight_decay=cfg.pretrain.weight_decay)
+        self.strategy.setup(self.rbm, self.cd)
+
+    def _mean_activation(self, layers: int):
+        """Mean hidden probabilities of the first ``layers`` RBMs over the start of
+        every rank's data (the same on every rank: one Allreduce)."""
+        cfg, xp = self.cfg, self.xp
+        sums, frames = np.zeros(self.dims[layers] + 1, dtype=np.float64), 0
+        for spec in self.chunks:
+            feats, _, start, end = read_chunk(self.manifest, spec, *self.cmvn)
+            take = min(len(feats), VISIBLE_BIAS_FRAMES - frames)
+            for lo in range(0, take, cfg.pretrain.minibatch):
+                idx = np.arange(lo, min(lo + cfg.pretrain.minibatch, take))
+                v = self._splice(*(backend.to_device(a, xp) for a in (feats, idx, start, end)))
+                h = self.stack.propagate(v, layers=layers)
+                sums[:-1] += backend.to_host(h.sum(axis=0, dtype=xp.float64))
+            frames += take
+            if frames >= VISIBLE_BIAS_FRAMES:
+                break
+        sums[-1] = frames
+        self.comm.allreduce_(sums, op="sum")
+        return sums[:-1] / max(sums[-1], 1.0)
+
+    def _splice(self, feats, idx, start, end):
+        out = self.inputs[:len(idx)] if len(idx) == len(self.inputs) else \
+            self.xp.empty((len(idx), self.inputs.shape[1]), dtype=np.float32)
+        ctx = self.ctx[:len(idx)] if len(idx) == len(self.ctx) else None
+        cfg = self.cfg
+        return splice_batch_(feats, idx, start, end, cfg.data.left_context,
+                             cfg.data.right_context, out=out, ctx=ctx)
+
+    # -- the run directory and the log ----------------------------------------------
+    def _say(self, text: str) -> None:
+        if self.log is not None:
+            self.log.say(text)
+        else:
+            self._pending.append(text)
+
+    def _open_run_dir(self) -> None:
+        if self.is_root:
+            os.makedirs(self.run_dir, exist_ok=True)
+            stale = remove_stale_temporaries(self.run_dir)
+            if stale:
+                self._pending.insert(0, f"removed {len(stale)} temporary file(s) left by an "
+                                        "interrupted write")
+            if self.overwrite and not self.resuming:
+                removed = clear_run(self.run_dir)
+                if removed:
+                    self._pending.insert(0, f"--overwrite: removed the previous run's "
+                                            f"{len(removed)} file(s)")
+            dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
+        self.log = MetricsLog(self.run_dir, enabled=self.is_root, stream=self._stream_out,
+                              append=self.resuming)
+        for line in self._pending:
+            self.log.say(line)
+        self._pending = []
+
+    # -- checkpoints -------------------------------------------------------------------
+    def _rates(self, index: int) -> tuple:
+        p = self.cfg.pretrain
+        if index == 0:
+            return p.learning_rate_gaussian, "pretrain.learning_rate_gaussian"
+        return p.learning_rate, "pretrain.learning_rate"
+
+    def _global_step(self) -> int:
+        return sum(self.layer_steps[:self.layer]) + self.layer_step
+
+    def save_checkpoint(self) -> None:
+        """Rank 0 writes the stack so far, the current RBM and every rank's state."""
+        in_layer = self.rbm is not None and self.layer_step > 0
+        rank_state = {"reader": self.stream.state_dict()}
+        if in_layer:
+            rank_state["momentum"] = self.cd.state_dict()
+        states = gather_rank_states(self.comm, rank_state)
+        if not self.is_root:
+            return
+        rbms = self.stack.rbms + ([self.rbm] if in_layer else [])
+        stack = RBMStack(rbms, feat_dim=self.stack.feat_dim,
+                         left_context=self.stack.left_context,
+                         right_context=self.stack.right_context,
+                         cmvn_mean=self.stack.cmvn_mean, cmvn_scale=self.stack.cmvn_scale)
+        path = checkpoint_path(self.run_dir, self._global_step())
+        with atomic_h5_file(path, checksum=True, what="checkpoint") as f:
+            f.attrs["format"] = CHECKPOINT_FORMAT
+            f.attrs["config"] = config_to_yaml(self.cfg)
+            f.attrs["layer"] = self.layer
+            f.attrs["layer_step"] = self.layer_step
+            f.attrs["layer_steps"] = self.layer_steps[self.layer] \
+                if self.layer < len(self.layer_steps) else 0
+            f.attrs["frames_seen"] = self.frames_seen
+            f.attrs["num_ranks"] = len(states)
+            write_stack_group(f.create_group("stack"), stack)
+            ranks = f.create_group("ranks")
+            for r, state in enumerate(states):
+                write_state(ranks.create_group(f"{r:05d}"), state)
+        self.log.write("checkpoint", layer=self.layer + 1, step=self.layer_step)
+        keep = max(self.cfg.training.keep_checkpoints, MIN_KEEP)
+        for old in list_checkpoints(self.run_dir)[:-keep]:
+            os.remove(old)
+
+    def _read_checkpoint(self, path) -> dict:
+        with open_h5_for_reading(path, "checkpoint") as f, reading_errors(path, "checkpoint"):
+            if f.attrs.get("format") != CHECKPOINT_FORMAT:
+                raise ValueError(f"{path}: not an mpitrain pretraining checkpoint (attribute "
+                                 f"'format' is {f.attrs.get('format')!r})")
+            attrs = {}
+            for name in ("layer", "layer_step", "layer_steps", "frames_seen", "num_ranks"):
+                value = f.attrs.get(name)
+                if not isinstance(value, (int, np.integer)) or int(value) < 0:
+                    raise ValueError(f"{path}: checkpoint attribute '{name}': expected a "
+                                     f"non-negative int, got {value!r}")
+                attrs[name] = int(value)
+            attrs["config"] = str(f.attrs.get("config", ""))
+            stack = read_stack_group(f["stack"], path, xp=self.xp)
+            same_ranks = attrs["num_ranks"] == self.comm.size
+            rank = read_state(f["ranks"][f"{self.comm.rank:05d}"], path, what="checkpoint") \
+                if same_ranks else None
+            verify_file(f, path, what="checkpoint")
+        return {**attrs, "stack": stack, "rank": rank, "path": path}
+
+    def _resume(self) -> None:
+        found = list_checkpoints(self.run_dir) if self.is_root else []
+        chosen, notes = None, []
+        for path in reversed(found):
+            try:
+                self._read_checkpoint(path)
+            except (ValueError, OSError) as exc:
+                notes.append(f"skipped {os.path.basename(path)}: {exc}")
+                continue
+            chosen = path
+            break
+        chosen, notes = self.comm.bcast_obj([chosen, notes], root=0)
+        if chosen is None:
+            raise TrainingError(f"{self.run_dir}: no pretraining checkpoint (ckpt-*.h5) "
+                                "verifies" + (": " + "; ".join(notes) if notes else ""),
+                                agreed=True)
+        try:
+            ckpt = self._read_checkpoint(chosen)
+        except (ValueError, OSError) as exc:
+            raise TrainingError(str(exc)) from None
+        changes = [c for c in changed_settings(config_from_yaml(ckpt["config"]), self.cfg)
+                   if c.startswith(PRETRAIN_SETTINGS)]
+        if changes and not self.accept_changes:
+            raise TrainingError(f"{chosen}: --resume with settings that change the result: "
+                                + "; ".join(changes) + " (restore them, or pass "
+                                "--accept-changes)", agreed=True)
+        for line in notes:
+            self._say(f"resume: {line}")
+        self._resume_state = ckpt
+        self._say(f"resumed from {chosen} at layer {ckpt['layer'] + 1}, step "
+                  f"{ckpt['layer_step']}")
+
+    def _restore(self, ckpt) -> None:
+        """Continue from a read checkpoint (called once the run directory is open)."""
+        stored = ckpt["stack"].rbms
+        self.layer, self.frames_seen = ckpt["layer"], ckpt["frames_seen"]
+        self.stack.rbms = stored[:self.layer]
+        if ckpt["layer"] >= len(self.layer_steps) or len(stored) < self.layer:
+            self.layer_step = 0
+            return
+        same_ranks = ckpt["rank"] is not None
+        step = ckpt["layer_step"]
+        if not same_ranks and ckpt["layer_steps"]:
+            # another number of ranks: the same fraction of the layer is done
+            step = int(round(step * self.layer_steps[self.layer] / ckpt["layer_steps"]))
+        self.layer_step = min(step, self.layer_steps[self.layer])
+        if same_ranks:
+            self.stream.load_state_dict(ckpt["rank"]["reader"])
+        else:
+            done = self._global_step()
+            self.stream.seek(done // self.steps_per_epoch, done % self.steps_per_epoch)
+        if len(stored) > self.layer and self.layer_step > 0:
+            self._new_layer(self.layer)
+            self.rbm.params[...] = stored[self.layer].params
+            if same_ranks and "momentum" in ckpt["rank"]:
+                self.cd.load_state_dict(ckpt["rank"]["momentum"])
+            self.strategy.setup(self.rbm, self.cd)
+
+    # -- the loop ----------------------------------------------------------------------
+    def run(self) -> dict:
+        cfg, comm = self.cfg, self.comm
+        self._open_run_dir()
+        if self._resume_state is not None:
+            self._restore(self._resume_state)
+            self._resume_state = None
+        self.log.say(f"mpitrain pretrain: {comm.size} rank(s), {len(self.layer_steps)} RBMs "
+                     f"{'-'.join(str(d) for d in self.dims)}; {self.steps_per_epoch} "
+                     f"steps/epoch of {cfg.pretrain.minibatch} frames per rank, averaging "
+                     f"every {self.every_steps} steps")
+        self.log.write("start", mode="pretrain", ranks=comm.size, layers=self.dims,
+                       layer_steps=self.layer_steps, layer=self.layer + 1,
+                       step=self.layer_step)
+        started = comm.wtime()
+        recon = float("nan")
+        while self.layer < len(self.layer_steps):
+            if self.rbm is None:
+                self._new_layer(self.layer)
+            recon = self._train_layer(started)
+            self.stack.rbms.append(self.rbm)
+            self.log.write("layer", layer=self.layer + 1, visible=self.rbm.visible,
+                           recon_mse=recon, frames=self.frames_seen)
+            self.layer, self.layer_step, self.rbm = self.layer + 1, 0, None
+            self.save_checkpoint()
+        if self.is_root:
+            save_rbm_stack(os.path.join(self.run_dir, RESULT_NAME), self.stack)
+        result = {"layers": len(self.stack.rbms), "frames": self.frames_seen,
+                  "recon_mse": recon, "seconds": comm.wtime() - started}
+        self.log.write("end", **result)
+        self.log.say(f"done: {len(self.stack.rbms)} RBMs, {self.frames_seen} frames in "
+                     f"{format_duration(result['seconds'])}; stack "
+                     f"{os.path.join(self.run_dir, RESULT_NAME)}")
+        return result
+
+    def _train_layer(self, started: float) -> float:
+        """CD-1 steps until the layer's planned end; returns its last window's error."""
+        cfg, comm, xp = self.cfg, self.comm, self.xp
+        p, index, rbm = cfg.pretrain, self.layer, self.rbm
+        below = self.stack.rbms
+        steps = self.layer_steps[index]
+        rate, rate_key = self._rates(index)
+        sq_err = xp.zeros((), dtype=xp.float64)
+        frames, window_start, recon = 0, comm.wtime(), float("nan")
+        self._window_first = None
+        ck = cfg.training.checkpoint_interval
+        next_checkpoint = (self.layer_step // ck + 1) * ck if ck else 0
+        while self.layer_step < steps:
+            chunk, idx = self.stream.next_batch()
+            v0 = self._splice(chunk.feats, idx, chunk.utt_start, chunk.utt_end)
+            for lower in below:
+                v0 = lower.hidden_probabilities(v0)
+            uniforms = np.random.default_rng(
+                [cfg.training.seed, comm.rank, index, self.layer_step]).random(
+                    (len(idx), rbm.hidden_dim), dtype=np.float32)
+            momentum = momentum_at(self.layer_step * p.minibatch, initial=p.momentum_initial,
+                                   final=p.momentum_final, ramp_frames=p.momentum_ramp_frames)
+            sq_err += self.cd.step(v0, backend.to_device(uniforms, xp), learning_rate=rate,
+                                   momentum=momentum)
+            frames += len(idx)
+            self.layer_step += 1
+            self.frames_seen += len(idx) * comm.size
+            self.strategy.after_update(rbm, self.cd, self.layer_step)
+            last = self.layer_step == steps
+            if self.layer_step % cfg.training.log_interval == 0 or last:
+                sums = np.array([float(backend.to_host(sq_err)), frames], dtype=np.float64)
+                comm.allreduce_(sums, op="sum")
+                with np.errstate(all="ignore"):
+                    recon = float(sums[0] / (sums[1] * rbm.visible_dim))
+                now = comm.wtime()
+                self._log_window(index, steps, recon, rate * (1 - momentum), momentum,
+                                 sums[1] / max(now - window_start, 1e-9), started)
+                self._check_divergence(index, recon, rate, rate_key)
+                sq_err[...] = 0
+                frames, window_start = 0, comm.wtime()
+            if next_checkpoint and self.layer_step >= next_checkpoint and not last \
+                    and self.layer_step % self.every_steps == 0:
+                next_checkpoint = (self.layer_step // ck + 1) * ck
+                self.save_checkpoint()
+        # a last partial block is averaged too, so every rank holds the same RBM
+        self.strategy.finalize(rbm, self.cd, self.layer_step)
+        return recon
+
+    def _log_window(self, index, steps, recon, lr, momentum, rate, started) -> None:
+        step_total = self._global_step()
+        left = sum(self.layer_steps) - step_total
+        per_step = (self.comm.wtime() - started) / max(step_total, 1)
+        record = {"layer": index + 1, "step": self.layer_step, "frames": self.frames_seen,
+                  "recon_mse": recon, "lr": lr, "momentum": momentum,
+                  "frames_per_sec": rate, "rss_mb": resident_mb()}
+        self.log.write("pretrain", **record)
+        self.log.say(f"layer {index + 1}/{len(self.layer_steps)} ({self.rbm.visible}) step "
+                     f"{self.layer_step}/{steps} frames {self.frames_seen} recon mse "
+                     f"{recon:.4f} lr {lr:.3g} momentum {momentum:.3f} {rate:,.0f} fr/s "
+                     f"ETA {format_duration(per_step * left)}")
+
+    def _check_divergence(self, index, recon, rate, rate_key) -> None:
+        """Stop when the reconstruction error is not finite or has exploded; every
+        rank sees the same summed figure, so every rank stops here together."""
+        factor = self.cfg.pretrain.divergence_factor
+        if self._window_first is None and math.isfinite(recon):
+            self._window_first = recon
+        exploded = factor and self._window_first is not None \
+            and recon > factor * self._window_first
+        if math.isfinite(recon) and not exploded:
+            return
+        kind = "Gaussian-Bernoulli" if index == 0 else "Bernoulli-Bernoulli"
+        what = "is not finite" if not math.isfinite(recon) else \
+            f"exploded to {recon:.4g} (first window {self._window_first:.4g})"
+        raise TrainingError(f"pretrain: layer {index + 1} ({kind}) diverged at step "
+                            f"{self.layer_step}: reconstruction error {what}; lower "
+                            f"{rate_key} (now {rate:g})", agreed=True)
+
+    def close(self) -> None:
+        self.stream.close()
+        if self.log is not None:
+            self.log.close()
+

@@ -1,0 +1,148 @@
+"""RBM pretraining (train/pretrain.py) through `mpitrain pretrain`, and `train` from its
+stack (`model.init_from`, train/pretrained_init.py).
+
+In this process: the stack initialises a sigmoid network that learns; resuming
+from a checkpoint inside the first layer gives the same stack bit for bit; a
+diverging Gaussian layer and a stack that does not fit the model each stop
+with one line naming the key.  Under `mpiexec -n 2` (marked mpi): averaged
+CD-1 stays in sync and equals one rank where the math says so
+(tests/workers/rbm_worker.py), and the command runs on two ranks.
+"""
+
+import json
+import os
+import shutil
+
+import h5py
+import numpy as np
+import pytest
+
+from mpitrain.cli import main
+from mpitrain.nn.model_file import load_model
+from mpitrain.nn.rbm_file import load_rbm_stack
+from mpitrain.testing.mpirun import run_mpi
+from mpitrain.train.pretrain import momentum_at
+
+from ..helpers import QUICKSTART, WORKERS, small_overrides
+
+TINY = ["model.hidden_layers=2", "model.hidden_dim=32", "pretrain.epochs_gaussian=0.25",
+        "pretrain.epochs_per_layer=0.25", "pretrain.average_every_frames=1000"]
+
+
+def _argv(command, run_dir, corpus, extra=()):
+    argv = [command, QUICKSTART, "--run-dir", str(run_dir)]
+    for item in small_overrides(corpus) + TINY + list(extra):
+        argv += ["--set", item]
+    return argv
+
+
+def _records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r["type"] == kind]
+
+
+def test_momentum_rises_in_forty_equal_steps():
+    ramp = dict(initial=0.5, final=0.9, ramp_frames=40_000)
+    assert momentum_at(0, **ramp) == 0.5
+    assert momentum_at(999, **ramp) == 0.5
+    assert momentum_at(1000, **ramp) == pytest.approx(0.51)
+    assert momentum_at(10 ** 9, **ramp) == pytest.approx(0.9)
+
+
+def test_pretrained_stack_initialises_train_which_learns(small_corpus, tmp_path):
+    pre = tmp_path / "pre"
+    assert main(_argv("pretrain", pre, small_corpus)) == 0
+    stack = load_rbm_stack(str(pre / "pretrain.h5"))
+    assert [r.hidden_dim for r in stack.rbms] == [32, 32]
+    assert [r.visible for r in stack.rbms] == ["gaussian", "bernoulli"]
+    for layer in (1, 2):
+        errors = [r["recon_mse"] for r in _records(pre, "pretrain") if r["layer"] == layer]
+        assert errors[-1] < errors[0], (layer, errors)
+    run = tmp_path / "train"
+    assert main(_argv("train", run, small_corpus, [
+        "model.nonlinearity=sigmoid", f"model.init_from={pre / 'pretrain.h5'}",
+        "training.epochs=1", "optimizer.initial_learning_rate=0.02",
+        "optimizer.final_learning_rate=0.005"])) == 0
+    net, _ = load_model(str(run / "final.h5"))
+    end, = _records(run, "end")
+    assert end["dev_acc"] > 0.1                  # chance is 1/120
+    # it started from the stack: training moved the first layer, but not far from it
+    first, pretrained = net.affine_layers()[0].block.ravel(), stack.rbms[0].block.ravel()
+    assert np.corrcoef(first, pretrained)[0, 1] > 0.5
+
+
+def test_pretraining_resumes_from_a_checkpoint_bit_exactly(small_corpus, tmp_path):
+    whole = tmp_path / "whole"
+    extra = ["training.checkpoint_interval=40", "training.keep_checkpoints=100"]
+    assert main(_argv("pretrain", whole, small_corpus, extra)) == 0
+    names = sorted(p for p in os.listdir(whole) if p.startswith("ckpt-"))
+    assert "ckpt-00000040.h5" in names
+    cut = tmp_path / "cut"
+    shutil.copytree(whole, cut)
+    os.remove(cut / "pretrain.h5")
+    for name in names:
+        if name > "ckpt-00000040.h5":
+            os.remove(cut / name)
+    assert main(_argv("pretrain", cut, small_corpus, extra) + ["--resume"]) == 0
+    a, b = load_rbm_stack(str(whole / "pretrain.h5")), load_rbm_stack(str(cut / "pretrain.h5"))
+    for x, y in zip(a.rbms, b.rbms):
+        np.testing.assert_array_equal(x.params, y.params)
+
+
+def test_a_diverging_gaussian_layer_stops_naming_its_rate(small_corpus, tmp_path, capsys):
+    code = main(_argv("pretrain", tmp_path / "run", small_corpus,
+                      ["pretrain.learning_rate_gaussian=50", "pretrain.momentum_initial=0.9"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "layer 1 (Gaussian-Bernoulli) diverged" in err
+    assert "lower pretrain.learning_rate_gaussian" in err
+    assert not (tmp_path / "run" / "pretrain.h5").exists()
+
+
+def test_a_stack_that_does_not_fit_the_model_is_one_line_naming_the_key(
+        small_corpus, tmp_path, capsys):
+    pre = tmp_path / "pre"
+    assert main(_argv("pretrain", pre, small_corpus, ["pretrain.epochs_gaussian=0.02",
+                                                      "pretrain.epochs_per_layer=0.02"])) == 0
+    capsys.readouterr()
+    code = main(_argv("train", tmp_path / "run", small_corpus, [
+        "model.nonlinearity=sigmoid", "model.hidden_dim=48",
+        f"model.init_from={pre / 'pretrain.h5'}"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "model.init_from" in err and "model.hidden_dim" in err
+    code = main(_argv("train", tmp_path / "run2", small_corpus, [
+        "model.nonlinearity=sigmoid", f"model.init_from={tmp_path / 'missing.h5'}"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "model.init_from" in err and "not found" in err
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_on_resume(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    extra = ["training.checkpoint_interval=40", "training.keep_checkpoints=100"]
+    assert main(_argv("pretrain", run, small_corpus, extra)) == 0
+    os.remove(run / "pretrain.h5")
+    newest = sorted(p for p in os.listdir(run) if p.startswith("ckpt-"))[-1]
+    with h5py.File(run / newest, "r+") as f:
+        f["stack/layer_000"][0] += 1.0
+    assert main(_argv("pretrain", run, small_corpus, extra) + ["--resume"]) == 0
+    assert (run / "pretrain.h5").exists()
+
+
+@pytest.mark.mpi
+def test_averaged_cd1_on_two_ranks_stays_in_sync_and_matches_one_rank(mpiexec):
+    result = run_mpi(2, [str(WORKERS / "rbm_worker.py"), "2"], timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for check in ("same_data_equals_one_rank", "k1_equals_stacked_minibatch",
+                  "in_sync_after_finalize"):
+        assert f"ok {check}" in result.stdout
+
+
+@pytest.mark.mpi
+def test_pretrain_command_on_two_ranks(mpiexec, small_corpus, tmp_path):
+    run = tmp_path / "run"
+    args = ["-m", "mpitrain"] + _argv("pretrain", run, small_corpus)
+    result = run_mpi(2, args, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert len(load_rbm_stack(str(run / "pretrain.h5")).rbms) == 2
+    assert _records(run, "start")[0]["ranks"] == 2
