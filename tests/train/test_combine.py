@@ -1,0 +1,91 @@
+"""Kaldi's final combination (train/combine.py): weights on the simplex, never worse
+on the held-out frames than the best single model, and a `combine` record in the
+log, on one rank and (marked mpi) on two ranks that end between averages, so that
+their own models are candidates too."""
+
+import json
+import os
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from mpitrain.comm.single import SingleCommunicator
+from mpitrain.data.corpus import load_manifest
+from mpitrain.nn.model_file import load_model
+from mpitrain.testing.mpirun import run_mpi
+from mpitrain.train.combine import FinalCombination, project_to_simplex
+from mpitrain.train.evaluate import evaluate_chunks, load_eval_chunks
+
+from ..helpers import QUICKSTART, small_overrides, train_in_process
+
+TINY = ["model.hidden_layers=1", "model.hidden_dim=24", "training.epochs=1",
+        "training.combine=true", "training.combine_every=40"]
+
+
+def _records(run_dir, kind):
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        return [r for r in map(json.loads, fh) if r["type"] == kind]
+
+
+def test_projection_onto_the_simplex():
+    np.testing.assert_allclose(project_to_simplex([0.8, 0.6]), [0.6, 0.4])
+    np.testing.assert_allclose(project_to_simplex([2.0, -1.0, 0.0]), [1.0, 0.0, 0.0])
+    p = project_to_simplex(np.random.default_rng(0).standard_normal(7))
+    assert p.min() >= 0 and p.sum() == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def combined_run(small_corpus, tmp_path_factory):
+    run = tmp_path_factory.mktemp("combine") / "run"
+    train_in_process(run, small_corpus, TINY)
+    return run
+
+
+def test_training_with_combine_logs_a_combine_record_and_never_loses(combined_run):
+    found, = _records(combined_run, "combine")
+    assert len(found["models"]) == len(found["weights"]) >= 2
+    assert min(found["weights"]) >= 0 and sum(found["weights"]) == pytest.approx(1, abs=1e-5)
+    assert found["combined_xent"] <= found["best_single_xent"]
+    assert found["gain_xent"] >= 0 and found["frames"] == 5000
+
+
+def test_combination_is_never_worse_than_the_best_single_model(combined_run, small_corpus):
+    """Candidates theta* +- delta: their mean (theta*) beats both; the search finds it."""
+    net, _ = load_model(str(combined_run / "final.h5"))
+    trained = np.array(net.params, copy=True)
+    delta = np.random.default_rng(1).standard_normal(net.num_params).astype(np.float32) * 0.05
+    cfg = SimpleNamespace(training=SimpleNamespace(combine_models=5, combine_every=0,
+                                                   combine_frames=3000))
+    combination = FinalCombination(cfg, SingleCommunicator(), sync_period=1, total_steps=2)
+    net.params[...] = trained + delta
+    combination.observe(1, net)
+    net.params[...] = trained - 0.5 * delta
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    found = combination.combine(net, dev)
+    assert found["models"] == ["step 1", "final"]
+    assert found["combined_xent"] < found["best_single_xent"]
+    assert found["weights"][0] == pytest.approx(1 / 3, abs=0.1)
+    # the network holds the combination, and it scores what was reported
+    total, correct, frames = evaluate_chunks(net, load_eval_chunks(dev, net, max_frames=3000))
+    assert total / frames == pytest.approx(found["combined_xent"], rel=1e-6)
+    # one candidate better than the other: never worse than it
+    net.params[...] = trained
+    combination.snapshots = [(1, (trained + 4 * delta).astype(np.float32))]
+    found = combination.combine(net, dev)
+    assert found["best_single"] == "final"
+    assert found["combined_xent"] <= found["best_single_xent"]
+
+
+@pytest.mark.mpi
+def test_combine_on_two_ranks_with_models_that_differ(mpiexec, small_corpus, tmp_path):
+    run = tmp_path / "run"
+    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + TINY + ["parallel.average_every=16"]:
+        args += ["--set", item]
+    result = run_mpi(2, args, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found, = _records(run, "combine")
+    assert _records(run, "end")[0]["steps"] % 16      # the run ended between averages
+    assert {"rank 0", "rank 1", "final"} <= set(found["models"])
+    assert found["combined_xent"] <= found["best_single_xent"]
