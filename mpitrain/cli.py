@@ -21,16 +21,39 @@ class UsageError(Exception):
 # -- commands ----------------------------------------------------------------------
 
 def cmd_synth(args) -> int:
+    from .comm import create_communicator
     from .data.synthetic import synthesize
-    info = synthesize(args.out_dir, hours=args.hours, speakers=args.speakers,
-                      shards=args.shards, seed=args.seed, dev_hours=args.dev_hours,
-                      dev_speakers=args.dev_speakers, overwrite=args.overwrite)
+    # under mpiexec rank 0 writes and the others wait for its verdict
+    comm = create_communicator()
+    info, problem = None, None
+    if comm.rank == 0:
+        try:
+            info = synthesize(args.out_dir, hours=args.hours, speakers=args.speakers,
+                              shards=args.shards, seed=args.seed, dev_hours=args.dev_hours,
+                              dev_speakers=args.dev_speakers, overwrite=args.overwrite)
+        except (ValueError, OSError, RuntimeError, MemoryError) as exc:
+            problem = exc
+    failed = comm.bcast_obj(problem is not None if comm.rank == 0 else None, root=0)
+    if comm.rank != 0:
+        return 2 if failed else 0
+    if problem is not None:
+        raise problem
     print(f"train: {info['train_dir']}: {info['train_frames']} frames, "
           f"{info['train_utterances']} utterances, {len(info['train_speakers'])} speakers")
     print(f"dev:   {info['dev_dir']}: {info['dev_frames']} frames, "
           f"{info['dev_utterances']} utterances, {len(info['dev_speakers'])} unseen speakers")
     print(f"{info['feat_dim']}-dim features, {info['num_classes']} classes; "
           f"written in {info['seconds']:.1f} s")
+    return 0
+
+
+def cmd_init(args) -> int:
+    from .starter import DEFAULT_CONFIG, write_starter
+    path = write_starter(args.dir, corpus=args.corpus, train=args.train, dev=args.dev,
+                         example=args.example, overwrite=args.overwrite,
+                         warn=lambda message: print(message, file=sys.stderr))
+    print(f"wrote {path}; train it with: cd {args.dir} && mpiexec -n N python -m mpitrain "
+          f"(or python -m mpitrain train {DEFAULT_CONFIG})")
     return 0
 
 
@@ -113,6 +136,43 @@ def cmd_train(args) -> int:
         # one rank's bad input must end the whole job, not leave the others waiting
         print(f"mpitrain train: rank {comm.rank}: error: {_one_line(exc)}", file=sys.stderr,
               flush=True)
+        comm.abort(2, _one_line(exc))
+    return 0
+
+
+def cmd_pretrain(args) -> int:
+    from .comm import create_communicator
+    from .comm.abort import install_abort_hook
+    from .config import load_config
+    from .train.pretrain import Pretrainer
+    from .train.run_dir import run_dir_problem
+    cfg = load_config(args.config, args.set)
+    comm = create_communicator(device_transport=cfg.device_transport)
+    install_abort_hook(comm)
+    _limit_blas_threads(cfg, comm)
+    run_dir = args.run_dir or os.path.join(
+        "runs", os.path.splitext(os.path.basename(args.config))[0] + "-pretrain")
+    problem = comm.bcast_obj(run_dir_problem(run_dir, resume=args.resume,
+                                             overwrite=args.overwrite)
+                             if comm.rank == 0 else None, root=0)
+    if problem:
+        if comm.rank != 0:
+            return 2
+        raise UsageError(problem)
+    try:
+        pretrainer = Pretrainer(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
+                                overwrite=args.overwrite, accept_changes=args.accept_changes)
+        try:
+            pretrainer.run()
+        finally:
+            pretrainer.close()
+    except (ValueError, OSError, RuntimeError, MemoryError) as exc:
+        if getattr(exc, "agreed", False) or comm.size == 1:
+            if comm.rank != 0:        # every rank stopped here: rank 0 says why
+                return 2
+            raise
+        print(f"mpitrain pretrain: rank {comm.rank}: error: {_one_line(exc)}",
+              file=sys.stderr, flush=True)
         comm.abort(2, _one_line(exc))
     return 0
 
@@ -259,8 +319,11 @@ def cmd_eval(args) -> int:
 def cmd_export(args) -> int:
     from .export import export_loglikes
     n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
-                        batch=args.batch)
-    print(f"wrote pseudo log-likelihoods of {n} utterances to {args.out}")
+                        batch=args.batch, prior_scale=args.prior_scale,
+                        priors=not args.no_priors)
+    # stderr: stdout may be the archive itself (--out ark:-)
+    what = "log posteriors" if args.no_priors else "pseudo log-likelihoods"
+    print(f"wrote {what} of {n} utterances to {args.out}", file=sys.stderr)
     return 0
 
 
@@ -286,6 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="mpitrain", formatter_class=fmt,
         description="Train DNN acoustic models on many MPI ranks "
                     "(e.g. mpiexec -n 4 python -m mpitrain train run.yaml).")
+    parser.add_argument("--version", action="version", version=f"mpitrain {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("synth", formatter_class=fmt,
@@ -299,6 +363,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dev-speakers", type=int, default=8, help="held-out (unseen) speakers")
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
     p.set_defaults(func=cmd_synth)
+
+    p = sub.add_parser("init", formatter_class=fmt,
+                       help="write DIR/mpitrain.yaml, a starter config with corpus paths "
+                            "filled in")
+    p.add_argument("dir", help="directory to write mpitrain.yaml into (created if needed)")
+    p.add_argument("--corpus", default="data/synth",
+                   help="directory holding train/ and dev/ corpora (as synth writes them)")
+    p.add_argument("--train", default=None, help="training corpus (default: CORPUS/train)")
+    p.add_argument("--dev", default=None, help="held-out corpus (default: CORPUS/dev)")
+    p.add_argument("--example", default="quickstart",
+                   help="example configuration to start from (quickstart, ngsgd, bench, ...)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing mpitrain.yaml")
+    p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("prepare", formatter_class=fmt,
                        help="import Kaldi features and per-frame alignments into a corpus")
@@ -344,7 +421,23 @@ def build_parser() -> argparse.ArgumentParser:
     _add_virtual_options(p, network=True)
     p.set_defaults(func=cmd_train)
 
-    from .parallel.registry import METHODS
+    p = sub.add_parser("pretrain", formatter_class=fmt,
+                       help="RBM pretraining of the hidden layers (under mpiexec for many "
+                            "ranks); train reads the result with model.init_from")
+    p.add_argument("config", help="YAML run configuration (sections pretrain, model, data)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config value, e.g. --set pretrain.learning_rate=0.2")
+    p.add_argument("--run-dir", default=None, help="default: runs/<config name>-pretrain; "
+                   "the stack is written to RUN_DIR/pretrain.h5")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in the run directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run already in the run directory")
+    p.add_argument("--accept-changes", action="store_true",
+                   help="with --resume: apply settings that differ from the checkpoint's")
+    p.set_defaults(func=cmd_pretrain)
+
+    from .bench.options import bench_methods
     p = sub.add_parser("bench", formatter_class=fmt,
                        help="speedup curves: throughput and time to accuracy per group size "
                             "and method, projected to more ranks (under mpiexec)")
@@ -354,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default="", help="group sizes, e.g. 1,2,4 (must include 1); "
                    "empty: powers of two up to the number of ranks")
     p.add_argument("--methods", default="", help="comma-separated parallel methods; "
-                   f"empty: all ({', '.join(METHODS)})")
+                   f"empty: all ({', '.join(bench_methods())})")
     p.add_argument("--target-accuracy", type=float, default=None,
                    help="held-out frame accuracy for time to accuracy; without it that "
                         "phase is skipped")
@@ -397,12 +490,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", formatter_class=fmt,
-                       help="write pseudo log-likelihoods for Kaldi's decoders")
+                       help="write pseudo log-likelihoods for Kaldi's decoders",
+                       description="Write log p(x|s) = log p(s|x) - prior_scale * log p(s) "
+                                   "(up to a constant) for every frame and pdf s, as a Kaldi "
+                                   "matrix archive; p(s) is the pdf's frequency in training. "
+                                   "Pdfs never seen in training get a very low score, as in "
+                                   "Kaldi, and a warning on stderr. Messages go to stderr, so "
+                                   "--out ark:- pipes into latgen-faster-mapped.")
     p.add_argument("model")
     p.add_argument("--feats", required=True, help="features rspecifier, e.g. scp:feats.scp")
     p.add_argument("--out", required=True, help="wspecifier, e.g. ark:loglikes.ark")
     p.add_argument("--corpus", default=None,
                    help="corpus whose class counts give the priors (default: the model's)")
+    p.add_argument("--prior-scale", type=float, default=1.0,
+                   help="scale of log p(s) in log p(s|x) - scale * log p(s)")
+    p.add_argument("--no-priors", action="store_true",
+                   help="write log posteriors log p(s|x) (no prior division)")
     p.add_argument("--batch", type=int, default=4096)
     p.set_defaults(func=cmd_export)
 
@@ -422,7 +525,25 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
+USAGE = """usage: mpiexec -n N python -m mpitrain train CONFIG.yaml [--set key=value ...]
+   or: mpiexec -n N python -m mpitrain      (trains ./mpitrain.yaml; see `mpitrain init`)
+   or: python -m mpitrain --help            (every command)"""
+
+
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv:
+        # `mpirun -np 32 python -m mpitrain`: the config of the current directory
+        from .starter import DEFAULT_CONFIG
+        if not os.path.isfile(DEFAULT_CONFIG):
+            print(USAGE, file=sys.stderr)
+            return 2
+        argv = ["train", DEFAULT_CONFIG]
     parser = build_parser()
     args = parser.parse_args(argv)
     # Numerical trouble is counted and reported by the program (see

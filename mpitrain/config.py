@@ -22,9 +22,10 @@ class ConfigError(ValueError):
 
 
 def _opt(default, *, min=None, max=None, min_exclusive=False, max_exclusive=False,
-         choices=None, help=""):
+         choices=None, items=int, help=""):
+    # items: the type of each element of a tuple (list) field
     meta = {"min": min, "max": max, "min_exclusive": min_exclusive,
-            "max_exclusive": max_exclusive, "choices": choices, "help": help}
+            "max_exclusive": max_exclusive, "choices": choices, "items": items, "help": help}
     return field(default=default, metadata=meta)
 
 
@@ -47,6 +48,9 @@ class ModelConfig:
     pnorm_output_dim: int = _opt(0, min=0, help="p-norm output dim; hidden_dim must be a multiple")
     pnorm_p: float = _opt(2.0, min=1.0, help="p of the p-norm")
     normalize: bool = _opt(False, help="Kaldi normalize layer after each nonlinearity")
+    init_from: str = _opt("", help="RBM stack from `mpitrain pretrain` (its pretrain.h5) that "
+                                   "gives the hidden layers; needs nonlinearity sigmoid; "
+                                   "empty: random initialisation")
 
 
 @dataclass
@@ -70,6 +74,29 @@ class OptimizerConfig:
     max_change_per_layer: float = _opt(0.75, min=0.0, help="0 disables")
     max_change_output: float = _opt(1.5, min=0.0, help="output layer's max-change; 0 disables")
     max_change: float = _opt(2.0, min=0.0, help="whole-model max-change; 0 disables")
+    schedule: str = _opt("exponential", choices=("exponential", "hand", "adapt", "search",
+                                                 "newbob"),
+                         help="learning-rate schedule (docs/user-guide.md, Learning-rate "
+                              "schedules); all but exponential start from "
+                              "initial_learning_rate and ignore final_learning_rate")
+    hand_factor: float = _opt(0.999, min=0.0, max=1.0, min_exclusive=True,
+                              help="hand: the rate is multiplied by this after every minibatch")
+    adapt_k: float = _opt(1.0, min=0.0, min_exclusive=True,
+                          help="adapt: K in gamma / sqrt(K + G) per parameter")
+    adapt_decay: float = _opt(0.0, min=0.0, max=1.0, max_exclusive=True,
+                              help="adapt: memory of G, G <- decay G + g^2; 0: the current "
+                                   "gradient only (You & Xu)")
+    search_chunk_frames: int = _opt(360_000, min=1, help="search: frames (summed over ranks) "
+                                                         "trained between rate searches")
+    search_factors: tuple = _opt((0.5, 1.0, 2.0), min=0.0, min_exclusive=True, items=float,
+                                 help="search: the current rate times each of these is tried")
+    search_trial_fraction: float = _opt(0.03, min=0.0, max=1.0, min_exclusive=True,
+                                        help="search: share of a chunk each trial trains on")
+    newbob_start_halving: float = _opt(0.005, min=0.0, help="newbob: halve the rate every "
+                                       "epoch once an epoch's relative held-out "
+                                       "cross-entropy gain is below this")
+    newbob_stop: float = _opt(0.001, min=0.0, help="newbob: once halving, stop when an epoch's "
+                                                   "held-out frame-accuracy gain is below this")
     ngsgd: NgsgdConfig = field(default_factory=NgsgdConfig)
 
 
@@ -97,6 +124,14 @@ class TrainingConfig:
                                              "rollback_lr_factor, before the run stops")
     rollback_lr_factor: float = _opt(0.5, min=0.0, max=1.0, min_exclusive=True,
                                      help="learning-rate factor applied at each roll back")
+    combine: bool = _opt(False, help="at the end, combine the last snapshots (and the ranks' "
+                                     "models) with weights fit on held-out frames, as "
+                                     "Kaldi's nnet3-combine")
+    combine_models: int = _opt(5, min=1, help="combine: snapshots kept, taken at sync points")
+    combine_every: int = _opt(0, min=0, help="combine: steps between snapshots (each at the "
+                                             "first sync point after); 0: every sync point")
+    combine_frames: int = _opt(5000, min=100, help="combine: held-out frames the weights are "
+                                                   "fit on (data.dev, else training data)")
 
 
 @dataclass
@@ -131,7 +166,38 @@ class ParallelConfig:
                               "each step from training.seed")
     delay_by_one: bool = _opt(False, help="adpsgd: exchange the weights while the step "
                                           "runs; the mix is added when it arrives")
+    average_eta: float = _opt(0.01, min=0.0, max=1.0, min_exclusive=True,
+                              help="param_server: weight of the newest model in the "
+                                   "server's running average, until the uniform average "
+                                   "takes over")
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+
+
+@dataclass
+class PretrainConfig:
+    epochs_gaussian: float = _opt(2.0, min=0.0, min_exclusive=True,
+                                  help="pretrain: epochs of the first (Gaussian-Bernoulli) RBM")
+    epochs_per_layer: float = _opt(1.0, min=0.0, min_exclusive=True,
+                                   help="pretrain: epochs of each Bernoulli-Bernoulli RBM")
+    minibatch: int = _opt(100, min=1, help="pretrain: frames per minibatch per rank")
+    learning_rate_gaussian: float = _opt(0.01, min=0.0, min_exclusive=True,
+                                         help="pretrain: CD-1 rate of the Gaussian-Bernoulli "
+                                              "RBM (it diverges when too large)")
+    learning_rate: float = _opt(0.4, min=0.0, min_exclusive=True,
+                                help="pretrain: CD-1 rate of the Bernoulli-Bernoulli RBMs")
+    momentum_initial: float = _opt(0.5, min=0.0, max=1.0, max_exclusive=True,
+                                   help="pretrain: momentum at the start of each layer")
+    momentum_final: float = _opt(0.9, min=0.0, max=1.0, max_exclusive=True,
+                                 help="pretrain: momentum after the ramp")
+    momentum_ramp_frames: int = _opt(20_000_000, min=0,
+                                     help="pretrain: frames per rank over which the momentum "
+                                          "rises, in 40 equal steps")
+    weight_decay: float = _opt(0.0002, min=0.0, help="pretrain: L2 weight decay of W")
+    average_every_frames: int = _opt(10_000, min=1, help="pretrain: frames per rank between "
+                                                         "averages of the RBM over ranks")
+    divergence_factor: float = _opt(10.0, min=0.0, help="pretrain: stop when a log window's "
+                                    "reconstruction error exceeds this factor times the "
+                                    "layer's first window's; 0: only non-finite errors stop")
 
 
 @dataclass
@@ -141,6 +207,7 @@ class RunConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)
     device: str = _opt("cpu", choices=("cpu", "gpu"), help="gpu: CuPy, one GPU per local rank")
     device_transport: str = _opt("auto", choices=("auto", "nccl", "cuda-aware-mpi", "host-staged"),
                                  help="how GPU buffers travel between ranks; auto: NCCL, else "
@@ -177,8 +244,14 @@ def _range_text(meta) -> str:
     return f" in {left}{lo_s}, {hi_s}{right}"
 
 
+def _expected_type(tp, meta) -> str:
+    if tp is tuple and meta.get("items") is float:
+        return "a non-empty list of numbers"
+    return _type_name(tp)
+
+
 def _check_value(key: str, tp, meta, value, where: str):
-    expected = _type_name(tp) + _range_text(meta)
+    expected = _expected_type(tp, meta) + _range_text(meta)
     if meta.get("choices"):
         expected = "one of " + ", ".join(repr(c) for c in meta["choices"])
     bad = ConfigError(f"{where}{key}: expected {expected}, got {value!r}")
@@ -202,14 +275,19 @@ def _check_value(key: str, tp, meta, value, where: str):
         if not isinstance(value, str):
             raise bad
     elif tp is tuple:
-        # a list of integers; the field's range applies to each
-        if not isinstance(value, (list, tuple)) or any(
-                isinstance(v, bool) or not isinstance(v, int) for v in value):
+        # a list of integers (or numbers); the field's range applies to each
+        items = meta.get("items") or int
+        kinds = (int, float) if items is float else (int,)
+        if not isinstance(value, (list, tuple)) or not value and items is float or any(
+                isinstance(v, bool) or not isinstance(v, kinds) or not math.isfinite(v)
+                for v in value):
             raise bad
         lo, hi = meta.get("min"), meta.get("max")
-        if any((lo is not None and v < lo) or (hi is not None and v > hi) for v in value):
+        if any((lo is not None and (v < lo or (meta.get("min_exclusive") and v == lo)))
+               or (hi is not None and (v > hi or (meta.get("max_exclusive") and v == hi)))
+               for v in value):
             raise bad
-        return tuple(value)
+        return tuple(items(v) for v in value)
     if meta.get("choices") and value not in meta["choices"]:
         raise bad
     lo, hi = meta.get("min"), meta.get("max")
@@ -254,6 +332,15 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
     if cfg.optimizer.final_learning_rate > cfg.optimizer.initial_learning_rate * 1e6:
         raise ConfigError(f"{where}optimizer.final_learning_rate: implausibly larger than "
                           "optimizer.initial_learning_rate")
+    if m.init_from and m.nonlinearity != "sigmoid":
+        raise ConfigError(f"{where}model.nonlinearity: model.init_from gives RBM (sigmoid) "
+                          f"hidden layers; expected 'sigmoid', got {m.nonlinearity!r}")
+    if cfg.training.combine and cfg.parallel.method == "param_server":
+        raise ConfigError(f"{where}training.combine: not available with parallel.method "
+                          "param_server (its ranks take no common sync points)")
+    if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
+        raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
+                          "set data.dev")
 
 
 def parse_overrides(overrides) -> dict:
@@ -349,7 +436,7 @@ def reference_markdown() -> str:
                 continue
             meta = f.metadata
             allowed = ", ".join(meta["choices"]) if meta.get("choices") else \
-                (_type_name(tp) + _range_text(meta)).replace("an integer", "integer") \
+                (_expected_type(tp, meta) + _range_text(meta)).replace("an integer", "integer") \
                 .replace("a number", "number").replace("a string", "string")
             default = list(f.default) if isinstance(f.default, tuple) else \
                 f.default if f.default != "" else '""'

@@ -92,3 +92,84 @@ def test_eval_rejects_a_mismatched_corpus(tmp_path, capsys):
         w.add("u1", np.zeros((10, 6), np.float32), np.zeros(10, np.int32))
     assert main(["eval", str(tmp_path / "m.h5"), str(tmp_path / "c")]) == 2
     assert "feat_dim 6" in capsys.readouterr().err
+
+
+# -- entry points: version, no command, init, synth under mpiexec ----------------------------
+
+def test_version():
+    import mpitrain
+    result = _run("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"mpitrain {mpitrain.__version__}"
+
+
+def test_no_command_without_a_config_prints_the_train_usage(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "mpitrain"], capture_output=True, text=True,
+                            timeout=60, cwd=tmp_path, env=_env())
+    assert result.returncode == 2 and result.stdout == ""
+    assert "python -m mpitrain train CONFIG.yaml" in result.stderr
+    assert len(result.stderr.splitlines()) <= 4
+
+
+def test_no_command_trains_mpitrain_yaml_of_the_current_directory(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr("mpitrain.cli.cmd_train", lambda args: calls.append(args) or 0)
+    monkeypatch.chdir(tmp_path)
+    assert main([]) == 2 and not calls
+    (tmp_path / "mpitrain.yaml").write_text("data: {}\n")
+    assert main([]) == 0
+    assert calls[0].command == "train" and calls[0].config == "mpitrain.yaml"
+
+
+def test_init_writes_a_starter_config_that_trains(small_corpus, tmp_path, capsys):
+    from mpitrain.config import load_config
+    exp = tmp_path / "exp"
+    assert main(["init", str(exp), "--corpus", small_corpus]) == 0
+    out = capsys.readouterr()
+    assert "mpitrain.yaml" in out.out and out.err == ""
+    cfg = load_config(str(exp / "mpitrain.yaml"), [])
+    assert os.path.samefile(cfg.data.train, os.path.join(small_corpus, "train"))
+    assert os.path.samefile(cfg.data.dev, os.path.join(small_corpus, "dev"))
+    # a second init does not replace it, --overwrite does
+    assert main(["init", str(exp), "--corpus", small_corpus, "--example", "ngsgd"]) == 2
+    assert f"{exp / 'mpitrain.yaml'}: already exists" in capsys.readouterr().err
+    assert main(["init", str(exp), "--corpus", small_corpus, "--example", "ngsgd",
+                 "--overwrite"]) == 0
+    assert "ngsgd" in (exp / "mpitrain.yaml").read_text()
+    assert main(["init", str(tmp_path / "x"), "--example", "nope"]) == 2
+    assert "--example: no example configuration 'nope'" in capsys.readouterr().err
+
+
+def test_init_warns_of_a_corpus_not_written_yet(tmp_path, capsys):
+    assert main(["init", str(tmp_path), "--train", str(tmp_path / "t"),
+                 "--dev", str(tmp_path / "d")]) == 0
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 't'}/corpus.yaml does not exist yet" in err
+
+
+def test_example_configs_are_shipped_with_the_package():
+    from mpitrain.starter import example_configs
+    names = set(example_configs())
+    assert {"quickstart", "ngsgd", "bench"} <= names
+
+
+@pytest.mark.mpi
+def test_synth_under_mpiexec_writes_once(mpiexec, tmp_path):
+    result = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpitrain", "synth",
+                             str(tmp_path / "synth"), "--hours", "0.01", "--speakers", "4",
+                             "--dev-hours", "0.01", "--dev-speakers", "2", "--shards", "1"],
+                            capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
+    assert result.returncode == 0, result.stderr
+    assert [ln.startswith("train: ") for ln in result.stdout.splitlines()].count(True) == 1
+    from mpitrain.data.check import check_corpus
+    assert check_corpus(str(tmp_path / "synth" / "train")) == []
+    # a failure on rank 0 stops every rank with one line
+    again = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpitrain", "synth",
+                            str(tmp_path / "synth"), "--hours", "0.01"],
+                           capture_output=True, text=True, timeout=120, cwd=REPO, env=_env())
+    assert again.returncode == 2
+    assert len([ln for ln in again.stderr.splitlines() if "mpitrain synth" in ln]) == 1
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
+        "PYTHONPATH")])), OPENBLAS_NUM_THREADS="1")

@@ -36,3 +36,97 @@ def test_export_writes_kaldi_loglikes(small_corpus, tmp_path):
     # adding back the log priors gives log posteriors: each row sums to 1
     post = np.exp(first + np.log(priors)[None, :])
     np.testing.assert_allclose(post.sum(axis=1), 1.0, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- fast: priors and streams
+
+def _small_model(path, priors):
+    from mpitrain.nn.affine import Affine
+    from mpitrain.nn.model_file import save_model
+    from mpitrain.nn.network import Network
+    from mpitrain.nn.nonlinear import ReLU
+    net = Network([Affine(4 * 3, 8), ReLU(8), Affine(8, len(priors))],
+                  feat_dim=4, left_context=1, right_context=1)
+    net.init_params(seed=1)
+    save_model(path, net, class_priors=np.asarray(priors, dtype=np.float64))
+    return path
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    """A 3-class model whose third pdf was never seen (prior floored to 1e-8), and feats."""
+    import kaldiio
+    model = _small_model(tmp_path / "model.h5", [0.75, 0.25 - 1e-8, 1e-8])
+    rng = np.random.default_rng(0)
+    feats = {f"utt{i}": rng.normal(size=(5 + i, 4)).astype(np.float32) for i in range(3)}
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
+    return tmp_path, model, feats
+
+
+def _export(tiny, *extra):
+    import kaldiio
+    d, model, _ = tiny
+    out = d / f"ll{len(os.listdir(d))}.ark"
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark", "--out", f"ark:{out}",
+                 *extra]) == 0
+    return dict(kaldiio.load_ark(str(out)))
+
+
+def test_export_to_stdout_writes_only_the_archive(tiny):
+    import io
+    import subprocess
+    import sys
+    import kaldiio
+    d, model, feats = tiny
+    result = subprocess.run([sys.executable, "-m", "mpitrain", "export", str(model),
+                             "--feats", f"ark:{d}/feats.ark", "--out", "ark:-"],
+                            capture_output=True, cwd=d, timeout=120)
+    assert result.returncode == 0, result.stderr
+    got = dict(kaldiio.load_ark(io.BytesIO(result.stdout)))
+    assert list(got) == list(feats)
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark:{d}/file.ark"]) == 0
+    assert result.stdout == (d / "file.ark").read_bytes()
+    assert b"wrote pseudo log-likelihoods of 3 utterances to ark:-" in result.stderr
+    assert b"1 of 3 pdfs were never seen" in result.stderr
+
+
+def test_unseen_pdfs_get_a_very_low_score_and_one_warning(tiny, capsys):
+    from mpitrain.export import UNSEEN_SCORE
+    loglikes = _export(tiny)
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if "never seen" in line]
+    assert len(warnings) == 1 and "1 of 3 pdfs" in warnings[0] and "model.h5" in warnings[0]
+    for matrix in loglikes.values():
+        assert (matrix[:, 2] < UNSEEN_SCORE / 2).all()         # about -1.8e19: never chosen
+        assert np.isfinite(matrix).all()
+        assert (matrix[:, :2] > -100).all()
+
+
+def test_prior_scale_and_no_priors_follow_the_stated_convention(tiny, capsys):
+    full = _export(tiny)
+    half = _export(tiny, "--prior-scale", "0.5")
+    post = _export(tiny, "--no-priors")
+    capsys.readouterr()
+    log_priors = np.log([0.75, 0.25 - 1e-8])
+    for utt, logpost in post.items():
+        # log posteriors: each row sums to 1
+        np.testing.assert_allclose(np.exp(logpost).sum(axis=1), 1.0, rtol=1e-5)
+        # log p(x|s) = log p(s|x) - scale * log p(s)
+        np.testing.assert_allclose(full[utt][:, :2], logpost[:, :2] - log_priors, atol=1e-5)
+        np.testing.assert_allclose(half[utt][:, :2], logpost[:, :2] - 0.5 * log_priors,
+                                   atol=1e-5)
+    assert main(["export", str(tiny[1]), "--feats", f"ark:{tiny[0]}/feats.ark",
+                 "--out", f"ark:{tiny[0]}/x.ark", "--prior-scale", "-1"]) == 2
+    assert "--prior-scale: expected a number >= 0" in capsys.readouterr().err
+    assert not (tiny[0] / "x.ark").exists()
+
+
+def test_unseen_pdfs_from_the_corpus_counts(tmp_path):
+    from mpitrain.export import UNSEEN_SCORE, prior_offsets
+    offsets, unseen = prior_offsets([0.5, 0.5, 0.0])
+    assert unseen == 1 and offsets[2] == np.float32(UNSEEN_SCORE)
+    np.testing.assert_allclose(offsets[:2], -np.log(0.5))
+    offsets, unseen = prior_offsets([0.5, 0.5, 1e-3], unseen=[False, False, True], scale=2)
+    assert unseen == 1 and offsets[2] == np.float32(UNSEEN_SCORE)
+    np.testing.assert_allclose(offsets[:2], -2 * np.log(0.5), rtol=1e-6)

@@ -22,15 +22,15 @@ from ..data.validate import validate_corpus, validate_slices
 from ..files import remove_stale_temporaries
 from ..nn.model_file import save_model
 from ..nn.network import build_network
-from ..optim.factory import build_optimizer
-from ..optim.schedule import ExponentialSchedule
-from ..parallel.registry import build_strategy
+from ..optim.factory import build_optimizer, build_schedule
+from ..parallel.registry import ASYNCHRONOUS_METHODS, build_strategy, data_share
 from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint,
                          save_checkpoint)
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import changed_settings, clear_run
+from .search import RateTrials
 from .step import TrainingStep
 
 
@@ -47,6 +47,10 @@ def balanced_plan(manifest, size: int) -> list:
     if size > 1 and max(frames) > MAX_SHARD_IMBALANCE * max(min(frames), 1):
         plan = plan_shards(manifest.shards, size, utt_offsets_of=offsets, split=True)
     return plan
+
+
+#: Prefix of the schedule's scalars in the checkpoint's group 'trainer'.
+SCHEDULE_PREFIX = "schedule_"
 
 
 class TrainingError(RuntimeError):
@@ -100,9 +104,10 @@ class Trainer:
         self.manifest = load_manifest(cfg.data.train)
         self.dev_manifest = load_manifest(cfg.data.dev) if cfg.data.dev else None
         self._build_model()
-        self.schedule = ExponentialSchedule(cfg.optimizer.initial_learning_rate,
-                                            cfg.optimizer.final_learning_rate)
         self._build_data()
+        self.schedule = build_schedule(cfg.optimizer, planned_steps=self.planned_steps,
+                                       frames_per_step=cfg.training.minibatch * comm.size)
+        self._trials = None       # optimizer.schedule: search, built at the first search
         self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
         self.step = 0
         self.frames_seen = 0      # summed over all ranks
@@ -118,6 +123,11 @@ class Trainer:
             # what a roll back before the first checkpoint returns to
             self._initial = self._state_snapshot()
         self._dev = None
+        self._combination = None     # training.combine: snapshots for train/combine.py
+        if cfg.training.combine:
+            from .combine import FinalCombination
+            self._combination = FinalCombination(cfg, comm, total_steps=self.total_steps,
+                                                 sync_period=self.strategy.sync_period)
 
     # -- construction ------------------------------------------------------------
     def _build_model(self) -> None:
@@ -130,6 +140,12 @@ class Trainer:
             pnorm_p=cfg.model.pnorm_p, normalize=cfg.model.normalize, xp=self.xp)
         self.net.init_params(seed=cfg.training.seed)
         self.net.set_cmvn(m.cmvn_mean, m.cmvn_var)
+        if cfg.model.init_from:      # hidden layers from `mpitrain pretrain` (RBMs)
+            from .pretrained_init import init_from_pretrained
+            try:
+                init_from_pretrained(self.net, cfg)
+            except ValueError as exc:    # every rank reads the same file: all stop alike
+                raise TrainingError(str(exc), agreed=True) from None
         if self.dev_manifest is not None:
             for field in ("feat_dim", "num_classes"):
                 if getattr(self.dev_manifest, field) != getattr(m, field):
@@ -141,8 +157,10 @@ class Trainer:
 
     def _build_data(self) -> None:
         cfg, comm = self.cfg, self.comm
+        # which part of the data this rank trains on (a parameter server: none)
+        share, shares = data_share(cfg, rank=comm.rank, size=comm.size)
         try:
-            slices = balanced_plan(self.manifest, comm.size)[comm.rank]
+            slices = balanced_plan(self.manifest, shares)[share] if share is not None else []
         except CorpusError as exc:
             # planning reads the same files on every rank: every rank fails alike
             raise TrainingError(" ".join(str(exc).split()), agreed=True) from None
@@ -154,6 +172,8 @@ class Trainer:
         self._stop_on_data_problems(problems)
         chunks = plan_chunks(self.manifest, slices, cfg.data.chunk_frames)
         local_steps = sum(c.frames // cfg.training.minibatch for c in chunks)
+        if self._takes_own_steps():
+            return self._build_own_steps_data(chunks, share, local_steps)
         # every rank must take the same number of steps, or a collective hangs
         steps = int(comm.allreduce_scalar(local_steps, op="min"))
         if steps == 0:
@@ -172,6 +192,25 @@ class Trainer:
             total = min(total, cfg.training.max_steps)
         self.total_steps = max(total, 1)
         self.planned_steps = max(int(round(cfg.training.epochs * steps)), 1)
+
+    # -- asynchronous methods (param_server): each rank takes its own steps ------------
+    def _takes_own_steps(self) -> bool:
+        return self.cfg.parallel.method in ASYNCHRONOUS_METHODS
+
+    def _build_own_steps_data(self, chunks, share, local_steps: int) -> None:
+        """Each client reads its own minibatches (its own count); the server reads none."""
+        from .serving import plan_own_steps
+        cfg = self.cfg
+        self.stream = MinibatchStream(
+            self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,
+            rank=share or 0, cmvn=(backend.to_host(self.net.cmvn_mean),
+                                   backend.to_host(self.net.cmvn_scale)),
+            xp=self.xp, steps_per_epoch=local_steps, prefetch=cfg.data.prefetch)
+        try:
+            self.steps_per_epoch, self.total_steps, self.planned_steps = plan_own_steps(
+                cfg, self.comm, local_steps)
+        except ValueError as exc:
+            raise TrainingError(f"{self.manifest.directory}: {exc}", agreed=True) from None
 
     def _stop_on_data_problems(self, problems: list) -> None:
         """All ranks stop together when any rank found bad data; rank 0 names the first."""
@@ -228,11 +267,12 @@ class Trainer:
         return {"params": backend.to_host(self.net.params).copy(),
                 "optimizer": self.optimizer.state_dict(), "reader": self.stream.state_dict(),
                 "strategy": self.strategy.state_dict(), "step": self.step,
-                "frames_seen": self.frames_seen}
+                "frames_seen": self.frames_seen, "schedule": self.schedule.state_dict()}
 
     def _trainer_state(self) -> dict:
+        schedule = {SCHEDULE_PREFIX + k: v for k, v in self.schedule.state_dict().items()}
         return {**self.guard.state_dict(), "planned_steps": self.planned_steps,
-                "steps_per_epoch": self.steps_per_epoch}
+                "steps_per_epoch": self.steps_per_epoch, **schedule}
 
     def _choose_checkpoint(self):
         """Rank 0 picks the newest checkpoint that verifies; every rank loads that one."""
@@ -281,6 +321,7 @@ class Trainer:
     def _restore(self, ckpt) -> None:
         """Continue from a loaded checkpoint (its model is already in the network)."""
         self.guard.load_state_dict(ckpt.trainer_state)
+        self._load_schedule_state(ckpt)
         self.strategy.bind(self.net)
         self.strategy.load_state_dict(ckpt.strategy_state)
         self.strategy.resume(self.net)
@@ -331,6 +372,7 @@ class Trainer:
             self.strategy.load_state_dict(init["strategy"])
             self.strategy.resume(self.net)
             self.step, self.frames_seen = init["step"], init["frames_seen"]
+            self.schedule.load_state_dict(init["schedule"])
             where = "the initial model"
         self.guard.load_state_dict(counts)
         self.guard.events, self.guard.running_mean = 0, None
@@ -413,6 +455,8 @@ class Trainer:
             if self._params_finite():
                 break
             self._roll_back("the final parameters are not finite")
+        if self._combination is not None:
+            self._combine()
         self.save_checkpoint()
         result = self._log_eval() if self.dev_manifest is not None else {}
         if self.is_root:
@@ -423,6 +467,8 @@ class Trainer:
                       skipped_minibatches=self.guard.skipped_total,
                       exploded_windows=self.guard.exploded_total,
                       rollbacks=self.guard.rollbacks)
+        if self.schedule.name == "search":      # compute the trials took, over all ranks
+            result["trial_frames"] = self.schedule.trial_frames
         self.log.write("end", **result)
         if self.is_root and self.cfg.training.plot:
             from ..plotting import plot_runs
@@ -445,18 +491,27 @@ class Trainer:
         training_step = self._new_training_step()
         window_start = comm.wtime()
         comm_at_window = comm.comm_time
+        cpu_at_window, steps_at_window = time.process_time(), self.step
         eval_every = cfg.training.eval_interval
         next_eval = (self.frames_seen // comm.size // eval_every + 1) * eval_every \
             if eval_every else None
         ck = cfg.training.checkpoint_interval
         next_checkpoint = (self.step // ck + 1) * ck if ck else 0
-        while self.step < self.total_steps:
+        if self._takes_own_steps():
+            # param_server: the ranks serve or train on their own until all are done
+            from .serving import train_asynchronously
+            return train_asynchronously(self, run_start)
+        while self.step < self.total_steps and not self.schedule.stopped:
+            if self.schedule.search_due(self.step):
+                self._search_rate()
             active_ranks = self.strategy.active_ranks(self.step)
-            rate = self.guard.lr_scale * self.schedule(self.step / self.planned_steps)
+            rate = self.guard.lr_scale * self.schedule.rate(self.step)
             lr = training_step.run(self.step, rate, self.stream.next_batch)
             self.step += 1
             self.frames_seen += batch * active_ranks
             last = self.step == self.total_steps
+            if self._combination is not None:
+                self._combination.observe(self.step, self.net)
             if self.step % cfg.training.log_interval == 0 or last:
                 now = comm.wtime()
                 comm_now = comm.comm_time
@@ -474,7 +529,10 @@ class Trainer:
                           "acc": sums[1] / sums[2], "lr": lr,
                           "frames_per_sec": sums[2] / elapsed,
                           "comm_fraction": min(1.0, sums[3] / comm.size / elapsed),
-                          "skipped": skipped, "rss_mb": resident_mb()}
+                          "skipped": skipped, "rss_mb": resident_mb(),
+                          # rank 0's own CPU time: steady even when the machine is shared
+                          "cpu_ms_per_step": 1e3 * (time.process_time() - cpu_at_window)
+                          / max(self.step - steps_at_window, 1)}
                 verdict = self.guard.observe(xent=float(xent), skipped=skipped)
                 self.log.write("train", **record)
                 trouble = ""
@@ -490,18 +548,25 @@ class Trainer:
                     f"ETA {format_duration(per_step * (self.total_steps - self.step))}"
                     + trouble)
                 window_start, comm_at_window = comm.wtime(), comm.comm_time
+                cpu_at_window, steps_at_window = time.process_time(), self.step
                 if verdict == ROLL_BACK:
                     self._roll_back(f"{self.guard.events} non-finite or exploding "
                                     f"minibatches/windows since the last checkpoint")
                     return ROLL_BACK
             # decided from the step count alone, so every rank evaluates together
             epoch_done = self.step % self.steps_per_epoch == 0
-            due_eval = (next_eval is not None and self.frames_seen // comm.size >= next_eval) \
-                or (next_eval is None and epoch_done and not last)
+            interval_due = next_eval is not None and self.frames_seen // comm.size >= next_eval
+            # newbob decides at every epoch end, whatever training.eval_interval says
+            schedule_eval = epoch_done and not last and self.schedule.uses_epoch_eval
+            due_eval = interval_due or (next_eval is None and epoch_done and not last) \
+                or schedule_eval
             if due_eval and self.dev_manifest is not None:
-                stop = self.on_eval(self._log_eval())
-                if next_eval is not None:
+                result = self._log_eval()
+                stop = self.on_eval(result)
+                if interval_due:
                     next_eval += eval_every
+                if schedule_eval:
+                    stop = self._end_schedule_epoch(result) or stop
                 if stop:
                     return None
             # checkpoint at the first point after each interval where all ranks agree
@@ -515,6 +580,42 @@ class Trainer:
                                  "diverging or not finite)")
         return None
 
+    # -- the learning-rate schedule's decisions (optimizer.schedule) ---------------------
+    def _load_schedule_state(self, ckpt) -> None:
+        saved = {k[len(SCHEDULE_PREFIX):]: v for k, v in ckpt.trainer_state.items()
+                 if k.startswith(SCHEDULE_PREFIX)}
+        try:
+            self.schedule.load_state_dict(saved)
+        except ValueError as exc:
+            raise TrainingError(f"{ckpt.path}: {exc}", agreed=True) from None
+
+    def _search_rate(self) -> None:
+        """search: try each factor's rate on the start of the coming chunk, keep the best."""
+        cfg = self.cfg
+        if self._trials is None:
+            self._trials = RateTrials(self.net, self.optimizer, self.strategy, self.stream,
+                                      self.comm, minibatch=cfg.training.minibatch,
+                                      left_context=cfg.data.left_context,
+                                      right_context=cfg.data.right_context)
+        scale, step, steps = self.guard.lr_scale, self.step, self.schedule.trial_steps
+        found = self.schedule.search(
+            step, lambda rate: self._trials.run(scale * rate, steps=steps, step=step))
+        self._record("search", step=step, trial_steps=steps, **found)
+        tried = ", ".join(f"{r:.3g}: {o:.4f}" for r, o in zip(found["rates"], found["objectives"]))
+        self._say(f"search at step {step}: rate {found['chosen']:.3g} (trial xent {tried})")
+
+    def _end_schedule_epoch(self, result: dict) -> bool:
+        """newbob: the epoch's held-out result decides the rate; True to stop."""
+        if not result:
+            return False
+        decision = self.schedule.end_epoch(result["dev_xent"], result["dev_acc"])
+        self._record("schedule", step=self.step, **decision)
+        self._say(f"{self.schedule.name} after epoch {decision.get('epoch')}: rate "
+                  f"{decision.get('rate', 0.0):.3g}" + (", halving" if decision.get("halving")
+                                                        else "")
+                  + (", stopping" if decision.get("stopped") else ""))
+        return self.schedule.stopped
+
     # -- hook for callers that stop early (benchmark mode) ------------------------------
     def on_eval(self, result: dict) -> bool:
         """Called on every rank after each held-out evaluation inside the loop.
@@ -525,6 +626,17 @@ class Trainer:
         collective.
         """
         return False
+
+    def _combine(self) -> None:
+        """training.combine: the model becomes the best combination of the last ones."""
+        found = self._combination.combine(self.net, self.dev_manifest or self.manifest)
+        self._record("combine", step=self.step, **found)
+        weights = ", ".join(f"{m} {w:.3f}" for m, w in zip(found["models"], found["weights"]))
+        self._say(f"combine: {len(found['models'])} models on {found['frames']} held-out "
+                  f"frames: xent {found['combined_xent']:.4f} acc {found['combined_acc']:.4f}, "
+                  f"best single ({found['best_single']}) xent "
+                  f"{found['best_single_xent']:.4f}, gain {found['gain_xent']:.4f}; "
+                  f"weights {weights}")
 
     def _log_eval(self) -> dict:
         res = self.evaluate()

@@ -44,3 +44,22 @@ def test_too_short_or_missing_metrics_is_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and "at least 8" in err[0] and "metrics.jsonl" in err[1]
+
+
+def test_cpu_time_per_step_is_judged_when_recorded(tmp_path):
+    # the machine got busy (wall clock halves) but the run itself did not slow down
+    run = tmp_path / "run"
+    _write(run, [200.0] * 40, [1000.0] * 20 + [500.0] * 20)
+    lines = [__import__("json").loads(x) for x in (run / "metrics.jsonl").read_text().split("\n")
+             if x]
+    for r in lines:
+        if r["type"] == "train":
+            r["cpu_ms_per_step"] = 4.0
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    s = summarize(run)
+    assert s["wall_slowdown"] == 2.0 and s["slowdown"] == 1.0 and s["flat"]
+    for r in lines:
+        if r["type"] == "train" and r["step"] > 200:
+            r["cpu_ms_per_step"] = 6.0
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
+    assert not summarize(run)["flat"]
