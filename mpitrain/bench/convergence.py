@@ -162,7 +162,9 @@ def train_command(spec: RunSpec, run_dir: str, *, config: str, corpus: str, epoc
         "parallel.average_every": str(average_every),
         "blas_threads": "1",
     }
-    command = _launcher(spec.ranks) + ["-m", "mpitrain", "train", config, "--run-dir", run_dir]
+    # a run that is started again replaces what an unfinished one left there
+    command = _launcher(spec.ranks) + ["-m", "mpitrain", "train", config, "--run-dir", run_dir,
+                                       "--overwrite"]
     for key, value in sets.items():
         command += ["--set", f"{key}={value}"]
     return command
@@ -213,7 +215,8 @@ def run_one(spec: RunSpec, out_dir: str, *, rerun: bool, targets: Sequence[float
     if status != 0:
         raise RuntimeError(f"{spec.name}: `mpitrain train` exited with status {status}; "
                            f"see {run_dir}/train.log")
-    Path(wall_file).write_text(f"{wall:.1f}\n")
+    with atomic_open(wall_file) as fh:
+        fh.write(f"{wall:.1f}\n")
     row = summarize_run(run_dir, spec, targets=targets, wall_seconds=wall)
     print(f"[convergence] {spec.name}: dev acc {row['final_dev_acc']:.4f} "
           f"xent {row['final_dev_xent']:.4f} in {wall:.0f} s", flush=True)
