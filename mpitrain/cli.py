@@ -251,7 +251,7 @@ def cmd_bench(args) -> int:
     from .bench.mode import run_bench
     from .bench.options import BenchOptions
     from .bench.projection import NetworkModel
-    from .bench.report import write_report
+    from .bench.report import projection_lines, write_report
     from .config import load_config
     cfg = load_config(args.config, args.set)
     virtual_sizes = _number_list(args.virtual, "--virtual")
@@ -287,7 +287,8 @@ def cmd_bench(args) -> int:
         report = run_bench(cfg, comm, out_dir=out_dir, options=options)
         if comm.rank == 0:
             paths = write_report(report, out_dir, dpi=args.dpi)
-            print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]))
+            print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]
+                            + projection_lines(report)))
             print("wrote " + ", ".join(paths.values()))
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if comm.size == 1:
@@ -343,8 +344,24 @@ def _limit_blas_threads(cfg, comm) -> None:
 
 # -- parser ----------------------------------------------------------------------
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows '(default: X)' unless the help already says what the default is.
+
+    Example::
+
+        argparse.ArgumentParser(formatter_class=_DefaultsFormatter)
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        # a default of None means "computed", which the help text describes itself
+        if action.default is None or "default:" in text or "default " in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    fmt = argparse.ArgumentDefaultsHelpFormatter
+    fmt = _DefaultsFormatter
     parser = argparse.ArgumentParser(
         prog="mpitrain", formatter_class=fmt,
         description="Train DNN acoustic models on many MPI ranks "
@@ -458,8 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=1,
                    help="throughput: runs per method and size, in rotating order; median kept")
     p.add_argument("--eval-frames", type=int, default=0,
-                   help="frames (all ranks) between held-out evaluations; 0: "
-                        "training.eval_interval, or 1/20 of an epoch")
+                   help="frames of all ranks together between held-out evaluations (unlike "
+                        "training.eval_interval, which counts frames per rank); 0: "
+                        "training.eval_interval taken as that total (the frames one rank "
+                        "sees), or 1/20 of an epoch")
     p.add_argument("--max-steps", type=int, default=0,
                    help="time to accuracy: steps per rank at most (besides the epochs); 0: no cap")
     p.add_argument("--max-frames", type=int, default=0,

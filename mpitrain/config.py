@@ -107,7 +107,8 @@ class TrainingConfig:
     seed: int = _opt(1, min=0, help="initialisation and shuffling seed")
     max_steps: int = _opt(0, min=0, help="stop after this many steps; 0: no limit")
     log_interval: int = _opt(100, min=1, help="steps between progress lines")
-    eval_interval: int = _opt(0, min=0, help="frames per rank between held-out evaluations; "
+    eval_interval: int = _opt(0, min=0, help="frames per rank between held-out evaluations (bench's "
+                                             "--eval-frames counts frames of all ranks); "
                                              "0: at the end of each epoch")
     eval_max_frames: int = _opt(0, min=0, help="cap on held-out frames; 0: all")
     checkpoint_interval: int = _opt(1000, min=0, help="steps between checkpoints; 0: end only")

@@ -96,6 +96,16 @@ def test_eval_rejects_a_mismatched_corpus(tmp_path, capsys):
 
 # -- entry points: version, no command, init, synth under mpiexec ----------------------------
 
+def test_help_never_doubles_a_default():
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "train" in a.choices)
+    for name, command in sub.choices.items():
+        text = command.format_help()
+        assert "(default: None)" not in text, name
+        assert "default: runs/<config name> (default" not in text, name
+    assert "(default: 1)" in sub.choices["bench"].format_help()
+
+
 def test_version():
     import mpitrain
     result = _run("--version")

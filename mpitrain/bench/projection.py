@@ -84,12 +84,34 @@ def fit_frames_exponent(frames_to_target: Mapping[int, float]) -> Optional[float
     return max(0.0, b)
 
 
+def frames_exponent_range(frames_to_target: Mapping[int, float]) -> Optional[tuple]:
+    """(lowest, highest) b over refits that each leave out one measured size > 1.
+
+    The spread of b when one noisy point is dropped: how far the projection
+    can be trusted.  None with fewer than two sizes above 1 (nothing to drop).
+
+    Example::
+
+        frames_exponent_range({1: 100.0, 2: 120.0, 4: 200.0})   # (0.26, 0.5)
+    """
+    larger = [n for n, f in frames_to_target.items() if n > 1 and f]
+    if not frames_to_target.get(1) or len(larger) < 2:
+        return None
+    fits = [fit_frames_exponent({n: f for n, f in frames_to_target.items() if n != drop})
+            for drop in larger]
+    full = fit_frames_exponent(frames_to_target)
+    fits = [b for b in fits + [full] if b is not None]
+    return min(fits), max(fits)
+
+
 def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: float,
                      sync_every: int, network: NetworkModel,
-                     frames_exponent: Optional[float]) -> list:
+                     frames_exponent: Optional[float],
+                     exponent_range: Optional[tuple] = None) -> list:
     """Projected speedups at each size: one dict per size.
 
-    ``time_to_target`` is None when no frames exponent could be fitted.
+    ``time_to_target`` is None when no frames exponent could be fitted;
+    ``time_to_target_range`` is (low, high) from ``exponent_range``, or None.
 
     Example::
 
@@ -109,6 +131,9 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
             "throughput_speedup": thr,
             "frames_ratio": frames_ratio,
             "time_to_target_speedup": None if frames_ratio is None else thr / frames_ratio,
+            # a larger b means more frames, so the high b gives the low speedup
+            "time_to_target_range": None if exponent_range is None else
+            (thr / n ** exponent_range[1], thr / n ** exponent_range[0]),
         })
     return rows
 
@@ -131,14 +156,16 @@ def project_method(sizes: Sequence[int], *, measured_compute_seconds: float, num
     """
     compute = compute_seconds or measured_compute_seconds
     exponent = fit_frames_exponent(frames_to_target)
+    spread = frames_exponent_range(frames_to_target)
     nbytes = 4 * num_params
     return {"compute_seconds_per_step": compute,
             "compute_seconds_source": "option" if compute_seconds else "measured on one rank",
             "bytes_per_allreduce": nbytes, "sync_every_steps": sync_every,
-            "frames_exponent": exponent,
+            "frames_exponent": exponent, "frames_exponent_range": spread,
+            "fitted_sizes": sorted(int(n) for n, f in frames_to_target.items() if f),
             "rows": project_speedups(sizes, compute_seconds=compute, nbytes=nbytes,
                                      sync_every=sync_every, network=network,
-                                     frames_exponent=exponent)}
+                                     frames_exponent=exponent, exponent_range=spread)}
 
 
 def assumptions(network: NetworkModel) -> list:
@@ -157,4 +184,7 @@ def assumptions(network: NetworkModel) -> list:
         "Throughput speedup = N * compute / (compute + allreduce / sync period).",
         "Frames to target grow as N^b, b fitted to the measured sizes (least squares on "
         "log-log, clipped at 0); time-to-target speedup = throughput speedup / N^b.",
+        "Projections are a model's output, not measurements: the range after a "
+        "time-to-target figure is that of refits leaving out one measured size each; a fit "
+        "on few noisy points beyond the measured sizes can be far off.",
     ]

@@ -188,7 +188,7 @@ def summary_markdown(report: dict) -> str:
     if report["accuracy"]:
         lines += ["", f"Target held-out frame accuracy: "
                       f"{report['options']['target_accuracy']}."]
-    lines += ["", "## Projection", ""]
+    lines += ["", "## Projection (a model's output, not measured)", ""]
     if report["projections"]:
         first = next(iter(report["projections"].values()))["rows"]
         lines += ["| method | compute ms/step | MB per allreduce | sync every | b | "
@@ -201,12 +201,18 @@ def summary_markdown(report: dict) -> str:
         for r in proj["rows"]:
             tt = r["time_to_target_speedup"]
             cells.append(f"{r['throughput_speedup']:.1f}"
-                         + (f" / {tt:.1f}" if tt is not None else ""))
+                         + (f" / {tt:.1f}" if tt is not None else "")
+                         + _range_text(r.get("time_to_target_range")))
         lines.append(f"| {method} | {proj['compute_seconds_per_step'] * 1e3:.1f} | "
                      f"{proj['bytes_per_allreduce'] / 1e6:.2f} | {proj['sync_every_steps']} | "
-                     f"{_fmt(proj['frames_exponent'], '.2f')} | " + " | ".join(cells) + " |")
-    lines += ["", "Cells: projected throughput speedup / time-to-target speedup.", "",
-              "Papers: " + "; ".join(f"{p['source']}: {p['speedup']}x on {p['ranks']} GPUs"
+                     f"{_fmt(proj['frames_exponent'], '.2f')}"
+                     f"{_range_text(proj.get('frames_exponent_range'), '.2f')} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "Cells: projected throughput speedup / projected time-to-target speedup "
+                  "(in brackets: its range over refits of b leaving out one measured size; "
+                  "none with fewer than two sizes above 1).  Only the measured table above "
+                  "compares with the papers' measured figures.", "",
+              "Papers (measured): " + "; ".join(f"{p['source']}: {p['speedup']}x on {p['ranks']} GPUs"
                                      for p in report["paper_points"]) + ".",
               ""]
     lines += _virtual_markdown(report)
@@ -214,6 +220,31 @@ def summary_markdown(report: dict) -> str:
     lines += [f"- {a}" for a in report["assumptions"]]
     lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]] + [""]
     return "\n".join(lines)
+
+
+def _range_text(span, spec: str = ".1f") -> str:
+    return "" if not span else f" ({span[0]:{spec}}-{span[1]:{spec}})"
+
+
+def projection_lines(report: dict) -> list:
+    """One console line per method: the projection at the largest size, labelled.
+
+    Example::
+
+        print("\n".join(projection_lines(report)))
+    """
+    lines = []
+    for method, proj in report["projections"].items():
+        r = proj["rows"][-1]
+        tt = r["time_to_target_speedup"]
+        text = (f"projected (not measured), {method} at N={r['ranks']}: throughput "
+                f"{r['throughput_speedup']:.1f}x")
+        if tt is not None:
+            text += (f", time to target {tt:.1f}x{_range_text(r.get('time_to_target_range'))}"
+                     f" from b={proj['frames_exponent']:.2f} fitted on sizes "
+                     f"{','.join(str(n) for n in proj.get('fitted_sizes', []))}")
+        lines.append(text)
+    return lines
 
 
 def _virtual_markdown(report: dict) -> list:

@@ -1,7 +1,7 @@
 """``newbob``: the multi-pass baseline's rate, halved by held-out gains (QuickNet's rule).
 
 Rule, at the end of every epoch but the last, on the held-out cross-entropy
-x_e and frame accuracy a_e (summed over all ranks, so identical everywhere)::
+x_e and frame accuracy a_e (per frame over all ranks' frames, so identical everywhere)::
 
     gain_x = (x_{e-1} - x_e) / x_{e-1}          relative cross-entropy gain
     gain_a = a_e - a_{e-1}                       absolute accuracy gain

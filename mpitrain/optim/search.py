@@ -5,7 +5,7 @@ hour of frames over all ranks: ``optimizer.search_chunk_frames``).  Before
 each chunk, for every factor f in ``optimizer.search_factors`` (0.5, 1, 2),
 a trial trains ``trial_steps`` minibatches (``search_trial_fraction``, ~3% of
 the chunk) at rate ``r f`` from the current weights; the trial's objective is
-its training cross-entropy per frame summed over all ranks (each minibatch is
+its training cross-entropy per frame over all ranks' frames (each minibatch is
 scored before its update: progressive validation).  The chunk is trained at
 ``r <- r f*`` with f* the factor of the lowest objective (the first one on a
 tie; a non-finite trial never wins; if all are non-finite the smallest rate is
@@ -13,7 +13,7 @@ kept).  ``r`` starts at ``optimizer.initial_learning_rate``.
 
 This class decides; running a trial (and putting the weights, the optimizer
 and the reader back afterwards) is the trainer's (``train/search.py``), given
-as the ``trial`` callable, so the objectives arrive already summed over ranks
+as the ``trial`` callable, so the objectives arrive already combined over ranks
 and every rank picks the same rate.
 
 Example::

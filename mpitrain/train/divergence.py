@@ -1,6 +1,6 @@
 """Divergence: seen by every rank at the same step, counted, and rolled back.
 
-Rule, applied at every progress line to figures already summed over all
+Rule, applied at every progress line to figures already combined over all
 ranks (so every rank takes the same decision at the same step)::
 
     events += s_w                       minibatches skipped in the window:

@@ -7,7 +7,8 @@ on this rank alone (no averaging or gradient exchange: a trial is short),
 scores each minibatch's cross-entropy before its update, and then restores
 the weights, the optimizer (momentum, natural-gradient and adapt statistics,
 counters) and the reader, so the real run continues as if nothing happened.
-The scores are summed over all ranks with one allreduce, so every rank sees
+The scores and frames are summed over all ranks with one allreduce and the
+objective is their ratio (cross-entropy per frame of all ranks), so every rank sees
 the same objective and :class:`~mpitrain.optim.search.SearchSchedule` picks
 the same rate everywhere.
 

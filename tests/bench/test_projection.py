@@ -4,9 +4,11 @@ import math
 
 import pytest
 
-from mpitrain.bench.projection import (NetworkModel, fit_frames_exponent, project_method,
+from mpitrain.bench.projection import (NetworkModel, assumptions, fit_frames_exponent,
+                                       frames_exponent_range, project_method,
                                        project_speedups, ring_allreduce_seconds, step_seconds,
                                        throughput_speedup)
+from mpitrain.bench.report import projection_lines, summary_markdown
 
 # The hand-computed case: 1,000,000 float32 parameters (4,000,000 bytes), links of
 # 1 GB/s with 10 us latency, 10 ms of compute per step, one average every 8 steps.
@@ -95,6 +97,41 @@ def test_method_projection_from_measured_figures():
     assert proj["compute_seconds_source"] == "option" and proj["frames_exponent"] is None
     assert proj["rows"][0]["throughput_speedup"] == pytest.approx(14.578588, rel=1e-6)
     assert proj["rows"][0]["time_to_target_speedup"] is None
+
+
+def test_projection_range_from_refits_leaving_one_size_out():
+    # frames 100, 120, 200 at N = 1, 2, 4.  Leaving out N = 4: b = ln 1.2 / ln 2 = 0.263;
+    # leaving out N = 2: b = ln 2 / ln 4 = 0.5; the full fit (0.4526) lies between
+    frames = {1: 100.0, 2: 120.0, 4: 200.0}
+    low, high = frames_exponent_range(frames)
+    assert low == pytest.approx(math.log(1.2) / math.log(2)) and high == pytest.approx(0.5)
+    assert low <= fit_frames_exponent(frames) <= high
+    # one size above 1: nothing to leave out
+    assert frames_exponent_range({1: 100.0, 2: 120.0}) is None
+    proj = project_method([16], measured_compute_seconds=COMPUTE, num_params=1_000_000,
+                          sync_every=SYNC, frames_to_target=frames, network=NET)
+    row = proj["rows"][0]
+    thr = row["throughput_speedup"]
+    assert row["time_to_target_range"] == pytest.approx((thr / 16 ** 0.5, thr / 16 ** low))
+    lo, hi = row["time_to_target_range"]
+    assert lo <= row["time_to_target_speedup"] <= hi
+    assert proj["fitted_sizes"] == [1, 2, 4]
+
+
+def test_projection_is_labelled_with_its_range_in_markdown_and_console():
+    proj = project_method([1, 2, 4, 16], measured_compute_seconds=COMPUTE,
+                          num_params=1_000_000, sync_every=SYNC,
+                          frames_to_target={1: 100.0, 2: 120.0, 4: 200.0}, network=NET)
+    report = {"environment": {}, "methods": ["m"], "speedups": [], "throughput": [],
+              "accuracy": [], "projections": {"m": proj}, "paper_points": [],
+              "assumptions": assumptions(NET), "notes": []}
+    text = summary_markdown(report)
+    assert "## Projection (a model's output, not measured)" in text
+    lo, hi = proj["rows"][-1]["time_to_target_range"]
+    assert f"({lo:.1f}-{hi:.1f})" in text and "(0.26-0.50)" in text
+    (line,) = projection_lines(report)
+    assert line.startswith("projected (not measured), m at N=16:")
+    assert f"({lo:.1f}-{hi:.1f})" in line and "sizes 1,2,4" in line
 
 
 def test_network_model_rejects_bad_values():
