@@ -60,7 +60,8 @@ def cmd_init(args) -> int:
 def cmd_prepare(args) -> int:
     from .data.kaldi import import_kaldi
     report = import_kaldi(args.feats, args.ali, args.out, shards=args.shards,
-                          num_classes=args.num_classes, overwrite=args.overwrite)
+                          num_classes=args.num_classes, overwrite=args.overwrite,
+                          utt2spk=args.utt2spk, cmvn=args.cmvn, norm_vars=args.norm_vars)
     print(report.summary())
     return 0 if report.imported else 1
 
@@ -321,7 +322,7 @@ def cmd_export(args) -> int:
     from .export import export_loglikes
     n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
                         batch=args.batch, prior_scale=args.prior_scale,
-                        priors=not args.no_priors)
+                        priors=not args.no_priors, utt2spk=args.utt2spk, cmvn=args.cmvn)
     # stderr: stdout may be the archive itself (--out ark:-)
     what = "log posteriors" if args.no_priors else "pseudo log-likelihoods"
     print(f"wrote {what} of {n} utterances to {args.out}", file=sys.stderr)
@@ -404,6 +405,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, default=None,
                    help="number of pdfs (default: largest label + 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
+    p.add_argument("--utt2spk", default=None, metavar="FILE",
+                   help="Kaldi utt2spk: apply per-speaker CMVN to the stored features, with "
+                        "stats computed per speaker unless --cmvn gives them")
+    p.add_argument("--cmvn", default=None, metavar="RSPECIFIER",
+                   help="Kaldi CMVN stats, e.g. scp:data/train/cmvn.scp (by speaker with "
+                        "--utt2spk, else by utterance)")
+    p.add_argument("--norm-vars", action="store_true",
+                   help="with per-speaker CMVN also normalise variances (as apply-cmvn)")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("merge", formatter_class=fmt,
@@ -526,6 +535,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-priors", action="store_true",
                    help="write log posteriors log p(s|x) (no prior division)")
     p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--utt2spk", default=None, metavar="FILE",
+                   help="needed by a model trained with per-speaker CMVN: the speakers of "
+                        "--feats (stats computed from them unless --cmvn gives them)")
+    p.add_argument("--cmvn", default=None, metavar="RSPECIFIER",
+                   help="Kaldi CMVN stats for --feats, e.g. scp:data/test/cmvn.scp")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("plot", formatter_class=fmt,

@@ -1,6 +1,7 @@
 """Pseudo log-likelihoods for Kaldi's decoders.
 
-For each utterance: CMVN and splicing as in training, forward pass, then
+For each utterance: per-speaker CMVN if the model was trained with it
+(``--utt2spk``/``--cmvn``), CMVN and splicing as in training, forward pass, then
 the pseudo log-likelihood of each pdf s,
 
     log p(x|s) = log p(s|x) - scale * log p(s)        (up to a constant)
@@ -28,7 +29,8 @@ import numpy as np
 
 from . import backend
 from .files import commit, discard, temporary_path
-from .data.kaldi_read import read_feature_matrices
+from .data.cmvn import SpeakerCmvn
+from .data.kaldi_read import read_feature_matrices, split_rspecifier
 from .data.splice import frame_utterance_bounds, splice, splice_indices
 from .nn.loss import log_softmax
 from .nn.model_file import load_model
@@ -82,18 +84,21 @@ def prior_offsets(priors, *, scale: float = 1.0, unseen=None):
 
 def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=None,
                     batch: int = 4096, prior_scale: float = 1.0, priors: bool = True,
-                    warn=None) -> int:
+                    warn=None, utt2spk: str | None = None, cmvn: str | None = None) -> int:
     """Write loglikes for every utterance of ``feats_rspec``; returns the count.
 
     ``log p(x|s) = log p(s|x) - prior_scale * log p(s)``; ``priors=False``
     writes log posteriors.  ``warn(message)`` hears about pdfs never seen in
-    training (default: printed to stderr).
+    training (default: printed to stderr).  A model trained on a corpus that
+    ``prepare`` gave per-speaker CMVN needs ``utt2spk`` (stats computed from
+    ``feats_rspec``) or ``cmvn`` (Kaldi's stats) and applies it the same way.
 
     Example::
 
         export_loglikes("runs/x/final.h5", "scp:data/test/feats.scp", "ark:loglikes.ark")
     """
     net, stored = load_model(model_path)
+    speaker = _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn)
     offsets = np.zeros(net.num_classes, dtype=np.float32)
     if priors:
         offsets = _offsets(net, model_path, stored, corpus_dir, prior_scale, warn)
@@ -103,9 +108,29 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
             if feats.shape[1] != net.feat_dim:
                 raise ValueError(f"{feats_rspec}: utterance {utt} has features of shape "
                                  f"{feats.shape}, the model expects dim {net.feat_dim}")
+            if speaker is not None:
+                feats = speaker.apply(utt, feats)
             writer.write(utt, utterance_loglikes(net, feats, offsets, batch=batch))
             count += 1
     return count
+
+
+def _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn):
+    """The per-speaker CMVN the model was trained with, or None; one-line refusals."""
+    if net.speaker_cmvn is None:
+        if utt2spk or cmvn:
+            raise ValueError(f"{model_path}: the model was trained without per-speaker CMVN; "
+                             "drop --utt2spk and --cmvn")
+        return None
+    norm_vars = bool(net.speaker_cmvn.get("norm_vars"))
+    if not (utt2spk or cmvn):
+        raise ValueError(f"{model_path}: the model was trained on features with per-speaker "
+                         f"CMVN (norm_vars {str(norm_vars).lower()}); pass --utt2spk "
+                         "(stats computed from --feats) or --cmvn scp:cmvn.scp")
+    if not cmvn and split_rspecifier(feats_rspec, "feats")[1].strip() == "-":
+        raise ValueError("--feats -: computing CMVN stats reads the features twice, which "
+                         "stdin cannot give; pass --cmvn with Kaldi's stats")
+    return SpeakerCmvn.load(utt2spk=utt2spk, cmvn=cmvn, feats=feats_rspec, norm_vars=norm_vars)
 
 
 def _offsets(net, model_path, priors, corpus_dir, scale, warn):

@@ -130,3 +130,45 @@ def test_unseen_pdfs_from_the_corpus_counts(tmp_path):
     offsets, unseen = prior_offsets([0.5, 0.5, 1e-3], unseen=[False, False, True], scale=2)
     assert unseen == 1 and offsets[2] == np.float32(UNSEEN_SCORE)
     np.testing.assert_allclose(offsets[:2], -2 * np.log(0.5), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- per-speaker CMVN
+
+def test_export_applies_the_per_speaker_cmvn_the_model_was_trained_with(tiny, capsys):
+    import kaldiio
+    from mpitrain.data.cmvn import accumulate_stats, apply_cmvn
+    from mpitrain.nn.model_file import load_model, save_model
+    d, model, feats = tiny
+    net, priors = load_model(model)
+    net.speaker_cmvn = {"norm_vars": True}
+    save_model(d / "spk.h5", net, class_priors=priors)
+    (d / "utt2spk").write_text("utt0 s1\nutt1 s1\nutt2 s2\n")
+    stats = {"s1": accumulate_stats(feats["utt1"], accumulate_stats(feats["utt0"])),
+             "s2": accumulate_stats(feats["utt2"])}
+    speakers = {"utt0": "s1", "utt1": "s1", "utt2": "s2"}
+    normalised = {u: apply_cmvn(m, stats[speakers[u]], norm_vars=True) for u, m in feats.items()}
+    kaldiio.save_ark(str(d / "normalised.ark"), normalised)
+    kaldiio.save_ark(str(d / "cmvn.ark"), stats, scp=str(d / "cmvn.scp"))
+    # the plain model on features normalised by hand gives the reference
+    assert main(["export", str(model), "--feats", f"ark:{d}/normalised.ark",
+                 "--out", f"ark:{d}/want.ark"]) == 0
+    want = dict(kaldiio.load_ark(str(d / "want.ark")))
+    for extra in (["--utt2spk", str(d / "utt2spk")],
+                  ["--utt2spk", str(d / "utt2spk"), "--cmvn", f"scp:{d}/cmvn.scp"]):
+        out = d / f"got{len(extra)}.ark"
+        assert main(["export", str(d / "spk.h5"), "--feats", f"ark:{d}/feats.ark",
+                     "--out", f"ark:{out}", *extra]) == 0
+        got = dict(kaldiio.load_ark(str(out)))
+        for utt in feats:
+            np.testing.assert_allclose(got[utt], want[utt], rtol=1e-5, atol=1e-5)
+    # refused in one line: missing options for such a model, extra ones for a plain one
+    capsys.readouterr()
+    assert main(["export", str(d / "spk.h5"), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark:{d}/x.ark"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "spk.h5: the model was trained on features with per-speaker CMVN (norm_vars " \
+           "true); pass --utt2spk" in err and "\n" not in err
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark:{d}/x.ark", "--utt2spk", str(d / "utt2spk")]) == 2
+    assert "trained without per-speaker CMVN" in capsys.readouterr().err
+    assert not (d / "x.ark").exists()

@@ -90,6 +90,11 @@ class CorpusManifest:
         priors = np.maximum(priors, floor)
         return priors / priors.sum()
 
+    @property
+    def speaker_cmvn(self) -> dict | None:
+        """{"norm_vars": bool, ...} when ``prepare`` applied per-speaker CMVN, else None."""
+        return _speaker_cmvn(self.source)
+
     def to_dict(self) -> dict:
         """The manifest as plain YAML-ready data, in the documented field order."""
         return {
@@ -260,6 +265,21 @@ def read_manifest_data(path: str):
         return read_yaml(path, what="corpus manifest")
     except ValueError as exc:
         raise CorpusError(str(exc)) from None
+
+
+def _speaker_cmvn(source: dict) -> dict | None:
+    found = source.get("speaker_cmvn")
+    if isinstance(found, dict):
+        return dict(found)
+    parts = source.get("parts") if source.get("kind") == "merged" else None
+    if isinstance(parts, list) and parts:
+        # a merged corpus: the parts' own sources say it (the same for all of them)
+        each = [_speaker_cmvn(p.get("source", {})) if isinstance(p, dict) else None
+                for p in parts]
+        if each[0] is not None and all(e is not None and e.get("norm_vars") ==
+                                       each[0].get("norm_vars") for e in each):
+            return each[0]
+    return None
 
 
 def load_manifest(corpus_dir: str) -> CorpusManifest:

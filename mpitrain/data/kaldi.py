@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..files import write_yaml
+from .cmvn import SpeakerCmvn
 from .corpus import CorpusError
 # the one rspecifier reader; its names stay importable from here
 from .kaldi_read import (EXPECTED_ALIGNMENT, EXPECTED_FEATURES, read_alignments,  # noqa: F401
@@ -62,6 +63,7 @@ class ImportReport:
     feats: str = ""
     ali: str = ""
     out_dir: str = ""
+    speaker_cmvn: dict | None = None      # what per-speaker CMVN was applied, if any
 
     @property
     def skipped(self) -> int:
@@ -74,6 +76,10 @@ class ImportReport:
                  f"{len(self.length_mismatch)} with length mismatch, "
                  f"{len(self.empty_features)} with no frames; "
                  f"{self.alignments_without_features} alignments had no features"]
+        if self.speaker_cmvn:
+            lines.append(f"per-speaker CMVN applied (norm_vars "
+                         f"{str(self.speaker_cmvn['norm_vars']).lower()}; "
+                         f"{self.speaker_cmvn['stats']})")
         for utt, feat_len, ali_len in self.length_mismatch[:5]:
             lines.append(f"  length mismatch: {utt}: {feat_len} frames, {ali_len} labels")
         if self.missing_alignment[:5]:
@@ -89,17 +95,25 @@ class ImportReport:
                 "length_mismatch": [{"utt": u, "feat_frames": f, "ali_frames": a}
                                     for u, f, a in self.length_mismatch],
                 "empty_features": list(self.empty_features),
-                "alignments_without_features": self.alignments_without_features}
+                "alignments_without_features": self.alignments_without_features,
+                "speaker_cmvn": self.speaker_cmvn}
 
 
 # ---------------------------------------------------------------- import
 
 def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
-                 num_classes: int | None = None, overwrite: bool = False) -> ImportReport:
+                 num_classes: int | None = None, overwrite: bool = False,
+                 utt2spk: str | None = None, cmvn: str | None = None,
+                 norm_vars: bool = False) -> ImportReport:
     """Convert Kaldi features + pdf alignments into a corpus directory.
 
     ``num_classes`` should be the number of pdfs of the tree (``tree-info``);
     it defaults to the largest pdf id in the alignment file plus one.
+    With ``utt2spk`` or ``cmvn`` the stored features get per-speaker CMVN as
+    Kaldi's ``apply-cmvn`` (``norm_vars`` as its ``--norm-vars``) applies it:
+    with Kaldi's stats (``cmvn``, e.g. ``scp:cmvn.scp``) or with stats computed
+    per speaker from the features; the manifest's ``source.speaker_cmvn``
+    records it, and models trained on the corpus carry it to ``export``.
 
     Example::
 
@@ -124,8 +138,20 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
         raise CorpusError(f"{ali_path}: utterance {worst!r}: pdf id {largest} is outside "
                           f"[0, {num_classes}) (num_classes={num_classes})")
 
+    speaker_cmvn = None
+    if utt2spk or cmvn:
+        if not cmvn and feats_path.strip() == "-":
+            raise ValueError("--feats -: computing CMVN stats reads the features twice, "
+                             "which stdin cannot give; pass --cmvn with Kaldi's stats")
+        speaker_cmvn = SpeakerCmvn.load(utt2spk=utt2spk, cmvn=cmvn, feats=feats,
+                                        norm_vars=norm_vars)
+    elif norm_vars:
+        raise ValueError("--norm-vars needs per-speaker CMVN: pass --utt2spk or --cmvn")
     report = ImportReport(num_classes=int(num_classes), feats=feats, ali=ali,
                           out_dir=str(out_dir))
+    source = {"kind": "kaldi", "feats": feats, "ali": ali}
+    if speaker_cmvn is not None:
+        source["speaker_cmvn"] = report.speaker_cmvn = speaker_cmvn.describe()
     seen: set[str] = set()
     writer = None
     try:
@@ -147,7 +173,7 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
                 report.feat_dim = int(matrix.shape[1])
                 writer = CorpusWriter(out_dir, feat_dim=report.feat_dim,
                                       num_classes=int(num_classes), num_shards=int(shards),
-                                      source={"kind": "kaldi", "feats": feats, "ali": ali},
+                                      source=source,
                                       overwrite=overwrite)
             elif matrix.shape[1] != report.feat_dim:
                 raise CorpusError(f"{feats_path}: utterance {key!r} has feature dimension "
@@ -155,6 +181,8 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
                                   "like the utterances before it")
             if not np.isfinite(matrix).all():
                 raise CorpusError(f"{feats_path}: utterance {key!r} contains NaN or inf")
+            if speaker_cmvn is not None:
+                matrix = speaker_cmvn.apply(key, matrix)
             writer.add(key, matrix, labels)
             report.imported += 1
             report.frames += int(matrix.shape[0])

@@ -19,6 +19,9 @@ for a pipe by reading the payload in bounded blocks, so memory follows the
 bytes that arrive, never the header.  Only then is a binary record decoded,
 by kaldiio's ``read_matrix_or_vector`` from those bytes.
 
+CMVN stats (:func:`read_cmvn_stats`) are read as features are, text kept in
+float64, and must be 2 x (D+1); utt2spk (:func:`read_utt2spk`) is plain text.
+
 Example::
 
     for utt, feats in read_feature_matrices("ark:gunzip -c feats.ark.gz |"):
@@ -345,8 +348,8 @@ def _read_binary_matrix(src: Input, key: str, kind: str, head: bytes) -> np.ndar
                           f"({type(exc).__name__}: {exc})") from exc
 
 
-def _read_text_matrix(src: Input, key: str) -> np.ndarray:
-    """A Kaldi text matrix ' [\\n  1 2\\n  3 4 ]' (or vector ' [ 1 2 ]') as float32."""
+def _read_text_matrix(src: Input, key: str, dtype=np.float32) -> np.ndarray:
+    """A Kaldi text matrix ' [\\n  1 2\\n  3 4 ]' (or vector ' [ 1 2 ]') as ``dtype``."""
     text = src.read_until(b"]")
     if text is None:
         raise CorpusError(f"{src.name}: entry {key!r}: text matrix has no closing ']'")
@@ -356,12 +359,12 @@ def _read_text_matrix(src: Input, key: str) -> np.ndarray:
         body = text[:-1].decode("ascii").strip()[1:]       # between '[' and ']'
         rows = [line.split() for line in body.splitlines() if line.strip()]
         if not rows:
-            return np.zeros((0, 0), dtype=np.float32)     # Kaldi's empty matrix ' [ ]'
+            return np.zeros((0, 0), dtype=dtype)     # Kaldi's empty matrix ' [ ]'
         if "\n" not in body:
-            return np.array(rows[0], dtype=np.float32)    # a vector ' [ 1 2 ]'
+            return np.array(rows[0], dtype=dtype)    # a vector ' [ 1 2 ]'
         if len({len(row) for row in rows}) > 1:
             raise ValueError("rows of different lengths")
-        return np.array(rows, dtype=np.float32)
+        return np.array(rows, dtype=dtype)
     except ValueError as exc:    # also UnicodeDecodeError
         raise CorpusError(f"{src.name}: entry {key!r}: not a Kaldi text matrix ({exc})") \
             from None
@@ -392,9 +395,12 @@ def read_record(src: Input, key: str, *, expect: str = "matrix"):
     """Decode the record at the current position if it is of the kind expected.
 
     ``expect`` is "matrix" (features: float matrices and vectors, binary,
-    compressed or text) or "ints" (alignments: binary int32 vectors).  Any
-    other record is refused by key before a byte of its payload is decoded.
+    compressed or text), "stats" (the same kinds, text read as float64: CMVN
+    sums) or "ints" (alignments: binary int32 vectors).  Any other record is
+    refused by key before a byte of its payload is decoded.
     """
+    text_dtype = np.float64 if expect == "stats" else np.float32
+    expect = "matrix" if expect == "stats" else expect
     expected = EXPECTED_FEATURES if expect == "matrix" else EXPECTED_ALIGNMENT
     head = src.peek(64)
     for marker, what in _FOREIGN:
@@ -412,7 +418,7 @@ def read_record(src: Input, key: str, *, expect: str = "matrix"):
             raise _refuse(src.name, key, f"a Kaldi {kind} matrix or vector", expected)
         return _read_binary_matrix(src, key, kind, read)
     if expect == "matrix" and head.lstrip(_WHITESPACE)[:1] == b"[":
-        return _read_text_matrix(src, key)
+        return _read_text_matrix(src, key, text_dtype)
     raise _refuse(src.name, key, f"an unknown record (it starts with {head[:8]!r})", expected)
 
 
@@ -484,7 +490,7 @@ def parse_scp(target: str) -> list[tuple[str, str, int | None]]:
     return entries
 
 
-def iter_scp(target: str, *, max_open: int = 16):
+def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix"):
     """(key, matrix) for each scp entry, in scp order, keeping a few arks open."""
     handles: OrderedDict[str, Input] = OrderedDict()
     try:
@@ -492,7 +498,7 @@ def iter_scp(target: str, *, max_open: int = 16):
             if is_pipe(location):
                 # one bare object (no key) on the command's stdout
                 with _opened(location, "scp entry") as src:
-                    value = read_record(src, key)
+                    value = read_record(src, key, expect=expect)
                 yield key, value
                 continue
             src = handles.get(location)
@@ -512,7 +518,7 @@ def iter_scp(target: str, *, max_open: int = 16):
                                   f"{location!r}, at or past its end")
             # Without an offset the file holds one bare object (no key), as in Kaldi.
             src.seek(offset or 0)
-            yield key, read_record(src, key)
+            yield key, read_record(src, key, expect=expect)
     finally:
         for src in handles.values():
             src.abandon()
@@ -545,6 +551,63 @@ def as_features(name: str, key: str, value) -> np.ndarray:
         raise CorpusError(f"{name}: utterance {key!r}: feature matrix has {value.shape[0]} "
                           "rows and no columns")
     return value.astype(np.float32, copy=False)
+
+
+# ---------------------------------------------------------------- CMVN and speakers
+
+def read_cmvn_stats(spec: str) -> dict[str, np.ndarray]:
+    """Kaldi CMVN stats by speaker (or utterance): float64 matrices 2 x (D+1).
+
+    Read like features (``scp:cmvn.scp``, ``ark:cmvn.ark``, text or binary),
+    so only Kaldi float matrices are decoded; every other record is refused.
+    The dimension is checked against the features where they are applied.
+
+    Example::
+
+        stats = read_cmvn_stats("scp:data/train/cmvn.scp")
+        stats["spk1"][0, -1]        # the speaker's frame count
+    """
+    kind, target = split_rspecifier(spec, "cmvn")
+    records = iter_scp(target, expect="stats") if kind == "scp" \
+        else iter_ark(target, expect="stats")
+    stats: dict[str, np.ndarray] = {}
+    for key, value in records:
+        if not isinstance(value, np.ndarray) or value.ndim != 2 or value.shape[0] != 2 \
+                or value.shape[1] < 2:
+            raise CorpusError(f"{target}: speaker {key!r}: expected a 2 x (dim+1) CMVN stats "
+                              f"matrix, got shape {getattr(value, 'shape', None)}")
+        if key in stats:
+            raise CorpusError(f"{target}: speaker {key!r} appears twice")
+        stats[key] = value.astype(np.float64)
+    if not stats:
+        raise CorpusError(f"{target}: no CMVN stats found")
+    return stats
+
+
+def read_utt2spk(path: str) -> dict[str, str]:
+    """Kaldi's utt2spk: lines ``utterance speaker``.
+
+    Example::
+
+        read_utt2spk("data/train/utt2spk")["spk1-utt1"]      # 'spk1'
+    """
+    mapping: dict[str, str] = {}
+    with _opened(path, "utt2spk") as src:
+        for lineno, raw in enumerate(src.lines(), 1):
+            try:
+                parts = raw.decode("utf-8").split()
+            except UnicodeDecodeError:
+                raise CorpusError(f"{src.name}:{lineno}: not UTF-8 text; not an utt2spk "
+                                  "file") from None
+            if not parts:
+                continue
+            if len(parts) != 2:
+                raise CorpusError(f"{src.name}:{lineno}: expected 'utterance speaker', got "
+                                  f"{' '.join(parts)[:80]!r}")
+            if parts[0] in mapping:
+                raise CorpusError(f"{src.name}:{lineno}: utterance {parts[0]!r} appears twice")
+            mapping[parts[0]] = parts[1]
+    return mapping
 
 
 # ---------------------------------------------------------------- alignments

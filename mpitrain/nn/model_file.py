@@ -42,6 +42,9 @@ def write_model_group(group, net: Network, *, class_priors=None) -> None:
     group["cmvn_scale"] = to_host(net.cmvn_scale)
     if class_priors is not None:
         group["class_priors"] = np.asarray(class_priors, dtype=np.float64)
+    if net.speaker_cmvn is not None:
+        group.attrs["speaker_cmvn"] = json.dumps(
+            {"norm_vars": bool(net.speaker_cmvn.get("norm_vars", False))})
 
 
 # Bounds on what a model file may declare, checked before anything is allocated.
@@ -137,7 +140,9 @@ class StoredModel:
         net, priors = stored.install()
     """
 
-    def __init__(self, path, components, feat_dim, left, right, arrays, priors):
+    def __init__(self, path, components, feat_dim, left, right, arrays, priors,
+                 speaker_cmvn=None):
+        self.speaker_cmvn = speaker_cmvn
         self.path, self.components = path, components
         self.feat_dim, self.left_context, self.right_context = feat_dim, left, right
         self.arrays, self.class_priors = arrays, priors
@@ -166,6 +171,7 @@ class StoredModel:
         net.params[...] = xp.asarray(self.arrays["params"])
         net.cmvn_mean[...] = xp.asarray(self.arrays["cmvn_mean"])
         net.cmvn_scale[...] = xp.asarray(self.arrays["cmvn_scale"])
+        net.speaker_cmvn = None if self.speaker_cmvn is None else dict(self.speaker_cmvn)
         return net, self.class_priors
 
 
@@ -206,7 +212,26 @@ def read_stored_model(group, path) -> StoredModel:
         priors = _float_vector(group, "class_priors", path, num_classes,
                                what="one per output class")
     arrays = {"params": params[...], "cmvn_mean": cmvn_mean, "cmvn_scale": cmvn_scale}
-    return StoredModel(path, components, feat_dim, left, right, arrays, priors)
+    return StoredModel(path, components, feat_dim, left, right, arrays, priors,
+                       _speaker_cmvn(group, path))
+
+
+def _speaker_cmvn(group, path) -> dict | None:
+    """The optional ``speaker_cmvn`` attribute: JSON ``{"norm_vars": bool}``."""
+    if "speaker_cmvn" not in group.attrs:
+        return None
+    text = group.attrs["speaker_cmvn"]
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    try:
+        value = json.loads(text) if isinstance(text, str) and len(text) < 1000 else None
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict) or set(value) != {"norm_vars"} \
+            or not isinstance(value["norm_vars"], bool):
+        raise ValueError(f"{path}: model attribute 'speaker_cmvn': expected JSON "
+                         f'{{"norm_vars": true|false}}, got {str(text)[:80]!r}')
+    return value
 
 
 def read_model_group(group, path, *, xp=np, into: Network | None = None):

@@ -77,6 +77,9 @@ class Network:
             offset += n
         self.cmvn_mean = xp.zeros(self.feat_dim, dtype=dtype)
         self.cmvn_scale = xp.ones(self.feat_dim, dtype=dtype)
+        # {"norm_vars": bool} when the raw features got per-speaker CMVN before
+        # cmvn_mean/cmvn_scale (prepare applied it): export must do the same
+        self.speaker_cmvn = None
         self.loss = SoftmaxCrossEntropy()
 
     # -- structure -------------------------------------------------------------

@@ -141,6 +141,7 @@ class Trainer:
             pnorm_p=cfg.model.pnorm_p, normalize=cfg.model.normalize, xp=self.xp)
         self.net.init_params(seed=cfg.training.seed)
         self.net.set_cmvn(m.cmvn_mean, m.cmvn_var)
+        self.net.speaker_cmvn = m.speaker_cmvn      # written into the model for export
         if cfg.model.init_from:      # hidden layers from `mpitrain pretrain` (RBMs)
             from .pretrained_init import init_from_pretrained
             try:
