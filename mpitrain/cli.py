@@ -329,6 +329,13 @@ def cmd_export(args) -> int:
     return 0
 
 
+def cmd_convert(args) -> int:
+    from .convert import convert_model
+    out = convert_model(args.model, args.to, args.out)
+    print(f"wrote {args.to} model to {out}")
+    return 0
+
+
 def cmd_plot(args) -> int:
     from .plotting import plot_runs
     out = args.out or (os.path.join(args.run_dirs[0], "curves.png")
@@ -541,6 +548,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cmvn", default=None, metavar="RSPECIFIER",
                    help="Kaldi CMVN stats for --feats, e.g. scp:data/test/cmvn.scp")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("convert", formatter_class=fmt,
+                       help="write a model as ONNX (needs the onnx package) or as a PyTorch "
+                            "module with .npz weights (no pickle); docs/model-format.md")
+    p.add_argument("model", help="final.h5 or a checkpoint")
+    p.add_argument("--to", required=True, choices=("onnx", "torch"))
+    p.add_argument("out", help="onnx: the .onnx file; torch: a directory for model.py and "
+                               "weights.npz")
+    p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("plot", formatter_class=fmt,
                        help="PNG of held-out and training accuracy and cross-entropy of runs")

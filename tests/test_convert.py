@@ -1,0 +1,106 @@
+"""`mpitrain convert`: ONNX and PyTorch forms give what mpitrain computes."""
+
+import ast
+import json
+import sys
+
+import numpy as np
+import pytest
+
+import mpitrain
+from mpitrain.cli import main
+from mpitrain.nn.affine import Affine
+from mpitrain.nn.model_file import save_model
+from mpitrain.nn.network import Network
+from mpitrain.nn.nonlinear import Normalize, PNorm, ReLU, Sigmoid
+
+
+def _model(path, layers, *, left=2, right=1, speaker_cmvn=None):
+    net = Network(layers, feat_dim=4, left_context=left, right_context=right)
+    net.init_params(seed=3)
+    net.set_cmvn(np.linspace(-1, 1, 4), np.linspace(0.5, 2, 4))
+    net.speaker_cmvn = speaker_cmvn
+    save_model(path, net, class_priors=np.array([0.5, 0.3, 0.2]))
+    return path
+
+
+def _layers(kind):
+    width = 4 * 4                        # feat_dim x (2 + 1 + 1) frames
+    if kind == "relu":
+        return [Affine(width, 8), ReLU(8), Affine(8, 3)]
+    if kind == "sigmoid":
+        return [Affine(width, 8), Sigmoid(8), Affine(8, 3)]
+    if kind == "pnorm2":
+        return [Affine(width, 12), PNorm(12, 4, p=2.0), Normalize(4), Affine(4, 3)]
+    return [Affine(width, 12), PNorm(12, 3, p=3.0), Normalize(3, target_rms=0.5),
+            Affine(3, 3)]
+
+
+FEATS = {"long": np.random.default_rng(0).normal(size=(9, 4)).astype(np.float32),
+         "one frame": np.random.default_rng(1).normal(size=(1, 4)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("kind", ["relu", "sigmoid", "pnorm2", "pnorm3"])
+def test_onnx_output_equals_ours(tmp_path, kind):
+    pytest.importorskip("onnx")
+    ort = pytest.importorskip("onnxruntime")
+    model = _model(tmp_path / "m.h5", _layers(kind))
+    assert main(["convert", str(model), "--to", "onnx", str(tmp_path / "m.onnx")]) == 0
+    session = ort.InferenceSession(str(tmp_path / "m.onnx"))
+    ours = mpitrain.load_model(model)
+    for feats in FEATS.values():
+        got = session.run(None, {"feats": feats})[0]
+        np.testing.assert_allclose(got, ours.log_posteriors(feats), atol=1e-5, rtol=0)
+
+
+def test_onnx_metadata_says_priors_and_speaker_cmvn(tmp_path):
+    onnx = pytest.importorskip("onnx")
+    model = _model(tmp_path / "m.h5", _layers("relu"), speaker_cmvn={"norm_vars": True})
+    assert main(["convert", str(model), "--to", "onnx", str(tmp_path / "m.onnx")]) == 0
+    meta = {p.key: p.value for p in onnx.load(str(tmp_path / "m.onnx")).metadata_props}
+    assert json.loads(meta["speaker_cmvn"]) == {"norm_vars": True}
+    assert json.loads(meta["class_priors"]) == pytest.approx([0.5, 0.3, 0.2])
+
+
+def test_without_onnx_the_error_is_one_line_naming_the_package(tmp_path, monkeypatch, capsys):
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+    monkeypatch.setitem(sys.modules, "onnx", None)          # import onnx fails
+    assert main(["convert", str(model), "--to", "onnx", str(tmp_path / "m.onnx")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("mpitrain convert: error: convert --to onnx needs the onnx package "
+                   "(pip install onnx)")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_torch_form_is_a_module_and_npz_without_pickle(tmp_path):
+    model = _model(tmp_path / "m.h5", _layers("pnorm2"), speaker_cmvn={"norm_vars": False})
+    out = tmp_path / "torch"
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
+    source = (out / "model.py").read_text()
+    ast.parse(source)
+    assert "pickle" not in source.replace("allow_pickle=False", "")
+    assert "SPEAKER_CMVN = {'norm_vars': False}" in source
+    with np.load(out / "weights.npz", allow_pickle=False) as data:
+        assert sorted(data.files) == ["affine0_bias", "affine0_weight", "affine1_bias",
+                                      "affine1_weight", "cmvn_mean", "cmvn_scale", "priors"]
+        assert data["affine0_weight"].shape == (12, 16) and data["affine1_bias"].shape == (3,)
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(out))
+    try:
+        import model as converted
+        net = converted.load()
+    finally:
+        sys.path.remove(str(out))
+        sys.modules.pop("model", None)
+    ours = mpitrain.load_model(model)
+    for feats in FEATS.values():
+        with torch.no_grad():
+            got = net(torch.from_numpy(feats)).numpy()
+        np.testing.assert_allclose(got, ours.log_posteriors(feats), atol=1e-5, rtol=0)
+
+
+def test_torch_target_that_is_a_file_is_one_line(tmp_path, capsys):
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+    (tmp_path / "file").write_text("x")
+    assert main(["convert", str(model), "--to", "torch", str(tmp_path / "file")]) == 2
+    assert "file: exists and is not a directory" in capsys.readouterr().err
