@@ -18,7 +18,8 @@ from .slurm_cluster import LocalSlurm, SlurmUnavailable, install_packages, missi
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_DIR = os.path.join(REPO, "jobs", "slurm")
-SCRIPTS = ("train.sbatch", "train-gpu.sbatch", "bench.sbatch", "prepare.sbatch")
+SCRIPTS = ("train.sbatch", "train-gpu.sbatch", "bench.sbatch", "bench-gpu.sbatch",
+           "prepare.sbatch")
 REQUIRED_ENV = "MPITRAIN_TEST_SLURM"
 JOB_TIMEOUT = 150
 
@@ -68,11 +69,6 @@ def _train_overrides(corpus, **extra):
               "training.log_interval": 50}
     values.update(extra)
     return " ".join(f"{k}={v}" for k, v in values.items())
-
-
-def _gpu_options(cluster):
-    # The scripts ask for one GPU per task; a node without (fake) GPUs cannot give one.
-    return [] if cluster.gpus >= 2 else ["--gpus-per-task=0"]
 
 
 def _finished_ok(cluster, job_id, output):
@@ -241,11 +237,25 @@ def test_prepare_array_and_merge_make_one_corpus(slurm, tmp_path):
     assert f"{len(feats) - 1} utterances" in text
 
 
+@pytest.mark.parametrize("cpu,gpu", [("train.sbatch", "train-gpu.sbatch"),
+                                     ("bench.sbatch", "bench-gpu.sbatch")])
+def test_cpu_scripts_ask_no_gpu_and_gpu_scripts_one_per_task(cpu, gpu):
+    def directives(name):
+        return [line.split()[1] for line in open(os.path.join(SLURM_DIR, name))
+                if line.startswith("#SBATCH")]
+    assert not [d for d in directives(cpu) if d.startswith("--gpus")]
+    assert "--gpus-per-task=1" in directives(gpu)
+    text = open(os.path.join(SLURM_DIR, gpu)).read()
+    assert 'export DEVICE=${DEVICE:-gpu}' in text and f"jobs/slurm/{cpu}" in text
+    assert 'cpu|gpu) sets+=(--set "device=$DEVICE")' in open(os.path.join(SLURM_DIR, cpu)).read()
+
+
 def test_bench_job_writes_its_report(slurm, corpus, tmp_path):
+    # the CPU script as the README submits it: no GPU options
     out, output = tmp_path / "bench", str(tmp_path / "bench.out")
     env = _job_env(slurm, BENCH_OUT=str(out), MPITRAIN_SET=_train_overrides(corpus))
     job = slurm.sbatch(["--ntasks-per-node=2", "--cpus-per-task=1", f"--output={output}",
-                        *_gpu_options(slurm), os.path.join(SLURM_DIR, "bench.sbatch"),
+                        os.path.join(SLURM_DIR, "bench.sbatch"),
                         "jobs/configs/bench.yaml", "--sizes", "1,2", "--methods",
                         "model_averaging", "--phases", "throughput", "--steps", "8",
                         "--warmup-steps", "2"], env=env, cwd=REPO)
