@@ -115,6 +115,9 @@ class TrainingConfig:
     keep_checkpoints: int = _opt(3, min=2, help="newest checkpoints kept in the run directory")
     plot: bool = _opt(False, help="draw curves.png into the run directory at the end "
                                   "(needs matplotlib)")
+    tensorboard: bool = _opt(False, help="also write the train and eval scalars as "
+                                         "TensorBoard event files in RUN_DIR/tensorboard "
+                                         "(needs the tensorboard package)")
     divergence_factor: float = _opt(3.0, min=0.0, help="a log window whose cross-entropy "
                                     "exceeds this factor times the running mean counts as a "
                                     "divergence event; 0: only non-finite losses count")

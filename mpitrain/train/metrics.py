@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -25,24 +26,51 @@ def format_duration(seconds: float) -> str:
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
 
 
+BAR_WIDTH = 20
+
+
+def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
+    """``[#####.....]  50%`` for ``done`` of ``total``.
+
+    Example::
+
+        progress_bar(1, 4)      # '[#####...............]  25%'
+    """
+    frac = min(max(done / total, 0.0), 1.0) if total > 0 else 1.0
+    filled = int(round(frac * width))
+    return f"[{'#' * filled}{'.' * (width - filled)}] {frac:4.0%}"
+
+
 class MetricsLog:
     """Writes one JSON object per line to ``metrics.jsonl`` and echoes a summary.
+
+    With ``tensorboard`` the ``train`` and ``eval`` scalars also go to event
+    files (:mod:`mpitrain.train.tensorboard`).  :meth:`progress` redraws one
+    line with a bar when the stream is a terminal, and prints the plain line
+    otherwise (a log file, a pipe, a batch job's output).
 
     Example::
 
         log = MetricsLog(run_dir, enabled=(rank == 0))
         log.write("train", step=100, xent=1.2, acc=0.6)
+        log.progress(100, 1400, "step 100/1400 xent 1.2000 ...")
     """
 
-    def __init__(self, run_dir, *, enabled: bool = True, stream=None, append: bool = False):
+    def __init__(self, run_dir, *, enabled: bool = True, stream=None, append: bool = False,
+                 tensorboard: bool = False):
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self.start = time.time()
         self._fh = None
+        self._board = None
+        self._bar_open = False      # a progress line is on screen without its newline
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
             self._fh = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w",
                             encoding="utf-8")
+            if tensorboard:
+                from .tensorboard import TensorBoardLog
+                self._board = TensorBoardLog(run_dir, append=append)
 
     def write(self, kind: str, **fields) -> None:
         if not self.enabled:
@@ -50,12 +78,48 @@ class MetricsLog:
         record = {"type": kind, "time": round(time.time() - self.start, 3), **fields}
         self._fh.write(json.dumps(record) + "\n")
         self._fh.flush()
+        if self._board is not None:
+            self._board.record(kind, fields)
 
     def say(self, text: str) -> None:
         if self.enabled:
+            self._end_bar()
             print(text, file=self.stream, flush=True)
 
+    def progress(self, done: int, total: int, text: str) -> None:
+        """A progress line: redrawn in place with a bar on a terminal, else printed."""
+        if not self.enabled:
+            return
+        if not _is_tty(self.stream):
+            print(text, file=self.stream, flush=True)
+            return
+        line = f"{progress_bar(done, total)} {text}"
+        columns = shutil.get_terminal_size((120, 24)).columns
+        if len(line) >= columns:
+            line = line[:columns - 1]
+        # \r and clear-to-end: the new line replaces the previous one
+        self.stream.write("\r" + line + "\x1b[K")
+        self.stream.flush()
+        self._bar_open = True
+
+    def _end_bar(self) -> None:
+        if self._bar_open:
+            self.stream.write("\n")
+            self._bar_open = False
+
     def close(self) -> None:
+        if self.enabled:
+            self._end_bar()
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False

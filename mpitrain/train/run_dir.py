@@ -27,7 +27,8 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "final.h5", "curves.png", "pretrain
 NEUTRAL_SETTINGS = (
     "data.dev", "data.prefetch", "training.max_steps", "training.log_interval",
     "training.eval_interval", "training.eval_max_frames", "training.checkpoint_interval",
-    "training.keep_checkpoints", "training.plot", "training.divergence_factor",
+    "training.keep_checkpoints", "training.plot", "training.tensorboard",
+    "training.divergence_factor",
     "training.max_divergence_events", "training.max_rollbacks",
     "training.rollback_lr_factor", "device", "device_transport", "fused_kernels",
     "cuda_graph", "blas_threads", "parallel.straggler.ranks", "parallel.straggler.slowdown",

@@ -102,6 +102,12 @@ class Trainer:
             except ImportError as exc:
                 raise TrainingError("training.plot: true needs matplotlib; "
                                     "pip install matplotlib (or the [plot] extra)") from exc
+        if cfg.training.tensorboard:     # checked now, on every rank alike
+            from .tensorboard import require_tensorboard
+            try:
+                require_tensorboard()
+            except ValueError as exc:
+                raise TrainingError(str(exc)) from None
         self.manifest = load_manifest(cfg.data.train)
         self.dev_manifest = load_manifest(cfg.data.dev) if cfg.data.dev else None
         self._build_model()
@@ -256,7 +262,7 @@ class Trainer:
                         0, f"--overwrite: removed the previous run's {len(removed)} file(s)")
             dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
         self.log = MetricsLog(self.run_dir, enabled=self.is_root, stream=self._stream_out,
-                              append=self.resuming)
+                              append=self.resuming, tensorboard=self.cfg.training.tensorboard)
         for kind, fields in self._pending_records:
             self.log.write(kind, **fields)
         for line in self._pending_lines:
@@ -542,7 +548,8 @@ class Trainer:
                     trouble = (f" | divergence: {skipped} skipped, "
                                f"{self.guard.events} event(s) since the last checkpoint "
                                f"(limit {self.guard.max_events})")
-                self.log.say(
+                self.log.progress(
+                    self.step, self.total_steps,
                     f"step {self.step}/{self.total_steps} ep {self.stream.epoch} "
                     f"frames {self.frames_seen} xent {record['xent']:.4f} "
                     f"acc {record['acc']:.4f} lr {lr:.3g} {record['frames_per_sec']:,.0f} "

@@ -1,0 +1,71 @@
+"""metrics.jsonl's companions: TensorBoard event files and the terminal progress bar."""
+
+import io
+import json
+import os
+import sys
+
+import pytest
+
+from mpitrain.cli import main
+from mpitrain.train.metrics import MetricsLog, progress_bar
+from tests.helpers import QUICKSTART, small_overrides
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(tmp_path):
+    assert progress_bar(1, 4) == "[#####...............]  25%"
+    assert progress_bar(9, 0).endswith("100%")
+    plain = io.StringIO()
+    log = MetricsLog(tmp_path / "a", stream=plain)
+    log.progress(1, 4, "step 1/4 xent 1.0")
+    log.progress(2, 4, "step 2/4 xent 0.9")
+    log.say("held-out: acc 0.5")
+    assert plain.getvalue() == "step 1/4 xent 1.0\nstep 2/4 xent 0.9\nheld-out: acc 0.5\n"
+    term = _Terminal()
+    log = MetricsLog(tmp_path / "b", stream=term)
+    log.progress(1, 4, "step 1/4 xent 1.0")
+    log.progress(2, 4, "step 2/4 xent 0.9")
+    log.say("held-out: acc 0.5")          # ends the bar's line first
+    log.close()
+    assert term.getvalue() == ("\r[#####...............]  25% step 1/4 xent 1.0\x1b[K"
+                               "\r[##########..........]  50% step 2/4 xent 0.9\x1b[K"
+                               "\nheld-out: acc 0.5\n")
+
+
+def test_tensorboard_events_hold_the_train_and_eval_scalars(small_corpus, tmp_path, capsys):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus, **{"training.tensorboard": "true",
+                                                 "training.max_steps": 60,
+                                                 "training.log_interval": 20}):
+        argv += ["--set", item]
+    assert main(argv) == 0
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    records = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    train = [r for r in records if r["type"] == "train"]
+    got = events.Scalars("train/xent")
+    assert [e.step for e in got] == [r["step"] for r in train]
+    assert [e.value for e in got] == pytest.approx([r["xent"] for r in train], rel=1e-6)
+    assert events.Scalars("eval/dev_acc")[-1].value == pytest.approx(
+        [r for r in records if r["type"] == "eval"][-1]["dev_acc"], rel=1e-6)
+
+
+def test_tensorboard_without_the_package_is_one_line(small_corpus, tmp_path, monkeypatch,
+                                                     capsys):
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    for item in small_overrides(small_corpus, **{"training.tensorboard": "true"}):
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "training.tensorboard: true needs the tensorboard package (pip install " \
+           "tensorboard)" in err and "\n" not in err
+    assert not os.path.exists(tmp_path / "run" / "final.h5")
