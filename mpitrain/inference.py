@@ -50,6 +50,12 @@ class AcousticModel:
         return self.net.num_classes
 
     @property
+    def speaker_cmvn(self) -> dict | None:
+        """{"norm_vars": bool} when the model expects features that already had
+        per-speaker CMVN (:func:`mpitrain.data.cmvn.apply_cmvn`), else None."""
+        return self.net.speaker_cmvn
+
+    @property
     def context(self) -> tuple[int, int]:
         return self.net.left_context, self.net.right_context
 

@@ -142,6 +142,9 @@ def test_export_applies_the_per_speaker_cmvn_the_model_was_trained_with(tiny, ca
     net, priors = load_model(model)
     net.speaker_cmvn = {"norm_vars": True}
     save_model(d / "spk.h5", net, class_priors=priors)
+    import mpitrain
+    assert mpitrain.load_model(d / "spk.h5").speaker_cmvn == {"norm_vars": True}
+    assert mpitrain.load_model(model).speaker_cmvn is None
     (d / "utt2spk").write_text("utt0 s1\nutt1 s1\nutt2 s2\n")
     stats = {"s1": accumulate_stats(feats["utt1"], accumulate_stats(feats["utt0"])),
              "s2": accumulate_stats(feats["utt2"])}
