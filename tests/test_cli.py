@@ -183,3 +183,21 @@ def test_synth_under_mpiexec_writes_once(mpiexec, tmp_path):
 def _env():
     return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [REPO, os.environ.get(
         "PYTHONPATH")])), OPENBLAS_NUM_THREADS="1")
+
+
+@pytest.mark.mpi
+def test_mpirun_python_dash_m_mpitrain_trains_mpitrain_yaml_of_the_directory(small_corpus,
+                                                                            tmp_path):
+    # the design card's launch line, with no command: `mpirun -np 2 python -m mpitrain`
+    from mpitrain.config import dump_config, load_config
+    from mpitrain.testing.mpirun import run_mpi
+    assert main(["init", str(tmp_path), "--corpus", small_corpus]) == 0
+    # the starter config, made tiny
+    cfg = load_config(str(tmp_path / "mpitrain.yaml"), [
+        "model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=6",
+        "training.log_interval=3", "data.chunk_frames=20000"])
+    dump_config(cfg, str(tmp_path / "mpitrain.yaml"))
+    result = run_mpi(2, ["-m", "mpitrain"], cwd=str(tmp_path), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 rank(s)" in result.stdout
+    assert (tmp_path / "runs" / "mpitrain" / "final.h5").exists()

@@ -1,5 +1,9 @@
 """The BLAS thread policy."""
 
+import shutil
+import subprocess
+import sys
+
 import pytest
 
 from mpitrain.threads import blas_threads, preset_blas_env, ranks_on_node_from_env
@@ -80,3 +84,14 @@ def test_no_cgroup_files_and_no_affinity_fall_back_to_cpu_count(tmp_path, monkey
     monkeypatch.setattr("os.cpu_count", lambda: 6)
     assert available_cores(affinity=refused, cgroup_root=str(tmp_path / "none"),
                            proc_cgroup=str(tmp_path / "none")) == 6
+
+
+@pytest.mark.skipif(shutil.which("taskset") is None, reason="no taskset")
+def test_under_taskset_to_one_core_the_policy_gives_one_thread():
+    # a real affinity mask, not a fake: what `taskset -c 0 mpitrain ...` sees
+    code = ("from mpitrain.threads import available_cores, blas_threads; "
+            "print(available_cores(), blas_threads(0, ranks_on_node=1))")
+    result = subprocess.run(["taskset", "-c", "0", sys.executable, "-c", code],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["1", "1"]

@@ -91,9 +91,9 @@ def _skip_reason(stdout: str) -> str:
 
 
 def run_mpi(np: int, args: Sequence[str], *, timeout: float = 120,
-            env: Optional[Mapping[str, str]] = None,
+            env: Optional[Mapping[str, str]] = None, cwd: Optional[str] = None,
             skip_on_code: bool = True) -> subprocess.CompletedProcess:
-    """Run ``mpiexec -n np <python> *args`` and return its result (text output).
+    """Run ``mpiexec -n np <python> *args`` (in ``cwd``) and return its result (text output).
 
     Skips the calling test when no launcher exists or a worker exits with
     :data:`SKIP_EXIT_CODE`.  Past ``timeout`` seconds the whole process
@@ -111,7 +111,8 @@ def run_mpi(np: int, args: Sequence[str], *, timeout: float = 120,
         pytest.skip("no MPI launcher: set $MPIEXEC or `pip install mpich` into the venv")
     command = [launcher, *_launcher_args(launcher), "-n", str(np), sys.executable, *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=_child_env(env), start_new_session=True)
+                               text=True, env=_child_env(env), cwd=cwd,
+                               start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
