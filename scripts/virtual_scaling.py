@@ -11,8 +11,20 @@ default: each run's own N = 1), and the share of the simulated time spent
 communicating (1 - compute time / simulated time, compute time = steps per
 rank x the step time).  Every figure is simulated.
 
-    python scripts/virtual_scaling.py --out docs/data/virtual-scaling \
-        --baseline sgd="SGD avg K=8" "SGD avg K=8=/tmp/vs/ma-sgd-k8" ...
+    D=docs/data/virtual-scaling
+    python scripts/virtual_scaling.py --out $D/sweep --png docs/img/virtual-scaling-sweep.png \
+        --also-targets 0.65 --baseline sgd="SGD avg K=8 x1" --baseline ngsgd="NG-SGD avg K=8 x1" \
+        --plot "SGD avg K=8 x1,SGD avg K=1 x1,SGD allreduce xN,NG-SGD avg K=8 x1,NG-SGD avg K=1 x1,NG-SGD avg K=64 x1,NG-SGD allreduce xN,NG-SGD bmuf K=8" \
+        "SGD avg K=8 x1=$D/ma-sgd-k8.bench.json" "SGD kaldi K=8 xN=$D/ka-sgd-k8.bench.json" \
+        "SGD avg K=1 x1=$D/ma-sgd-k1.bench.json" "SGD avg K=64 x1=$D/ma-sgd-k64.bench.json" \
+        "SGD allreduce xN=$D/ar-sgd-lin.bench.json" "SGD bmuf K=8=$D/bmuf-sgd-k8.bench.json" \
+        "SGD kaldi K=8 xN, max-change xN=$D/kmc-sgd-n16.bench.json" \
+        "NG-SGD avg K=8 x1=$D/ma-ng-k8.bench.json" "NG-SGD kaldi K=8 xN=$D/ka-ng-k8.bench.json" \
+        "NG-SGD avg K=1 x1=$D/ma-ng-k1.bench.json" "NG-SGD avg K=4 x1=$D/ma-ng-k4.bench.json" \
+        "NG-SGD avg K=16 x1=$D/ma-ng-k16.bench.json" "NG-SGD avg K=64 x1=$D/ma-ng-k64.bench.json" \
+        "NG-SGD allreduce xN=$D/ar-ng-lin.bench.json" "NG-SGD bmuf K=8=$D/bmuf-ng-k8.bench.json" \
+        "NG-SGD kaldi K=8 xN, max-change xN (16)=$D/kmc-ng-n16.bench.json" \
+        "NG-SGD kaldi K=8 xN, max-change xN (64)=$D/kmc-ng-n64.bench.json"
 
 writes OUT.json (the rows), OUT.md (one table per run and a summary) and
 OUT.png (efficiency and speedup against N).
@@ -84,8 +96,19 @@ def load_unfinished(label: str, path: str, *, step_ms: float = 2.0, latency_us: 
             continue                      # still running
         evals = [r for r in records if r["type"] == "eval"]
         trains = [r for r in records if r["type"] == "train"]
-        share = trains[-1]["comm_fraction"] if trains else 0.0
-        points = [{"frames": r["frames"], "seconds": r["step"] * step_ms * 1e-3 / (1 - share),
+        if trains:
+            share = trains[-1]["comm_fraction"]
+
+            def seconds(step):
+                return step * step_ms * 1e-3 / (1 - share)
+        else:
+            # no progress record yet: one allreduce of the parameters per sync on the model
+            period = 1 if method == "allreduce" else cfg["parallel"]["average_every"]
+            cost = net.allreduce_seconds(4 * _num_params(cfg), n) if n > 1 else 0.0
+
+            def seconds(step):
+                return step * step_ms * 1e-3 + (step // period) * cost
+        points = [{"frames": r["frames"], "seconds": seconds(r["step"]),
                    "dev_acc": r["dev_acc"]} for r in evals]
         hit = first_crossing(points, target)
         end = next(r for r in records if r["type"] == "end")
@@ -99,12 +122,24 @@ def load_unfinished(label: str, path: str, *, step_ms: float = 2.0, latency_us: 
                      "comm_share": None if hit is None else max(0.0, 1.0 - hit["frames"] / n / cfg[
                          "training"]["minibatch"] * step_ms * 1e-3 / hit["seconds"]),
                      "initial_learning_rate": cfg["optimizer"]["initial_learning_rate"],
-                     "points": points, "from_metrics": True})
+                     "points": points, "from_metrics": True,
+                     "comm_from": "progress records" if trains else "network model"})
     return {"label": label, "dir": path, "method": method, "optimizer": cfg["optimizer"]["name"],
             "sync_every": cfg["parallel"]["average_every"], "lr_scale": "see rates",
             "target_accuracy": target, "step_seconds": step_ms * 1e-3,
             "minibatch": cfg["training"]["minibatch"],
             "network": net.to_dict(), "rows": sorted(rows, key=lambda r: r["ranks"])}
+
+
+def _num_params(cfg: dict) -> int:
+    """Parameters of the ReLU DNN of ``cfg`` (weights and biases)."""
+    import yaml
+    with open(os.path.join(cfg["data"]["train"], "corpus.yaml"), encoding="utf-8") as fh:
+        corpus = yaml.safe_load(fh)
+    d = cfg["data"]
+    dims = [corpus["feat_dim"] * (d["left_context"] + 1 + d["right_context"])] + \
+        [cfg["model"]["hidden_dim"]] * cfg["model"]["hidden_layers"] + [corpus["num_classes"]]
+    return sum((a + 1) * b for a, b in zip(dims, dims[1:]))
 
 
 def load_any(label: str, path: str) -> dict:
