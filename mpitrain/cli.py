@@ -99,60 +99,35 @@ def cmd_check(args) -> int:
 
 def cmd_train(args) -> int:
     from .config import load_config
-    from .comm import create_communicator
-    from .comm.abort import install_abort_hook
     cfg = load_config(args.config, args.set)
     if args.virtual:
         return _train_virtual(args, cfg)
-    comm = create_communicator(device_transport=cfg.device_transport)
-    install_abort_hook(comm)
-    _limit_blas_threads(cfg, comm)
-    run_dir = args.run_dir or os.path.join(
-        "runs", os.path.splitext(os.path.basename(args.config))[0])
-    from .train.run_dir import run_dir_problem
-    # rank 0 looks, every rank hears the same answer: all stop together or none
-    problem = comm.bcast_obj(run_dir_problem(run_dir, resume=args.resume,
-                                             overwrite=args.overwrite)
-                             if comm.rank == 0 else None, root=0)
-    if problem:
-        if comm.rank != 0:
-            return 2
-        raise UsageError(problem)
     from .train.trainer import Trainer
-    try:
-        trainer = Trainer(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
-                          overwrite=args.overwrite, accept_changes=args.accept_changes)
-        try:
-            trainer.run()
-        finally:
-            trainer.close()
-    except (ValueError, OSError, RuntimeError, MemoryError) as exc:
-        if getattr(exc, "agreed", False):
-            # every rank took this decision together: one line, and no abort
-            if comm.rank != 0:
-                return 2
-            raise
-        if comm.size == 1:
-            raise
-        # one rank's bad input must end the whole job, not leave the others waiting
-        print(f"mpitrain train: rank {comm.rank}: error: {_one_line(exc)}", file=sys.stderr,
-              flush=True)
-        comm.abort(2, _one_line(exc))
-    return 0
+    return _run_on_ranks("train", Trainer, cfg, args, default_suffix="")
 
 
 def cmd_pretrain(args) -> int:
-    from .comm import create_communicator
-    from .comm.abort import install_abort_hook
     from .config import load_config
     from .train.pretrain import Pretrainer
-    from .train.run_dir import run_dir_problem
     cfg = load_config(args.config, args.set)
+    return _run_on_ranks("pretrain", Pretrainer, cfg, args, default_suffix="-pretrain")
+
+
+def _run_on_ranks(command: str, runner_class, cfg, args, *, default_suffix: str) -> int:
+    """Run a Trainer-like class (``run()``, ``close()``) on this job's MPI ranks.
+
+    The run directory is judged by rank 0 and every rank hears the verdict, so
+    all stop together or none; an error every rank reached together is one line
+    from rank 0, an error on one rank aborts the job so the others do not wait.
+    """
+    from .comm import create_communicator
+    from .comm.abort import install_abort_hook
+    from .train.run_dir import run_dir_problem
     comm = create_communicator(device_transport=cfg.device_transport)
     install_abort_hook(comm)
     _limit_blas_threads(cfg, comm)
     run_dir = args.run_dir or os.path.join(
-        "runs", os.path.splitext(os.path.basename(args.config))[0] + "-pretrain")
+        "runs", os.path.splitext(os.path.basename(args.config))[0] + default_suffix)
     problem = comm.bcast_obj(run_dir_problem(run_dir, resume=args.resume,
                                              overwrite=args.overwrite)
                              if comm.rank == 0 else None, root=0)
@@ -161,18 +136,18 @@ def cmd_pretrain(args) -> int:
             return 2
         raise UsageError(problem)
     try:
-        pretrainer = Pretrainer(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
-                                overwrite=args.overwrite, accept_changes=args.accept_changes)
+        runner = runner_class(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
+                              overwrite=args.overwrite, accept_changes=args.accept_changes)
         try:
-            pretrainer.run()
+            runner.run()
         finally:
-            pretrainer.close()
+            runner.close()
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if getattr(exc, "agreed", False) or comm.size == 1:
             if comm.rank != 0:        # every rank stopped here: rank 0 says why
                 return 2
             raise
-        print(f"mpitrain pretrain: rank {comm.rank}: error: {_one_line(exc)}",
+        print(f"mpitrain {command}: rank {comm.rank}: error: {_one_line(exc)}",
               file=sys.stderr, flush=True)
         comm.abort(2, _one_line(exc))
     return 0

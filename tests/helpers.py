@@ -45,3 +45,29 @@ def write_run(run_dir, *, acc_at_end, steps=5):
                   "dev_acc": acc_at_end - 0.02, "dev_xent": 3.2 - 2 * acc_at_end})
     with open(os.path.join(run_dir, "metrics.jsonl"), "w", encoding="utf-8") as fh:
         fh.write("\n".join(json.dumps(line) for line in lines) + "\n")
+
+
+def records(run_dir, kind):
+    """The ``kind`` records of a run's metrics.jsonl, in order."""
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
+        return [r for r in map(json.loads, fh) if r["type"] == kind]
+
+
+def mpi_output(result):
+    """The tail of an mpiexec run's output, for assertion messages."""
+    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+
+
+def train_on_ranks(nranks, run_dir, corpus, settings=(), *, resume=False, timeout=120):
+    """`mpiexec -n nranks python -m mpitrain train quickstart.yaml` on ``corpus``;
+    ``settings`` ("key=value") override the small-corpus defaults."""
+    from mpitrain.testing.mpirun import run_mpi
+    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
+              "data.chunk_frames": 20000, "training.log_interval": 50}
+    values.update(item.split("=", 1) for item in settings)
+    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run_dir)]
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    if resume:
+        args.append("--resume")
+    return run_mpi(nranks, args, timeout=timeout)

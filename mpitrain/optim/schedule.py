@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 
 
 class ExponentialSchedule:
@@ -49,7 +50,7 @@ class ExponentialSchedule:
         return self.initial * math.exp(progress * self._log_ratio)
 
 
-class Schedule:
+class Schedule(ABC):
     """A rate per step, plus the hooks the trainer calls for the schedules that decide.
 
     Subclasses define :meth:`rate`; those with state override :meth:`state_dict`
@@ -67,8 +68,9 @@ class Schedule:
     #: whether the trainer must evaluate on held-out data at every epoch end
     uses_epoch_eval = False
 
+    @abstractmethod
     def rate(self, step: int) -> float:
-        raise NotImplementedError
+        """The learning rate of 0-based step ``step``."""
 
     @property
     def stopped(self) -> bool:

@@ -15,9 +15,8 @@ import pytest
 
 from mpitrain.data.corpus import load_manifest
 from mpitrain.nn.model_file import load_model
-from mpitrain.testing.mpirun import run_mpi
 
-from ..helpers import QUICKSTART
+from ..helpers import records, train_on_ranks
 
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
 
@@ -25,22 +24,10 @@ pytestmark = pytest.mark.mpi
 
 
 def _train(nranks, run_dir, corpus, settings, *, resume=False, timeout=180):
-    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
-              "data.chunk_frames": 20000, "training.log_interval": 10}
-    values.update(item.split("=", 1) for item in settings)
-    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run_dir)]
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    if resume:
-        args.append("--resume")
-    result = run_mpi(nranks, args, timeout=timeout)
+    result = train_on_ranks(nranks, run_dir, corpus, ["training.log_interval=10", *settings],
+                            resume=resume, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:] + result.stdout[-4000:]
     return result
-
-
-def _records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if r["type"] == kind]
 
 
 @pytest.mark.parametrize("before,after", [(2, 4), (4, 2)])
@@ -50,24 +37,24 @@ def test_resume_on_another_number_of_ranks_continues_the_schedule(small_corpus, 
     common = TINY + ["training.epochs=1", "training.checkpoint_interval=8",
                      "parallel.average_every=4"]
     _train(before, run, small_corpus, common + ["training.max_steps=40"])
-    first = _records(run, "start")[0]
+    first = records(run, "start")[0]
     result = _train(after, run, small_corpus, common, resume=True)
     assert "optimizer state (momentum, natural-gradient statistics) starts afresh" in \
         result.stdout
-    change, = _records(run, "rank_change")
+    change, = records(run, "rank_change")
     assert (change["from_ranks"], change["to_ranks"], change["from_step"]) == \
         (before, after, 40)
-    second = _records(run, "start")[1]
+    second = records(run, "start")[1]
     assert second["ranks"] == after
     # the same fraction of the planned run is done on the new ranks
     assert change["to_step"] == round(40 * second["planned_steps"] / first["planned_steps"])
     assert second["step"] == change["to_step"]
-    end = _records(run, "end")[-1]
+    end = records(run, "end")[-1]
     assert end["steps"] == second["total_steps"]
     with open(run / "metrics.jsonl") as fh:
-        records = list(map(json.loads, fh))
-    second_start = [i for i, r in enumerate(records) if r["type"] == "start"][1]
-    train = [r for r in records[second_start:] if r["type"] == "train"]
+        everything = list(map(json.loads, fh))
+    second_start = [i for i, r in enumerate(everything) if r["type"] == "start"][1]
+    train = [r for r in everything[second_start:] if r["type"] == "train"]
     # frames carried over: the first line after the resume counts on from 40 x before
     assert train and train[0]["frames"] > 40 * before * 256
     net, _ = load_model(run / "final.h5")
@@ -84,7 +71,7 @@ def test_two_to_four_ranks_reaches_the_accuracy_bar(small_corpus, tmp_path):
     dev = load_manifest(os.path.join(small_corpus, "dev"))
     counts = np.array(dev.class_counts)
     majority = counts.max() / counts.sum()
-    final = _records(run, "eval")[-1]
+    final = records(run, "eval")[-1]
     # the bar of an uninterrupted run (tests/train/test_trainer.py)
     assert final["dev_acc"] > 0.45, final
     assert final["dev_acc"] > majority + 0.40, (final, majority)

@@ -11,7 +11,6 @@ variant trains to the end (mpi) and learns far above chance (mpi, slow); a
 job with a 2x slow rank on uneven shards finishes.
 """
 
-import json
 import os
 
 import numpy as np
@@ -23,16 +22,12 @@ from mpitrain.optim.sgd import SGD
 from mpitrain.parallel.adpsgd import RingMixing, partner_of, ring_order, ring_pairs
 from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
 
-from ..helpers import QUICKSTART, WORKERS
+from ..helpers import QUICKSTART, WORKERS, mpi_output, records, train_on_ranks
 
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
 VARIANTS = {"fixed_ring": ["parallel.topology=fixed_ring"],
             "random_ring": ["parallel.topology=random_ring"],
             "delay_by_one": ["parallel.delay_by_one=true"]}
-
-
-def _output(result):
-    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
 
 
 # ---------------------------------------------------------------- pairings
@@ -113,27 +108,16 @@ def test_one_rank_changes_nothing(delay_by_one):
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 def test_mixing_keeps_the_mean_on_real_ranks(nranks):
     result = run_mpi(nranks, [str(WORKERS / "adpsgd_worker.py"), str(nranks)], timeout=120)
-    assert result.returncode == 0, _output(result)
+    assert result.returncode == 0, mpi_output(result)
     passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
     assert passed == ["fixed_ring keeps the mean", "fixed_ring delay_by_one keeps the mean",
                       "random_ring keeps the mean", "random_ring delay_by_one keeps the mean",
-                      "delay_by_one adds the mix to the step taken meanwhile"], _output(result)
-
-
-def _records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if r["type"] == kind]
+                      "delay_by_one adds the mix to the step taken meanwhile"], mpi_output(result)
 
 
 def _train(nranks, run_dir, corpus, settings, *, timeout=120):
-    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
-              "data.chunk_frames": 20000, "training.log_interval": 50,
-              "parallel.method": "adpsgd"}
-    values.update(item.split("=", 1) for item in settings)
-    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run_dir)]
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return run_mpi(nranks, args, timeout=timeout)
+    return train_on_ranks(nranks, run_dir, corpus, ["parallel.method=adpsgd", *settings],
+                          timeout=timeout)
 
 
 @pytest.mark.mpi
@@ -143,11 +127,11 @@ def test_every_variant_trains_three_ranks_to_the_end(small_corpus, tmp_path, var
     run = tmp_path / "run"
     result = _train(3, run, small_corpus, TINY + VARIANTS[variant] + [
         "training.max_steps=24", "training.log_interval=4", "training.checkpoint_interval=8"])
-    assert result.returncode == 0, _output(result)
-    assert _records(run, "start")[0]["strategy"] == "adpsgd"
-    end = _records(run, "end")[-1]
+    assert result.returncode == 0, mpi_output(result)
+    assert records(run, "start")[0]["strategy"] == "adpsgd"
+    end = records(run, "end")[-1]
     assert end["steps"] == 24 and end["frames"] == 24 * 3 * 256
-    train = _records(run, "train")
+    train = records(run, "train")
     assert train[-1]["xent"] < train[0]["xent"], train
     assert (run / "final.h5").exists()
 
@@ -160,11 +144,11 @@ def test_every_variant_learns_far_above_chance_on_two_ranks(small_corpus, tmp_pa
     run = tmp_path / "run"
     result = _train(2, run, small_corpus, VARIANTS[variant] + ["training.epochs=2"],
                     timeout=240)
-    assert result.returncode == 0, _output(result)
+    assert result.returncode == 0, mpi_output(result)
     dev = load_manifest(os.path.join(small_corpus, "dev"))
     counts = np.array(dev.class_counts)
     majority = counts.max() / counts.sum()
-    final = _records(run, "eval")[-1]
+    final = records(run, "eval")[-1]
     # the bar of tests/train/test_trainer.py's two-rank quickstart (chance: 1/120)
     assert final["dev_acc"] > 0.45, final
     assert final["dev_acc"] > majority + 0.40, (final, majority)
@@ -187,8 +171,8 @@ def test_slow_rank_on_uneven_shards_finishes(small_corpus, tmp_path_factory, tmp
             "parallel.straggler.jitter=0.5"], timeout=150)
     except MpiTimeoutError as exc:
         pytest.fail(f"ADPSGD with a slow rank on uneven shards hung: {exc}")
-    assert result.returncode == 0, _output(result)
-    end = _records(run, "end")[-1]
+    assert result.returncode == 0, mpi_output(result)
+    end = records(run, "end")[-1]
     assert end["steps"] > 0 and (run / "final.h5").exists()
 
 
@@ -211,15 +195,15 @@ def test_resume_is_bit_exact(small_corpus, tmp_path, nranks, variant):
         args = common + extra
         result = _train(nranks, run_dir, small_corpus, args) if not resume else \
             _resume(nranks, run_dir, small_corpus, args)
-        assert result.returncode == 0, _output(result)
+        assert result.returncode == 0, mpi_output(result)
     from mpitrain.nn.model_file import load_model
     a, _ = load_model(straight / "final.h5")
     b, _ = load_model(split / "final.h5")
-    assert [r["step"] for r in _records(split, "start")] == [0, 24]
+    assert [r["step"] for r in records(split, "start")] == [0, 24]
     assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
     # 24: a multiple of log_interval, so the log windows after it match
-    after = [r["xent"] for r in _records(straight, "train") if r["step"] > 24]
-    resumed = [r["xent"] for r in _records(split, "train") if r["step"] > 24]
+    after = [r["xent"] for r in records(straight, "train") if r["step"] > 24]
+    resumed = [r["xent"] for r in records(split, "train") if r["step"] > 24]
     assert after == resumed and after
 
 

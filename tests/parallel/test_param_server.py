@@ -10,7 +10,6 @@ having taken its own number of minibatches; a resumed run continues from the
 checkpoint's model and counters.
 """
 
-import json
 import os
 import shutil
 
@@ -23,21 +22,13 @@ from mpitrain.config import load_config
 from mpitrain.nn.model_file import load_model
 from mpitrain.parallel.param_server import (EXPONENTIAL, UNIFORM, ModelAverage,
                                             ParameterServer, data_share)
-from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+from mpitrain.testing.mpirun import MpiTimeoutError
 from mpitrain.train.virtual import ComputeModel, train_virtual
 
-from ..helpers import QUICKSTART, small_overrides, train_in_process
+from ..helpers import (QUICKSTART, mpi_output, records, small_overrides, train_in_process,
+                       train_on_ranks)
 
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
-
-
-def _output(result):
-    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
-
-
-def _records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if r["type"] == kind]
 
 
 def _strategy_group(path):
@@ -181,29 +172,21 @@ def test_virtual_replay_is_identical_with_the_same_seed(small_corpus, tmp_path):
     assert np.array_equal(a.params, b.params)
     for kind in ("train", "eval", "end"):
         strip = ("time", "rss_mb")
-        ra = [{k: v for k, v in r.items() if k not in strip} for r in _records(runs[0], kind)]
-        rb = [{k: v for k, v in r.items() if k not in strip} for r in _records(runs[1], kind)]
+        ra = [{k: v for k, v in r.items() if k not in strip} for r in records(runs[0], kind)]
+        rb = [{k: v for k, v in r.items() if k not in strip} for r in records(runs[1], kind)]
         assert ra == rb and ra, kind
-    train = _records(runs[0], "train")
+    train = records(runs[0], "train")
     assert train[-1]["step"] == 120 and max(r["staleness_max"] for r in train) >= 2
     assert all(r["staleness_min"] <= r["staleness_mean"] <= r["staleness_max"] for r in train)
     # the server evaluated both models while the average was exponential
-    assert "current_dev_xent" in _records(runs[0], "eval")[0]
+    assert "current_dev_xent" in records(runs[0], "eval")[0]
 
 
 # ------------------------------------------------------------ real launches
 
 def _train(nranks, run_dir, corpus, settings, *, timeout=120, resume=False):
-    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
-              "data.chunk_frames": 20000, "training.log_interval": 50,
-              "parallel.method": "param_server"}
-    values.update(item.split("=", 1) for item in settings)
-    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run_dir)]
-    if resume:
-        args.append("--resume")
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    return run_mpi(nranks, args, timeout=timeout)
+    return train_on_ranks(nranks, run_dir, corpus, ["parallel.method=param_server", *settings],
+                          resume=resume, timeout=timeout)
 
 
 @pytest.mark.mpi
@@ -221,14 +204,14 @@ def test_slow_client_on_uneven_shards_finishes(small_corpus, tmp_path_factory, t
             "parallel.straggler.jitter=0.5"], timeout=150)
     except MpiTimeoutError as exc:
         pytest.fail(f"param_server with a slow client on uneven shards hung: {exc}")
-    assert result.returncode == 0, _output(result)
-    end = _records(run, "end")[-1]
+    assert result.returncode == 0, mpi_output(result)
+    end = records(run, "end")[-1]
     counts = list(_strategy_group(sorted(run.glob("ckpt-*.h5"))[-1])["client_steps"])
     # every client did its own data, however much: nothing lost to the smallest
-    assert end["steps"] == sum(counts) == _records(run, "start")[0]["total_steps"]
+    assert end["steps"] == sum(counts) == records(run, "start")[0]["total_steps"]
     assert counts[0] != counts[1], counts
     assert end["frames"] == 256 * end["steps"] and (run / "final.h5").exists()
-    train = _records(run, "train")
+    train = records(run, "train")
     assert all("staleness_mean" in r for r in train)
 
 
@@ -238,18 +221,18 @@ def test_resume_continues_from_the_saved_model_and_counters(small_corpus, tmp_pa
                      "training.checkpoint_interval=20"]
     run = tmp_path / "run"
     first = _train(3, run, small_corpus, common + ["training.max_steps=20"])
-    assert first.returncode == 0, _output(first)
+    assert first.returncode == 0, mpi_output(first)
     saved = _strategy_group(sorted(run.glob("ckpt-*.h5"))[-1])
     assert saved["updates"] == 40 and list(saved["client_steps"]) == [20, 20]
     second = _train(3, run, small_corpus, common + ["training.max_steps=50"], resume=True)
-    assert second.returncode == 0, _output(second)
-    assert [r["step"] for r in _records(run, "start")] == [0, 40]
-    end = _records(run, "end")[-1]
+    assert second.returncode == 0, mpi_output(second)
+    assert [r["step"] for r in records(run, "start")] == [0, 40]
+    end = records(run, "end")[-1]
     assert end["steps"] == 100 and end["frames"] == 100 * 256
     final = _strategy_group(sorted(run.glob("ckpt-*.h5"))[-1])
     assert final["updates"] == 100 and list(final["client_steps"]) == [50, 50]
     # the resumed run went on from the trained model, not from the start
-    train = _records(run, "train")
+    train = records(run, "train")
     fresh, resumed = train[0], [r for r in train if r["step"] > 40][0]
     assert resumed["xent"] < fresh["xent"], train
 
@@ -260,11 +243,11 @@ def test_three_ranks_learn_far_above_chance(small_corpus, tmp_path):
     from mpitrain.data.corpus import load_manifest
     run = tmp_path / "run"
     result = _train(3, run, small_corpus, ["training.epochs=2"], timeout=300)
-    assert result.returncode == 0, _output(result)
+    assert result.returncode == 0, mpi_output(result)
     dev = load_manifest(os.path.join(small_corpus, "dev"))
     counts = np.array(dev.class_counts)
     majority = counts.max() / counts.sum()
-    final = _records(run, "eval")[-1]
+    final = records(run, "eval")[-1]
     # the bar of the other methods' two-rank runs (chance: 1/120)
     assert final["dev_acc"] > 0.45, final
     assert final["dev_acc"] > majority + 0.40, (final, majority)
