@@ -239,7 +239,7 @@ def _render_batch(world: _World, params: SyntheticParams, speakers: list[_Speake
 
 
 def _write_split(out_dir: str, *, world, params, speakers, seed_seq, target_frames: int,
-                 shards: int, source: dict, overwrite: bool) -> dict:
+                 shards: int, source: dict, overwrite: bool, utt_tag: str = "") -> dict:
     rng = np.random.default_rng(seed_seq)
     written = {s.name: 0 for s in speakers}
     frames = utts = 0
@@ -250,7 +250,8 @@ def _write_split(out_dir: str, *, world, params, speakers, seed_seq, target_fram
             batch = _render_batch(world, params, speakers, rng,
                                   len(speakers) * -(-64 // len(speakers)))
             for speaker, feats, labels in batch:
-                writer.add(f"{speaker.name}-{written[speaker.name]:04d}", feats, labels)
+                writer.add(f"{speaker.name}-{utt_tag}{written[speaker.name]:04d}", feats,
+                           labels)
                 written[speaker.name] += 1
                 frames += feats.shape[0]
                 utts += 1
@@ -262,21 +263,30 @@ def _write_split(out_dir: str, *, world, params, speakers, seed_seq, target_fram
 
 def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: int = 4,
                seed: int = 1, dev_hours: float = 0.1, dev_speakers: int = 8,
-               params: SyntheticParams | None = None, overwrite: bool = False) -> dict:
+               seen_dev_hours: float = 0.0, params: SyntheticParams | None = None,
+               overwrite: bool = False) -> dict:
     """Write the synthetic corpus to ``out_dir/train`` and ``out_dir/dev``.
 
     ``hours`` of training speech at 100 frames/s from ``speakers`` speakers in
     ``shards`` shards; ``dev_hours`` of held-out speech (one shard) from
-    ``dev_speakers`` other speakers.  Returns a summary dict.
+    ``dev_speakers`` other speakers.  With ``seen_dev_hours`` > 0, also
+    ``out_dir/dev_seen``: that much held-out speech (one shard) of the
+    training speakers, new utterances from a random stream of its own (ids
+    ``spkNNNN-devNNNN``); train and dev are the same with or without it.
+    Returns a summary dict.
 
     Example::
 
         info = synthesize("data/synth", hours=0.1, dev_hours=0.02, seed=3)
         info["num_classes"]       # 120
+        info = synthesize("data/seen", hours=0.1, seen_dev_hours=0.02)
+        info["seen_dev_dir"], info["seen_dev_frames"]
     """
     params = params or SyntheticParams()
     if hours <= 0 or dev_hours <= 0:
         raise ValueError(f"hours and dev_hours must be positive, got {hours}, {dev_hours}")
+    if not seen_dev_hours >= 0:
+        raise ValueError(f"seen_dev_hours must be >= 0, got {seen_dev_hours}")
     for name, value in (("speakers", speakers), ("dev_speakers", dev_speakers),
                         ("shards", shards)):
         if int(value) != value or value < 1:
@@ -302,8 +312,22 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
     dev = _write_split(dev_dir, world=world, params=params, speakers=dev_pool,
                        seed_seq=dev_seq, target_frames=int(dev_hours * 3600 * FRAMES_PER_SECOND),
                        shards=1, source={**source, "split": "dev"}, overwrite=overwrite)
-    return {"train_dir": train_dir, "dev_dir": dev_dir, "num_classes": NUM_CLASSES,
+    info = {"train_dir": train_dir, "dev_dir": dev_dir, "num_classes": NUM_CLASSES,
             "feat_dim": FEAT_DIM, "train_frames": train["frames"],
             "train_utterances": train["utterances"], "train_speakers": train["speakers"],
             "dev_frames": dev["frames"], "dev_utterances": dev["utterances"],
-            "dev_speakers": dev["speakers"], "seconds": time.perf_counter() - started}
+            "dev_speakers": dev["speakers"]}
+    if seen_dev_hours > 0:
+        # a fourth child of the root: the first three (world, train, dev) are unchanged
+        seen_seq = root.spawn(1)[0]
+        seen_dir = os.path.join(out_dir, "dev_seen")
+        seen = _write_split(seen_dir, world=world, params=params, speakers=train_speakers,
+                            seed_seq=seen_seq,
+                            target_frames=int(seen_dev_hours * 3600 * FRAMES_PER_SECOND),
+                            shards=1, overwrite=overwrite, utt_tag="dev",
+                            source={**source, "split": "dev_seen",
+                                    "seen_dev_hours": float(seen_dev_hours)})
+        info.update(seen_dev_dir=seen_dir, seen_dev_frames=seen["frames"],
+                    seen_dev_utterances=seen["utterances"], seen_dev_speakers=seen["speakers"])
+    info["seconds"] = time.perf_counter() - started
+    return info
