@@ -30,7 +30,8 @@ def cmd_synth(args) -> int:
         try:
             info = synthesize(args.out_dir, hours=args.hours, speakers=args.speakers,
                               shards=args.shards, seed=args.seed, dev_hours=args.dev_hours,
-                              dev_speakers=args.dev_speakers, overwrite=args.overwrite)
+                              dev_speakers=args.dev_speakers, overwrite=args.overwrite,
+                              seen_dev_hours=args.seen_dev_hours)
         except (ValueError, OSError, RuntimeError, MemoryError) as exc:
             problem = exc
     failed = comm.bcast_obj(problem is not None if comm.rank == 0 else None, root=0)
@@ -42,6 +43,9 @@ def cmd_synth(args) -> int:
           f"{info['train_utterances']} utterances, {len(info['train_speakers'])} speakers")
     print(f"dev:   {info['dev_dir']}: {info['dev_frames']} frames, "
           f"{info['dev_utterances']} utterances, {len(info['dev_speakers'])} unseen speakers")
+    if info.get("seen_dev_dir"):
+        print(f"dev_seen: {info['seen_dev_dir']}: {info['seen_dev_frames']} frames of the "
+              "training speakers")
     print(f"{info['feat_dim']}-dim features, {info['num_classes']} classes; "
           f"written in {info['seconds']:.1f} s")
     return 0
@@ -275,10 +279,24 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _model_file(path: str, command: str, *, stream=None) -> str:
+    """The model a command reads: a file as given, or a run directory's best.h5
+    (else final.h5), saying which."""
+    from .train.selection import model_in_run_dir
+    try:
+        found, why = model_in_run_dir(path)
+    except FileNotFoundError as exc:
+        raise UsageError(str(exc)) from None
+    if why:
+        print(f"mpitrain {command}: {why}", file=stream or sys.stdout)
+    return found
+
+
 def cmd_eval(args) -> int:
     from .data.corpus import load_manifest
     from .nn.model_file import load_model
     from .train.evaluate import evaluate_chunks, load_eval_chunks
+    args.model = _model_file(args.model, "eval")
     net, _ = load_model(args.model)
     manifest = load_manifest(args.corpus_dir)
     if manifest.feat_dim != net.feat_dim or manifest.num_classes != net.num_classes:
@@ -295,6 +313,7 @@ def cmd_eval(args) -> int:
 
 def cmd_export(args) -> int:
     from .export import export_loglikes
+    args.model = _model_file(args.model, "export", stream=sys.stderr)
     n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
                         batch=args.batch, prior_scale=args.prior_scale,
                         priors=not args.no_priors, utt2spk=args.utt2spk, cmvn=args.cmvn)
@@ -306,6 +325,7 @@ def cmd_export(args) -> int:
 
 def cmd_convert(args) -> int:
     from .convert import convert_model
+    args.model = _model_file(args.model, "convert")
     out = convert_model(args.model, args.to, args.out)
     print(f"wrote {args.to} model to {out}")
     return 0
@@ -343,6 +363,10 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+MODEL_HELP = ("a model file (best.h5, final.h5 or a checkpoint) or a run directory "
+              "(its best.h5, else its final.h5)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     fmt = _DefaultsFormatter
     parser = argparse.ArgumentParser(
@@ -361,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dev-hours", type=float, default=0.1, help="hours of held-out speech")
     p.add_argument("--dev-speakers", type=int, default=8, help="held-out (unseen) speakers")
+    p.add_argument("--seen-dev-hours", type=float, default=0.0,
+                   help="also write OUT_DIR/dev_seen: this many hours of new utterances of "
+                        "the training speakers (a held-out set like Kaldi's valid set)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
     p.set_defaults(func=cmd_synth)
 
@@ -494,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", formatter_class=fmt,
                        help="held-out cross-entropy and frame accuracy of a model")
-    p.add_argument("model", help="final.h5 or a checkpoint")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("corpus_dir")
     p.add_argument("--max-frames", type=int, default=0, help="0: all frames")
     p.set_defaults(func=cmd_eval)
@@ -507,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Pdfs never seen in training get a very low score, as in "
                                    "Kaldi, and a warning on stderr. Messages go to stderr, so "
                                    "--out ark:- pipes into latgen-faster-mapped.")
-    p.add_argument("model")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--feats", required=True, help="features rspecifier, e.g. scp:feats.scp")
     p.add_argument("--out", required=True, help="wspecifier, e.g. ark:loglikes.ark")
     p.add_argument("--corpus", default=None,
@@ -527,7 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", formatter_class=fmt,
                        help="write a model as ONNX (needs the onnx package) or as a PyTorch "
                             "module with .npz weights (no pickle); docs/model-format.md")
-    p.add_argument("model", help="final.h5 or a checkpoint")
+    p.add_argument("model", help=MODEL_HELP)
     p.add_argument("--to", required=True, choices=("onnx", "torch"))
     p.add_argument("out", help="onnx: the .onnx file; torch: a directory for model.py and "
                                "weights.npz")

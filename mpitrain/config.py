@@ -51,6 +51,12 @@ class ModelConfig:
     init_from: str = _opt("", help="RBM stack from `mpitrain pretrain` (its pretrain.h5) that "
                                    "gives the hidden layers; needs nonlinearity sigmoid; "
                                    "empty: random initialisation")
+    dropout: float = _opt(0.0, min=0.0, max=1.0, max_exclusive=True,
+                          help="dropout proportion on every hidden layer's output during "
+                               "training; 0: off")
+    dropout_schedule: str = _opt("", help="Kaldi's dropout schedule over the fraction of "
+                                          "training, e.g. '0,0.2@0.5,0' (overrides "
+                                          "model.dropout); empty: model.dropout throughout")
 
 
 @dataclass
@@ -97,7 +103,21 @@ class OptimizerConfig:
                                        "cross-entropy gain is below this")
     newbob_stop: float = _opt(0.001, min=0.0, help="newbob: once halving, stop when an epoch's "
                                                    "held-out frame-accuracy gain is below this")
+    l2_regularize: float = _opt(0.0, min=0.0, help="L2 regularization of the hidden affine "
+                                                   "layers, per frame, as Kaldi nnet3's "
+                                                   "l2-regularize; 0: off")
+    l2_regularize_output: float = _opt(0.0, min=0.0, help="L2 regularization of the output "
+                                                          "layer; 0: off")
     ngsgd: NgsgdConfig = field(default_factory=NgsgdConfig)
+
+
+@dataclass
+class EarlyStopConfig:
+    patience: int = _opt(0, min=0, help="stop after this many held-out evaluations in a row "
+                                        "without a gain of min_delta in training.select_by; "
+                                        "0: never stop early")
+    min_delta: float = _opt(0.0, min=0.0, help="the least gain that counts (accuracy as a "
+                                               "fraction, or cross-entropy per frame)")
 
 
 @dataclass
@@ -128,6 +148,10 @@ class TrainingConfig:
                                              "rollback_lr_factor, before the run stops")
     rollback_lr_factor: float = _opt(0.5, min=0.0, max=1.0, min_exclusive=True,
                                      help="learning-rate factor applied at each roll back")
+    select_by: str = _opt("acc", choices=("acc", "xent"),
+                          help="the held-out figure that picks RUN_DIR/best.h5 (and that "
+                               "early_stop watches): frame accuracy or cross-entropy")
+    early_stop: EarlyStopConfig = field(default_factory=EarlyStopConfig)
     combine: bool = _opt(False, help="at the end, combine the last snapshots (and the ranks' "
                                      "models) with weights fit on held-out frames, as "
                                      "Kaldi's nnet3-combine")
@@ -342,6 +366,13 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
     if cfg.training.combine and cfg.parallel.method == "param_server":
         raise ConfigError(f"{where}training.combine: not available with parallel.method "
                           "param_server (its ranks take no common sync points)")
+    if cfg.training.early_stop.patience and cfg.parallel.method == "param_server":
+        raise ConfigError(f"{where}training.early_stop.patience: not available with "
+                          "parallel.method param_server (its clients stop on their own "
+                          "data only)")
+    if cfg.training.early_stop.patience and not cfg.data.dev:
+        raise ConfigError(f"{where}training.early_stop.patience: early stopping watches "
+                          "held-out results; set data.dev")
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
         raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
                           "set data.dev")

@@ -84,7 +84,7 @@ class TrainerSteps:
         self.net.init_params(seed=seed)
         self.batches = len(order) // model.minibatch
         self.planned_steps = total_steps or 10 * self.batches
-        self.optimizer = build_optimizer(cfg.optimizer, self.net)
+        self.optimizer = build_optimizer(cfg.optimizer, self.net, minibatch=model.minibatch)
         if method is None:
             self.strategy = Strategy(comm)
         else:

@@ -81,6 +81,15 @@ class Network:
         # cmvn_mean/cmvn_scale (prepare applied it): export must do the same
         self.speaker_cmvn = None
         self.loss = SoftmaxCrossEntropy()
+        # training.dropout: a DropoutMasks applied to hidden-layer outputs in
+        # forward_backward only (evaluation and saved models never see it)
+        self.dropout = None
+        self._dropout_in_use = None
+        # the components whose output ends a hidden layer (feeds an affine layer)
+        self._hidden_ends = {i: n for n, i in enumerate(
+            i for i in range(len(self.components) - 1)
+            if isinstance(self.components[i + 1], Affine)
+            and not isinstance(self.components[i], Affine))}
 
     # -- structure -------------------------------------------------------------
     @property
@@ -130,15 +139,26 @@ class Network:
             return first.input_view(batch, self.xp)
         return None
 
-    def forward(self, x):
-        """Logits for the rows of ``x`` (N, input_dim)."""
+    def forward(self, x, *, dropout=None):
+        """Logits for the rows of ``x`` (N, input_dim); ``dropout`` (a
+        :class:`~mpitrain.nn.dropout.DropoutMasks`) masks hidden-layer outputs."""
         h = x
         comps = self.components
+        masked = dropout is not None and dropout.active
         for i, comp in enumerate(comps):
-            nxt = comps[i + 1] if i + 1 < len(comps) else None
-            out = nxt.input_view(h.shape[0], self.xp) if isinstance(nxt, Affine) \
-                and not isinstance(comp, Affine) else None
-            h = comp.forward(h, out=out)
+            layer = self._hidden_ends.get(i)
+            if layer is None:
+                h = comp.forward(h)
+                continue
+            into = comps[i + 1].input_view(h.shape[0], self.xp)
+            if not masked:
+                h = comp.forward(h, out=into)
+                continue
+            # the component keeps its own output for its backward pass; the
+            # next layer gets the masked copy
+            y = comp.forward(h)
+            mask = dropout.mask(layer, y.shape, self.xp, y.dtype)
+            h = self.xp.multiply(y, mask, out=into) if into is not None else y * mask
         return h
 
     def backward(self, dlogits) -> None:
@@ -152,20 +172,32 @@ class Network:
         d = dlogits
         hook = self.grad_ready_hook
         offsets = self._param_offsets
+        dropout = self._dropout_in_use
         for i in range(len(self.components) - 1, -1, -1):
+            layer = self._hidden_ends.get(i) if dropout is not None else None
+            if layer is not None:
+                d = dropout.apply(layer, d)
             d = self.components[i].backward(d, need_input_grad=i > 0)
             if hook is not None and self.components[i].num_params:
                 hook(offsets[i])
 
-    def forward_backward(self, x, labels, *, into=None):
+    def forward_backward(self, x, labels, *, into=None, dropout: bool = True):
         """One training pass: returns (summed loss, correct count); fills grads.
 
         With ``into`` (float64 (2,) on the network's device) the two sums are
         added there and ``into`` is returned, so nothing is read back.
+        ``dropout``: apply :attr:`dropout`'s masks when it has any (False for
+        gradients of the model as evaluated).
         """
-        logits = self.forward(x)
+        masks = self.dropout
+        dropout = masks if dropout and masks is not None and masks.active else None
+        logits = self.forward(x, dropout=dropout)
         result = self.loss.forward(logits, labels, into=into)
-        self.backward(self.loss.backward())
+        self._dropout_in_use = dropout
+        try:
+            self.backward(self.loss.backward())
+        finally:
+            self._dropout_in_use = None
         return result
 
     def evaluate_batch(self, x, labels, *, into=None):

@@ -6,13 +6,17 @@ from __future__ import annotations
 from .sgd import SGD
 
 
-def build_optimizer(opt_cfg, net):
-    """Example::
+def build_optimizer(opt_cfg, net, *, minibatch: int = 0):
+    """``minibatch``: frames per gradient (needed by L2 regularization).
 
-        opt = build_optimizer(cfg.optimizer, net)    # SGD or NaturalGradientSGD
+    Example::
+
+        opt = build_optimizer(cfg.optimizer, net, minibatch=256)   # SGD or NaturalGradientSGD
     """
     options = dict(momentum=opt_cfg.momentum, max_change_per_layer=opt_cfg.max_change_per_layer,
-                   max_change_output=opt_cfg.max_change_output, max_change=opt_cfg.max_change)
+                   max_change_output=opt_cfg.max_change_output, max_change=opt_cfg.max_change,
+                   l2_regularize=opt_cfg.l2_regularize,
+                   l2_regularize_output=opt_cfg.l2_regularize_output, minibatch=minibatch)
     if opt_cfg.schedule == "adapt":
         from .adapt import LimitedMemoryAdagrad
         options["gradient_scaling"] = LimitedMemoryAdagrad(net.params, k=opt_cfg.adapt_k,

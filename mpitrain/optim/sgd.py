@@ -14,6 +14,14 @@ nothing is read back, so the host never waits for the GPU during a step.
 
 With ``gradient_scaling`` (``optimizer.schedule: adapt``, ``adapt.py``) the
 gradient is first scaled per parameter, and ``g`` above is the scaled one.
+
+L2 regularization (Kaldi nnet3's ``l2-regularize``): the objective adds
+``l2_c ||w_c||^2`` per frame for each layer c, so a gradient summed over B
+frames gains ``2 l2_c B w_c`` before everything above (after the natural
+gradient, which preconditions only the data term, and before max-change, as
+in Kaldi).  The rate then shrinks the weights by ``2 lr l2_c B`` per step.
+Strategies average gradients or models, so the term is counted once however
+many ranks there are.
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ class SGD(ReplayableOptimizer):
 
     def __init__(self, net, *, momentum: float = 0.0, max_change_per_layer: float = 0.75,
                  max_change_output: float = 1.5, max_change: float = 2.0,
-                 gradient_scaling=None):
+                 gradient_scaling=None, l2_regularize: float = 0.0,
+                 l2_regularize_output: float = 0.0, minibatch: int = 0):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if min(max_change_per_layer, max_change_output, max_change) < 0:
@@ -59,6 +68,15 @@ class SGD(ReplayableOptimizer):
         self.layer_max_change = [max_change_output if i == last else max_change_per_layer
                                  for i in range(len(slices))]
         xp = net.xp
+        if min(l2_regularize, l2_regularize_output) < 0:
+            raise ValueError("l2_regularize values must be >= 0")
+        if (l2_regularize or l2_regularize_output) and minibatch < 1:
+            raise ValueError("L2 regularization needs the minibatch size (frames per gradient)")
+        # (layer slice, 2 l2_c B) for each regularized layer; scratch holds l2 terms
+        self.l2_terms = [(sl, 2.0 * l2 * minibatch) for sl, l2 in zip(
+            slices, [l2_regularize_output if i == last else l2_regularize
+                     for i in range(len(slices))]) if l2 > 0]
+        self._l2_scratch = xp.empty_like(net.params) if self.l2_terms else None
         self.delta = xp.zeros_like(net.params) if self.momentum > 0 else None
         self._calls = 0
         # On the host: plain numbers.  On a device: buffers the kernels update.
@@ -96,6 +114,8 @@ class SGD(ReplayableOptimizer):
         """One update at rate ``lr`` (on a device, None: the rate given to
         :meth:`load_learning_rate`, as a captured CUDA graph needs)."""
         self._calls += 1
+        if self.l2_terms:
+            self._add_l2_gradient()
         if self.gradient_scaling is not None:
             self.gradient_scaling.scale_(self.net.grads)
         if self._device is not None:
@@ -136,6 +156,14 @@ class SGD(ReplayableOptimizer):
                 xp.multiply(delta[sl], s, out=grads[sl])
                 params[sl] += grads[sl]
             self.delta *= self.momentum
+
+    def _add_l2_gradient(self) -> None:
+        """g_c += 2 l2_c B w_c, without temporaries (a captured graph may replay it)."""
+        params, grads, scratch, xp = self.net.params, self.net.grads, self._l2_scratch, \
+            self.net.xp
+        for sl, coefficient in self.l2_terms:
+            xp.multiply(params[sl], params.dtype.type(coefficient), out=scratch[sl])
+            grads[sl] += scratch[sl]
 
     def _block_norms(self, delta):
         xp = self.net.xp

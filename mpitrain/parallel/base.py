@@ -74,6 +74,10 @@ class Strategy:
     def finalize(self, net, optimizer, step: int = 0) -> None:
         pass
 
+    def models_agree(self, step: int) -> bool:
+        """Whether every rank holds the same model after ``step`` steps."""
+        return self.comm.size == 1 or step % self.sync_period == 0
+
     def state_dict(self) -> dict:
         """State to checkpoint (identical on every rank)."""
         return {}

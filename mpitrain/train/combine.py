@@ -128,7 +128,7 @@ class FinalCombination:
                                      net.right_context)
                 x = splice(feats, ctx)
                 if gradient:
-                    net.forward_backward(x, labels[idx], into=sums)
+                    net.forward_backward(x, labels[idx], into=sums, dropout=False)
                     grads += net.grads
                 else:
                     net.evaluate_batch(x, labels[idx], into=sums)

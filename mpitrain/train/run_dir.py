@@ -1,7 +1,7 @@
 """The run directory: what counts as a run in it, and when it may be (re)used.
 
 A run directory holds one run: ``config.yaml``, ``metrics.jsonl``, ``pretrain.h5``,
-``ckpt-*.h5``, ``final.h5`` and ``curves.png``.  A new run refuses a
+``ckpt-*.h5``, ``best.h5``, ``final.h5`` and ``curves.png``.  A new run refuses a
 directory holding another one (``--resume`` continues it, ``--overwrite``
 replaces it); ``--resume`` refuses to apply settings that change the result
 unless ``--accept-changes`` is given, and then lists each difference.
@@ -20,7 +20,8 @@ import glob
 import os
 
 #: Files a run writes (checkpoints are matched separately).
-RUN_FILES = ("config.yaml", "metrics.jsonl", "final.h5", "curves.png", "pretrain.h5")
+RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png",
+             "pretrain.h5")
 
 #: Settings that change how a run is carried out or reported, not what it computes:
 #: they may differ on --resume.  Every other setting changes the result.

@@ -107,6 +107,7 @@ def train_client(trainer) -> None:
         if slow is not None:
             slow.step_started()
         chunk, idx = stream.next_batch()
+        step.prepare_dropout(k)
         splice_batch_(chunk.feats, idx, chunk.utt_start, chunk.utt_end, cfg.data.left_context,
                       cfg.data.right_context, out=step.inputs, ctx=step.ctx)
         net.forward_backward(step.inputs, chunk.labels[idx], into=step.sums)
@@ -251,9 +252,10 @@ class Server:
         net.params[...] = average.average
         try:
             xent, acc, frames = self._held_out()
+            result = {"dev_xent": xent, "dev_acc": acc, "dev_frames": frames}
+            t._keep_best(result)        # best.h5: the averaged model, as evaluated
         finally:
             net.params[...] = theta
-        result = {"dev_xent": xent, "dev_acc": acc, "dev_frames": frames}
         extra = {"average_mode": average.mode}
         if compare:
             extra.update(current_dev_xent=current_xent, current_dev_acc=current_acc)

@@ -31,8 +31,11 @@ class TrainingStep:
     """
 
     def __init__(self, net, optimizer, strategy, *, minibatch: int, left_context: int,
-                 right_context: int, cuda_graph: bool = False, log=None):
+                 right_context: int, cuda_graph: bool = False, log=None,
+                 dropout_proportion=None):
         self.net, self.optimizer, self.strategy = net, optimizer, strategy
+        # model.dropout: step -> proportion; None keeps the masks' current proportion
+        self.dropout_proportion = dropout_proportion
         self.minibatch = int(minibatch)
         self.left, self.right = int(left_context), int(right_context)
         xp = net.xp
@@ -50,6 +53,9 @@ class TrainingStep:
         self.graph = None
         if cuda_graph:
             self.graph = _StepGraph(self, log=log)
+            if net.dropout is not None:     # new masks each step: not one fixed graph
+                self.graph.enabled = False
+                self.graph.why_not = "dropout draws new masks every step"
 
     def run(self, step: int, lr: float, next_batch) -> float:
         """Train 0-based step ``step`` with the schedule's rate ``lr``; returns the
@@ -62,6 +68,7 @@ class TrainingStep:
             if slow is not None:
                 slow.step_started()
             chunk, idx = next_batch()
+            self.prepare_dropout(step)
             if self.graph is not None and self.graph.enabled:
                 self.graph.step(chunk, idx, lr)
             else:
@@ -71,6 +78,15 @@ class TrainingStep:
                 slow.step_finished()
         strategy.after_update(net, self.optimizer, step + 1)
         return lr
+
+    def prepare_dropout(self, step: int) -> None:
+        """New dropout masks for 0-based ``step`` (at the scheduled proportion)."""
+        masks = self.net.dropout
+        if masks is None:
+            return
+        proportion = masks.proportion if self.dropout_proportion is None \
+            else self.dropout_proportion(step)
+        masks.draw(step=step, proportion=proportion)
 
     def launch(self, chunk, idx, lr) -> None:
         """The step's device work, launched from Python (``lr`` None: a replayable

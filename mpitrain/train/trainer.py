@@ -9,6 +9,7 @@ per frame over all ranks' frames, frames/s summed, the comm fraction averaged.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -21,6 +22,7 @@ from ..data.corpus import CorpusError, load_manifest
 from ..data.sharding import plan_shards
 from ..data.validate import validate_corpus, validate_slices
 from ..files import remove_stale_temporaries
+from ..nn.dropout import DropoutMasks, DropoutSchedule
 from ..nn.model_file import save_model
 from ..nn.network import build_network
 from ..optim.factory import build_optimizer, build_schedule
@@ -32,6 +34,7 @@ from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import changed_settings, clear_run
 from .search import RateTrials
+from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
 
 
@@ -50,8 +53,10 @@ def balanced_plan(manifest, size: int) -> list:
     return plan
 
 
-#: Prefix of the schedule's scalars in the checkpoint's group 'trainer'.
+#: Prefixes of the schedule's and the model selection's scalars in the
+#: checkpoint's group 'trainer'.
 SCHEDULE_PREFIX = "schedule_"
+SELECTION_PREFIX = "selection_"
 
 
 class TrainingError(RuntimeError):
@@ -122,6 +127,8 @@ class Trainer:
         self.guard = DivergenceGuard(factor=t.divergence_factor,
                                      max_events=t.max_divergence_events,
                                      max_rollbacks=t.max_rollbacks, lr_factor=t.rollback_lr_factor)
+        self.selection = ModelSelection(select_by=t.select_by, patience=t.early_stop.patience,
+                                        min_delta=t.early_stop.min_delta)
         if resume:
             self._resume()
             self._initial = None
@@ -130,6 +137,7 @@ class Trainer:
             # what a roll back before the first checkpoint returns to
             self._initial = self._state_snapshot()
         self._dev = None
+        self._verdict = None         # the last held-out evaluation's model selection
         self._combination = None     # training.combine: snapshots for train/combine.py
         if cfg.training.combine:
             from .combine import FinalCombination
@@ -161,7 +169,16 @@ class Trainer:
                         f"{self.dev_manifest.directory}/corpus.yaml: {field} is "
                         f"{getattr(self.dev_manifest, field)}, but the training corpus has "
                         f"{getattr(m, field)}")
-        self.optimizer = build_optimizer(cfg.optimizer, self.net)
+        self.optimizer = build_optimizer(cfg.optimizer, self.net,
+                                         minibatch=cfg.training.minibatch)
+        self.dropout_schedule = None
+        if cfg.model.dropout_schedule or cfg.model.dropout > 0:
+            try:
+                self.dropout_schedule = DropoutSchedule(cfg.model.dropout_schedule
+                                                        or str(cfg.model.dropout))
+            except ValueError as exc:
+                raise TrainingError(f"model.dropout_schedule: {exc}", agreed=True) from None
+            self.net.dropout = DropoutMasks(seed=cfg.training.seed, rank=self.comm.rank)
 
     def _build_data(self) -> None:
         cfg, comm = self.cfg, self.comm
@@ -279,8 +296,9 @@ class Trainer:
 
     def _trainer_state(self) -> dict:
         schedule = {SCHEDULE_PREFIX + k: v for k, v in self.schedule.state_dict().items()}
+        selection = {SELECTION_PREFIX + k: v for k, v in self.selection.state_dict().items()}
         return {**self.guard.state_dict(), "planned_steps": self.planned_steps,
-                "steps_per_epoch": self.steps_per_epoch, **schedule}
+                "steps_per_epoch": self.steps_per_epoch, **schedule, **selection}
 
     def _choose_checkpoint(self):
         """Rank 0 picks the newest checkpoint that verifies; every rank loads that one."""
@@ -324,6 +342,10 @@ class Trainer:
             self._say("resume: settings changed (--accept-changes): " + "; ".join(changes))
             self._record("config_change", changes=changes)
         self._restore(ckpt)
+        # (a roll back restores a checkpoint too, but keeps the best model found since)
+        self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in
+                                        ckpt.trainer_state.items()
+                                        if k.startswith(SELECTION_PREFIX)})
         self._say(f"resumed from {ckpt.path} at step {self.step}")
 
     def _restore(self, ckpt) -> None:
@@ -440,7 +462,15 @@ class Trainer:
                             minibatch=cfg.training.minibatch,
                             left_context=cfg.data.left_context,
                             right_context=cfg.data.right_context,
-                            cuda_graph=cfg.cuda_graph and cfg.device == "gpu", log=self._say)
+                            cuda_graph=cfg.cuda_graph and cfg.device == "gpu", log=self._say,
+                            dropout_proportion=self.dropout_at)
+
+    def dropout_at(self, step: int) -> float:
+        """model.dropout's proportion at 0-based ``step`` (its schedule runs over the
+        planned steps, as Kaldi's over the data)."""
+        if self.dropout_schedule is None:
+            return 0.0
+        return self.dropout_schedule.proportion(step / self.planned_steps)
 
     def run(self) -> dict:
         cfg, xp, net, comm = self.cfg, self.xp, self.net, self.comm
@@ -466,7 +496,7 @@ class Trainer:
         if self._combination is not None:
             self._combine()
         self.save_checkpoint()
-        result = self._log_eval() if self.dev_manifest is not None else {}
+        result = self._log_eval(final=True) if self.dev_manifest is not None else {}
         if self.is_root:
             save_model(os.path.join(self.run_dir, "final.h5"), net,
                        class_priors=self.manifest.class_priors())
@@ -486,9 +516,11 @@ class Trainer:
         if self.guard.skipped_total or self.guard.rollbacks:
             trouble = (f"; {self.guard.skipped_total} minibatch(es) skipped as non-finite, "
                        f"{self.guard.rollbacks} roll back(s)")
+        best = f", best {self.run_dir}/best.h5 ({self.selection.describe()})" \
+            if self.selection.best_step >= 0 else ""
         self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "
                      f"{format_duration(result['seconds'])}{trouble}; model "
-                     f"{self.run_dir}/final.h5")
+                     f"{self.run_dir}/final.h5{best}")
         return result
 
     def _train_to_end(self, run_start: float):
@@ -572,6 +604,7 @@ class Trainer:
             if due_eval and self.dev_manifest is not None:
                 result = self._log_eval()
                 stop = self.on_eval(result)
+                stop = self._stops_early() or stop
                 if interval_due:
                     next_eval += eval_every
                 if schedule_eval:
@@ -647,13 +680,57 @@ class Trainer:
                   f"{found['best_single_xent']:.4f}, gain {found['gain_xent']:.4f}; "
                   f"weights {weights}")
 
-    def _log_eval(self) -> dict:
-        res = self.evaluate()
-        if res:
-            self.log.write("eval", step=self.step, frames=self.frames_seen, **res)
-            self.log.say(f"held-out at step {self.step}: xent {res['dev_xent']:.4f} "
-                         f"acc {res['dev_acc']:.4f} ({res['dev_frames']} frames)")
+    def _log_eval(self, *, final: bool = False) -> dict:
+        """Evaluate the ranks' common model (their average where they differ), log
+        it, and keep it as best.h5 when it is the best so far."""
+        self._verdict = None
+        with self._agreed_model(average=not final):
+            res = self.evaluate()
+            if res:
+                self.log.write("eval", step=self.step, frames=self.frames_seen, **res)
+                self._keep_best(res)
+                self.log.say(f"held-out at step {self.step}: xent {res['dev_xent']:.4f} "
+                             f"acc {res['dev_acc']:.4f} ({res['dev_frames']} frames)"
+                             + (", the best so far" if self._verdict.improved else ""))
         return res
+
+    @contextlib.contextmanager
+    def _agreed_model(self, *, average: bool):
+        """The network holds the average of the ranks' models inside (when they may
+        differ: between model averages, or ADPSGD), its own parameters after."""
+        differ = average and self.comm.size > 1 and not self.strategy.models_agree(self.step)
+        own = self.net.params.copy() if differ else None
+        if differ:
+            self.comm.allreduce_(self.net.params, op="mean")
+        try:
+            yield
+        finally:
+            if differ:
+                self.net.params[...] = own
+
+    def _keep_best(self, result: dict) -> None:
+        """Model selection on a held-out result (identical on every rank)."""
+        verdict = self._verdict = self.selection.observe(result, step=self.step)
+        if verdict.improved and self.is_root:
+            save_best_model(self.run_dir, self.net, class_priors=self.manifest.class_priors(),
+                            result=result, step=self.step, select_by=self.selection.select_by)
+        self._record("selection", step=self.step, best=verdict.improved,
+                     since_gain=verdict.since_gain, best_step=self.selection.best_step,
+                     best_value=self.selection.best_value)
+
+    def _stops_early(self) -> bool:
+        """training.early_stop: True (with a line) when patience has run out."""
+        verdict = self._verdict
+        if verdict is None or not verdict.stop:
+            return False
+        es = self.cfg.training.early_stop
+        self._say(f"early stop at step {self.step}: {verdict.since_gain} held-out "
+                  f"evaluation(s) without a gain of more than {es.min_delta:g} in "
+                  f"{self.selection.select_by}; best {self.selection.describe()}")
+        self._record("early_stop", step=self.step, since_gain=verdict.since_gain,
+                     best_step=self.selection.best_step,
+                     best_value=self.selection.best_value)
+        return True
 
     def _transport_reason(self) -> str:
         return self.comm.transport_reason

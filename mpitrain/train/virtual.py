@@ -151,7 +151,7 @@ def measure_step_seconds(cfg, *, feat_dim: int, num_classes: int, steps: int = 2
         pnorm_output_dim=cfg.model.pnorm_output_dim, pnorm_p=cfg.model.pnorm_p,
         normalize=cfg.model.normalize, xp=xp)
     net.init_params(seed=cfg.training.seed)
-    optimizer = build_optimizer(cfg.optimizer, net)
+    optimizer = build_optimizer(cfg.optimizer, net, minibatch=cfg.training.minibatch)
     rng = np.random.default_rng(0)
     frames = 8 * batch
     chunk = Chunk(ChunkSpec(0, 0, 1, frames),

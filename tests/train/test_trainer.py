@@ -71,18 +71,22 @@ def small_corpus_for_reads(tmp_path_factory):
     return str(out / "train"), str(out / "dev")
 
 
-def test_trainer_reads_once_per_log_line(tmp_path, small_corpus_for_reads):
+@pytest.mark.parametrize("regularized", [False, True], ids=["plain", "dropout-l2"])
+def test_trainer_reads_once_per_log_line(tmp_path, small_corpus_for_reads, regularized):
     """The whole trainer on the stand-in device: reads happen only at log lines,
-    evaluations and checkpoints, never inside a step."""
+    evaluations and checkpoints, never inside a step (dropout masks and the L2
+    term included)."""
     from mpitrain.config import load_config
     from mpitrain.train import trainer as trainer_module
 
     train, dev = small_corpus_for_reads
+    extra = ["model.dropout_schedule=0,0.3@0.5,0.1", "optimizer.l2_regularize=1e-4",
+             "optimizer.l2_regularize_output=1e-3"] if regularized else []
     cfg = load_config(None, [f"data.train={train}", f"data.dev={dev}", "device=gpu",
                              "data.chunk_frames=5000", "training.minibatch=64",
                              "training.epochs=1", "training.log_interval=10",
                              "training.checkpoint_interval=0", "model.hidden_layers=2",
-                             "model.hidden_dim=32", "optimizer.name=ngsgd"])
+                             "model.hidden_dim=32", "optimizer.name=ngsgd"] + extra)
     step_reads = []
     take_calls = []
     original_run, original_take = TrainingStep.run, TrainingStep.take_sums

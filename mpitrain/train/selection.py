@@ -1,0 +1,143 @@
+"""Keep the best held-out model; stop when held-out results stop improving.
+
+After each held-out evaluation (the same figures on every rank, so every
+rank decides alike) the figure ``training.select_by`` names is compared with
+the best so far:
+
+- better than the best (accuracy higher, or cross-entropy lower): the model
+  evaluated becomes the best, and rank 0 writes it to ``RUN_DIR/best.h5``
+  with the figures and the step as attributes;
+- better than the figure at the last gain by more than
+  ``training.early_stop.min_delta``: a gain, the count of evaluations without
+  one restarts; otherwise the count grows, and reaching
+  ``training.early_stop.patience`` (when > 0) stops training.
+
+The counters travel in checkpoints, so a resumed run goes on deciding as the
+uninterrupted one would.
+
+Example::
+
+    selection = ModelSelection(select_by="acc", patience=3, min_delta=0.001)
+    verdict = selection.observe({"dev_acc": 0.81, "dev_xent": 0.62}, step=400)
+    verdict.improved, verdict.stop
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from ..h5io import atomic_h5_file, open_h5_for_reading
+from ..nn.model_file import write_model_group
+
+BEST_MODEL = "best.h5"
+_KEYS = {"acc": "dev_acc", "xent": "dev_xent"}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    improved: bool        # a new best model (write it)
+    gained: bool          # a gain of more than min_delta (the patience count restarts)
+    stop: bool            # patience exhausted: stop training
+    since_gain: int       # evaluations in a row without a gain
+
+
+class ModelSelection:
+    """The best held-out figure so far, and the evaluations since the last gain."""
+
+    def __init__(self, *, select_by: str = "acc", patience: int = 0, min_delta: float = 0.0):
+        if select_by not in _KEYS:
+            raise ValueError(f"select_by must be one of {', '.join(_KEYS)}, got {select_by!r}")
+        if patience < 0 or min_delta < 0:
+            raise ValueError("patience and min_delta must be >= 0")
+        self.select_by, self.patience, self.min_delta = select_by, int(patience), float(min_delta)
+        self.best_value = math.nan      # nan: nothing evaluated yet
+        self.best_step = -1
+        self.reference = math.nan       # the figure at the last gain
+        self.since_gain = 0
+
+    def _better(self, value: float, than: float, margin: float = 0.0) -> bool:
+        if math.isnan(than):
+            return True
+        return value > than + margin if self.select_by == "acc" else value < than - margin
+
+    def observe(self, result: dict, *, step: int) -> Verdict:
+        """Take one evaluation's ``result`` (``dev_acc``, ``dev_xent``) at ``step``."""
+        value = float(result[_KEYS[self.select_by]])
+        if not math.isfinite(value):      # a diverged model is never the best
+            self.since_gain += 1
+            return Verdict(False, False, self._exhausted(), self.since_gain)
+        improved = self._better(value, self.best_value)
+        if improved:
+            self.best_value, self.best_step = value, int(step)
+        gained = self._better(value, self.reference, self.min_delta)
+        if gained:
+            self.reference, self.since_gain = value, 0
+        else:
+            self.since_gain += 1
+        return Verdict(improved, gained, self._exhausted(), self.since_gain)
+
+    def _exhausted(self) -> bool:
+        return self.patience > 0 and self.since_gain >= self.patience
+
+    def describe(self) -> str:
+        if self.best_step < 0:
+            return "no held-out evaluation yet"
+        return f"held-out {self.select_by} {self.best_value:.4f} at step {self.best_step}"
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        # finite numbers only (checkpoints refuse NaN): no best yet is best_step -1
+        started = self.best_step >= 0
+        return {"best_value": self.best_value if started else 0.0,
+                "best_step": self.best_step,
+                "reference": self.reference if started else 0.0,
+                "since_gain": self.since_gain}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best_step = int(state.get("best_step", -1))
+        started = self.best_step >= 0
+        self.best_value = float(state["best_value"]) if started else math.nan
+        self.reference = float(state["reference"]) if started else math.nan
+        self.since_gain = int(state.get("since_gain", 0))
+
+
+def save_best_model(run_dir, net, *, class_priors, result: dict, step: int,
+                    select_by: str) -> str:
+    """Write ``RUN_DIR/best.h5``: the model, and what made it the best."""
+    path = os.path.join(run_dir, BEST_MODEL)
+    with atomic_h5_file(path, checksum=True, what="model") as f:
+        write_model_group(f, net, class_priors=class_priors)
+        f.attrs["selected_by"] = select_by
+        f.attrs["selected_at_step"] = int(step)
+        for key in ("dev_acc", "dev_xent"):
+            if key in result:
+                f.attrs[f"selected_{key}"] = float(result[key])
+    return path
+
+
+def model_in_run_dir(path) -> tuple:
+    """(model file, why) for a model path or a run directory.
+
+    A run directory gives its ``best.h5`` when there is one, else its
+    ``final.h5``; ``why`` says which and, for best.h5, what made it the best.
+    A file is taken as it is (why is "").
+    """
+    if not os.path.isdir(path):
+        return path, ""
+    best, final = os.path.join(path, BEST_MODEL), os.path.join(path, "final.h5")
+    if os.path.exists(best):
+        try:
+            with open_h5_for_reading(best, "model") as f:
+                attrs = dict(f.attrs)
+            by = str(attrs.get("selected_by", "?"))
+            figure = attrs.get(f"selected_dev_{by}")
+            detail = f" (best held-out {by} {float(figure):.4f} at step " \
+                      f"{int(attrs.get('selected_at_step', -1))})" if figure is not None else ""
+        except (OSError, ValueError):
+            detail = ""       # the model loader names the damage
+        return best, f"using {best}{detail}"
+    if os.path.exists(final):
+        return final, f"using {final} (the run kept no best.h5: no held-out set)"
+    raise FileNotFoundError(f"{path}: a run directory without best.h5 or final.h5")

@@ -1,0 +1,213 @@
+"""Keeping the best held-out model and early stopping (train/selection.py, the trainer,
+eval/export/convert on a run directory)."""
+
+import math
+import os
+
+import numpy as np
+import pytest
+
+from mpitrain.cli import main
+from mpitrain.config import ConfigError, load_config
+from mpitrain.h5io import open_h5_for_reading
+from mpitrain.nn.model_file import load_model
+from mpitrain.train.selection import ModelSelection, model_in_run_dir
+
+from ..helpers import QUICKSTART, records, train_in_process
+
+TINY = ["model.hidden_dim=32", "model.hidden_layers=2", "training.minibatch=128"]
+
+
+# ------------------------------------------------------------------ the rule
+
+@pytest.mark.parametrize("select_by, figures, best_steps", [
+    ("acc", [0.5, 0.6, 0.55, 0.7], [0, 1, 1, 3]),
+    ("xent", [2.0, 1.5, 1.7, 1.4], [0, 1, 1, 3]),
+])
+def test_the_best_is_the_highest_accuracy_or_lowest_xent(select_by, figures, best_steps):
+    selection = ModelSelection(select_by=select_by)
+    key = "dev_acc" if select_by == "acc" else "dev_xent"
+    for step, (value, best) in enumerate(zip(figures, best_steps)):
+        verdict = selection.observe({key: value}, step=step)
+        assert verdict.improved == (best == step)
+        assert selection.best_step == best and not verdict.stop
+
+
+def test_patience_counts_evaluations_without_a_gain_of_min_delta():
+    selection = ModelSelection(select_by="acc", patience=2, min_delta=0.01)
+    verdicts = [selection.observe({"dev_acc": a}, step=i)
+                for i, a in enumerate([0.50, 0.505, 0.508, 0.52, 0.521, 0.522])]
+    # 0.505 and 0.508 are new bests but not gains over 0.50 of more than 0.01
+    assert [v.improved for v in verdicts] == [True, True, True, True, True, True]
+    assert [v.since_gain for v in verdicts] == [0, 1, 2, 0, 1, 2]
+    assert [v.stop for v in verdicts] == [False, False, True, False, False, True]
+    assert ModelSelection(patience=0).observe({"dev_acc": 0.1}, step=0).stop is False
+
+
+def test_a_non_finite_figure_is_never_the_best():
+    selection = ModelSelection(select_by="xent", patience=1)
+    selection.observe({"dev_xent": 1.0}, step=1)
+    verdict = selection.observe({"dev_xent": math.nan}, step=2)
+    assert not verdict.improved and verdict.stop and selection.best_step == 1
+
+
+def test_state_round_trips_with_finite_numbers_only():
+    fresh = ModelSelection(select_by="acc", patience=3)
+    assert all(math.isfinite(v) for v in fresh.state_dict().values())
+    restored = ModelSelection(select_by="acc", patience=3)
+    restored.load_state_dict(fresh.state_dict())
+    assert restored.observe({"dev_acc": 0.1}, step=5).improved
+    restored.observe({"dev_acc": 0.05}, step=6)
+    again = ModelSelection(select_by="acc", patience=3)
+    again.load_state_dict(restored.state_dict())
+    assert (again.best_value, again.best_step, again.since_gain) == (0.1, 5, 1)
+
+
+def test_config_mistakes_are_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match="training.early_stop.patience: .*data.dev"):
+        load_config(QUICKSTART, ["data.dev=", "training.early_stop.patience=2"])
+    with pytest.raises(ConfigError, match="training.select_by"):
+        load_config(QUICKSTART, ["training.select_by=wer"])
+    with pytest.raises(ConfigError, match="training.early_stop.patience: .*param_server"):
+        load_config(QUICKSTART, ["parallel.method=param_server",
+                                 "training.early_stop.patience=2"])
+
+
+# ------------------------------------------------------------------ in the trainer
+
+def test_best_h5_is_the_model_of_the_best_evaluation(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    # evaluations every 2000 frames; a high rate late in training makes later
+    # models worse, so the best is not simply the last
+    train_in_process(run, small_corpus, TINY + ["training.eval_interval=2000",
+                                                "training.max_steps=120"])
+    evals = records(run, "eval")
+    accs = [e["dev_acc"] for e in evals]
+    best = max(range(len(accs)), key=lambda i: (accs[i], -i))
+    with open_h5_for_reading(str(run / "best.h5"), "model") as f:
+        assert f.attrs["selected_by"] == "acc"
+        assert int(f.attrs["selected_at_step"]) == evals[best]["step"]
+        assert float(f.attrs["selected_dev_acc"]) == pytest.approx(accs[best])
+    kept = records(run, "selection")
+    assert [r["best"] for r in kept] == [accs[i] > max(accs[:i], default=-1)
+                                         for i in range(len(accs))]
+    # best.h5 is that model: evaluating it gives the recorded figure
+    assert main(["eval", str(run / "best.h5"), os.path.join(small_corpus, "dev")]) == 0
+    net, _ = load_model(run / "best.h5")
+    final, _ = load_model(run / "final.h5")
+    if evals[best]["step"] != evals[-1]["step"]:
+        assert not np.array_equal(net.params, final.params)
+
+
+def test_a_bad_dropout_schedule_is_one_line_before_anything_is_written(small_corpus,
+                                                                     tmp_path, capsys):
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--set",
+            f"data.train={small_corpus}/train", "--set", f"data.dev={small_corpus}/dev",
+            "--set", "model.dropout_schedule=0,1.5,0"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "model.dropout_schedule: dropout proportion 1.5" in err and "\n" not in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_export_and_convert_take_a_run_directory(small_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, TINY + ["training.max_steps=30"])
+    capsys.readouterr()
+    assert main(["eval", str(run), os.path.join(small_corpus, "dev")]) == 0
+    out = capsys.readouterr().out
+    assert f"using {run}/best.h5 (best held-out acc" in out and "frames" in out
+    assert model_in_run_dir(str(run))[0] == str(run / "best.h5")
+    os.remove(run / "best.h5")
+    assert model_in_run_dir(str(run)) == (
+        str(run / "final.h5"), f"using {run}/final.h5 (the run kept no best.h5: no held-out "
+                               "set)")
+    assert main(["convert", str(run), "--to", "torch", str(tmp_path / "torch")]) == 0
+    assert "final.h5" in capsys.readouterr().out
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["eval", str(empty), os.path.join(small_corpus, "dev")]) == 2
+    assert "without best.h5 or final.h5" in capsys.readouterr().err
+
+
+def test_early_stop_ends_the_run_and_keeps_the_best(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    # no evaluation can gain 50 points: the run stops at the second evaluation
+    train_in_process(run, small_corpus, TINY + [
+        "training.eval_interval=1000", "training.early_stop.patience=1",
+        "training.early_stop.min_delta=0.5", "training.epochs=3"])
+    stop = records(run, "early_stop")
+    assert len(stop) == 1
+    start, end = records(run, "start")[0], records(run, "end")[0]
+    assert end["steps"] == stop[0]["step"] < start["total_steps"]
+    assert stop[0]["best_step"] in [e["step"] for e in records(run, "eval")]
+    assert (run / "best.h5").exists() and (run / "final.h5").exists()
+
+
+def _straight_and_resumed(tmp_path, corpus, settings, steps):
+    """Run directories of one run straight through and one stopped half way and resumed."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train_in_process(straight, corpus, settings + [f"training.max_steps={steps}"])
+    train_in_process(split, corpus, settings + [f"training.max_steps={steps // 2}"])
+    train_in_process(split, corpus, settings + [f"training.max_steps={steps}"], resume=True)
+    return straight, split
+
+
+def test_resume_continues_the_selection(small_corpus, tmp_path):
+    straight, split = _straight_and_resumed(tmp_path, small_corpus, TINY + [
+        "training.eval_interval=1500", "training.checkpoint_interval=20",
+        "training.log_interval=20"], steps=80)
+    a, _ = load_model(straight / "best.h5")
+    b, _ = load_model(split / "best.h5")
+    assert np.array_equal(a.params, b.params)
+    after = [(r["step"], r["best"], r["since_gain"]) for r in records(straight, "selection")
+             if r["step"] > 40]
+    assert after == [(r["step"], r["best"], r["since_gain"])
+                     for r in records(split, "selection") if r["step"] > 40]
+
+
+@pytest.mark.parametrize("regularization", [
+    ["model.dropout=0.2"],
+    ["model.dropout_schedule=0,0.3@0.5,0", "optimizer.l2_regularize=1e-4",
+     "optimizer.l2_regularize_output=1e-3", "optimizer.name=ngsgd"],
+], ids=["dropout", "schedule-l2-ngsgd"])
+def test_regularized_resume_is_bit_exact(small_corpus, tmp_path, regularization):
+    """Dropout masks come from the step, not from a generator's state: a resumed run
+    draws the masks the uninterrupted one drew."""
+    straight, split = _straight_and_resumed(tmp_path, small_corpus, TINY + regularization + [
+        "training.checkpoint_interval=25", "training.log_interval=25"], steps=100)
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert np.array_equal(a.params, b.params)
+    # and it learned: above chance (1/120) by far
+    assert records(straight, "end")[0]["dev_acc"] > 0.1
+
+
+@pytest.mark.mpi
+def test_two_ranks_evaluate_and_keep_their_average_between_averages(mpiexec, small_corpus,
+                                                                    tmp_path):
+    """Evaluations fall between model averages: the ranks' models differ there, so
+    the model evaluated, and kept, is their average; best.h5 scores what was logged."""
+    from mpitrain.data.corpus import load_manifest
+    from mpitrain.train.evaluate import evaluate_chunks, load_eval_chunks
+    from ..helpers import mpi_output, train_on_ranks
+
+    run = tmp_path / "run"
+    # early stop at the second evaluation (no gain can reach 50 points): it and the
+    # one before fall between averages
+    result = train_on_ranks(2, run, small_corpus, TINY + [
+        "parallel.average_every=7", "training.eval_interval=1000",
+        "training.early_stop.patience=1", "training.early_stop.min_delta=0.5"])
+    assert result.returncode == 0, mpi_output(result)
+    evals = {}
+    for e in records(run, "eval"):            # the first evaluation at each step
+        evals.setdefault(e["step"], e)
+    assert len(evals) == 2 and all(step % 7 for step in evals)
+    with open_h5_for_reading(str(run / "best.h5"), "model") as f:
+        step = int(f.attrs["selected_at_step"])
+    net, _ = load_model(run / "best.h5")
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    total, correct, frames = evaluate_chunks(net, load_eval_chunks(dev, net))
+    assert frames == evals[step]["dev_frames"]
+    assert correct / frames == pytest.approx(evals[step]["dev_acc"], abs=1e-9)
+    assert total / frames == pytest.approx(evals[step]["dev_xent"], rel=1e-5)
