@@ -211,3 +211,21 @@ def test_two_ranks_evaluate_and_keep_their_average_between_averages(mpiexec, sma
     assert frames == evals[step]["dev_frames"]
     assert correct / frames == pytest.approx(evals[step]["dev_acc"], abs=1e-9)
     assert total / frames == pytest.approx(evals[step]["dev_xent"], rel=1e-5)
+
+
+def test_the_speech_recipe_trains_and_keeps_its_best_model(small_corpus, tmp_path):
+    """jobs/configs/speech.yaml as shipped (made small): held-out control and
+    regularization on, a best.h5 that eval finds in the run directory."""
+    recipe = os.path.join(os.path.dirname(QUICKSTART), "speech.yaml")
+    cfg = load_config(recipe)
+    assert cfg.training.early_stop.patience > 0 and cfg.optimizer.l2_regularize > 0
+    assert cfg.model.dropout_schedule and cfg.optimizer.name == "ngsgd"
+    run = tmp_path / "run"
+    argv = ["train", recipe, "--run-dir", str(run)]
+    for item in [f"data.train={small_corpus}/train", f"data.dev={small_corpus}/dev",
+                 "data.chunk_frames=20000", "training.epochs=2"] + TINY:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    assert len(records(run, "eval")) >= 2
+    assert records(run, "end")[0]["dev_acc"] > 0.1
+    assert model_in_run_dir(str(run))[0] == str(run / "best.h5")
