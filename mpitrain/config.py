@@ -199,6 +199,10 @@ class ParallelConfig:
                                    "server's running average, until the uniform average "
                                    "takes over")
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    straggler_policy: str = _opt("none", choices=("none", "adapt"),
+                                 help="model_averaging: adapt lets a slow rank train fewer "
+                                      "minibatches per period (its model weighted by the "
+                                      "frames it saw), so it no longer holds up the job")
 
 
 @dataclass
@@ -373,6 +377,10 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
     if cfg.training.early_stop.patience and not cfg.data.dev:
         raise ConfigError(f"{where}training.early_stop.patience: early stopping watches "
                           "held-out results; set data.dev")
+    if cfg.parallel.straggler_policy != "none" and cfg.parallel.method != "model_averaging":
+        raise ConfigError(f"{where}parallel.straggler_policy: {cfg.parallel.straggler_policy}"
+                          f" works with parallel.method model_averaging, not "
+                          f"{cfg.parallel.method}")
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
         raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
                           "set data.dev")

@@ -12,19 +12,43 @@ too), and the optimizer hears :meth:`~mpitrain.optim.base.Optimizer.after_averag
 (NG-SGD then starts fresh Fisher estimates, as each Kaldi job does).  With
 K = 1 and plain SGD this equals synchronous SGD from a common start.
 
+With ``straggler_policy: adapt`` a slow rank no longer holds everyone up:
+each rank measures its compute time per minibatch t_i (wall time less time
+inside the communicator, smoothed over periods), the ranks share them at
+each average, and in the next period rank i trains only its first
+
+    q_i = clamp(round(K t_min / t_i), 1, K)
+
+minibatches (the others it sits out), so every rank reaches the average at
+about the same time.  The average weights each model by the frames it saw
+in the period::
+
+    w_i <- sum_j q_j w_j / sum_j q_j
+
+All ranks compute the same quotas from the same shared times.  A run with
+the policy is not bit-reproducible (the quotas follow measured times).
+
 Symbols in the code: K is ``every_steps``, w_i is ``net.params``, N is
-``comm.size``.
+``comm.size``, q_i is ``quotas[i]``, t_i is ``step_seconds[i]``.
 """
 
 from __future__ import annotations
 
+import numpy as np
+
 from .base import Strategy, every_steps_from
+
+#: ``parallel.straggler_policy`` values.
+STRAGGLER_POLICIES = ("none", "adapt")
+# weight of the newest period's time in each rank's smoothed time per minibatch
+_TIME_SMOOTHING = 0.5
 
 
 def build(cfg, comm, *, total_steps: int = 0):
     """The strategy for ``parallel.method: model_averaging``."""
     return ModelAveraging(comm, every_steps=every_steps_from(cfg),
-                          average_momentum=cfg.parallel.average_momentum)
+                          average_momentum=cfg.parallel.average_momentum,
+                          straggler_policy=cfg.parallel.straggler_policy)
 
 
 class ModelAveraging(Strategy):
@@ -35,30 +59,104 @@ class ModelAveraging(Strategy):
 
     name = "model_averaging"
 
-    def __init__(self, comm, *, every_steps: int = 8, average_momentum: bool = False):
+    def __init__(self, comm, *, every_steps: int = 8, average_momentum: bool = False,
+                 straggler_policy: str = "none"):
         super().__init__(comm)
         if every_steps < 1:
             raise ValueError(f"every_steps must be >= 1, got {every_steps}")
+        if straggler_policy not in STRAGGLER_POLICIES:
+            raise ValueError(f"straggler_policy must be one of "
+                             f"{', '.join(STRAGGLER_POLICIES)}, got {straggler_policy!r}")
         self.every_steps = int(every_steps)
         self.average_momentum = average_momentum
         self.num_averages = 0
         self.sync_period = self.every_steps
+        self.adapt = straggler_policy == "adapt" and comm.size > 1
+        # straggler_policy adapt: minibatches each rank trains per period, and
+        # each rank's smoothed compute seconds per minibatch (0: not measured yet)
+        self.quotas = [self.every_steps] * comm.size
+        self.step_seconds = [0.0] * comm.size
+        self._period_start = None       # (wtime, comm_time) when this period began
+
+    # -- straggler_policy: adapt ------------------------------------------------------
+    def is_active(self, step: int) -> bool:
+        if not self.adapt:
+            return True
+        if self._period_start is None:       # the clock starts at the first step
+            self._period_start = (self.comm.wtime(), self.comm.comm_time)
+        return step % self.every_steps < self.quotas[self.comm.rank]
+
+    def active_ranks(self, step: int) -> int:
+        if not self.adapt:
+            return self.comm.size
+        return sum(step % self.every_steps < q for q in self.quotas)
+
+    def _share_step_times(self, trained: int) -> None:
+        """Every rank's time per minibatch this period (``trained`` minibatches here),
+        shared; the next quotas."""
+        start_wall, start_comm = self._period_start
+        comm_seconds = self.comm.comm_time - start_comm
+        if comm_seconds < 0:                    # the counter was reset meanwhile
+            comm_seconds = self.comm.comm_time
+        compute = max(self.comm.wtime() - start_wall - comm_seconds, 0.0)
+        mine = np.zeros(self.comm.size, dtype=np.float64)
+        mine[self.comm.rank] = compute / max(trained, 1)
+        self.comm.allreduce_(mine, op="sum")
+        for rank, seconds in enumerate(mine):
+            old = self.step_seconds[rank]
+            self.step_seconds[rank] = float(seconds) if old == 0.0 else \
+                (1 - _TIME_SMOOTHING) * old + _TIME_SMOOTHING * float(seconds)
+        fastest = min(self.step_seconds)
+        k = self.every_steps
+        self.quotas = [k if t <= 0 else int(min(k, max(1, round(k * fastest / t))))
+                       for t in self.step_seconds]
+
+    def _weighted_mean_(self, buf, quotas) -> None:
+        """buf <- sum_j q_j buf_j / sum_j q_j (the plain mean when the q_j are equal)."""
+        if len(set(quotas)) == 1:
+            self.comm.allreduce_(buf, op="mean")
+            return
+        buf *= buf.dtype.type(quotas[self.comm.rank] / sum(quotas))
+        self.comm.allreduce_(buf, op="sum")
 
     def after_update(self, net, optimizer, step: int) -> None:
         if step % self.every_steps == 0:
             self.average(net, optimizer)
 
-    def average(self, net, optimizer) -> None:
+    def average(self, net, optimizer, period_steps: int = 0) -> None:
+        """Average the models after a period of ``period_steps`` steps (0: K)."""
         if self.comm.size == 1:
             return
-        self.comm.allreduce_(net.params, op="mean")
+        length = period_steps or self.every_steps
+        # the minibatches each rank trained in the period that ends: its weight
+        quotas = [min(q, length) for q in self.quotas]
+        if self.adapt and self._period_start is not None:
+            self._share_step_times(quotas[self.comm.rank])
+        self._weighted_mean_(net.params, quotas)
         momentum = optimizer.momentum_buffer()
         if self.average_momentum and momentum is not None:
-            self.comm.allreduce_(momentum, op="mean")
+            self._weighted_mean_(momentum, quotas)
         optimizer.after_average()
         self.num_averages += 1
+        if self.adapt:
+            self._period_start = (self.comm.wtime(), self.comm.comm_time)
+
+    # -- state ------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        if not self.adapt:
+            return {}
+        return {"quotas": np.asarray(self.quotas, dtype=np.int64),
+                "step_seconds": np.asarray(self.step_seconds, dtype=np.float64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.adapt or "quotas" not in state:
+            return
+        quotas = [int(q) for q in np.asarray(state["quotas"])]
+        if len(quotas) == self.comm.size:        # another number of ranks: start afresh
+            self.quotas = quotas
+            self.step_seconds = [float(t) for t in np.asarray(state["step_seconds"])]
 
     def finalize(self, net, optimizer, step: int = 0) -> None:
         # the last block may be shorter than K: average once more so all agree
         if step % self.every_steps:
-            self.average(net, optimizer)
+            self.average(net, optimizer, period_steps=step % self.every_steps)
