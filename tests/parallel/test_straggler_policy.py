@@ -100,3 +100,24 @@ def test_the_policy_is_for_model_averaging_only():
                                           "parallel.method model_averaging, not allreduce"):
         load_config(QUICKSTART, ["parallel.method=allreduce",
                                  "parallel.straggler_policy=adapt"])
+
+
+@pytest.mark.mpi
+def test_under_mpiexec_a_sleeping_rank_gets_a_smaller_quota(mpiexec, small_corpus, tmp_path):
+    """Real ranks and wall time: rank 1 sleeps its step twice over (3x slow); the
+    quotas measured from wall time give it about a third of each period."""
+    from mpitrain.train.checkpoint import list_checkpoints, load_checkpoint
+    from ..helpers import mpi_output, records, train_on_ranks
+
+    run = tmp_path / "run"
+    result = train_on_ranks(2, run, small_corpus, [
+        "model.hidden_dim=64", "model.hidden_layers=2", "training.max_steps=160",
+        "parallel.average_every=8", "parallel.straggler_policy=adapt",
+        "parallel.straggler.ranks=[1]", "parallel.straggler.slowdown=3.0",
+        "training.log_interval=40", "blas_threads=1"], timeout=240)
+    assert result.returncode == 0, mpi_output(result)
+    quotas = list(load_checkpoint(list_checkpoints(str(run))[-1], ranks=[]).strategy_state[
+        "quotas"])
+    assert quotas[0] == 8 and 1 <= quotas[1] <= 5, quotas
+    end = records(run, "end")[0]
+    assert end["frames"] < 160 * 2 * 256 and end["dev_acc"] > 0.05     # minibatch 256
