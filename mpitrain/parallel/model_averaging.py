@@ -15,12 +15,13 @@ K = 1 and plain SGD this equals synchronous SGD from a common start.
 With ``straggler_policy: adapt`` a slow rank no longer holds everyone up:
 each rank measures its compute time per minibatch t_i (wall time less time
 inside the communicator, smoothed over periods), the ranks share them at
-each average, and in the next period rank i trains only its first
+each average, and in the next period rank i trains only
 
     q_i = clamp(round(K t_min / t_i), 1, K)
 
-minibatches (the others it sits out), so every rank reaches the average at
-about the same time.  The average weights each model by the frames it saw
+of the K minibatches, spread evenly (at period positions p with
+p q_i mod K < q_i; it sits the others out), so every rank reaches the average,
+and any collective in between (a log line's sums), at about the same time.  The average weights each model by the frames it saw
 in the period::
 
     w_i <- sum_j q_j w_j / sum_j q_j
@@ -84,12 +85,17 @@ class ModelAveraging(Strategy):
             return True
         if self._period_start is None:       # the clock starts at the first step
             self._period_start = (self.comm.wtime(), self.comm.comm_time)
-        return step % self.every_steps < self.quotas[self.comm.rank]
+        return self._trains_at(step % self.every_steps, self.quotas[self.comm.rank])
 
     def active_ranks(self, step: int) -> int:
         if not self.adapt:
             return self.comm.size
-        return sum(step % self.every_steps < q for q in self.quotas)
+        return sum(self._trains_at(step % self.every_steps, q) for q in self.quotas)
+
+    def _trains_at(self, position: int, quota: int) -> bool:
+        """Whether a rank with ``quota`` trains at ``position`` of a period: ``quota``
+        of the K positions, evenly spread, the first one included."""
+        return position * quota % self.every_steps < quota
 
     def _share_step_times(self, trained: int) -> None:
         """Every rank's time per minibatch this period (``trained`` minibatches here),
@@ -129,7 +135,7 @@ class ModelAveraging(Strategy):
             return
         length = period_steps or self.every_steps
         # the minibatches each rank trained in the period that ends: its weight
-        quotas = [min(q, length) for q in self.quotas]
+        quotas = [sum(self._trains_at(p, q) for p in range(length)) for q in self.quotas]
         if self.adapt and self._period_start is not None:
             self._share_step_times(quotas[self.comm.rank])
         self._weighted_mean_(net.params, quotas)
