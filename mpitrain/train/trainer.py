@@ -505,6 +505,10 @@ class Trainer:
                       skipped_minibatches=self.guard.skipped_total,
                       exploded_windows=self.guard.exploded_total,
                       rollbacks=self.guard.rollbacks)
+        if self.selection.best_step >= 0:        # what best.h5 holds
+            result.update(best_step=self.selection.best_step,
+                          best_value=self.selection.best_value,
+                          select_by=self.selection.select_by)
         if self.schedule.name == "search":      # compute the trials took, over all ranks
             result["trial_frames"] = self.schedule.trial_frames
         self.log.write("end", **result)

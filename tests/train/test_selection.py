@@ -88,6 +88,9 @@ def test_best_h5_is_the_model_of_the_best_evaluation(small_corpus, tmp_path):
         assert f.attrs["selected_by"] == "acc"
         assert int(f.attrs["selected_at_step"]) == evals[best]["step"]
         assert float(f.attrs["selected_dev_acc"]) == pytest.approx(accs[best])
+    end = records(run, "end")[0]
+    assert (end["best_step"], end["best_value"], end["select_by"]) == (
+        evals[best]["step"], pytest.approx(accs[best]), "acc")
     kept = records(run, "selection")
     assert [r["best"] for r in kept] == [accs[i] > max(accs[:i], default=-1)
                                          for i in range(len(accs))]
