@@ -93,6 +93,11 @@ class DropoutSchedule:
     def active(self) -> bool:
         return any(v > 0 for _, v in self.points)
 
+    @property
+    def rises(self) -> bool:
+        """Whether the proportion goes up at some point after the start."""
+        return any(b > a for (_, a), (_, b) in zip(self.points, self.points[1:]))
+
     def proportion(self, fraction: float) -> float:
         """The proportion at ``fraction`` (0: start, 1: end) of training."""
         f = min(max(float(fraction), 0.0), 1.0)

@@ -17,7 +17,7 @@ each rank measures its compute time per minibatch t_i (wall time less time
 inside the communicator, smoothed over periods), the ranks share them at
 each average, and in the next period rank i trains only
 
-    q_i = clamp(round(K t_min / t_i), 1, K)
+    q_i = clamp(round(K t_min / t_i), 1, K)     (K when t_i <= 1.1 t_min)
 
 of the K minibatches, spread evenly (at period positions p with
 p q_i mod K < q_i; it sits the others out), so every rank reaches the average,
@@ -43,6 +43,9 @@ from .base import Strategy, every_steps_from
 STRAGGLER_POLICIES = ("none", "adapt")
 # weight of the newest period's time in each rank's smoothed time per minibatch
 _TIME_SMOOTHING = 0.5
+# a rank this much slower than the fastest still trains every minibatch: timing
+# noise (a shared node, oversubscribed cores) must not cost a balanced job frames
+SLOWER_TOLERANCE = 0.10
 
 
 def build(cfg, comm, *, total_steps: int = 0):
@@ -112,9 +115,11 @@ class ModelAveraging(Strategy):
             old = self.step_seconds[rank]
             self.step_seconds[rank] = float(seconds) if old == 0.0 else \
                 (1 - _TIME_SMOOTHING) * old + _TIME_SMOOTHING * float(seconds)
-        fastest = min(self.step_seconds)
         k = self.every_steps
-        self.quotas = [k if t <= 0 else int(min(k, max(1, round(k * fastest / t))))
+        measured = [t for t in self.step_seconds if t > 0]
+        fastest = min(measured) if measured else 0.0
+        self.quotas = [k if t <= fastest * (1 + SLOWER_TOLERANCE)
+                       else int(min(k, max(1, round(k * fastest / t))))
                        for t in self.step_seconds]
 
     def _weighted_mean_(self, buf, quotas) -> None:

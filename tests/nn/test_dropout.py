@@ -35,6 +35,7 @@ def test_schedule_interpolates_linearly():
     assert [schedule.proportion(f) for f in (0.0, 0.25, 0.5, 0.75, 1.0, 2.0)] == \
         pytest.approx([0.0, 0.1, 0.2, 0.1, 0.0, 0.0])
     assert schedule.active and not DropoutSchedule("0").active
+    assert schedule.rises and not DropoutSchedule("0.3,0.1@0.5,0").rises
 
 
 def test_masks_drop_the_proportion_and_keep_the_expectation(xp):

@@ -133,6 +133,18 @@ def test_eval_export_and_convert_take_a_run_directory(small_corpus, tmp_path, ca
     assert "without best.h5 or final.h5" in capsys.readouterr().err
 
 
+def test_early_stop_with_a_rising_dropout_schedule_gets_a_note(small_corpus, tmp_path,
+                                                               capsys):
+    train_in_process(tmp_path / "run", small_corpus, TINY + [
+        "training.max_steps=10", "training.early_stop.patience=2",
+        "model.dropout_schedule=0,0.3@0.5,0"])
+    assert "training.early_stop may stop the run in that dip" in capsys.readouterr().out
+    train_in_process(tmp_path / "falling", small_corpus, TINY + [
+        "training.max_steps=10", "training.early_stop.patience=2",
+        "model.dropout_schedule=0.3,0"])
+    assert "dip" not in capsys.readouterr().out
+
+
 def test_early_stop_ends_the_run_and_keeps_the_best(small_corpus, tmp_path):
     run = tmp_path / "run"
     # no evaluation can gain 50 points: the run stops at the second evaluation
@@ -141,6 +153,7 @@ def test_early_stop_ends_the_run_and_keeps_the_best(small_corpus, tmp_path):
         "training.early_stop.min_delta=0.5", "training.epochs=3"])
     stop = records(run, "early_stop")
     assert len(stop) == 1
+
     start, end = records(run, "start")[0], records(run, "end")[0]
     assert end["steps"] == stop[0]["step"] < start["total_steps"]
     assert stop[0]["best_step"] in [e["step"] for e in records(run, "eval")]
