@@ -96,7 +96,13 @@ class DropoutSchedule:
     @property
     def rises(self) -> bool:
         """Whether the proportion goes up at some point after the start."""
-        return any(b > a for (_, a), (_, b) in zip(self.points, self.points[1:]))
+        return self.last_rise_end > 0.0
+
+    @property
+    def last_rise_end(self) -> float:
+        """The fraction of training after which the proportion never rises again."""
+        ends = [f1 for (_, v0), (f1, v1) in zip(self.points, self.points[1:]) if v1 > v0]
+        return max(ends, default=0.0)
 
     def proportion(self, fraction: float) -> float:
         """The proportion at ``fraction`` (0: start, 1: end) of training."""

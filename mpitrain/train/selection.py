@@ -12,6 +12,11 @@ the best so far:
   one restarts; otherwise the count grows, and reaching
   ``training.early_stop.patience`` (when > 0) stops training.
 
+While a dropout schedule raises the proportion, held-out figures dip and
+recover (measured in docs/benchmarks.md); evaluations before
+``patience_from_step`` (the end of the schedule's last rise) keep the best
+model but do not count towards patience, and counting starts afresh there.
+
 The counters travel in checkpoints, so a resumed run goes on deciding as the
 uninterrupted one would.
 
@@ -46,12 +51,14 @@ class Verdict:
 class ModelSelection:
     """The best held-out figure so far, and the evaluations since the last gain."""
 
-    def __init__(self, *, select_by: str = "acc", patience: int = 0, min_delta: float = 0.0):
+    def __init__(self, *, select_by: str = "acc", patience: int = 0, min_delta: float = 0.0,
+                 patience_from_step: int = 0):
         if select_by not in _KEYS:
             raise ValueError(f"select_by must be one of {', '.join(_KEYS)}, got {select_by!r}")
         if patience < 0 or min_delta < 0:
             raise ValueError("patience and min_delta must be >= 0")
         self.select_by, self.patience, self.min_delta = select_by, int(patience), float(min_delta)
+        self.patience_from_step = int(patience_from_step)
         self.best_value = math.nan      # nan: nothing evaluated yet
         self.best_step = -1
         self.reference = math.nan       # the figure at the last gain
@@ -71,6 +78,9 @@ class ModelSelection:
         improved = self._better(value, self.best_value)
         if improved:
             self.best_value, self.best_step = value, int(step)
+        if step < self.patience_from_step:         # not counted: the next one starts afresh
+            self.reference, self.since_gain = math.nan, 0
+            return Verdict(improved, False, False, 0)
         gained = self._better(value, self.reference, self.min_delta)
         if gained:
             self.reference, self.since_gain = value, 0
@@ -90,16 +100,18 @@ class ModelSelection:
     def state_dict(self) -> dict:
         # finite numbers only (checkpoints refuse NaN): no best yet is best_step -1
         started = self.best_step >= 0
+        counting = not math.isnan(self.reference)
         return {"best_value": self.best_value if started else 0.0,
                 "best_step": self.best_step,
-                "reference": self.reference if started else 0.0,
-                "since_gain": self.since_gain}
+                "reference": self.reference if counting else 0.0,
+                "counting": int(counting), "since_gain": self.since_gain}
 
     def load_state_dict(self, state: dict) -> None:
         self.best_step = int(state.get("best_step", -1))
         started = self.best_step >= 0
         self.best_value = float(state["best_value"]) if started else math.nan
-        self.reference = float(state["reference"]) if started else math.nan
+        self.reference = float(state["reference"]) if started and state.get(
+            "counting", 1) else math.nan
         self.since_gain = int(state.get("since_gain", 0))
 
 

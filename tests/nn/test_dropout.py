@@ -36,6 +36,8 @@ def test_schedule_interpolates_linearly():
         pytest.approx([0.0, 0.1, 0.2, 0.1, 0.0, 0.0])
     assert schedule.active and not DropoutSchedule("0").active
     assert schedule.rises and not DropoutSchedule("0.3,0.1@0.5,0").rises
+    assert schedule.last_rise_end == 0.5
+    assert DropoutSchedule("0,0@0.2,0.3@0.4,0.2@0.6,0.5@0.8,0").last_rise_end == 0.8
 
 
 def test_masks_drop_the_proportion_and_keep_the_expectation(xp):

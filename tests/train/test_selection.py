@@ -133,16 +133,33 @@ def test_eval_export_and_convert_take_a_run_directory(small_corpus, tmp_path, ca
     assert "without best.h5 or final.h5" in capsys.readouterr().err
 
 
-def test_early_stop_with_a_rising_dropout_schedule_gets_a_note(small_corpus, tmp_path,
-                                                               capsys):
-    train_in_process(tmp_path / "run", small_corpus, TINY + [
-        "training.max_steps=10", "training.early_stop.patience=2",
-        "model.dropout_schedule=0,0.3@0.5,0"])
-    assert "training.early_stop may stop the run in that dip" in capsys.readouterr().out
-    train_in_process(tmp_path / "falling", small_corpus, TINY + [
-        "training.max_steps=10", "training.early_stop.patience=2",
-        "model.dropout_schedule=0.3,0"])
-    assert "dip" not in capsys.readouterr().out
+def test_early_stop_counts_from_the_end_of_the_dropout_rise(small_corpus, tmp_path, capsys):
+    # the dropout proportion rises until half way: no evaluation before counts, so
+    # an early stop impossible to avoid (a gain of 50 points) comes after half way
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, TINY + [
+        "training.epochs=2", "training.eval_interval=1000", "training.early_stop.patience=1",
+        "training.early_stop.min_delta=0.5", "model.dropout_schedule=0,0.3@0.5,0"])
+    out = capsys.readouterr().out
+    start = records(run, "start")[0]
+    half = math.ceil(0.5 * start["planned_steps"])
+    assert f"early_stop: counts held-out evaluations from step {half} on" in out
+    evals = [e["step"] for e in records(run, "eval")]
+    stop = records(run, "early_stop")[0]["step"]
+    # the first evaluation from half way sets the reference, the next one stops
+    assert stop == [s for s in evals if s >= half][1]
+    assert all(r["since_gain"] == 0 for r in records(run, "selection") if r["step"] < half)
+
+
+def test_evaluations_before_patience_from_step_keep_the_best_but_do_not_count():
+    selection = ModelSelection(select_by="acc", patience=1, patience_from_step=10)
+    verdicts = [selection.observe({"dev_acc": a}, step=s)
+                for s, a in [(4, 0.6), (8, 0.5), (12, 0.55), (16, 0.54)]]
+    assert [v.improved for v in verdicts] == [True, False, False, False]
+    assert [v.stop for v in verdicts] == [False, False, False, True]
+    assert selection.best_step == 4
+    # the count starts afresh at step 12 (0.55 is the reference, not 0.6)
+    assert verdicts[2].since_gain == 0 and verdicts[3].since_gain == 1
 
 
 def test_early_stop_ends_the_run_and_keeps_the_best(small_corpus, tmp_path):
