@@ -16,6 +16,7 @@ Commands (from the repository root, in the venv)::
         --variant "recipe:optimizer.l2_regularize=5e-5 model.dropout_schedule=0,0@0.2,0.3@0.5,0 \\
                    training.select_by=xent training.early_stop.patience=3"
     python scripts/generalization.py summary runs/gen [--baseline plain]
+    python scripts/generalization.py plot runs/gen curves.png [--variants plain,l2]
 
 ``--variant NAME:KEY=VALUE KEY=VALUE ...`` (overrides split at spaces; a
 repeated NAME adds to it) or ``--grid GRID.yaml`` (YAML or JSON)::
@@ -405,6 +406,43 @@ def cmd_summary(args) -> None:
         print(variant_row(name, seeds, baseline))
 
 
+def cmd_plot(args) -> None:
+    """Held-out accuracy and cross-entropy against epochs, seen and unseen speakers:
+    each variant's mean over seeds, its min-max band shaded."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    runs = complete_runs(read_rows(args.out))
+    names = args.variants.split(",") if args.variants else list(runs)
+    missing = [n for n in names if n not in runs]
+    if missing:
+        raise SystemExit(f"{args.out}/{RESULTS}: no complete run of {', '.join(missing)}")
+    fig = Figure(figsize=(10, 7), dpi=args.dpi)
+    FigureCanvasAgg(fig)
+    panels = [("seen_acc", "accuracy, seen speakers"), ("unseen_acc", "accuracy, unseen speakers"),
+              ("seen_xent", "cross-entropy, seen speakers"),
+              ("unseen_xent", "cross-entropy, unseen speakers")]
+    for index, (key, title) in enumerate(panels):
+        ax = fig.add_subplot(2, 2, index + 1)
+        for name in names:
+            seeds = runs[name]
+            epochs = sorted({r["epoch"] for run in seeds.values() for r in run["eval"]})
+            values = [[r[key] for run in seeds.values() for r in run["eval"]
+                       if r["epoch"] == e] for e in epochs]
+            mean = [sum(v) / len(v) for v in values]
+            line, = ax.plot(epochs, mean, marker=".", label=f"{name} ({len(seeds)} seeds)")
+            ax.fill_between(epochs, [min(v) for v in values], [max(v) for v in values],
+                            color=line.get_color(), alpha=0.2, linewidth=0)
+        ax.set_title(title)
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+        if index == 0:
+            ax.legend(fontsize="small")
+    fig.tight_layout()
+    with atomic_open(args.png, "wb") as fh:
+        fig.savefig(fh, format="png")
+    print(f"wrote {args.png}")
+
+
 # -- command line ---------------------------------------------------------------------
 
 def main(argv=None) -> None:
@@ -435,9 +473,15 @@ def main(argv=None) -> None:
     s.add_argument("out")
     s.add_argument("--baseline", default="plain",
                    help="variant whose last epoch the unseen gain is measured against")
+    p = sub.add_parser("plot", help="PNG of held-out accuracy and xent against epochs")
+    p.add_argument("out")
+    p.add_argument("png")
+    p.add_argument("--variants", help="comma-separated variants (default: all)")
+    p.add_argument("--dpi", type=int, default=100)
     args = parser.parse_args(argv)
     try:
-        {"build": cmd_build, "run": cmd_run, "summary": cmd_summary}[args.command](args)
+        {"build": cmd_build, "run": cmd_run, "summary": cmd_summary,
+         "plot": cmd_plot}[args.command](args)
     except (ConfigError, TrainingError) as exc:
         raise SystemExit(f"generalization.py {args.command}: {exc}") from None
 
