@@ -282,7 +282,7 @@ def cmd_bench(args) -> int:
 def _model_file(path: str, command: str, *, stream=None) -> str:
     """The model a command reads: a file as given, or a run directory's best.h5
     (else final.h5), saying which."""
-    from .train.selection import model_in_run_dir
+    from .nn.model_file import model_in_run_dir
     try:
         found, why = model_in_run_dir(path)
     except FileNotFoundError as exc:

@@ -21,6 +21,7 @@ import numpy as np
 
 from .export import prior_offsets, utterance_loglikes
 from .nn.model_file import load_model as _load_network
+from .nn.model_file import model_in_run_dir
 
 
 class AcousticModel:
@@ -38,6 +39,7 @@ class AcousticModel:
 
     @classmethod
     def load(cls, path) -> "AcousticModel":
+        path, _ = model_in_run_dir(path)
         net, priors = _load_network(path)
         return cls(net, priors, path)
 
@@ -88,11 +90,13 @@ class AcousticModel:
 
 
 def load_model(path) -> AcousticModel:
-    """Open a model file (or checkpoint), checked and verified, for inference.
+    """Open a model file (or checkpoint), checked and verified, for inference; a run
+    directory gives its best.h5 (else its final.h5).
 
     Example::
 
         model = load_model("runs/quickstart/final.h5")
+        model = load_model("runs/quickstart")        # its best held-out model
         model.predict(feats).argmax(axis=1)       # the most likely pdf of each frame
     """
     return AcousticModel.load(path)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import numpy as np
 
@@ -286,3 +287,33 @@ def load_model(path, *, xp=np):
         stored = read_stored_model(group, path)
         verify_file(f, path, what="model")
     return stored.install(xp=xp)
+
+
+#: The best held-out model of a run directory (train/selection.py writes it).
+BEST_MODEL = "best.h5"
+
+
+def model_in_run_dir(path) -> tuple:
+    """(model file, why) for a model path or a run directory.
+
+    A run directory gives its ``best.h5`` when there is one, else its
+    ``final.h5``; ``why`` says which and, for best.h5, what made it the best.
+    A file is taken as it is (why is "").
+    """
+    if not os.path.isdir(path):
+        return path, ""
+    best, final = os.path.join(path, BEST_MODEL), os.path.join(path, "final.h5")
+    if os.path.exists(best):
+        try:
+            with open_h5_for_reading(best, "model") as f:
+                attrs = dict(f.attrs)
+            by = str(attrs.get("selected_by", "?"))
+            figure = attrs.get(f"selected_dev_{by}")
+            detail = f" (best held-out {by} {float(figure):.4f} at step " \
+                      f"{int(attrs.get('selected_at_step', -1))})" if figure is not None else ""
+        except (OSError, ValueError):
+            detail = ""       # the model loader names the damage
+        return best, f"using {best}{detail}"
+    if os.path.exists(final):
+        return final, f"using {final} (the run kept no best.h5: no held-out set)"
+    raise FileNotFoundError(f"{path}: a run directory without best.h5 or final.h5")

@@ -11,7 +11,8 @@ from mpitrain.cli import main
 from mpitrain.config import ConfigError, load_config
 from mpitrain.h5io import open_h5_for_reading
 from mpitrain.nn.model_file import load_model
-from mpitrain.train.selection import ModelSelection, model_in_run_dir
+from mpitrain.nn.model_file import model_in_run_dir
+from mpitrain.train.selection import ModelSelection
 
 from ..helpers import QUICKSTART, records, train_in_process
 
@@ -262,3 +263,12 @@ def test_the_speech_recipe_trains_and_keeps_its_best_model(small_corpus, tmp_pat
     assert len(records(run, "eval")) >= 2
     assert records(run, "end")[0]["dev_acc"] > 0.1
     assert model_in_run_dir(str(run))[0] == str(run / "best.h5")
+
+
+def test_load_model_of_a_run_directory_is_its_best_model(small_corpus, tmp_path):
+    import mpitrain
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, TINY + ["training.max_steps=20"])
+    model = mpitrain.load_model(str(run))
+    best, _ = load_model(run / "best.h5")
+    assert np.array_equal(model.net.params, best.params)
