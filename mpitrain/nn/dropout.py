@@ -169,7 +169,8 @@ class DropoutMasks:
             held.bits_for(dropout_key(self.seed, self.rank, self.step, layer))
             threshold = np.uint32(min(int(self.proportion * 2.0 ** 32), _MASK32))
             xp.greater_equal(held.bits, threshold, out=held.keep)
-            xp.multiply(held.keep, np.asarray(1.0 / (1.0 - self.proportion), dtype=dtype),
+            # a NumPy scalar, not a 0-d array: CuPy takes the one, not the other
+            xp.multiply(held.keep, np.dtype(dtype).type(1.0 / (1.0 - self.proportion)),
                         out=held.mask)
             held.made_for = key
         return held.mask

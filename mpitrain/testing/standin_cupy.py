@@ -60,6 +60,15 @@ def _wrap(obj):
     return obj
 
 
+def _refuse_host_arrays(inputs, name: str) -> None:
+    """CuPy's elementwise operations refuse host arrays (0-d ones too); NumPy
+    scalars and Python numbers are fine."""
+    for value in inputs:
+        if isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
+            raise TypeError(f"Unsupported type {type(value)} (a host array in the device "
+                            f"operation {name})")
+
+
 class _Pointer:
     """The ``.data`` of a stand-in array: its address and an async copy to the host."""
 
@@ -76,6 +85,7 @@ class DeviceArray(np.ndarray):
     """Host memory that answers like a device array (see the module docstring)."""
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        _refuse_host_arrays(inputs, ufunc.__name__)
         out = kwargs.get("out")
         if out is not None:
             kwargs["out"] = _plain(out)
@@ -199,6 +209,8 @@ def _build_module():
         value = getattr(np, name)
         if callable(value) and not isinstance(value, type):
             def wrapped(*args, **kwargs):
+                if isinstance(value, np.ufunc):
+                    _refuse_host_arrays(args, name)
                 return _wrap(value(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()}))
             wrapped.__name__ = name
             return wrapped
