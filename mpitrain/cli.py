@@ -566,8 +566,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None,
                    help="PNG to write (default: RUN_DIR/curves.png for one run, "
                         "else ./curves.png)")
-    p.add_argument("--x", default="frames", choices=("frames", "time"),
-                   help="frames seen (all ranks) or seconds since the start")
+    p.add_argument("--x", default="frames", choices=("frames", "time", "seconds"),
+                   help="frames seen (all ranks), wall seconds since the start, or "
+                        "training seconds (simulated ones for --virtual runs)")
     p.set_defaults(func=cmd_plot)
     return parser
 

@@ -21,7 +21,9 @@ from .files import atomic_path
 RECORD_TYPES = ("start", "train", "eval", "end")
 #: What the curves can be drawn against: frames seen (all ranks) or seconds.
 X_AXES = {"frames": ("frames", "frames seen (all ranks)"),
-          "time": ("time", "wall time (s)")}
+          "time": ("time", "wall time (s)"),
+          # the communicator's clock since training began: simulated on virtual ranks
+          "seconds": ("seconds", "training seconds (simulated on virtual ranks)")}
 
 
 def metrics_path(run_dir) -> str:
@@ -105,7 +107,9 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
     Two panels side by side; one colour per run, held-out curves solid,
     training curves (the averages the trainer logs every ``log_interval``
     steps) dashed when ``train`` is true.  ``x`` is ``"frames"`` (frames seen,
-    summed over ranks) or ``"time"`` (seconds since the run started).
+    summed over ranks), ``"time"`` (wall seconds since the run started) or
+    ``"seconds"`` (training seconds on the communicator's clock: simulated
+    seconds for virtual ranks).
     Returns the path written.
 
     Example::

@@ -148,6 +148,7 @@ class Trainer:
             self._initial = self._state_snapshot()
         self._dev = None
         self._verdict = None         # the last held-out evaluation's model selection
+        self._run_start = None       # the communicator's clock when training began
         self._combination = None     # training.combine: snapshots for train/combine.py
         if cfg.training.combine:
             from .combine import FinalCombination
@@ -495,6 +496,7 @@ class Trainer:
                        optimizer=self.optimizer.name)
         # the communicator's clock: wall time under MPI, simulated time on virtual ranks
         run_start, self._start_step = comm.wtime(), self.step
+        self._run_start = run_start
         comm.reset_comm_time()
         while True:
             if self._train_to_end(run_start) == ROLL_BACK:
@@ -580,7 +582,8 @@ class Trainer:
                     xent = sums[0] / sums[2]
                 skipped = int(sums[4])
                 record = {"step": self.step, "epoch": self.stream.epoch,
-                          "frames": self.frames_seen, "xent": float(xent),
+                          "frames": self.frames_seen, "seconds": now - run_start,
+                          "xent": float(xent),
                           "acc": sums[1] / sums[2], "lr": lr,
                           "frames_per_sec": sums[2] / elapsed,
                           "comm_fraction": min(1.0, sums[3] / comm.size / elapsed),
@@ -702,7 +705,10 @@ class Trainer:
         with self._agreed_model(average=not final):
             res = self.evaluate()
             if res:
-                self.log.write("eval", step=self.step, frames=self.frames_seen, **res)
+                seconds = {} if self._run_start is None else {
+                    "seconds": self.comm.wtime() - self._run_start}
+                self.log.write("eval", step=self.step, frames=self.frames_seen, **res,
+                               **seconds)
                 self._keep_best(res)
                 self.log.say(f"held-out at step {self.step}: xent {res['dev_xent']:.4f} "
                              f"acc {res['dev_acc']:.4f} ({res['dev_frames']} frames)"

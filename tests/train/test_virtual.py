@@ -143,3 +143,21 @@ def test_compute_model_jitter_is_seeded_and_keeps_the_mean():
     assert next(ComputeModel(step_seconds=0.01).step_times(7)) == 0.01
     with pytest.raises(ValueError, match="slowdown"):
         ComputeModel(step_seconds=0.01, slowdown={2: 0.0})
+
+
+def test_records_carry_the_simulated_training_seconds(small_corpus, tmp_path):
+    """train and eval records hold `seconds`, the communicator's clock since training
+    began: on virtual ranks the simulated one, which `plot --x seconds` draws."""
+    from mpitrain.cli import main
+    cfg = load_config(QUICKSTART, _settings(small_corpus) + ["training.eval_interval=2000"])
+    run = tmp_path / "v2"
+    train_virtual(cfg, size=2, run_dir=str(run), compute=ComputeModel(step_seconds=0.01))
+    train, evals = _records(run, "train"), _records(run, "eval")
+    assert evals and train
+    # 30 steps of 10 ms, communication free: 10 ms per step on the clock
+    for record in train:
+        assert record["seconds"] == pytest.approx(0.01 * record["step"], rel=1e-6)
+    assert [e["seconds"] for e in evals] == sorted(e["seconds"] for e in evals)
+    assert evals[-1]["seconds"] == pytest.approx(0.3, rel=1e-6)
+    assert main(["plot", str(run), "--x", "seconds", "--out", str(tmp_path / "s.png")]) == 0
+    assert (tmp_path / "s.png").stat().st_size > 1000
