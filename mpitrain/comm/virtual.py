@@ -7,9 +7,11 @@ trainer, its strategy, its optimizer), talking to the others through its own
 Scheduling (one baton).  Exactly one rank runs at a time.  It runs until it
 must wait inside the communicator (a collective that not every member has
 reached, a receive with no matching message) or until it ends; the baton
-then passes to the next runnable rank in cyclic rank order.  So everything
-happens in an order fixed by the program alone, and module-level caches
-(scratch buffers, pinned cells) are never shared by two running ranks.  If no
+then passes to the runnable rank with the earliest clock (ties: the next in
+cyclic rank order).  So everything happens in an order fixed by the program
+alone, in the order of simulated time as far as the ranks' clocks tell it,
+and module-level caches (scratch buffers, pinned cells) are never shared by
+two running ranks.  If no
 rank can run while some still wait, the job would hang under MPI; here every
 rank raises :class:`VirtualClusterError` naming what each waits for.
 
@@ -163,6 +165,9 @@ class VirtualCluster:
         self._runnable = [True] * self.size
         self._finished = [False] * self.size
         self._waiting_for = [""] * self.size
+        # a rank that polled (for a message not there yet, or not yet arrived on its
+        # clock) and let the others run: idle, nobody should wait for it
+        self._polling = [False] * self.size
         self._failure: Optional[BaseException] = None
         self._failed_rank: Optional[int] = None
         self._groups = 0
@@ -231,12 +236,17 @@ class VirtualCluster:
         self._turn = rank
         self._wake[rank].notify()
 
-    def _pass_baton(self, current: int) -> None:
-        for step in range(1, self.size + 1):
-            rank = (current + step) % self.size
-            if self._runnable[rank] and not self._finished[rank]:
-                self._give_turn(rank)
-                return
+    def _pass_baton(self, current: int, *, others_first: bool = False) -> None:
+        """The baton to the runnable rank with the earliest clock (``others_first``:
+        ``current`` only when no other rank can run)."""
+        order = [(current + step) % self.size for step in range(1, self.size + 1)]
+        ready = [r for r in order if self._runnable[r] and not self._finished[r]]
+        if others_first and len(ready) > 1:
+            ready = [r for r in ready if r != current]
+        if ready:
+            # min keeps the first of equal clocks: cyclic order breaks ties
+            self._give_turn(min(ready, key=lambda r: self.clocks[r]))
+            return
         self._turn = None
         if not all(self._finished) and self._failure is None:
             waits = "; ".join(f"rank {r}: {self._waiting_for[r]}" for r in range(self.size)
@@ -265,13 +275,24 @@ class VirtualCluster:
 
     def _yield(self, rank: int) -> None:
         """Let the other runnable ranks go first (a poll that found nothing)."""
-        self._pass_baton(rank)
-        while self._turn != rank and self._failure is None:
-            self._wake[rank].wait()
+        self._polling[rank] = True
+        try:
+            self._pass_baton(rank, others_first=True)
+            while self._turn != rank and self._failure is None:
+                self._wake[rank].wait()
+        finally:
+            self._polling[rank] = False
         self._raise_if_failed(rank)
 
     def _make_runnable(self, rank: int) -> None:
         self._runnable[rank] = True
+
+    def _runs_before(self, rank: int, arrival: float) -> bool:
+        """Whether another rank that can run is still before ``arrival`` on its clock
+        (and may yet send ``rank`` an earlier message): it should run first."""
+        return any(r != rank and self._runnable[r] and not self._finished[r]
+                   and not self._polling[r] and self.clocks[r] < arrival
+                   for r in range(self.size))
 
 
 class _VirtualRecv(Request):
@@ -595,22 +616,47 @@ class VirtualCommunicator(Communicator):
         return recvbuf
 
     def _match(self, source: int, tag: int) -> Optional[int]:
-        for index, (sent_from, sent_tag, _, _) in enumerate(self._group.mailboxes[self._rank]):
+        """The message a receive takes: from one source the oldest (MPI keeps one
+        sender's order); from any source the first to arrive on the clock."""
+        found = None
+        for index, (sent_from, sent_tag, _, arrival) in enumerate(
+                self._group.mailboxes[self._rank]):
             if source in (ANY_SOURCE, sent_from) and tag in (ANY_TAG, sent_tag):
-                return index
-        return None
+                if source != ANY_SOURCE:
+                    return index
+                if found is None or arrival < self._group.mailboxes[self._rank][found][3]:
+                    found = index
+        return found
+
+    def _deliverable(self, source: int, tag: int) -> Optional[int]:
+        """:meth:`_match`, unless the message arrives after this rank's clock and a
+        rank still earlier on its clock can run: then None, after letting it run."""
+        cluster, me = self.cluster, self._world_rank
+        index = self._match(source, tag)
+        if index is None:
+            return None
+        arrival = self._group.mailboxes[self._rank][index][3]
+        if arrival > cluster.clocks[me] and cluster._runs_before(me, arrival):
+            cluster._yield(me)
+            return None
+        return index
 
     def _take_message(self, request: _VirtualRecv, *, block: bool) -> bool:
         cluster, me = self.cluster, self._world_rank
         with cluster._lock:
             while True:
                 cluster._raise_if_failed(me)
-                index = self._match(request._source, request._tag)
-                if index is not None:
-                    break
-                if not block:
-                    cluster._yield(me)      # a poll: let the senders run
-                    return False
+                if self._match(request._source, request._tag) is None:
+                    if not block:
+                        cluster._yield(me)      # a poll: let the senders run
+                        return False
+                else:
+                    index = self._deliverable(request._source, request._tag)
+                    if index is not None:
+                        break
+                    if not block:
+                        return False
+                    continue
                 cluster._wait(me, f"recv(source={request._source}, tag={request._tag}) "
                                   f"in group {self._group.name}")
             mailbox = self._group.mailboxes[self._rank]
@@ -633,9 +679,11 @@ class VirtualCommunicator(Communicator):
         cluster = self.cluster
         with cluster._lock:
             cluster._raise_if_failed(self._world_rank)
-            index = self._match(source, tag)
-            if index is None:
+            if self._match(source, tag) is None:
                 cluster._yield(self._world_rank)
+                return None
+            index = self._deliverable(source, tag)
+            if index is None:
                 return None
             sent_from, sent_tag, _, _ = self._group.mailboxes[self._rank][index]
         return sent_from, sent_tag

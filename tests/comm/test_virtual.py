@@ -192,3 +192,54 @@ def test_clock_is_free_without_a_network_and_comm_time_resets():
     assert VirtualCluster(2).run(work) == [(1.0, 0.5, 0.0), (1.0, 0.0, 0.0)]
     with pytest.raises(ValueError):
         VirtualCluster(1).run(lambda comm: comm.advance(-1.0))
+
+
+def test_a_receive_from_any_source_takes_messages_in_order_of_arrival():
+    """Rank 1 sends at 3 and 6 ms, rank 2 at 1 and 2 ms (free network): rank 0,
+    receiving from any source, gets them in the order of the simulated clock,
+    whichever rank happened to run first."""
+    from mpitrain.comm.base import ANY_SOURCE
+
+    def work(comm):
+        if comm.rank == 0:
+            order = []
+            for _ in range(4):
+                buf = np.zeros(1)
+                source, _ = comm.recv(buf, source=ANY_SOURCE, tag=5)
+                order.append((source, round(comm.wtime(), 6)))
+            return order
+        step = 0.003 if comm.rank == 1 else 0.001
+        for _ in range(2):
+            comm.advance(step)
+            comm.send(np.full(1, comm.rank, dtype=np.float64), dest=0, tag=5)
+        return None
+
+    order = VirtualCluster(3).run(work)[0]
+    assert order == [(2, 0.001), (2, 0.002), (1, 0.003), (1, 0.006)]
+
+
+def test_a_poll_lets_ranks_earlier_on_the_clock_send_first():
+    """Rank 0 polls with iprobe; rank 1's message (sent at 5 ms) is in the mailbox
+    before rank 2, still at 0 ms, has run: the poll waits for rank 2's at 1 ms."""
+    from mpitrain.comm.base import ANY_SOURCE
+
+    def work(comm):
+        if comm.rank == 0:
+            seen = []
+            while len(seen) < 2:
+                found = comm.iprobe(ANY_SOURCE, 9)
+                if found is None:
+                    continue
+                buf = np.zeros(1)
+                comm.recv(buf, source=found[0], tag=9)
+                seen.append(found[0])
+            return seen
+        if comm.rank == 1:
+            comm.advance(0.005)
+            comm.send(np.ones(1), dest=0, tag=9)
+        else:
+            comm.advance(0.001)
+            comm.send(np.ones(1), dest=0, tag=9)
+        return None
+
+    assert VirtualCluster(3).run(work)[0] == [2, 1]
