@@ -73,6 +73,21 @@ def _with(cfg, **dotted):
     return config_from_dict(data)
 
 
+def jobs_within(cfg, ranks: int) -> dict:
+    """``parallel.num_jobs_initial/final`` capped at ``ranks``, as ``_with`` overrides:
+    a Kaldi job ramp set for the largest group still runs on the smaller ones
+    (one rank: one job).
+
+    Example::
+
+        jobs_within(cfg, 1)    # {'parallel__num_jobs_initial': 1, ...} when set above 1
+    """
+    par = cfg.parallel
+    return {f"parallel__{key}": min(value, ranks)
+            for key, value in (("num_jobs_initial", par.num_jobs_initial),
+                               ("num_jobs_final", par.num_jobs_final)) if value > ranks}
+
+
 class BenchTrainer(Trainer):
     """The trainer, timing what is not training and stopping at the target.
 
@@ -206,7 +221,8 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
     """
     steps = options.warmup_steps + options.throughput_steps
     run_cfg = _with(cfg, **scaled_rates(cfg, options, group.size),
-                    parallel__method=method, data__dev="", training__max_steps=steps,
+                    **jobs_within(cfg, group.size), parallel__method=method, data__dev="",
+                    training__max_steps=steps,
                     training__epochs=1000.0, training__log_interval=options.warmup_steps,
                     training__checkpoint_interval=0)
     trainer, _ = _run_trainer(run_cfg, group, run_dir, compute=compute)
@@ -277,7 +293,7 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
     caps = [c for c in (cfg.training.max_steps, options.max_steps,
                         math.ceil(options.max_frames / (batch * n)) if options.max_frames else 0)
             if c]
-    run_cfg = _with(cfg, **scaled_rates(cfg, options, n),
+    run_cfg = _with(cfg, **scaled_rates(cfg, options, n), **jobs_within(cfg, n),
                     parallel__method=method, training__eval_interval=interval,
                     training__max_steps=min(caps) if caps else 0,
                     training__checkpoint_interval=0)
@@ -337,8 +353,8 @@ def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str
 def sync_period(cfg, group, method: str) -> int:
     """Steps between the method's synchronisations under ``cfg`` (1: every step)."""
     # building a strategy communicates nothing; only its period is needed here
-    return int(build_strategy(_with(cfg, parallel__method=method), group,
-                              total_steps=1).sync_period)
+    run_cfg = _with(cfg, parallel__method=method, **jobs_within(cfg, group.size))
+    return int(build_strategy(run_cfg, group, total_steps=1).sync_period)
 
 
 def steps_per_epoch_one_rank(cfg) -> int:

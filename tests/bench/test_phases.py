@@ -6,6 +6,8 @@ import pytest
 from mpitrain.bench.options import default_sizes
 from mpitrain.bench.phases import eval_interval_per_rank, first_crossing, throughput_from_records
 
+from ..helpers import QUICKSTART
+
 
 def test_first_crossing_interpolates_linearly():
     points = [{"frames": 1000, "seconds": 2.0, "dev_acc": 0.30, "step": 4},
@@ -47,3 +49,14 @@ def test_eval_interval_and_sizes():
     assert eval_interval_per_rank(1, ranks=4, minibatch=128, sync_period=1) == 128
     assert default_sizes(1) == (1,) and default_sizes(4) == (1, 2, 4)
     assert default_sizes(6) == (1, 2, 4, 6)
+
+
+def test_a_kaldi_job_ramp_is_capped_at_each_group_size():
+    from mpitrain.bench.phases import jobs_within
+    from mpitrain.config import load_config
+    cfg = load_config(QUICKSTART, ["parallel.num_jobs_initial=4", "parallel.num_jobs_final=16"])
+    assert jobs_within(cfg, 1) == {"parallel__num_jobs_initial": 1,
+                                   "parallel__num_jobs_final": 1}
+    assert jobs_within(cfg, 8) == {"parallel__num_jobs_final": 8}
+    assert jobs_within(cfg, 16) == {}
+    assert jobs_within(load_config(QUICKSTART), 1) == {}       # 0: all ranks, left alone
