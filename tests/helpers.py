@@ -30,6 +30,18 @@ def train_in_process(run_dir, corpus, extra=(), resume=False):
     assert main(argv) == 0
 
 
+def train_straight_and_resumed(tmp_path, corpus, settings, *, steps, half=None):
+    """Run directories of one run trained straight through `steps` and one stopped
+    at `half` (default steps // 2) and resumed to `steps`, both in this process."""
+    half = steps // 2 if half is None else half
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    train_in_process(straight, corpus, list(settings) + [f"training.max_steps={steps}"])
+    train_in_process(split, corpus, list(settings) + [f"training.max_steps={half}"])
+    train_in_process(split, corpus, list(settings) + [f"training.max_steps={steps}"],
+                     resume=True)
+    return straight, split
+
+
 def write_run(run_dir, *, acc_at_end, steps=5):
     """A run directory with a metrics file like the trainer's: start, train, eval, end."""
     os.makedirs(run_dir, exist_ok=True)

@@ -14,7 +14,7 @@ from mpitrain.nn.model_file import load_model
 from mpitrain.nn.model_file import model_in_run_dir
 from mpitrain.train.selection import ModelSelection
 
-from ..helpers import QUICKSTART, records, train_in_process
+from ..helpers import QUICKSTART, records, train_in_process, train_straight_and_resumed
 
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2", "training.minibatch=128"]
 
@@ -178,17 +178,8 @@ def test_early_stop_ends_the_run_and_keeps_the_best(small_corpus, tmp_path):
     assert (run / "best.h5").exists() and (run / "final.h5").exists()
 
 
-def _straight_and_resumed(tmp_path, corpus, settings, steps):
-    """Run directories of one run straight through and one stopped half way and resumed."""
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    train_in_process(straight, corpus, settings + [f"training.max_steps={steps}"])
-    train_in_process(split, corpus, settings + [f"training.max_steps={steps // 2}"])
-    train_in_process(split, corpus, settings + [f"training.max_steps={steps}"], resume=True)
-    return straight, split
-
-
 def test_resume_continues_the_selection(small_corpus, tmp_path):
-    straight, split = _straight_and_resumed(tmp_path, small_corpus, TINY + [
+    straight, split = train_straight_and_resumed(tmp_path, small_corpus, TINY + [
         "training.eval_interval=1500", "training.checkpoint_interval=20",
         "training.log_interval=20"], steps=80)
     a, _ = load_model(straight / "best.h5")
@@ -208,8 +199,9 @@ def test_resume_continues_the_selection(small_corpus, tmp_path):
 def test_regularized_resume_is_bit_exact(small_corpus, tmp_path, regularization):
     """Dropout masks come from the step, not from a generator's state: a resumed run
     draws the masks the uninterrupted one drew."""
-    straight, split = _straight_and_resumed(tmp_path, small_corpus, TINY + regularization + [
-        "training.checkpoint_interval=25", "training.log_interval=25"], steps=100)
+    settings = TINY + regularization + ["training.checkpoint_interval=25",
+                                        "training.log_interval=25"]
+    straight, split = train_straight_and_resumed(tmp_path, small_corpus, settings, steps=100)
     a, _ = load_model(straight / "final.h5")
     b, _ = load_model(split / "final.h5")
     assert np.array_equal(a.params, b.params)

@@ -14,7 +14,6 @@ the accuracy tests, and the corpus (``small_corpus``, tests/conftest.py) is
 about 0.15 h of synthetic speech.
 """
 
-import json
 import math
 import os
 import shutil
@@ -32,32 +31,11 @@ from mpitrain.testing import standin_cupy
 from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
 from mpitrain.train.step import TrainingStep
 
-from ..helpers import QUICKSTART, WORKERS, train_in_process
+from ..helpers import (QUICKSTART, WORKERS, mpi_output, records, train_in_process,
+                       train_on_ranks, train_straight_and_resumed)
 
 # a tiny model for the runs that only have to finish (or fail) correctly
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
-
-
-def _output(result):
-    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
-
-
-def _records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if r["type"] == kind]
-
-
-def _train_on_ranks(nranks, run_dir, corpus, settings=(), *, resume=False, timeout=120):
-    """`mpiexec -n nranks python -m mpitrain train quickstart.yaml --set ...`."""
-    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
-              "data.chunk_frames": 20000, "training.log_interval": 50}
-    values.update(item.split("=", 1) for item in settings)
-    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run_dir)]
-    for key, value in values.items():
-        args += ["--set", f"{key}={value}"]
-    if resume:
-        args.append("--resume")
-    return run_mpi(nranks, args, timeout=timeout)
 
 
 # ------------------------------------------------------------------ one rank
@@ -126,12 +104,12 @@ def test_quickstart_learns_far_above_majority_baseline(small_corpus, tmp_path):
     dev = load_manifest(os.path.join(small_corpus, "dev"))
     counts = np.array(dev.class_counts)
     majority = counts.max() / counts.sum()          # about 0.03 on this corpus
-    final = _records(run, "eval")[-1]
+    final = records(run, "eval")[-1]
     # 120 classes: chance is 0.008, the majority class about 0.03
     assert majority < 0.06
     assert final["dev_acc"] > 0.45, final
     assert final["dev_acc"] > majority + 0.40
-    evals = _records(run, "eval")
+    evals = records(run, "eval")
     assert evals[-1]["dev_xent"] < evals[0]["dev_xent"]
     # the final model, read back, scores the same held-out accuracy
     assert main(["eval", str(run / "final.h5"), os.path.join(small_corpus, "dev")]) == 0
@@ -147,15 +125,12 @@ def test_resume_is_bit_exact(small_corpus, tmp_path, optimizer, steps):
     common = ["training.checkpoint_interval=10", "model.hidden_dim=64", "model.hidden_layers=2",
               "training.epochs=1"] + optimizer
     half = steps // 2
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    train_in_process(straight, small_corpus, common + [f"training.max_steps={steps}"])
-    train_in_process(split, small_corpus, common + [f"training.max_steps={half}"])
-    train_in_process(split, small_corpus, common + [f"training.max_steps={steps}"], resume=True)
+    straight, split = train_straight_and_resumed(tmp_path, small_corpus, common, steps=steps)
     a, _ = load_model(straight / "final.h5")
     b, _ = load_model(split / "final.h5")
     assert np.array_equal(a.params, b.params)
     # and the second run really continued from the midpoint rather than starting over
-    assert [r["step"] for r in _records(split, "start")] == [0, half]
+    assert [r["step"] for r in records(split, "start")] == [0, half]
 
 
 # ------------------------------------------------------- several ranks: corpora
@@ -224,19 +199,19 @@ def test_uneven_shards_finish_without_hanging(uneven_corpus, tmp_path, nranks):
     epochs = 2
     run = tmp_path / "run"
     try:
-        result = _train_on_ranks(nranks, run, uneven_corpus, TINY + [
+        result = train_on_ranks(nranks, run, uneven_corpus, TINY + [
             "training.epochs=2", "parallel.average_every=4", "training.log_interval=4",
             "training.eval_interval=1024", "training.checkpoint_interval=4"], timeout=150)
     except MpiTimeoutError as exc:
         pytest.fail(f"training on uneven shards hung: {exc}")
-    assert result.returncode == 0, _output(result)
-    end = _records(run, "end")[-1]
+    assert result.returncode == 0, mpi_output(result)
+    end = records(run, "end")[-1]
     # every rank takes as many steps as the rank with the least data ...
     assert end["steps"] == epochs * min(per_rank), (end, per_rank)
     assert end["frames"] == end["steps"] * 256 * nranks
     # ... and cutting shards into utterance ranges keeps that from wasting most of the data
     assert end["frames"] >= 0.85 * epochs * manifest.num_frames, (end, manifest.num_frames)
-    assert len(_records(run, "eval")) >= 2
+    assert len(records(run, "eval")) >= 2
     assert (run / "final.h5").exists()
 
 
@@ -255,10 +230,10 @@ def _rank_one_shards(train_dir, nranks=2):
 
 
 def _assert_quick_failure(result, elapsed, timeout, *texts):
-    assert result.returncode != 0, _output(result)
+    assert result.returncode != 0, mpi_output(result)
     text = result.stdout + result.stderr
     for expected in texts:
-        assert expected in text, _output(result)
+        assert expected in text, mpi_output(result)
     assert elapsed < timeout / 3, f"the failing job took {elapsed:.1f} s to end"
 
 
@@ -272,12 +247,12 @@ def test_unreadable_shard_on_one_rank_ends_the_job(small_corpus, tmp_path):
     os.truncate(bad, os.path.getsize(bad) // 2)
     timeout, start = 90, time.monotonic()
     try:
-        result = _train_on_ranks(2, tmp_path / "run", str(data), TINY, timeout=timeout)
+        result = train_on_ranks(2, tmp_path / "run", str(data), TINY, timeout=timeout)
     except MpiTimeoutError as exc:
         pytest.fail(f"the job hung instead of aborting: {exc}")
     _assert_quick_failure(result, time.monotonic() - start, timeout,
                           "mpitrain train: error:", os.path.basename(bad), "cannot open as HDF5")
-    assert result.stderr.count("\n") == 1, _output(result)       # one line, from rank 0
+    assert result.stderr.count("\n") == 1, mpi_output(result)       # one line, from rank 0
     assert not (tmp_path / "run").exists()                       # nothing was written
 
 
@@ -304,7 +279,7 @@ def test_shard_going_bad_mid_training_ends_the_job(small_corpus, tmp_path):
                           "truncated its shards after 3 minibatches",
                           "rank 1: error:", "cannot open as HDF5")
     # it got into training before failing, and never finished
-    assert [r["step"] for r in _records(run, "train")][:1] == [2], _output(result)
+    assert [r["step"] for r in records(run, "train")][:1] == [2], mpi_output(result)
     assert not (run / "final.h5").exists()
 
 
@@ -315,19 +290,19 @@ def test_shard_going_bad_mid_training_ends_the_job(small_corpus, tmp_path):
 def test_quickstart_on_two_ranks_learns(small_corpus, tmp_path):
     from mpitrain.data.corpus import load_manifest
     run = tmp_path / "run"
-    result = _train_on_ranks(2, run, small_corpus, ["training.epochs=2"], timeout=240)
-    assert result.returncode == 0, _output(result)
+    result = train_on_ranks(2, run, small_corpus, ["training.epochs=2"], timeout=240)
+    assert result.returncode == 0, mpi_output(result)
     dev = load_manifest(os.path.join(small_corpus, "dev"))
     counts = np.array(dev.class_counts)
     majority = counts.max() / counts.sum()
-    evals = _records(run, "eval")
+    evals = records(run, "eval")
     final = evals[-1]
     # the bar of test_quickstart_learns_far_above_majority_baseline
     assert final["dev_acc"] > 0.45, final
     assert final["dev_acc"] > majority + 0.40, (final, majority)
     assert evals[-1]["dev_xent"] < evals[0]["dev_xent"]
     assert final["dev_frames"] == dev.num_frames         # both ranks' halves counted
-    assert _records(run, "start")[0]["ranks"] == 2
+    assert records(run, "start")[0]["ranks"] == 2
 
 
 def kaldi_frames(steps, planned_steps, every, jobs_initial, jobs_final, minibatch):
@@ -352,14 +327,14 @@ def test_every_method_trains_two_ranks_to_the_end(small_corpus, tmp_path, method
     from mpitrain.train.checkpoint import list_checkpoints, load_checkpoint
     run = tmp_path / "run"
     steps = 24
-    result = _train_on_ranks(2, run, small_corpus, TINY + extra + [
+    result = train_on_ranks(2, run, small_corpus, TINY + extra + [
         f"parallel.method={method}", "parallel.average_every=4", "parallel.num_jobs_initial=1",
         f"training.max_steps={steps}", "training.log_interval=4",
         "training.checkpoint_interval=8"])
-    assert result.returncode == 0, _output(result)
-    start = _records(run, "start")[0]
+    assert result.returncode == 0, mpi_output(result)
+    start = records(run, "start")[0]
     assert start["strategy"] == method and start["ranks"] == 2
-    end = _records(run, "end")[-1]
+    end = records(run, "end")[-1]
     assert end["steps"] == steps
     if method == "kaldi":       # one job for the first iterations, then two
         planned = start["planned_steps"]
@@ -367,7 +342,7 @@ def test_every_method_trains_two_ranks_to_the_end(small_corpus, tmp_path, method
         assert end["frames"] == kaldi_frames(steps, planned, 4, 1, 2, 256) < steps * 2 * 256
     else:
         assert end["frames"] == steps * 2 * 256
-    train = _records(run, "train")
+    train = records(run, "train")
     assert train[-1]["xent"] < train[0]["xent"], train
     net, _ = load_model(run / "final.h5")
     assert np.isfinite(net.params).all()
@@ -389,14 +364,14 @@ def test_resume_on_two_ranks_is_bit_exact(small_corpus, tmp_path, method):
     for run_dir, extra, resume in ((straight, ["training.max_steps=64"], False),
                                    (split, ["training.max_steps=32"], False),
                                    (split, ["training.max_steps=64"], True)):
-        result = _train_on_ranks(2, run_dir, small_corpus, common + extra, resume=resume)
-        assert result.returncode == 0, _output(result)
+        result = train_on_ranks(2, run_dir, small_corpus, common + extra, resume=resume)
+        assert result.returncode == 0, mpi_output(result)
     from mpitrain.nn.model_file import load_model
     a, _ = load_model(straight / "final.h5")
     b, _ = load_model(split / "final.h5")
-    assert [r["step"] for r in _records(split, "start")] == [0, 32]
+    assert [r["step"] for r in records(split, "start")] == [0, 32]
     assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
     # the logged training loss after the resume point matches too (both ranks' data)
-    after = [r["xent"] for r in _records(straight, "train") if r["step"] > 32]
-    resumed = [r["xent"] for r in _records(split, "train") if r["step"] > 32]
+    after = [r["xent"] for r in records(straight, "train") if r["step"] > 32]
+    resumed = [r["xent"] for r in records(split, "train") if r["step"] > 32]
     assert after == resumed

@@ -2,8 +2,6 @@
 ``--resume`` continues bit-exactly, config mistakes are one line naming the key, newbob
 stops the run on its own, and each schedule learns far above chance (slow)."""
 
-import json
-import os
 
 import numpy as np
 import pytest
@@ -11,7 +9,7 @@ import pytest
 from mpitrain.config import ConfigError, load_config
 from mpitrain.nn.model_file import load_model
 
-from ..helpers import QUICKSTART, train_in_process
+from ..helpers import QUICKSTART, records, train_in_process, train_straight_and_resumed
 
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2", "training.minibatch=128"]
 
@@ -28,11 +26,6 @@ SCHEDULES = {
 }
 
 
-def _records(run_dir, kind):
-    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
-        return [r for r in map(json.loads, fh) if r["type"] == kind]
-
-
 @pytest.mark.parametrize("schedule", [
     "adapt", "hand", "search",
     pytest.param("newbob", marks=pytest.mark.slow),     # 150 steps of 1024 frames, 3 runs
@@ -41,36 +34,34 @@ def test_resume_is_bit_exact(small_corpus, tmp_path, schedule):
     common = TINY + SCHEDULES[schedule] + ["training.checkpoint_interval=25",
                                            "training.log_interval=25"]
     steps, half = (150, 75) if schedule == "newbob" else (100, 50)
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    train_in_process(straight, small_corpus, common + [f"training.max_steps={steps}"])
-    train_in_process(split, small_corpus, common + [f"training.max_steps={half}"])
-    train_in_process(split, small_corpus, common + [f"training.max_steps={steps}"], resume=True)
+    straight, split = train_straight_and_resumed(tmp_path, small_corpus, common, steps=steps,
+                                                 half=half)
     a, _ = load_model(straight / "final.h5")
     b, _ = load_model(split / "final.h5")
-    assert [r["step"] for r in _records(split, "start")] == [0, half]
+    assert [r["step"] for r in records(split, "start")] == [0, half]
     if schedule == "newbob":
-        per_epoch = _records(straight, "start")[0]["planned_steps"] // 10
-        decided = [(d["step"], d["rate"]) for d in _records(straight, "schedule")]
+        per_epoch = records(straight, "start")[0]["planned_steps"] // 10
+        decided = [(d["step"], d["rate"]) for d in records(straight, "schedule")]
         assert decided == [(per_epoch * (e + 1), 0.004 / 2 ** e) for e in range(len(decided))]
         assert len(decided) == 2 and decided[0][0] < half < decided[1][0]
-        assert decided[1:] == [(d["step"], d["rate"]) for d in _records(split, "schedule")
+        assert decided[1:] == [(d["step"], d["rate"]) for d in records(split, "schedule")
                                if d["step"] > half]
     assert np.array_equal(a.params, b.params)
-    after = [(r["step"], r["lr"], r["xent"]) for r in _records(straight, "train")
+    after = [(r["step"], r["lr"], r["xent"]) for r in records(straight, "train")
              if r["step"] > half]
-    assert after == [(r["step"], r["lr"], r["xent"]) for r in _records(split, "train")
+    assert after == [(r["step"], r["lr"], r["xent"]) for r in records(split, "train")
                      if r["step"] > half]
     if schedule == "search":
-        assert len(_records(straight, "search")) >= 3
-        assert [r["chosen"] for r in _records(straight, "search") if r["step"] >= half] == \
-            [r["chosen"] for r in _records(split, "search") if r["step"] >= half]
+        assert len(records(straight, "search")) >= 3
+        assert [r["chosen"] for r in records(straight, "search") if r["step"] >= half] == \
+            [r["chosen"] for r in records(split, "search") if r["step"] >= half]
 
 
 def test_hand_logs_the_rate_r0_times_f_to_the_n(small_corpus, tmp_path):
     train_in_process(tmp_path / "run", small_corpus, TINY + SCHEDULES["hand"] + [
         "optimizer.initial_learning_rate=0.004", "training.max_steps=40",
         "training.log_interval=10", "training.checkpoint_interval=0"])
-    for record in _records(tmp_path / "run", "train"):
+    for record in records(tmp_path / "run", "train"):
         # the logged rate is that of the window's last step, step - 1
         assert record["lr"] == pytest.approx(0.004 * 0.99 ** (record["step"] - 1), rel=1e-12)
 
@@ -83,11 +74,11 @@ def test_newbob_halves_and_stops_the_run(small_corpus, tmp_path):
         "optimizer.schedule=newbob", "optimizer.newbob_start_halving=1.0",
         "optimizer.newbob_stop=0.5", "training.epochs=20", "training.log_interval=50",
         "training.checkpoint_interval=0", "optimizer.initial_learning_rate=0.004"])
-    decisions = _records(run, "schedule")
+    decisions = records(run, "schedule")
     assert [d["rate"] for d in decisions] == [0.004, 0.002, 0.002]
     assert [d["stopped"] for d in decisions] == [False, False, True]
-    end = _records(run, "end")[0]
-    per_epoch = _records(run, "start")[0]["planned_steps"] // 20
+    end = records(run, "end")[0]
+    per_epoch = records(run, "start")[0]["planned_steps"] // 20
     assert end["steps"] == 3 * per_epoch
 
 
@@ -126,5 +117,5 @@ def test_each_schedule_learns_far_above_chance(small_corpus, tmp_path, schedule,
     train_in_process(run, small_corpus, [
         "model.hidden_dim=128", "model.hidden_layers=2", f"optimizer.schedule={schedule}",
         "training.epochs=2", "training.checkpoint_interval=0"] + settings)
-    final = _records(run, "eval")[-1]
+    final = records(run, "eval")[-1]
     assert final["dev_acc"] > 0.30, final            # 120 classes: chance is 0.008
