@@ -194,6 +194,9 @@ class ParallelConfig:
                               "each step from training.seed")
     delay_by_one: bool = _opt(False, help="adpsgd: exchange the weights while the step "
                                           "runs; the mix is added when it arrives")
+    asynchronous: bool = _opt(False, help="adpsgd: each rank steps at its own pace and "
+                                          "mixes without waiting (active/passive pairs); "
+                                          "false: lock-step pairs, deterministic")
     average_eta: float = _opt(0.01, min=0.0, max=1.0, min_exclusive=True,
                               help="param_server: weight of the newest model in the "
                                    "server's running average, until the uniform average "
@@ -381,9 +384,31 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}parallel.straggler_policy: {cfg.parallel.straggler_policy}"
                           f" works with parallel.method model_averaging, not "
                           f"{cfg.parallel.method}")
+    if cfg.parallel.asynchronous:
+        _check_asynchronous_adpsgd(cfg, where)
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
         raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
                           "set data.dev")
+
+
+def _check_asynchronous_adpsgd(cfg: RunConfig, where: str) -> None:
+    """What asynchronous ADPSGD cannot do: its ranks never share a step count."""
+    par = cfg.parallel
+    if par.method != "adpsgd":
+        raise ConfigError(f"{where}parallel.asynchronous: works with parallel.method adpsgd, "
+                          f"not {par.method}")
+    if par.delay_by_one:
+        raise ConfigError(f"{where}parallel.delay_by_one: the delay-by-one ring is lock-step;"
+                          " set parallel.asynchronous: false or delay_by_one: false")
+    if cfg.optimizer.schedule in ("search", "newbob"):
+        raise ConfigError(f"{where}optimizer.schedule: {cfg.optimizer.schedule} needs every "
+                          "rank at the same step; not available with parallel.asynchronous")
+    if cfg.training.combine:
+        raise ConfigError(f"{where}training.combine: not available with "
+                          "parallel.asynchronous (its ranks take no common steps)")
+    if cfg.training.early_stop.patience:
+        raise ConfigError(f"{where}training.early_stop.patience: not available with "
+                          "parallel.asynchronous (rank 0 evaluates its own model alone)")
 
 
 def parse_overrides(overrides) -> dict:

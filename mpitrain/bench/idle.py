@@ -17,7 +17,6 @@ Example::
 
 from __future__ import annotations
 
-import time
 from typing import Iterable
 
 import numpy as np
@@ -33,7 +32,7 @@ def wait_idle(comm, *, source: int = 0, poll_seconds: float = POLL_SECONDS) -> N
     token = np.zeros(1, dtype=np.int32)
     request = comm.irecv(token, source=source, tag=IDLE_TAG)
     while not request.test():
-        time.sleep(poll_seconds)
+        comm.idle(poll_seconds)
 
 
 def release_idle(comm, ranks: Iterable[int]) -> None:

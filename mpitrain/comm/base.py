@@ -28,6 +28,8 @@ REDUCE_OPS = ("mean", "sum", "max", "min")
 #: Wildcards for ``recv``/``irecv``/``probe`` (translated to MPI's own values).
 ANY_SOURCE = -1
 ANY_TAG = -1
+#: Seconds a polling loop sleeps when nothing came (:meth:`Communicator.idle`).
+IDLE_SECONDS = 0.0002
 
 #: Device transports named by ``Communicator.transport``; "local": device
 #: buffers on a single rank, which never leave the GPU.
@@ -359,6 +361,13 @@ class Communicator(ABC):
     @abstractmethod
     def iprobe(self, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> Optional[tuple]:
         """``(source, tag)`` of a pending message, or None when none is waiting."""
+
+    def idle(self, seconds: float = IDLE_SECONDS) -> None:
+        """Nothing to do until a message comes (a polling loop's pause): here a sleep
+        of ``seconds`` that leaves a shared core to the other ranks; on virtual
+        ranks, until the next message for this rank arrives on the simulated clock
+        (a loop that polls without calling this would spin there forever)."""
+        time.sleep(seconds)
 
     def waitall(self, requests: Iterable[Request]) -> None:
         """Wait for every request (in order; each completion step runs once)."""

@@ -428,8 +428,10 @@ class VirtualCommunicator(Communicator):
             rv.payloads[me] = payload
             rv.arrivals[me] = cluster.clocks[self._world_rank]
             if len(rv.payloads) < group.size:
-                cluster._wait(self._world_rank, f"{kind} (collective #{index} of group "
-                                                f"{group.name})")
+                # a message sent to this rank meanwhile wakes it too: wait on
+                while rv.results is None:
+                    cluster._wait(self._world_rank, f"{kind} (collective #{index} of "
+                                                    f"group {group.name})")
             else:
                 del group.open[index]
                 rv.results, cost = finish([rv.payloads[m] for m in range(group.size)])
@@ -628,17 +630,23 @@ class VirtualCommunicator(Communicator):
                     found = index
         return found
 
-    def _deliverable(self, source: int, tag: int) -> Optional[int]:
-        """:meth:`_match`, unless the message arrives after this rank's clock and a
-        rank still earlier on its clock can run: then None, after letting it run."""
+    def _deliverable(self, source: int, tag: int, *, block: bool) -> Optional[int]:
+        """:meth:`_match`, unless the message arrives after this rank's clock: then
+        None, after letting any rank still earlier on its clock run.  A blocking
+        receive takes a later message when nobody else can run before it (the rank
+        waits until it arrives); a poll (``block`` False) never sees a message
+        before its arrival: the rank goes on with its own work meanwhile."""
         cluster, me = self.cluster, self._world_rank
         index = self._match(source, tag)
         if index is None:
             return None
         arrival = self._group.mailboxes[self._rank][index][3]
-        if arrival > cluster.clocks[me] and cluster._runs_before(me, arrival):
-            cluster._yield(me)
-            return None
+        if arrival > cluster.clocks[me]:
+            if cluster._runs_before(me, arrival):
+                cluster._yield(me)
+                return None
+            if not block:
+                return None
         return index
 
     def _take_message(self, request: _VirtualRecv, *, block: bool) -> bool:
@@ -651,7 +659,7 @@ class VirtualCommunicator(Communicator):
                         cluster._yield(me)      # a poll: let the senders run
                         return False
                 else:
-                    index = self._deliverable(request._source, request._tag)
+                    index = self._deliverable(request._source, request._tag, block=block)
                     if index is not None:
                         break
                     if not block:
@@ -682,8 +690,31 @@ class VirtualCommunicator(Communicator):
             if self._match(source, tag) is None:
                 cluster._yield(self._world_rank)
                 return None
-            index = self._deliverable(source, tag)
+            index = self._deliverable(source, tag, block=False)
             if index is None:
                 return None
             sent_from, sent_tag, _, _ = self._group.mailboxes[self._rank][index]
         return sent_from, sent_tag
+
+    def idle(self, seconds: float = 0.0) -> None:
+        """Nothing to do until a message comes: the rank sleeps until the first
+        message in its mailbox arrives on the simulated clock (after every rank
+        still earlier has run), or until a message is sent to it."""
+        cluster, me = self.cluster, self._world_rank
+        with cluster._lock:
+            while True:
+                cluster._raise_if_failed(me)
+                mailbox = self._group.mailboxes[self._rank]
+                if not mailbox:
+                    cluster._wait(me, f"a message (idle) in group {self._group.name}")
+                    continue
+                arrival = min(entry[3] for entry in mailbox)
+                now = cluster.clocks[me]
+                if arrival <= now:
+                    return
+                if cluster._runs_before(me, arrival):
+                    cluster._yield(me)
+                    continue
+                cluster.comm_seconds[me] += arrival - now
+                cluster.clocks[me] = arrival
+                return

@@ -54,7 +54,8 @@ _RING_STREAM = 0x41D
 
 
 def build(cfg, comm, *, total_steps: int = 0):
-    """The strategy for ``parallel.method: adpsgd``."""
+    """The strategy for ``parallel.method: adpsgd`` (lock-step; the asynchronous
+    form, ``parallel.asynchronous``, is :mod:`.async_adpsgd`'s)."""
     par = cfg.parallel
     return RingMixing(comm, topology=par.topology, delay_by_one=par.delay_by_one,
                       seed=cfg.training.seed)
@@ -234,16 +235,8 @@ class RingMixing(Strategy):
         return {"params": to_host(local).copy()}
 
     def load_rank_state_dict(self, state: dict) -> None:
-        params = state.get("params") if isinstance(state, dict) else None
-        if params is None:
-            return
-        params = np.asarray(params)
-        if params.shape != self.net.params.shape or params.dtype.kind != "f":
-            raise ValueError(f"checkpoint rank state 'strategy/params' has shape "
-                             f"{params.shape} and dtype {params.dtype}; expected "
-                             f"{self.net.params.shape} floats like the model's parameters")
-        self.net.params[...] = self.net.xp.asarray(params)
-        self._restart_exchange()
+        if restore_own_model(self.net, state):
+            self._restart_exchange()
 
     def _restart_exchange(self) -> None:
         """The exchange that was in flight at the checkpoint, started again from the
@@ -251,3 +244,23 @@ class RingMixing(Strategy):
         self._drain()
         self._final_local = None
         self._start_exchange(self.iteration + 1)
+
+
+def restore_own_model(net, state) -> bool:
+    """Put a rank's own model from its checkpointed strategy state (``params``) into
+    ``net``; False when the state holds none.  A wrong shape or type raises.
+
+    Example::
+
+        restore_own_model(net, {"params": saved})      # True
+    """
+    params = state.get("params") if isinstance(state, dict) else None
+    if params is None:
+        return False
+    params = np.asarray(params)
+    if params.shape != net.params.shape or params.dtype.kind != "f":
+        raise ValueError(f"checkpoint rank state 'strategy/params' has shape "
+                         f"{params.shape} and dtype {params.dtype}; expected "
+                         f"{net.params.shape} floats like the model's parameters")
+    net.params[...] = net.xp.asarray(params)
+    return True

@@ -41,7 +41,6 @@ Symbols in the code: theta is ``net.params`` on the server, theta_bar is
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,9 +54,6 @@ GRADIENT, LAST, DONE = 1, 2, 3
 HEADER_SIZE = 5
 #: Average modes.
 EXPONENTIAL, UNIFORM = "exponential", "uniform"
-# Seconds the server sleeps when no push is waiting, so that on a shared core it
-# leaves the CPU to the clients instead of spinning.
-_IDLE_SLEEP = 0.0002
 
 
 def build(cfg, comm, *, total_steps: int = 0):
@@ -239,7 +235,7 @@ class ParameterServer(Strategy):
             found = comm.iprobe(tag=HEADER_TAG)
             if found is not None:
                 break
-            time.sleep(_IDLE_SLEEP)
+            comm.idle()     # on a shared core, leaves the CPU to the clients
         source = found[0]
         comm.recv(self._header, source, tag=HEADER_TAG)
         kind, loss_sum, correct, frames, position = (float(x) for x in self._header)

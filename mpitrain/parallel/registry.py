@@ -32,6 +32,13 @@ METHODS = {
 ASYNCHRONOUS_METHODS = ("param_server",)
 
 
+def takes_own_steps(cfg) -> bool:
+    """Whether the ranks take their own numbers of steps: the asynchronous methods,
+    and ADPSGD with ``parallel.asynchronous``."""
+    par = cfg.parallel
+    return par.method in ASYNCHRONOUS_METHODS or (par.method == "adpsgd" and par.asynchronous)
+
+
 def build_strategy(cfg, comm, *, total_steps: int = 0):
     """The strategy named by ``cfg.parallel.method``, over ``comm``, with this rank's
     ``parallel.straggler`` slowdown attached (``strategy.straggler``, None if none)."""
@@ -40,6 +47,8 @@ def build_strategy(cfg, comm, *, total_steps: int = 0):
     except KeyError:
         raise ValueError(f"parallel.method: unknown method {cfg.parallel.method!r}; "
                          f"expected one of {', '.join(METHODS)}") from None
+    if module == "adpsgd" and cfg.parallel.asynchronous:
+        module = "async_adpsgd"         # the papers' asynchronous form
     strategy = importlib.import_module(f"{__package__}.{module}").build(
         cfg, comm, total_steps=total_steps)
     from .straggler import build_straggler

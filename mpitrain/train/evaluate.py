@@ -62,3 +62,27 @@ def evaluate_chunks(net, chunks) -> tuple:
             frames += len(idx)
     total, correct = backend.to_host(sums)
     return float(total), int(round(correct)), frames
+
+
+class WholeHeldOut:
+    """The whole held-out set, scored by one rank alone while the others train (an
+    asynchronous method's rank 0); its chunks are read at the first score.
+
+    Example::
+
+        held_out = WholeHeldOut(dev_manifest, max_frames=0)
+        xent, acc, frames = held_out.score(net)
+    """
+
+    def __init__(self, manifest, *, max_frames: int = 0):
+        self.manifest, self.max_frames = manifest, int(max_frames)
+        self._chunks = None
+
+    def score(self, net) -> tuple:
+        """(cross-entropy per frame, frame accuracy, frames) of ``net``'s parameters."""
+        if self._chunks is None:
+            self._chunks = load_eval_chunks(self.manifest, net, rank=0, size=1,
+                                            max_frames=self.max_frames)
+        total, correct, frames = evaluate_chunks(net, self._chunks)
+        frames = max(frames, 1)
+        return total / frames, correct / frames, frames

@@ -36,7 +36,7 @@ from ..parallel.param_server import DONE, LAST, UNIFORM
 from ..parallel.registry import data_share
 from .checkpoint import checkpoint_path, save_checkpoint
 from .divergence import ROLL_BACK, Diverged
-from .evaluate import evaluate_chunks, load_eval_chunks
+from .evaluate import WholeHeldOut
 from .metrics import format_duration, resident_mb
 
 
@@ -234,11 +234,8 @@ class Server:
         """(cross-entropy per frame, accuracy, frames) of the network's parameters."""
         t = self.t
         if self._dev is None:
-            self._dev = load_eval_chunks(t.dev_manifest, t.net, rank=0, size=1,
-                                         max_frames=t.cfg.training.eval_max_frames)
-        total, correct, frames = evaluate_chunks(t.net, self._dev)
-        frames = max(frames, 1)
-        return total / frames, correct / frames, frames
+            self._dev = WholeHeldOut(t.dev_manifest, max_frames=t.cfg.training.eval_max_frames)
+        return self._dev.score(t.net)
 
     def evaluate(self) -> dict:
         """Both models while the average is exponential; the average from then on.

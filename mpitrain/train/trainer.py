@@ -27,7 +27,7 @@ from ..nn.dropout import DropoutMasks, DropoutSchedule
 from ..nn.model_file import save_model
 from ..nn.network import build_network
 from ..optim.factory import build_optimizer, build_schedule
-from ..parallel.registry import ASYNCHRONOUS_METHODS, build_strategy, data_share
+from ..parallel.registry import build_strategy, data_share, takes_own_steps
 from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint,
                          save_checkpoint)
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
@@ -230,22 +230,30 @@ class Trainer:
         self.total_steps = max(total, 1)
         self.planned_steps = max(int(round(cfg.training.epochs * steps)), 1)
 
-    # -- asynchronous methods (param_server): each rank takes its own steps ------------
+    # -- asynchronous methods: each rank takes its own steps ---------------------------
     def _takes_own_steps(self) -> bool:
-        return self.cfg.parallel.method in ASYNCHRONOUS_METHODS
+        return takes_own_steps(self.cfg)
 
     def _build_own_steps_data(self, chunks, share, local_steps: int) -> None:
-        """Each client reads its own minibatches (its own count); the server reads none."""
+        """Each rank reads its own minibatches (its own count); a parameter server
+        reads none."""
         from .serving import plan_own_steps
         cfg = self.cfg
+        self.budget = 0         # asynchronous ADPSGD: the steps of all ranks together
         self.stream = MinibatchStream(
             self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,
             rank=share or 0, cmvn=(backend.to_host(self.net.cmvn_mean),
                                    backend.to_host(self.net.cmvn_scale)),
             xp=self.xp, steps_per_epoch=local_steps, prefetch=cfg.data.prefetch)
         try:
-            self.steps_per_epoch, self.total_steps, self.planned_steps = plan_own_steps(
-                cfg, self.comm, local_steps)
+            if cfg.parallel.method == "adpsgd":
+                from .async_ring import plan_ring_steps
+                self.steps_per_epoch, self.budget, self.planned_steps = plan_ring_steps(
+                    cfg, self.comm, local_steps)
+                self.total_steps = max(self.budget // self.comm.size, 1)
+            else:
+                self.steps_per_epoch, self.total_steps, self.planned_steps = plan_own_steps(
+                    cfg, self.comm, local_steps)
         except ValueError as exc:
             raise TrainingError(f"{self.manifest.directory}: {exc}", agreed=True) from None
 
@@ -554,6 +562,10 @@ class Trainer:
             if eval_every else None
         ck = cfg.training.checkpoint_interval
         next_checkpoint = (self.step // ck + 1) * ck if ck else 0
+        if self._takes_own_steps() and self.cfg.parallel.method == "adpsgd":
+            # asynchronous ADPSGD: each rank at its own pace until rank 0 calls the end
+            from .async_ring import train_at_own_pace
+            return train_at_own_pace(self, run_start)
         if self._takes_own_steps():
             # param_server: the ranks serve or train on their own until all are done
             from .serving import train_asynchronously

@@ -229,6 +229,7 @@ def test_a_poll_lets_ranks_earlier_on_the_clock_send_first():
             while len(seen) < 2:
                 found = comm.iprobe(ANY_SOURCE, 9)
                 if found is None:
+                    comm.idle()
                     continue
                 buf = np.zeros(1)
                 comm.recv(buf, source=found[0], tag=9)
@@ -243,3 +244,30 @@ def test_a_poll_lets_ranks_earlier_on_the_clock_send_first():
         return None
 
     assert VirtualCluster(3).run(work)[0] == [2, 1]
+
+
+def test_a_poll_never_sees_a_message_before_it_arrives_and_idle_waits_for_it():
+    """Rank 1 sends at 4 ms; rank 0, computing 1 ms per step, polls after each
+    step: it sees nothing until its clock passes 4 ms, and went on computing
+    meanwhile.  Then it idles until a second message, sent at 10 ms, arrives."""
+    def work(comm):
+        if comm.rank == 1:
+            comm.advance(0.004)
+            comm.send(np.ones(1), dest=0, tag=3)
+            comm.advance(0.006)
+            comm.send(np.ones(1), dest=0, tag=3)
+            return None
+        steps = 0
+        while comm.iprobe(1, 3) is None:
+            comm.advance(0.001)
+            steps += 1
+        comm.recv(np.zeros(1), 1, tag=3)
+        first = comm.wtime()
+        while comm.iprobe(1, 3) is None:
+            comm.idle()
+        comm.recv(np.zeros(1), 1, tag=3)
+        return steps, first, comm.wtime()
+
+    steps, first, second = VirtualCluster(2).run(work)[0]
+    assert steps == 4 and first == pytest.approx(0.004)
+    assert second == pytest.approx(0.010)

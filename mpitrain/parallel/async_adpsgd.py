@@ -1,0 +1,262 @@
+"""Asynchronous decentralized parallel SGD (AD-PSGD: Lian et al., arXiv 1710.06952;
+for speech: Zhang, Cui et al., Interspeech 2019; Cui, Zhang et al., TASLP 2021):
+every rank steps at its own pace and averages its model with one partner at a
+time, waiting for nobody else.
+
+The ranks are split in two, AD-PSGD's bipartite split: even ranks are active
+(they ask for a mix), odd ranks passive (they answer).  So no two ranks ever
+wait for each other, and a slow rank delays only the mixes it takes part in::
+
+    active i, after each of its steps:
+        if its request has been answered with m:   w_i <- w_i + (m - s)
+        if no request is in flight:                s <- w_i; send s to partner j
+    passive j, after each of its steps, for each request s that has arrived:
+        w_j <- (w_j + s) / 2;  answer m = w_j
+
+The two changes, (s - w_j)/2 on j and (w_j - s)/2 on i, are exact negatives,
+so every mix keeps the mean of the models over the ranks.  The steps i took
+while its request was in flight stay in w_i: its mix is as stale as the
+steps it took meanwhile (AD-PSGD's bounded staleness), and its computing
+never waits for the network.
+
+Partners of an active rank: ``fixed_ring``, its passive ring neighbours
+i + 1 and i - 1 in turn; ``random_ring``, a passive rank drawn from
+(``seed``, i, its request count).  With an odd number of ranks the last
+(even) rank's right neighbour is rank 0, also active: it mixes with its left
+one only.
+
+Quiet points (a checkpoint, the end): :meth:`AsyncRingMixing.quiesce`.  An
+active rank waits for the answer it has in flight, then tells every passive
+rank it is done (``BYE``); a passive rank answers requests until every
+active rank's ``BYE`` is in.  Then nothing is in flight and the ranks may meet
+in a collective.
+
+Symbols in the code: w is ``net.params``, s is ``sent``, m is ``answer``;
+``requests`` counts an active rank's requests, ``mixes`` the mixes a rank
+completed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .adpsgd import TOPOLOGIES, restore_own_model
+from .base import Strategy
+
+#: Message tags: a request carrying s, the answer carrying m, an active rank's BYE.
+REQUEST_TAG, ANSWER_TAG, BYE_TAG = 7410, 7411, 7412
+# Kept apart from the other seeded streams (initialisation, shuffling, the lock-step ring).
+_PARTNER_STREAM = 0xAD5
+
+
+def build(cfg, comm, *, total_steps: int = 0):
+    """The strategy for ``parallel.method: adpsgd`` with ``parallel.asynchronous``."""
+    return AsyncRingMixing(comm, topology=cfg.parallel.topology, seed=cfg.training.seed)
+
+
+def active_ranks(size: int) -> list:
+    """The ranks that ask for mixes (the even ones; one rank alone mixes with nobody)."""
+    return list(range(0, size, 2)) if size > 1 else []
+
+
+def passive_ranks(size: int) -> list:
+    """The ranks that answer (the odd ones)."""
+    return list(range(1, size, 2))
+
+
+def ring_partners(rank: int, size: int) -> list:
+    """An active rank's passive ring neighbours, right one first.
+
+    Example::
+
+        ring_partners(0, 4), ring_partners(4, 5)    # [1, 3], [3]
+    """
+    neighbours = []
+    for other in ((rank + 1) % size, (rank - 1) % size):
+        if other % 2 == 1 and other != rank and other not in neighbours:
+            neighbours.append(other)
+    return neighbours
+
+
+class AsyncRingMixing(Strategy):
+    """AD-PSGD's asynchronous pairwise mixing (see the module docstring).  The
+    training loop that goes with it is :mod:`mpitrain.train.async_ring`.
+
+    Example::
+
+        strategy = AsyncRingMixing(comm, topology="random_ring", seed=1)
+        strategy.setup(net, optimizer)
+        # after each step: strategy.after_update(net, optimizer, step)
+        strategy.quiesce()          # before any collective
+    """
+
+    name = "adpsgd"
+    sync_period = 1
+    asynchronous = True
+
+    def __init__(self, comm, *, topology: str = "fixed_ring", seed: int = 0):
+        super().__init__(comm)
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"topology must be one of {', '.join(TOPOLOGIES)}, "
+                             f"got {topology!r}")
+        self.topology, self.seed = topology, int(seed)
+        size, rank = comm.size, comm.rank
+        self.active = rank in active_ranks(size)
+        self.passives = passive_ranks(size)
+        self.num_actives = len(active_ranks(size))
+        self.neighbours = ring_partners(rank, size) if self.active else []
+        self.own_steps = 0          # steps this rank took
+        self.requests = 0           # requests this (active) rank sent
+        self.mixes = 0              # mixes this rank completed
+        self.net = None
+        self.sent = self.answer = self.received = None
+        self._in_flight = None      # (receive of the answer, send of the request)
+        self._answers: list = []    # (buffer, send request) of a passive rank's answers
+        self._bye = np.zeros(1, dtype=np.int32)
+        self._final_local = None
+        self._quiet = True          # nothing in flight since the last quiesce (or start)
+
+    def partner(self, request: int):
+        """The passive rank an active rank's ``request``-th request goes to."""
+        if not self.passives or (self.topology == "fixed_ring" and not self.neighbours):
+            return None
+        if self.topology == "fixed_ring":
+            return self.neighbours[request % len(self.neighbours)]
+        rng = np.random.default_rng([self.seed, _PARTNER_STREAM, self.comm.rank, int(request)])
+        return self.passives[int(rng.integers(len(self.passives)))]
+
+    # -- life cycle ----------------------------------------------------------------
+    def setup(self, net, optimizer) -> None:
+        super().setup(net, optimizer)
+        self.bind(net)
+
+    def bind(self, net) -> None:
+        if self.net is not net or self.received is None:
+            xp = net.xp
+            self.received = xp.empty_like(net.params)
+            self.sent = xp.empty_like(net.params)
+            self.answer = xp.empty_like(net.params)
+            self._answers = []
+        self.net = net
+
+    def after_update(self, net, optimizer, step: int) -> None:
+        self.own_steps += 1
+        if self.comm.size == 1:
+            return
+        self._quiet = False
+        if self.active:
+            if self._in_flight is not None:
+                self._collect(block=False)
+            if self._in_flight is None:
+                self._request()
+        else:
+            self._answer_waiting()
+
+    def models_agree(self, step: int) -> bool:
+        return self.comm.size == 1
+
+    def quiesce(self) -> None:
+        """Finish every exchange; returns when nothing of this rank's is in flight
+        and (on a passive rank) every active rank has said BYE.  Every rank calls it
+        before a collective."""
+        comm = self.comm
+        if comm.size == 1 or self._quiet:
+            # every rank is quiet alike: none has stepped since the last quiet point
+            return
+        self._quiet = True
+        if self.active:
+            if self._in_flight is not None:
+                self._collect(block=True)
+            comm.waitall([comm.isend(self._bye, p, tag=BYE_TAG) for p in self.passives])
+            return
+        byes = 0
+        while byes < self.num_actives:
+            if comm.iprobe(tag=REQUEST_TAG) is not None:
+                self._answer_waiting()
+                continue
+            found = comm.iprobe(tag=BYE_TAG)
+            if found is not None:
+                comm.recv(np.empty_like(self._bye), found[0], tag=BYE_TAG)
+                byes += 1
+                continue
+            comm.idle()
+        comm.waitall([request for _, request in self._answers])
+
+    def finalize(self, net, optimizer, step: int = 0) -> None:
+        # the result is the average of every rank's model, as AD-PSGD outputs
+        self.quiesce()
+        self._final_local = net.params.copy()
+        if self.comm.size > 1:
+            self.comm.allreduce_(net.params, op="mean")
+
+    # -- the mix -------------------------------------------------------------------
+    def _request(self) -> None:
+        partner = self.partner(self.requests)
+        if partner is None:
+            return
+        self.sent[...] = self.net.params
+        self._in_flight = (self.comm.irecv(self.answer, partner, tag=ANSWER_TAG),
+                           self.comm.isend(self.sent, partner, tag=REQUEST_TAG))
+        self.requests += 1
+
+    def _collect(self, *, block: bool) -> None:
+        receive, send = self._in_flight
+        if block:
+            receive.wait()
+        elif not receive.test():
+            return
+        send.wait()
+        self._in_flight = None
+        # w <- w + (m - s): the steps taken since s was sent stay
+        self.answer -= self.sent
+        self.net.params += self.answer
+        self.mixes += 1
+
+    def _answer_waiting(self) -> None:
+        """Mix with every request that has arrived, answering each."""
+        comm, params = self.comm, self.net.params
+        while True:
+            found = comm.iprobe(tag=REQUEST_TAG)
+            if found is None:
+                return
+            source = found[0]
+            comm.recv(self.received, source, tag=REQUEST_TAG)
+            params += self.received
+            params *= params.dtype.type(0.5)
+            buffer = self._free_answer_buffer()
+            buffer[...] = params
+            self._answers.append((buffer, comm.isend(buffer, source, tag=ANSWER_TAG)))
+            self.mixes += 1
+
+    def _free_answer_buffer(self):
+        """A buffer no answer in flight still uses (answers go out without waiting,
+        so a busy passive rank may hold a few)."""
+        for index, (_, request) in enumerate(self._answers):
+            if request.test():
+                return self._answers.pop(index)[0]
+        return self.net.xp.empty_like(self.net.params)
+
+    # -- checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {}
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own model (before the final average, once there was one) and
+        counters."""
+        from ..backend import to_host
+        local = self._final_local if self._final_local is not None else self.net.params
+        return {"params": to_host(local).copy(), "own_steps": int(self.own_steps),
+                "requests": int(self.requests), "mixes": int(self.mixes)}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        for key in ("own_steps", "requests", "mixes"):
+            value = state.get(key, 0) if isinstance(state, dict) else 0
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) \
+                    or value < 0:
+                raise ValueError(f"checkpoint rank state 'strategy/{key}' must be a "
+                                 f"non-negative int, got {value!r}")
+        if not restore_own_model(self.net, state):
+            return
+        for key in ("own_steps", "requests", "mixes"):
+            setattr(self, key, int(state.get(key, 0)))
+        self._final_local = None

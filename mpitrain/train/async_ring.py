@@ -1,0 +1,290 @@
+"""The training loop of asynchronous ADPSGD (``parallel.method: adpsgd`` with
+``parallel.asynchronous: true``).
+
+Every rank trains at its own pace on its own data, past its own epochs when it
+is fast, and mixes through :class:`~mpitrain.parallel.async_adpsgd.AsyncRingMixing`.
+No collective can run while the ranks take their own numbers of steps, so:
+
+- each rank sends rank 0 a progress report after every step (its steps, its
+  frames, its loss sums and communication seconds since the last report);
+- rank 0, which trains too, writes the progress records from the reports,
+  evaluates its own model on the whole held-out set, and calls the quiet
+  points: a checkpoint at each ``training.checkpoint_interval`` of steps per
+  rank, and the end once the ranks' steps together reach the job's budget
+  (``training.epochs`` of every rank's own data, capped by
+  ``training.max_steps`` per rank: the frames a synchronous run would train);
+- at a quiet point rank 0 sends every rank ``HALT``; each rank, at the end of
+  its step, finishes its exchanges (``quiesce``), and then all meet in the
+  collective (the checkpoint's gather, or the end's average).  A quiet point
+  waits for the slowest rank's current step, not for its step count.
+
+The learning rate of a rank's k-th step is the schedule's at min(k, planned
+steps per rank): a fast rank reaches the final rate sooner.
+
+Example::
+
+    # in Trainer._train_to_end, for asynchronous ADPSGD
+    return train_at_own_pace(trainer, run_start)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..comm.base import ANY_SOURCE
+from .divergence import ROLL_BACK, Diverged
+from .evaluate import WholeHeldOut
+from .metrics import format_duration, resident_mb
+
+#: Message tags: a progress report to rank 0, a quiet point's call from rank 0.
+REPORT_TAG, HALT_TAG = 7420, 7421
+#: Report kinds.
+PROGRESS, FINAL = 1.0, 2.0
+#: Halt kinds.
+CHECKPOINT, STOP = 1.0, 2.0
+# report: kind, steps, frames, loss sum, correct, frames, skipped, comm seconds
+_REPORT_SIZE = 8
+
+
+def plan_ring_steps(cfg, comm, local_steps: int) -> tuple:
+    """(own steps per epoch, job budget, planned steps per rank): each rank's own
+    minibatch count; the budget is the sum over the ranks of their planned steps
+    (``training.epochs`` of their own data, each capped at ``training.max_steps``).
+    Collective (one allgather).
+
+    Example::
+
+        plan_ring_steps(cfg, comm, 120)     # (120, 1440, 360) for 4 ranks, 3 epochs
+    """
+    counts = comm.allgather_obj(int(local_steps))
+    empty = [r for r, n in enumerate(counts) if n == 0]
+    if empty:
+        raise ValueError(f"rank {empty[0]} has no complete minibatch of "
+                         f"{cfg.training.minibatch} frames; lower training.minibatch, raise "
+                         "data.chunk_frames, or use fewer ranks")
+    epochs, cap = cfg.training.epochs, cfg.training.max_steps
+    planned = [max(int(round(epochs * n)), 1) for n in counts]
+    budget = sum(min(p, cap) if cap else p for p in planned)
+    return counts[comm.rank], budget, max(sum(planned) // comm.size, 1)
+
+
+def train_at_own_pace(trainer, run_start: float) -> None:
+    """Train until rank 0 calls the end; every rank returns there together.
+
+    Example::
+
+        train_at_own_pace(trainer, run_start=trainer.comm.wtime())
+    """
+    OwnPaceLoop(trainer, run_start).run()
+
+
+class OwnPaceLoop:
+    """One rank's loop; rank 0's also keeps the job's progress (module docstring)."""
+
+    def __init__(self, trainer, run_start: float):
+        t = self.t = trainer
+        self.run_start = run_start
+        self.comm, self.ring = t.comm, t.strategy
+        self._report = np.zeros(_REPORT_SIZE)
+        self._halt = np.zeros(1)
+        self._comm_at_report = self.comm.comm_time
+        self.own_frames = self.ring.own_steps * t.cfg.training.minibatch
+        # rank 0: every rank's steps and frames as last reported, and the window's sums
+        # (from a resumed checkpoint, each rank's own; collective)
+        counts = self.comm.allgather_obj([self.ring.own_steps, self.own_frames])
+        self.steps_of = [int(s) for s, _ in counts]
+        self.frames_of = [int(f) for _, f in counts]
+        self.finished = set()
+        self._new_window()
+        self._dev = None
+
+    # -- every rank ------------------------------------------------------------------
+    def run(self) -> None:
+        t, ring = self.t, self.ring
+        step = t._new_training_step()
+        self.training_step = step
+        cap = max(t.planned_steps - 1, 0)
+        if self.comm.rank == 0:
+            self._set_marks()
+        while True:
+            rate = t.guard.lr_scale * t.schedule.rate(min(ring.own_steps, cap))
+            self.rate = step.run(ring.own_steps, rate, t.stream.next_batch)
+            self.own_frames += step.minibatch
+            if self.comm.rank == 0:
+                halt = self._root_turn()
+            else:
+                halt = self._halt_called()
+                if halt is None:
+                    # every step (a few bytes): the end overshoots the budget by
+                    # about a step per rank
+                    self._send_report(PROGRESS)
+            if halt == CHECKPOINT:
+                self._checkpoint()
+            elif halt == STOP:
+                self._end()
+                return
+
+    def _halt_called(self):
+        """A non-root rank: rank 0's call, if one came."""
+        if self.comm.iprobe(0, HALT_TAG) is None:
+            return None
+        self.comm.recv(self._halt, 0, tag=HALT_TAG)
+        return float(self._halt[0])
+
+    def _send_report(self, kind: float) -> None:
+        loss_sum, correct, frames, skipped = self.training_step.take_sums()
+        comm_now = self.comm.comm_time
+        report = self._report
+        report[:] = (kind, self.ring.own_steps, self.own_frames, loss_sum, correct, frames,
+                     skipped, comm_now - self._comm_at_report)
+        self._comm_at_report = comm_now
+        if self.comm.rank == 0:
+            self._take(0, report)
+        else:
+            self.comm.send(report, 0, tag=REPORT_TAG)
+
+    # -- the quiet points ----------------------------------------------------------------
+    def _checkpoint(self) -> None:
+        t = self.t
+        self.ring.quiesce()
+        counts = self.comm.allgather_obj([self.ring.own_steps, self.own_frames])
+        t.step = sum(s for s, _ in counts) // self.comm.size
+        t.frames_seen = sum(f for _, f in counts)
+        good = self.comm.bcast_obj(bool(t.guard.last_window_good), root=0)
+        if good and t._params_finite():
+            t.save_checkpoint()
+        else:
+            t._say(f"step {t.step}: checkpoint not written (the model is diverging or "
+                   "not finite)")
+
+    def _end(self) -> None:
+        t = self.t
+        self._send_report(FINAL)
+        self.ring.quiesce()
+        if self.comm.rank == 0:
+            while len(self.finished) < self.comm.size:
+                found = self.comm.iprobe(ANY_SOURCE, REPORT_TAG)
+                if found is None:
+                    self.comm.idle()
+                    continue
+                self._receive_report(found[0])
+            self._log()
+        t.step, t.frames_seen = self.comm.bcast_obj(
+            [sum(self.steps_of) // self.comm.size, sum(self.frames_of)]
+            if self.comm.rank == 0 else None, root=0)
+
+    # -- rank 0: the job's progress ------------------------------------------------------
+    def _new_window(self) -> None:
+        self.window_start = self.comm.wtime()
+        self.sums = np.zeros(5)      # loss, correct, frames, skipped, comm seconds
+        self.window_steps = 0
+
+    def _set_marks(self) -> None:
+        t, cfg = self.t, self.t.cfg
+        per_rank = sum(self.steps_of) // self.comm.size
+        frames_per_rank = sum(self.frames_of) // self.comm.size
+        self.next_log = (per_rank // cfg.training.log_interval + 1) * cfg.training.log_interval
+        every = cfg.training.eval_interval
+        self.eval_every = every
+        self.next_eval = (frames_per_rank // every + 1) * every if every else \
+            (per_rank // t.steps_per_epoch + 1) * t.steps_per_epoch
+        ck = cfg.training.checkpoint_interval
+        self.next_checkpoint = (per_rank // ck + 1) * ck if ck else 0
+
+    def _receive_report(self, source: int) -> None:
+        self.comm.recv(self._report, source, tag=REPORT_TAG)
+        self._take(source, self._report)
+
+    def _take(self, source: int, report) -> None:
+        kind, steps, frames, loss, correct, window_frames, skipped, comm_s = report
+        self.window_steps += int(steps) - self.steps_of[source]
+        self.steps_of[source], self.frames_of[source] = int(steps), int(frames)
+        self.sums += (loss, correct, window_frames, skipped, comm_s)
+        if kind == FINAL:
+            self.finished.add(source)
+
+    def _root_turn(self):
+        """Rank 0 after each of its steps: take the reports, log, evaluate, and call a
+        quiet point when one is due (returns its kind, or None)."""
+        t, comm = self.t, self.comm
+        self._send_report(PROGRESS)
+        while True:
+            found = comm.iprobe(ANY_SOURCE, REPORT_TAG)
+            if found is None:
+                break
+            self._receive_report(found[0])
+        total = sum(self.steps_of)
+        per_rank = total // comm.size
+        halt = None
+        if total >= t.budget:
+            halt = STOP
+        if per_rank >= self.next_log and halt is None:
+            self._log()
+            self.next_log = (per_rank // t.cfg.training.log_interval + 1) \
+                * t.cfg.training.log_interval
+        frames_per_rank = sum(self.frames_of) // comm.size
+        mark = frames_per_rank if self.eval_every else per_rank
+        if halt is None and mark >= self.next_eval and t.dev_manifest is not None:
+            self._evaluate(per_rank)
+            step = self.eval_every or t.steps_per_epoch
+            self.next_eval = (mark // step + 1) * step
+        if halt is None and self.next_checkpoint and per_rank >= self.next_checkpoint:
+            ck = t.cfg.training.checkpoint_interval
+            self.next_checkpoint = (per_rank // ck + 1) * ck
+            halt = CHECKPOINT
+        if halt is not None:
+            self._halt[0] = halt
+            comm.waitall([comm.isend(self._halt, r, tag=HALT_TAG)
+                          for r in range(1, comm.size)])
+        return halt
+
+    def _log(self) -> None:
+        t, comm = self.t, self.comm
+        if not self.window_steps and not self.sums[2]:
+            return
+        now = comm.wtime()
+        elapsed = max(now - self.window_start, 1e-9)
+        loss, correct, frames, skipped, comm_s = self.sums
+        with np.errstate(all="ignore"):       # a NaN window is reported, not warned
+            xent = loss / frames
+            acc = correct / frames
+        t.step = sum(self.steps_of) // comm.size
+        t.frames_seen = sum(self.frames_of)
+        record = {"step": t.step, "epoch": t.step // t.steps_per_epoch,
+                  "frames": t.frames_seen, "seconds": now - self.run_start,
+                  "xent": float(xent), "acc": float(acc), "lr": self.rate,
+                  "frames_per_sec": frames / elapsed,
+                  "comm_fraction": min(1.0, comm_s / comm.size / elapsed),
+                  "skipped": int(skipped), "rss_mb": resident_mb(),
+                  "steps_min": int(min(self.steps_of)), "steps_max": int(max(self.steps_of)),
+                  "mixes": int(self.ring.mixes)}
+        verdict = t.guard.observe(xent=float(xent), skipped=int(skipped))
+        t.log.write("train", **record)
+        per_step = (now - self.run_start) / max(t.step - t._start_step, 1)
+        t.log.progress(
+            t.step, t.total_steps,
+            f"step {t.step}/{t.total_steps} frames {t.frames_seen} xent {xent:.4f} "
+            f"acc {acc:.4f} lr {self.rate:.3g} {record['frames_per_sec']:,.0f} fr/s "
+            f"comm {record['comm_fraction']:.1%} steps per rank {record['steps_min']}-"
+            f"{record['steps_max']} ETA "
+            f"{format_duration(per_step * max(t.total_steps - t.step, 0))}")
+        if verdict == ROLL_BACK:
+            raise Diverged(
+                f"{t.run_dir}: adpsgd: {t.guard.events} non-finite or exploding windows "
+                "since the last checkpoint; an asynchronous run cannot roll back: resume "
+                "from the last checkpoint with a lower learning rate")
+        self._new_window()
+
+    def _evaluate(self, step: int) -> None:
+        """Rank 0's own model on the whole held-out set (no other rank takes part)."""
+        t = self.t
+        if self._dev is None:
+            self._dev = WholeHeldOut(t.dev_manifest, max_frames=t.cfg.training.eval_max_frames)
+        xent, acc, frames = self._dev.score(t.net)
+        result = {"dev_xent": xent, "dev_acc": acc, "dev_frames": frames}
+        t.step, t.frames_seen = step, sum(self.frames_of)
+        t._keep_best(result)
+        t.log.write("eval", step=step, frames=t.frames_seen, **result,
+                    seconds=self.comm.wtime() - self.run_start, model="rank 0")
+        t.log.say(f"held-out at step {step}: xent {result['dev_xent']:.4f} acc "
+                  f"{result['dev_acc']:.4f} ({frames} frames, rank 0's model)")

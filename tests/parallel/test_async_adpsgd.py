@@ -1,0 +1,232 @@
+"""Asynchronous ADPSGD (parallel/async_adpsgd.py, train/async_ring.py).
+
+In this process: the active/passive split and the partners; on virtual ranks
+whose steps take different times, mixing alone (no gradient step) keeps the
+mean of the models over the ranks on 2 and 4 ranks for both topologies and
+pulls the models together; a seeded virtual run is replayed exactly, and
+another seed gives another run; with a 2x slow rank the fast ranks take more
+steps and the job keeps most of its speed; a checkpointed run resumes with
+every rank's own step count; the settings it cannot take are refused.  Under
+real ``mpiexec`` (marked mpi; tests/workers/async_adpsgd_worker.py): mixing
+keeps the mean with ranks that sleep different times, and a run with a slow
+rank on uneven shards finishes and learns.
+"""
+
+import numpy as np
+import pytest
+
+from mpitrain.comm.virtual import VirtualCluster
+from mpitrain.config import ConfigError, load_config
+from mpitrain.nn.model_file import load_model
+from mpitrain.nn.network import build_network
+from mpitrain.optim.sgd import SGD
+from mpitrain.parallel.async_adpsgd import (AsyncRingMixing, active_ranks, passive_ranks,
+                                            ring_partners)
+from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+from mpitrain.train.virtual import ComputeModel, train_virtual
+
+from ..helpers import QUICKSTART, WORKERS, mpi_output, records, small_overrides, train_on_ranks
+
+TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
+ASYNC = ["parallel.method=adpsgd", "parallel.asynchronous=true"]
+
+
+# ------------------------------------------------------------------ partners
+
+def test_even_ranks_ask_and_odd_ranks_answer():
+    assert active_ranks(4) == [0, 2] and passive_ranks(4) == [1, 3]
+    assert active_ranks(5) == [0, 2, 4] and passive_ranks(5) == [1, 3]
+    assert active_ranks(1) == [] and passive_ranks(1) == []
+    # each active rank's ring neighbours, right first; only passive ones
+    assert ring_partners(0, 4) == [1, 3]
+    assert ring_partners(2, 4) == [3, 1]
+    assert ring_partners(0, 2) == [1]
+    assert ring_partners(4, 5) == [3]          # its right neighbour, rank 0, is active
+
+
+def test_partners_alternate_on_the_fixed_ring_and_are_drawn_on_the_random_one():
+    cluster = VirtualCluster(8)
+    fixed = AsyncRingMixing(cluster.communicator(2), topology="fixed_ring")
+    assert [fixed.partner(k) for k in range(4)] == [3, 1, 3, 1]
+    draws = {seed: [AsyncRingMixing(cluster.communicator(2), topology="random_ring",
+                                    seed=seed).partner(k) for k in range(40)]
+             for seed in (1, 2)}
+    assert all(p in (1, 3, 5, 7) for p in draws[1])
+    assert len(set(draws[1])) == 4 and draws[1] != draws[2]
+    again = AsyncRingMixing(cluster.communicator(2), topology="random_ring", seed=1)
+    assert [again.partner(k) for k in range(40)] == draws[1]
+
+
+# ------------------------------------------------- mixing on virtual ranks
+
+def _mix_only(size, topology, steps=12):
+    """Every rank mixes after each of its "steps" (no gradient), its steps taking
+    1 + rank/2 ms; then all quiesce.  Returns (models before, models after, mixes)."""
+    def work(comm):
+        net = build_network(feat_dim=5, num_classes=4, left_context=1, right_context=1,
+                            hidden_layers=1, hidden_dim=16)
+        net.params[...] = np.random.default_rng([7, comm.rank]).standard_normal(
+            net.num_params).astype(np.float32)
+        before = net.params.copy()
+        ring = AsyncRingMixing(comm, topology=topology, seed=3)
+        ring.bind(net)
+        opt = SGD(net)
+        for k in range(steps):
+            comm.advance(0.001 * (1 + comm.rank / 2))
+            ring.after_update(net, opt, k + 1)
+        ring.quiesce()
+        return before, net.params.copy(), ring.mixes
+    out = VirtualCluster(size).run(work)
+    return ([o[0] for o in out], [o[1] for o in out], [o[2] for o in out])
+
+
+@pytest.mark.parametrize("topology", ["fixed_ring", "random_ring"])
+@pytest.mark.parametrize("size", [2, 4])
+def test_mixing_keeps_the_mean_and_pulls_the_models_together(size, topology):
+    before, after, mixes = _mix_only(size, topology)
+    mean_before = np.mean(np.array(before, dtype=np.float64), axis=0)
+    mean_after = np.mean(np.array(after, dtype=np.float64), axis=0)
+    np.testing.assert_allclose(mean_after, mean_before, atol=2e-6)
+    spread_before = np.std(np.array(before), axis=0).mean()
+    spread_after = np.std(np.array(after), axis=0).mean()
+    assert spread_after < 0.25 * spread_before, (spread_before, spread_after)
+    # every rank mixed; an active rank's mixes are its answered requests
+    assert min(mixes) >= 4, mixes
+    assert sum(mixes[r] for r in active_ranks(size)) == \
+        sum(mixes[r] for r in passive_ranks(size))
+
+
+def test_one_rank_changes_nothing():
+    before, after, mixes = _mix_only(1, "fixed_ring")
+    assert np.array_equal(before[0], after[0]) and mixes == [0]
+
+
+# ------------------------------------------------- training on virtual ranks
+
+def _virtual(corpus, run_dir, size, extra=(), *, slowdown=None, seed_jitter=0.0):
+    cfg = load_config(QUICKSTART, small_overrides(corpus) + TINY + ASYNC + list(extra))
+    return train_virtual(cfg, size=size, run_dir=str(run_dir),
+                         compute=ComputeModel(step_seconds=0.002, slowdown=slowdown or {},
+                                              jitter=seed_jitter, seed=1))
+
+
+def _strip(rows):
+    return [{k: v for k, v in r.items() if k not in ("time", "rss_mb")} for r in rows]
+
+
+def test_virtual_replay_is_identical_with_the_same_seed(small_corpus, tmp_path):
+    extra = ["training.epochs=1", "training.log_interval=10", "training.eval_interval=5120",
+             "training.checkpoint_interval=0", "parallel.topology=random_ring"]
+    runs = {}
+    for name, seed in (("a", 1), ("b", 1), ("c", 2)):
+        _virtual(small_corpus, tmp_path / name, 4, extra + [f"training.seed={seed}"],
+                 slowdown={1: 1.5}, seed_jitter=0.2)
+        runs[name] = load_model(tmp_path / name / "final.h5")[0].params
+    assert np.array_equal(runs["a"], runs["b"])
+    assert not np.array_equal(runs["a"], runs["c"])
+    for kind in ("train", "eval", "end"):
+        ra, rb = _strip(records(tmp_path / "a", kind)), _strip(records(tmp_path / "b", kind))
+        assert ra == rb and ra, kind
+
+
+def test_fast_ranks_take_more_steps_than_a_slow_one(small_corpus, tmp_path):
+    extra = ["training.epochs=2", "training.log_interval=10", "training.checkpoint_interval=0"]
+    even, slow = tmp_path / "even", tmp_path / "slow"
+    _virtual(small_corpus, even, 4, extra)
+    _virtual(small_corpus, slow, 4, extra, slowdown={1: 2.0})
+    last = records(slow, "train")[-1]
+    # the slow rank took about half the steps of the fast ones, and nobody waited
+    assert last["steps_max"] >= 1.7 * last["steps_min"], last
+    rate = {name: records(run, "end")[-1]["frames"] / records(run, "end")[-1]["seconds"]
+            for name, run in (("even", even), ("slow", slow))}
+    # the bound is (3 + 1/2) / 4 = 0.875 of the speed
+    assert rate["slow"] >= 0.80 * rate["even"], rate
+    # the job trained its budget (the two epochs), give or take a step per rank
+    budget = records(even, "start")[0]["total_steps"] * 4 * 256
+    for run in (even, slow):
+        frames = records(run, "end")[-1]["frames"]
+        assert budget <= frames <= budget + 3 * 4 * 256, (frames, budget)
+    assert records(slow, "train")[-1]["xent"] < records(slow, "train")[0]["xent"]
+
+
+def test_resume_continues_every_rank_from_its_own_steps(small_corpus, tmp_path):
+    extra = ["training.epochs=2", "training.log_interval=8", "training.checkpoint_interval=20"]
+    run = tmp_path / "run"
+    _virtual(small_corpus, run, 3, extra + ["training.max_steps=30"], slowdown={1: 2.0})
+    ckpts = sorted(run.glob("ckpt-*.h5"))
+    assert len(ckpts) >= 2           # one at the interval, one at the end
+    from mpitrain.train.checkpoint import load_checkpoint
+    first = load_checkpoint(str(ckpts[0]), ranks=[0, 1, 2])
+    own = [first.rank_state(r)["strategy"]["own_steps"] for r in range(3)]
+    assert own[1] < own[0] and own[1] < own[2], own       # rank 1 is the slow one
+    assert first.step == sum(own) // 3
+    end_before = records(run, "end")[-1]
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + extra
+                      + ["training.max_steps=60"])
+    train_virtual(cfg, size=3, run_dir=str(run), resume=True,
+                  compute=ComputeModel(step_seconds=0.002, slowdown={1: 2.0}))
+    starts = records(run, "start")
+    assert starts[-1]["step"] == end_before["steps"]
+    end = records(run, "end")[-1]
+    assert end["frames"] > end_before["frames"] and end["steps"] >= 55
+    assert records(run, "train")[-1]["xent"] < records(run, "train")[0]["xent"]
+
+
+@pytest.mark.slow
+def test_four_ranks_learn_far_above_chance(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    _virtual(small_corpus, run, 4, ["training.epochs=3", "training.checkpoint_interval=0"],
+             slowdown={3: 2.0})
+    final = records(run, "eval")[-1]
+    assert final["dev_acc"] > 0.40, final
+
+
+@pytest.mark.parametrize("setting,named", [
+    (["parallel.method=model_averaging", "parallel.asynchronous=true"], "parallel.asynchronous"),
+    (ASYNC + ["parallel.delay_by_one=true"], "parallel.delay_by_one"),
+    (ASYNC + ["optimizer.schedule=search"], "optimizer.schedule"),
+    (ASYNC + ["training.early_stop.patience=2"], "training.early_stop.patience"),
+])
+def test_what_it_cannot_do_is_refused_in_one_line(setting, named):
+    with pytest.raises(ConfigError) as info:
+        load_config(QUICKSTART, ["data.dev=x"] + setting)
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
+# ------------------------------------------------------------ real launches
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks", [2, 4])
+def test_mixing_keeps_the_mean_on_real_ranks(nranks):
+    result = run_mpi(nranks, [str(WORKERS / "async_adpsgd_worker.py"), str(nranks)],
+                     timeout=120)
+    assert result.returncode == 0, mpi_output(result)
+    passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == ["fixed_ring keeps the mean", "random_ring keeps the mean"], \
+        mpi_output(result)
+
+
+@pytest.mark.mpi
+def test_slow_rank_on_uneven_shards_finishes_and_learns(small_corpus, tmp_path_factory,
+                                                        tmp_path):
+    from ..train.test_trainer import write_uneven_copy
+    import os
+    import shutil
+    corpus = tmp_path_factory.mktemp("uneven")
+    write_uneven_copy(os.path.join(small_corpus, "train"), str(corpus / "train"),
+                      [0.55, 0.25, 0.12, 0.08])
+    shutil.copytree(os.path.join(small_corpus, "dev"), corpus / "dev")
+    run = tmp_path / "run"
+    try:
+        result = train_on_ranks(3, run, str(corpus), TINY + ASYNC + [
+            "training.epochs=1", "training.log_interval=8", "training.checkpoint_interval=16",
+            "parallel.straggler.ranks=[1]", "parallel.straggler.slowdown=2.0",
+            "parallel.straggler.jitter=0.5"], timeout=150)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"asynchronous ADPSGD with a slow rank on uneven shards hung: {exc}")
+    assert result.returncode == 0, mpi_output(result)
+    end = records(run, "end")[-1]
+    assert end["steps"] > 0 and (run / "final.h5").exists()
+    train = records(run, "train")
+    assert train[-1]["xent"] < train[0]["xent"], train
+    assert list(run.glob("ckpt-*.h5"))
