@@ -197,6 +197,9 @@ class ParallelConfig:
     asynchronous: bool = _opt(False, help="adpsgd: each rank steps at its own pace and "
                                           "mixes without waiting (active/passive pairs); "
                                           "false: lock-step pairs, deterministic")
+    servers: int = _opt(1, min=1, help="param_server: server ranks (0..servers-1); the "
+                                      "model is split over them by layers, so each link "
+                                      "carries a share of every update")
     average_eta: float = _opt(0.01, min=0.0, max=1.0, min_exclusive=True,
                               help="param_server: weight of the newest model in the "
                                    "server's running average, until the uniform average "
@@ -384,6 +387,9 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}parallel.straggler_policy: {cfg.parallel.straggler_policy}"
                           f" works with parallel.method model_averaging, not "
                           f"{cfg.parallel.method}")
+    if cfg.parallel.servers > 1 and cfg.parallel.method != "param_server":
+        raise ConfigError(f"{where}parallel.servers: works with parallel.method param_server,"
+                          f" not {cfg.parallel.method}")
     if cfg.parallel.asynchronous:
         _check_asynchronous_adpsgd(cfg, where)
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:

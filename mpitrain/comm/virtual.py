@@ -168,6 +168,8 @@ class VirtualCluster:
         # a rank that polled (for a message not there yet, or not yet arrived on its
         # clock) and let the others run: idle, nobody should wait for it
         self._polling = [False] * self.size
+        # messages sent to each rank so far (an idle rank waits for a new one)
+        self.sent_to = [0] * self.size
         self._failure: Optional[BaseException] = None
         self._failed_rank: Optional[int] = None
         self._groups = 0
@@ -243,6 +245,11 @@ class VirtualCluster:
         ready = [r for r in order if self._runnable[r] and not self._finished[r]]
         if others_first and len(ready) > 1:
             ready = [r for r in ready if r != current]
+            # a rank that is itself only polling would just pass the baton back:
+            # ranks with work go first (two polling ranks would otherwise take
+            # turns for ever while a rank with work waits)
+            working = [r for r in ready if not self._polling[r]]
+            ready = working or ready
         if ready:
             # min keeps the first of equal clocks: cyclic order breaks ties
             self._give_turn(min(ready, key=lambda r: self.clocks[r]))
@@ -336,6 +343,7 @@ class VirtualCommunicator(Communicator):
         self._world_rank = group.members[self._rank]
         self._transport = "host"
         self._comm_base = cluster.comm_seconds[self._world_rank]
+        self._polled_at = None     # messages sent to this rank when it last polled
 
     # ---- identity
     @property
@@ -592,6 +600,7 @@ class VirtualCommunicator(Communicator):
             cluster.clocks[self._world_rank] = now + inject
             cluster.comm_seconds[self._world_rank] += inject
             self._group.mailboxes[dest].append((self._rank, int(tag), buf.copy(), arrival))
+            cluster.sent_to[self._group.members[dest]] += 1
             # a rank waiting in a receive looks again when it next runs
             cluster._make_runnable(self._group.members[dest])
         return CompletedRequest()
@@ -652,6 +661,8 @@ class VirtualCommunicator(Communicator):
     def _take_message(self, request: _VirtualRecv, *, block: bool) -> bool:
         cluster, me = self.cluster, self._world_rank
         with cluster._lock:
+            if not block:
+                self._polled_at = cluster.sent_to[me]
             while True:
                 cluster._raise_if_failed(me)
                 if self._match(request._source, request._tag) is None:
@@ -687,6 +698,7 @@ class VirtualCommunicator(Communicator):
         cluster = self.cluster
         with cluster._lock:
             cluster._raise_if_failed(self._world_rank)
+            self._polled_at = cluster.sent_to[self._world_rank]
             if self._match(source, tag) is None:
                 cluster._yield(self._world_rank)
                 return None
@@ -697,21 +709,26 @@ class VirtualCommunicator(Communicator):
         return sent_from, sent_tag
 
     def idle(self, seconds: float = 0.0) -> None:
-        """Nothing to do until a message comes: the rank sleeps until the first
-        message in its mailbox arrives on the simulated clock (after every rank
-        still earlier has run), or until a message is sent to it."""
+        """Nothing to do until a message comes: the rank sleeps until the next message
+        in its mailbox arrives on the simulated clock (after every rank still earlier
+        has run), or, when every message there has already arrived (the caller
+        leaves them for later), until a new one is sent to it."""
         cluster, me = self.cluster, self._world_rank
         with cluster._lock:
+            # new: sent after this rank's last poll began (what it may not have seen)
+            sent_before = self._polled_at if self._polled_at is not None \
+                else cluster.sent_to[me]
             while True:
                 cluster._raise_if_failed(me)
-                mailbox = self._group.mailboxes[self._rank]
-                if not mailbox:
+                now = cluster.clocks[me]
+                later = [entry[3] for entry in self._group.mailboxes[self._rank]
+                         if entry[3] > now]
+                if not later:
+                    if cluster.sent_to[me] != sent_before:
+                        return
                     cluster._wait(me, f"a message (idle) in group {self._group.name}")
                     continue
-                arrival = min(entry[3] for entry in mailbox)
-                now = cluster.clocks[me]
-                if arrival <= now:
-                    return
+                arrival = min(later)
                 if cluster._runs_before(me, arrival):
                     cluster._yield(me)
                     continue

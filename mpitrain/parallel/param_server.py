@@ -34,6 +34,18 @@ gradient (same source: MPI keeps one sender's messages in order).  kind
 minibatch at all) carries no gradient.  Serving ends once every client has
 sent ``LAST`` or ``DONE``: then nothing is in flight.
 
+Several servers (``parallel.servers`` S > 1): ranks 0..S-1 serve, ranks
+S..N-1 are clients, and the model is cut into S contiguous slices at layer
+boundaries (:func:`split_by_layers`, about equal parameter counts).  Server k
+owns slice k: a client pushes slice k of its gradient to server k and pulls
+slice k of theta from it, so each server's link carries 8P/S bytes per
+update.  Each server applies, averages and counts its own slice (max-change
+is per layer, so a slice's step needs nothing of the others).  Server 0 still
+logs, evaluates and checkpoints: before it does, it asks every other server
+for its slices of theta and theta_bar (``CONTROL_TAG``, kind ``SNAPSHOT``),
+tells them when the average turns uniform (``SWITCH``), and, once its own
+serving is done, lets them go (``END``).
+
 Symbols in the code: theta is ``net.params`` on the server, theta_bar is
 :attr:`ModelAverage.average`, t is ``ParameterServer.updates``, t0 is
 ``ModelAverage.switched_at``, eta is ``ModelAverage.eta``.
@@ -49,8 +61,12 @@ from .base import Strategy
 
 #: Message tags of the protocol (apart from ADPSGD's and the checkpoint gather's).
 HEADER_TAG, GRADIENT_TAG, WEIGHTS_TAG = 7500, 7501, 7502
+#: Server 0's requests to the other servers, and their slices back.
+CONTROL_TAG, SLICE_TAG = 7503, 7504
 #: Header kinds: a gradient (weights wanted back), the client's last gradient, no data.
 GRADIENT, LAST, DONE = 1, 2, 3
+#: Control kinds: send your slices; the average turns uniform; serving is over.
+SNAPSHOT, SWITCH, END = 1, 2, 3
 HEADER_SIZE = 5
 #: Average modes.
 EXPONENTIAL, UNIFORM = "exponential", "uniform"
@@ -58,21 +74,50 @@ EXPONENTIAL, UNIFORM = "exponential", "uniform"
 
 def build(cfg, comm, *, total_steps: int = 0):
     """The strategy for ``parallel.method: param_server``."""
-    return ParameterServer(comm, average_eta=cfg.parallel.average_eta)
+    return ParameterServer(comm, average_eta=cfg.parallel.average_eta,
+                           servers=cfg.parallel.servers)
 
 
-def data_share(rank: int, size: int):
-    """(share, shares): rank 0 serves and trains on no data (share None); client
-    ``rank`` trains on part ``rank - 1`` of ``size - 1``.
+def data_share(rank: int, size: int, *, servers: int = 1):
+    """(share, shares): a server (rank < ``servers``) trains on no data (share None);
+    client ``rank`` trains on part ``rank - servers`` of ``size - servers``.
 
     Example::
 
-        data_share(0, 3), data_share(2, 3)     # (None, 2), (1, 2)
+        data_share(0, 3), data_share(2, 3)      # (None, 2), (1, 2)
+        data_share(1, 4, servers=2)             # (None, 2)
     """
-    if size < 2:
-        raise ValueError("parallel.method: param_server needs at least 2 ranks (a server "
-                         "and a client); run with mpiexec -n 2 or more")
-    return (None if rank == 0 else rank - 1), size - 1
+    if size <= servers:
+        raise ValueError(f"parallel.method: param_server with {servers} server rank(s) "
+                         f"needs at least {servers + 1} ranks (a client too); run with "
+                         f"mpiexec -n {servers + 1} or more, or lower parallel.servers")
+    return (None if rank < servers else rank - servers), size - servers
+
+
+def split_by_layers(sizes, parts: int) -> list:
+    """Cut a flat buffer made of consecutive pieces of ``sizes`` into ``parts``
+    contiguous (start, stop) slices at piece boundaries, each close to an equal
+    share of the total.
+
+    Example::
+
+        split_by_layers([10, 10, 10, 10], 2)     # [(0, 20), (20, 40)]
+    """
+    sizes = [int(n) for n in sizes if int(n) > 0]
+    if not 1 <= parts <= len(sizes):
+        raise ValueError(f"parallel.servers: {parts} server(s) for a model of "
+                         f"{len(sizes)} parameter layer(s); at most one server per layer")
+    total, bounds, start = sum(sizes), [], 0
+    ends = np.cumsum(sizes)
+    for k in range(1, parts):
+        target = total * k / parts
+        # the boundary nearest the target that leaves every later part a layer
+        choices = [i for i in range(len(sizes) - (parts - k)) if ends[i] > start]
+        best = min(choices, key=lambda i: abs(ends[i] - target))
+        bounds.append((start, int(ends[best])))
+        start = int(ends[best])
+    bounds.append((start, total))
+    return bounds
 
 
 class ModelAverage:
@@ -183,14 +228,18 @@ class ParameterServer(Strategy):
 
     name = "param_server"
 
-    def __init__(self, comm, *, average_eta: float = 0.01):
+    def __init__(self, comm, *, average_eta: float = 0.01, servers: int = 1):
         super().__init__(comm)
-        data_share(comm.rank, comm.size)            # refuses a job without clients
+        data_share(comm.rank, comm.size, servers=servers)    # refuses a job without clients
         if not 0.0 < average_eta <= 1.0:
             raise ValueError(f"average_eta must be in (0, 1], got {average_eta}")
         self.average_eta = float(average_eta)
-        self.is_server = comm.rank == 0
-        self.clients = list(range(1, comm.size))
+        self.servers = list(range(int(servers)))
+        self.is_server = comm.rank < len(self.servers)
+        self.clients = list(range(len(self.servers), comm.size))
+        self.slices = None          # (start, stop) of each server's slice of the model
+        self.own = None             # this server's slice
+        self._ended = False         # server 0 has said END
         self.updates = 0                            # t: gradients applied
         # minibatches each client has had applied (the data position on resume)
         self.client_steps = [0] * len(self.clients)
@@ -206,8 +255,18 @@ class ParameterServer(Strategy):
         self.bind(net)
 
     def bind(self, net) -> None:
+        if self.slices is None:
+            self.slices = split_by_layers([sl.stop - sl.start for _, sl in net.param_slices],
+                                          len(self.servers))
+            if self.is_server:
+                self.own = slice(*self.slices[self.comm.rank])
         if self.is_server and self.average is None:
             self.average = ModelAverage(net.params, eta=self.average_eta)
+
+    @property
+    def split(self) -> bool:
+        """Whether the model is split over several servers."""
+        return len(self.servers) > 1
 
     def resume(self, net) -> None:
         if self.is_server and self.current is not None:
@@ -215,23 +274,38 @@ class ParameterServer(Strategy):
             self.current = None
 
     def finalize(self, net, optimizer, step: int = 0) -> None:
-        """Every rank (all done serving) gets theta_bar; the server keeps theta."""
+        """Every rank (all done serving) gets theta_bar; server 0 keeps theta (each
+        server's slice of it)."""
         if self.is_server:
             self.current = net.params.copy()
             net.params[...] = self.average.average
-        self.comm.bcast_(net.params, root=0)
+        if not self.split:
+            self.comm.bcast_(net.params, root=0)
+            return
+        for server, (start, stop) in enumerate(self.slices):
+            self.comm.bcast_(net.params[start:stop], root=server)
+            if server and self.comm.rank == 0:
+                self.comm.recv(self.current[start:stop], server, tag=SLICE_TAG)
+            elif server and self.comm.rank == server:
+                self.comm.send(self.current[start:stop], 0, tag=SLICE_TAG)
+        if self.comm.rank == 0:
+            self.average.average[...] = net.params      # every server's slice of it
 
     # -- the server's side ---------------------------------------------------------
     def send_weights(self, net, client: int) -> None:
-        """theta to ``client``, remembering the version it now computes on."""
-        self.comm.send(net.params, client, tag=WEIGHTS_TAG)
+        """theta (this server's slice) to ``client``, remembering the version it now
+        computes on."""
+        self.comm.send(net.params[self.own], client, tag=WEIGHTS_TAG)
         self.sent_version[client] = self.updates
 
     def receive_push(self, net) -> Push:
         """The next push from whichever client it comes; its gradient (if any) into
-        ``net.grads``."""
+        ``net.grads`` (this server's slice; zeros elsewhere).  A server other than 0
+        also answers server 0's requests meanwhile."""
         comm = self.comm
         while True:
+            if self.obey_control(net):
+                continue
             found = comm.iprobe(tag=HEADER_TAG)
             if found is not None:
                 break
@@ -244,7 +318,9 @@ class ParameterServer(Strategy):
             raise RuntimeError(f"param_server: rank {source} sent an unknown header kind "
                                f"{kind}")
         if kind != DONE:
-            comm.recv(net.grads, source, tag=GRADIENT_TAG)
+            if self.split:
+                net.grads[...] = 0      # the step then leaves the other slices alone
+            comm.recv(net.grads[self.own], source, tag=GRADIENT_TAG)
         return Push(source=source, kind=kind, loss_sum=loss_sum, correct=correct,
                     frames=int(frames), position=int(position),
                     staleness=self.updates - self.sent_version[source])
@@ -253,34 +329,93 @@ class ParameterServer(Strategy):
         """theta <- theta - lr g (the optimizer's step), t += 1, the average follows."""
         optimizer.step(lr)
         self.updates += 1
-        self.client_steps[push.source - 1] = push.position + 1
+        self.client_steps[push.source - len(self.servers)] = push.position + 1
         self.average.update(net.params)
+
+    # -- server 0 and the other servers (a split model) -------------------------------
+    def obey_control(self, net) -> bool:
+        """A server other than 0: carry out server 0's request if one came (True)."""
+        if self.comm.rank == 0 or not self.split:
+            return False
+        if self.comm.iprobe(0, CONTROL_TAG) is None:
+            return False
+        self.comm.recv(self._header, 0, tag=CONTROL_TAG)
+        kind = int(self._header[0])
+        if kind == SNAPSHOT:
+            self.comm.send(net.params[self.own], 0, tag=SLICE_TAG)
+            self.comm.send(self.average.average[self.own], 0, tag=SLICE_TAG)
+        elif kind == SWITCH:
+            self.average.switch_to_uniform(updates=self.updates)
+        elif kind == END:
+            self._ended = True
+        else:
+            raise RuntimeError(f"param_server: server 0 sent an unknown control kind {kind}")
+        return True
+
+    def serve_until_released(self, net) -> None:
+        """A server other than 0, its own serving done: answer server 0 until END (which
+        may have come already)."""
+        while not self._ended:
+            if not self.obey_control(net):
+                self.comm.idle()
+
+    def _tell_servers(self, kind: int, value: float = 0.0) -> None:
+        self._header[:] = (kind, value, 0.0, 0.0, 0.0)
+        for server in self.servers[1:]:
+            self.comm.send(self._header, server, tag=CONTROL_TAG)
+
+    def collect_slices(self, net) -> None:
+        """Server 0: every other server's current slices of theta and theta_bar into
+        its own (before it evaluates or checkpoints the whole model)."""
+        if not self.split:
+            return
+        self._tell_servers(SNAPSHOT)
+        for server in self.servers[1:]:
+            start, stop = self.slices[server]
+            self.comm.recv(net.params[start:stop], server, tag=SLICE_TAG)
+            self.comm.recv(self.average.average[start:stop], server, tag=SLICE_TAG)
+
+    def switch_to_uniform(self) -> None:
+        """Server 0: the average turns uniform here and on every other server."""
+        self.average.switch_to_uniform(updates=self.updates)
+        if self.split:
+            self._tell_servers(SWITCH, self.updates)
+
+    def release_servers(self) -> None:
+        """Server 0, its serving done: the other servers may stop answering."""
+        if self.split:
+            self._tell_servers(END)
 
     # -- a client's side -----------------------------------------------------------
     def pull(self, net) -> None:
-        """The server's current weights into ``net.params``."""
-        self.comm.recv(net.params, 0, tag=WEIGHTS_TAG)
+        """The servers' current weights into ``net.params`` (each server's slice)."""
+        # every receive posted first: a server sending its slice never waits on
+        # another server's slice (which could be waiting on server 0)
+        self.comm.waitall([self.comm.irecv(net.params[start:stop], server, tag=WEIGHTS_TAG)
+                           for server, (start, stop) in enumerate(self.slices)])
 
     def push(self, net, *, loss_sum: float, correct: float, frames: int, position: int,
              last: bool) -> None:
         """The gradient in ``net.grads`` of this client's minibatch number ``position``
-        and its sums, to the server."""
+        and its sums, to the servers (each its slice)."""
         self._header[:] = (LAST if last else GRADIENT, loss_sum, correct, frames, position)
-        self.comm.send(self._header, 0, tag=HEADER_TAG)
-        self.comm.send(net.grads, 0, tag=GRADIENT_TAG)
+        for server, (start, stop) in enumerate(self.slices):
+            self.comm.send(self._header, server, tag=HEADER_TAG)
+            self.comm.send(net.grads[start:stop], server, tag=GRADIENT_TAG)
 
     def resumed_client_steps(self):
-        """This client's minibatches the server had applied at the checkpoint resumed
-        from; None for a fresh run or a checkpoint of another number of ranks."""
+        """This client's minibatches server 0 had applied at the checkpoint resumed
+        from; None for a fresh run or a checkpoint of another number of clients."""
         saved = self._saved_client_steps
         if saved is None or len(saved) != len(self.clients) or self.is_server:
             return None
-        return saved[self.comm.rank - 1]
+        return saved[self.comm.rank - len(self.servers)]
 
     def done_without_data(self) -> None:
         """Tell the server this client has no minibatch to train on."""
         self._header[:] = (DONE, 0.0, 0.0, 0, 0)
-        self.comm.send(self._header, 0, tag=HEADER_TAG)
+        for server in self.servers:
+            self.comm.send(self._header, server, tag=HEADER_TAG)
 
     # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict:

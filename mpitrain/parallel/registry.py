@@ -66,4 +66,4 @@ def data_share(cfg, *, rank: int, size: int) -> tuple:
     if module is None:
         return rank, size
     own = getattr(importlib.import_module(f"{__package__}.{module}"), "data_share", None)
-    return (rank, size) if own is None else own(rank, size)
+    return (rank, size) if own is None else own(rank, size, servers=cfg.parallel.servers)

@@ -72,10 +72,40 @@ def train_asynchronously(trainer, run_start: float) -> None:
 
         train_asynchronously(trainer, run_start=trainer.comm.wtime())
     """
-    if trainer.strategy.is_server:
+    if trainer.comm.rank == 0:
         Server(trainer, run_start).serve()
+    elif trainer.strategy.is_server:
+        serve_slice(trainer)
     else:
         train_client(trainer)
+
+
+def serve_slice(trainer) -> None:
+    """A server other than 0 (``parallel.servers`` > 1): apply each push to this
+    server's slice of the model and send the slice back, until every client is
+    done; then answer server 0 until it is done too.
+
+    Example::
+
+        serve_slice(trainer)        # on ranks 1..S-1 of a job with S servers
+    """
+    t, ps, net = trainer, trainer.strategy, trainer.net
+    for client in ps.clients:
+        ps.send_weights(net, client)
+    left = set(ps.clients)
+    while left:
+        push = ps.receive_push(net)
+        if push.kind == DONE:
+            left.discard(push.source)
+            continue
+        ps.apply(net, t.optimizer, t.guard.lr_scale * t.schedule.rate(t.step), push)
+        if push.kind == LAST:
+            left.discard(push.source)
+        else:
+            ps.send_weights(net, push.source)
+        t.step += 1
+        t.frames_seen += push.frames
+    ps.serve_until_released(net)
 
 
 # ------------------------------------------------------------------- a client
@@ -195,6 +225,7 @@ class Server:
                 self.checkpoint()
         if self.staleness:
             self._log(rate)
+        ps.release_servers()
 
     # -- progress ----------------------------------------------------------------
     def _log(self, lr: float) -> None:
@@ -243,6 +274,7 @@ class Server:
         t, ps, net = self.t, self.ps, self.t.net
         average = ps.average
         compare = average.mode != UNIFORM
+        ps.collect_slices(net)         # a split model: the other servers' slices
         if compare:
             current_xent, current_acc, _ = self._held_out()
         theta = net.params.copy()
@@ -264,7 +296,7 @@ class Server:
             text += f"; current model xent {current_xent:.4f} acc {current_acc:.4f}"
         t.log.say(text)
         if compare and xent < current_xent:
-            average.switch_to_uniform(updates=ps.updates)
+            ps.switch_to_uniform()
             t.log.write("average", step=t.step, mode=UNIFORM, switched_at=ps.updates)
             t.log.say(f"step {t.step}: the averaged model is the better on held-out data; "
                       "uniform (Polyak) average from here on")
@@ -276,6 +308,7 @@ class Server:
         rank's entry holds the server's optimizer and reader state; the clients'
         data positions are the strategy's ``client_steps``."""
         t, ps, net = self.t, self.ps, self.t.net
+        ps.collect_slices(net)
         finite = bool(backend.to_host(t.xp.isfinite(net.params).all()))
         if not (t.guard.last_window_good and finite):
             t.log.say(f"step {t.step}: checkpoint not written (the model is diverging or "

@@ -251,3 +251,88 @@ def test_three_ranks_learn_far_above_chance(small_corpus, tmp_path):
     # the bar of the other methods' two-rank runs (chance: 1/120)
     assert final["dev_acc"] > 0.45, final
     assert final["dev_acc"] > majority + 0.40, (final, majority)
+
+
+# ------------------------------------------------------ a model split over servers
+
+def test_split_by_layers_cuts_at_layer_boundaries_into_near_equal_parts():
+    from mpitrain.parallel.param_server import split_by_layers
+    assert split_by_layers([10, 10, 10, 10], 2) == [(0, 20), (20, 40)]
+    assert split_by_layers([100, 5, 100, 5], 2) == [(0, 105), (105, 210)]
+    assert split_by_layers([3, 4], 2) == [(0, 3), (3, 7)]
+    assert split_by_layers([7], 1) == [(0, 7)]
+    parts = split_by_layers([40, 8, 400, 8, 400, 8, 120, 2], 3)
+    assert parts[0][0] == 0 and parts[-1][1] == 986
+    assert all(a[1] == b[0] for a, b in zip(parts, parts[1:]))
+    with pytest.raises(ValueError, match="parallel.servers"):
+        split_by_layers([1, 2], 3)
+
+
+def test_several_servers_train_on_no_data():
+    assert [data_share(r, 5, servers=2) for r in range(5)] == [
+        (None, 3), (None, 3), (0, 3), (1, 3), (2, 3)]
+    with pytest.raises(ValueError, match="at least 3 ranks"):
+        data_share(0, 2, servers=2)
+
+
+def test_one_client_of_two_servers_equals_sequential_sgd_bit_for_bit(small_corpus, tmp_path):
+    # each server steps its own layers; with the whole-model max-change off (it
+    # would see one slice) that is the one rank's step, element for element
+    common = TINY + ["training.max_steps=30", "training.log_interval=10",
+                     "training.checkpoint_interval=0", "optimizer.max_change=0"]
+    sequential = tmp_path / "sequential"
+    train_in_process(sequential, small_corpus, common)
+    served = tmp_path / "served"
+    _virtual(small_corpus, served, 3, common + ["parallel.servers=2"])
+    reference, _ = load_model(sequential / "final.h5")
+    state = _strategy_group(sorted(served.glob("ckpt-*.h5"))[-1])
+    assert state["updates"] == 30 and list(state["client_steps"]) == [30]
+    assert np.array_equal(state["current"], reference.params)
+    averaged, _ = load_model(served / "final.h5")
+    np.testing.assert_array_equal(averaged.params, state["average"])
+
+
+def test_split_servers_log_evaluate_switch_and_checkpoint_on_virtual_ranks(small_corpus,
+                                                                           tmp_path):
+    extra = ["training.epochs=1", "training.log_interval=10", "training.eval_interval=1280",
+             "training.checkpoint_interval=30", "parallel.servers=2",
+             "parallel.average_eta=0.2"]
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        _virtual(small_corpus, run, 5, extra, slowdown={3: 2.0})
+    a, _ = load_model(runs[0] / "final.h5")
+    b, _ = load_model(runs[1] / "final.h5")
+    assert np.array_equal(a.params, b.params)         # replayed exactly
+    end = records(runs[0], "end")[-1]
+    assert end["steps"] == records(runs[0], "start")[0]["total_steps"]
+    # server 0 asked server 1 for its slices: the whole averaged model was evaluated
+    evals = records(runs[0], "eval")
+    assert len(evals) > 3 and evals[-1]["dev_xent"] < evals[0]["current_dev_xent"], evals
+    assert records(runs[0], "average"), "the average never turned uniform"
+    train = records(runs[0], "train")
+    assert train[-1]["xent"] < train[0]["xent"]
+    assert len(list(runs[0].glob("ckpt-*.h5"))) >= 2
+
+
+def test_servers_refused_for_another_method():
+    from mpitrain.config import ConfigError
+    with pytest.raises(ConfigError, match="parallel.servers"):
+        load_config(QUICKSTART, ["parallel.servers=2"])
+
+
+@pytest.mark.mpi
+def test_two_servers_with_a_slow_client_finish_on_real_ranks(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    try:
+        result = _train(4, run, small_corpus, TINY + [
+            "parallel.servers=2", "training.epochs=1", "training.log_interval=16",
+            "training.eval_interval=2560", "training.checkpoint_interval=40",
+            "parallel.straggler.ranks=[3]", "parallel.straggler.slowdown=2.0"], timeout=150)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"param_server with two servers hung: {exc}")
+    assert result.returncode == 0, mpi_output(result)
+    end = records(run, "end")[-1]
+    counts = list(_strategy_group(sorted(run.glob("ckpt-*.h5"))[-1])["client_steps"])
+    assert end["steps"] == sum(counts) == records(run, "start")[0]["total_steps"]
+    train = records(run, "train")
+    assert train[-1]["xent"] < train[0]["xent"], train
