@@ -89,23 +89,33 @@ def serve_slice(trainer) -> None:
 
         serve_slice(trainer)        # on ranks 1..S-1 of a job with S servers
     """
-    t, ps, net = trainer, trainer.strategy, trainer.net
+    ps, net = trainer.strategy, trainer.net
     for client in ps.clients:
         ps.send_weights(net, client)
     left = set(ps.clients)
     while left:
-        push = ps.receive_push(net)
-        if push.kind == DONE:
-            left.discard(push.source)
-            continue
-        ps.apply(net, t.optimizer, t.guard.lr_scale * t.schedule.rate(t.step), push)
-        if push.kind == LAST:
-            left.discard(push.source)
-        else:
-            ps.send_weights(net, push.source)
-        t.step += 1
-        t.frames_seen += push.frames
+        serve_next_push(trainer, left)
     ps.serve_until_released(net)
+
+
+def serve_next_push(trainer, left: set, rate: float = 0.0) -> tuple:
+    """A server: take the next push, step with it and answer (unless it was the
+    client's last); ``left`` loses each client that is done.  Returns (the push,
+    or None for a client without data; the rate used, else ``rate``)."""
+    t, ps, net = trainer, trainer.strategy, trainer.net
+    push = ps.receive_push(net)
+    if push.kind == DONE:
+        left.discard(push.source)
+        return None, rate
+    rate = t.guard.lr_scale * t.schedule.rate(t.step)
+    ps.apply(net, t.optimizer, rate, push)
+    if push.kind == LAST:
+        left.discard(push.source)
+    else:
+        ps.send_weights(net, push.source)
+    t.step += 1
+    t.frames_seen += push.frames
+    return push, rate
 
 
 # ------------------------------------------------------------------- a client
@@ -194,18 +204,9 @@ class Server:
         next_checkpoint = (t.step // ck + 1) * ck if ck else 0
         rate = 0.0
         while left:
-            push = ps.receive_push(net)
-            if push.kind == DONE:
-                left.discard(push.source)
+            push, rate = serve_next_push(t, left, rate)
+            if push is None:
                 continue
-            rate = t.guard.lr_scale * t.schedule.rate(t.step)
-            ps.apply(net, t.optimizer, rate, push)
-            if push.kind == LAST:
-                left.discard(push.source)
-            else:
-                ps.send_weights(net, push.source)
-            t.step += 1
-            t.frames_seen += push.frames
             self.sums += (push.loss_sum, push.correct, push.frames)
             self.staleness.append(push.staleness)
             last = not left
