@@ -30,7 +30,7 @@ from typing import Optional
 
 from .idle import release_idle, wait_idle
 from .machine import environment, load_average
-from .options import BenchOptions
+from .options import BenchOptions, check_benchable
 from .phases import steps_per_epoch_one_rank, sync_period, throughput_phase, time_to_accuracy
 from .report import build_report
 
@@ -54,6 +54,7 @@ def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None) -
                            options=BenchOptions(target_accuracy=0.5))
     """
     sizes, methods = options.resolve(world.size)
+    check_benchable(cfg, methods)
     env = environment(world, cfg)
     if options.measures_accuracy and not cfg.data.dev:
         raise ValueError("data.dev: the time-to-accuracy phase needs a held-out corpus "

@@ -37,6 +37,14 @@ def bench_methods() -> tuple:
     return tuple(m for m in METHODS if m not in ASYNCHRONOUS_METHODS)
 
 
+def check_benchable(cfg, methods) -> None:
+    """Refuse (ValueError, one line) a config the benchmark cannot run as asked:
+    asynchronous ADPSGD's ranks take no common steps to stop at a target together."""
+    if cfg.parallel.asynchronous and "adpsgd" in methods:
+        raise ValueError("parallel.asynchronous: the benchmark mode runs ADPSGD lock-step; "
+                         "set parallel.asynchronous: false")
+
+
 @dataclass(frozen=True)
 class BenchOptions:
     """What to measure; every budget keeps each run finite.

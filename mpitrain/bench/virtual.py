@@ -29,7 +29,7 @@ from ..comm.single import SingleCommunicator
 from ..comm.virtual import VirtualCluster
 from .machine import environment, load_average
 from .mode import _accuracy_line, _throughput_line
-from .options import BenchOptions
+from .options import BenchOptions, check_benchable
 from .phases import steps_per_epoch_one_rank, sync_period, throughput_phase, time_to_accuracy
 from .report import build_report
 
@@ -73,6 +73,7 @@ def run_virtual_bench(cfg, *, out_dir: str, options: BenchOptions, compute,
     out = stream or sys.stdout
     sizes = tuple(sorted(set(options.sizes))) or (1,)
     _, methods = options.resolve(max(sizes))
+    check_benchable(cfg, methods)
     if options.measures_accuracy and not cfg.data.dev:
         raise ValueError("data.dev: the time-to-accuracy phase needs a held-out corpus "
                          "(set data.dev, or run with --phases throughput)")

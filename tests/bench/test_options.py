@@ -46,3 +46,14 @@ def test_lr_scale_sets_the_rates_of_n_ranks():
     assert BenchOptions(lr_scale="sqrt").to_dict()["lr_scale"] == "sqrt"
     with pytest.raises(ValueError, match="--lr-scale: expected one of none, linear, sqrt"):
         BenchOptions(lr_scale="cubic")
+
+
+def test_asynchronous_adpsgd_is_refused_in_one_line():
+    from mpitrain.bench.options import check_benchable
+    from mpitrain.config import load_config
+    from ..helpers import QUICKSTART
+    cfg = load_config(QUICKSTART, ["parallel.method=adpsgd", "parallel.asynchronous=true"])
+    with pytest.raises(ValueError, match="parallel.asynchronous") as info:
+        check_benchable(cfg, ("model_averaging", "adpsgd"))
+    assert "\n" not in str(info.value)
+    check_benchable(cfg, ("model_averaging",))      # ADPSGD not among the methods: fine
