@@ -197,6 +197,10 @@ class ParallelConfig:
     asynchronous: bool = _opt(False, help="adpsgd: each rank steps at its own pace and "
                                           "mixes without waiting (active/passive pairs); "
                                           "false: lock-step pairs, deterministic")
+    hierarchical: bool = _opt(False, help="adpsgd: gradient allreduce inside each node, "
+                                          "the ring across nodes (lock-step)")
+    ranks_per_node: int = _opt(0, min=0, help="hierarchical adpsgd: ranks per node; 0: "
+                                              "the ranks sharing a host")
     servers: int = _opt(1, min=1, help="param_server: server ranks (0..servers-1); the "
                                       "model is split over them by layers, so each link "
                                       "carries a share of every update")
@@ -392,6 +396,8 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
                           f" not {cfg.parallel.method}")
     if cfg.parallel.asynchronous:
         _check_asynchronous_adpsgd(cfg, where)
+    if cfg.parallel.hierarchical:
+        _check_hierarchical_adpsgd(cfg, where)
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
         raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
                           "set data.dev")
@@ -415,6 +421,17 @@ def _check_asynchronous_adpsgd(cfg: RunConfig, where: str) -> None:
     if cfg.training.early_stop.patience:
         raise ConfigError(f"{where}training.early_stop.patience: not available with "
                           "parallel.asynchronous (rank 0 evaluates its own model alone)")
+
+
+def _check_hierarchical_adpsgd(cfg: RunConfig, where: str) -> None:
+    par = cfg.parallel
+    if par.method != "adpsgd":
+        raise ConfigError(f"{where}parallel.hierarchical: works with parallel.method adpsgd, "
+                          f"not {par.method}")
+    if par.asynchronous or par.delay_by_one:
+        which = "asynchronous" if par.asynchronous else "delay_by_one"
+        raise ConfigError(f"{where}parallel.{which}: hierarchical ADPSGD mixes lock-step "
+                          f"without delay; set parallel.{which}: false")
 
 
 def parse_overrides(overrides) -> dict:

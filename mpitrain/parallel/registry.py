@@ -49,6 +49,8 @@ def build_strategy(cfg, comm, *, total_steps: int = 0):
                          f"expected one of {', '.join(METHODS)}") from None
     if module == "adpsgd" and cfg.parallel.asynchronous:
         module = "async_adpsgd"         # the papers' asynchronous form
+    elif module == "adpsgd" and cfg.parallel.hierarchical:
+        module = "hierarchical_adpsgd"  # allreduce inside a node, the ring across
     strategy = importlib.import_module(f"{__package__}.{module}").build(
         cfg, comm, total_steps=total_steps)
     from .straggler import build_straggler

@@ -1,0 +1,131 @@
+"""Hierarchical ADPSGD (Zhang, Cui et al., Interspeech 2019): synchronous SGD
+inside a node, ADPSGD's pairwise mixing across nodes.  The ranks of a node
+act as one learner::
+
+    inside node n, every step:   g_n <- mean of g_i over the node's ranks     one Allreduce on the node
+                                 w_n <- w_n - lr g_n                          every rank of n alike
+    across nodes, every step:    w_n, w_m <- (w_n + w_m) / 2                  the nodes' first ranks, paired
+                                 w_n to every rank of n                       one Bcast on the node
+
+The fast links inside a node carry the per-step gradient Allreduce; the
+slower links between nodes carry one model exchange per step between two
+nodes only.  The pairs are lock-step ADPSGD's (:class:`~.adpsgd.RingMixing`,
+fixed or random ring) over a communicator of the nodes' first ranks.
+
+Nodes: the ranks sharing a host name (as the launcher placed them), or
+blocks of ``ranks_per_node`` consecutive ranks when it is set (for virtual
+ranks, tests, or a launcher whose host names do not tell).
+
+Symbols in the code: g_i is ``net.grads``, w_n is ``net.params`` on every
+rank of node n; ``node_comm`` is the node's communicator, ``ring`` the
+mixing among the nodes' first ranks (None on the other ranks).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from .adpsgd import RingMixing, restore_own_model
+from .base import Strategy
+
+
+def build(cfg, comm, *, total_steps: int = 0):
+    """The strategy for ``parallel.method: adpsgd`` with ``parallel.hierarchical``."""
+    par = cfg.parallel
+    return NodeRingMixing(comm, topology=par.topology, seed=cfg.training.seed,
+                          ranks_per_node=par.ranks_per_node)
+
+
+def node_of_ranks(hosts: list, ranks_per_node: int = 0) -> list:
+    """Each rank's node index: blocks of ``ranks_per_node`` consecutive ranks when
+    it is > 0, else one node per host name (in order of first appearance).
+
+    Example::
+
+        node_of_ranks(["a", "a", "b", "b"])        # [0, 0, 1, 1]
+        node_of_ranks(["a"] * 6, ranks_per_node=4) # [0, 0, 0, 0, 1, 1]
+    """
+    if ranks_per_node > 0:
+        return [rank // ranks_per_node for rank in range(len(hosts))]
+    order: dict = {}
+    return [order.setdefault(host, len(order)) for host in hosts]
+
+
+class NodeRingMixing(Strategy):
+    """Gradient Allreduce inside each node, lock-step ADPSGD among nodes (module
+    docstring).
+
+    Example::
+
+        strategy = NodeRingMixing(comm, topology="random_ring", seed=1, ranks_per_node=4)
+        strategy.setup(net, optimizer)
+    """
+
+    name = "adpsgd"
+    sync_period = 1
+    reduces_gradients = True
+
+    def __init__(self, comm, *, topology: str = "fixed_ring", seed: int = 0,
+                 ranks_per_node: int = 0):
+        super().__init__(comm)
+        hosts = comm.allgather_obj(socket.gethostname())
+        nodes = node_of_ranks(hosts, int(ranks_per_node))
+        self.node, self.num_nodes = nodes[comm.rank], max(nodes) + 1
+        self.node_comm = comm.split(self.node, key=comm.rank)
+        first = self.node_comm.rank == 0
+        self.leaders = comm.split(0 if first else None, key=self.node)
+        # the mixing of the nodes' models, on their first ranks
+        self.ring = RingMixing(self.leaders, topology=topology, seed=seed) \
+            if first else None
+        self.iteration = 0
+        self.net = None
+        self._final_local = None
+
+    def setup(self, net, optimizer) -> None:
+        super().setup(net, optimizer)
+        self.bind(net)
+
+    def bind(self, net) -> None:
+        self.net = net
+        if self.ring is not None:
+            self.ring.bind(net)
+
+    def reduce_gradients(self, net) -> None:
+        if self.node_comm.size > 1:
+            self.node_comm.allreduce_(net.grads, op="mean")
+
+    def after_update(self, net, optimizer, step: int) -> None:
+        self.iteration = step
+        if self.ring is not None:
+            self.ring.after_update(net, optimizer, step)
+        if self.node_comm.size > 1:
+            self.node_comm.bcast_(net.params, root=0)
+
+    def models_agree(self, step: int) -> bool:
+        return self.num_nodes == 1
+
+    def finalize(self, net, optimizer, step: int = 0) -> None:
+        self._final_local = net.params.copy()
+        if self.comm.size > 1:
+            self.comm.allreduce_(net.params, op="mean")
+
+    # -- checkpoints ---------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"iteration": int(self.iteration)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.ring is not None:
+            self.ring.load_state_dict(state)
+        self.iteration = int(state.get("iteration", 0))
+        self._final_local = None
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own model (its node's; before the final average, once there
+        was one)."""
+        from ..backend import to_host
+        local = self._final_local if self._final_local is not None else self.net.params
+        return {"params": to_host(local).copy()}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        restore_own_model(self.net, state)
+        self._final_local = None

@@ -1,0 +1,115 @@
+"""Hierarchical ADPSGD (parallel/hierarchical_adpsgd.py): gradient Allreduce
+inside a node, lock-step pairwise mixing across nodes.
+
+In this process: nodes from host names or blocks of ranks; on virtual ranks,
+one step from a common start gives every rank of a node its node's averaged
+gradient step, and the mix of two nodes gives both their mean (a node sitting
+the step out keeps its own); a virtual run learns, and a resumed run equals
+the run straight through bit for bit; the settings it cannot take are
+refused.  Under real ``mpiexec -n 4`` (two nodes of two ranks): a run trains
+to the end.
+"""
+
+import numpy as np
+import pytest
+
+from mpitrain.comm.virtual import VirtualCluster
+from mpitrain.config import ConfigError, load_config
+from mpitrain.nn.model_file import load_model
+from mpitrain.nn.network import build_network
+from mpitrain.optim.sgd import SGD
+from mpitrain.parallel.hierarchical_adpsgd import NodeRingMixing, node_of_ranks
+from mpitrain.train.virtual import ComputeModel, train_virtual
+
+from ..helpers import QUICKSTART, mpi_output, records, small_overrides, train_on_ranks
+
+TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
+HIER = ["parallel.method=adpsgd", "parallel.hierarchical=true", "parallel.ranks_per_node=2"]
+
+
+def test_nodes_come_from_host_names_or_blocks_of_ranks():
+    assert node_of_ranks(["a", "a", "b", "b"]) == [0, 0, 1, 1]
+    assert node_of_ranks(["b", "a", "b", "a"]) == [0, 1, 0, 1]
+    assert node_of_ranks(["h"] * 6, ranks_per_node=4) == [0, 0, 0, 0, 1, 1]
+    assert node_of_ranks(["h"] * 3) == [0, 0, 0]
+
+
+@pytest.mark.parametrize("size", [4, 6])
+def test_a_step_averages_gradients_in_a_node_and_mixes_nodes(size):
+    lr = 0.5
+
+    def work(comm):
+        net = build_network(feat_dim=5, num_classes=4, left_context=1, right_context=1,
+                            hidden_layers=1, hidden_dim=16)
+        net.init_params(seed=2)
+        opt = SGD(net, max_change_per_layer=0, max_change_output=0, max_change=0)
+        strategy = NodeRingMixing(comm, topology="fixed_ring", seed=1, ranks_per_node=2)
+        strategy.setup(net, opt)
+        start = net.params.copy()
+        net.grads[...] = np.random.default_rng([5, comm.rank]).standard_normal(
+            net.num_params).astype(np.float32)
+        grads = net.grads.copy()
+        strategy.reduce_gradients(net)
+        opt.step(lr)
+        strategy.after_update(net, opt, 1)
+        return start, grads, net.params.copy()
+
+    out = VirtualCluster(size).run(work)
+    start = np.float64(out[0][0])
+    node_step = [start - lr * np.mean([np.float64(out[r][1]) for r in (2 * n, 2 * n + 1)],
+                                      axis=0) for n in range(size // 2)]
+    # iteration 1 on a fixed ring of nodes: places (1, 2), (3, 0), ...: with 2 nodes
+    # they mix; with 3 nodes node 0 sits out and nodes 1 and 2 mix
+    if size == 4:
+        expected = [(node_step[0] + node_step[1]) / 2] * 2
+    else:
+        mixed = (node_step[1] + node_step[2]) / 2
+        expected = [node_step[0], mixed, mixed]
+    for rank in range(size):
+        np.testing.assert_allclose(out[rank][2], expected[rank // 2], rtol=1e-5, atol=1e-6)
+        assert np.array_equal(out[rank][2], out[rank ^ 1][2])    # a node agrees exactly
+
+
+def _virtual(corpus, run_dir, size, extra=(), resume=False):
+    cfg = load_config(QUICKSTART, small_overrides(corpus) + TINY + HIER + list(extra))
+    return train_virtual(cfg, size=size, run_dir=str(run_dir), resume=resume,
+                         compute=ComputeModel(step_seconds=0.002))
+
+
+def test_learns_and_resumes_bit_exactly_on_virtual_ranks(small_corpus, tmp_path):
+    common = ["training.log_interval=8", "training.checkpoint_interval=8",
+              "optimizer.momentum=0.5", "parallel.topology=random_ring"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _virtual(small_corpus, straight, 6, common + ["training.max_steps=40"])
+    _virtual(small_corpus, split, 6, common + ["training.max_steps=24"])
+    _virtual(small_corpus, split, 6, common + ["training.max_steps=40"], resume=True)
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert [r["step"] for r in records(split, "start")] == [0, 24]
+    assert np.array_equal(a.params, b.params)
+    train = records(straight, "train")
+    assert train[-1]["xent"] < train[0]["xent"], train
+
+
+@pytest.mark.parametrize("setting,named", [
+    (["parallel.method=model_averaging", "parallel.hierarchical=true"], "parallel.hierarchical"),
+    (HIER + ["parallel.delay_by_one=true"], "parallel.delay_by_one"),
+    (HIER + ["parallel.asynchronous=true"], "parallel.asynchronous"),
+])
+def test_what_it_cannot_do_is_refused_in_one_line(setting, named):
+    with pytest.raises(ConfigError) as info:
+        load_config(QUICKSTART, setting)
+    assert named in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.mpi
+def test_two_nodes_of_two_real_ranks_train_to_the_end(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    result = train_on_ranks(4, run, small_corpus, TINY + HIER + [
+        "training.max_steps=24", "training.log_interval=8", "training.checkpoint_interval=8"],
+        timeout=120)
+    assert result.returncode == 0, mpi_output(result)
+    end = records(run, "end")[-1]
+    assert end["steps"] == 24 and end["frames"] == 24 * 4 * 256
+    train = records(run, "train")
+    assert train[-1]["xent"] < train[0]["xent"], train
