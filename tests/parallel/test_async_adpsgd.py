@@ -230,3 +230,25 @@ def test_slow_rank_on_uneven_shards_finishes_and_learns(small_corpus, tmp_path_f
     train = records(run, "train")
     assert train[-1]["xent"] < train[0]["xent"], train
     assert list(run.glob("ckpt-*.h5"))
+
+
+@pytest.mark.mpi
+def test_resume_on_real_ranks_continues_from_each_ranks_checkpoint(small_corpus, tmp_path):
+    from mpitrain.train.checkpoint import load_checkpoint
+    run = tmp_path / "run"
+    common = TINY + ASYNC + ["training.epochs=1", "training.log_interval=8",
+                             "training.checkpoint_interval=8", "parallel.topology=random_ring"]
+    first = train_on_ranks(4, run, small_corpus, common + ["training.max_steps=20"],
+                           timeout=120)
+    assert first.returncode == 0, mpi_output(first)
+    saved = load_checkpoint(str(sorted(run.glob("ckpt-*.h5"))[-1]), ranks=[0, 1, 2, 3])
+    own = [saved.rank_state(r)["strategy"]["own_steps"] for r in range(4)]
+    assert saved.step == sum(own) // 4 and min(own) > 0, own
+    second = train_on_ranks(4, run, small_corpus, common + ["training.max_steps=40"],
+                            resume=True, timeout=120)
+    assert second.returncode == 0, mpi_output(second)
+    assert [r["step"] for r in records(run, "start")] == [0, saved.step]
+    end = records(run, "end")[-1]
+    assert end["steps"] >= 40 and end["frames"] >= 40 * 4 * 256
+    resumed = [r for r in records(run, "train") if r["step"] > saved.step]
+    assert resumed and resumed[-1]["xent"] < records(run, "train")[0]["xent"]
