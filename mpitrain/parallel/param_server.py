@@ -65,8 +65,9 @@ HEADER_TAG, GRADIENT_TAG, WEIGHTS_TAG = 7500, 7501, 7502
 CONTROL_TAG, SLICE_TAG = 7503, 7504
 #: Header kinds: a gradient (weights wanted back), the client's last gradient, no data.
 GRADIENT, LAST, DONE = 1, 2, 3
-#: Control kinds: send your slices; the average turns uniform; serving is over.
-SNAPSHOT, SWITCH, END = 1, 2, 3
+#: Control kinds: send your slices; the average turns uniform; serving is over;
+#: send your slices of the optimizer's state.
+SNAPSHOT, SWITCH, END, OPTIMIZER = 1, 2, 3, 4
 HEADER_SIZE = 5
 #: Average modes.
 EXPONENTIAL, UNIFORM = "exponential", "uniform"
@@ -118,6 +119,25 @@ def split_by_layers(sizes, parts: int) -> list:
         start = int(ends[best])
     bounds.append((start, total))
     return bounds
+
+
+def param_sized_entries(state: dict, size: int) -> list:
+    """(dict, key) of every array of ``size`` elements in an optimizer's state (a
+    per-parameter buffer: momentum, accumulators), nested dicts included, in
+    sorted key order (the same on every rank for the same optimizer).
+
+    Example::
+
+        param_sized_entries({"delta": np.zeros(10), "num_steps": 3}, 10)   # [(state, "delta")]
+    """
+    found = []
+    for key in sorted(state):
+        value = state[key]
+        if isinstance(value, dict):
+            found += param_sized_entries(value, size)
+        elif getattr(value, "shape", None) == (size,):
+            found.append((state, key))
+    return found
 
 
 class ModelAverage:
@@ -240,6 +260,7 @@ class ParameterServer(Strategy):
         self.slices = None          # (start, stop) of each server's slice of the model
         self.own = None             # this server's slice
         self._ended = False         # server 0 has said END
+        self.optimizer = None       # a server's optimizer (set by its serving loop)
         self.updates = 0                            # t: gradients applied
         # minibatches each client has had applied (the data position on resume)
         self.client_steps = [0] * len(self.clients)
@@ -348,6 +369,10 @@ class ParameterServer(Strategy):
             self.average.switch_to_uniform(updates=self.updates)
         elif kind == END:
             self._ended = True
+        elif kind == OPTIMIZER:
+            state = self.optimizer.state_dict()
+            for entry, key in param_sized_entries(state, net.num_params):
+                self.comm.send(np.ascontiguousarray(entry[key][self.own]), 0, tag=SLICE_TAG)
         else:
             raise RuntimeError(f"param_server: server 0 sent an unknown control kind {kind}")
         return True
@@ -374,6 +399,22 @@ class ParameterServer(Strategy):
             start, stop = self.slices[server]
             self.comm.recv(net.params[start:stop], server, tag=SLICE_TAG)
             self.comm.recv(self.average.average[start:stop], server, tag=SLICE_TAG)
+
+    def whole_optimizer_state(self, optimizer, net) -> dict:
+        """Server 0: the optimizer's state with every per-parameter buffer made of
+        each server's own slice (for a checkpoint; the scalars are server 0's)."""
+        state = optimizer.state_dict()
+        if not self.split:
+            return state
+        entries = param_sized_entries(state, net.num_params)
+        for entry, key in entries:
+            entry[key] = np.array(entry[key])          # a copy: the live buffer stays
+        self._tell_servers(OPTIMIZER)
+        for server in self.servers[1:]:
+            start, stop = self.slices[server]
+            for entry, key in entries:
+                self.comm.recv(entry[key][start:stop], server, tag=SLICE_TAG)
+        return state
 
     def switch_to_uniform(self) -> None:
         """Server 0: the average turns uniform here and on every other server."""

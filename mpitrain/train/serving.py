@@ -90,6 +90,7 @@ def serve_slice(trainer) -> None:
         serve_slice(trainer)        # on ranks 1..S-1 of a job with S servers
     """
     ps, net = trainer.strategy, trainer.net
+    ps.optimizer = trainer.optimizer         # server 0 may ask for its state's slices
     for client in ps.clients:
         ps.send_weights(net, client)
     left = set(ps.clients)
@@ -315,7 +316,8 @@ class Server:
             t.log.say(f"step {t.step}: checkpoint not written (the model is diverging or "
                       "not finite)")
             return
-        own = {"optimizer": t.optimizer.state_dict(), "reader": t.stream.state_dict()}
+        own = {"optimizer": ps.whole_optimizer_state(t.optimizer, net),
+               "reader": t.stream.state_dict()}
         started = time.perf_counter()
         save_checkpoint(checkpoint_path(t.run_dir, t.step), net=net, step=t.step,
                         frames_seen=t.frames_seen, config_yaml=config_to_yaml(t.cfg),

@@ -134,10 +134,10 @@ def test_push_and_pull_carry_raw_buffers_on_virtual_ranks():
 
 # ------------------------------------------------------------ whole runs
 
-def _virtual(corpus, run_dir, size, extra=(), *, slowdown=None):
+def _virtual(corpus, run_dir, size, extra=(), *, slowdown=None, resume=False):
     cfg = load_config(QUICKSTART, small_overrides(corpus) + TINY + [
         "parallel.method=param_server"] + list(extra))
-    return train_virtual(cfg, size=size, run_dir=str(run_dir),
+    return train_virtual(cfg, size=size, run_dir=str(run_dir), resume=resume,
                          compute=ComputeModel(step_seconds=0.002, slowdown=slowdown or {}))
 
 
@@ -336,3 +336,38 @@ def test_two_servers_with_a_slow_client_finish_on_real_ranks(small_corpus, tmp_p
     assert end["steps"] == sum(counts) == records(run, "start")[0]["total_steps"]
     train = records(run, "train")
     assert train[-1]["xent"] < train[0]["xent"], train
+
+
+def test_resume_from_a_checkpoint_taken_while_serving_is_bit_exact_with_one_client(
+        small_corpus, tmp_path):
+    # one client: the run is sequential; the checkpoint at step 20 is taken by the
+    # server while serving, with the model, the average and the momentum
+    common = TINY + ["training.log_interval=10", "training.checkpoint_interval=10",
+                     "optimizer.max_change=0", "optimizer.momentum=0.5",
+                     "training.max_steps=30"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    _virtual(small_corpus, straight, 2, common)
+    _virtual(small_corpus, split, 2, common)
+    for name in ("ckpt-00000030.h5", "final.h5", "best.h5"):
+        (split / name).unlink(missing_ok=True)
+    _virtual(small_corpus, split, 2, common, resume=True)
+    assert [r["step"] for r in records(split, "start")] == [0, 20]
+    a = _strategy_group(straight / "ckpt-00000030.h5")
+    b = _strategy_group(split / "ckpt-00000030.h5")
+    assert np.array_equal(a["current"], b["current"])
+    assert np.array_equal(a["average"], b["average"])
+
+
+def test_a_split_servers_checkpoint_holds_every_servers_momentum(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    _virtual(small_corpus, run, 4, TINY + [
+        "training.log_interval=10", "training.checkpoint_interval=20",
+        "optimizer.momentum=0.5", "training.max_steps=30", "parallel.servers=2"])
+    from mpitrain.parallel.param_server import split_by_layers
+    from mpitrain.train.checkpoint import load_checkpoint
+    ckpt = load_checkpoint(str(run / "ckpt-00000040.h5"), ranks=[0])
+    momentum = np.asarray(ckpt.rank_state(0)["optimizer"]["delta"])
+    net, _ = load_model(run / "final.h5")
+    (_, cut), (_, end) = split_by_layers([sl.stop - sl.start for _, sl in net.param_slices], 2)
+    # server 1's slice came from server 1 (server 0's own buffer is zero there)
+    assert np.abs(momentum[:cut]).max() > 0 and np.abs(momentum[cut:end]).max() > 0
