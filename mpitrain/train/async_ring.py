@@ -191,6 +191,19 @@ class OwnPaceLoop:
         ck = cfg.training.checkpoint_interval
         self.next_checkpoint = (per_rank // ck + 1) * ck if ck else 0
 
+    def _drain_reports(self) -> None:
+        """Take every report that has come.  One empty poll is not enough: MPI may
+        move only some of many small messages per progress call, and a lagging
+        view of the ranks' steps makes the quiet points late."""
+        empty = 0
+        while empty < 2:
+            found = self.comm.iprobe(ANY_SOURCE, REPORT_TAG)
+            if found is None:
+                empty += 1
+                continue
+            empty = 0
+            self._receive_report(found[0])
+
     def _receive_report(self, source: int) -> None:
         self.comm.recv(self._report, source, tag=REPORT_TAG)
         self._take(source, self._report)
@@ -208,11 +221,7 @@ class OwnPaceLoop:
         quiet point when one is due (returns its kind, or None)."""
         t, comm = self.t, self.comm
         self._send_report(PROGRESS)
-        while True:
-            found = comm.iprobe(ANY_SOURCE, REPORT_TAG)
-            if found is None:
-                break
-            self._receive_report(found[0])
+        self._drain_reports()
         total = sum(self.steps_of)
         per_rank = total // comm.size
         halt = None
