@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
 from .files import parse_yaml, read_yaml, write_yaml, yaml_text
-from .parallel.registry import METHODS as STRATEGY_METHODS
+from .parallel.registry import METHODS as STRATEGY_METHODS, takes_own_steps
 
 
 class ConfigError(ValueError):
@@ -377,61 +377,54 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
     if m.init_from and m.nonlinearity != "sigmoid":
         raise ConfigError(f"{where}model.nonlinearity: model.init_from gives RBM (sigmoid) "
                           f"hidden layers; expected 'sigmoid', got {m.nonlinearity!r}")
-    if cfg.training.combine and cfg.parallel.method == "param_server":
-        raise ConfigError(f"{where}training.combine: not available with parallel.method "
-                          "param_server (its ranks take no common sync points)")
-    if cfg.training.early_stop.patience and cfg.parallel.method == "param_server":
-        raise ConfigError(f"{where}training.early_stop.patience: not available with "
-                          "parallel.method param_server (its clients stop on their own "
-                          "data only)")
     if cfg.training.early_stop.patience and not cfg.data.dev:
         raise ConfigError(f"{where}training.early_stop.patience: early stopping watches "
                           "held-out results; set data.dev")
-    if cfg.parallel.straggler_policy != "none" and cfg.parallel.method != "model_averaging":
-        raise ConfigError(f"{where}parallel.straggler_policy: {cfg.parallel.straggler_policy}"
-                          f" works with parallel.method model_averaging, not "
-                          f"{cfg.parallel.method}")
-    if cfg.parallel.servers > 1 and cfg.parallel.method != "param_server":
-        raise ConfigError(f"{where}parallel.servers: works with parallel.method param_server,"
-                          f" not {cfg.parallel.method}")
-    if cfg.parallel.asynchronous:
-        _check_asynchronous_adpsgd(cfg, where)
-    if cfg.parallel.hierarchical:
-        _check_hierarchical_adpsgd(cfg, where)
+    par = cfg.parallel
+    for key, is_set, method in _ONE_METHOD_SETTINGS:
+        value = getattr(par, key)
+        if is_set(value) and par.method != method:
+            shown = str(value).lower() if isinstance(value, bool) else value
+            raise ConfigError(f"{where}parallel.{key}: {shown} works with parallel.method "
+                              f"{method}, not {par.method}")
+    if takes_own_steps(cfg):
+        _check_own_steps(cfg, where)
+    if par.hierarchical and (par.asynchronous or par.delay_by_one):
+        which = "asynchronous" if par.asynchronous else "delay_by_one"
+        raise ConfigError(f"{where}parallel.{which}: hierarchical ADPSGD mixes lock-step "
+                          f"without delay; set parallel.{which}: false")
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
         raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
                           "set data.dev")
 
 
-def _check_asynchronous_adpsgd(cfg: RunConfig, where: str) -> None:
-    """What asynchronous ADPSGD cannot do: its ranks never share a step count."""
+# parallel.* settings that belong to one method: (key, whether it is set, the method)
+_ONE_METHOD_SETTINGS = (
+    ("straggler_policy", lambda value: value != "none", "model_averaging"),
+    ("servers", lambda value: value > 1, "param_server"),
+    ("asynchronous", bool, "adpsgd"),
+    ("hierarchical", bool, "adpsgd"),
+)
+
+
+def _check_own_steps(cfg: RunConfig, where: str) -> None:
+    """What a method whose ranks take their own numbers of steps cannot do (the
+    parameter server, asynchronous ADPSGD): anything that needs a common step."""
     par = cfg.parallel
-    if par.method != "adpsgd":
-        raise ConfigError(f"{where}parallel.asynchronous: works with parallel.method adpsgd, "
-                          f"not {par.method}")
-    if par.delay_by_one:
+    method = par.method + (" with parallel.asynchronous" if par.asynchronous else "")
+    if par.asynchronous and par.delay_by_one:
         raise ConfigError(f"{where}parallel.delay_by_one: the delay-by-one ring is lock-step;"
                           " set parallel.asynchronous: false or delay_by_one: false")
-    if cfg.optimizer.schedule in ("search", "newbob"):
+    if par.asynchronous and cfg.optimizer.schedule in ("search", "newbob"):
         raise ConfigError(f"{where}optimizer.schedule: {cfg.optimizer.schedule} needs every "
                           "rank at the same step; not available with parallel.asynchronous")
     if cfg.training.combine:
-        raise ConfigError(f"{where}training.combine: not available with "
-                          "parallel.asynchronous (its ranks take no common steps)")
+        raise ConfigError(f"{where}training.combine: not available with parallel.method "
+                          f"{method} (its ranks take no common sync points)")
     if cfg.training.early_stop.patience:
         raise ConfigError(f"{where}training.early_stop.patience: not available with "
-                          "parallel.asynchronous (rank 0 evaluates its own model alone)")
-
-
-def _check_hierarchical_adpsgd(cfg: RunConfig, where: str) -> None:
-    par = cfg.parallel
-    if par.method != "adpsgd":
-        raise ConfigError(f"{where}parallel.hierarchical: works with parallel.method adpsgd, "
-                          f"not {par.method}")
-    if par.asynchronous or par.delay_by_one:
-        which = "asynchronous" if par.asynchronous else "delay_by_one"
-        raise ConfigError(f"{where}parallel.{which}: hierarchical ADPSGD mixes lock-step "
-                          f"without delay; set parallel.{which}: false")
+                          f"parallel.method {method} (rank 0 evaluates alone while the "
+                          "others train on)")
 
 
 def parse_overrides(overrides) -> dict:

@@ -33,9 +33,12 @@ collective sets every member's clock to max(arrival clocks) + its cost on the
 network model (:class:`~mpitrain.comm.netmodel.NetworkModel`; None: free), so
 a straggler makes everyone wait.  A message sent at t arrives at
 t + latency + bytes/bandwidth; the sender spends bytes/bandwidth injecting it
-and a receiver's clock becomes max(its own, the arrival).  ``wtime()`` is the
-rank's clock and ``comm_time`` the simulated seconds it spent communicating,
-waits included.
+and a receiver's clock becomes max(its own, the arrival).  A poll (``iprobe``,
+a request's ``test``) never sees a message before its arrival, so a rank that
+computes between polls goes on computing; a loop with nothing else to do calls
+``idle()``, which moves the rank's clock to the next arrival.  ``wtime()`` is
+the rank's clock and ``comm_time`` the simulated seconds it spent
+communicating, waits included.
 
 Example::
 

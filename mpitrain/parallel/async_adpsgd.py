@@ -92,7 +92,6 @@ class AsyncRingMixing(Strategy):
 
     name = "adpsgd"
     sync_period = 1
-    asynchronous = True
 
     def __init__(self, comm, *, topology: str = "fixed_ring", seed: int = 0):
         super().__init__(comm)

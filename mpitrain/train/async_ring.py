@@ -6,7 +6,8 @@ is fast, and mixes through :class:`~mpitrain.parallel.async_adpsgd.AsyncRingMixi
 No collective can run while the ranks take their own numbers of steps, so:
 
 - each rank sends rank 0 a progress report after every step (its steps, its
-  frames, its loss sums and communication seconds since the last report);
+  frames and communication seconds; every ``log_interval`` of its steps also its
+  loss sums, the one read of the device, as in a synchronous log line);
 - rank 0, which trains too, writes the progress records from the reports,
   evaluates its own model on the whole held-out set, and calls the quiet
   points: a checkpoint at each ``training.checkpoint_interval`` of steps per
@@ -132,7 +133,12 @@ class OwnPaceLoop:
         return float(self._halt[0])
 
     def _send_report(self, kind: float) -> None:
-        loss_sum, correct, frames, skipped = self.training_step.take_sums()
+        # the counters every step; the loss sums (a read of the device) every
+        # log_interval of this rank's steps and at the end, as a log line reads them
+        if kind == FINAL or self.ring.own_steps % self.t.cfg.training.log_interval == 0:
+            loss_sum, correct, frames, skipped = self.training_step.take_sums()
+        else:
+            loss_sum = correct = frames = skipped = 0
         comm_now = self.comm.comm_time
         report = self._report
         report[:] = (kind, self.ring.own_steps, self.own_frames, loss_sum, correct, frames,
@@ -176,7 +182,8 @@ class OwnPaceLoop:
     # -- rank 0: the job's progress ------------------------------------------------------
     def _new_window(self) -> None:
         self.window_start = self.comm.wtime()
-        self.sums = np.zeros(5)      # loss, correct, frames, skipped, comm seconds
+        self.frames_at_window = sum(self.frames_of)
+        self.sums = np.zeros(5)      # loss, correct, their frames, skipped, comm seconds
         self.window_steps = 0
 
     def _set_marks(self) -> None:
@@ -227,7 +234,7 @@ class OwnPaceLoop:
         halt = None
         if total >= t.budget:
             halt = STOP
-        if per_rank >= self.next_log and halt is None:
+        if per_rank >= self.next_log and halt is None and self.sums[2]:
             self._log()
             self.next_log = (per_rank // t.cfg.training.log_interval + 1) \
                 * t.cfg.training.log_interval
@@ -249,8 +256,8 @@ class OwnPaceLoop:
 
     def _log(self) -> None:
         t, comm = self.t, self.comm
-        if not self.window_steps and not self.sums[2]:
-            return
+        if not self.window_steps or not self.sums[2]:
+            return          # no loss sums yet in this window: the line waits for them
         now = comm.wtime()
         elapsed = max(now - self.window_start, 1e-9)
         loss, correct, frames, skipped, comm_s = self.sums
@@ -262,7 +269,7 @@ class OwnPaceLoop:
         record = {"step": t.step, "epoch": t.step // t.steps_per_epoch,
                   "frames": t.frames_seen, "seconds": now - self.run_start,
                   "xent": float(xent), "acc": float(acc), "lr": self.rate,
-                  "frames_per_sec": frames / elapsed,
+                  "frames_per_sec": (sum(self.frames_of) - self.frames_at_window) / elapsed,
                   "comm_fraction": min(1.0, comm_s / comm.size / elapsed),
                   "skipped": int(skipped), "rss_mb": resident_mb(),
                   "steps_min": int(min(self.steps_of)), "steps_max": int(max(self.steps_of)),
