@@ -20,7 +20,8 @@ Symbols in the code: X and Xhat are ``X`` (overwritten in place), W is
 ``self.W`` (rows ``_wj[:rank]``), ``H = X W^T`` is ``h``, ``J = H^T X`` is
 ``_wj[rank:]``, d and rho are ``_d`` and ``_rho``, eta is :meth:`eta`, r is
 ``rank``, t is ``t``; the r x r part of an update (Z, its eigendecomposition,
-the floors, ``W' = A B``) is :func:`_plan_update`, in float64 on the host.
+the floors, ``W' = A B``) is :func:`_plan_updates`, in float64 on the host, for
+every layer side of one rank at once (:class:`JointFisherUpdates`).
 
 Example::
 
@@ -139,10 +140,11 @@ def special_orthonormal(rank: int, dim: int) -> np.ndarray:
     return r0
 
 
-def _e_from(d: np.ndarray, rho: float, alpha: float, dim: int) -> np.ndarray:
-    """e_i = d_i / (d_i + beta), beta = rho (1 + alpha) + (alpha/D) sum(d)."""
-    beta = rho * (1.0 + alpha) + alpha * float(np.sum(d)) / dim
-    return 1.0 / (beta / d + 1.0)
+def _e_from(d: np.ndarray, rho, alpha: float, dim) -> np.ndarray:
+    """e_i = d_i / (d_i + beta), beta = rho (1 + alpha) + (alpha/D) sum(d); for one
+    estimate (d (r,)) or a stack (d (k, r), rho and dim (k,))."""
+    beta = np.asarray(rho * (1.0 + alpha) + alpha * np.sum(d, axis=-1) / dim)
+    return 1.0 / (beta[..., None] / d + 1.0)
 
 
 def _gram_schmidt_rows(m: np.ndarray) -> np.ndarray:
@@ -184,60 +186,87 @@ class _UpdatePlan:
 def _plan_update(gram: np.ndarray, x_sq: float, d: np.ndarray, rho: float, *,
                  num_rows: int, dim: int, eta: float, alpha: float,
                  epsilon: float, delta: float) -> _UpdatePlan:
-    """The r x r part of the Fisher update (spec section 1), in float64.
+    """The r x r part of one Fisher update (spec section 1), in float64; see
+    :func:`_plan_updates`."""
+    return _plan_updates(gram[None], np.array([x_sq]), d[None], np.array([rho]),
+                         num_rows=np.array([num_rows]), dim=np.array([dim]),
+                         eta=np.array([eta]), alpha=alpha, epsilon=epsilon, delta=delta)[0]
 
-    ``gram`` is the Gram matrix of [W; J] (2r x 2r): it holds W W^T, L = W J^T
-    (= H^T H) and K = J J^T.  The new W is ``A (J + diag(g) W)`` with the
-    returned A and g.  When a reorthogonalisation is due, its lower-triangular
-    transform is folded into A, using W' W'^T = A B B^T A^T computed from
-    ``gram``, so the device needs no second round trip.
+
+def _plan_updates(gram, x_sq, d, rho, *, num_rows, dim, eta, alpha: float,
+                  epsilon: float, delta: float) -> list:
+    """The r x r parts of k Fisher updates of one rank r at once, in float64.
+
+    Stacked: ``gram`` (k, 2r, 2r), ``d`` (k, r), and ``x_sq``, ``rho``,
+    ``num_rows``, ``dim``, ``eta`` (k,).  Each ``gram`` is the Gram matrix of
+    [W; J]: it holds W W^T, L = W J^T (= H^T H) and K = J J^T.  The new W is
+    ``A (J + diag(g) W)`` with the returned A and g.  When a reorthogonalisation
+    is due, its lower-triangular transform is folded into A, using
+    W' W'^T = A B B^T A^T computed from ``gram``, so the device needs no second
+    round trip.  One call for every layer side of a rank costs one pass of
+    small array operations instead of one per side (on a GPU the step waits
+    for the host meanwhile); each eigendecomposition is the same LAPACK call.
     """
-    r = d.size
-    ww = gram[:r, :r]
-    l_mat = 0.5 * (gram[:r, r:] + gram[r:, :r])   # W J^T and J W^T: symmetrise
-    k_mat = 0.5 * (gram[r:, r:] + gram[r:, r:].T)
-    a = eta / num_rows
+    k, r = d.shape
+    ww = gram[:, :r, :r]
+    l_mat = 0.5 * (gram[:, :r, r:] + gram[:, r:, :r])   # W J^T and J W^T: symmetrise
+    k_mat = 0.5 * (gram[:, r:, r:] + gram[:, r:, r:].transpose(0, 2, 1))
+    a = eta / num_rows                                   # (k,)
     b = 1.0 - eta
-    u = d + rho
+    u = d + rho[:, None]
     e = _e_from(d, rho, alpha, dim)
     s = 1.0 / np.sqrt(e)
-    ss = np.outer(s, s)
+    ss = s[:, :, None] * s[:, None, :]
     # Z = Y Y^T, Y = R T, T = eta X^T X / N + (1 - eta) F   (eqn Zt)
-    z_mat = a * a * ss * k_mat + a * b * ss * l_mat * (u[:, None] + u[None, :])
-    z_mat[np.diag_indices(r)] += (b * u) ** 2
+    z_mat = (a * a)[:, None, None] * ss * k_mat \
+        + (a * b)[:, None, None] * ss * l_mat * (u[:, :, None] + u[:, None, :])
+    diagonal = np.arange(r)
+    z_mat[:, diagonal, diagonal] += (b[:, None] * u) ** 2
     # Z grows as the 4th power of the data: eigendecompose a scaled copy.
-    z_scale = max(1.0, float(np.trace(z_mat)))
-    c, u_mat = np.linalg.eigh(z_mat / z_scale)
-    c = c[::-1] * z_scale
-    u_mat = u_mat[:, ::-1]
-    reorthogonalize = bool(c[0] > CONDITION_THRESHOLD * c[-1])
+    z_scale = np.maximum(1.0, np.trace(z_mat, axis1=1, axis2=2))
+    c, u_mat = np.linalg.eigh(z_mat / z_scale[:, None, None])
+    c = c[:, ::-1] * z_scale[:, None]
+    u_mat = u_mat[:, :, ::-1]
     c_floor = (rho * b) ** 2
-    if np.any(c < c_floor):
-        reorthogonalize = True
-        c = np.maximum(c, c_floor)
+    reorthogonalize = (c[:, 0] > CONDITION_THRESHOLD * c[:, -1]) \
+        | np.any(c < c_floor[:, None], axis=1)
+    c = np.maximum(c, c_floor[:, None])
     sqrt_c = np.sqrt(c)
     # rho' keeps tr F' = tr T; the floors follow after d' uses the unfloored rho'.
-    rho1 = (a * x_sq + b * (dim * rho + float(np.sum(d))) - float(np.sum(sqrt_c))) / (dim - r)
-    d1 = sqrt_c - rho1
-    floor = max(epsilon, delta * float(np.max(sqrt_c)))
-    rho1 = max(rho1, floor)
-    d1 = np.maximum(d1, floor)
+    rho1 = (a * x_sq + b * (dim * rho + np.sum(d, axis=1)) - np.sum(sqrt_c, axis=1)) / (dim - r)
+    d1 = sqrt_c - rho1[:, None]
+    floor = np.maximum(epsilon, delta * np.max(sqrt_c, axis=1))
+    rho1 = np.maximum(rho1, floor)
+    d1 = np.maximum(d1, floor[:, None])
     e1 = _e_from(d1, rho1, alpha, dim)
     sqrt_e1 = np.sqrt(e1)
-    g = b * u / a                                  # B = J + diag(g) W
-    a_matrix = (a * sqrt_e1 / sqrt_c)[:, None] * u_mat.T * s[None, :]
-    gram_schmidt = False
-    if reorthogonalize:
-        bbt = k_mat + l_mat * g[None, :] + g[:, None] * l_mat + g[:, None] * ww * g[None, :]
-        o_mat = (a_matrix @ bbt @ a_matrix.T) / np.outer(sqrt_e1, sqrt_e1)
-        if np.max(np.abs(np.tril(o_mat - np.eye(r)))) > ORTHOGONALITY_TOLERANCE:
-            c_inv = _cholesky_inverse(o_mat)
-            if c_inv is None:
-                gram_schmidt = True
-            else:
-                # W' <- E'^{1/2} C^{-1} E'^{-1/2} W'
-                a_matrix = (sqrt_e1[:, None] * c_inv / sqrt_e1[None, :]) @ a_matrix
-    return _UpdatePlan(a_matrix, g, d1, rho1, e1, gram_schmidt)
+    g = b[:, None] * u / a[:, None]                    # B = J + diag(g) W
+    a_matrix = (a[:, None] * sqrt_e1 / sqrt_c)[:, :, None] * u_mat.transpose(0, 2, 1) \
+        * s[:, None, :]
+    plans = []
+    for i in range(k):
+        gram_schmidt = False
+        a_i = a_matrix[i]
+        if reorthogonalize[i]:
+            a_i, gram_schmidt = _reorthogonalized(a_i, g[i], ww[i], l_mat[i], k_mat[i],
+                                                  sqrt_e1[i])
+        plans.append(_UpdatePlan(a_i, g[i], d1[i], float(rho1[i]), e1[i], gram_schmidt))
+    return plans
+
+
+def _reorthogonalized(a_matrix, g, ww, l_mat, k_mat, sqrt_e1):
+    """A with the transform that makes W' = A B orthogonal (rows of R') folded in,
+    and whether Gram-Schmidt must run on W' instead."""
+    r = g.size
+    bbt = k_mat + l_mat * g[None, :] + g[:, None] * l_mat + g[:, None] * ww * g[None, :]
+    o_mat = (a_matrix @ bbt @ a_matrix.T) / np.outer(sqrt_e1, sqrt_e1)
+    if np.max(np.abs(np.tril(o_mat - np.eye(r)))) <= ORTHOGONALITY_TOLERANCE:
+        return a_matrix, False
+    c_inv = _cholesky_inverse(o_mat)
+    if c_inv is None:
+        return a_matrix, True
+    # W' <- E'^{1/2} C^{-1} E'^{-1/2} W'
+    return (sqrt_e1[:, None] * c_inv / sqrt_e1[None, :]) @ a_matrix, False
 
 
 def _cholesky_inverse(o_mat: np.ndarray):
@@ -273,7 +302,9 @@ class OnlineNaturalGradient(Preconditioner):
     needs the Gram matrix of [W; J], which is copied to the host without
     stopping the GPU, and waiting for it one call later lets the GPU run the
     rest of the minibatch meanwhile.  The results are the same as finishing
-    at once, because nothing reads W in between.
+    at once, because nothing reads W in between.  With a ``joint``
+    (:class:`JointFisherUpdates`) the first side that finishes finishes every
+    side's pending update.
 
     Example::
 
@@ -312,6 +343,8 @@ class OnlineNaturalGradient(Preconditioner):
         self.epsilon = float(epsilon)
         self.delta = float(delta)
         self.frozen = bool(frozen)
+        # the JointFisherUpdates this object's updates are finished with, or None
+        self.joint = None
         self.reset()
 
     # -- state -----------------------------------------------------------------
@@ -422,7 +455,7 @@ class OnlineNaturalGradient(Preconditioner):
         passes = 1 if num_rows <= rank else 3
         for _ in range(passes):
             self._precondition_and_update(x0.copy(), True)
-            self._finish_update()              # each pass starts from the last one's W
+            self._finish_own_update()          # each pass starts from the last one's W
 
     def _set_w(self, w, xp, dtype=None) -> None:
         rank, dim = w.shape
@@ -485,18 +518,34 @@ class OnlineNaturalGradient(Preconditioner):
         self._finish_update()
 
     def _finish_update(self) -> None:
-        """Fisher update from J (in the buffer) and ||X||^2: new W, d, rho."""
+        """Finish the pending update: this object's alone, or with those of its
+        :class:`JointFisherUpdates` (which must come before W is read anyway)."""
         if self._pending is None:
             return
+        if self.joint is not None:
+            self.joint.finish()
+        else:
+            self._finish_own_update()
+
+    def _finish_own_update(self) -> None:
+        gram, x_sq, d, rho, options = self._take_pending()
+        self._apply_plan(_plan_update(gram, x_sq, d, rho, **options))
+
+    def _take_pending(self):
+        """The arguments of :func:`_plan_update` for the pending update (it waits
+        for the copies to the host), and forget it."""
         gram_copy, x_sq_copy, num_rows, dim = self._pending
         self._pending = None
-        xp = backend.get_array_module(self._wj)
         gram = np.asarray(gram_copy.result(), dtype=np.float64)
         x_sq = float(np.asarray(x_sq_copy.result(), dtype=np.float64))
+        return gram, x_sq, self._d, self._rho, dict(
+            num_rows=num_rows, dim=dim, eta=self.eta(num_rows), alpha=self.alpha,
+            epsilon=self.epsilon, delta=self.delta)
+
+    def _apply_plan(self, plan: _UpdatePlan) -> None:
+        """Fisher update from J (in the buffer) and the host's plan: new W, d, rho."""
+        xp = backend.get_array_module(self._wj)
         rank = self._rank
-        plan = _plan_update(gram, x_sq, self._d, self._rho, num_rows=num_rows,
-                            dim=dim, eta=self.eta(num_rows), alpha=self.alpha,
-                            epsilon=self.epsilon, delta=self.delta)
         dtype = self._wj.dtype
         small = backend.to_device(
             np.concatenate([plan.a_matrix, plan.g[:, None]], axis=1).astype(dtype), xp)
@@ -525,6 +574,48 @@ class OnlineNaturalGradient(Preconditioner):
     def count_replayed_call(self) -> None:
         """The host side of a call that was replayed from a CUDA graph."""
         self.t += 1
+
+
+class JointFisherUpdates:
+    """Finishes the pending Fisher updates of several preconditioners together.
+
+    NG-SGD updates every layer side's estimate in the same minibatches, and
+    each update's r x r part runs on the host.  Finished one side at a time,
+    that is a pass of small array operations per side, during which a GPU
+    waits; here the first side that needs its update finished finishes all of
+    them, with one :func:`_plan_updates` per rank.  The results are those of
+    finishing each alone (bit for bit on NumPy, tested), since a side's W is
+    read only by its own next call.
+
+    Example::
+
+        joint = JointFisherUpdates(optimizer.preconditioners.values())
+    """
+
+    def __init__(self, members):
+        self.members = [m for m in members if isinstance(m, OnlineNaturalGradient)]
+        for member in self.members:
+            member.joint = self
+
+    def finish(self) -> None:
+        """Finish every member's pending update now."""
+        groups = {}
+        for member in self.members:
+            if member._pending is not None:
+                key = (member._rank, member.alpha, member.epsilon, member.delta)
+                groups.setdefault(key, []).append((member, member._take_pending()))
+        for (_rank, alpha, epsilon, delta), taken in groups.items():
+            plans = _plan_updates(
+                np.stack([args[0] for _, args in taken]),
+                np.array([args[1] for _, args in taken]),
+                np.stack([args[2] for _, args in taken]),
+                np.array([args[3] for _, args in taken]),
+                num_rows=np.array([args[4]["num_rows"] for _, args in taken]),
+                dim=np.array([args[4]["dim"] for _, args in taken]),
+                eta=np.array([args[4]["eta"] for _, args in taken]),
+                alpha=alpha, epsilon=epsilon, delta=delta)
+            for (member, _args), plan in zip(taken, plans):
+                member._apply_plan(plan)
 
 
 class SimpleNaturalGradient(Preconditioner):

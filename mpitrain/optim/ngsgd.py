@@ -10,7 +10,7 @@ works unchanged: each rank preconditions its own rows.
 
 from __future__ import annotations
 
-from .natural_gradient import OnlineNaturalGradient, SimpleNaturalGradient
+from .natural_gradient import JointFisherUpdates, OnlineNaturalGradient, SimpleNaturalGradient
 from .sgd import SGD
 
 
@@ -47,6 +47,8 @@ class NaturalGradientSGD(SGD):
             layer.set_preconditioners(p_in, p_out)
             self.preconditioners[f"layer{i}_in"] = p_in
             self.preconditioners[f"layer{i}_out"] = p_out
+        # every side updates in the same minibatches: their host parts run together
+        self.joint_updates = JointFisherUpdates(self.preconditioners.values())
 
     def static_step_ahead(self) -> bool:
         return super().static_step_ahead() and self.variant == "online" and all(

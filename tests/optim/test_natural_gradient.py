@@ -709,6 +709,98 @@ def test_preconditioned_step_is_downhill(variant):
     assert loss_and_grad(block, X, labels)[0] < 0.9 * start
 
 
+# -- joint Fisher updates: every side's host part in one pass ----------------------------
+def _ngsgd_network(seed=3):
+    from mpitrain.nn.network import build_network
+    from mpitrain.optim.ngsgd import NaturalGradientSGD
+    net = build_network(feat_dim=6, num_classes=9, left_context=2, right_context=2,
+                        hidden_layers=2, hidden_dim=40)
+    net.init_params(seed=seed)
+    return net, NaturalGradientSGD(net, rank_in=8, rank_out=12, update_period=2)
+
+
+def _train_ngsgd(net, opt, steps, seed=4):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        x = rng.standard_normal((32, net.input_dim)).astype(np.float32)
+        net.forward_backward(x, rng.integers(0, net.num_classes, 32))
+        opt.step(0.01)
+
+
+def test_joint_updates_equal_each_side_finishing_alone():
+    joint_net, joint_opt = _ngsgd_network()
+    alone_net, alone_opt = _ngsgd_network()
+    for p in alone_opt.preconditioners.values():
+        p.joint = None
+    _train_ngsgd(joint_net, joint_opt, 20)
+    _train_ngsgd(alone_net, alone_opt, 20)
+    assert np.array_equal(joint_net.params, alone_net.params)
+    for key, p in joint_opt.preconditioners.items():
+        mine, theirs = p.state_dict(), alone_opt.preconditioners[key].state_dict()
+        assert np.array_equal(mine["W"], theirs["W"]) and np.array_equal(mine["d"], theirs["d"])
+        assert mine["rho"] == theirs["rho"] and mine["t"] == theirs["t"] > 0
+
+
+def test_joint_updates_plan_once_per_rank_and_update(monkeypatch):
+    net, opt = _ngsgd_network()
+    _train_ngsgd(net, opt, 12)              # past the initial update-every-call phase
+    calls = []
+    real = pc._plan_updates
+
+    def spy(gram, *args, **kwargs):
+        calls.append(gram.shape)
+        return real(gram, *args, **kwargs)
+
+    monkeypatch.setattr(pc, "_plan_updates", spy)
+    _train_ngsgd(net, opt, 8, seed=5)
+    ranks = sorted({p._rank for p in opt.preconditioners.values()})
+    sides = {r: sum(p._rank == r for p in opt.preconditioners.values()) for r in ranks}
+    # update_period 2: four updates in 8 steps (the last finished when read below)
+    opt.preconditioners["layer0_in"].finish_update()
+    assert len(calls) == 4 * len(ranks)
+    assert sorted(calls) == sorted((sides[r], 2 * r, 2 * r) for r in ranks for _ in range(4))
+
+
+@pytest.mark.parametrize("threshold", [pc.CONDITION_THRESHOLD, 0.0])
+def test_stacked_plans_equal_one_at_a_time(monkeypatch, threshold):
+    """_plan_updates over a stack gives each item's _plan_update, including items
+    that reorthogonalise (threshold 0 checks every update)."""
+    monkeypatch.setattr(pc, "CONDITION_THRESHOLD", threshold)
+    inputs = []
+    real = pc._plan_update
+
+    def spy(gram, x_sq, d, rho, **options):
+        inputs.append((gram, x_sq, d.copy(), rho, options))
+        return real(gram, x_sq, d, rho, **options)
+
+    monkeypatch.setattr(pc, "_plan_update", spy)
+    rng = np.random.default_rng(6)
+    for dim in (30, 31, 45):
+        prec = OnlineNaturalGradient(rank=6, update_period=1)
+        for _ in range(4):
+            prec.precondition((rng.standard_normal((50, dim)) * 0.1 ** rng.random(dim))
+                              .astype(np.float32))
+        prec.finish_update()
+    inputs = inputs[-9:]
+    reorthogonalised = []
+    real_reorthogonalized = pc._reorthogonalized
+    monkeypatch.setattr(pc, "_reorthogonalized", lambda *a: reorthogonalised.append(1)
+                        or real_reorthogonalized(*a))
+    stacked = pc._plan_updates(
+        np.stack([i[0] for i in inputs]), np.array([i[1] for i in inputs]),
+        np.stack([i[2] for i in inputs]), np.array([i[3] for i in inputs]),
+        num_rows=np.array([i[4]["num_rows"] for i in inputs]),
+        dim=np.array([i[4]["dim"] for i in inputs]),
+        eta=np.array([i[4]["eta"] for i in inputs]), alpha=ALPHA, epsilon=EPS, delta=DELTA)
+    for (gram, x_sq, d, rho, options), plan in zip(inputs, stacked):
+        alone = real(gram, x_sq, d, rho, **options)
+        np.testing.assert_allclose(plan.a_matrix, alone.a_matrix, rtol=1e-12, atol=1e-300)
+        for field in ("g", "d", "e"):
+            assert np.array_equal(getattr(plan, field), getattr(alone, field))
+        assert plan.rho == alone.rho and plan.gram_schmidt == alone.gram_schmidt
+    assert (len(reorthogonalised) > 0) == (threshold == 0.0)
+
+
 # -- on the GPU: CuPy agrees with NumPy (marked gpu) -----------------------------------
 # Skipped without CuPy or a CUDA device; with MPITRAIN_TEST_GPU=1 those skips
 # become failures, so a GPU CI job cannot pass by skipping.
