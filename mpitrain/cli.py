@@ -293,16 +293,23 @@ def _model_file(path: str, command: str, *, stream=None) -> str:
 
 
 def cmd_eval(args) -> int:
-    from .data.corpus import load_manifest
+    from .data.corpus import load_manifest, speaker_cmvn_kind
     from .nn.model_file import load_model
     from .train.evaluate import evaluate_chunks, load_eval_chunks
     args.model = _model_file(args.model, "eval")
     net, _ = load_model(args.model)
     manifest = load_manifest(args.corpus_dir)
+    if args.max_frames < 0:
+        raise UsageError(f"--max-frames must be >= 0 (0: all frames), got {args.max_frames}")
     if manifest.feat_dim != net.feat_dim or manifest.num_classes != net.num_classes:
         raise UsageError(f"{args.corpus_dir}/corpus.yaml: feat_dim {manifest.feat_dim}, "
                          f"num_classes {manifest.num_classes}; the model {args.model} "
                          f"expects {net.feat_dim} and {net.num_classes}")
+    if speaker_cmvn_kind(manifest.speaker_cmvn) != speaker_cmvn_kind(net.speaker_cmvn):
+        raise UsageError(f"{args.corpus_dir}/corpus.yaml: "
+                         f"{speaker_cmvn_kind(manifest.speaker_cmvn)}, but the model "
+                         f"{args.model} was trained with "
+                         f"{speaker_cmvn_kind(net.speaker_cmvn)}; prepare the corpus alike")
     total, correct, frames = evaluate_chunks(net, load_eval_chunks(manifest, net,
                                                                    max_frames=args.max_frames))
     if frames == 0:
@@ -313,6 +320,8 @@ def cmd_eval(args) -> int:
 
 def cmd_export(args) -> int:
     from .export import export_loglikes
+    if args.batch < 1:
+        raise UsageError(f"--batch must be >= 1 (frames per forward pass), got {args.batch}")
     args.model = _model_file(args.model, "export", stream=sys.stderr)
     n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
                         batch=args.batch, prior_scale=args.prior_scale,
@@ -543,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="scale of log p(s) in log p(s|x) - scale * log p(s)")
     p.add_argument("--no-priors", action="store_true",
                    help="write log posteriors log p(s|x) (no prior division)")
-    p.add_argument("--batch", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=4096, help="frames per forward pass")
     p.add_argument("--utt2spk", default=None, metavar="FILE",
                    help="needed by a model trained with per-speaker CMVN: the speakers of "
                         "--feats (stats computed from them unless --cmvn gives them)")

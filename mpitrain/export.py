@@ -7,10 +7,11 @@ the pseudo log-likelihood of each pdf s,
     log p(x|s) = log p(s|x) - scale * log p(s)        (up to a constant)
 
 with p(s) the pdf's prior (the training corpus' class frequencies) and
-``scale`` the prior scale (1 by default; 0, or ``priors=False``, writes log
+``scale`` the prior scale (1 by default; ``priors=False`` writes log
 posteriors).  A pdf never seen in training has no usable prior: as in Kaldi,
 it gets a very low score (``UNSEEN_SCORE`` below every other), so the decoder
-never picks it, and one warning names how many there are.  Written as a
+never picks it, and one warning names how many there are; that holds at
+``scale`` 0 too, which otherwise gives log posteriors.  Written as a
 Kaldi matrix archive, so ``latgen-faster-mapped`` and friends read it
 directly.
 
@@ -50,6 +51,10 @@ def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
     ``offsets`` is ``-scale * log p(s)`` per class (:func:`prior_offsets`);
     zeros give log posteriors.
     """
+    if isinstance(batch, bool) or int(batch) != batch or batch < 1:
+        raise ValueError(f"batch must be an integer >= 1 (frames per forward pass), "
+                         f"got {batch!r}")
+    batch = int(batch)
     xp = net.xp
     frames = net.normalize_frames(backend.to_device(np.array(feats, dtype=np.float32), xp))
     n = frames.shape[0]
@@ -105,9 +110,14 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
     count = 0
     with ArkWriter(out_wspec) as writer:
         for utt, feats in read_feature_matrices(feats_rspec):
+            if feats.shape[0] == 0:
+                # an utterance with no frames (Kaldi writes it 0 x 0): no rows out
+                feats = np.zeros((0, net.feat_dim), dtype=np.float32)
             if feats.shape[1] != net.feat_dim:
                 raise ValueError(f"{feats_rspec}: utterance {utt} has features of shape "
                                  f"{feats.shape}, the model expects dim {net.feat_dim}")
+            if not np.isfinite(feats).all():
+                raise ValueError(f"{feats_rspec}: utterance {utt} contains NaN or inf")
             if speaker is not None:
                 feats = speaker.apply(utt, feats)
             writer.write(utt, utterance_loglikes(net, feats, offsets, batch=batch))
@@ -209,6 +219,28 @@ class ArkWriter:
         return handle
 
     def write(self, key: str, matrix: np.ndarray) -> None:
+        try:
+            self._write(key, matrix)
+        except BrokenPipeError:
+            raise OSError(self._why_the_reader_left()) from None
+
+    def _why_the_reader_left(self) -> str:
+        """The ``--out`` command stopped reading: its exit status, for the message."""
+        status = None
+        files, self._files = self._files, []
+        for handle in files:
+            with contextlib.suppress(Exception):      # flushing into the pipe fails again
+                handle.close()
+            process = getattr(handle, "_proc", None)  # kaldiio's pipe wrapper
+            if process is not None and status is None:
+                with contextlib.suppress(Exception):
+                    status = process.wait()
+        target = self.ark.strip()
+        if status:
+            return f"--out {target}: the command failed with exit status {status}"
+        return f"--out {target}: the command stopped reading before the archive ended"
+
+    def _write(self, key: str, matrix: np.ndarray) -> None:
         from kaldiio.matio import write_array, write_array_ascii
         head = (key + " ").encode("utf-8")
         self._fark.write(head)

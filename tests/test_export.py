@@ -122,6 +122,25 @@ def test_prior_scale_and_no_priors_follow_the_stated_convention(tiny, capsys):
     assert not (tiny[0] / "x.ark").exists()
 
 
+def test_empty_utterances_give_empty_matrices_and_nan_is_refused(tiny, capsys):
+    import kaldiio
+    d, model, feats = tiny
+    # Kaldi writes a 0-frame utterance as a 0 x 0 matrix
+    kaldiio.save_ark(str(d / "feats.ark"), {**feats, "empty": np.zeros((0, 0), np.float32),
+                                            "empty4": np.zeros((0, 4), np.float32)})
+    loglikes = _export(tiny)
+    assert loglikes["empty"].shape == loglikes["empty4"].shape == (0, 3)
+    assert loglikes["utt0"].shape == (5, 3)
+    capsys.readouterr()
+    bad = np.ones((3, 4), np.float32)
+    bad[1, 2] = np.nan
+    kaldiio.save_ark(str(d / "feats.ark"), {"utt0": feats["utt0"], "bad": bad})
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark:{d}/nan.ark"]) == 2
+    assert "utterance bad contains NaN or inf" in capsys.readouterr().err
+    assert not (d / "nan.ark").exists()
+
+
 def test_unseen_pdfs_from_the_corpus_counts(tmp_path):
     from mpitrain.export import UNSEEN_SCORE, prior_offsets
     offsets, unseen = prior_offsets([0.5, 0.5, 0.0])

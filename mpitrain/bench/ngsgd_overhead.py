@@ -30,7 +30,11 @@ from ..files import atomic_open
 
 
 def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
-            device="cpu", variant="online", cuda_graph: bool = False) -> dict:
+            device="cpu", variant="online", cuda_graph: bool = False,
+            reset_every: int = 0) -> dict:
+    """Median step times of SGD and NG-SGD; ``reset_every`` K > 0 starts NG-SGD's
+    preconditioners afresh every K steps, as model averaging every K minibatches
+    does on more than one rank with ``optimizer.ngsgd.reset_on_average``."""
     from .. import backend
     from .models import ModelSpec, synthetic_chunk
     from .steps import TrainerSteps
@@ -45,8 +49,11 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
     def run(name, n):
         backend.synchronize(xp)
         start = time.perf_counter()
+        runner = runners[name]
         for _ in range(n):
-            runners[name].step()
+            runner.step()
+            if name == "ngsgd" and reset_every and runner.step_count % reset_every == 0:
+                runner.optimizer.after_average()
         backend.synchronize(xp)
         return (time.perf_counter() - start) / n
 
@@ -64,7 +71,7 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
     med = {name: float(np.median(t)) for name, t in times.items()}
     return {"model": f"440-{layers}x{hidden}-{classes}", "minibatch": minibatch,
             "device": backend.device_name(xp), "cuda_graph": cuda_graph,
-            "sgd_step_ms": med["sgd"] * 1e3,
+            "reset_every": reset_every, "sgd_step_ms": med["sgd"] * 1e3,
             "ngsgd_step_ms": med["ngsgd"] * 1e3, "ratio": med["ngsgd"] / med["sgd"]}
 
 
@@ -80,13 +87,20 @@ def main(argv=None) -> int:
     p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     p.add_argument("--cuda-graph", action="store_true",
                    help="GPU: replay fixed steps from captured CUDA graphs")
+    p.add_argument("--reset-every", type=int, default=0, metavar="K",
+                   help="NG-SGD's preconditioners start afresh every K steps, as model "
+                        "averaging every K minibatches does on several ranks (0: never)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
+    if args.reset_every < 0:
+        p.error("--reset-every must be >= 0")
     result = measure(hidden=args.hidden, layers=args.layers, classes=args.classes,
                      minibatch=args.minibatch, rounds=args.rounds, steps=args.steps,
-                     device=args.device, cuda_graph=args.cuda_graph)
+                     device=args.device, cuda_graph=args.cuda_graph,
+                     reset_every=args.reset_every)
     print(f"{result['model']} minibatch {result['minibatch']} on {result['device']}"
-          f"{' (CUDA graphs)' if args.cuda_graph else ''}: "
+          f"{' (CUDA graphs)' if args.cuda_graph else ''}"
+          f"{f', NG-SGD reset every {args.reset_every} steps' if args.reset_every else ''}: "
           f"SGD {result['sgd_step_ms']:.1f} ms/step, NG-SGD {result['ngsgd_step_ms']:.1f} "
           f"ms/step, NG-SGD / SGD = {result['ratio']:.3f}")
     if args.json:

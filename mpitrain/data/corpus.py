@@ -267,6 +267,20 @@ def read_manifest_data(path: str):
         raise CorpusError(str(exc)) from None
 
 
+def speaker_cmvn_kind(speaker_cmvn: dict | None) -> str:
+    """How features were normalised per speaker, in words; two corpora (or a corpus
+    and a model) whose kinds differ hold features no one model fits.
+
+    Example::
+
+        speaker_cmvn_kind(None)                   # "no per-speaker CMVN"
+        speaker_cmvn_kind({"norm_vars": True})    # "per-speaker CMVN, norm_vars true"
+    """
+    if speaker_cmvn is None:
+        return "no per-speaker CMVN"
+    return f"per-speaker CMVN, norm_vars {str(bool(speaker_cmvn.get('norm_vars'))).lower()}"
+
+
 def _speaker_cmvn(source: dict) -> dict | None:
     found = source.get("speaker_cmvn")
     if isinstance(found, dict):

@@ -187,8 +187,7 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
             report.imported += 1
             report.frames += int(matrix.shape[0])
         if writer is None:
-            raise CorpusError(f"{feats_path}: no utterance has a matching alignment in "
-                              f"{ali_path}; nothing to import")
+            raise CorpusError(_nothing_imported(report, feats_path, ali_path))
         writer.close()
     except BaseException:
         if writer is not None:
@@ -197,6 +196,20 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     report.alignments_without_features = sum(1 for key in alignments if key not in seen)
     _write_report(report, out_dir)
     return report
+
+
+def _nothing_imported(report, feats_path, ali_path) -> str:
+    """Why no utterance could be imported, the commonest cause first."""
+    if report.length_mismatch:
+        key, frames, labels = report.length_mismatch[0]
+        return (f"{feats_path}: {len(report.length_mismatch)} utterance(s) have alignments "
+                f"in {ali_path} of another length than their features (e.g. {key}: "
+                f"{frames} frames, {labels} labels; a frame shift or subsampling?) and none "
+                "match; nothing to import")
+    if report.empty_features and not report.missing_alignment:
+        return f"{feats_path}: every utterance with an alignment has no frames; nothing to import"
+    return (f"{feats_path}: no utterance has an alignment in {ali_path} (ids differ?); "
+            "nothing to import")
 
 
 def _write_report(report: ImportReport, out_dir: str) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..files import read_yaml, write_yaml
 from .corpus import (CorpusError, CorpusManifest, ShardInfo, load_manifest, manifest_path,
-                     write_manifest)
+                     speaker_cmvn_kind, write_manifest)
 from .kaldi import REPORT_NAME
 
 __all__ = ["merge_corpora", "merge_import_reports"]
@@ -95,14 +95,11 @@ def merge_corpora(out_dir: str, parts, *, num_classes: int | None = None,
                                [m.cmvn_mean for m in manifests],
                                [m.cmvn_var for m in manifests])
     # features normalised differently cannot train one model
-    kinds = [None if m.speaker_cmvn is None else bool(m.speaker_cmvn.get("norm_vars"))
-             for m in manifests]
+    kinds = [speaker_cmvn_kind(m.speaker_cmvn) for m in manifests]
     for m, kind in zip(manifests, kinds):
         if kind != kinds[0]:
-            def said(k):
-                return "none" if k is None else f"per speaker, norm_vars {k}"
-            raise CorpusError(f"{manifest_path(m.directory)}: CMVN {said(kind)}, but "
-                              f"{manifest_path(manifests[0].directory)}: {said(kinds[0])}; "
+            raise CorpusError(f"{manifest_path(m.directory)}: {kind}, but "
+                              f"{manifest_path(manifests[0].directory)}: {kinds[0]}; "
                               "prepare every part alike")
     merged = CorpusManifest(
         feat_dim=feat_dim, num_classes=int(num_classes),

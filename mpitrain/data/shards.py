@@ -125,6 +125,7 @@ class ShardBuilder:
         self.path = str(path)
         self.feat_dim = int(feat_dim)
         self._tmp = temporary_path(self.path)
+        self._finished = False
         self._rows = chunk_rows(self.feat_dim)
         self._file = _h5py().File(self._tmp, "w")
         self._file.attrs["format_version"] = FORMAT_VERSION
@@ -173,6 +174,12 @@ class ShardBuilder:
 
     def close(self) -> None:
         """Write the utterance index, close the file and rename it into place."""
+        self.finish()
+        self.commit()
+
+    def finish(self) -> None:
+        """Write the utterance index and close the file, still under its temporary
+        name (:meth:`commit` puts it in place)."""
         if self._file is None:
             return
         self._flush()
@@ -182,13 +189,20 @@ class ShardBuilder:
         self._file.flush()
         self._file.close()
         self._file = None
-        commit(self._tmp, self.path)
+        self._finished = True
+
+    def commit(self) -> None:
+        """Rename the finished file into place."""
+        if self._finished:
+            commit(self._tmp, self.path)
+            self._finished = False
 
     def abort(self) -> None:
-        """Discard the partial file."""
+        """Discard the partial (or finished but not committed) file."""
         if self._file is not None:
             self._file.close()
             self._file = None
+        self._finished = False
         discard(self._tmp)
 
 

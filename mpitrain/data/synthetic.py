@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -283,10 +284,16 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
         info["seen_dev_dir"], info["seen_dev_frames"]
     """
     params = params or SyntheticParams()
-    if hours <= 0 or dev_hours <= 0:
-        raise ValueError(f"hours and dev_hours must be positive, got {hours}, {dev_hours}")
-    if not seen_dev_hours >= 0:
-        raise ValueError(f"seen_dev_hours must be >= 0, got {seen_dev_hours}")
+    for name, value, least in (("hours", hours, 1), ("dev_hours", dev_hours, 1),
+                               ("seen_dev_hours", seen_dev_hours, 0)):
+        # at least one frame (100 frames/s) of each set asked for, and a finite amount
+        if not (math.isfinite(value) and value >= 0
+                and value * 3600 * FRAMES_PER_SECOND >= least):
+            raise ValueError(f"{name} must be a finite number of hours giving at least "
+                             f"{max(least, 1)} frame (100 frames/s){' or 0' if not least else ''}, "
+                             f"got {value}")
+    if isinstance(seed, bool) or int(seed) != seed or seed < 0:
+        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
     for name, value in (("speakers", speakers), ("dev_speakers", dev_speakers),
                         ("shards", shards)):
         if int(value) != value or value < 1:

@@ -26,7 +26,9 @@ class CorpusWriter:
     differ by at most one utterance's length.  Shards and manifest are written
     under temporary names and renamed when complete; ``corpus.yaml`` comes
     last, so an interrupted write never leaves a corpus that looks finished.
-    Leaving the ``with`` block on an exception discards the partial shards.
+    Leaving the ``with`` block on an exception discards the partial shards; a
+    corpus that was there before (``overwrite``) is replaced only once the new
+    one is complete, and its extra shards are removed then.
 
     Example::
 
@@ -53,13 +55,10 @@ class CorpusWriter:
         self.manifest: CorpusManifest | None = None
 
         existing = manifest_path(self.out_dir)
-        if os.path.exists(existing):
-            if not overwrite:
-                raise CorpusError(f"{existing}: a corpus already exists here; "
-                                  "choose another directory or pass overwrite=True (--overwrite on the command line)")
-            # Remove the old manifest first: a crash below must not leave it
-            # pointing at half-replaced shards.
-            os.remove(existing)
+        if os.path.exists(existing) and not overwrite:
+            raise CorpusError(f"{existing}: a corpus already exists here; "
+                              "choose another directory or pass overwrite=True (--overwrite on the command line)")
+        # An existing corpus stays whole until the new one is complete (close()).
         os.makedirs(self.out_dir, exist_ok=True)
 
         self._builders = [ShardBuilder(os.path.join(self.out_dir, shard_name(i)),
@@ -98,7 +97,8 @@ class CorpusWriter:
         builders = self._builders
         try:
             for builder in builders:
-                builder.close()
+                builder.finish()
+            self._replace_old_corpus(builders)
         except BaseException:
             self.abort()
             raise
@@ -115,6 +115,20 @@ class CorpusWriter:
             shards=shards, source=self.source, directory=self.out_dir)
         write_manifest(self.manifest)
         return self.manifest
+
+    def _replace_old_corpus(self, builders) -> None:
+        """Put the finished shards in place of a corpus written here before: its
+        manifest goes first (a crash in between leaves no corpus that looks
+        finished), then its shards beyond the new count."""
+        old_manifest = manifest_path(self.out_dir)
+        if os.path.exists(old_manifest):
+            os.remove(old_manifest)
+        for builder in builders:
+            builder.commit()
+        stale = self.num_shards
+        while os.path.exists(os.path.join(self.out_dir, shard_name(stale))):
+            os.remove(os.path.join(self.out_dir, shard_name(stale)))
+            stale += 1
 
     def abort(self) -> None:
         """Discard everything written so far (finished shards stay only if renamed)."""

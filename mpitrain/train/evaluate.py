@@ -33,6 +33,8 @@ def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames:
     else:
         slices = assign_shards(manifest.shards, rank, size,
                                utt_offsets_of=shard_offsets_reader(manifest))
+    if max_frames < 0:
+        raise ValueError(f"max_frames must be >= 0 (0: all frames), got {max_frames}")
     limit = max_frames // size if max_frames else None
     mean, scale = backend.to_host(net.cmvn_mean), backend.to_host(net.cmvn_scale)
     chunks, taken = [], 0
@@ -40,8 +42,10 @@ def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames:
         feats, labels, start, end = read_chunk(manifest, spec, mean, scale)
         if limit is not None and taken + len(labels) > limit:
             keep = limit - taken
-            feats, labels = feats[:keep], labels[:keep]
-            start, end = start[:keep], np.minimum(end[:keep], keep)
+            # the last kept frames still see their right context, as uncut
+            reach = min(len(labels), keep + net.right_context)
+            feats, labels = feats[:reach], labels[:keep]
+            start, end = start[:keep], np.minimum(end[:keep], reach)
         chunks.append(tuple(backend.to_device(a, net.xp) for a in (feats, labels, start, end)))
         taken += len(labels)
         if limit is not None and taken >= limit:

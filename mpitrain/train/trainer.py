@@ -19,7 +19,7 @@ import numpy as np
 from .. import backend
 from ..config import RunConfig, config_from_yaml, config_to_yaml, dump_config
 from ..data.batcher import MinibatchStream, plan_chunks
-from ..data.corpus import CorpusError, load_manifest
+from ..data.corpus import CorpusError, load_manifest, manifest_path, speaker_cmvn_kind
 from ..data.sharding import plan_shards
 from ..data.validate import validate_corpus, validate_slices
 from ..files import remove_stale_temporaries
@@ -174,12 +174,7 @@ class Trainer:
             except ValueError as exc:    # every rank reads the same file: all stop alike
                 raise TrainingError(str(exc), agreed=True) from None
         if self.dev_manifest is not None:
-            for field in ("feat_dim", "num_classes"):
-                if getattr(self.dev_manifest, field) != getattr(m, field):
-                    raise TrainingError(
-                        f"{self.dev_manifest.directory}/corpus.yaml: {field} is "
-                        f"{getattr(self.dev_manifest, field)}, but the training corpus has "
-                        f"{getattr(m, field)}")
+            self._check_dev_matches(m)
         self.optimizer = build_optimizer(cfg.optimizer, self.net,
                                          minibatch=cfg.training.minibatch)
         self.dropout_schedule = None
@@ -229,6 +224,21 @@ class Trainer:
             total = min(total, cfg.training.max_steps)
         self.total_steps = max(total, 1)
         self.planned_steps = max(int(round(cfg.training.epochs * steps)), 1)
+
+    def _check_dev_matches(self, m) -> None:
+        """The held-out corpus must hold features of the training corpus' kind
+        (every rank reads the same manifests, so all ranks stop alike)."""
+        dev = self.dev_manifest
+        for field in ("feat_dim", "num_classes"):
+            if getattr(dev, field) != getattr(m, field):
+                raise TrainingError(f"{manifest_path(dev.directory)}: {field} is "
+                                    f"{getattr(dev, field)}, but the training corpus has "
+                                    f"{getattr(m, field)}", agreed=True)
+        dev_kind, train_kind = speaker_cmvn_kind(dev.speaker_cmvn), \
+            speaker_cmvn_kind(m.speaker_cmvn)
+        if dev_kind != train_kind:
+            raise TrainingError(f"{manifest_path(dev.directory)}: {dev_kind}, but the training "
+                                f"corpus has {train_kind}; prepare both alike", agreed=True)
 
     # -- asynchronous methods: each rank takes its own steps ---------------------------
     def _takes_own_steps(self) -> bool:

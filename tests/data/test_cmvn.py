@@ -129,8 +129,8 @@ def test_merge_refuses_parts_normalised_differently(kaldi):
                                                    for u, s in UTT2SPK.items()))
         kw = {"utt2spk": str(kaldi / f"{part}.u2s")} if kw else {}
         import_kaldi(f"ark:{kaldi}/{part}.ark", str(kaldi / f"{part}.ali"), str(m / part), **kw)
-    with pytest.raises(CorpusError, match=r"p2/corpus\.yaml: CMVN none, but .*p1/corpus\.yaml: "
-                                          r"per speaker, norm_vars False"):
+    with pytest.raises(CorpusError, match=r"p2/corpus\.yaml: no per-speaker CMVN, but "
+                                          r".*p1/corpus\.yaml: per-speaker CMVN, norm_vars false"):
         merge_corpora(str(m), [str(m / "p1"), str(m / "p2")])
     merged = merge_corpora(str(m), [str(m / "p1"), str(m / "p3")])
     assert merged.speaker_cmvn["norm_vars"] is False

@@ -136,3 +136,20 @@ def test_compressed_and_double_features_are_imported_as_float32(tmp_path):
     np.testing.assert_array_equal(data["a"][0], expected["a"].astype(np.float32))
     np.testing.assert_allclose(data["a"][0], feats["a"], atol=0.05)       # lossy compression
     np.testing.assert_array_equal(data["b"][0], feats["b"].astype(np.float32))
+
+
+def test_nothing_to_import_says_why(tmp_path):
+    rng = np.random.default_rng(3)
+    feats = {f"u{i}": rng.standard_normal((50, 4)).astype(np.float32) for i in range(3)}
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
+    # every alignment one frame short: the ids match, the lengths do not
+    kaldiio.save_ark(str(tmp_path / "short.ark"),
+                     {k: np.zeros(49, dtype=np.int32) for k in feats})
+    with pytest.raises(CorpusError, match=r"3 utterance\(s\) have alignments in .*short.ark of "
+                                          r"another length .*u0: 50 frames, 49 labels"):
+        import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/short.ark",
+                     str(tmp_path / "c1"))
+    kaldiio.save_ark(str(tmp_path / "other.ark"), {"x": np.zeros(50, dtype=np.int32)})
+    with pytest.raises(CorpusError, match=r"no utterance has an alignment in .*other.ark"):
+        import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/other.ark",
+                     str(tmp_path / "c2"))

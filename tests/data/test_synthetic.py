@@ -150,6 +150,20 @@ def test_params_are_validated():
         synthesize("unused", hours=0)
 
 
+@pytest.mark.parametrize("options,message", [
+    ({"hours": float("inf")}, "hours must be a finite number"),
+    ({"hours": float("nan")}, "hours must be a finite number"),
+    ({"hours": 1e-9}, "hours must be a finite number of hours giving at least 1 frame"),
+    ({"dev_hours": 1e-9}, "dev_hours must be"),
+    ({"seen_dev_hours": -1.0}, "seen_dev_hours must be"),
+    ({"seed": -1}, "seed must be an integer >= 0"),
+])
+def test_impossible_amounts_are_refused_before_anything_is_written(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        synthesize(str(tmp_path / "out"), **options)
+    assert not (tmp_path / "out").exists()
+
+
 def test_context_dnn_beats_single_frame_models_by_a_wide_margin(corpus):
     train_feats, train_labels, train_offsets, _, manifest = load_corpus(corpus["train_dir"])
     dev_feats, dev_labels, dev_offsets, _, _ = load_corpus(corpus["dev_dir"])

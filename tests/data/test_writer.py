@@ -88,3 +88,34 @@ def test_more_shards_than_utterances_gives_valid_empty_shards(tmp_path):
     assert [s.frames for s in manifest.shards] == [4, 0, 0]
     with ShardReader(manifest.shard_path(2)) as shard:
         assert shard.num_utterances == 0 and shard.utt_ids == []
+
+
+def _write(out, utts, shards, overwrite=False):
+    with CorpusWriter(out, feat_dim=6, num_classes=5, num_shards=shards,
+                      overwrite=overwrite) as writer:
+        for utt in utts:
+            writer.add(*utt)
+
+
+def test_a_failed_overwrite_leaves_the_old_corpus_whole(tmp_path):
+    out = str(tmp_path / "corpus")
+    _write(out, make_utterances(12, num_classes=5), 2)
+    before = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+    with pytest.raises(ValueError, match="NaN"):
+        with CorpusWriter(out, feat_dim=6, num_classes=5, num_shards=2,
+                          overwrite=True) as writer:
+            for utt_id, feats, labels in make_utterances(5, num_classes=5):
+                writer.add(utt_id, feats, labels)
+            writer.add("bad", np.full((4, 6), np.nan, np.float32), np.zeros(4, np.int64))
+    after = {name: open(os.path.join(out, name), "rb").read() for name in os.listdir(out)}
+    assert after == before
+    assert load_manifest(out).num_utterances == 12
+
+
+def test_an_overwrite_with_fewer_shards_removes_the_old_extra_shards(tmp_path):
+    out = str(tmp_path / "corpus")
+    _write(out, make_utterances(12, num_classes=5), 4)
+    _write(out, make_utterances(6, num_classes=5), 2, overwrite=True)
+    assert sorted(os.listdir(out)) == ["corpus.yaml", "shard-00000.h5", "shard-00001.h5"]
+    manifest = load_manifest(out)
+    assert manifest.num_utterances == 6 and len(manifest.shards) == 2

@@ -150,6 +150,64 @@ def test_merge_of_a_part_that_is_not_a_corpus(tmp_path, capsys):
     assert not (tmp_path / "out" / "corpus.yaml").exists()
 
 
+@pytest.mark.parametrize("batch", ["0", "-5"])
+def test_export_batch_below_one_is_refused(model, feats_scp, tmp_path, capsys, batch):
+    assert main(["export", str(model), "--feats", feats_scp, "--out",
+                 f"ark:{tmp_path / 'o.ark'}", "--batch", batch]) == 2
+    assert "--batch" in _one_line(capsys, "export")
+    assert not (tmp_path / "o.ark").exists()
+
+
+@pytest.mark.parametrize("command,message", [
+    ("| false", "the command failed with exit status 1"),
+    ("| head -c 10 > /dev/null", "the command stopped reading before the archive ended"),
+])
+def test_an_output_command_that_stops_early_is_named(model, tmp_path, capsys, command,
+                                                     message):
+    import kaldiio
+    rng = np.random.default_rng(1)
+    # far more than a pipe holds, so the writer meets the closed pipe
+    kaldiio.save_ark(str(tmp_path / "big.ark"),
+                     {f"u{i}": rng.standard_normal((200, 40)).astype(np.float32)
+                      for i in range(20)}, scp=str(tmp_path / "big.scp"))
+    assert main(["export", str(model), "--feats", f"scp:{tmp_path / 'big.scp'}",
+                 "--out", f"ark:{command}"]) == 2
+    assert f"--out {command}: {message}" in _one_line(capsys, "export")
+
+
+def test_eval_max_frames_below_zero_is_refused(model, small_corpus, capsys):
+    assert main(["eval", str(model), os.path.join(small_corpus, "dev"),
+                 "--max-frames", "-1"]) == 2
+    assert "--max-frames" in _one_line(capsys, "eval")
+
+
+def _normalised_per_speaker(corpus_dir, out):
+    """A copy of a corpus whose manifest says prepare applied per-speaker CMVN."""
+    import shutil
+    from mpitrain.files import read_yaml, write_yaml
+    shutil.copytree(corpus_dir, out)
+    manifest = read_yaml(os.path.join(out, "corpus.yaml"), what="corpus manifest")
+    manifest["source"] = dict(manifest.get("source") or {},
+                              speaker_cmvn={"norm_vars": True})
+    write_yaml(os.path.join(out, "corpus.yaml"), manifest)
+    return str(out)
+
+
+def test_eval_and_train_refuse_held_out_features_normalised_otherwise(model, small_corpus,
+                                                                      tmp_path, capsys):
+    dev = _normalised_per_speaker(os.path.join(small_corpus, "dev"), tmp_path / "dev")
+    assert main(["eval", str(model), dev]) == 2
+    err = _one_line(capsys, "eval")
+    assert "per-speaker CMVN, norm_vars true" in err and "no per-speaker CMVN" in err
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    for item in small_overrides(small_corpus, **{"data.dev": dev, "training.max_steps": 2}):
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = _one_line(capsys, "train")
+    assert f"{dev}/corpus.yaml: per-speaker CMVN, norm_vars true" in err
+    assert not (tmp_path / "run").exists()
+
+
 # -- the last line of defence -------------------------------------------------------------
 
 def test_an_internal_error_is_reported_as_a_bug_with_its_traceback(monkeypatch, capsys):

@@ -1,0 +1,47 @@
+"""The NG-SGD step-time benchmark: both optimizers timed, resets where asked."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpitrain.bench import ngsgd_overhead
+from mpitrain.optim.ngsgd import NaturalGradientSGD
+
+TINY = dict(hidden=16, layers=1, classes=5, minibatch=8, rounds=1, steps=4)
+
+
+def test_both_optimizers_are_timed_and_ngsgd_is_not_reset_by_default(monkeypatch):
+    resets = []
+    monkeypatch.setattr(NaturalGradientSGD, "reset_preconditioners",
+                        lambda self: resets.append(1))
+    result = ngsgd_overhead.measure(**TINY)
+    assert result["sgd_step_ms"] > 0 and result["ngsgd_step_ms"] > 0
+    assert result["ratio"] == pytest.approx(result["ngsgd_step_ms"] / result["sgd_step_ms"])
+    assert resets == [] and result["reset_every"] == 0
+
+
+def test_reset_every_k_restarts_the_preconditioners_every_k_steps(monkeypatch):
+    resets = []
+    real = NaturalGradientSGD.reset_preconditioners
+
+    def counted(self):
+        resets.append(1)
+        real(self)
+
+    monkeypatch.setattr(NaturalGradientSGD, "reset_preconditioners", counted)
+    result = ngsgd_overhead.measure(**TINY, reset_every=2)
+    # 12 warm-up steps and 4 timed ones: a reset after every second step
+    assert len(resets) == (12 + 4) // 2 and result["reset_every"] == 2
+
+
+def test_command_line_prints_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert ngsgd_overhead.main(["--hidden", "16", "--layers", "1", "--classes", "5",
+                                "--minibatch", "8", "--rounds", "1", "--steps", "2",
+                                "--reset-every", "4", "--json", str(out)]) == 0
+    assert "NG-SGD reset every 4 steps" in capsys.readouterr().out
+    assert json.loads(out.read_text())["reset_every"] == 4
+    with pytest.raises(SystemExit):
+        ngsgd_overhead.main(["--reset-every", "-1"])
