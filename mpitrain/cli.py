@@ -124,6 +124,7 @@ def _run_on_ranks(command: str, runner_class, cfg, args, *, default_suffix: str)
     all stop together or none; an error every rank reached together is one line
     from rank 0, an error on one rank aborts the job so the others do not wait.
     """
+    _refuse_virtual_only_options(args)
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
     from .train.run_dir import run_dir_problem
@@ -169,7 +170,7 @@ def _train_virtual(args, cfg) -> int:
     if problem:
         raise UsageError(problem)
     train_virtual(cfg, size=args.virtual, run_dir=run_dir, network=_network_model(args),
-                  compute=_compute_model(args, cfg), resume=args.resume,
+                  compute=_compute_model(args, cfg, args.virtual), resume=args.resume,
                   overwrite=args.overwrite, accept_changes=args.accept_changes)
     return 0
 
@@ -181,8 +182,16 @@ def _network_model(args):
                         allreduce_algorithm=args.allreduce_algorithm)
 
 
-def _compute_model(args, cfg):
-    """The virtual ranks' step times from --compute-ms, --slowdown and --jitter."""
+def _refuse_virtual_only_options(args) -> None:
+    """Options that only shape virtual ranks must not pass silently on real ones."""
+    if getattr(args, "slowdown", "").strip() or getattr(args, "jitter", 0.0):
+        raise UsageError("--slowdown and --jitter slow virtual ranks (--virtual); real ranks "
+                         "are slowed by parallel.straggler in the configuration")
+
+
+def _compute_model(args, cfg, ranks: int):
+    """The virtual ranks' step times from --compute-ms, --slowdown and --jitter
+    (``ranks``: the most virtual ranks there will be)."""
     from .train.virtual import compute_model
     slowdown = {}
     for item in (i.strip() for i in args.slowdown.split(",")):
@@ -194,6 +203,10 @@ def _compute_model(args, cfg):
         except ValueError:
             raise UsageError(f"--slowdown: expected RANK=FACTOR[,RANK=FACTOR...], e.g. 3=2.0; "
                              f"got {args.slowdown!r}") from None
+    outside = sorted(r for r in slowdown if not 0 <= r < ranks)
+    if outside:
+        raise UsageError(f"--slowdown: rank {outside[0]} is not one of the {ranks} virtual "
+                         f"ranks (0 to {ranks - 1})")
     return compute_model(cfg, step_ms=args.compute_ms, slowdown=slowdown, jitter=args.jitter,
                          seed=args.jitter_seed)
 
@@ -252,10 +265,11 @@ def cmd_bench(args) -> int:
     if virtual_sizes:
         from .bench.virtual import run_virtual_bench
         report = run_virtual_bench(cfg, out_dir=out_dir, options=options,
-                                   compute=_compute_model(args, cfg))
+                                   compute=_compute_model(args, cfg, max(virtual_sizes)))
         paths = write_report(report, out_dir, dpi=args.dpi)
         print("wrote " + ", ".join(paths.values()))
         return 0
+    _refuse_virtual_only_options(args)
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
     comm = create_communicator(device_transport=cfg.device_transport)

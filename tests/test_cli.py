@@ -201,3 +201,26 @@ def test_mpirun_python_dash_m_mpitrain_trains_mpitrain_yaml_of_the_directory(sma
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 rank(s)" in result.stdout
     assert (tmp_path / "runs" / "mpitrain" / "final.h5").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["train", "CONFIG", "--slowdown", "1=2"], "--slowdown and --jitter slow virtual ranks"),
+    (["bench", "CONFIG", "--jitter", "0.1"], "--slowdown and --jitter slow virtual ranks"),
+    (["bench", "CONFIG", "--virtual", "1,2", "--slowdown", "5=3"],
+     "--slowdown: rank 5 is not one of the 2 virtual ranks"),
+    (["train", "CONFIG", "--virtual", "4", "--slowdown", "4=2"],
+     "--slowdown: rank 4 is not one of the 4 virtual ranks"),
+    (["bench", "CONFIG", "--virtual", "1,2", "--methods", "param_server"],
+     "param_server: ranks that do not step together are not benchmarked"),
+])
+def test_options_that_cannot_apply_are_refused_in_one_line(small_corpus, tmp_path, capsys,
+                                                           argv, message):
+    from .helpers import QUICKSTART
+    argv = [QUICKSTART if a == "CONFIG" else a for a in argv]
+    argv += ["--set", f"data.train={small_corpus}/train"]
+    if argv[0] == "train":
+        argv += ["--run-dir", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1, err
+    assert not (tmp_path / "run").exists()

@@ -119,6 +119,6 @@ def _throughput_line(row: dict) -> str:
 def _accuracy_line(row: dict) -> str:
     if not row["reached"]:
         return (f"  n={row['ranks']} {row['method']:<16} target {row['target_accuracy']} not "
-                f"reached (stopped by {row['stopped_by']}; final acc {row['final_dev_acc']})")
+                f"reached (stopped by {row['stopped_by']}; final acc {row['final_dev_acc']:.4f})")
     return (f"  n={row['ranks']} {row['method']:<16} target {row['target_accuracy']} after "
             f"{row['frames_to_target']:,.0f} frames, {row['seconds_to_target']:.1f} s")

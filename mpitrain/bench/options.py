@@ -91,7 +91,10 @@ class BenchOptions:
                              f"got {list(self.sizes)}")
         unknown = [m for m in self.methods if m not in bench_methods()]
         if unknown:
-            raise ValueError(f"--methods: unknown {', '.join(unknown)}; expected some of "
+            own_pace = [m for m in unknown if m in ASYNCHRONOUS_METHODS]
+            what = (f"{', '.join(own_pace)}: ranks that do not step together are not "
+                    "benchmarked" if own_pace else f"unknown {', '.join(unknown)}")
+            raise ValueError(f"--methods: {what}; expected some of "
                              f"{', '.join(bench_methods())}")
         bad_phases = [p for p in self.phases if p not in PHASES]
         if bad_phases or not self.phases:
