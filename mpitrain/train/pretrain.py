@@ -49,7 +49,7 @@ from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import changed_settings, clear_run
-from .trainer import TrainingError, balanced_plan
+from .trainer import TrainingError, balanced_plan, no_minibatch_error
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
 RESULT_NAME = "pretrain.h5"
@@ -139,10 +139,8 @@ class Pretrainer:
         batch = cfg.pretrain.minibatch
         steps = int(comm.allreduce_scalar(sum(c.frames // batch for c in self.chunks), op="min"))
         if steps == 0:
-            raise TrainingError(
-                f"{self.manifest.directory}: rank {comm.rank} has no complete minibatch of "
-                f"{batch} frames; lower pretrain.minibatch, raise data.chunk_frames, or use "
-                "fewer ranks", agreed=True)
+            local = sum(c.frames // batch for c in self.chunks)
+            raise no_minibatch_error(self.manifest, comm, local, batch, "pretrain.minibatch")
         self.steps_per_epoch = steps
         self.stream = MinibatchStream(self.manifest, self.chunks, minibatch=batch,
                                       seed=cfg.training.seed, rank=comm.rank, cmvn=self.cmvn,

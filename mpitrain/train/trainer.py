@@ -73,6 +73,20 @@ class TrainingError(RuntimeError):
         self.agreed = agreed
 
 
+def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
+                       key: str) -> TrainingError:
+    """The error when some rank's share holds no complete minibatch, the same on
+    every rank (all ranks call this together) and naming what would help."""
+    rank = int(comm.allreduce_scalar(comm.rank if local_steps == 0 else comm.size, op="min"))
+    where = f"{manifest.directory}: rank {rank} has no complete minibatch of {minibatch} frames"
+    if manifest.num_utterances < comm.size:
+        return TrainingError(f"{where}: the corpus has {manifest.num_utterances} "
+                             f"utterance(s) for {comm.size} ranks; use at most "
+                             f"{manifest.num_utterances} ranks", agreed=True)
+    return TrainingError(f"{where}; lower {key}, raise data.chunk_frames, or use fewer ranks",
+                         agreed=True)
+
+
 class Trainer:
     """Example::
 
@@ -209,10 +223,8 @@ class Trainer:
         # every rank must take the same number of steps, or a collective hangs
         steps = int(comm.allreduce_scalar(local_steps, op="min"))
         if steps == 0:
-            raise TrainingError(
-                f"{self.manifest.directory}: rank {comm.rank} has no complete minibatch of "
-                f"{cfg.training.minibatch} frames; lower training.minibatch, raise "
-                "data.chunk_frames, or use fewer ranks")
+            raise no_minibatch_error(self.manifest, comm, local_steps, cfg.training.minibatch,
+                                     "training.minibatch")
         self.stream = MinibatchStream(
             self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,
             rank=comm.rank, cmvn=(backend.to_host(self.net.cmvn_mean),

@@ -16,7 +16,7 @@ import pytest
 from mpitrain.cli import main
 from mpitrain.data.corpus import load_manifest
 
-from ..helpers import QUICKSTART
+from ..helpers import QUICKSTART, mpi_output, train_on_ranks
 
 TINY = ["model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=5"]
 
@@ -136,3 +136,18 @@ def test_a_minibatch_larger_than_a_ranks_data(corpus, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "no complete minibatch of 10000000 frames" in err and "training.minibatch" in err
     assert err.count("\n") == 1 and not run.exists()
+
+
+@pytest.mark.mpi
+def test_fewer_utterances_than_ranks_is_said_once_with_the_remedy(mpiexec, tmp_path):
+    from mpitrain.data.synthetic import synthesize
+    corpus = tmp_path / "one"
+    synthesize(str(corpus), hours=0.00001, speakers=1, shards=1, dev_hours=0.00001,
+               dev_speakers=1)
+    run = tmp_path / "run"
+    result = train_on_ranks(2, run, str(corpus))
+    assert result.returncode == 2, mpi_output(result)
+    lines = [line for line in result.stderr.splitlines() if "no complete minibatch" in line]
+    assert len(lines) == 1, mpi_output(result)
+    assert "the corpus has 1 utterance(s) for 2 ranks; use at most 1 ranks" in lines[0]
+    assert not run.exists()
