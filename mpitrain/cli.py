@@ -155,7 +155,25 @@ def _run_on_ranks(command: str, runner_class, cfg, args, *, default_suffix: str)
         print(f"mpitrain {command}: rank {comm.rank}: error: {_one_line(exc)}",
               file=sys.stderr, flush=True)
         comm.abort(2, _one_line(exc))
+    except BaseException as exc:
+        _end_every_rank(comm, command, exc)
+        raise
     return 0
+
+
+def _end_every_rank(comm, command: str, exc: BaseException) -> None:
+    """An interrupt or a bug on one rank ends the whole job: a rank that just
+    returned would leave the others waiting in their next collective forever
+    (a rank spinning inside MPI never sees its own interrupt)."""
+    if comm.size == 1 or isinstance(exc, SystemExit):
+        return
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"mpitrain {command}: rank {comm.rank}: interrupted", file=sys.stderr, flush=True)
+        comm.abort(130, "interrupted")
+    traceback.print_exc()
+    print(f"mpitrain {command}: rank {comm.rank}: internal error: this is a bug in mpitrain; "
+          "please report it with the traceback above", file=sys.stderr, flush=True)
+    comm.abort(1, "internal error")
 
 
 def _train_virtual(args, cfg) -> int:
@@ -290,6 +308,9 @@ def cmd_bench(args) -> int:
         print(f"mpitrain bench: rank {comm.rank}: error: {_one_line(exc)}", file=sys.stderr,
               flush=True)
         comm.abort(2, _one_line(exc))
+    except BaseException as exc:
+        _end_every_rank(comm, "bench", exc)
+        raise
     return 0
 
 

@@ -50,3 +50,19 @@ def test_failing_rank_aborts_the_job(mode, message):
     assert "[rank 1/2]" in result.stderr, _output(result)
     assert "passed a barrier" not in result.stdout, _output(result)
     assert elapsed < timeout / 3, f"abort took {elapsed:.1f} s"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("mode,message,status", [
+    ("interrupt", "rank 1: interrupted", 130),
+    ("bug", "rank 1: internal error: this is a bug", 1),
+])
+def test_an_interrupt_or_a_bug_on_one_rank_ends_the_whole_training_job(small_corpus, tmp_path,
+                                                                       mode, message, status):
+    try:
+        result = run_mpi(3, [str(WORKERS / "cli_failure_worker.py"), mode, small_corpus,
+                             str(tmp_path / "run")], timeout=120)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"the job hung instead of ending: {exc}")
+    assert result.returncode == status, _output(result)
+    assert message in result.stderr, _output(result)
