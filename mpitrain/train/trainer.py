@@ -415,13 +415,29 @@ class Trainer:
                 "of ranks; resume with the same number of ranks", agreed=True)
         self.step = min(int(round(ckpt.step * self.planned_steps / old_planned)),
                         self.total_steps)
-        self.stream.seek(self.step // self.steps_per_epoch, self.step % self.steps_per_epoch)
+        if not self._takes_own_steps():
+            self.stream.seek(self.step // self.steps_per_epoch,
+                             self.step % self.steps_per_epoch)
+        elif self.cfg.parallel.method == "adpsgd":
+            self._seek_own_steps(ckpt.step / old_planned)
+        # (a parameter server's clients seek in the serving loop: serving.py)
         self._say(f"resume: written by {ckpt.num_ranks} ranks, continuing on "
                   f"{self.comm.size}: data re-planned over {self.comm.size} ranks, step "
                   f"{ckpt.step} of {old_planned} becomes {self.step} of {self.planned_steps}, "
                   "optimizer state (momentum, natural-gradient statistics) starts afresh")
         self._record("rank_change", from_ranks=ckpt.num_ranks, to_ranks=self.comm.size,
                      from_step=ckpt.step, to_step=self.step)
+
+    def _seek_own_steps(self, fraction: float) -> None:
+        """Asynchronous ADPSGD on another number of ranks: each rank has done the
+        same fraction of its own planned steps (its own data, its own count)."""
+        cfg = self.cfg
+        planned = max(int(round(cfg.training.epochs * self.steps_per_epoch)), 1)
+        if cfg.training.max_steps:
+            planned = min(planned, cfg.training.max_steps)
+        own = min(int(round(fraction * planned)), planned)
+        self.strategy.own_steps = own
+        self.stream.seek(own // self.steps_per_epoch, own % self.steps_per_epoch)
 
     def _roll_back(self, reason: str) -> None:
         """Return to the newest good checkpoint (or the start) with a lower rate."""

@@ -75,3 +75,27 @@ def test_two_to_four_ranks_reaches_the_accuracy_bar(small_corpus, tmp_path):
     # the bar of an uninterrupted run (tests/train/test_trainer.py)
     assert final["dev_acc"] > 0.45, final
     assert final["dev_acc"] > majority + 0.40, (final, majority)
+
+
+@pytest.mark.parametrize("method", [["parallel.method=param_server"],
+                                    ["parallel.method=adpsgd", "parallel.asynchronous=true"]],
+                         ids=["param_server", "async_adpsgd"])
+def test_methods_whose_ranks_take_their_own_steps_resume_on_another_number(small_corpus,
+                                                                           tmp_path, method):
+    run = tmp_path / "run"
+    common = TINY + method + ["training.epochs=1", "training.checkpoint_interval=8"]
+    _train(3, run, small_corpus, common + ["training.max_steps=24"])
+    first_end = records(run, "end")[-1]
+    _train(2, run, small_corpus, common, resume=True)
+    change, = records(run, "rank_change")
+    assert (change["from_ranks"], change["to_ranks"]) == (3, 2)
+    end = records(run, "end")[-1]
+    with open(run / "metrics.jsonl") as fh:
+        everything = list(map(json.loads, fh))
+    second_start = [i for i, r in enumerate(everything) if r["type"] == "start"][1]
+    train = [r for r in everything[second_start:] if r["type"] == "train"]
+    # the resumed run goes on from where the first stopped: it does not start over
+    assert train and train[0]["frames"] > first_end["frames"] // 2, (train[0], first_end)
+    assert end["frames"] < 3 * first_end["frames"] + 2 * 256 * 60, (end, first_end)
+    net, _ = load_model(run / "final.h5")
+    assert np.isfinite(net.params).all()
