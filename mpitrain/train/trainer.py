@@ -383,26 +383,38 @@ class Trainer:
         if changes:
             self._say("resume: settings changed (--accept-changes): " + "; ".join(changes))
             self._record("config_change", changes=changes)
-        self._restore(ckpt)
+        self._restore(ckpt, settings_changed=bool(changes))
         # (a roll back restores a checkpoint too, but keeps the best model found since)
         self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in
                                         ckpt.trainer_state.items()
                                         if k.startswith(SELECTION_PREFIX)})
         self._say(f"resumed from {ckpt.path} at step {self.step}")
 
-    def _restore(self, ckpt) -> None:
-        """Continue from a loaded checkpoint (its model is already in the network)."""
+    def _restore(self, ckpt, *, settings_changed: bool = False) -> None:
+        """Continue from a loaded checkpoint (its model is already in the network).
+
+        ``settings_changed`` (``--resume --accept-changes``): a part whose saved
+        state does not fit the new settings (another method, optimizer or
+        schedule, momentum switched on) starts afresh, and the log says so."""
         self.guard.load_state_dict(ckpt.trainer_state)
-        self._load_schedule_state(ckpt)
+        self._load_part(ckpt, "the rate schedule", self._load_schedule_state, settings_changed)
         self.strategy.bind(self.net)
-        self.strategy.load_state_dict(ckpt.strategy_state)
-        self.strategy.resume(self.net)
+        if self._load_part(ckpt, "the parallel method's state",
+                           lambda c: self.strategy.load_state_dict(c.strategy_state),
+                           settings_changed):
+            self.strategy.resume(self.net)
+        else:
+            self.strategy.setup(self.net, self.optimizer)    # from the checkpoint's model
         self.frames_seen = ckpt.frames_seen
         if ckpt.num_ranks == self.comm.size:
             state = ckpt.rank_state(self.comm.rank)
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._load_part(ckpt, "the optimizer state",
+                            lambda c: self.optimizer.load_state_dict(state["optimizer"]),
+                            settings_changed, every_rank=False)
             self.stream.load_state_dict(state["reader"])
-            self.strategy.load_rank_state_dict(state.get("strategy", {}))
+            self._load_part(ckpt, "the parallel method's per-rank state",
+                            lambda c: self.strategy.load_rank_state_dict(
+                                state.get("strategy", {})), settings_changed, every_rank=False)
             self.step = ckpt.step
             return
         # N -> M ranks: the data was re-planned over this job's ranks; the same
@@ -691,6 +703,23 @@ class Trainer:
         return None
 
     # -- the learning-rate schedule's decisions (optimizer.schedule) ---------------------
+    def _load_part(self, ckpt, what: str, load, settings_changed: bool, *,
+                   every_rank: bool = True) -> bool:
+        """Load one part's saved state; False when it did not fit changed settings
+        and the part starts afresh instead (said in the log).  ``every_rank``: the
+        state is the same on every rank, so a failure is every rank's."""
+        try:
+            load(ckpt)
+            return True
+        except (ValueError, TrainingError) as exc:
+            if not settings_changed:
+                if isinstance(exc, TrainingError):
+                    raise
+                raise TrainingError(f"{ckpt.path}: {exc}", agreed=every_rank) from None
+            self._say(f"resume: {what} starts afresh: the checkpoint's does not fit the "
+                      f"changed settings ({' '.join(str(exc).split())})")
+            return False
+
     def _load_schedule_state(self, ckpt) -> None:
         saved = {k[len(SCHEDULE_PREFIX):]: v for k, v in ckpt.trainer_state.items()
                  if k.startswith(SCHEDULE_PREFIX)}

@@ -137,3 +137,20 @@ def test_resume_and_overwrite_together_are_refused(finished_run, small_corpus, c
     assert _train(finished_run, small_corpus, flags=["--resume", "--overwrite"]) == 2
     assert "exclude each other" in _one_line(capsys.readouterr().err)
     assert _snapshot(finished_run) == before
+
+
+@pytest.mark.parametrize("change,part", [
+    ("parallel.method=bmuf", "the parallel method's state"),
+    ("optimizer.name=ngsgd", "the optimizer state"),
+    ("optimizer.momentum=0.5", "the optimizer state"),
+    ("optimizer.schedule=newbob", "the rate schedule"),
+])
+def test_accepted_changes_whose_saved_state_does_not_fit_start_that_part_afresh(
+        finished_run, small_corpus, capsys, change, part):
+    assert _train(finished_run, small_corpus, [change, "training.max_steps=30"],
+                  flags=["--resume", "--accept-changes"]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: {part} starts afresh" in out
+    with open(finished_run / "metrics.jsonl") as fh:
+        ends = [r for r in map(json.loads, fh) if r["type"] == "end"]
+    assert ends[-1]["steps"] == 30 and ends[-1]["dev_xent"] < 6.0   # trained on, no blow-up
