@@ -28,14 +28,17 @@ def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames:
 
         chunks = load_eval_chunks(load_manifest("corpus/dev"), net)
     """
+    if max_frames < 0:
+        raise ValueError(f"max_frames must be >= 0 (0: all frames), got {max_frames}")
     if size > 1 and manifest.num_utterances < size:
+        # rank 0 holds the whole (small) set, and so the whole cap
         slices = assign_shards(manifest.shards, 0, 1) if rank == 0 else []
+        limit = max_frames or None
     else:
         slices = assign_shards(manifest.shards, rank, size,
                                utt_offsets_of=shard_offsets_reader(manifest))
-    if max_frames < 0:
-        raise ValueError(f"max_frames must be >= 0 (0: all frames), got {max_frames}")
-    limit = max_frames // size if max_frames else None
+        # the cap shared out: the ranks' parts add up to it exactly
+        limit = max_frames // size + (rank < max_frames % size) if max_frames else None
     mean, scale = backend.to_host(net.cmvn_mean), backend.to_host(net.cmvn_scale)
     chunks, taken = [], 0
     for spec in plan_chunks(manifest, slices, 100_000):

@@ -39,3 +39,24 @@ def test_a_negative_cap_is_refused(small_corpus):
     dev = load_manifest(os.path.join(small_corpus, "dev"))
     with pytest.raises(ValueError, match="max_frames must be >= 0"):
         load_eval_chunks(dev, _network(dev, 1), max_frames=-1)
+
+
+@pytest.mark.parametrize("cap", [1, 3, 1001])
+def test_the_ranks_parts_of_a_cap_add_up_to_it(small_corpus, cap):
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    net = _network(dev, 1)
+    taken = [sum(len(c[1]) for c in load_eval_chunks(dev, net, rank=r, size=4, max_frames=cap))
+             for r in range(4)]
+    assert sum(taken) == cap
+
+
+def test_a_set_smaller_than_the_ranks_is_capped_on_rank_0_alone(small_corpus, tmp_path):
+    from mpitrain.data.synthetic import synthesize
+    synthesize(str(tmp_path / "c"), hours=0.00001, speakers=1, shards=1, dev_hours=0.001,
+               dev_speakers=1)
+    dev = load_manifest(str(tmp_path / "c" / "dev"))
+    assert dev.num_utterances < 8
+    net = _network(dev, 1)
+    taken = [sum(len(c[1]) for c in load_eval_chunks(dev, net, rank=r, size=8, max_frames=100))
+             for r in range(8)]
+    assert taken == [100] + [0] * 7
