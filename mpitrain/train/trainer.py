@@ -83,6 +83,11 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
         return TrainingError(f"{where}: the corpus has {manifest.num_utterances} "
                              f"utterance(s) for {comm.size} ranks; use at most "
                              f"{manifest.num_utterances} ranks", agreed=True)
+    largest = max((shard.frames for shard in manifest.shards), default=0)
+    if minibatch > largest:
+        return TrainingError(f"{where}: minibatches never cross shards, and the largest "
+                             f"shard holds {largest} frames; lower {key}, or prepare the "
+                             "corpus in fewer shards", agreed=True)
     return TrainingError(f"{where}; lower {key}, raise data.chunk_frames, or use fewer ranks",
                          agreed=True)
 

@@ -135,6 +135,7 @@ def test_a_minibatch_larger_than_a_ranks_data(corpus, tmp_path, capsys):
     assert _train(corpus, run, ["training.minibatch=10000000"]) == 2
     err = capsys.readouterr().err
     assert "no complete minibatch of 10000000 frames" in err and "training.minibatch" in err
+    assert "minibatches never cross shards, and the largest shard holds" in err
     assert err.count("\n") == 1 and not run.exists()
 
 
