@@ -279,8 +279,8 @@ def _range_text(meta) -> str:
     lo, hi = meta.get("min"), meta.get("max")
     if lo is None and hi is None:
         return ""
-    left = "(" if meta.get("min_exclusive") else "["
-    right = ")" if meta.get("max_exclusive") else "]"
+    left = "(" if meta.get("min_exclusive") or lo is None else "["
+    right = ")" if meta.get("max_exclusive") or hi is None else "]"
     lo_s = "-inf" if lo is None else f"{lo:g}"
     hi_s = "inf" if hi is None else f"{hi:g}"
     return f" in {left}{lo_s}, {hi_s}{right}"
@@ -314,6 +314,10 @@ def _check_value(key: str, tp, meta, value, where: str):
         if not math.isfinite(value):
             raise bad
     elif tp is str:
+        # YAML reads `0.3` (a constant dropout schedule) or `2024` as a number
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and math.isfinite(value):
+            value = str(value)
         if not isinstance(value, str):
             raise bad
     elif tp is tuple:

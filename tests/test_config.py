@@ -132,3 +132,16 @@ def test_exponent_numbers_are_numbers(tmp_path):
     cfg = load_config(str(path), ["optimizer.momentum=5e-1"])
     assert cfg.optimizer.initial_learning_rate == 0.001
     assert cfg.optimizer.final_learning_rate == 0.0001 and cfg.optimizer.momentum == 0.5
+
+
+def test_an_unbounded_range_is_written_open_and_infinity_is_refused(tmp_path):
+    msg = _error(tmp_path, "training:\n  epochs: .inf\n")
+    assert "training.epochs: expected a number in (0, inf), got inf" in msg
+
+
+def test_a_number_where_text_is_expected_is_taken_as_its_text(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  dropout_schedule: 0.3\n")
+    assert load_config(str(path)).model.dropout_schedule == "0.3"
+    assert load_config(str(path), ["model.dropout_schedule=0.2"]).model.dropout_schedule == "0.2"
+    assert "model.dropout_schedule" in _error(tmp_path, "model:\n  dropout_schedule: [1]\n")

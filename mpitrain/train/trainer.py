@@ -140,7 +140,10 @@ class Trainer:
         self.schedule = build_schedule(cfg.optimizer, planned_steps=self.planned_steps,
                                        frames_per_step=cfg.training.minibatch * comm.size)
         self._trials = None       # optimizer.schedule: search, built at the first search
-        self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
+        try:
+            self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
+        except ValueError as exc:        # from the settings and the rank count: every rank's
+            raise TrainingError(str(exc), agreed=True) from None
         self.step = 0
         self.frames_seen = 0      # summed over all ranks
         t = cfg.training
