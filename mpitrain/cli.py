@@ -8,6 +8,7 @@ concrete classes are chosen from the user's words.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
@@ -621,6 +622,14 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _silence_stdout() -> None:
+    """Point standard output at /dev/null, so the interpreter's last flush cannot
+    fail again."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
 def _version() -> str:
     from . import __version__
     return __version__
@@ -646,10 +655,18 @@ def main(argv=None) -> int:
     # train/divergence.py); numpy's own warnings would only repeat it unclearly.
     warnings.simplefilter("ignore", RuntimeWarning)
     try:
-        return args.func(args)
+        status = args.func(args)
+        sys.stdout.flush()      # a closed reader shows here, not at interpreter exit
+        return status
     except UsageError as exc:
         print(f"mpitrain {args.command}: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # `mpitrain ... | head`: the reader of our output went away.  As a Unix tool
+        # that SIGPIPE ends: no message, status 141 (the output pipes the program
+        # writes itself, export's, report their failures in their own words)
+        _silence_stdout()
+        return 141
     except (ValueError, OSError, RuntimeError) as exc:
         # ConfigError, CorpusError, TrainingError and files that cannot be read or
         # written (OSError names the file): one clear line

@@ -186,7 +186,7 @@ class ArkWriter:
 
     def __init__(self, wspec: str):
         from kaldiio.utils import parse_specifier
-        spec = parse_specifier(wspec)
+        spec = parse_specifier(_without_write_flags(wspec))
         if spec["ark"] is None:
             raise ValueError(f"--out {wspec}: expected ark:PATH or ark,scp:ARK,SCP")
         self.text = bool(spec["t"])
@@ -280,6 +280,16 @@ class ArkWriter:
             self.close()
         else:
             self.abort()
+
+
+def _without_write_flags(wspec: str) -> str:
+    """Kaldi's wspecifier options that change nothing here dropped ('b' binary, the
+    default; 'f'/'nf' flushing; 'p' permissive), so ``ark,b:x.ark`` is ``ark:x.ark``."""
+    head, colon, rest = wspec.partition(":")
+    if not colon:
+        return wspec
+    kept = [option for option in head.split(",") if option.strip() not in ("b", "f", "nf", "p")]
+    return ",".join(kept) + colon + rest
 
 
 def _to_stderr(message: str) -> None:

@@ -194,3 +194,17 @@ def test_export_applies_the_per_speaker_cmvn_the_model_was_trained_with(tiny, ca
                  "--out", f"ark:{d}/x.ark", "--utt2spk", str(d / "utt2spk")]) == 2
     assert "trained without per-speaker CMVN" in capsys.readouterr().err
     assert not (d / "x.ark").exists()
+
+
+def test_kaldi_write_flags_that_change_nothing_are_accepted(tiny):
+    d, model, _ = tiny
+    plain = _export(tiny)
+    for wspec in (f"ark,b:{d}/b.ark", f"ark,b,f:{d}/bf.ark"):
+        assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                     "--out", wspec]) == 0
+    import kaldiio
+    for name in ("b.ark", "bf.ark"):
+        got = dict(kaldiio.load_ark(str(d / name)))
+        assert list(got) == list(plain)
+        for key in plain:
+            assert np.array_equal(got[key], plain[key])

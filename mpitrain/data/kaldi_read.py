@@ -349,7 +349,7 @@ def _read_binary_matrix(src: Input, key: str, kind: str, head: bytes) -> np.ndar
 
 
 def _read_text_matrix(src: Input, key: str, dtype=np.float32) -> np.ndarray:
-    """A Kaldi text matrix ' [\\n  1 2\\n  3 4 ]' (or vector ' [ 1 2 ]') as ``dtype``."""
+    """A Kaldi text matrix ' [\\n  1 2\\n  3 4 ]' (one row: ' [ 1 2 ]') as ``dtype``."""
     text = src.read_until(b"]")
     if text is None:
         raise CorpusError(f"{src.name}: entry {key!r}: text matrix has no closing ']'")
@@ -361,7 +361,8 @@ def _read_text_matrix(src: Input, key: str, dtype=np.float32) -> np.ndarray:
         if not rows:
             return np.zeros((0, 0), dtype=dtype)     # Kaldi's empty matrix ' [ ]'
         if "\n" not in body:
-            return np.array(rows[0], dtype=dtype)    # a vector ' [ 1 2 ]'
+            # ' [ 1 2 3 ]' on one line: Kaldi reads a matrix written so as one row
+            return np.array(rows[:1], dtype=dtype)
         if len({len(row) for row in rows}) > 1:
             raise ValueError("rows of different lengths")
         return np.array(rows, dtype=dtype)

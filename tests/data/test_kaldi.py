@@ -153,3 +153,11 @@ def test_nothing_to_import_says_why(tmp_path):
     with pytest.raises(CorpusError, match=r"no utterance has an alignment in .*other.ark"):
         import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/other.ark",
                      str(tmp_path / "c2"))
+
+
+def test_a_one_line_text_matrix_is_one_frame(tmp_path):
+    (tmp_path / "feats.txt").write_text("a [ 1 2 3 ]\nb [\n 1 2 3\n 4 5 6 ]\n")
+    (tmp_path / "ali.txt").write_text("a 0\nb 1 0\n")
+    import_kaldi(f"ark,t:{tmp_path}/feats.txt", f"ark,t:{tmp_path}/ali.txt",
+                 str(tmp_path / "c"), num_classes=2)
+    assert load_manifest(str(tmp_path / "c")).num_frames == 3
