@@ -171,6 +171,7 @@ def _end_every_rank(comm, command: str, exc: BaseException) -> None:
     if isinstance(exc, KeyboardInterrupt):
         print(f"mpitrain {command}: rank {comm.rank}: interrupted", file=sys.stderr, flush=True)
         comm.abort(130, "interrupted")
+        return      # (an abort may take a moment to end this process)
     traceback.print_exc()
     print(f"mpitrain {command}: rank {comm.rank}: internal error: this is a bug in mpitrain; "
           "please report it with the traceback above", file=sys.stderr, flush=True)
