@@ -78,6 +78,11 @@ class Strategy:
         """Whether every rank holds the same model after ``step`` steps."""
         return self.comm.size == 1 or step % self.sync_period == 0
 
+    def result_params(self):
+        """The job's model when it is not what the ranks train on (the same on every
+        rank), else None: what is evaluated, kept as best and checkpointed."""
+        return None
+
     def state_dict(self) -> dict:
         """State to checkpoint (identical on every rank)."""
         return {}

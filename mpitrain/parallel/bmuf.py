@@ -91,6 +91,10 @@ class BlockMomentum(Strategy):
             self.sync(net, optimizer)
         net.params[...] = self.global_model
 
+    def result_params(self):
+        # the ranks train from the look-ahead point; the model is w_g
+        return self.global_model
+
     def state_dict(self) -> dict:
         from ..backend import to_host
         return {"start": to_host(self.start), "delta": to_host(self.delta),

@@ -70,17 +70,20 @@ class FinalCombination:
         self.snapshots = []          # (step, host copy of the parameters), oldest first
         self.own_last = None         # this rank's model at the last step
 
-    def observe(self, step: int, net) -> None:
-        """After training step ``step``: keep a snapshot when it is due."""
+    def observe(self, step: int, net, result_params=None) -> None:
+        """After training step ``step``: keep a snapshot when it is due
+        (``result_params``: the method's model when the ranks train on another
+        point, BMUF's w_g; else ``net.params``)."""
+        model = net.params if result_params is None else result_params
         # a roll back returns to an earlier step: later snapshots are another timeline
         self.snapshots = [(s, p) for s, p in self.snapshots if s < step]
         if step >= self.total_steps:
-            self.own_last = backend.to_host(net.params).copy()
+            self.own_last = backend.to_host(model).copy()
         if step % self.sync_period:
             return
         if self.every and self.snapshots and step - self.snapshots[-1][0] < self.every:
             return
-        self.snapshots.append((step, backend.to_host(net.params).copy()))
+        self.snapshots.append((step, backend.to_host(model).copy()))
         del self.snapshots[:-self.max_models]
 
     # -- candidates --------------------------------------------------------------

@@ -161,6 +161,8 @@ class Trainer:
             self._say(f"early_stop: counts held-out evaluations from step "
                       f"{self.selection.patience_from_step} on, where "
                       "model.dropout_schedule stops raising the proportion")
+        # (step, best) of a resumed run that had ended; the final checkpoint's step count
+        self._complete, self._complete_at = None, None
         if resume:
             self._resume()
             self._initial = None
@@ -347,8 +349,22 @@ class Trainer:
     def _trainer_state(self) -> dict:
         schedule = {SCHEDULE_PREFIX + k: v for k, v in self.schedule.state_dict().items()}
         selection = {SELECTION_PREFIX + k: v for k, v in self.selection.state_dict().items()}
+        # the final checkpoint says the run ended there (and with how many steps planned)
+        complete = {} if self._complete_at is None else {"complete_at": self._complete_at}
         return {**self.guard.state_dict(), "planned_steps": self.planned_steps,
-                "steps_per_epoch": self.steps_per_epoch, **schedule, **selection}
+                "steps_per_epoch": self.steps_per_epoch, **schedule, **selection, **complete}
+
+    def _leave_complete_run(self) -> dict:
+        """``--resume`` of a run that had ended, with nothing that asks for more: the
+        final model stands (written from the final checkpoint if it is missing)."""
+        ckpt_step, best = self._complete
+        final = os.path.join(self.run_dir, "final.h5")
+        if self.is_root and not os.path.exists(final):
+            save_model(final, self.net, class_priors=self.manifest.class_priors())
+            self._say(f"resume: wrote {final} from the final checkpoint")
+        self._say(f"resume: the run had ended at step {ckpt_step}; nothing to train (raise "
+                  "training.epochs or training.max_steps to go on)")
+        return {"steps": ckpt_step, "frames": self.frames_seen, "complete": True, **best}
 
     def _choose_checkpoint(self):
         """Rank 0 picks the newest checkpoint that verifies; every rank loads that one."""
@@ -391,6 +407,17 @@ class Trainer:
         if changes:
             self._say("resume: settings changed (--accept-changes): " + "; ".join(changes))
             self._record("config_change", changes=changes)
+        complete_at = int(ckpt.trainer_state.get("complete_at", 0))
+        if complete_at and not changes and self.total_steps <= complete_at:
+            # a requeued job's --resume of a run that had ended: leave its results alone
+            self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
+            self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in
+                                            ckpt.trainer_state.items()
+                                            if k.startswith(SELECTION_PREFIX)})
+            best = {} if self.selection.best_step < 0 else {
+                "best_step": self.selection.best_step, "best_value": self.selection.best_value}
+            self._complete = (ckpt.step, best)
+            return
         self._restore(ckpt, settings_changed=bool(changes))
         # (a roll back restores a checkpoint too, but keeps the best model found since)
         self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in
@@ -506,16 +533,20 @@ class Trainer:
         states = gather_rank_states(self.comm, rank_state)
         if self.is_root:
             started = time.perf_counter()
-            save_checkpoint(checkpoint_path(self.run_dir, self.step), net=self.net,
-                            step=self.step, frames_seen=self.frames_seen,
-                            config_yaml=config_to_yaml(self.cfg), rank_states=states,
-                            strategy_state=self.strategy.state_dict(),
-                            class_priors=self.manifest.class_priors(),
-                            keep=self.cfg.training.keep_checkpoints,
-                            trainer_state=self._trainer_state())
+            with self._agreed_model(average=False):      # /model: the job's model
+                self._write_checkpoint(states)
             self._record("checkpoint", step=self.step,
                          seconds=round(time.perf_counter() - started, 4))
         self.guard.checkpoint_written()
+
+    def _write_checkpoint(self, states) -> None:
+        save_checkpoint(checkpoint_path(self.run_dir, self.step), net=self.net,
+                        step=self.step, frames_seen=self.frames_seen,
+                        config_yaml=config_to_yaml(self.cfg), rank_states=states,
+                        strategy_state=self.strategy.state_dict(),
+                        class_priors=self.manifest.class_priors(),
+                        keep=self.cfg.training.keep_checkpoints,
+                        trainer_state=self._trainer_state())
 
     # -- evaluation ------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -553,6 +584,8 @@ class Trainer:
     def run(self) -> dict:
         cfg, xp, net, comm = self.cfg, self.xp, self.net, self.comm
         self._open_run_dir()
+        if self._complete is not None:
+            return self._leave_complete_run()
         self.log.say(self._banner())
         self.log.write("start", step=self.step, total_steps=self.total_steps,
                        planned_steps=self.planned_steps,
@@ -574,8 +607,10 @@ class Trainer:
             self._roll_back("the final parameters are not finite")
         if self._combination is not None:
             self._combine()
-        self.save_checkpoint()
+        # evaluated first, so the final checkpoint holds the selection it made
         result = self._log_eval(final=True) if self.dev_manifest is not None else {}
+        self._complete_at = self.total_steps
+        self.save_checkpoint()
         if self.is_root:
             save_model(os.path.join(self.run_dir, "final.h5"), net,
                        class_priors=self.manifest.class_priors())
@@ -638,7 +673,7 @@ class Trainer:
             self.frames_seen += batch * active_ranks
             last = self.step == self.total_steps
             if self._combination is not None:
-                self._combination.observe(self.step, self.net)
+                self._combination.observe(self.step, self.net, self.strategy.result_params())
             if self.step % cfg.training.log_interval == 0 or last:
                 now = comm.wtime()
                 comm_now = comm.comm_time
@@ -684,7 +719,9 @@ class Trainer:
                     return ROLL_BACK
             # decided from the step count alone, so every rank evaluates together
             epoch_done = self.step % self.steps_per_epoch == 0
-            interval_due = next_eval is not None and self.frames_seen // comm.size >= next_eval
+            # (not at the last step: the final evaluation follows, counted once)
+            interval_due = next_eval is not None and not last \
+                and self.frames_seen // comm.size >= next_eval
             # newbob decides at every epoch end, whatever training.eval_interval says
             schedule_eval = epoch_done and not last and self.schedule.uses_epoch_eval
             due_eval = interval_due or (next_eval is None and epoch_done and not last) \
@@ -804,16 +841,21 @@ class Trainer:
 
     @contextlib.contextmanager
     def _agreed_model(self, *, average: bool):
-        """The network holds the average of the ranks' models inside (when they may
-        differ: between model averages, or ADPSGD), its own parameters after."""
-        differ = average and self.comm.size > 1 and not self.strategy.models_agree(self.step)
-        own = self.net.params.copy() if differ else None
-        if differ:
+        """The network holds the job's model inside, its own parameters after: the
+        method's result model (BMUF's w_g), else the average of the ranks' models
+        where they may differ (between model averages, or ADPSGD)."""
+        result = self.strategy.result_params()
+        differ = result is None and average and self.comm.size > 1 \
+            and not self.strategy.models_agree(self.step)
+        own = self.net.params.copy() if differ or result is not None else None
+        if result is not None:
+            self.net.params[...] = result
+        elif differ:
             self.comm.allreduce_(self.net.params, op="mean")
         try:
             yield
         finally:
-            if differ:
+            if own is not None:
                 self.net.params[...] = own
 
     def _keep_best(self, result: dict) -> None:

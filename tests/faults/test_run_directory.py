@@ -154,3 +154,43 @@ def test_accepted_changes_whose_saved_state_does_not_fit_start_that_part_afresh(
     with open(finished_run / "metrics.jsonl") as fh:
         ends = [r for r in map(json.loads, fh) if r["type"] == "end"]
     assert ends[-1]["steps"] == 30 and ends[-1]["dev_xent"] < 6.0   # trained on, no blow-up
+
+
+@pytest.mark.parametrize("settings", [
+    ["parallel.method=bmuf", "parallel.average_every=8"],     # 20 steps: not a block end
+    ["training.combine=true"],
+    ["training.early_stop.patience=1", "training.early_stop.min_delta=0.5",
+     "training.eval_interval=1280", "training.max_steps=200"],
+], ids=["bmuf", "combine", "early-stop"])
+def test_resuming_a_run_that_had_ended_leaves_its_results_alone(small_corpus, tmp_path, capsys,
+                                                                settings):
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, settings) == 0
+    results = {name: (run / name).read_bytes() for name in ("final.h5", "best.h5")}
+    ends = len([line for line in (run / "metrics.jsonl").read_text().splitlines()
+                if '"type": "end"' in line])
+    capsys.readouterr()
+    assert _train(run, small_corpus, settings, flags=["--resume"]) == 0
+    assert "the run had ended at step" in capsys.readouterr().out
+    assert {name: (run / name).read_bytes() for name in results} == results
+    # a final model lost after the final checkpoint is written again, the same
+    (run / "final.h5").unlink()
+    assert _train(run, small_corpus, settings, flags=["--resume"]) == 0
+    from mpitrain.nn.model_file import load_model
+    import numpy as np
+    again, _ = load_model(run / "final.h5")
+    (run / "lost.h5").write_bytes(results["final.h5"])
+    before, _ = load_model(run / "lost.h5")
+    assert np.array_equal(again.params, before.params)
+    assert ends == 1
+
+
+def test_a_run_that_had_ended_goes_on_when_asked_for_more_steps(finished_run, small_corpus,
+                                                               capsys):
+    capsys.readouterr()
+    assert _train(finished_run, small_corpus, ["training.max_steps=30"],
+                  flags=["--resume"]) == 0
+    assert "the run had ended" not in capsys.readouterr().out
+    with open(finished_run / "metrics.jsonl") as fh:
+        ends = [r for r in map(json.loads, fh) if r["type"] == "end"]
+    assert ends[-1]["steps"] == 30

@@ -179,16 +179,22 @@ def test_early_stop_ends_the_run_and_keeps_the_best(small_corpus, tmp_path):
 
 
 def test_resume_continues_the_selection(small_corpus, tmp_path):
+    # evaluations every 20 steps: the split run's final one at step 40 is the
+    # straight run's evaluation there, and is counted once
     straight, split = train_straight_and_resumed(tmp_path, small_corpus, TINY + [
-        "training.eval_interval=1500", "training.checkpoint_interval=20",
+        "training.eval_interval=2560", "training.checkpoint_interval=20",
         "training.log_interval=20"], steps=80)
     a, _ = load_model(straight / "best.h5")
     b, _ = load_model(split / "best.h5")
     assert np.array_equal(a.params, b.params)
     after = [(r["step"], r["best"], r["since_gain"]) for r in records(straight, "selection")
              if r["step"] > 40]
+    assert [r[0] for r in after] == [60, 80]
     assert after == [(r["step"], r["best"], r["since_gain"])
                      for r in records(split, "selection") if r["step"] > 40]
+    # one evaluation per step, the last included
+    steps = [r["step"] for r in records(straight, "eval")]
+    assert steps == sorted(set(steps))
 
 
 @pytest.mark.parametrize("regularization", [

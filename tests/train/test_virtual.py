@@ -161,3 +161,32 @@ def test_records_carry_the_simulated_training_seconds(small_corpus, tmp_path):
     assert evals[-1]["seconds"] == pytest.approx(0.3, rel=1e-6)
     assert main(["plot", str(run), "--x", "seconds", "--out", str(tmp_path / "s.png")]) == 0
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_bmuf_evaluates_keeps_and_checkpoints_the_global_model(small_corpus, tmp_path):
+    """The ranks train from the Nesterov look-ahead point; the job's model is w_g:
+    checkpoints, held-out figures and best.h5 are of w_g."""
+    import h5py
+    from mpitrain.cli import main
+    from mpitrain.train.evaluate import evaluate_chunks, load_eval_chunks
+    from ..helpers import QUICKSTART, records, small_overrides
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1", "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=32", "model.hidden_layers=2", "parallel.method=bmuf",
+            "parallel.average_every=4", "training.max_steps=42",
+            "training.checkpoint_interval=8", "training.keep_checkpoints=10",
+            "training.eval_interval=4096"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    with h5py.File(run / "ckpt-00000016.h5", "r") as f:
+        model, start = f["model/params"][...], f["strategy/start"][...]
+        global_model = f["strategy/global_model"][...]
+    assert np.array_equal(model, global_model)
+    assert not np.array_equal(model, start)          # the look-ahead point differs
+    # the held-out figure at step 16 is that of the checkpoint's model
+    net, _ = load_model(run / "ckpt-00000016.h5")
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    total, _, frames = evaluate_chunks(net, load_eval_chunks(dev, net))
+    at_16 = [r for r in records(run, "eval") if r["step"] == 16]
+    assert at_16 and at_16[0]["dev_xent"] == pytest.approx(total / frames, rel=1e-6)
