@@ -263,3 +263,25 @@ def test_bench_job_writes_its_report(slurm, corpus, tmp_path):
     assert "srun --mpi=pmi2" in text
     report = json.loads((out / "bench.json").read_text())
     assert report, text
+
+
+def test_an_attempt_stopped_before_its_first_checkpoint_starts_again(small_corpus, tmp_path):
+    """A requeued job whose first attempt wrote no checkpoint has nothing to resume:
+    the script replaces that attempt's files instead of stopping on them."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("training:\n  epochs: 1\n")    # the lost attempt's
+    (run_dir / "metrics.jsonl").write_text("")
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    env = dict(os.environ, **_job_env(None, RUN_DIR=str(run_dir), LAUNCHER="mpirun",
+                                      SLURM_NTASKS="1",
+                                      MPITRAIN_SET=_train_overrides(small_corpus, **{
+                                          "model.hidden_dim": 16, "training.max_steps": 4})))
+    if os.path.exists(mpiexec):
+        env["MPIEXEC"] = mpiexec
+    result = subprocess.run(["bash", os.path.join(SLURM_DIR, "train.sbatch"),
+                             "jobs/configs/quickstart.yaml"], env=env, cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "holds an attempt without a checkpoint; starting again" in result.stderr
+    assert (run_dir / "final.h5").exists()
