@@ -41,6 +41,32 @@ def progress_bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
     return f"[{'#' * filled}{'.' * (width - filled)}] {frac:4.0%}"
 
 
+def drop_partial_last_line(path: str) -> None:
+    """Cut a last line without its newline (a write cut short by a crash or a full
+    disk), so records appended after it stay readable."""
+    try:
+        with open(path, "rb+") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            fh.seek(size - 1)
+            if fh.read(1) == b"\n":
+                return
+            keep = size
+            while keep > 0:           # back to the last newline
+                step = min(4096, keep)
+                fh.seek(keep - step)
+                block = fh.read(step)
+                cut = block.rfind(b"\n")
+                if cut >= 0:
+                    keep = keep - step + cut + 1
+                    break
+                keep -= step
+            fh.truncate(keep)
+    except FileNotFoundError:
+        return
+
+
 class MetricsLog:
     """Writes one JSON object per line to ``metrics.jsonl`` and echoes a summary.
 
@@ -66,8 +92,10 @@ class MetricsLog:
         self._bar_open = False      # a progress line is on screen without its newline
         if enabled:
             os.makedirs(run_dir, exist_ok=True)
-            self._fh = open(os.path.join(run_dir, "metrics.jsonl"), "a" if append else "w",
-                            encoding="utf-8")
+            path = os.path.join(run_dir, "metrics.jsonl")
+            if append:
+                drop_partial_last_line(path)
+            self._fh = open(path, "a" if append else "w", encoding="utf-8")
             if tensorboard:
                 from .tensorboard import TensorBoardLog
                 self._board = TensorBoardLog(run_dir, append=append)

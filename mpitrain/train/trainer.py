@@ -191,7 +191,9 @@ class Trainer:
         self.net.init_params(seed=cfg.training.seed)
         self.net.set_cmvn(m.cmvn_mean, m.cmvn_var)
         self.net.speaker_cmvn = m.speaker_cmvn      # written into the model for export
-        if cfg.model.init_from:      # hidden layers from `mpitrain pretrain` (RBMs)
+        # hidden layers from `mpitrain pretrain` (RBMs); a resumed run's come from
+        # its checkpoint, so the pretrained file is not needed then
+        if cfg.model.init_from and not self.resuming:
             from .pretrained_init import init_from_pretrained
             try:
                 init_from_pretrained(self.net, cfg)

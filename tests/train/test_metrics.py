@@ -69,3 +69,16 @@ def test_tensorboard_without_the_package_is_one_line(small_corpus, tmp_path, mon
     assert "training.tensorboard: true needs the tensorboard package (pip install " \
            "tensorboard)" in err and "\n" not in err
     assert not os.path.exists(tmp_path / "run" / "final.h5")
+
+
+def test_appending_drops_a_last_line_cut_short(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"type": "start", "step": 0}\n{"type": "train", "st')
+    log = MetricsLog(str(tmp_path), append=True)
+    log.write("start", step=5)
+    lines = path.read_text().splitlines()
+    assert [json.loads(line)["type"] for line in lines] == ["start", "start"]
+    # a file that ends cleanly is left as it is
+    log = MetricsLog(str(tmp_path), append=True)
+    log.write("end", step=6)
+    assert len(path.read_text().splitlines()) == 3

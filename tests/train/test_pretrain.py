@@ -69,6 +69,12 @@ def test_pretrained_stack_initialises_train_which_learns(small_corpus, tmp_path)
     # it started from the stack: training moved the first layer, but not far from it
     first, pretrained = net.affine_layers()[0].block.ravel(), stack.rbms[0].block.ravel()
     assert np.corrcoef(first, pretrained)[0, 1] > 0.5
+    # a resume takes the model from the checkpoint: the stack may have moved away
+    os.rename(pre / "pretrain.h5", pre / "moved.h5")
+    assert main(_argv("train", run, small_corpus, [
+        "model.nonlinearity=sigmoid", f"model.init_from={pre / 'pretrain.h5'}",
+        "training.epochs=1", "optimizer.initial_learning_rate=0.02",
+        "optimizer.final_learning_rate=0.005"]) + ["--resume"]) == 0
 
 
 def test_pretraining_resumes_from_a_checkpoint_bit_exactly(small_corpus, tmp_path):
