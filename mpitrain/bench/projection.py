@@ -11,7 +11,9 @@ by hand.  The model, for N ranks training a model of ``nbytes`` bytes:
 
       2 (N - 1) / N * nbytes / bandwidth + 2 (N - 1) * latency
 
-  seconds, with no overlap of computing and communicating and no straggler;
+  seconds, or (ADPSGD, ``exchange="pairwise"``) sends it to one partner and
+  receives the partner's, ``latency + nbytes / bandwidth`` whatever N, with no
+  overlap of computing and communicating and no straggler;
 - throughput speedup at N = N * compute / (compute + allreduce / sync_every);
 - frames needed to reach the target grow as N ** b, with b fitted by least
   squares on log-log axes to the measured sizes and clipped at 0 (more ranks
@@ -36,9 +38,29 @@ from typing import Mapping, Optional, Sequence
 from ..comm.netmodel import NetworkModel, ring_allreduce_seconds  # noqa: F401
 
 
+#: How each method's ranks exchange the buffer (the rest: one allreduce per sync).
+PAIRWISE_METHODS = ("adpsgd",)
+
+
+def exchange_seconds(ranks: int, nbytes: float, network: NetworkModel,
+                     exchange: str = "allreduce") -> float:
+    """One exchange of the buffer among ``ranks`` ranks: a ring allreduce, or a
+    pairwise swap with one partner (both directions at once).
+
+    Example::
+
+        exchange_seconds(16, 4e6, NetworkModel(), "pairwise")   # one p2p message's time
+    """
+    if exchange == "pairwise":
+        return network.p2p_seconds(nbytes) if ranks > 1 else 0.0
+    if exchange != "allreduce":
+        raise ValueError(f"exchange must be 'allreduce' or 'pairwise', got {exchange!r}")
+    return network.allreduce_seconds(nbytes, ranks)
+
+
 def step_seconds(ranks: int, *, compute_seconds: float, nbytes: float, sync_every: int,
-                 network: NetworkModel) -> float:
-    """Projected wall time of one step: compute plus the allreduce's share.
+                 network: NetworkModel, exchange: str = "allreduce") -> float:
+    """Projected wall time of one step: compute plus the exchange's share.
 
     Example::
 
@@ -46,11 +68,11 @@ def step_seconds(ranks: int, *, compute_seconds: float, nbytes: float, sync_ever
     """
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
-    return compute_seconds + network.allreduce_seconds(nbytes, ranks) / sync_every
+    return compute_seconds + exchange_seconds(ranks, nbytes, network, exchange) / sync_every
 
 
 def throughput_speedup(ranks: int, *, compute_seconds: float, nbytes: float, sync_every: int,
-                       network: NetworkModel) -> float:
+                       network: NetworkModel, exchange: str = "allreduce") -> float:
     """Frames per second on ``ranks`` ranks over frames per second on one.
 
     Example::
@@ -62,7 +84,7 @@ def throughput_speedup(ranks: int, *, compute_seconds: float, nbytes: float, syn
         raise ValueError(f"compute_seconds must be > 0, got {compute_seconds}")
     return ranks * compute_seconds / step_seconds(
         ranks, compute_seconds=compute_seconds, nbytes=nbytes, sync_every=sync_every,
-        network=network)
+        network=network, exchange=exchange)
 
 
 def fit_frames_exponent(frames_to_target: Mapping[int, float]) -> Optional[float]:
@@ -107,7 +129,8 @@ def frames_exponent_range(frames_to_target: Mapping[int, float]) -> Optional[tup
 def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: float,
                      sync_every: int, network: NetworkModel,
                      frames_exponent: Optional[float],
-                     exponent_range: Optional[tuple] = None) -> list:
+                     exponent_range: Optional[tuple] = None,
+                     exchange: str = "allreduce") -> list:
     """Projected speedups at each size: one dict per size.
 
     ``time_to_target`` is None when no frames exponent could be fitted;
@@ -121,13 +144,15 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
     rows = []
     for n in sizes:
         thr = throughput_speedup(n, compute_seconds=compute_seconds, nbytes=nbytes,
-                                 sync_every=sync_every, network=network)
+                                 sync_every=sync_every, network=network, exchange=exchange)
         frames_ratio = None if frames_exponent is None else n ** frames_exponent
         rows.append({
             "ranks": int(n),
             "step_seconds": step_seconds(n, compute_seconds=compute_seconds, nbytes=nbytes,
-                                         sync_every=sync_every, network=network),
-            "allreduce_seconds": network.allreduce_seconds(nbytes, n),
+                                         sync_every=sync_every, network=network,
+                                         exchange=exchange),
+            # (named for the usual case: the one exchange's time, pairwise for ADPSGD)
+            "allreduce_seconds": exchange_seconds(n, nbytes, network, exchange),
             "throughput_speedup": thr,
             "frames_ratio": frames_ratio,
             "time_to_target_speedup": None if frames_ratio is None else thr / frames_ratio,
@@ -140,7 +165,8 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
 
 def project_method(sizes: Sequence[int], *, measured_compute_seconds: float, num_params: int,
                    sync_every: int, frames_to_target: Mapping[int, float],
-                   network: NetworkModel, compute_seconds: float = 0.0) -> dict:
+                   network: NetworkModel, compute_seconds: float = 0.0,
+                   exchange: str = "allreduce") -> dict:
     """One method's projection from its measured figures, with what it assumed.
 
     ``measured_compute_seconds``: compute per step on one rank;
@@ -161,25 +187,33 @@ def project_method(sizes: Sequence[int], *, measured_compute_seconds: float, num
     return {"compute_seconds_per_step": compute,
             "compute_seconds_source": "option" if compute_seconds else "measured on one rank",
             "bytes_per_allreduce": nbytes, "sync_every_steps": sync_every,
+            "exchange": exchange,
             "frames_exponent": exponent, "frames_exponent_range": spread,
             "fitted_sizes": sorted(int(n) for n, f in frames_to_target.items() if f),
             "rows": project_speedups(sizes, compute_seconds=compute, nbytes=nbytes,
                                      sync_every=sync_every, network=network,
-                                     frames_exponent=exponent, exponent_range=spread)}
+                                     frames_exponent=exponent, exponent_range=spread,
+                                     exchange=exchange)}
 
 
-def assumptions(network: NetworkModel) -> list:
-    """The model's assumptions as short sentences (printed, plotted, stored).
+def assumptions(network: NetworkModel, compute_seconds: float = 0.0) -> list:
+    """The model's assumptions as short sentences (printed, plotted, stored);
+    ``compute_seconds`` > 0: the per-step compute time was given, not measured.
 
     Example::
 
         print("\\n".join(assumptions(NetworkModel())))
     """
+    compute = (f"Per-step compute time: {1e3 * compute_seconds:g} ms as given "
+               "(--compute-ms); the same at every N." if compute_seconds else
+               "Per-step compute time: as measured on one rank of this machine; the same "
+               "at every N.")
     return [
         f"Network: {network.describe()}; one link per rank.",
-        "Per-step compute time: as measured on one rank of this machine; the same at every N.",
+        compute,
         "One allreduce of the whole buffer (4 bytes per parameter) every sync period of "
-        "the method (gradients every step for allreduce); no overlap with compute, "
+        "the method (gradients every step for allreduce; for adpsgd one swap of the "
+        "parameters with one partner per step, whatever N); no overlap with compute, "
         "no stragglers.",
         "Throughput speedup = N * compute / (compute + allreduce / sync period).",
         "Frames to target grow as N^b, b fitted to the measured sizes (least squares on "

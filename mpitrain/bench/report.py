@@ -27,7 +27,7 @@ import numpy as np
 
 from ..files import atomic_open, atomic_path
 from .options import BenchOptions
-from .projection import assumptions, project_method
+from .projection import PAIRWISE_METHODS, assumptions, project_method
 
 #: Where the papers' numbers come from (plotted and tabulated next to ours).
 PAPER_POINTS = ({"source": "Su & Chen 2015 (SWB-300h, model averaging)", "ranks": 16,
@@ -80,10 +80,12 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
             measured_compute_seconds=base_t["compute_seconds_per_step"],
             num_params=base_t["num_params"], sync_every=base_t["sync_period"],
             frames_to_target=frames, network=network,
-            compute_seconds=options.compute_seconds)
+            compute_seconds=options.compute_seconds,
+            exchange="pairwise" if method in PAIRWISE_METHODS else "allreduce")
     return {"format": "mpitrain-bench/1", "sizes": list(sizes), "methods": list(methods),
             "options": options.to_dict(), "environment": environment,
-            "network_model": network.to_dict(), "assumptions": assumptions(network),
+            "network_model": network.to_dict(),
+            "assumptions": assumptions(network, options.compute_seconds),
             "notes": _notes(environment, options),
             "throughput": throughput, "accuracy": accuracy, "speedups": speedups,
             "projections": projections, "paper_points": list(PAPER_POINTS), "config": config}
@@ -191,7 +193,7 @@ def summary_markdown(report: dict) -> str:
     lines += ["", "## Projection (a model's output, not measured)", ""]
     if report["projections"]:
         first = next(iter(report["projections"].values()))["rows"]
-        lines += ["| method | compute ms/step | MB per allreduce | sync every | b | "
+        lines += ["| method | compute ms/step | MB per exchange | sync every | b | "
                   + " | ".join(f"N={r['ranks']}" for r in first) + " |",
                   "|---|---:|---:|---:|---:|" + "---:|" * len(first)]
     else:
@@ -203,8 +205,10 @@ def summary_markdown(report: dict) -> str:
             cells.append(f"{r['throughput_speedup']:.1f}"
                          + (f" / {tt:.1f}" if tt is not None else "")
                          + _range_text(r.get("time_to_target_range")))
+        swap = " (pairwise)" if proj.get("exchange") == "pairwise" else ""
         lines.append(f"| {method} | {proj['compute_seconds_per_step'] * 1e3:.1f} | "
-                     f"{proj['bytes_per_allreduce'] / 1e6:.2f} | {proj['sync_every_steps']} | "
+                     f"{proj['bytes_per_allreduce'] / 1e6:.2f}{swap} | "
+                     f"{proj['sync_every_steps']} | "
                      f"{_fmt(proj['frames_exponent'], '.2f')}"
                      f"{_range_text(proj.get('frames_exponent_range'), '.2f')} | "
                      + " | ".join(cells) + " |")

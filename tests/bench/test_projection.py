@@ -43,6 +43,23 @@ def test_throughput_speedup_by_hand():
                               network=NET) == pytest.approx(2.490660, rel=1e-6)
 
 
+def test_pairwise_exchange_costs_one_message_whatever_the_ranks():
+    from mpitrain.bench.projection import exchange_seconds
+    # one message of 4e6 B at 1e9 B/s plus the latency: 0.004 + 0.00001 s, at any N > 1
+    for ranks in (2, 16, 128):
+        assert exchange_seconds(ranks, NBYTES, NET, "pairwise") == pytest.approx(0.00401)
+    assert exchange_seconds(1, NBYTES, NET, "pairwise") == 0.0
+    # ADPSGD at 128 ranks: 128 * 0.010 / (0.010 + 0.00401) = 91.36...; a ring allreduce
+    # every step would cost 2 * 127/128 * 0.004 + 2 * 127 * 1e-5 = 0.0104775 s:
+    # 128 * 0.010 / 0.0204775 = 62.508...
+    assert throughput_speedup(128, compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=1,
+                              network=NET, exchange="pairwise") == pytest.approx(91.363, rel=1e-4)
+    assert throughput_speedup(128, compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=1,
+                              network=NET) == pytest.approx(62.508, rel=1e-4)
+    with pytest.raises(ValueError, match="exchange"):
+        exchange_seconds(2, NBYTES, NET, "broadcast")
+
+
 def test_frames_exponent_by_hand():
     # frames 1000, 1200, 1440 at N = 1, 2, 4: ratios 1.2 = 2^b and 1.44 = 4^b with the
     # same b, so the least-squares fit is exact: b = ln 1.2 / ln 2 = 0.263034...
