@@ -9,5 +9,10 @@ bash scripts/setup.sh
 NP=${NP:-2}
 [ -f data/synth/train/corpus.yaml ] || python -m mpitrain synth data/synth
 python -m mpitrain check data/synth
-mpiexec -n "$NP" python -m mpitrain train jobs/configs/quickstart.yaml --run-dir runs/quickstart "$@"
+# a second run of this script trains afresh (a run directory is never reused silently)
+again=()
+case " $* " in *" --resume "*|*" --overwrite "*) ;;
+    *) if [ -e runs/quickstart/config.yaml ]; then again=(--overwrite); fi ;; esac
+mpiexec -n "$NP" python -m mpitrain train jobs/configs/quickstart.yaml --run-dir runs/quickstart \
+    ${again[@]+"${again[@]}"} "$@"
 python -m mpitrain eval runs/quickstart/final.h5 data/synth/dev
