@@ -1,7 +1,8 @@
 """Tables and a plot of simulated speedup curves from several `bench --virtual` runs.
 
 Each run is one `python -m mpitrain bench CONFIG --virtual 1,2,...` output
-directory (its bench.json) or a copy of its bench.json, given as LABEL=PATH; a
+directory (its bench.json) or a copy of its bench.json, given as LABEL=PATH
+(LABEL=PATH#METHOD for one method of a run that measured several); a
 directory without bench.json (a run still going) gives its finished sizes.  Per run and group size N:
 frames and simulated seconds to the target, the statistical efficiency
 (frames to target on one rank over frames on N) and the time-to-target
@@ -40,14 +41,26 @@ PAPER = [(16, 9.3), (32, 17.0)]       # Su & Chen 2015, SWB-300h, model averagin
 
 
 def load_run(label: str, path: str) -> dict:
+    """One run's rows; PATH#METHOD picks one method of a run that measured several."""
+    path, _, method = path.partition("#")
     file = path if path.endswith(".json") else os.path.join(path, "bench.json")
     with open(file, encoding="utf-8") as fh:
         report = json.load(fh)
+    methods = report["methods"]
+    if not method:
+        if len(methods) > 1:
+            raise SystemExit(f"{label}={path}: the run measured {', '.join(methods)}; "
+                             f"name one as {label}={path}#METHOD")
+        method = methods[0]
+    elif method not in methods:
+        raise SystemExit(f"{label}={path}#{method}: the run measured {', '.join(methods)}")
     cfg = report["config"]
     step_s = report["virtual"]["compute"]["step_seconds"]
     batch = cfg["training"]["minibatch"]
     rows = []
     for r in report["accuracy"]:
+        if r.get("method", method) != method:
+            continue
         n = r["ranks"]
         frames, secs = r["frames_to_target"], r["seconds_to_target"]
         comm = None
@@ -62,7 +75,7 @@ def load_run(label: str, path: str) -> dict:
                                                     cfg["optimizer"]["initial_learning_rate"]),
                      "points": [{k: p[k] for k in ("frames", "seconds", "dev_acc")}
                                 for p in r["points"]]})
-    return {"label": label, "dir": path, "method": report["methods"][0],
+    return {"label": label, "dir": path, "method": method,
             "optimizer": cfg["optimizer"]["name"], "sync_every": cfg["parallel"]["average_every"],
             "lr_scale": report["options"].get("lr_scale", "none"),
             "target_accuracy": report["options"]["target_accuracy"],
@@ -143,7 +156,8 @@ def _num_params(cfg: dict) -> int:
 
 
 def load_any(label: str, path: str) -> dict:
-    if path.endswith(".json") or os.path.exists(os.path.join(path, "bench.json")):
+    file = path.partition("#")[0]
+    if file.endswith(".json") or os.path.exists(os.path.join(file, "bench.json")):
         return load_run(label, path)
     return load_unfinished(label, path)
 

@@ -78,12 +78,13 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mpitrain.bench.ngsgd_overhead",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--classes", type=int, default=4000)
-    p.add_argument("--minibatch", type=int, default=512)
-    p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--steps", type=int, default=5, help="steps per round")
+    p.add_argument("--hidden", type=int, default=2048, help="hidden layer width (default 2048)")
+    p.add_argument("--layers", type=int, default=4, help="hidden layers (default 4)")
+    p.add_argument("--classes", type=int, default=4000, help="output classes (default 4000)")
+    p.add_argument("--minibatch", type=int, default=512, help="frames per step (default 512)")
+    p.add_argument("--rounds", type=int, default=7,
+                   help="interleaved rounds of both optimizers (default 7)")
+    p.add_argument("--steps", type=int, default=5, help="steps per round (default 5)")
     p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
     p.add_argument("--cuda-graph", action="store_true",
                    help="GPU: replay fixed steps from captured CUDA graphs")
@@ -94,6 +95,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.reset_every < 0:
         p.error("--reset-every must be >= 0")
+    for flag in ("hidden", "layers", "classes", "minibatch", "rounds", "steps"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     result = measure(hidden=args.hidden, layers=args.layers, classes=args.classes,
                      minibatch=args.minibatch, rounds=args.rounds, steps=args.steps,
                      device=args.device, cuda_graph=args.cuda_graph,

@@ -45,3 +45,10 @@ def test_command_line_prints_and_writes_json(tmp_path, capsys):
     assert json.loads(out.read_text())["reset_every"] == 4
     with pytest.raises(SystemExit):
         ngsgd_overhead.main(["--reset-every", "-1"])
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--rounds", "--hidden", "--minibatch"])
+def test_counts_below_one_are_refused(flag, capsys):
+    with pytest.raises(SystemExit):
+        ngsgd_overhead.main([flag, "0"])
+    assert f"{flag} must be >= 1" in capsys.readouterr().err

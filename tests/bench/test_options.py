@@ -57,3 +57,12 @@ def test_asynchronous_adpsgd_is_refused_in_one_line():
         check_benchable(cfg, ("model_averaging", "adpsgd"))
     assert "\n" not in str(info.value)
     check_benchable(cfg, ("model_averaging",))      # ADPSGD not among the methods: fine
+
+
+def test_the_accuracy_phase_alone_needs_a_target():
+    from mpitrain.bench.options import BenchOptions
+    with pytest.raises(ValueError, match="--phases accuracy: .* needs --target-accuracy"):
+        BenchOptions(sizes=(1, 2), phases=("accuracy",))
+    assert BenchOptions(sizes=(1, 2), phases=("accuracy",), target_accuracy=0.5).phases
+    # with the throughput phase as well, the accuracy phase is skipped with a notice
+    assert BenchOptions(sizes=(1, 2), phases=("throughput", "accuracy")).phases
