@@ -260,15 +260,10 @@ def _number_list(text: str, flag: str, kind=int) -> tuple:
                          f"got {text!r}") from None
 
 
-def cmd_bench(args) -> int:
-    from .bench.mode import run_bench
+def _bench_options(args, virtual_sizes):
     from .bench.options import BenchOptions
     from .bench.projection import NetworkModel
-    from .bench.report import projection_lines, write_report
-    from .config import load_config
-    cfg = load_config(args.config, args.set)
-    virtual_sizes = _number_list(args.virtual, "--virtual")
-    options = BenchOptions(
+    return BenchOptions(
         sizes=virtual_sizes or _number_list(args.sizes, "--sizes"),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         target_accuracy=args.target_accuracy,
@@ -280,6 +275,20 @@ def cmd_bench(args) -> int:
                              bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8,
                              allreduce_algorithm=args.allreduce_algorithm),
         compute_seconds=args.compute_ms * 1e-3, lr_scale=args.lr_scale)
+
+
+def cmd_bench(args) -> int:
+    from .bench.mode import run_bench
+    from .bench.report import projection_lines, write_report
+    from .config import load_config
+    cfg = load_config(args.config, args.set)
+    virtual_sizes = _number_list(args.virtual, "--virtual")
+    try:
+        options = _bench_options(args, virtual_sizes)
+    except ValueError as exc:
+        # the group sizes came from --virtual: name it
+        raise UsageError(str(exc).replace("--sizes", "--virtual", 1) if virtual_sizes
+                         else str(exc)) from None
     out_dir = args.out or os.path.join(
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
     if virtual_sizes:
@@ -295,8 +304,11 @@ def cmd_bench(args) -> int:
     comm = create_communicator(device_transport=cfg.device_transport)
     install_abort_hook(comm)
     _limit_blas_threads(cfg, comm)
-    out_dir = args.out or os.path.join(
-        "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
+    if options.sizes and max(options.sizes) > comm.size:
+        if comm.rank != 0:          # every rank knows it alike: rank 0 says it
+            return 2
+        raise UsageError(f"--sizes: {max(options.sizes)} ranks asked for, but the job has "
+                         f"{comm.size} (mpiexec -n {max(options.sizes)} or more)")
     try:
         report = run_bench(cfg, comm, out_dir=out_dir, options=options)
         if comm.rank == 0:

@@ -212,6 +212,7 @@ def test_mpirun_python_dash_m_mpitrain_trains_mpitrain_yaml_of_the_directory(sma
      "--slowdown: rank 4 is not one of the 4 virtual ranks"),
     (["bench", "CONFIG", "--virtual", "1,2", "--methods", "param_server"],
      "param_server: ranks that do not step together are not benchmarked"),
+    (["bench", "CONFIG", "--virtual", "2,4"], "--virtual: must include 1"),
 ])
 def test_options_that_cannot_apply_are_refused_in_one_line(small_corpus, tmp_path, capsys,
                                                            argv, message):
@@ -235,3 +236,15 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     # as a Unix tool that SIGPIPE ends: quiet, status 141 (or 0 if all was written)
     assert process.returncode in (0, 141), err
     assert err == b"", err
+
+
+@pytest.mark.mpi
+def test_bench_sizes_beyond_the_job_are_said_once(mpiexec, small_corpus):
+    from mpitrain.testing.mpirun import run_mpi
+    from .helpers import QUICKSTART
+    result = run_mpi(2, ["-m", "mpitrain", "bench", QUICKSTART, "--sizes", "1,4",
+                         "--set", f"data.train={small_corpus}/train"], timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "--sizes" in line]
+    assert lines == ["mpitrain bench: --sizes: 4 ranks asked for, but the job has 2 "
+                     "(mpiexec -n 4 or more)"], result.stderr

@@ -187,7 +187,8 @@ def measure_step_seconds(cfg, *, feat_dim: int, num_classes: int, steps: int = 2
 def compute_model(cfg, *, step_ms: float = 0.0, slowdown: Optional[dict] = None,
                   jitter: float = 0.0, seed: int = 0) -> ComputeModel:
     """The step times of a virtual run: ``step_ms`` when > 0, else measured once here
-    for ``cfg``'s model (:func:`measure_step_seconds`).
+    for ``cfg``'s model (:func:`measure_step_seconds`) with the BLAS threads the
+    virtual ranks run with (``cfg.blas_threads``, else one).
 
     Example::
 
@@ -195,10 +196,13 @@ def compute_model(cfg, *, step_ms: float = 0.0, slowdown: Optional[dict] = None,
     """
     seconds = step_ms * 1e-3
     if seconds <= 0:
+        from threadpoolctl import threadpool_limits
         from ..data.corpus import load_manifest
         manifest = load_manifest(cfg.data.train)
-        seconds = measure_step_seconds(cfg, feat_dim=manifest.feat_dim,
-                                       num_classes=manifest.num_classes)
+        # with the BLAS threads the virtual ranks then run with
+        with threadpool_limits(cfg.blas_threads or 1):
+            seconds = measure_step_seconds(cfg, feat_dim=manifest.feat_dim,
+                                           num_classes=manifest.num_classes)
     return ComputeModel(step_seconds=seconds, slowdown=dict(slowdown or {}), jitter=jitter,
                         seed=seed)
 
