@@ -56,6 +56,7 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
         raise FileNotFoundError(f"{path}: no metrics file (a run directory of "
                                 "`mpitrain train` has one)")
     records: dict[str, list[dict]] = {kind: [] for kind in RECORD_TYPES}
+    clock = _Timeline()
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, start=1):
             if not line.strip():
@@ -68,8 +69,43 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
             if not isinstance(record, dict) or not isinstance(record.get("type"), str):
                 raise ValueError(f"{path}: line {number}: field 'type': expected a string "
                                  f"({', '.join(RECORD_TYPES)}) in a JSON object")
+            record = clock.place(record, records)
             records.setdefault(record["type"], []).append(record)
     return records
+
+
+class _Timeline:
+    """One run's records as one timeline.  A resume (a ``start`` record) or a roll
+    back continues from an earlier step: the records after that step belong to
+    the abandoned stretch and are dropped, and the clocks of a resumed process,
+    which start at 0 again, continue from where the kept records ended."""
+
+    CLOCKS = ("time", "seconds")
+
+    def __init__(self):
+        self.offset = dict.fromkeys(self.CLOCKS, 0.0)
+        self.latest = dict.fromkeys(self.CLOCKS, 0.0)
+
+    def place(self, record: dict, records: dict) -> dict:
+        kind, step = record["type"], record.get("step")
+        if kind in ("start", "rollback") and isinstance(step, (int, float)):
+            for key in ("train", "eval"):
+                records[key] = [r for r in records.get(key, [])
+                                if not isinstance(r.get("step"), (int, float))
+                                or r["step"] <= step]
+            if kind == "start" and any(records.values()):
+                # the new process's clocks start at 0: go on from the kept records
+                for clock in self.CLOCKS:
+                    kept = [r[clock] for key in ("train", "eval") for r in records[key]
+                            if isinstance(r.get(clock), (int, float))]
+                    self.offset[clock] = max(kept, default=self.latest["time"]
+                                             if clock == "time" else 0.0)
+        shifted = dict(record)
+        for clock in self.CLOCKS:
+            if isinstance(record.get(clock), (int, float)):
+                shifted[clock] = record[clock] + self.offset[clock]
+                self.latest[clock] = max(self.latest[clock], shifted[clock])
+        return shifted
 
 
 def _series(records: list[dict], x_key: str, y_key: str, path: str):
@@ -149,7 +185,9 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
             if train:
                 xs, ys = _series(records["train"], x_key, train_key, path)
                 if xs:
+                    # (a lone point shows only with a marker)
                     ax.plot(xs, ys, color=colour, linestyle="--", linewidth=1,
+                            marker="." if len(xs) == 1 else None,
                             alpha=0.7, label=None if records["eval"] else f"{label} (train)")
     ax_acc.set_title("frame accuracy")
     ax_xent.set_title("cross-entropy per frame")

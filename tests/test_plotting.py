@@ -1,5 +1,7 @@
 """Training-curve plots: reading metrics files and drawing PNGs from them."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -99,3 +101,25 @@ def test_cli_plot_writes_png_and_reports_bad_runs(tmp_path, capsys):
     assert (tmp_path / "r1" / "curves.png").exists()
     assert cli_main(["plot", str(tmp_path / "missing")]) == 2
     assert "missing" in capsys.readouterr().err
+
+
+def test_a_resumed_or_rolled_back_run_reads_as_one_timeline(tmp_path):
+    lines = [
+        {"type": "start", "time": 0.0, "step": 0},
+        {"type": "train", "time": 1.0, "step": 10, "seconds": 1.0, "frames": 10},
+        {"type": "train", "time": 2.0, "step": 20, "seconds": 2.0, "frames": 20},
+        {"type": "eval", "time": 2.1, "step": 20, "frames": 20, "dev_acc": 0.3},
+        # killed; resumed from the checkpoint at step 10: its clocks start again
+        {"type": "start", "time": 0.0, "step": 10},
+        {"type": "train", "time": 0.5, "step": 20, "seconds": 0.5, "frames": 20},
+        {"type": "train", "time": 1.0, "step": 30, "seconds": 1.0, "frames": 30},
+        # a roll back to step 20 in the same process
+        {"type": "rollback", "time": 1.2, "step": 20},
+        {"type": "train", "time": 1.5, "step": 30, "seconds": 1.5, "frames": 30},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = read_metrics(str(tmp_path))
+    assert [r["step"] for r in records["train"]] == [10, 20, 30]
+    assert [r["seconds"] for r in records["train"]] == [1.0, 1.5, 2.5]
+    assert [r["time"] for r in records["train"]] == [1.0, 1.5, 2.5]
+    assert records["eval"] == []              # the abandoned stretch's evaluation
