@@ -34,7 +34,11 @@ def _shard_entries(data) -> list[tuple[int, str, int | None, int | None]]:
     if not isinstance(shards, list):
         return entries
     for i, entry in enumerate(shards):
-        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and entry["path"]:
+        path = entry.get("path") if isinstance(entry, dict) else None
+        # a path outside the corpus directory is reported by the manifest check and
+        # never opened
+        if isinstance(path, str) and path and not os.path.isabs(path) \
+                and ".." not in path.replace("\\", "/").split("/"):
             frames, utts = entry.get("frames"), entry.get("utterances")
             entries.append((i, entry["path"],
                             frames if isinstance(frames, int) else None,
@@ -73,8 +77,9 @@ def _check_shard(directory, index, rel, frames, utts, feat_dim, num_classes, tot
         totals.complete = False
     for utt in ids:
         if utt in totals.utt_ids:
-            problems.append(f"{path}: dataset '{UTT_IDS}': utterance {utt!r} also appears in "
-                            f"{totals.utt_ids[utt]}")
+            where = "twice in this shard" if totals.utt_ids[utt] == path else \
+                f"also in {totals.utt_ids[utt]}"
+            problems.append(f"{path}: dataset '{UTT_IDS}': utterance {utt!r} appears {where}")
             break
         totals.utt_ids[utt] = path
 

@@ -216,7 +216,27 @@ def test_duplicate_utterance_id(corpus):
     with h5py.File(shard(corpus, 1), "a") as f:
         f["utt_ids"][0] = ids[2]
     one_problem_naming(check_corpus(corpus), shard(corpus, 1), "dataset 'utt_ids'",
-                       f"utterance {ids[2]!r} also appears in {shard(corpus)}")
+                       f"utterance {ids[2]!r} appears also in {shard(corpus)}")
+
+
+def test_duplicate_utterance_id_within_one_shard(corpus):
+    with h5py.File(shard(corpus), "a") as f:
+        ids = list(f["utt_ids"].asstr()[()])
+        f["utt_ids"][1] = ids[0]
+    one_problem_naming(check_corpus(corpus), shard(corpus), "dataset 'utt_ids'",
+                       f"utterance {ids[0]!r} appears twice in this shard")
+
+
+def test_a_shard_path_outside_the_corpus_is_reported_and_never_opened(corpus, tmp_path):
+    outside = tmp_path / "elsewhere.h5"
+    outside.write_bytes(b"not a shard")
+
+    def change(data):
+        data["shards"][0]["path"] = str(outside)
+    edit_manifest(corpus, change)
+    problems = check_corpus(corpus)
+    assert any("a relative file name inside the corpus directory" in p for p in problems)
+    assert not any("elsewhere.h5: " in p for p in problems), problems
 
 
 # ---------------------------------------------------------------- damaged on disk
