@@ -260,6 +260,16 @@ def _number_list(text: str, flag: str, kind=int) -> tuple:
                          f"got {text!r}") from None
 
 
+def _launcher_rank() -> int:
+    """This process' rank as the MPI launcher set it (0 without one), read before
+    MPI starts."""
+    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 def _bench_options(args, virtual_sizes):
     from .bench.options import BenchOptions
     from .bench.projection import NetworkModel
@@ -286,6 +296,8 @@ def cmd_bench(args) -> int:
     try:
         options = _bench_options(args, virtual_sizes)
     except ValueError as exc:
+        if _launcher_rank() > 0:     # the command line is every rank's: rank 0 says it
+            return 2
         # the group sizes came from --virtual: name it
         raise UsageError(str(exc).replace("--sizes", "--virtual", 1) if virtual_sizes
                          else str(exc)) from None

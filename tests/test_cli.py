@@ -248,3 +248,14 @@ def test_bench_sizes_beyond_the_job_are_said_once(mpiexec, small_corpus):
     lines = [line for line in result.stderr.splitlines() if "--sizes" in line]
     assert lines == ["mpitrain bench: --sizes: 4 ranks asked for, but the job has 2 "
                      "(mpiexec -n 4 or more)"], result.stderr
+
+
+@pytest.mark.mpi
+def test_a_bad_bench_option_is_said_once(mpiexec, small_corpus):
+    from mpitrain.testing.mpirun import run_mpi
+    from .helpers import QUICKSTART
+    result = run_mpi(2, ["-m", "mpitrain", "bench", QUICKSTART, "--methods", "nosuch",
+                         "--set", f"data.train={small_corpus}/train"], timeout=120)
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "nosuch" in line]
+    assert len(lines) == 1, result.stderr
