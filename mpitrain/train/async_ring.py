@@ -33,7 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm.base import ANY_SOURCE
-from .divergence import ROLL_BACK, Diverged
+from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
 from .metrics import format_duration, resident_mb
 
@@ -287,8 +287,8 @@ class OwnPaceLoop:
         if verdict == ROLL_BACK:
             raise Diverged(
                 f"{t.run_dir}: adpsgd: {t.guard.events} non-finite or exploding windows "
-                "since the last checkpoint; an asynchronous run cannot roll back: resume "
-                "from the last checkpoint with a lower learning rate")
+                "since the last checkpoint; an asynchronous run cannot roll back: "
+                + restart_advice(t.run_dir))
         self._new_window()
 
     def _evaluate(self, step: int) -> None:

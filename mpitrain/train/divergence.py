@@ -30,7 +30,9 @@ Example::
 
 from __future__ import annotations
 
+import glob
 import math
+import os
 
 #: Weight of a new window in the running mean of the objective.
 MEAN_WEIGHT = 0.3
@@ -117,3 +119,13 @@ class DivergenceGuard:
                 or self.rollbacks < 0 or self.skipped_total < 0 or self.exploded_total < 0:
             raise ValueError(f"checkpoint group 'trainer': expected lr_scale in (0, 1] and "
                              f"non-negative counts, got {state!r}")
+
+
+def restart_advice(run_dir: str) -> str:
+    """What to do after a run that cannot roll back diverged: resume with a lower
+    rate when a checkpoint is there, else start again with one."""
+    if glob.glob(os.path.join(run_dir, "ckpt-*.h5")):
+        return ("resume from the last checkpoint with a lower learning rate "
+                "(--resume --accept-changes --set optimizer.initial_learning_rate=...)")
+    return ("no checkpoint was written yet: start again with a lower learning rate "
+            "(--overwrite --set optimizer.initial_learning_rate=...)")

@@ -35,7 +35,7 @@ from ..data.splice import splice_batch_
 from ..parallel.param_server import DONE, LAST, UNIFORM
 from ..parallel.registry import data_share
 from .checkpoint import checkpoint_path, save_checkpoint
-from .divergence import ROLL_BACK, Diverged
+from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
 from .metrics import format_duration, resident_mb
 
@@ -259,7 +259,7 @@ class Server:
             raise Diverged(
                 f"{t.run_dir}: param_server: {t.guard.events} non-finite or exploding "
                 "windows since the last checkpoint; an asynchronous run cannot roll back: "
-                "resume from the last checkpoint with a lower learning rate")
+                + restart_advice(t.run_dir))
         self._new_window()
 
     # -- held-out evaluation and the average's switch ---------------------------------

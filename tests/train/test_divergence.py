@@ -78,3 +78,10 @@ def test_state_round_trip_and_bad_state_refused():
     assert other.lr_scale == 1.0 and other.rollbacks == 0
     with pytest.raises(ValueError, match="trainer"):
         other.load_state_dict({"lr_scale": float("nan")})
+
+
+def test_the_advice_after_an_asynchronous_divergence_fits_the_run_directory(tmp_path):
+    from mpitrain.train.divergence import restart_advice
+    assert "no checkpoint was written yet: start again" in restart_advice(str(tmp_path))
+    (tmp_path / "ckpt-00000010.h5").write_bytes(b"")
+    assert "resume from the last checkpoint" in restart_advice(str(tmp_path))
