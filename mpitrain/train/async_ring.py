@@ -299,8 +299,8 @@ class OwnPaceLoop:
         xent, acc, frames = self._dev.score(t.net)
         result = {"dev_xent": xent, "dev_acc": acc, "dev_frames": frames}
         t.step, t.frames_seen = step, sum(self.frames_of)
-        t._keep_best(result)
         t.log.write("eval", step=step, frames=t.frames_seen, **result,
                     seconds=self.comm.wtime() - self.run_start, model="rank 0")
+        t._keep_best(result)            # (its selection record follows the eval record)
         t.log.say(f"held-out at step {step}: xent {result['dev_xent']:.4f} acc "
                   f"{result['dev_acc']:.4f} ({frames} frames, rank 0's model)")

@@ -279,19 +279,19 @@ class Server:
         ps.collect_slices(net)         # a split model: the other servers' slices
         if compare:
             current_xent, current_acc, _ = self._held_out()
+        extra = {"average_mode": average.mode}
+        if compare:
+            extra.update(current_dev_xent=current_xent, current_dev_acc=current_acc)
         theta = net.params.copy()
         net.params[...] = average.average
         try:
             xent, acc, frames = self._held_out()
             result = {"dev_xent": xent, "dev_acc": acc, "dev_frames": frames}
+            t.log.write("eval", step=t.step, frames=t.frames_seen, **result, **extra,
+                        seconds=t.comm.wtime() - self.run_start)
             t._keep_best(result)        # best.h5: the averaged model, as evaluated
         finally:
             net.params[...] = theta
-        extra = {"average_mode": average.mode}
-        if compare:
-            extra.update(current_dev_xent=current_xent, current_dev_acc=current_acc)
-        t.log.write("eval", step=t.step, frames=t.frames_seen, **result, **extra,
-                    seconds=t.comm.wtime() - self.run_start)
         text = f"held-out at step {t.step}: xent {xent:.4f} acc {acc:.4f} ({frames} frames, " \
                f"{average.mode} average)"
         if compare:

@@ -270,3 +270,22 @@ def test_load_model_of_a_run_directory_is_its_best_model(small_corpus, tmp_path)
     model = mpitrain.load_model(str(run))
     best, _ = load_model(run / "best.h5")
     assert np.array_equal(model.net.params, best.params)
+
+
+@pytest.mark.parametrize("method", [["parallel.method=param_server"],
+                                    ["parallel.method=adpsgd", "parallel.asynchronous=true"]],
+                         ids=["param_server", "async_adpsgd"])
+def test_each_selection_record_follows_its_evaluation(small_corpus, tmp_path, method):
+    import json
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, small_overrides
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1", "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + TINY + method + [
+            "training.max_steps=40", "training.eval_interval=2560"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    kinds = [json.loads(line)["type"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    selections = [i for i, kind in enumerate(kinds) if kind == "selection"]
+    assert selections
+    assert all(kinds[i - 1] == "eval" for i in selections), kinds
