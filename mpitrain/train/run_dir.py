@@ -87,9 +87,40 @@ def _flatten(data: dict, prefix: str = "") -> dict:
     return out
 
 
-def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS) -> list:
-    """``"key: old -> new"`` for each setting that differs and changes the result."""
+#: Settings that name directories: compared by the directory they name (from the
+#: working directory of each run), not by their spelling.
+PLACE_SETTINGS = ("data.train", "data.dev", "model.init_from")
+
+
+def corpus_places(cfg) -> dict:
+    """``{"place_data.train": absolute real path, ...}`` of the path settings that
+    are set: stored with a run's checkpoints, so a resume from another working
+    directory is compared by what the paths name."""
+    flat = _flatten(cfg.to_dict())
+    return {f"place_{key}": os.path.realpath(flat[key]) for key in PLACE_SETTINGS
+            if isinstance(flat.get(key), str) and flat[key]}
+
+
+def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
+                     old_places: dict | None = None) -> list:
+    """``"key: old -> new"`` for each setting that differs and changes the result.
+
+    ``old_places`` (:func:`corpus_places` of the old run, where it was saved):
+    path settings then differ when they name other directories from here, however
+    they are spelt (a relative path resumed from another working directory)."""
     old, new = _flatten(old_cfg.to_dict()), _flatten(new_cfg.to_dict())
-    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}"
-            for key in sorted(set(old) | set(new))
-            if key not in neutral and old.get(key) != new.get(key)]
+    places = corpus_places(new_cfg)
+    changes = []
+    for key in sorted(set(old) | set(new)):
+        if key in neutral:
+            continue
+        saved = (old_places or {}).get(f"place_{key}")
+        if saved is not None and key in PLACE_SETTINGS:
+            now = places.get(f"place_{key}")
+            if now != saved:
+                changes.append(f"{key}: {old.get(key)!r} (that is {saved}) -> "
+                               f"{new.get(key)!r} (from here {now})")
+            continue
+        if old.get(key) != new.get(key):
+            changes.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
+    return changes

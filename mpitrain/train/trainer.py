@@ -33,7 +33,7 @@ from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, 
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import changed_settings, clear_run
+from .run_dir import changed_settings, clear_run, corpus_places
 from .search import RateTrials
 from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
@@ -354,7 +354,8 @@ class Trainer:
         # the final checkpoint says the run ended there (and with how many steps planned)
         complete = {} if self._complete_at is None else {"complete_at": self._complete_at}
         return {**self.guard.state_dict(), "planned_steps": self.planned_steps,
-                "steps_per_epoch": self.steps_per_epoch, **schedule, **selection, **complete}
+                "steps_per_epoch": self.steps_per_epoch, **schedule, **selection, **complete,
+                **corpus_places(self.cfg)}
 
     def _leave_complete_run(self) -> dict:
         """``--resume`` of a run that had ended, with nothing that asks for more: the
@@ -399,7 +400,9 @@ class Trainer:
 
     def _resume(self) -> None:
         ckpt, notes = self._choose_checkpoint()
-        changes = changed_settings(config_from_yaml(ckpt.config_yaml), self.cfg)
+        changes = changed_settings(config_from_yaml(ckpt.config_yaml), self.cfg,
+                                   old_places={k: v for k, v in ckpt.trainer_state.items()
+                                               if k.startswith("place_")})
         if changes and not self.accept_changes:
             raise TrainingError(
                 f"{ckpt.path}: --resume with settings that change the result: "

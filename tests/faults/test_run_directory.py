@@ -194,3 +194,30 @@ def test_a_run_that_had_ended_goes_on_when_asked_for_more_steps(finished_run, sm
     with open(finished_run / "metrics.jsonl") as fh:
         ends = [r for r in map(json.loads, fh) if r["type"] == "end"]
     assert ends[-1]["steps"] == 30
+
+
+def test_resume_compares_corpora_by_the_directory_their_paths_name(small_corpus, tmp_path,
+                                                                  monkeypatch, capsys):
+    import shutil
+    here, there = tmp_path / "here", tmp_path / "there"
+    for base in (here, there):
+        base.mkdir()
+    shutil.copytree(small_corpus, here / "corpus")
+    from mpitrain.data.synthetic import synthesize
+    synthesize(str(there / "corpus"), hours=0.02, speakers=4, shards=1, dev_hours=0.01,
+               dev_speakers=2, seed=9)
+    run = tmp_path / "run"
+    relative = ["data.train=corpus/train", "data.dev=corpus/dev"]
+    monkeypatch.chdir(here)
+    assert _train(run, small_corpus, relative) == 0
+    capsys.readouterr()
+    # the same relative path from another directory names another corpus: refused
+    monkeypatch.chdir(there)
+    assert _train(run, small_corpus, relative + ["training.max_steps=30"],
+                  flags=["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "data.train: 'corpus/train' (that is" in err and str(there) in err, err
+    # the same corpus spelt as an absolute path is the same run
+    absolute = [f"data.train={here / 'corpus' / 'train'}", f"data.dev={here / 'corpus' / 'dev'}"]
+    assert _train(run, small_corpus, absolute + ["training.max_steps=30"],
+                  flags=["--resume"]) == 0
