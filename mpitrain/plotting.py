@@ -169,8 +169,12 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
         if not records["eval"] and not (train and records["train"]):
             raise ValueError(f"{path}: no eval or train records to plot")
 
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError("plotting needs matplotlib: pip install matplotlib "
+                         "(or the [plot] extra)") from None
 
     x_key, x_title = X_AXES[x]
     fig = Figure(figsize=(11, 4.2))

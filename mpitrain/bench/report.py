@@ -133,16 +133,26 @@ def write_report(report: dict, out_dir: str, *, dpi: int = 100) -> dict:
              "markdown": os.path.join(out_dir, "bench.md"),
              "speedup_png": os.path.join(out_dir, "bench-speedup.png"),
              "accuracy_png": os.path.join(out_dir, "bench-accuracy.png")}
-    plot_speedup(report, paths["speedup_png"], dpi=dpi)
-    if report["accuracy"]:
-        plot_accuracy(report, paths["accuracy_png"], dpi=dpi)
-    else:
+    if not report["accuracy"]:
         del paths["accuracy_png"]
+    plots = [k for k in paths if k.endswith("_png")]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        # the measurements are kept whatever happens to the pictures
+        for key in plots:
+            del paths[key]
+        report = dict(report, notes=list(report.get("notes", [])) + [
+            "Plots not drawn: matplotlib is not installed (pip install matplotlib)."])
     report = dict(report, outputs={k: os.path.basename(v) for k, v in paths.items()})
     with atomic_open(paths["json"]) as fh:
         json.dump(report, fh, indent=1, default=_json_default, allow_nan=False)
     with atomic_open(paths["markdown"]) as fh:
         fh.write(summary_markdown(report))
+    if "speedup_png" in paths:
+        plot_speedup(report, paths["speedup_png"], dpi=dpi)
+    if "accuracy_png" in paths:
+        plot_accuracy(report, paths["accuracy_png"], dpi=dpi)
     return paths
 
 

@@ -30,3 +30,4 @@ def test_a_run_of_several_methods_needs_one_named(tmp_path):
     run = virtual_scaling.load_run("two", f"{path}#allreduce")
     assert run["method"] == "allreduce"
     assert [r["frames_to_target"] for r in run["rows"]] == [1.0, 1.0]
+
