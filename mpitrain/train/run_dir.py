@@ -124,3 +124,45 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
         if old.get(key) != new.get(key):
             changes.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
     return changes
+
+
+class RunDirLock:
+    """An exclusive lock on a run directory, held by rank 0 while its run uses it,
+    so that a second job started on the same directory (``--resume`` or
+    ``--overwrite`` while the first still runs) is refused instead of deleting
+    or interleaving the first one's files.  Released when the process ends.
+
+    Example::
+
+        lock = RunDirLock("runs/exp1")
+        problem = lock.acquire()          # None, or why not
+    """
+
+    NAME = ".lock"
+
+    def __init__(self, run_dir: str):
+        self.path = os.path.join(run_dir, self.NAME)
+        self._fh = None
+
+    def acquire(self):
+        import fcntl
+        fh = open(self.path, "a+", encoding="utf-8")
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            fh.close()
+            return (f"{os.path.dirname(self.path)}: another run is using this directory "
+                    f"({holder}); wait for it to end, or choose another --run-dir")
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        fh.flush()
+        self._fh = fh
+        return None
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self._fh.close()          # closing drops the lock
+            self._fh = None

@@ -33,7 +33,7 @@ from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, 
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import changed_settings, clear_run, corpus_places
+from .run_dir import RunDirLock, changed_settings, clear_run, corpus_places
 from .search import RateTrials
 from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
@@ -105,6 +105,7 @@ class Trainer:
         self.cfg, self.run_dir, self.comm = cfg, run_dir, comm
         self.is_root = comm.rank == 0
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
+        self._lock = None            # rank 0's lock on the run directory, while it runs
         # Nothing is written before the run is validated: lines wait for the log.
         self._stream_out = stream
         self.log = None
@@ -321,6 +322,10 @@ class Trainer:
         """Rank 0 writes the run directory once the run has been validated."""
         if self.is_root:
             os.makedirs(self.run_dir, exist_ok=True)
+            self._lock = RunDirLock(self.run_dir)
+            problem = self._lock.acquire()
+            if problem:
+                raise TrainingError(problem)
             stale = remove_stale_temporaries(self.run_dir)
             if stale:
                 self._pending_lines.insert(0, f"removed {len(stale)} temporary file(s) left by "
@@ -908,3 +913,5 @@ class Trainer:
         self.stream.close()
         if self.log is not None:
             self.log.close()
+        if self._lock is not None:
+            self._lock.release()

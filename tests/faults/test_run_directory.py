@@ -221,3 +221,21 @@ def test_resume_compares_corpora_by_the_directory_their_paths_name(small_corpus,
     absolute = [f"data.train={here / 'corpus' / 'train'}", f"data.dev={here / 'corpus' / 'dev'}"]
     assert _train(run, small_corpus, absolute + ["training.max_steps=30"],
                   flags=["--resume"]) == 0
+
+
+def test_a_second_run_on_a_directory_in_use_is_refused(finished_run, small_corpus, capsys):
+    from mpitrain.train.run_dir import RunDirLock
+    holder = RunDirLock(str(finished_run))
+    assert holder.acquire() is None          # as a run still going would hold it
+    before = _snapshot(finished_run)
+    try:
+        for flags in (["--resume"], ["--overwrite"]):
+            assert _train(finished_run, small_corpus, ["training.max_steps=30"],
+                          flags=flags) == 2
+            err = capsys.readouterr().err
+            assert "another run is using this directory (pid" in err, err
+        assert _snapshot(finished_run) == before
+    finally:
+        holder.release()
+    assert _train(finished_run, small_corpus, ["training.max_steps=30"],
+                  flags=["--resume"]) == 0
