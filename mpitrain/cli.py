@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import sys
 import traceback
 import warnings
@@ -57,8 +58,8 @@ def cmd_init(args) -> int:
     path = write_starter(args.dir, corpus=args.corpus, train=args.train, dev=args.dev,
                          example=args.example, overwrite=args.overwrite,
                          warn=lambda message: print(message, file=sys.stderr))
-    print(f"wrote {path}; train it with: cd {args.dir} && mpiexec -n N python -m mpitrain "
-          f"(or python -m mpitrain train {DEFAULT_CONFIG})")
+    print(f"wrote {path}; train it with: cd {shlex.quote(args.dir)} && mpiexec -n N "
+          f"python -m mpitrain (or python -m mpitrain train {DEFAULT_CONFIG})")
     return 0
 
 

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -66,7 +67,9 @@ def write_starter(out_dir, *, corpus: str | None = "data/synth", train: str | No
     for key, value in (("train", train), ("dev", dev)):
         path = os.path.abspath(value)
         # the run may start in another directory: absolute paths always resolve
-        text, found = re.subn(rf"^(  {key}:)[^\n]*$", lambda m: f"{m.group(1)} {path}",
+        # quoted (a JSON string is a YAML scalar): '#', ': ' and the like stay in the path
+        text, found = re.subn(rf"^(  {key}:)[^\n]*$",
+                              lambda m: f"{m.group(1)} {json.dumps(path)}",
                               text, count=1, flags=re.M)
         if not found:
             raise ValueError(f"{examples[example]}: no 'data.{key}' line to fill in")

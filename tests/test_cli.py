@@ -259,3 +259,13 @@ def test_a_bad_bench_option_is_said_once(mpiexec, small_corpus):
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if "nosuch" in line]
     assert len(lines) == 1, result.stderr
+
+
+def test_init_keeps_corpus_paths_with_yaml_characters_whole(tmp_path, capsys):
+    from mpitrain.config import load_config
+    corpus = tmp_path / "has #hash: and colon"
+    out = tmp_path / "exp dir"
+    assert main(["init", str(out), "--corpus", str(corpus)]) == 0
+    cfg = load_config(str(out / "mpitrain.yaml"))
+    assert cfg.data.train == str(corpus / "train") and cfg.data.dev == str(corpus / "dev")
+    assert f"cd '{out}'" in capsys.readouterr().out
