@@ -82,14 +82,20 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def _unreadable_dir(path: str) -> bool:
+    return os.path.isdir(path) and not os.access(path, os.R_OK | os.X_OK)
+
+
 def cmd_check(args) -> int:
     from .data.check import check_corpus
     from .data.corpus import manifest_path
     dirs = [args.corpus_dir]
     if not os.path.exists(manifest_path(args.corpus_dir)):
         # a synth output directory: check its splits
+        # (a split that cannot be read is checked too, so that it is reported)
         subs = [os.path.join(args.corpus_dir, s) for s in sorted(os.listdir(args.corpus_dir))
-                if os.path.exists(manifest_path(os.path.join(args.corpus_dir, s)))] \
+                if os.path.exists(manifest_path(os.path.join(args.corpus_dir, s)))
+                or _unreadable_dir(os.path.join(args.corpus_dir, s))] \
             if os.path.isdir(args.corpus_dir) else []
         dirs = subs or dirs
     problems = []

@@ -257,10 +257,15 @@ def read_manifest_data(path: str):
 
         data = read_manifest_data("data/train/corpus.yaml")   # dict, not yet validated
     """
-    if not os.path.exists(path):
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise CorpusError(f"{path}: cannot be read (permission denied on it or on a "
+                          "directory above it)") from None
+    except OSError:
         directory = os.path.dirname(path) or "."
         raise CorpusError(f"{path}: not found; expected a corpus directory "
-                          f"({directory}) holding {MANIFEST_NAME}")
+                          f"({directory}) holding {MANIFEST_NAME}") from None
     try:
         return read_yaml(path, what="corpus manifest")
     except ValueError as exc:

@@ -45,3 +45,37 @@ def test_load_manifest_of_a_directory_without_corpus(tmp_path):
     (tmp_path / "corpus.yaml").write_text("feat_dim: [unclosed\n")
     with pytest.raises(CorpusError, match="corpus.yaml: not valid YAML at line 2"):
         load_manifest(str(tmp_path))
+
+
+def test_a_manifest_that_cannot_be_read_is_not_called_missing(tmp_path, monkeypatch):
+    import os as os_module
+    from mpitrain.data.corpus import CorpusError, read_manifest_data
+    real_stat = os_module.stat
+
+    def denied(path, *args, **kwargs):
+        if str(path).endswith("corpus.yaml"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os_module, "stat", denied)
+    with pytest.raises(CorpusError, match="cannot be read \\(permission denied"):
+        read_manifest_data(str(tmp_path / "c" / "corpus.yaml"))
+    monkeypatch.setattr(os_module, "stat", real_stat)
+    with pytest.raises(CorpusError, match="not found"):
+        read_manifest_data(str(tmp_path / "c" / "corpus.yaml"))
+
+
+def test_check_reports_a_split_it_cannot_read(small_corpus, tmp_path, monkeypatch, capsys):
+    import os as os_module
+    import shutil
+    from mpitrain.cli import main
+    corpus = tmp_path / "c"
+    shutil.copytree(small_corpus, corpus)
+    shutil.move(str(corpus / "train"), str(tmp_path / "away"))
+    (corpus / "train").mkdir()
+    real_access = os_module.access
+    monkeypatch.setattr(os_module, "access", lambda path, mode, *a, **k: False
+                        if str(path).endswith("/train") else real_access(path, mode, *a, **k))
+    assert main(["check", str(corpus)]) == 1
+    captured = capsys.readouterr()
+    assert "train/corpus.yaml: not found" in captured.err + captured.out
