@@ -28,6 +28,7 @@ import contextlib
 import errno
 import os
 import re
+import shutil
 import stat
 
 #: Accepted in YAML as floats besides PyYAML's forms: 1e-3, 5E+2, .5e1, 3.
@@ -104,7 +105,7 @@ def disk_full_error(exc: BaseException, path) -> DiskFullError | None:
 
         disk_full_error(OSError(errno.ENOSPC, "No space left"), "a.h5")   # ... writing a.h5
     """
-    seen = 0
+    seen, first = 0, exc
     while exc is not None and seen < 8:
         code = exc.errno if isinstance(exc, OSError) else None
         if code not in _FULL and isinstance(exc, (OSError, RuntimeError)):
@@ -113,7 +114,25 @@ def disk_full_error(exc: BaseException, path) -> DiskFullError | None:
         if code in _FULL:
             return DiskFullError(code, f"{_FULL[code]} writing {os.fspath(path)}")
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    # h5py sometimes reports a full disk only as a broken internal state (e.g. "Can't
+    # decrement id ref count"): an error while writing onto a nearly full device is taken
+    # for what it almost surely is
+    if first is not None and isinstance(first, (OSError, RuntimeError, ValueError)) \
+            and _nearly_full(path):
+        return DiskFullError(errno.ENOSPC, f"{_FULL[errno.ENOSPC]} writing {os.fspath(path)}")
     return None
+
+
+#: free bytes below which an error while writing is taken to mean a full disk
+NEARLY_FULL_BYTES = 1 << 20
+
+
+def _nearly_full(path) -> bool:
+    directory = os.path.dirname(os.path.abspath(os.fspath(path)))
+    try:
+        return shutil.disk_usage(directory).free < NEARLY_FULL_BYTES
+    except OSError:
+        return False
 
 
 def _fsync_directory(directory: str) -> None:

@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Sequence
 
@@ -200,7 +201,9 @@ class ShardBuilder:
     def abort(self) -> None:
         """Discard the partial (or finished but not committed) file."""
         if self._file is not None:
-            self._file.close()
+            # closing can fail again (a full disk): the temporary goes all the same
+            with contextlib.suppress(Exception):
+                self._file.close()
             self._file = None
         self._finished = False
         discard(self._tmp)

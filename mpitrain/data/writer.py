@@ -10,10 +10,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
 
+from ..files import disk_full_error
 from .corpus import (CorpusError, CorpusManifest, MomentAccumulator, ShardInfo, manifest_path,
                      shard_name, write_manifest)
 from .shards import ShardBuilder, check_utterance
@@ -61,8 +63,14 @@ class CorpusWriter:
         # An existing corpus stays whole until the new one is complete (close()).
         os.makedirs(self.out_dir, exist_ok=True)
 
-        self._builders = [ShardBuilder(os.path.join(self.out_dir, shard_name(i)),
-                                       feat_dim=feat_dim) for i in range(num_shards)]
+        self._builders = []
+        try:
+            for i in range(num_shards):
+                self._builders.append(ShardBuilder(os.path.join(self.out_dir, shard_name(i)),
+                                                   feat_dim=feat_dim))
+        except BaseException as exc:
+            self.abort()
+            raise _named(exc, os.path.join(self.out_dir, shard_name(len(self._builders))))
         self._counts = np.zeros(num_classes, dtype=np.int64)
         self._moments = MomentAccumulator(feat_dim)
         self._seen: set[str] = set()
@@ -82,7 +90,10 @@ class CorpusWriter:
             raise ValueError(f"{self.out_dir}: utterance {utt_id!r}: feats contains NaN or inf")
         self._seen.add(utt_id)
         lightest = min(range(self.num_shards), key=lambda i: self._builders[i].num_frames)
-        self._builders[lightest].add(utt_id, feats, labels)
+        try:
+            self._builders[lightest].add(utt_id, feats, labels)
+        except BaseException as exc:
+            raise _named(exc, self._builders[lightest].path)
         self._counts += np.bincount(labels, minlength=self.num_classes)
         self._moments.add(feats)
 
@@ -97,7 +108,10 @@ class CorpusWriter:
         builders = self._builders
         try:
             for builder in builders:
-                builder.finish()
+                try:
+                    builder.finish()
+                except BaseException as exc:
+                    raise _named(exc, builder.path)
             self._replace_old_corpus(builders)
         except BaseException:
             self.abort()
@@ -134,8 +148,9 @@ class CorpusWriter:
         """Discard everything written so far (finished shards stay only if renamed)."""
         if self._builders is None:
             return
-        for builder in self._builders:
-            builder.abort()
+        for builder in self._builders:      # every one, whatever the others do
+            with contextlib.suppress(Exception):
+                builder.abort()
         self._builders = None
 
     def __enter__(self):
@@ -146,3 +161,12 @@ class CorpusWriter:
             self.close()
         else:
             self.abort()
+
+
+def _named(exc: BaseException, path: str) -> BaseException:
+    """``exc``, or the one-line error naming ``path`` when it means the disk is full."""
+    full = disk_full_error(exc, path)
+    if full is None:
+        return exc
+    full.__cause__ = exc
+    return full

@@ -8,6 +8,8 @@ import shutil
 import sys
 import time
 
+from ..files import disk_full_error
+
 
 def resident_mb() -> float | None:
     """This process's resident memory in MiB now (Linux), else None."""
@@ -104,8 +106,12 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"type": kind, "time": round(time.time() - self.start, 3), **fields}
-        self._fh.write(json.dumps(record) + "\n")
-        self._fh.flush()
+        try:
+            self._fh.write(json.dumps(record) + "\n")
+            self._fh.flush()
+        except OSError as exc:                  # a full disk: name the file
+            raise disk_full_error(exc, self._fh.name) or OSError(
+                exc.errno, f"{self._fh.name}: {exc.strerror}") from exc
         if self._board is not None:
             self._board.record(kind, fields)
 

@@ -50,9 +50,19 @@ def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
         return "--resume and --overwrite exclude each other"
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         return f"{run_dir}: run directory exists and is not a directory"
+    if os.path.islink(run_dir) and not os.path.exists(run_dir):
+        return f"{run_dir}: run directory is a symbolic link to {os.readlink(run_dir)}, " \
+               "which does not exist"
+    above = os.path.dirname(os.path.abspath(run_dir))
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        return f"{run_dir}: cannot create the run directory ({above} is not a directory)"
     if resume:
         if not os.path.isdir(run_dir):
             return f"{run_dir}: --resume given but the run directory does not exist"
+        if not os.access(run_dir, os.W_OK):
+            return f"{run_dir}: run directory is not writable (a resumed run writes there)"
         return None
     files = run_files(run_dir) if os.path.isdir(run_dir) else []
     if files and not overwrite:

@@ -119,3 +119,23 @@ def test_an_overwrite_with_fewer_shards_removes_the_old_extra_shards(tmp_path):
     assert sorted(os.listdir(out)) == ["corpus.yaml", "shard-00000.h5", "shard-00001.h5"]
     manifest = load_manifest(out)
     assert manifest.num_utterances == 6 and len(manifest.shards) == 2
+
+
+def test_a_full_disk_names_the_shard_and_leaves_no_temporaries(tmp_path, monkeypatch):
+    from mpitrain import files
+    from mpitrain.data import shards
+    real_flush = shards.ShardBuilder._flush
+
+    def full(self):
+        if self._pending_frames:
+            raise RuntimeError("Can't decrement id ref count (slist already enabled?)")
+        return real_flush(self)
+
+    monkeypatch.setattr(shards.ShardBuilder, "_flush", full)
+    monkeypatch.setattr(files, "_nearly_full", lambda path: True)   # as on a full device
+    out = str(tmp_path / "c")
+    with pytest.raises(files.DiskFullError, match="no space left on device writing .*shard-0000"):
+        with CorpusWriter(out, feat_dim=6, num_classes=5, num_shards=2) as writer:
+            for utt in make_utterances(12, num_classes=5):
+                writer.add(*utt)
+    assert os.listdir(out) == []

@@ -82,3 +82,18 @@ def test_appending_drops_a_last_line_cut_short(tmp_path):
     log = MetricsLog(str(tmp_path), append=True)
     log.write("end", step=6)
     assert len(path.read_text().splitlines()) == 3
+
+
+def test_a_full_disk_while_logging_names_the_metrics_file(tmp_path):
+    import errno
+
+    class Full:
+        name = str(tmp_path / "metrics.jsonl")
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    log = MetricsLog(str(tmp_path))
+    log._fh = Full()
+    with pytest.raises(OSError, match="no space left on device writing .*metrics.jsonl"):
+        log.write("train", step=1)

@@ -54,3 +54,20 @@ def test_changed_settings_lists_what_changes_the_result():
     assert changed_settings(old, new) == [
         "optimizer.initial_learning_rate: 0.002 -> 0.004", "training.minibatch: 256 -> 512"]
     assert changed_settings(old, RunConfig()) == []
+
+
+def test_run_directories_that_cannot_be_used_are_named(tmp_path, monkeypatch):
+    import os
+    from mpitrain.train.run_dir import run_dir_problem
+    (tmp_path / "afile").write_text("x")
+    assert "afile is not a directory" in run_dir_problem(
+        str(tmp_path / "afile" / "sub"), resume=False, overwrite=False)
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    assert "symbolic link to" in run_dir_problem(str(tmp_path / "dangling"), resume=False,
+                                                 overwrite=False)
+    (tmp_path / "run").mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode, *a, **k: False
+                        if str(path).endswith("/run") else real_access(path, mode, *a, **k))
+    assert "not writable (a resumed run writes there)" in run_dir_problem(
+        str(tmp_path / "run"), resume=True, overwrite=False)
