@@ -431,21 +431,40 @@ def _check_own_steps(cfg: RunConfig, where: str) -> None:
                           "others train on)")
 
 
+def _names_text(key: str) -> bool:
+    """Whether ``key`` (``section.name``) is a text setting of :class:`RunConfig`."""
+    cls = RunConfig
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(cls):
+            return False
+        hints = get_type_hints(cls)
+        if part not in hints:
+            return False
+        cls = hints[part]
+    return cls is str
+
+
 def parse_overrides(overrides) -> dict:
     """Turn ``["optimizer.momentum=0.9", ...]`` into a nested mapping.
 
     Values are parsed as YAML scalars, so ``true``, ``3`` and ``1e-3`` get their
-    natural types.
+    natural types; a text setting (a path, a name) takes the text as typed,
+    unless it is quoted.
     """
     nested: dict = {}
     for item in overrides or ():
         if "=" not in item:
             raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. optimizer.momentum=0.9")
         key, text = item.split("=", 1)
-        try:
-            value = parse_yaml(text, where=f"--set {key}") if text.strip() else ""
-        except ValueError:
-            raise ConfigError(f"--set {key}: value {text!r} is not a YAML scalar") from None
+        if _names_text(key.strip()) and text.strip()[:1] not in ("'", '"'):
+            # a path or a name as typed: YAML would cut it at ' #' or refuse ': '
+            value = text.strip()
+        else:
+            try:
+                value = parse_yaml(text, where=f"--set {key}") if text.strip() else ""
+            except ValueError:
+                raise ConfigError(f"--set {key}: value {text!r} is not a YAML scalar") \
+                    from None
         node = nested
         parts = key.strip().split(".")
         for part in parts[:-1]:

@@ -145,3 +145,11 @@ def test_a_number_where_text_is_expected_is_taken_as_its_text(tmp_path):
     assert load_config(str(path)).model.dropout_schedule == "0.3"
     assert load_config(str(path), ["model.dropout_schedule=0.2"]).model.dropout_schedule == "0.2"
     assert "model.dropout_schedule" in _error(tmp_path, "model:\n  dropout_schedule: [1]\n")
+
+
+def test_a_text_setting_given_with_set_is_taken_as_typed():
+    cfg = load_config(None, ["data.train=corpus #1/train", "data.dev=k: v/dev",
+                             "optimizer.name='ngsgd'", "training.epochs=2"])
+    assert cfg.data.train == "corpus #1/train"       # YAML would have cut it at ' #'
+    assert cfg.data.dev == "k: v/dev"                 # and refused ': '
+    assert cfg.optimizer.name == "ngsgd" and cfg.training.epochs == 2.0
