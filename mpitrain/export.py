@@ -29,7 +29,7 @@ import sys
 import numpy as np
 
 from . import backend
-from .files import commit, discard, temporary_path
+from .files import commit, discard, disk_full_error, temporary_path
 from .data.cmvn import SpeakerCmvn
 from .data.kaldi_read import read_feature_matrices, split_rspecifier
 from .data.splice import frame_utterance_bounds, splice, splice_indices
@@ -223,6 +223,11 @@ class ArkWriter:
             self._write(key, matrix)
         except BrokenPipeError:
             raise OSError(self._why_the_reader_left()) from None
+        except OSError as exc:                  # a full disk: name the archive
+            full = disk_full_error(exc, self.ark.strip())
+            if full is None:
+                raise
+            raise full from exc
 
     def _why_the_reader_left(self) -> str:
         """The ``--out`` command stopped reading: its exit status, for the message."""
