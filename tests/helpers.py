@@ -83,3 +83,17 @@ def train_on_ranks(nranks, run_dir, corpus, settings=(), *, resume=False, timeou
     if resume:
         args.append("--resume")
     return run_mpi(nranks, args, timeout=timeout)
+
+
+def without_module(monkeypatch, prefix: str) -> None:
+    """Make ``import prefix...`` fail for the rest of the test, as when the package is
+    not installed."""
+    import builtins
+    real_import = builtins.__import__
+
+    def refusing(name, *args, **kwargs):
+        if name == prefix or name.startswith(prefix + "."):
+            raise ImportError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", refusing)

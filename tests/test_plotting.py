@@ -126,15 +126,8 @@ def test_a_resumed_or_rolled_back_run_reads_as_one_timeline(tmp_path):
 
 
 def test_without_matplotlib_plotting_is_one_clear_error(tmp_path, monkeypatch):
-    import builtins
+    from .helpers import without_module
     write_run(tmp_path / "run", acc_at_end=0.8)
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    without_module(monkeypatch, "matplotlib")
     with pytest.raises(ValueError, match="plotting needs matplotlib: pip install matplotlib"):
         plot_runs([tmp_path / "run"], tmp_path / "c.png")

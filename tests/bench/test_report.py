@@ -2,23 +2,15 @@
 
 import json
 
-from ..helpers import REPO
+from ..helpers import REPO, without_module
 
 REPORT = REPO / "docs" / "data" / "virtual-scaling" / "late" / "bmuf05-n16.bench.json"
 
 
 def test_a_report_without_matplotlib_keeps_its_measurements(tmp_path, monkeypatch):
-    import builtins
     from mpitrain.bench.report import write_report
     report = json.loads(REPORT.read_text())
-    real_import = builtins.__import__
-
-    def no_matplotlib(name, *args, **kwargs):
-        if name.startswith("matplotlib"):
-            raise ImportError(name)
-        return real_import(name, *args, **kwargs)
-
-    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    without_module(monkeypatch, "matplotlib")
     paths = write_report(report, str(tmp_path / "out"))
     assert sorted(paths) == ["json", "markdown"]
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
