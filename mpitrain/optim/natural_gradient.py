@@ -345,6 +345,7 @@ class OnlineNaturalGradient(Preconditioner):
         self.frozen = bool(frozen)
         # the JointFisherUpdates this object's updates are finished with, or None
         self.joint = None
+        self.dropped_updates = 0    # updates left out because their rows were not finite
         self.reset()
 
     # -- state -----------------------------------------------------------------
@@ -528,16 +529,22 @@ class OnlineNaturalGradient(Preconditioner):
             self._finish_own_update()
 
     def _finish_own_update(self) -> None:
-        gram, x_sq, d, rho, options = self._take_pending()
-        self._apply_plan(_plan_update(gram, x_sq, d, rho, **options))
+        taken = self._take_pending()
+        if taken is not None:
+            gram, x_sq, d, rho, options = taken
+            self._apply_plan(_plan_update(gram, x_sq, d, rho, **options))
 
     def _take_pending(self):
         """The arguments of :func:`_plan_update` for the pending update (it waits
-        for the copies to the host), and forget it."""
+        for the copies to the host), and forget it; None when the rows were not
+        finite (a minibatch the optimizer skips): the estimate then stays as it was."""
         gram_copy, x_sq_copy, num_rows, dim = self._pending
         self._pending = None
         gram = np.asarray(gram_copy.result(), dtype=np.float64)
         x_sq = float(np.asarray(x_sq_copy.result(), dtype=np.float64))
+        if not (math.isfinite(x_sq) and np.all(np.isfinite(gram))):
+            self.dropped_updates += 1
+            return None
         return gram, x_sq, self._d, self._rho, dict(
             num_rows=num_rows, dim=dim, eta=self.eta(num_rows), alpha=self.alpha,
             epsilon=self.epsilon, delta=self.delta)
@@ -602,8 +609,11 @@ class JointFisherUpdates:
         groups = {}
         for member in self.members:
             if member._pending is not None:
+                taken = member._take_pending()
+                if taken is None:            # not finite: that side keeps its estimate
+                    continue
                 key = (member._rank, member.alpha, member.epsilon, member.delta)
-                groups.setdefault(key, []).append((member, member._take_pending()))
+                groups.setdefault(key, []).append((member, taken))
         for (_rank, alpha, epsilon, delta), taken in groups.items():
             plans = _plan_updates(
                 np.stack([args[0] for _, args in taken]),
