@@ -91,6 +91,12 @@ class Pretrainer:
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._stream_out, self.log, self._pending = stream, None, []
         self.xp = backend.select(cfg.device, comm.local_rank)
+        # the same precision and kernels as `train` (a process may have set others)
+        backend.set_fused_kernels(cfg.fused_kernels)
+        try:
+            backend.set_precision(self.xp, cfg.precision)
+        except backend.DeviceError as exc:
+            raise TrainingError(str(exc)) from None
         if not cfg.data.train:
             raise TrainingError("data.train: no training corpus given (set data.train "
                                 "in the config or with --set data.train=DIR)")

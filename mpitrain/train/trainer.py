@@ -106,6 +106,7 @@ class Trainer:
         self.is_root = comm.rank == 0
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._lock = None            # rank 0's lock on the run directory, while it runs
+        self._graph_said = False     # cuda_graph asked for and not used: said once
         # Nothing is written before the run is validated: lines wait for the log.
         self._stream_out = stream
         self.log = None
@@ -577,12 +578,21 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------
     def _new_training_step(self) -> TrainingStep:
         cfg = self.cfg
-        return TrainingStep(self.net, self.optimizer, self.strategy,
+        step = TrainingStep(self.net, self.optimizer, self.strategy,
                             minibatch=cfg.training.minibatch,
                             left_context=cfg.data.left_context,
                             right_context=cfg.data.right_context,
                             cuda_graph=cfg.cuda_graph and cfg.device == "gpu", log=self._say,
                             dropout_proportion=self.dropout_at)
+        if cfg.cuda_graph and not self._graph_said:
+            # asked for and not used: say so once, not silently
+            self._graph_said = True
+            why = "it replays steps on a GPU (device: cpu)" if cfg.device != "gpu" else \
+                (step.graph.why_not if step.graph is not None and not step.graph.enabled
+                 else "")
+            if why:
+                self._say(f"cuda_graph: not used: {why}")
+        return step
 
     def dropout_at(self, step: int) -> float:
         """model.dropout's proportion at 0-based ``step`` (its schedule runs over the

@@ -152,3 +152,9 @@ def test_pretrain_command_on_two_ranks(mpiexec, small_corpus, tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert len(load_rbm_stack(str(run / "pretrain.h5")).rbms) == 2
     assert _records(run, "start")[0]["ranks"] == 2
+
+
+def test_pretraining_takes_the_precision_setting_as_train_does(small_corpus, tmp_path, capsys):
+    code = main(_argv("pretrain", tmp_path / "pre", small_corpus, ["precision=tf32"]))
+    err = capsys.readouterr().err
+    assert code == 2 and "precision: tf32 needs device: gpu" in err, err

@@ -254,3 +254,15 @@ def test_cuda_graph_replay_trains_like_eager_steps(cp, optimizer):
     np.testing.assert_allclose(graphed.training_step.take_sums()[:2],
                                eager.training_step.take_sums()[:2], rtol=1e-5)
     assert graphed.optimizer.num_steps == eager.optimizer.num_steps == 40
+
+
+def test_cuda_graph_asked_for_and_not_used_is_said(small_corpus, tmp_path, capsys):
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, small_overrides
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    for item in small_overrides(small_corpus) + ["cuda_graph=true", "training.max_steps=4",
+                                                 "model.hidden_dim=16"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("cuda_graph: not used: it replays steps on a GPU (device: cpu)") == 1
