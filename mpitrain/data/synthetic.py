@@ -45,6 +45,10 @@ STATES_PER_UNIT = 3
 NUM_CLASSES = NUM_UNITS * STATES_PER_UNIT
 FEAT_DIM = 40
 FRAMES_PER_SECOND = 100
+#: a set must give each speaker this many frames (about one utterance) ...
+MIN_FRAMES_PER_SPEAKER = 100
+#: ... once it has more speakers than this
+MAX_SPEAKERS_ANYWAY = 64
 SILENCE = 0
 
 
@@ -298,6 +302,16 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
                         ("shards", shards)):
         if int(value) != value or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    # every speaker is built up front (about half a megabyte each) and each batch
+    # gives every speaker an utterance: more speakers than a set can hold is a mistake
+    for name, count, amount, hours_name in (("speakers", speakers, hours, "hours"),
+                                            ("dev_speakers", dev_speakers, dev_hours,
+                                             "dev_hours")):
+        frames = amount * 3600 * FRAMES_PER_SECOND
+        if count > MAX_SPEAKERS_ANYWAY and count * MIN_FRAMES_PER_SPEAKER > frames:
+            raise ValueError(f"{name} {count}: {hours_name} {amount:g} gives "
+                             f"{int(frames)} frames, under {MIN_FRAMES_PER_SPEAKER} a "
+                             f"speaker; give more {hours_name} or fewer {name}")
     started = time.perf_counter()
     root = np.random.SeedSequence(seed)
     world_seq, train_seq, dev_seq = root.spawn(3)

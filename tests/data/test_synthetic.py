@@ -157,6 +157,7 @@ def test_params_are_validated():
     ({"dev_hours": 1e-9}, "dev_hours must be"),
     ({"seen_dev_hours": -1.0}, "seen_dev_hours must be"),
     ({"seed": -1}, "seed must be an integer >= 0"),
+    ({"speakers": 100_000, "hours": 0.01}, "speakers 100000: hours 0.01 gives 3600 frames"),
 ])
 def test_impossible_amounts_are_refused_before_anything_is_written(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
