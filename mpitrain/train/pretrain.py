@@ -48,7 +48,7 @@ from ..nn.rbm_file import read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import changed_settings, clear_run
+from .run_dir import RunDirLock, changed_settings, clear_run, corpus_places
 from .trainer import TrainingError, balanced_plan, no_minibatch_error
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
@@ -90,6 +90,7 @@ class Pretrainer:
         self.is_root = comm.rank == 0
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._stream_out, self.log, self._pending = stream, None, []
+        self._lock = None            # rank 0's lock on the run directory, while it runs
         self.xp = backend.select(cfg.device, comm.local_rank)
         # the same precision and kernels as `train` (a process may have set others)
         backend.set_fused_kernels(cfg.fused_kernels)
@@ -208,6 +209,10 @@ class Pretrainer:
     def _open_run_dir(self) -> None:
         if self.is_root:
             os.makedirs(self.run_dir, exist_ok=True)
+            self._lock = RunDirLock(self.run_dir)
+            problem = self._lock.acquire()
+            if problem:
+                raise TrainingError(problem)
             stale = remove_stale_temporaries(self.run_dir)
             if stale:
                 self._pending.insert(0, f"removed {len(stale)} temporary file(s) left by an "
@@ -258,6 +263,8 @@ class Pretrainer:
                 if self.layer < len(self.layer_steps) else 0
             f.attrs["frames_seen"] = self.frames_seen
             f.attrs["num_ranks"] = len(states)
+            for key, place in corpus_places(self.cfg).items():
+                f.attrs[key] = place           # the directories the paths named
             write_stack_group(f.create_group("stack"), stack)
             ranks = f.create_group("ranks")
             for r, state in enumerate(states):
@@ -280,6 +287,8 @@ class Pretrainer:
                                      f"non-negative int, got {value!r}")
                 attrs[name] = int(value)
             attrs["config"] = str(f.attrs.get("config", ""))
+            attrs["places"] = {key: str(f.attrs[key]) for key in f.attrs
+                               if key.startswith("place_")}
             stack = read_stack_group(f["stack"], path, xp=self.xp)
             same_ranks = attrs["num_ranks"] == self.comm.size
             rank = read_state(f["ranks"][f"{self.comm.rank:05d}"], path, what="checkpoint") \
@@ -307,7 +316,8 @@ class Pretrainer:
             ckpt = self._read_checkpoint(chosen)
         except (ValueError, OSError) as exc:
             raise TrainingError(str(exc)) from None
-        changes = [c for c in changed_settings(config_from_yaml(ckpt["config"]), self.cfg)
+        changes = [c for c in changed_settings(config_from_yaml(ckpt["config"]), self.cfg,
+                                               old_places=ckpt["places"])
                    if c.startswith(PRETRAIN_SETTINGS)]
         if changes and not self.accept_changes:
             raise TrainingError(f"{chosen}: --resume with settings that change the result: "
@@ -462,4 +472,6 @@ class Pretrainer:
         self.stream.close()
         if self.log is not None:
             self.log.close()
+        if self._lock is not None:
+            self._lock.release()
 

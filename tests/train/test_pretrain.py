@@ -158,3 +158,16 @@ def test_pretraining_takes_the_precision_setting_as_train_does(small_corpus, tmp
     code = main(_argv("pretrain", tmp_path / "pre", small_corpus, ["precision=tf32"]))
     err = capsys.readouterr().err
     assert code == 2 and "precision: tf32 needs device: gpu" in err, err
+
+
+def test_pretraining_refuses_a_directory_in_use(small_corpus, tmp_path, capsys):
+    from mpitrain.train.run_dir import RunDirLock
+    run = tmp_path / "pre"
+    run.mkdir()
+    holder = RunDirLock(str(run))
+    assert holder.acquire() is None
+    try:
+        assert main(_argv("pretrain", run, small_corpus)) == 2
+        assert "another run is using this directory" in capsys.readouterr().err
+    finally:
+        holder.release()
