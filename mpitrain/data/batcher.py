@@ -180,6 +180,10 @@ class MinibatchStream:
         key = (self.epoch, self.chunk_pos)
         feats, labels, start, end = self._submit(*key).result()
         self._pending.pop(key, None)
+        # chunks read ahead for positions now behind (an epoch that ended before its
+        # last chunks, as equal step counts ask) would otherwise stay in memory
+        for stale in [k for k in self._pending if k < key]:
+            self._pending.pop(stale).cancel()
         spec = self._spec_at(*key)
         xp = self.xp
         self._current = Chunk(spec, to_device(feats, xp), to_device(labels, xp),
@@ -231,3 +235,6 @@ class _Done:
 
     def result(self):
         return self._value
+
+    def cancel(self) -> bool:
+        return False

@@ -6,7 +6,7 @@ import numpy as np
 
 from .. import backend
 from ..data.batcher import plan_chunks, read_chunk
-from ..data.sharding import assign_shards
+from ..data.sharding import assign_shards, plan_shards
 from ..data.shards import ShardReader
 from ..data.splice import splice, splice_indices
 
@@ -19,6 +19,26 @@ def shard_offsets_reader(manifest):
         with ShardReader(manifest.shard_path(i)) as reader:
             return np.asarray(reader.utt_offsets)
     return offsets
+
+
+def cap_shares(available, cap: int) -> list:
+    """How many of ``cap`` frames each rank scores: as equal as their ``available``
+    frames allow, summing to ``min(cap, sum(available))``.
+
+    Example::
+
+        cap_shares([465, 900, 900, 348], 2000)     # [465, 594, 593, 348]
+    """
+    parts = [0] * len(available)
+    left = min(int(cap), sum(available))
+    while left > 0:
+        room = [r for r in range(len(available)) if parts[r] < available[r]]
+        share, extra = divmod(left, len(room))
+        for i, r in enumerate(room):
+            give = min(share + (i < extra), available[r] - parts[r])
+            parts[r] += give
+            left -= give
+    return parts
 
 
 def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames: int = 0):
@@ -35,10 +55,11 @@ def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames:
         slices = assign_shards(manifest.shards, 0, 1) if rank == 0 else []
         limit = max_frames or None
     else:
-        slices = assign_shards(manifest.shards, rank, size,
-                               utt_offsets_of=shard_offsets_reader(manifest))
-        # the cap shared out: the ranks' parts add up to it exactly
-        limit = max_frames // size + (rank < max_frames % size) if max_frames else None
+        plan = plan_shards(manifest.shards, size, utt_offsets_of=shard_offsets_reader(manifest))
+        slices = plan[rank]
+        # the cap shared out over what each rank holds: the parts add up to it
+        limit = cap_shares([sum(s.frames for s in part) for part in plan],
+                           max_frames)[rank] if max_frames else None
     mean, scale = backend.to_host(net.cmvn_mean), backend.to_host(net.cmvn_scale)
     chunks, taken = [], 0
     for spec in plan_chunks(manifest, slices, 100_000):

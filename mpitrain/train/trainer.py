@@ -245,6 +245,15 @@ class Trainer:
                                   backend.to_host(self.net.cmvn_scale)),
             xp=self.xp, steps_per_epoch=steps, prefetch=cfg.data.prefetch)
         self.steps_per_epoch = steps
+        # equal step counts and whole minibatches per chunk leave some frames out
+        used = steps * cfg.training.minibatch * comm.size
+        if self.manifest.num_frames and used < 0.95 * self.manifest.num_frames:
+            self._say(f"data: {1 - used / self.manifest.num_frames:.0%} of the training "
+                      f"frames are left out of each epoch ({used:,} of "
+                      f"{self.manifest.num_frames:,}): every rank takes {steps} steps, as "
+                      "many as the rank with the least data, of whole minibatches per "
+                      "chunk; fewer ranks, more shards or a larger data.chunk_frames "
+                      "leave out less")
         total = int(round(cfg.training.epochs * steps))
         if cfg.training.max_steps:
             total = min(total, cfg.training.max_steps)
@@ -373,7 +382,8 @@ class Trainer:
             self._say(f"resume: wrote {final} from the final checkpoint")
         self._say(f"resume: the run had ended at step {ckpt_step}; nothing to train (raise "
                   "training.epochs or training.max_steps to go on)")
-        return {"steps": ckpt_step, "frames": self.frames_seen, "complete": True, **best}
+        return {"steps": ckpt_step, "frames": self.frames_seen, "seconds": 0.0,
+                "complete": True, **best}
 
     def _choose_checkpoint(self):
         """Rank 0 picks the newest checkpoint that verifies; every rank loads that one."""
@@ -419,7 +429,11 @@ class Trainer:
             self._say("resume: settings changed (--accept-changes): " + "; ".join(changes))
             self._record("config_change", changes=changes)
         complete_at = int(ckpt.trainer_state.get("complete_at", 0))
-        if complete_at and not changes and self.total_steps <= complete_at:
+        old_planned = int(ckpt.trainer_state.get("planned_steps", 0)) or complete_at
+        # compared as fractions of the plans: another number of ranks plans other counts
+        asks_more = complete_at and self.total_steps * old_planned > \
+            complete_at * self.planned_steps
+        if complete_at and not changes and not asks_more:
             # a requeued job's --resume of a run that had ended: leave its results alone
             self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
             self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in

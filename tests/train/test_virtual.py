@@ -190,3 +190,46 @@ def test_bmuf_evaluates_keeps_and_checkpoints_the_global_model(small_corpus, tmp
     total, _, frames = evaluate_chunks(net, load_eval_chunks(dev, net))
     at_16 = [r for r in records(run, "eval") if r["step"] == 16]
     assert at_16 and at_16[0]["dev_xent"] == pytest.approx(total / frames, rel=1e-6)
+
+
+def test_a_run_that_had_ended_is_judged_by_the_fraction_of_its_plan(small_corpus, tmp_path,
+                                                                    capsys):
+    """On the same ranks a resume of an ended run trains nothing; on more ranks the
+    same max_steps is a larger part of a shorter plan, so it goes on."""
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, records, small_overrides
+    run = tmp_path / "run"
+
+    def train(ranks, *flags):
+        argv = ["train", QUICKSTART, "--virtual", str(ranks), "--compute-ms", "1",
+                "--run-dir", str(run), *flags]
+        for item in small_overrides(small_corpus) + ["model.hidden_dim=16",
+                                                     "training.max_steps=20"]:
+            argv += ["--set", item]
+        return main(argv)
+
+    assert train(2) == 0
+    capsys.readouterr()
+    assert train(2, "--resume") == 0
+    assert "the run had ended at step 20" in capsys.readouterr().out
+    assert len(records(run, "end")) == 1
+    assert train(4, "--resume") == 0
+    assert "the run had ended" not in capsys.readouterr().out
+    change, = records(run, "rank_change")
+    assert change["to_step"] < 20 and records(run, "end")[-1]["steps"] == 20
+
+
+def test_the_share_of_frames_left_out_of_each_epoch_is_said(tmp_path, capsys):
+    from mpitrain.cli import main
+    from mpitrain.data.synthetic import synthesize
+    from ..helpers import QUICKSTART
+    synthesize(str(tmp_path / "c"), hours=0.02, speakers=3, shards=1, dev_hours=0.005,
+               dev_speakers=1)
+    argv = ["train", QUICKSTART, "--virtual", "3", "--compute-ms", "1",
+            "--run-dir", str(tmp_path / "run")]
+    for item in [f"data.train={tmp_path / 'c' / 'train'}", f"data.dev={tmp_path / 'c' / 'dev'}",
+                 "training.max_steps=2", "model.hidden_dim=16"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
+    assert len(said) == 1 and "of the training frames are left out of each epoch" in said[0]
