@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from .. import backend
-from ..config import RunConfig, config_from_yaml, config_to_yaml, dump_config
+from ..config import RunConfig, config_to_yaml, dump_config
 from ..data.batcher import MinibatchStream, plan_chunks
 from ..data.corpus import CorpusError, load_manifest, manifest_path, speaker_cmvn_kind
 from ..data.sharding import plan_shards
@@ -28,12 +28,13 @@ from ..nn.model_file import save_model
 from ..nn.network import build_network
 from ..optim.factory import build_optimizer, build_schedule
 from ..parallel.registry import build_strategy, data_share, takes_own_steps
-from .checkpoint import (checkpoint_path, gather_rank_states, list_checkpoints, load_checkpoint,
-                         save_checkpoint)
+from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, save_checkpoint
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
+from .errors import TrainingError
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import RunDirLock, changed_settings, clear_run, corpus_places
+from .resume import CheckpointResume
+from .run_dir import RunDirLock, clear_run
 from .search import RateTrials
 from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
@@ -52,25 +53,6 @@ def balanced_plan(manifest, size: int) -> list:
     if size > 1 and max(frames) > MAX_SHARD_IMBALANCE * max(min(frames), 1):
         plan = plan_shards(manifest.shards, size, utt_offsets_of=offsets, split=True)
     return plan
-
-
-#: Prefixes of the schedule's and the model selection's scalars in the
-#: checkpoint's group 'trainer'.
-SCHEDULE_PREFIX = "schedule_"
-SELECTION_PREFIX = "selection_"
-
-
-class TrainingError(RuntimeError):
-    """A problem that stops training, with a message for the user.
-
-    ``agreed``: every rank raises it at the same point (a decision taken from
-    collective results), so the job can end without an abort and one rank
-    alone needs to print it.
-    """
-
-    def __init__(self, message: str, *, agreed: bool = False):
-        super().__init__(message)
-        self.agreed = agreed
 
 
 def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
@@ -92,7 +74,7 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
                          agreed=True)
 
 
-class Trainer:
+class Trainer(CheckpointResume):
     """Example::
 
         cfg = load_config("jobs/configs/quickstart.yaml")
@@ -355,162 +337,7 @@ class Trainer:
             self.log.say(line)
         self._pending_lines, self._pending_records = [], []
 
-    # -- state: snapshots, resume, roll back --------------------------------------------
-    def _state_snapshot(self) -> dict:
-        """This rank's whole training state, on the host (the start of the run)."""
-        return {"params": backend.to_host(self.net.params).copy(),
-                "optimizer": self.optimizer.state_dict(), "reader": self.stream.state_dict(),
-                "strategy": self.strategy.state_dict(), "step": self.step,
-                "frames_seen": self.frames_seen, "schedule": self.schedule.state_dict()}
-
-    def _trainer_state(self) -> dict:
-        schedule = {SCHEDULE_PREFIX + k: v for k, v in self.schedule.state_dict().items()}
-        selection = {SELECTION_PREFIX + k: v for k, v in self.selection.state_dict().items()}
-        # the final checkpoint says the run ended there (and with how many steps planned)
-        complete = {} if self._complete_at is None else {"complete_at": self._complete_at}
-        return {**self.guard.state_dict(), "planned_steps": self.planned_steps,
-                "steps_per_epoch": self.steps_per_epoch, **schedule, **selection, **complete,
-                **corpus_places(self.cfg)}
-
-    def _leave_complete_run(self) -> dict:
-        """``--resume`` of a run that had ended, with nothing that asks for more: the
-        final model stands (written from the final checkpoint if it is missing)."""
-        ckpt_step, best = self._complete
-        final = os.path.join(self.run_dir, "final.h5")
-        if self.is_root and not os.path.exists(final):
-            save_model(final, self.net, class_priors=self.manifest.class_priors())
-            self._say(f"resume: wrote {final} from the final checkpoint")
-        self._say(f"resume: the run had ended at step {ckpt_step}; nothing to train (raise "
-                  "training.epochs or training.max_steps to go on)")
-        return {"steps": ckpt_step, "frames": self.frames_seen, "seconds": 0.0,
-                "complete": True, **best}
-
-    def _choose_checkpoint(self):
-        """Rank 0 picks the newest checkpoint that verifies; every rank loads that one."""
-        chosen, num_ranks, notes, problem = None, 0, [], None
-        if self.is_root:
-            found = list_checkpoints(self.run_dir)
-            if not found:
-                problem = f"{self.run_dir}: no checkpoint (ckpt-*.h5) to continue from"
-            for path in reversed(found):
-                try:
-                    num_ranks = load_checkpoint(path, ranks=[]).num_ranks
-                except (ValueError, OSError) as exc:
-                    notes.append(f"skipped {os.path.basename(path)}: {exc}")
-                    continue
-                chosen = path
-                break
-            if found and chosen is None:
-                problem = (f"{self.run_dir}: no checkpoint verifies; tried "
-                           + "; ".join(notes))
-        chosen, num_ranks, notes, problem = self.comm.bcast_obj(
-            [chosen, num_ranks, notes, problem], root=0)
-        if problem:
-            raise TrainingError(problem, agreed=True)
-        mine = [self.comm.rank] if num_ranks == self.comm.size else []
-        try:
-            ckpt = load_checkpoint(chosen, ranks=mine, into=self.net)
-        except (ValueError, OSError) as exc:
-            raise TrainingError(str(exc)) from None
-        return ckpt, notes
-
-    def _resume(self) -> None:
-        ckpt, notes = self._choose_checkpoint()
-        changes = changed_settings(config_from_yaml(ckpt.config_yaml), self.cfg,
-                                   old_places={k: v for k, v in ckpt.trainer_state.items()
-                                               if k.startswith("place_")})
-        if changes and not self.accept_changes:
-            raise TrainingError(
-                f"{ckpt.path}: --resume with settings that change the result: "
-                + "; ".join(changes) + " (restore them, or pass --accept-changes)", agreed=True)
-        for line in notes:
-            self._say(f"resume: {line}")
-        if changes:
-            self._say("resume: settings changed (--accept-changes): " + "; ".join(changes))
-            self._record("config_change", changes=changes)
-        complete_at = int(ckpt.trainer_state.get("complete_at", 0))
-        old_planned = int(ckpt.trainer_state.get("planned_steps", 0)) or complete_at
-        # compared as fractions of the plans: another number of ranks plans other counts
-        asks_more = complete_at and self.total_steps * old_planned > \
-            complete_at * self.planned_steps
-        if complete_at and not changes and not asks_more:
-            # a requeued job's --resume of a run that had ended: leave its results alone
-            self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
-            self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in
-                                            ckpt.trainer_state.items()
-                                            if k.startswith(SELECTION_PREFIX)})
-            best = {} if self.selection.best_step < 0 else {
-                "best_step": self.selection.best_step, "best_value": self.selection.best_value}
-            self._complete = (ckpt.step, best)
-            return
-        self._restore(ckpt, settings_changed=bool(changes))
-        # (a roll back restores a checkpoint too, but keeps the best model found since)
-        self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in
-                                        ckpt.trainer_state.items()
-                                        if k.startswith(SELECTION_PREFIX)})
-        self._say(f"resumed from {ckpt.path} at step {self.step}")
-
-    def _restore(self, ckpt, *, settings_changed: bool = False) -> None:
-        """Continue from a loaded checkpoint (its model is already in the network).
-
-        ``settings_changed`` (``--resume --accept-changes``): a part whose saved
-        state does not fit the new settings (another method, optimizer or
-        schedule, momentum switched on) starts afresh, and the log says so."""
-        self.guard.load_state_dict(ckpt.trainer_state)
-        self._load_part(ckpt, "the rate schedule", self._load_schedule_state, settings_changed)
-        self.strategy.bind(self.net)
-        if self._load_part(ckpt, "the parallel method's state",
-                           lambda c: self.strategy.load_state_dict(c.strategy_state),
-                           settings_changed):
-            self.strategy.resume(self.net)
-        else:
-            self.strategy.setup(self.net, self.optimizer)    # from the checkpoint's model
-        self.frames_seen = ckpt.frames_seen
-        if ckpt.num_ranks == self.comm.size:
-            state = ckpt.rank_state(self.comm.rank)
-            self._load_part(ckpt, "the optimizer state",
-                            lambda c: self.optimizer.load_state_dict(state["optimizer"]),
-                            settings_changed, every_rank=False)
-            self.stream.load_state_dict(state["reader"])
-            self._load_part(ckpt, "the parallel method's per-rank state",
-                            lambda c: self.strategy.load_rank_state_dict(
-                                state.get("strategy", {})), settings_changed, every_rank=False)
-            self.step = ckpt.step
-            return
-        # N -> M ranks: the data was re-planned over this job's ranks; the same
-        # fraction of the schedule is done; per-rank state cannot carry over.
-        old_planned = int(ckpt.trainer_state.get("planned_steps", 0))
-        if old_planned <= 0:
-            raise TrainingError(
-                f"{ckpt.path}: written by {ckpt.num_ranks} ranks, this job has "
-                f"{self.comm.size}, and the checkpoint predates resuming on another number "
-                "of ranks; resume with the same number of ranks", agreed=True)
-        self.step = min(int(round(ckpt.step * self.planned_steps / old_planned)),
-                        self.total_steps)
-        if not self._takes_own_steps():
-            self.stream.seek(self.step // self.steps_per_epoch,
-                             self.step % self.steps_per_epoch)
-        elif self.cfg.parallel.method == "adpsgd":
-            self._seek_own_steps(ckpt.step / old_planned)
-        # (a parameter server's clients seek in the serving loop: serving.py)
-        self._say(f"resume: written by {ckpt.num_ranks} ranks, continuing on "
-                  f"{self.comm.size}: data re-planned over {self.comm.size} ranks, step "
-                  f"{ckpt.step} of {old_planned} becomes {self.step} of {self.planned_steps}, "
-                  "optimizer state (momentum, natural-gradient statistics) starts afresh")
-        self._record("rank_change", from_ranks=ckpt.num_ranks, to_ranks=self.comm.size,
-                     from_step=ckpt.step, to_step=self.step)
-
-    def _seek_own_steps(self, fraction: float) -> None:
-        """Asynchronous ADPSGD on another number of ranks: each rank has done the
-        same fraction of its own planned steps (its own data, its own count)."""
-        cfg = self.cfg
-        planned = max(int(round(cfg.training.epochs * self.steps_per_epoch)), 1)
-        if cfg.training.max_steps:
-            planned = min(planned, cfg.training.max_steps)
-        own = min(int(round(fraction * planned)), planned)
-        self.strategy.own_steps = own
-        self.stream.seek(own // self.steps_per_epoch, own % self.steps_per_epoch)
-
+    # -- roll back (the state it restores: resume.py) ------------------------------------
     def _roll_back(self, reason: str) -> None:
         """Return to the newest good checkpoint (or the start) with a lower rate."""
         try:
@@ -782,31 +609,6 @@ class Trainer:
         return None
 
     # -- the learning-rate schedule's decisions (optimizer.schedule) ---------------------
-    def _load_part(self, ckpt, what: str, load, settings_changed: bool, *,
-                   every_rank: bool = True) -> bool:
-        """Load one part's saved state; False when it did not fit changed settings
-        and the part starts afresh instead (said in the log).  ``every_rank``: the
-        state is the same on every rank, so a failure is every rank's."""
-        try:
-            load(ckpt)
-            return True
-        except (ValueError, TrainingError) as exc:
-            if not settings_changed:
-                if isinstance(exc, TrainingError):
-                    raise
-                raise TrainingError(f"{ckpt.path}: {exc}", agreed=every_rank) from None
-            self._say(f"resume: {what} starts afresh: the checkpoint's does not fit the "
-                      f"changed settings ({' '.join(str(exc).split())})")
-            return False
-
-    def _load_schedule_state(self, ckpt) -> None:
-        saved = {k[len(SCHEDULE_PREFIX):]: v for k, v in ckpt.trainer_state.items()
-                 if k.startswith(SCHEDULE_PREFIX)}
-        try:
-            self.schedule.load_state_dict(saved)
-        except ValueError as exc:
-            raise TrainingError(f"{ckpt.path}: {exc}", agreed=True) from None
-
     def _search_rate(self) -> None:
         """search: try each factor's rate on the start of the coming chunk, keep the best."""
         cfg = self.cfg
