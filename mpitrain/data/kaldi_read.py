@@ -674,7 +674,8 @@ def read_alignments(spec: str) -> dict[str, np.ndarray]:
     with _opened(target, "alignment") as src:
         head = src.peek(4096)
         space = head.find(b" ")
-        if kind == "ark" and space > 0 and head[space + 1:space + 3] == b"\0B":
+        # binary or text whatever the options say ('ark,t:' too), as Kaldi reads
+        if space > 0 and head[space + 1:space + 3] == b"\0B":
             _binary_alignments(src, alignments)
         else:
             _text_alignments(src, alignments)

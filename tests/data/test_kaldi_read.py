@@ -147,3 +147,10 @@ def test_a_truncated_record_from_a_pipe_names_the_command(arks):
     with pytest.raises(CorpusError, match=r"cat .*cut.ark \|: entry 'utt3': FM header declares "
                                           r".* but only \d+ bytes follow in the stream"):
         list(read_feature_matrices(f"ark:cat {d}/cut.ark |"))
+
+
+@pytest.mark.parametrize("spec", ["ark,t:{d}/ali.ark", "ark,t:cat {d}/ali.ark |"])
+def test_binary_alignments_are_read_whatever_the_t_option_says(arks, spec):
+    # Kaldi tells binary from text by each record's "\0B", not by the rspecifier's 't'
+    d, _, ali = arks
+    _same(read_alignments(spec.format(d=d)), ali)
