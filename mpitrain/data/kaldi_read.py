@@ -262,6 +262,7 @@ def _opened(target: str, what: str):
     (also when a generator using it is closed early)."""
     source = Input.open(target, what)
     try:
+        _refuse_gzip(source, what)
         yield source
     except CorpusError as exc:
         # a record cut short by a failed command: the command is the news
@@ -274,6 +275,19 @@ def _opened(target: str, what: str):
         source.abandon()
         raise
     source.finish()
+
+
+def _refuse_gzip(source: Input, what: str) -> None:
+    """A gzip stream (``ali.1.gz`` given as it is) is named as such, not decoded
+    as a garbled archive."""
+    if source.peek(2) != b"\x1f\x8b":
+        return
+    if source.name == "stdin" or is_pipe(source.name):
+        how = "decompress it with gunzip -c first"
+    else:
+        prefix = {"scp": "scp:", "ark": "ark:", "alignment": "ark:"}.get(what, "")
+        how = f"read it through gunzip, e.g. '{prefix}gunzip -c {source.name} |'"
+    raise CorpusError(f"{source.name}: gzip-compressed data, not a Kaldi {what}; {how}")
 
 
 # ---------------------------------------------------------------- records

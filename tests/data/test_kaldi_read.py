@@ -154,3 +154,30 @@ def test_binary_alignments_are_read_whatever_the_t_option_says(arks, spec):
     # Kaldi tells binary from text by each record's "\0B", not by the rspecifier's 't'
     d, _, ali = arks
     _same(read_alignments(spec.format(d=d)), ali)
+
+
+@pytest.mark.parametrize("spec,what,hint", [
+    ("ark:{d}/ali.ark.gz", "alignment", r"read it through gunzip, e\.g\. 'ark:gunzip -c "
+                                        r".*ali\.ark\.gz \|'"),
+    ("{d}/ali.ark.gz", "alignment", r"read it through gunzip, e\.g\. 'ark:gunzip -c "
+                                    r".*ali\.ark\.gz \|'"),
+    ("ark:cat {d}/ali.ark.gz |", "alignment", "decompress it with gunzip -c first"),
+])
+def test_gzipped_alignments_given_as_they_are_say_so(arks, spec, what, hint):
+    d, _, _ = arks
+    with pytest.raises(CorpusError, match=rf"ali\.ark\.gz.*: gzip-compressed data, not a Kaldi "
+                                          rf"{what}; {hint}") as info:
+        read_alignments(spec.format(d=d))
+    assert "\n" not in str(info.value) and "\\x" not in str(info.value)
+
+
+def test_gzipped_features_given_as_they_are_say_so(arks):
+    d, _, _ = arks
+    with pytest.raises(CorpusError, match=r"feats\.ark\.gz: gzip-compressed data, not a Kaldi "
+                                          r"ark; read it through gunzip, e\.g\. 'ark:gunzip -c "):
+        dict(read_feature_matrices(f"ark:{d}/feats.ark.gz"))
+    with gzip.open(d / "feats.scp.gz", "wb") as gz:
+        gz.write((d / "feats.scp").read_bytes())
+    with pytest.raises(CorpusError, match=r"feats\.scp\.gz: gzip-compressed data, not a Kaldi "
+                                          r"scp; read it through gunzip, e\.g\. 'scp:gunzip -c "):
+        dict(read_feature_matrices(f"scp:{d}/feats.scp.gz"))
