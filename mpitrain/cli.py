@@ -492,7 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="number of pdfs (default: largest label + 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
     p.add_argument("--utt2spk", default=None, metavar="FILE",
-                   help="Kaldi utt2spk: apply per-speaker CMVN to the stored features, with "
+                   help="Kaldi utt2spk (a file, or ark:FILE as Kaldi's tools take it): "
+                        "apply per-speaker CMVN to the stored features, with "
                         "stats computed per speaker unless --cmvn gives them")
     p.add_argument("--cmvn", default=None, metavar="RSPECIFIER",
                    help="Kaldi CMVN stats, e.g. scp:data/train/cmvn.scp (by speaker with "
@@ -623,7 +624,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=4096, help="frames per forward pass")
     p.add_argument("--utt2spk", default=None, metavar="FILE",
                    help="needed by a model trained with per-speaker CMVN: the speakers of "
-                        "--feats (stats computed from them unless --cmvn gives them)")
+                        "--feats (a file, or ark:FILE as Kaldi's tools take it; stats "
+                        "computed from them unless --cmvn gives them)")
     p.add_argument("--cmvn", default=None, metavar="RSPECIFIER",
                    help="Kaldi CMVN stats for --feats, e.g. scp:data/test/cmvn.scp")
     p.set_defaults(func=cmd_export)

@@ -600,14 +600,19 @@ def read_cmvn_stats(spec: str) -> dict[str, np.ndarray]:
 
 
 def read_utt2spk(path: str) -> dict[str, str]:
-    """Kaldi's utt2spk: lines ``utterance speaker``.
+    """Kaldi's utt2spk: lines ``utterance speaker``; a path, or an rspecifier as
+    Kaldi's tools take it (``ark:data/train/utt2spk``, ``ark,t:...``, a pipe).
 
     Example::
 
         read_utt2spk("data/train/utt2spk")["spk1-utt1"]      # 'spk1'
     """
+    kind, target = split_rspecifier(path, "utt2spk")
+    if kind == "scp":
+        raise ValueError(f"utt2spk: {path!r}: an utt2spk is a text file (or 'ark:FILE'), "
+                         "not an scp")
     mapping: dict[str, str] = {}
-    with _opened(path, "utt2spk") as src:
+    with _opened(target, "utt2spk") as src:
         for lineno, raw in enumerate(src.lines(), 1):
             try:
                 parts = raw.decode("utf-8").split()

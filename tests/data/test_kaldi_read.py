@@ -181,3 +181,14 @@ def test_gzipped_features_given_as_they_are_say_so(arks):
     with pytest.raises(CorpusError, match=r"feats\.scp\.gz: gzip-compressed data, not a Kaldi "
                                           r"scp; read it through gunzip, e\.g\. 'scp:gunzip -c "):
         dict(read_feature_matrices(f"scp:{d}/feats.scp.gz"))
+
+
+@pytest.mark.parametrize("spec", ["{d}/utt2spk", "ark:{d}/utt2spk", "ark,t:{d}/utt2spk",
+                                  "ark:cat {d}/utt2spk |"])
+def test_utt2spk_as_a_path_or_a_kaldi_rspecifier(tmp_path, spec):
+    from mpitrain.data.kaldi_read import read_utt2spk
+    (tmp_path / "utt2spk").write_text("s1-u1 s1\ns1-u2 s1\ns2-u1 s2\n")
+    assert read_utt2spk(spec.format(d=tmp_path)) == {"s1-u1": "s1", "s1-u2": "s1",
+                                                     "s2-u1": "s2"}
+    with pytest.raises(ValueError, match=r"utt2spk: 'scp:.*': an utt2spk is a text file"):
+        read_utt2spk(f"scp:{tmp_path}/utt2spk")
