@@ -68,6 +68,8 @@ def cmd_prepare(args) -> int:
     report = import_kaldi(args.feats, args.ali, args.out, shards=args.shards,
                           num_classes=args.num_classes, overwrite=args.overwrite,
                           utt2spk=args.utt2spk, cmvn=args.cmvn, norm_vars=args.norm_vars)
+    for warning in report.warnings:
+        print(f"mpitrain prepare: warning: {warning}", file=sys.stderr)
     print(report.summary())
     return 0 if report.imported else 1
 

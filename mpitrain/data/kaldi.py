@@ -64,6 +64,7 @@ class ImportReport:
     ali: str = ""
     out_dir: str = ""
     speaker_cmvn: dict | None = None      # what per-speaker CMVN was applied, if any
+    warnings: list = field(default_factory=list)               # lines for stderr
 
     @property
     def skipped(self) -> int:
@@ -96,7 +97,7 @@ class ImportReport:
                                     for u, f, a in self.length_mismatch],
                 "empty_features": list(self.empty_features),
                 "alignments_without_features": self.alignments_without_features,
-                "speaker_cmvn": self.speaker_cmvn}
+                "speaker_cmvn": self.speaker_cmvn, "warnings": list(self.warnings)}
 
 
 # ---------------------------------------------------------------- import
@@ -129,14 +130,25 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
         raise CorpusError(f"{ali_path}: no alignments found")
     largest = max((int(labels.max()) for labels in alignments.values() if labels.size),
                   default=0)
+    smallest = min((int(labels.min()) for labels in alignments.values() if labels.size),
+                   default=0)
+    warnings = []
     if num_classes is None:
         num_classes = largest + 1
+        if smallest > 0:
+            # transition ids start at 1; pdf 0 (a silence state) is in nearly every
+            # pdf alignment
+            warnings.append(f"{ali_path}: no frame has label 0 (labels {smallest}..{largest}): "
+                            f"transition ids rather than pdf ids? ali.*.gz holds transition "
+                            f"ids; convert them with ali-to-pdf, and pass --num-classes "
+                            f"(tree-info)")
     elif int(num_classes) != num_classes or num_classes < 1:
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     elif largest >= num_classes:
         worst = next(k for k, v in alignments.items() if v.size and v.max() == largest)
         raise CorpusError(f"{ali_path}: utterance {worst!r}: pdf id {largest} is outside "
-                          f"[0, {num_classes}) (num_classes={num_classes})")
+                          f"[0, {num_classes}) (num_classes={num_classes}; transition ids "
+                          "from ali.*.gz? convert them with ali-to-pdf)")
 
     speaker_cmvn = None
     if utt2spk or cmvn:
@@ -148,7 +160,7 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     elif norm_vars:
         raise ValueError("--norm-vars needs per-speaker CMVN: pass --utt2spk or --cmvn")
     report = ImportReport(num_classes=int(num_classes), feats=feats, ali=ali,
-                          out_dir=str(out_dir))
+                          out_dir=str(out_dir), warnings=warnings)
     source = {"kind": "kaldi", "feats": feats, "ali": ali}
     if speaker_cmvn is not None:
         source["speaker_cmvn"] = report.speaker_cmvn = speaker_cmvn.describe()

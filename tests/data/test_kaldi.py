@@ -1,12 +1,14 @@
 """Importing Kaldi features and alignments written with kaldiio."""
 
 import os
+import re
 
 import kaldiio
 import numpy as np
 import pytest
 import yaml
 
+from mpitrain.cli import main
 from mpitrain.data.corpus import CorpusError, load_manifest
 from mpitrain.data.kaldi import import_kaldi, read_alignments
 from mpitrain.data.shards import ShardReader
@@ -161,3 +163,24 @@ def test_a_one_line_text_matrix_is_one_frame(tmp_path):
     import_kaldi(f"ark,t:{tmp_path}/feats.txt", f"ark,t:{tmp_path}/ali.txt",
                  str(tmp_path / "c"), num_classes=2)
     assert load_manifest(str(tmp_path / "c")).num_frames == 3
+
+
+def test_transition_ids_given_for_pdf_ids_are_pointed_out(kaldi_dir, capsys):
+    # ali.*.gz holds transition ids (from 1 up); ali-to-pdf maps them to pdf ids (from 0)
+    d, feats, _ = kaldi_dir
+    tids = {k: np.full(v.shape[0], 1 + 2 * (i % 4), np.int32) for i, (k, v) in
+            enumerate(feats.items())}
+    kaldiio.save_ark(str(d / "tids.ark"), tids)
+    report = import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/tids.ark", str(d / "c1"))
+    assert len(report.warnings) == 1
+    assert re.search(r"tids\.ark: no frame has label 0 \(labels 1\.\.7\): transition ids rather "
+                     r"than pdf ids\? .*ali-to-pdf", report.warnings[0])
+    assert main(["prepare", "--feats", f"scp:{d}/feats.scp", "--ali", f"ark:{d}/tids.ark",
+                 "--out", str(d / "c2")]) == 0
+    assert "mpitrain prepare: warning: " in capsys.readouterr().err
+    with pytest.raises(CorpusError, match=r"pdf id 7 is outside \[0, 5\) \(num_classes=5; "
+                                          r"transition ids from ali\.\*\.gz\? convert them with "
+                                          r"ali-to-pdf\)"):
+        import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/tids.ark", str(d / "c3"), num_classes=5)
+    # pdf ids from 0 (the fixture's alignments) warn of nothing
+    assert import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/ali.ark", str(d / "c4")).warnings == []
