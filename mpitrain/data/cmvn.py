@@ -106,7 +106,8 @@ class SpeakerCmvn:
         stats = self.stats.get(key)
         if stats is None:
             who = f"speaker {key!r} (of utterance {utt!r})" if self.utt2spk is not None \
-                else f"utterance {utt!r}"
+                else (f"utterance {utt!r} (without --utt2spk stats are looked up by "
+                      "utterance; per-speaker stats need --utt2spk)")
             raise CorpusError(f"{self.stats_name}: no CMVN stats for {who}")
         if stats.shape != (2, feats.shape[1] + 1):
             raise CorpusError(f"{self.stats_name}: CMVN stats of {key!r} are {stats.shape[0]} x "

@@ -112,6 +112,9 @@ def test_bad_cmvn_input_is_one_line_naming_file_and_speaker(kaldi, tmp_path):
     (kaldi / "pkl.ark").write_bytes(b"a PKL\x80\x04N.")
     fails(r"pkl\.ark: entry 'a' holds a pickled Python object",
           utt2spk=str(kaldi / "utt2spk"), cmvn=f"ark:{kaldi}/pkl.ark")
+    # per-speaker stats without --utt2spk: looked up by utterance, which the message says
+    fails(r"cmvn\.scp: no CMVN stats for utterance 'a1' \(without --utt2spk stats are looked up "
+          r"by utterance; per-speaker stats need --utt2spk\)", cmvn=f"scp:{kaldi}/cmvn.scp")
     (kaldi / "bad_utt2spk").write_text("a1 a extra\n")
     fails(r"bad_utt2spk:1: expected 'utterance speaker'", utt2spk=str(kaldi / "bad_utt2spk"))
 
