@@ -102,6 +102,7 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
 
         export_loglikes("runs/x/final.h5", "scp:data/test/feats.scp", "ark:loglikes.ark")
     """
+    parse_wspecifier(out_wspec)          # a bad --out is refused before any work
     net, stored = load_model(model_path)
     speaker = _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn)
     offsets = np.zeros(net.num_classes, dtype=np.float32)
@@ -185,14 +186,7 @@ class ArkWriter:
     """
 
     def __init__(self, wspec: str):
-        from kaldiio.utils import parse_specifier
-        spec = parse_specifier(_without_write_flags(wspec))
-        if spec["ark"] is None:
-            raise ValueError(f"--out {wspec}: expected ark:PATH or ark,scp:ARK,SCP")
-        self.text = bool(spec["t"])
-        self.ark, self.scp = spec["ark"], spec["scp"]
-        if self.scp is not None and _is_stream(self.ark):
-            raise ValueError(f"--out {wspec}: an scp needs the ark written to a file")
+        self.text, self.ark, self.scp = parse_wspecifier(wspec)
         self._targets = [p for p in (self.ark, self.scp) if p is not None and not _is_stream(p)]
         self._tmp = {p: temporary_path(p) for p in self._targets}
         self._files = []
@@ -285,6 +279,25 @@ class ArkWriter:
             self.close()
         else:
             self.abort()
+
+
+def parse_wspecifier(wspec: str) -> tuple[bool, str, str | None]:
+    """(text, ark, scp or None) of an output wspecifier; one-line refusals naming --out.
+
+    Example::
+
+        parse_wspecifier("ark,scp:ll.ark,ll.scp")     # (False, 'll.ark', 'll.scp')
+    """
+    from kaldiio.utils import parse_specifier
+    try:
+        spec = parse_specifier(_without_write_flags(wspec))
+    except ValueError:        # kaldiio's message names neither the option nor the forms
+        spec = {"ark": None}
+    if spec["ark"] is None:
+        raise ValueError(f"--out {wspec}: expected ark:PATH or ark,scp:ARK,SCP")
+    if spec["scp"] is not None and _is_stream(spec["ark"]):
+        raise ValueError(f"--out {wspec}: an scp needs the ark written to a file")
+    return bool(spec["t"]), spec["ark"], spec["scp"]
 
 
 def _without_write_flags(wspec: str) -> str:

@@ -208,3 +208,15 @@ def test_kaldi_write_flags_that_change_nothing_are_accepted(tiny):
         assert list(got) == list(plain)
         for key in plain:
             assert np.array_equal(got[key], plain[key])
+
+
+@pytest.mark.parametrize("wspec", ["{d}/out.ark", "scp:{d}/out.scp"])
+def test_an_out_that_is_no_wspecifier_is_one_line_naming_the_option(tiny, capsys, wspec):
+    d = tiny[0]
+    wspec = wspec.format(d=d)
+    assert main(["export", str(tiny[1]), "--feats", f"ark:{d}/feats.ark",
+                 "--out", wspec]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"mpitrain export: error: --out {wspec}: expected ark:PATH or "
+                   "ark,scp:ARK,SCP\n")
+    assert not os.path.exists(d / "out.ark") and not os.path.exists(d / "out.scp")
