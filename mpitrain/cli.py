@@ -372,9 +372,11 @@ def cmd_eval(args) -> int:
     if args.max_frames < 0:
         raise UsageError(f"--max-frames must be >= 0 (0: all frames), got {args.max_frames}")
     if manifest.feat_dim != net.feat_dim or manifest.num_classes != net.num_classes:
+        hint = (f"; prepare it with --num-classes {net.num_classes} (the number of pdfs)"
+                if manifest.feat_dim == net.feat_dim else "")
         raise UsageError(f"{args.corpus_dir}/corpus.yaml: feat_dim {manifest.feat_dim}, "
                          f"num_classes {manifest.num_classes}; the model {args.model} "
-                         f"expects {net.feat_dim} and {net.num_classes}")
+                         f"expects {net.feat_dim} and {net.num_classes}{hint}")
     if speaker_cmvn_kind(manifest.speaker_cmvn) != speaker_cmvn_kind(net.speaker_cmvn):
         raise UsageError(f"{args.corpus_dir}/corpus.yaml: "
                          f"{speaker_cmvn_kind(manifest.speaker_cmvn)}, but the model "

@@ -248,9 +248,11 @@ class Trainer(CheckpointResume):
         dev = self.dev_manifest
         for field in ("feat_dim", "num_classes"):
             if getattr(dev, field) != getattr(m, field):
+                hint = (f"; prepare it with --num-classes {m.num_classes} (the number of pdfs)"
+                        if field == "num_classes" else "")
                 raise TrainingError(f"{manifest_path(dev.directory)}: {field} is "
                                     f"{getattr(dev, field)}, but the training corpus has "
-                                    f"{getattr(m, field)}", agreed=True)
+                                    f"{getattr(m, field)}{hint}", agreed=True)
         dev_kind, train_kind = speaker_cmvn_kind(dev.speaker_cmvn), \
             speaker_cmvn_kind(m.speaker_cmvn)
         if dev_kind != train_kind:

@@ -130,6 +130,31 @@ def test_held_out_corpus_of_another_shape(corpus, tmp_path, capsys):
     assert not run.exists()
 
 
+def test_held_out_corpus_of_other_classes_says_how_to_prepare_it(corpus, tmp_path, capsys):
+    # a test set prepared without --num-classes: the largest pdf it holds + 1 classes
+    from mpitrain.data.writer import CorpusWriter
+    from ..data.tiny_models import tiny_model
+    train = load_manifest(str(corpus / "train"))
+    rng = np.random.default_rng(0)
+    with CorpusWriter(str(tmp_path / "fewer"), feat_dim=train.feat_dim,
+                      num_classes=train.num_classes - 1, num_shards=1) as writer:
+        writer.add("u1", rng.normal(size=(30, train.feat_dim)).astype(np.float32),
+                   np.arange(30, dtype=np.int32) % (train.num_classes - 1))
+    run = tmp_path / "run"
+    assert _train(corpus, run, [f"data.dev={tmp_path / 'fewer'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and not run.exists(), err
+    assert err.rstrip().endswith(f"corpus.yaml: num_classes is {train.num_classes - 1}, but the "
+                                 f"training corpus has {train.num_classes}; prepare it with "
+                                 f"--num-classes {train.num_classes} (the number of pdfs)"), err
+    model = tiny_model(str(tmp_path / "m.h5"), feat_dim=train.feat_dim,
+                       num_classes=train.num_classes)
+    assert main(["eval", model, str(tmp_path / "fewer")]) == 2
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(f"expects {train.feat_dim} and {train.num_classes}; prepare it "
+                                 f"with --num-classes {train.num_classes} (the number of pdfs)")
+
+
 def test_a_minibatch_larger_than_a_ranks_data(corpus, tmp_path, capsys):
     run = tmp_path / "run"
     assert _train(corpus, run, ["training.minibatch=10000000"]) == 2
