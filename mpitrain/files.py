@@ -259,9 +259,10 @@ def read_yaml(path, *, what: str = "YAML file"):
 
 
 def yaml_text(data, *, flow_leaves: bool = False) -> str:
-    """YAML for plain data, keys in their order (``flow_leaves``: short lists on one line)."""
+    """YAML for plain data, keys in their order (``flow_leaves``: short lists on one line);
+    text outside ASCII (utterance ids, paths) as it is, so that grep finds it."""
     import yaml
-    return yaml.safe_dump(data, sort_keys=False, width=100,
+    return yaml.safe_dump(data, sort_keys=False, width=100, allow_unicode=True,
                           default_flow_style=None if flow_leaves else False)
 
 

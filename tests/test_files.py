@@ -114,3 +114,13 @@ def test_stale_temporaries_of_any_writer_are_removed(tmp_path):
     assert [os.path.basename(p) for p in removed] == [
         ".ckpt-00000100.h5.tmp-1", ".config.yaml.tmp-1", ".final.h5.tmp-1"]
     assert sorted(os.listdir(tmp_path)) == [f".x.tmp-{os.getpid()}", "final.h5"]
+
+
+def test_yaml_files_keep_text_outside_ascii_as_it_is(tmp_path):
+    # utterance ids and paths in reports and manifests must be found by grep
+    path = write_yaml(tmp_path / "report.yaml", {"missing": ["spk\u00dcml\u00e4ut-utt004"],
+                                                  "train": "data/\u00fcber/train"})
+    text = (tmp_path / "report.yaml").read_text(encoding="utf-8")
+    assert "spk\u00dcml\u00e4ut-utt004" in text and "data/\u00fcber/train" in text
+    assert read_yaml(path) == {"missing": ["spk\u00dcml\u00e4ut-utt004"],
+                               "train": "data/\u00fcber/train"}

@@ -678,7 +678,9 @@ def _binary_alignments(src: Input, alignments: dict) -> None:
 
 
 def read_alignments(spec: str) -> dict[str, np.ndarray]:
-    """Per-frame pdf ids by utterance, from 'ark:', 'ark,t:', a pipe or a text file.
+    """Per-frame pdf ids by utterance, from 'ark:', 'ark,t:', a pipe, a text file
+    or 'scp:' (entries pointing at binary int32 vectors, as `copy-int-vector`
+    writes them with 'ark,scp:').
 
     Example::
 
@@ -686,10 +688,13 @@ def read_alignments(spec: str) -> dict[str, np.ndarray]:
         ali["spk1-utt1"][:5]
     """
     kind, target = split_rspecifier(spec, "ali")
-    if kind == "scp":
-        raise ValueError(f"ali: {spec!r}: alignments are read from an ark or text file, "
-                         "not an scp")
     alignments: dict[str, np.ndarray] = {}
+    if kind == "scp":
+        for key, labels in iter_scp(target, expect="ints"):
+            if key in alignments:
+                raise CorpusError(f"{target}: utterance {key!r} appears twice")
+            alignments[key] = as_pdf_ids(target, key, labels)
+        return alignments
     with _opened(target, "alignment") as src:
         head = src.peek(4096)
         space = head.find(b" ")

@@ -23,7 +23,7 @@ def arks(tmp_path):
              for i in range(4)}
     ali = {k: rng.integers(0, 5, v.shape[0]).astype(np.int32) for k, v in feats.items()}
     kaldiio.save_ark(str(tmp_path / "feats.ark"), feats, scp=str(tmp_path / "feats.scp"))
-    kaldiio.save_ark(str(tmp_path / "ali.ark"), ali)
+    kaldiio.save_ark(str(tmp_path / "ali.ark"), ali, scp=str(tmp_path / "ali.scp"))
     for name in ("feats.ark", "ali.ark"):
         with open(tmp_path / name, "rb") as src, gzip.open(tmp_path / (name + ".gz"), "wb") as gz:
             gz.write(src.read())
@@ -59,10 +59,20 @@ def test_scp_entries_that_are_pipes(arks):
 
 
 @pytest.mark.parametrize("spec", ["ark:{d}/ali.ark", "ark:gunzip -c {d}/ali.ark.gz |",
-                                  "ark,t:cat {d}/ali.txt |", "{d}/ali.txt"])
+                                  "ark,t:cat {d}/ali.txt |", "{d}/ali.txt", "scp:{d}/ali.scp"])
 def test_alignments_through_every_form(arks, spec):
     d, _, ali = arks
     _same(read_alignments(spec.format(d=d)), ali)
+
+
+def test_alignments_through_an_scp_refuse_what_is_no_int_vector(arks):
+    d, _, _ = arks
+    # an scp naming feature matrices where alignments are expected
+    with pytest.raises(CorpusError, match="feats.ark.*utt0"):
+        read_alignments(f"scp:{d}/feats.scp")
+    (d / "twice.scp").write_text((d / "ali.scp").read_text() * 2)
+    with pytest.raises(CorpusError, match="twice.scp: utterance 'utt0' appears twice"):
+        read_alignments(f"scp:{d}/twice.scp")
 
 
 def test_stdin_is_read_as_an_ark(arks):
