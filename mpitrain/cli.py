@@ -67,7 +67,8 @@ def cmd_prepare(args) -> int:
     from .data.kaldi import import_kaldi
     report = import_kaldi(args.feats, args.ali, args.out, shards=args.shards,
                           num_classes=args.num_classes, overwrite=args.overwrite,
-                          utt2spk=args.utt2spk, cmvn=args.cmvn, norm_vars=args.norm_vars)
+                          utt2spk=args.utt2spk, cmvn=args.cmvn, norm_vars=args.norm_vars,
+                          length_tolerance=args.length_tolerance)
     for warning in report.warnings:
         print(f"mpitrain prepare: warning: {warning}", file=sys.stderr)
     print(report.summary())
@@ -495,6 +496,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-classes", type=int, default=None,
                    help="number of pdfs (default: largest label + 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
+    p.add_argument("--length-tolerance", type=int, default=0, metavar="FRAMES",
+                   help="import utterances whose features and alignment differ by at most "
+                        "FRAMES frames, both cut to the shorter (default 0: skip them)")
     p.add_argument("--utt2spk", default=None, metavar="FILE",
                    help="Kaldi utt2spk (a file, or ark:FILE as Kaldi's tools take it): "
                         "apply per-speaker CMVN to the stored features, with "

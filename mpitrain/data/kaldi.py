@@ -9,7 +9,11 @@ text file with lines ``uttid 3 3 3 5 ...``.  Both are read by
 
 Utterances without an alignment, or whose alignment length differs from the
 number of feature frames, are skipped and listed in the report, which is
-also written to ``out_dir/import-report.yaml``.
+also written to ``out_dir/import-report.yaml``.  With ``length_tolerance``
+N, a difference of at most N frames is forgiven instead, as Kaldi nnet1's
+``--length-tolerance``: features and labels are both cut to the shorter
+length (features computed with other frame settings than the alignment's
+often differ by a frame or two at the end).
 
 Archives are data from anyone: each record's type is checked before it is
 decoded, and only Kaldi matrices (features) and int32 vectors (alignments) are
@@ -56,6 +60,8 @@ class ImportReport:
     frames: int = 0
     missing_alignment: list = field(default_factory=list)      # utterance ids
     length_mismatch: list = field(default_factory=list)        # (utt, feat_len, ali_len)
+    trimmed: list = field(default_factory=list)    # (utt, feat_len, ali_len): cut, imported
+    length_tolerance: int = 0
     alignments_without_features: int = 0
     empty_features: list = field(default_factory=list)         # utterances with 0 frames
     num_classes: int = 0
@@ -81,8 +87,14 @@ class ImportReport:
             lines.append(f"per-speaker CMVN applied (norm_vars "
                          f"{str(self.speaker_cmvn['norm_vars']).lower()}; "
                          f"{self.speaker_cmvn['stats']})")
+        if self.trimmed:
+            lines.append(f"cut {len(self.trimmed)} utterances to the shorter of features and "
+                         f"labels (lengths differing by at most {self.length_tolerance})")
         for utt, feat_len, ali_len in self.length_mismatch[:5]:
             lines.append(f"  length mismatch: {utt}: {feat_len} frames, {ali_len} labels")
+        if self.length_mismatch and not self.length_tolerance:
+            lines.append("  (--length-tolerance N imports those differing by at most N "
+                         "frames, cut to the shorter)")
         if self.missing_alignment[:5]:
             lines.append("  no alignment: " + ", ".join(self.missing_alignment[:5])
                          + (" ..." if len(self.missing_alignment) > 5 else ""))
@@ -95,6 +107,9 @@ class ImportReport:
                 "missing_alignment": list(self.missing_alignment),
                 "length_mismatch": [{"utt": u, "feat_frames": f, "ali_frames": a}
                                     for u, f, a in self.length_mismatch],
+                "length_tolerance": self.length_tolerance,
+                "trimmed": [{"utt": u, "feat_frames": f, "ali_frames": a}
+                            for u, f, a in self.trimmed],
                 "empty_features": list(self.empty_features),
                 "alignments_without_features": self.alignments_without_features,
                 "speaker_cmvn": self.speaker_cmvn, "warnings": list(self.warnings)}
@@ -105,11 +120,13 @@ class ImportReport:
 def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
                  num_classes: int | None = None, overwrite: bool = False,
                  utt2spk: str | None = None, cmvn: str | None = None,
-                 norm_vars: bool = False) -> ImportReport:
+                 norm_vars: bool = False, length_tolerance: int = 0) -> ImportReport:
     """Convert Kaldi features + pdf alignments into a corpus directory.
 
     ``num_classes`` should be the number of pdfs of the tree (``tree-info``);
     it defaults to the largest pdf id in the alignment file plus one.
+    ``length_tolerance``: how many frames features and alignment may differ
+    by and still be imported, both cut to the shorter (0: they must agree).
     With ``utt2spk`` or ``cmvn`` the stored features get per-speaker CMVN as
     Kaldi's ``apply-cmvn`` (``norm_vars`` as its ``--norm-vars``) applies it:
     with Kaldi's stats (``cmvn``, e.g. ``scp:cmvn.scp``) or with stats computed
@@ -123,6 +140,9 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     """
     if int(shards) != shards or shards < 1:
         raise ValueError(f"shards must be a positive int, got {shards!r}")
+    if int(length_tolerance) != length_tolerance or length_tolerance < 0:
+        raise ValueError(f"length tolerance must be a whole number of frames >= 0, "
+                         f"got {length_tolerance!r}")
     _, feats_path = split_rspecifier(feats, "feats")
     alignments = read_alignments(ali)
     _, ali_path = split_rspecifier(ali, "ali")
@@ -160,7 +180,8 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     elif norm_vars:
         raise ValueError("--norm-vars needs per-speaker CMVN: pass --utt2spk or --cmvn")
     report = ImportReport(num_classes=int(num_classes), feats=feats, ali=ali,
-                          out_dir=str(out_dir), warnings=warnings)
+                          out_dir=str(out_dir), warnings=warnings,
+                          length_tolerance=int(length_tolerance))
     source = {"kind": "kaldi", "feats": feats, "ali": ali}
     if speaker_cmvn is not None:
         source["speaker_cmvn"] = report.speaker_cmvn = speaker_cmvn.describe()
@@ -179,8 +200,13 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
                 report.empty_features.append(key)
                 continue
             if labels.shape[0] != matrix.shape[0]:
-                report.length_mismatch.append((key, int(matrix.shape[0]), int(labels.shape[0])))
-                continue
+                lengths = (key, int(matrix.shape[0]), int(labels.shape[0]))
+                if abs(lengths[1] - lengths[2]) > length_tolerance:
+                    report.length_mismatch.append(lengths)
+                    continue
+                report.trimmed.append(lengths)
+                frames = min(lengths[1], lengths[2])
+                matrix, labels = matrix[:frames], labels[:frames]
             if writer is None:
                 report.feat_dim = int(matrix.shape[1])
                 writer = CorpusWriter(out_dir, feat_dim=report.feat_dim,
@@ -216,7 +242,8 @@ def _nothing_imported(report, feats_path, ali_path) -> str:
         key, frames, labels = report.length_mismatch[0]
         return (f"{feats_path}: {len(report.length_mismatch)} utterance(s) have alignments "
                 f"in {ali_path} of another length than their features (e.g. {key}: "
-                f"{frames} frames, {labels} labels; a frame shift or subsampling?) and none "
+                f"{frames} frames, {labels} labels; a frame shift or subsampling? "
+                f"--length-tolerance {abs(frames - labels)} would cut them to the shorter) and none "
                 "match; nothing to import")
     if report.empty_features and not report.missing_alignment:
         return f"{feats_path}: every utterance with an alignment has no frames; nothing to import"

@@ -140,6 +140,45 @@ def test_compressed_and_double_features_are_imported_as_float32(tmp_path):
     np.testing.assert_array_equal(data["b"][0], feats["b"].astype(np.float32))
 
 
+@pytest.mark.parametrize("tolerance,imported", [(1, False), (2, True), (5, True)])
+def test_length_tolerance_cuts_both_to_the_shorter(kaldi_dir, tolerance, imported, capsys):
+    d, feats, ali = kaldi_dir
+    out = d / f"corpus-{tolerance}"
+    long_ali = dict(ali, **{"spk1-utt4": np.append(ali["spk1-utt4"], np.int32(7)).astype(np.int32)})
+    kaldiio.save_ark(str(d / "ali-long.ark"), long_ali)      # utt4: one label too many
+    report = import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/ali-long.ark", str(out),
+                          length_tolerance=tolerance)
+    n3, n4 = feats["spk1-utt3"].shape[0], feats["spk1-utt4"].shape[0]
+    assert ("spk1-utt4", n4, n4 + 1) in report.trimmed
+    assert (("spk1-utt3", n3, n3 - 2) in report.trimmed) == imported
+    assert (("spk1-utt3", n3, n3 - 2) in report.length_mismatch) == (not imported)
+    _, data = read_corpus(out)
+    np.testing.assert_array_equal(data["spk1-utt4"][0], feats["spk1-utt4"])
+    np.testing.assert_array_equal(data["spk1-utt4"][1], ali["spk1-utt4"])
+    if imported:     # the features' last two frames go: they have no labels
+        np.testing.assert_array_equal(data["spk1-utt3"][0], feats["spk1-utt3"][:n3 - 2])
+        np.testing.assert_array_equal(data["spk1-utt3"][1], ali["spk1-utt3"])
+    else:
+        assert "spk1-utt3" not in data
+    assert "cut " in report.summary()
+    with open(out / "import-report.yaml") as f:
+        saved = yaml.safe_load(f)
+    assert saved["length_tolerance"] == tolerance
+    assert {"utt": "spk1-utt4", "feat_frames": n4, "ali_frames": n4 + 1} in saved["trimmed"]
+
+
+def test_length_tolerance_from_the_command_line(kaldi_dir, capsys):
+    d, feats, _ = kaldi_dir
+    assert main(["prepare", "--feats", f"scp:{d}/feats.scp", "--ali", f"ark:{d}/ali.ark",
+                 "--out", str(d / "c"), "--length-tolerance", "2"]) == 0
+    assert "imported 5 utterances" in capsys.readouterr().out
+    assert main(["prepare", "--feats", f"scp:{d}/feats.scp", "--ali", f"ark:{d}/ali.ark",
+                 "--out", str(d / "c2"), "--length-tolerance", "-1"]) == 2
+    assert "length tolerance must be a whole number of frames >= 0, got -1" \
+        in capsys.readouterr().err
+    assert not (d / "c2").exists()
+
+
 def test_nothing_to_import_says_why(tmp_path):
     rng = np.random.default_rng(3)
     feats = {f"u{i}": rng.standard_normal((50, 4)).astype(np.float32) for i in range(3)}
@@ -148,7 +187,8 @@ def test_nothing_to_import_says_why(tmp_path):
     kaldiio.save_ark(str(tmp_path / "short.ark"),
                      {k: np.zeros(49, dtype=np.int32) for k in feats})
     with pytest.raises(CorpusError, match=r"3 utterance\(s\) have alignments in .*short.ark of "
-                                          r"another length .*u0: 50 frames, 49 labels"):
+                                          r"another length .*u0: 50 frames, 49 labels.*"
+                                          r"--length-tolerance 1 would cut them"):
         import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/short.ark",
                      str(tmp_path / "c1"))
     kaldiio.save_ark(str(tmp_path / "other.ark"), {"x": np.zeros(50, dtype=np.int32)})
