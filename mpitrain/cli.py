@@ -701,7 +701,7 @@ def main(argv=None) -> int:
         sys.stdout.flush()      # a closed reader shows here, not at interpreter exit
         return status
     except UsageError as exc:
-        print(f"mpitrain {args.command}: {_one_line(exc)}", file=sys.stderr)
+        print(f"mpitrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # `mpitrain ... | head`: the reader of our output went away.  As a Unix tool

@@ -240,9 +240,9 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("options,line", [
-    (["--sizes", "1,4"], "mpitrain bench: --sizes: 4 ranks asked for, but the job has 2 "
+    (["--sizes", "1,4"], "mpitrain bench: error: --sizes: 4 ranks asked for, but the job has 2 "
                          "(mpiexec -n 4 or more)"),
-    (["--methods", "nosuch"], "mpitrain bench: --methods: unknown nosuch; expected some of "
+    (["--methods", "nosuch"], "mpitrain bench: error: --methods: unknown nosuch; expected some of "
                               "model_averaging, allreduce, kaldi, bmuf, adpsgd"),
 ], ids=["sizes-beyond-the-job", "unknown-method"])
 def test_a_bench_option_error_under_mpiexec_is_said_once(mpiexec, small_corpus, options, line):
