@@ -453,8 +453,13 @@ def _read_key(src: Input) -> str | None:
     try:
         return key.decode("utf-8")
     except UnicodeDecodeError:
-        raise CorpusError(f"{src.name}: utterance id {bytes(key[:40])!r} is not UTF-8; "
-                          "not a Kaldi archive") from None
+        raise CorpusError(f"{src.name}: utterance id {bytes(key[:40])!r} is not UTF-8: "
+                          f"{_NOT_UTF8}, or this is not a Kaldi archive") from None
+
+
+# utterance and speaker ids are stored as text; Kaldi itself takes any bytes
+_NOT_UTF8 = ("ids in another encoding (e.g. Latin-1) must be converted to UTF-8 first "
+             "(iconv, then copy-feats/copy-int-vector)")
 
 
 def iter_ark(target: str, *, expect: str = "matrix"):
@@ -482,7 +487,8 @@ def parse_scp(target: str) -> list[tuple[str, str, int | None]]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise CorpusError(f"{name}:{lineno}: not UTF-8 text; not an scp file") from None
+                raise CorpusError(f"{name}:{lineno}: not UTF-8 text: {_NOT_UTF8}, or this is "
+                                  "not an scp file") from None
             if not line.strip():
                 continue
             parts = line.split(None, 1)
@@ -617,8 +623,8 @@ def read_utt2spk(path: str) -> dict[str, str]:
             try:
                 parts = raw.decode("utf-8").split()
             except UnicodeDecodeError:
-                raise CorpusError(f"{src.name}:{lineno}: not UTF-8 text; not an utt2spk "
-                                  "file") from None
+                raise CorpusError(f"{src.name}:{lineno}: not UTF-8 text: {_NOT_UTF8}, or "
+                                  "this is not an utt2spk file") from None
             if not parts:
                 continue
             if len(parts) != 2:

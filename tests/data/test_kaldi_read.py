@@ -202,3 +202,17 @@ def test_utt2spk_as_a_path_or_a_kaldi_rspecifier(tmp_path, spec):
                                                      "s2-u1": "s2"}
     with pytest.raises(ValueError, match=r"utt2spk: 'scp:.*': an utt2spk is a text file"):
         read_utt2spk(f"scp:{tmp_path}/utt2spk")
+
+
+def test_ids_that_are_not_utf8_say_how_to_convert_them(tmp_path):
+    # a Latin-1 corpus: Kaldi takes any bytes as ids, the corpus stores text
+    latin = "spk\xdc-utt1".encode("latin-1")
+    (tmp_path / "feats.ark").write_bytes(latin + b" \0BFM \4\1\0\0\0\4\1\0\0\0" + b"\0" * 4)
+    with pytest.raises(CorpusError, match=r"feats.ark: utterance id b'spk\\xdc-utt1' is not "
+                                          r"UTF-8: ids in another encoding \(e.g. Latin-1\) must "
+                                          r"be converted to UTF-8 first"):
+        list(read_feature_matrices(f"ark:{tmp_path}/feats.ark"))
+    (tmp_path / "utt2spk").write_bytes(latin + b" spk\xdc\n")
+    from mpitrain.data.kaldi_read import read_utt2spk
+    with pytest.raises(CorpusError, match=r"utt2spk:1: not UTF-8 text: ids in another encoding"):
+        read_utt2spk(str(tmp_path / "utt2spk"))
