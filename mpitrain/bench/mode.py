@@ -32,7 +32,7 @@ from .idle import release_idle, wait_idle
 from .machine import environment, load_average
 from .options import BenchOptions, check_benchable
 from .phases import steps_per_epoch_one_rank, sync_period, throughput_phase, time_to_accuracy
-from .report import build_report
+from .report import build_report, seconds_text
 
 #: Seconds between an idle rank's polls: a group runs for seconds, so a coarse
 #: poll delays nothing that is timed and costs the measured ranks less.
@@ -120,5 +120,9 @@ def _accuracy_line(row: dict) -> str:
     if not row["reached"]:
         return (f"  n={row['ranks']} {row['method']:<16} target {row['target_accuracy']} not "
                 f"reached (stopped by {row['stopped_by']}; final acc {row['final_dev_acc']:.4f})")
+    if row.get("interpolated") is False:
+        return (f"  n={row['ranks']} {row['method']:<16} target {row['target_accuracy']} "
+                f"already at the first evaluation: <= {row['frames_to_target']:,.0f} frames, "
+                f"<= {seconds_text(row['seconds_to_target'])} s (upper bounds)")
     return (f"  n={row['ranks']} {row['method']:<16} target {row['target_accuracy']} after "
-            f"{row['frames_to_target']:,.0f} frames, {row['seconds_to_target']:.1f} s")
+            f"{row['frames_to_target']:,.0f} frames, {seconds_text(row['seconds_to_target'])} s")

@@ -62,15 +62,22 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
         for n in sizes:
             thr, acc = _by(throughput, method, n), _by(accuracy, method, n)
             row = {"method": method, "ranks": n, "throughput_speedup": None,
-                   "time_to_target_speedup": None, "statistical_efficiency": None}
+                   "time_to_target_speedup": None, "statistical_efficiency": None,
+                   "target_bound": None}
             if thr and base_t:
                 row["throughput_speedup"] = thr["frames_per_sec"] / base_t["frames_per_sec"]
             if acc and base_a and acc["reached"] and base_a["reached"]:
-                row["time_to_target_speedup"] = (base_a["seconds_to_target"]
-                                                 / acc["seconds_to_target"])
-                row["statistical_efficiency"] = (base_a["frames_to_target"]
-                                                 / acc["frames_to_target"])
-            if acc and acc["reached"]:
+                # (one rank against itself: exactly 1, bound or not)
+                bound = None if acc is base_a else ratio_bound(_upper_bound(base_a),
+                                                               _upper_bound(acc))
+                row["target_bound"] = bound
+                if bound != "undetermined":
+                    row["time_to_target_speedup"] = (base_a["seconds_to_target"]
+                                                     / acc["seconds_to_target"])
+                    row["statistical_efficiency"] = (base_a["frames_to_target"]
+                                                     / acc["frames_to_target"])
+            if acc and acc["reached"] and not _upper_bound(acc):
+                # a crossing before the first evaluation is only bounded: not fitted
                 frames[n] = acc["frames_to_target"]
             speedups.append(row)
         if base_t is None:
@@ -89,6 +96,26 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
             "notes": _notes(environment, options),
             "throughput": throughput, "accuracy": accuracy, "speedups": speedups,
             "projections": projections, "paper_points": list(PAPER_POINTS), "config": config}
+
+
+def _upper_bound(acc: dict) -> bool:
+    """The target was reached at the first evaluation: frames and seconds there
+    are upper bounds (the crossing lies somewhere before it)."""
+    return bool(acc.get("reached")) and acc.get("interpolated") is False
+
+
+def ratio_bound(base_upper: bool, size_upper: bool):
+    """What one rank's figure over N ranks' is when either is an upper bound:
+    None (exact), "at least" (N's is an upper bound), "at most" (one rank's
+    is), or "undetermined" (both are).
+
+    Example::
+
+        ratio_bound(False, True)      # 'at least'
+    """
+    if base_upper and size_upper:
+        return "undetermined"
+    return "at most" if base_upper else "at least" if size_upper else None
 
 
 def _notes(env: dict, options: BenchOptions) -> list:
@@ -160,6 +187,26 @@ def _fmt(value, spec: str, none: str = "—") -> str:
     return none if value is None else format(value, spec)
 
 
+def seconds_text(seconds) -> str:
+    """Seconds with at least three significant digits below 100 s, so the ratios
+    of the table can be checked from it (0.2 and 0.1 s would not show 2.10x).
+
+    Example::
+
+        seconds_text(0.19982)     # '0.200'
+    """
+    if seconds is None:
+        return "—"
+    digits = 3 if seconds < 1 else 2 if seconds < 10 else 1 if seconds < 100 else 0
+    return f"{seconds:.{digits}f}" if seconds >= 0.01 or seconds == 0 else f"{seconds:.2g}"
+
+
+def _bounded(value, bound) -> str:
+    if bound == "undetermined":
+        return "— (bounds only)"
+    return {"at least": ">= ", "at most": "<= "}.get(bound, "") + _fmt(value, ".2f")
+
+
 def summary_markdown(report: dict) -> str:
     """The tables of bench.md: measurements, speedups, projection, assumptions.
 
@@ -180,6 +227,7 @@ def summary_markdown(report: dict) -> str:
              "| method | ranks | frames/s | per rank | step ms | comm | throughput speedup "
              "| frames to target | s to target | time-to-target speedup | stat. efficiency |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    bounded = False
     for s in report["speedups"]:
         thr = _by(report["throughput"], s["method"], s["ranks"]) or {}
         acc = _by(report["accuracy"], s["method"], s["ranks"]) or {}
@@ -188,18 +236,27 @@ def summary_markdown(report: dict) -> str:
         if acc and not acc.get("reached"):
             frames_text = secs_text = f"not reached ({acc.get('stopped_by')})"
         else:
-            frames_text, secs_text = _fmt(frames, ",.0f"), _fmt(secs, ".1f")
+            frames_text, secs_text = _fmt(frames, ",.0f"), seconds_text(secs)
+            if _upper_bound(acc):
+                frames_text, secs_text = f"<= {frames_text}", f"<= {secs_text}"
+                bounded = True
         lines.append(
             f"| {s['method']} | {s['ranks']} | {_fmt(thr.get('frames_per_sec'), ',.0f')} | "
             f"{_fmt(thr.get('frames_per_sec_per_rank'), ',.0f')} | "
             f"{_fmt(thr.get('step_seconds') and thr['step_seconds'] * 1e3, '.1f')} | "
             f"{_fmt(thr.get('comm_fraction'), '.1%')} | "
             f"{_fmt(s['throughput_speedup'], '.2f')} | {frames_text} | {secs_text} | "
-            f"{_fmt(s['time_to_target_speedup'], '.2f')} | "
-            f"{_fmt(s['statistical_efficiency'], '.2f')} |")
+            f"{_bounded(s['time_to_target_speedup'], s.get('target_bound'))} | "
+            f"{_bounded(s['statistical_efficiency'], s.get('target_bound'))} |")
     if report["accuracy"]:
         lines += ["", f"Target held-out frame accuracy: "
                       f"{report['options']['target_accuracy']}."]
+    if bounded:
+        lines += ["", "<= : the target was already reached at the first held-out evaluation, "
+                      "so the frames and seconds there are upper bounds (the crossing lies "
+                      "before it); a ratio built on one is a bound (>= or <=), on two it is "
+                      "undetermined (—), and neither is fitted by the projection.  A lower "
+                      "target or closer evaluations (--eval-frames) measure it."]
     lines += ["", "## Projection (a model's output, not measured)", ""]
     if report["projections"]:
         first = next(iter(report["projections"].values()))["rows"]
@@ -307,18 +364,30 @@ def plot_speedup(report: dict, path: str, *, dpi: int = 100) -> None:
     for ax, key, title in ((axes[0], "throughput_speedup", "throughput (frames/s)"),
                            (axes[1], "time_to_target_speedup", "time to target accuracy")):
         ax.plot(all_ranks, all_ranks, color="0.6", lw=1, ls=":", label="ideal")
+        bound_labelled = False
         for method in methods:
             proj = report["projections"].get(method)
             if proj:
                 pts = [(r["ranks"], r[key]) for r in proj["rows"] if r[key] is not None]
                 if pts:
                     ax.plot(*zip(*pts), color=colors[method], ls="--", lw=1.2)
-            meas = [(s["ranks"], s[key]) for s in report["speedups"]
-                    if s["method"] == method and s[key] is not None]
+            rows = [s for s in report["speedups"] if s["method"] == method and s[key] is not None]
+            # a ratio that is only a bound (target at the first evaluation) is no point
+            # of the curve: an open triangle pointing where the true value lies
+            exact = key == "throughput_speedup"
+            meas = [(s["ranks"], s[key]) for s in rows if exact or not s.get("target_bound")]
             if meas:
                 kind = "simulated" if report.get("virtual") else "measured"
                 ax.plot(*zip(*meas), color=colors[method], marker="o", lw=2,
                         label=f"{method} ({kind}; dashed: projected)")
+            for s in rows if not exact else ():
+                if s.get("target_bound") in ("at least", "at most"):
+                    ax.plot([s["ranks"]], [s[key]], ls="none", mfc="none", ms=8,
+                            color=colors[method],
+                            marker="^" if s["target_bound"] == "at least" else "v",
+                            label=None if bound_labelled else
+                            "bound: target at the first evaluation (^ at least, v at most)")
+                    bound_labelled = True
         if key == "time_to_target_speedup":
             ax.plot([p["ranks"] for p in report["paper_points"]],
                     [p["speedup"] for p in report["paper_points"]], "k*", ms=10,

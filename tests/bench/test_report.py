@@ -16,3 +16,66 @@ def test_a_report_without_matplotlib_keeps_its_measurements(tmp_path, monkeypatc
     written = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert written["accuracy"] == report["accuracy"]
     assert "matplotlib is not installed" in (tmp_path / "out" / "bench.md").read_text()
+
+
+def _thr(ranks, fps):
+    return {"method": "model_averaging", "ranks": ranks, "frames_per_sec": fps,
+            "frames_per_sec_per_rank": fps / ranks, "step_seconds": 0.002,
+            "comm_fraction": 0.0, "compute_seconds_per_step": 0.002, "num_params": 1000,
+            "sync_period": 8}
+
+
+def _acc(ranks, frames, seconds, interpolated=True):
+    return {"method": "model_averaging", "ranks": ranks, "target_accuracy": 0.3,
+            "reached": True, "stopped_by": "target", "frames_to_target": frames,
+            "seconds_to_target": seconds, "interpolated": interpolated, "points": []}
+
+
+def _report(accuracy):
+    from mpitrain.bench.options import BenchOptions
+    from mpitrain.bench.report import build_report
+    sizes = tuple(a["ranks"] for a in accuracy)
+    return build_report([_thr(n, 1000.0 * n) for n in sizes], accuracy, sizes=sizes,
+                        methods=("model_averaging",), environment={}, config={},
+                        options=BenchOptions(sizes=sizes, target_accuracy=0.3,
+                                             project_to=(16,)))
+
+
+def test_a_target_reached_at_the_first_evaluation_gives_bounds_not_figures():
+    from mpitrain.bench.report import summary_markdown
+    # 2 ranks reached it at their first evaluation: 4096 frames is an upper bound
+    report = _report([_acc(1, 10000.0, 0.5), _acc(2, 4096.0, 0.2, interpolated=False),
+                      _acc(4, 20000.0, 0.25)])
+    by = {s["ranks"]: s for s in report["speedups"]}
+    assert by[1]["target_bound"] is None and by[1]["time_to_target_speedup"] == 1.0
+    assert by[2]["target_bound"] == "at least"           # the true time on 2 is shorter
+    assert by[2]["time_to_target_speedup"] == 0.5 / 0.2
+    assert by[4]["target_bound"] is None
+    # the bound is not fitted as if it were a crossing
+    assert report["projections"]["model_averaging"]["fitted_sizes"] == [1, 4]
+    text = summary_markdown(report)
+    assert "| <= 4,096 | <= 0.200 | >= 2.50 | >= 2.44 |" in text
+    assert "upper bounds" in text
+    # seconds keep enough digits to check a ratio by hand
+    assert "| 10,000 | 0.500 | 1.00 | 1.00 |" in text
+
+
+def test_a_target_reached_at_the_first_evaluation_everywhere_is_undetermined():
+    from mpitrain.bench.report import summary_markdown
+    report = _report([_acc(1, 4096.0, 0.4, interpolated=False),
+                      _acc(2, 4096.0, 0.2, interpolated=False)])
+    by = {s["ranks"]: s for s in report["speedups"]}
+    assert by[1]["time_to_target_speedup"] == 1.0
+    assert by[2]["target_bound"] == "undetermined"
+    assert by[2]["time_to_target_speedup"] is None and by[2]["statistical_efficiency"] is None
+    proj = report["projections"]["model_averaging"]
+    assert proj["frames_exponent"] is None and proj["rows"][-1]["time_to_target_speedup"] is None
+    assert "| <= 4,096 | <= 0.200 | — (bounds only) | — (bounds only) |" in summary_markdown(report)
+
+
+def test_bounded_speedups_are_drawn_apart_from_the_measured_curve(tmp_path):
+    from mpitrain.bench.report import plot_speedup
+    report = _report([_acc(1, 10000.0, 0.5), _acc(2, 4096.0, 0.2, interpolated=False)])
+    report.update(sizes=[1, 2], paper_points=[])
+    plot_speedup(report, str(tmp_path / "s.png"))
+    assert (tmp_path / "s.png").stat().st_size > 0
