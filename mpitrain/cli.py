@@ -297,17 +297,26 @@ def _bench_options(args, virtual_sizes):
         compute_seconds=args.compute_ms * 1e-3, lr_scale=args.lr_scale)
 
 
+def _say_cleared(removed: list, out_dir: str) -> None:
+    if removed:
+        print(f"--overwrite: removed the earlier benchmark's {len(removed)} output(s) "
+              f"from {out_dir}", flush=True)
+
+
 def cmd_bench(args) -> int:
     from .bench.mode import run_bench
-    from .bench.report import projection_lines, write_report
+    from .bench.report import clear_earlier_bench, out_dir_problem, projection_lines, write_report
     from .config import load_config
     cfg = load_config(args.config, args.set)
-    virtual_sizes = _number_list(args.virtual, "--virtual")
+    virtual_sizes = ()
     try:
+        virtual_sizes = _number_list(args.virtual, "--virtual")
         options = _bench_options(args, virtual_sizes)
-    except ValueError as exc:
+    except (ValueError, UsageError) as exc:
         if _launcher_rank() > 0:     # the command line is every rank's: rank 0 says it
             return 2
+        if isinstance(exc, UsageError):
+            raise
         # the group sizes came from --virtual: name it
         raise UsageError(str(exc).replace("--sizes", "--virtual", 1) if virtual_sizes
                          else str(exc)) from None
@@ -315,8 +324,12 @@ def cmd_bench(args) -> int:
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
     if virtual_sizes:
         from .bench.virtual import run_virtual_bench
-        report = run_virtual_bench(cfg, out_dir=out_dir, options=options,
-                                   compute=_compute_model(args, cfg, max(virtual_sizes)))
+        compute = _compute_model(args, cfg, max(virtual_sizes))     # (its options checked)
+        problem = out_dir_problem(out_dir, overwrite=args.overwrite)
+        if problem:
+            raise UsageError(problem)
+        _say_cleared(clear_earlier_bench(out_dir) if args.overwrite else [], out_dir)
+        report = run_virtual_bench(cfg, out_dir=out_dir, options=options, compute=compute)
         paths = write_report(report, out_dir, dpi=args.dpi)
         print("wrote " + ", ".join(paths.values()))
         return 0
@@ -331,7 +344,16 @@ def cmd_bench(args) -> int:
             return 2
         raise UsageError(f"--sizes: {max(options.sizes)} ranks asked for, but the job has "
                          f"{comm.size} (mpiexec -n {max(options.sizes)} or more)")
+    # rank 0 judges the output directory and every rank hears it: all stop, or none
+    problem = comm.bcast_obj(out_dir_problem(out_dir, overwrite=args.overwrite)
+                             if comm.rank == 0 else None, root=0)
+    if problem:
+        if comm.rank != 0:
+            return 2
+        raise UsageError(problem)
     try:
+        if comm.rank == 0 and args.overwrite:
+            _say_cleared(clear_earlier_bench(out_dir), out_dir)
         report = run_bench(cfg, comm, out_dir=out_dir, options=options)
         if comm.rank == 0:
             paths = write_report(report, out_dir, dpi=args.dpi)
@@ -573,6 +595,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="held-out frame accuracy for time to accuracy; without it that "
                         "phase is skipped")
     p.add_argument("--out", default=None, help="output directory; empty: runs/bench-<config name>")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier benchmark in --out (its report files and runs/ "
+                        "entries are removed before the first measurement)")
     p.add_argument("--phases", default="throughput,accuracy", help="which measurements to run")
     p.add_argument("--steps", type=int, default=40, help="throughput: measured steps per run")
     p.add_argument("--warmup-steps", type=int, default=10, help="throughput: steps not measured")

@@ -244,7 +244,9 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
                          "(mpiexec -n 4 or more)"),
     (["--methods", "nosuch"], "mpitrain bench: error: --methods: unknown nosuch; expected some of "
                               "model_averaging, allreduce, kaldi, bmuf, adpsgd"),
-], ids=["sizes-beyond-the-job", "unknown-method"])
+    (["--sizes", "1,x"], "mpitrain bench: --sizes: expected comma-separated numbers, e.g. "
+                         "1,2,4; got '1,x'"),
+], ids=["sizes-beyond-the-job", "unknown-method", "sizes-not-numbers"])
 def test_a_bench_option_error_under_mpiexec_is_said_once(mpiexec, small_corpus, options, line):
     from mpitrain.testing.mpirun import run_mpi
     from .helpers import QUICKSTART
@@ -253,6 +255,25 @@ def test_a_bench_option_error_under_mpiexec_is_said_once(mpiexec, small_corpus, 
     assert result.returncode == 2, result.stderr
     said = [text for text in result.stderr.splitlines() if text.startswith("mpitrain bench:")]
     assert said == [line], result.stderr
+
+
+@pytest.mark.parametrize("virtual", [True, False], ids=["virtual", "one-rank"])
+def test_bench_refuses_an_out_holding_an_earlier_benchmark(small_corpus, tmp_path, capsys,
+                                                           virtual):
+    from .helpers import QUICKSTART
+    out = tmp_path / "out"
+    (out / "runs" / "accuracy-bmuf-n2").mkdir(parents=True)
+    (out / "bench.json").write_text("{}")
+    argv = ["bench", QUICKSTART, "--out", str(out), "--set", f"data.train={small_corpus}/train",
+            "--set", f"data.dev={small_corpus}/dev", *(["--virtual", "1"] if virtual else [])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"mpitrain bench: {out}: holds an earlier benchmark (bench.json, 1 run(s) "
+                   "in runs/); replace it with --overwrite, or choose another --out\n")
+    assert (out / "bench.json").read_text() == "{}"
+    (tmp_path / "file").write_text("")
+    assert main(argv[:2] + ["--out", str(tmp_path / "file")] + argv[4:]) == 2
+    assert "file: --out exists and is not a directory" in capsys.readouterr().err
 
 
 def test_init_keeps_corpus_paths_with_yaml_characters_whole(tmp_path, capsys):

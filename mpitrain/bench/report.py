@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 
 import numpy as np
 
@@ -140,6 +142,69 @@ def _notes(env: dict, options: BenchOptions) -> list:
 
 
 # -- outputs -----------------------------------------------------------------------------------
+
+#: The report's files in the output directory (the runs are under ``runs/``).
+REPORT_FILES = ("bench.json", "bench.md", "bench-speedup.png", "bench-accuracy.png")
+#: Names of the benchmark's run directories under ``runs/`` (phases.py, mode.py).
+_RUN_NAME = re.compile(r"(throughput|accuracy)-\w+-n\d+(-r\d+)?")
+
+
+def earlier_bench(out_dir: str) -> list:
+    """The outputs of an earlier benchmark found in ``out_dir`` (its report files
+    and its run directories under ``runs/``), sorted.
+
+    Example::
+
+        earlier_bench("runs/bench")     # ['runs/bench/bench.json', ..., 'runs/bench/runs/...']
+    """
+    if not os.path.isdir(out_dir):
+        return []
+    found = [os.path.join(out_dir, name) for name in REPORT_FILES
+             if os.path.lexists(os.path.join(out_dir, name))]
+    runs = os.path.join(out_dir, "runs")
+    if os.path.isdir(runs):
+        found += [os.path.join(runs, name) for name in os.listdir(runs)
+                  if _RUN_NAME.fullmatch(name) and os.path.isdir(os.path.join(runs, name))]
+    return sorted(found)
+
+
+def out_dir_problem(out_dir: str, *, overwrite: bool):
+    """Why the benchmark cannot write into ``out_dir``, as one line; None when it can.
+
+    An earlier benchmark there (finished or interrupted) is refused unless
+    ``overwrite``: its report would be replaced and its runs mixed with the new
+    ones.
+
+    Example::
+
+        out_dir_problem("runs/bench", overwrite=False)
+    """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        return f"{out_dir}: --out exists and is not a directory"
+    if os.path.exists(os.path.join(out_dir, "runs")) and \
+            not os.path.isdir(os.path.join(out_dir, "runs")):
+        return f"{os.path.join(out_dir, 'runs')}: exists and is not a directory"
+    found = earlier_bench(out_dir)
+    if found and not overwrite:
+        runs_dir = os.path.join(out_dir, "runs")
+        files = [os.path.basename(p) for p in found if os.path.dirname(p) != runs_dir]
+        runs = len(found) - len(files)
+        what = ", ".join(files + ([f"{runs} run(s) in runs/"] if runs else []))
+        return (f"{out_dir}: holds an earlier benchmark ({what}); replace it with "
+                "--overwrite, or choose another --out")
+    return None
+
+
+def clear_earlier_bench(out_dir: str) -> list:
+    """Remove an earlier benchmark's outputs from ``out_dir`` (``--overwrite``);
+    the paths removed.  Nothing else there is touched."""
+    removed = earlier_bench(out_dir)
+    for path in removed:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    return removed
 
 def _json_default(obj):
     if isinstance(obj, np.generic):

@@ -79,3 +79,35 @@ def test_bounded_speedups_are_drawn_apart_from_the_measured_curve(tmp_path):
     report.update(sizes=[1, 2], paper_points=[])
     plot_speedup(report, str(tmp_path / "s.png"))
     assert (tmp_path / "s.png").stat().st_size > 0
+
+
+def test_an_earlier_benchmark_in_out_is_refused_and_cleared_only_with_overwrite(tmp_path):
+    from mpitrain.bench.report import clear_earlier_bench, out_dir_problem
+    out = tmp_path / "out"
+    assert out_dir_problem(str(out), overwrite=False) is None       # not there yet
+    out.mkdir()
+    assert out_dir_problem(str(out), overwrite=False) is None       # empty (sbatch's mkdir)
+    # an interrupted benchmark: runs, no report yet
+    for name in ("throughput-bmuf-n1", "accuracy-model_averaging-n2", "throughput-kaldi-n4-r2"):
+        (out / "runs" / name).mkdir(parents=True)
+        (out / "runs" / name / "metrics.jsonl").write_text("{}\n")
+    problem = out_dir_problem(str(out), overwrite=False)
+    assert problem == (f"{out}: holds an earlier benchmark (3 run(s) in runs/); replace it "
+                       "with --overwrite, or choose another --out")
+    (out / "bench.json").write_text("{}")
+    assert "(bench.json, 3 run(s) in runs/)" in out_dir_problem(str(out), overwrite=False)
+    assert out_dir_problem(str(out), overwrite=True) is None
+    # what the benchmark did not write stays
+    (out / "runs" / "my-run").mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert len(clear_earlier_bench(str(out))) == 4
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "runs"]
+    assert [p.name for p in (out / "runs").iterdir()] == ["my-run"]
+    assert out_dir_problem(str(out), overwrite=False) is None
+
+
+def test_an_out_that_is_a_file_is_refused(tmp_path):
+    from mpitrain.bench.report import out_dir_problem
+    (tmp_path / "f").write_text("")
+    assert out_dir_problem(str(tmp_path / "f"), overwrite=True) == \
+        f"{tmp_path / 'f'}: --out exists and is not a directory"
