@@ -125,7 +125,8 @@ class BenchOptions:
         if sizes[-1] > world_size:
             raise ValueError(f"--sizes: {sizes[-1]} ranks asked for, but the job has "
                              f"{world_size}; launch with mpiexec -n {sizes[-1]} or more")
-        return sizes, tuple(self.methods) or bench_methods()
+        # a method named twice is measured once (its runs share a directory)
+        return sizes, tuple(dict.fromkeys(self.methods)) or bench_methods()
 
     def lr_factor(self, ranks: int) -> float:
         """The factor ``lr_scale`` applies to the learning rates of ``ranks`` ranks.

@@ -167,7 +167,7 @@ def _run_trainer(cfg, group, run_dir: str, **kwargs):
     if group.rank == 0:
         # keep the metrics and log; models and checkpoints of a benchmark are not needed
         for path in glob.glob(os.path.join(run_dir, "ckpt-*.h5")) + \
-                [os.path.join(run_dir, "final.h5")]:
+                [os.path.join(run_dir, name) for name in ("final.h5", "best.h5")]:
             if os.path.exists(path):
                 os.remove(path)
     return trainer, result
@@ -275,6 +275,19 @@ def first_crossing(points: Sequence[dict], target: float) -> Optional[dict]:
     return None
 
 
+def budget_reason(steps: int, caps: dict) -> str:
+    """Which budget ended a run that took ``steps`` steps: the smallest of ``caps``
+    (name -> steps per rank) when it was reached, else the config's epochs.
+
+    Example::
+
+        budget_reason(4, {"--max-steps": 10, "--max-frames": 4})    # '--max-frames'
+    """
+    if caps and steps >= min(caps.values()):
+        return min(caps, key=caps.get)
+    return "epochs"
+
+
 def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOptions,
                      sync_period: int, steps_per_epoch_1: int, compute=None) -> dict:
     """Phase 2 for one method on ``group``; the dict is complete on group rank 0.
@@ -290,12 +303,13 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
         batch, steps_per_epoch_1 * batch // DEFAULT_EVALS_PER_EPOCH)
     interval = eval_interval_per_rank(total_between, ranks=n, minibatch=batch,
                                       sync_period=sync_period)
-    caps = [c for c in (cfg.training.max_steps, options.max_steps,
-                        math.ceil(options.max_frames / (batch * n)) if options.max_frames else 0)
-            if c]
+    caps = {name: c for name, c in (
+        ("training.max_steps", cfg.training.max_steps), ("--max-steps", options.max_steps),
+        ("--max-frames", math.ceil(options.max_frames / (batch * n)) if options.max_frames
+         else 0)) if c}
     run_cfg = _with(cfg, **scaled_rates(cfg, options, n), **jobs_within(cfg, n),
                     parallel__method=method, training__eval_interval=interval,
-                    training__max_steps=min(caps) if caps else 0,
+                    training__max_steps=min(caps.values()) if caps else 0,
                     training__checkpoint_interval=0)
     trainer, result = _run_trainer(run_cfg, group, run_dir, target=options.target_accuracy,
                                    max_seconds=options.max_seconds, compute=compute)
@@ -303,7 +317,7 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
     if points:
         points[-1]["final"] = True      # after the strategy's finalize (e.g. a last average)
     crossing = first_crossing(points, options.target_accuracy)
-    stopped = trainer.stop_reason or "budget (epochs/max steps)"
+    stopped = trainer.stop_reason or budget_reason(int(result["steps"]), caps)
     return {"method": method, "ranks": n, "target_accuracy": options.target_accuracy,
             "initial_learning_rate": run_cfg.optimizer.initial_learning_rate,
             "reached": crossing is not None, "stopped_by": stopped,

@@ -60,3 +60,34 @@ def test_a_kaldi_job_ramp_is_capped_at_each_group_size():
     assert jobs_within(cfg, 8) == {"parallel__num_jobs_final": 8}
     assert jobs_within(cfg, 16) == {}
     assert jobs_within(load_config(QUICKSTART), 1) == {}       # 0: all ranks, left alone
+
+
+def test_budget_reason_names_the_cap_that_ended_the_run():
+    from mpitrain.bench.phases import budget_reason
+    caps = {"--max-steps": 10, "--max-frames": 4}
+    assert budget_reason(4, caps) == "--max-frames"
+    assert budget_reason(3, caps) == "epochs"       # ended by the epochs before any cap
+    assert budget_reason(7, {}) == "epochs"
+
+
+def test_accuracy_runs_keep_no_models_and_name_the_budget(small_corpus, tmp_path):
+    import json
+    from mpitrain.cli import main
+    from ..helpers import small_overrides
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "bmuf,bmuf",
+            "--phases", "accuracy", "--target-accuracy", "0.95", "--max-frames", "3000",
+            "--eval-frames", "1024", "--compute-ms", "1", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    # a method named twice is measured once
+    assert report["methods"] == ["bmuf"] and len(report["accuracy"]) == 1
+    (row,) = report["accuracy"]
+    assert not row["reached"] and row["stopped_by"] == "--max-frames"
+    assert row["frames"] == 3072          # 3000 frames, rounded up to whole minibatches
+    assert "not reached (--max-frames)" in (out / "bench.md").read_text()
+    # the benchmark keeps each run's metrics and log, no models
+    assert sorted(p.name for p in (out / "runs" / "accuracy-bmuf-n1").iterdir()
+                  if not p.name.startswith(".")) == ["config.yaml", "metrics.jsonl", "train.log"]
