@@ -220,9 +220,11 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
                                  options=BenchOptions())
     """
     steps = options.warmup_steps + options.throughput_steps
+    # every rank active: a Kaldi job ramp spans the planned run (1000 epochs here), so
+    # it would stay at num_jobs_initial and the group's other ranks would only wait
     run_cfg = _with(cfg, **scaled_rates(cfg, options, group.size),
-                    **jobs_within(cfg, group.size), parallel__method=method, data__dev="",
-                    training__max_steps=steps,
+                    parallel__num_jobs_initial=0, parallel__num_jobs_final=0,
+                    parallel__method=method, data__dev="", training__max_steps=steps,
                     training__epochs=1000.0, training__log_interval=options.warmup_steps,
                     training__checkpoint_interval=0)
     trainer, _ = _run_trainer(run_cfg, group, run_dir, compute=compute)

@@ -91,3 +91,22 @@ def test_accuracy_runs_keep_no_models_and_name_the_budget(small_corpus, tmp_path
     # the benchmark keeps each run's metrics and log, no models
     assert sorted(p.name for p in (out / "runs" / "accuracy-bmuf-n1").iterdir()
                   if not p.name.startswith(".")) == ["config.yaml", "metrics.jsonl", "train.log"]
+
+
+def test_kaldi_throughput_is_measured_with_every_rank_of_the_group_active(small_corpus, tmp_path):
+    import json
+    from mpitrain.cli import main
+    from ..helpers import small_overrides
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "kaldi", "--phases",
+            "throughput", "--steps", "8", "--warmup-steps", "4", "--compute-ms", "1",
+            "--out", str(out), "--dpi", "30"]
+    # a job ramp from one rank: over the throughput run's 12 steps it would never move
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "parallel.num_jobs_initial=1",
+            "parallel.num_jobs_final=2", "parallel.average_every_frames=1024"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    fps = {r["ranks"]: r["frames_per_sec"] for r in report["throughput"]}
+    assert fps[2] / fps[1] == pytest.approx(2, rel=0.02)
