@@ -128,9 +128,13 @@ def _notes(env: dict, options: BenchOptions) -> list:
         "Time to target: training seconds (held-out evaluations and checkpoints excluded) "
         "and frames summed over ranks, interpolated linearly between the evaluation before "
         "and the first evaluation at or above the target.",
-        "Idle ranks sleep while a smaller group runs; every rank keeps the BLAS threads it "
-        "was started with.",
     ]
+    if env.get("virtual"):
+        # the machine's load changes the wall time, not the simulated clock
+        return notes + ["Virtual ranks: seconds and frames/s are on the simulated clock "
+                        "(compute and network models), not measured on this machine."]
+    notes.append("Idle ranks sleep while a smaller group runs; every rank keeps the BLAS "
+                 "threads it was started with.")
     load = env.get("load_average_at_start")
     if load and load[0] > env.get("cpu_count", 1):
         notes.append(f"Busy machine: load average {load[0]} on {env.get('cpu_count')} cores "
@@ -280,15 +284,18 @@ def summary_markdown(report: dict) -> str:
         print(summary_markdown(report))
     """
     env = report["environment"]
+    simulated = bool(report.get("virtual"))
+    ranks = (f"Up to {env.get('ranks')} virtual ranks simulated in one process (times on the "
+             f"simulated clock, not measured) on" if simulated else f"{env.get('ranks')} ranks on")
     lines = [f"# mpitrain bench: {', '.join(report['methods'])}", "",
-             f"{env.get('ranks')} ranks on {', '.join(env.get('hosts', []))} "
+             f"{ranks} {', '.join(env.get('hosts', []))} "
              f"({env.get('cpu_count')} cores per host"
              f"{', oversubscribed' if env.get('oversubscribed') else ''}), device "
              f"{env.get('device')}; MPI: "
              f"{' '.join((env.get('mpi', {}).get('library_version') or 'none').splitlines()[0].split())}"
              f"; load average at start {env.get('load_average_at_start')}, at end "
              f"{env.get('load_average_at_end')}", "",
-             "## Throughput and time to target", "",
+             "## Throughput and time to target" + (" (simulated)" if simulated else ""), "",
              "| method | ranks | frames/s | per rank | step ms | comm | throughput speedup "
              "| frames to target | s to target | time-to-target speedup | stat. efficiency |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]

@@ -111,3 +111,17 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("")
     assert out_dir_problem(str(tmp_path / "f"), overwrite=True) == \
         f"{tmp_path / 'f'}: --out exists and is not a directory"
+
+
+def test_a_simulated_report_does_not_read_as_measured_on_the_machine():
+    from mpitrain.bench.report import _notes, summary_markdown
+    report = json.loads(REPORT.read_text())          # a `bench --virtual` report
+    report["environment"]["load_average_at_start"] = [9.0, 9.0, 9.0]
+    text = summary_markdown(report)
+    head = text.split("## Throughput")[0]
+    assert "virtual ranks simulated in one process" in head and "not measured" in head
+    assert "## Throughput and time to target (simulated)" in text
+    # the notes of a report are made when it is built: the machine's load is no concern
+    notes = " ".join(_notes(report["environment"], None))
+    assert "simulated clock" in notes
+    assert "Busy machine" not in notes and "Idle ranks sleep" not in notes
