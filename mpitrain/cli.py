@@ -311,6 +311,9 @@ def cmd_bench(args) -> int:
     virtual_sizes = ()
     try:
         virtual_sizes = _number_list(args.virtual, "--virtual")
+        if virtual_sizes and args.sizes.strip():
+            raise UsageError("--sizes and --virtual both give the group sizes; with virtual "
+                             "ranks give them as --virtual 1,2,4,...")
         options = _bench_options(args, virtual_sizes)
     except (ValueError, UsageError) as exc:
         if _launcher_rank() > 0:     # the command line is every rank's: rank 0 says it

@@ -213,6 +213,8 @@ def test_mpirun_python_dash_m_mpitrain_trains_mpitrain_yaml_of_the_directory(sma
     (["bench", "CONFIG", "--virtual", "1,2", "--methods", "param_server"],
      "param_server: ranks that do not step together are not benchmarked"),
     (["bench", "CONFIG", "--virtual", "2,4"], "--virtual: must include 1"),
+    (["bench", "CONFIG", "--virtual", "1,2", "--sizes", "1,4"],
+     "--sizes and --virtual both give the group sizes"),
 ])
 def test_options_that_cannot_apply_are_refused_in_one_line(small_corpus, tmp_path, capsys,
                                                            argv, message):
