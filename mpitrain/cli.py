@@ -616,7 +616,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-frames", type=int, default=0,
                    help="time to accuracy: frames (all ranks) at most; 0: no cap")
     p.add_argument("--max-seconds", type=float, default=0.0,
-                   help="time to accuracy: training seconds per run at most; 0: no cap")
+                   help="time to accuracy: training seconds per run, looked at each held-out "
+                        "evaluation (the run ends at the first one past it); 0: no cap")
     p.add_argument("--project-to", default="16,32,64,128", help="rank counts to project to")
     p.add_argument("--latency-us", type=float, default=5.0, help="network model: latency per link")
     p.add_argument("--bandwidth-gbit", type=float, default=100.0,
