@@ -246,7 +246,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
                          "(mpiexec -n 4 or more)"),
     (["--methods", "nosuch"], "mpitrain bench: error: --methods: unknown nosuch; expected some of "
                               "model_averaging, allreduce, kaldi, bmuf, adpsgd"),
-    (["--sizes", "1,x"], "mpitrain bench: --sizes: expected comma-separated numbers, e.g. "
+    (["--sizes", "1,x"], "mpitrain bench: error: --sizes: expected comma-separated numbers, e.g. "
                          "1,2,4; got '1,x'"),
 ], ids=["sizes-beyond-the-job", "unknown-method", "sizes-not-numbers"])
 def test_a_bench_option_error_under_mpiexec_is_said_once(mpiexec, small_corpus, options, line):
@@ -270,7 +270,7 @@ def test_bench_refuses_an_out_holding_an_earlier_benchmark(small_corpus, tmp_pat
             "--set", f"data.dev={small_corpus}/dev", *(["--virtual", "1"] if virtual else [])]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err == (f"mpitrain bench: {out}: holds an earlier benchmark (bench.json, 1 run(s) "
+    assert err == (f"mpitrain bench: error: {out}: holds an earlier benchmark (bench.json, 1 run(s) "
                    "in runs/); replace it with --overwrite, or choose another --out\n")
     assert (out / "bench.json").read_text() == "{}"
     (tmp_path / "file").write_text("")
