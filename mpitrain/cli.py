@@ -303,6 +303,19 @@ def _say_cleared(removed: list, out_dir: str) -> None:
               f"from {out_dir}", flush=True)
 
 
+def _partial_report_writer(out_dir: str, dpi: int):
+    """Writes bench.json and bench.md of the sizes done so far (no plots): a
+    benchmark stopped halfway, by a time limit or by hand, keeps them."""
+    from .bench.report import write_report
+
+    def write(report: dict) -> None:
+        write_report(report, out_dir, dpi=dpi, plots=False)
+        done = report["partial"]["sizes_measured"]
+        print(f"partial report (sizes {', '.join(map(str, done))}): "
+              f"{os.path.join(out_dir, 'bench.json')}", flush=True)
+    return write
+
+
 def cmd_bench(args) -> int:
     from .bench.mode import run_bench
     from .bench.report import clear_earlier_bench, out_dir_problem, projection_lines, write_report
@@ -332,7 +345,8 @@ def cmd_bench(args) -> int:
         if problem:
             raise UsageError(problem)
         _say_cleared(clear_earlier_bench(out_dir) if args.overwrite else [], out_dir)
-        report = run_virtual_bench(cfg, out_dir=out_dir, options=options, compute=compute)
+        report = run_virtual_bench(cfg, out_dir=out_dir, options=options, compute=compute,
+                                   on_size_done=_partial_report_writer(out_dir, args.dpi))
         paths = write_report(report, out_dir, dpi=args.dpi)
         print("wrote " + ", ".join(paths.values()))
         return 0
@@ -357,7 +371,8 @@ def cmd_bench(args) -> int:
     try:
         if comm.rank == 0 and args.overwrite:
             _say_cleared(clear_earlier_bench(out_dir), out_dir)
-        report = run_bench(cfg, comm, out_dir=out_dir, options=options)
+        report = run_bench(cfg, comm, out_dir=out_dir, options=options,
+                           on_size_done=_partial_report_writer(out_dir, args.dpi))
         if comm.rank == 0:
             paths = write_report(report, out_dir, dpi=args.dpi)
             print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]

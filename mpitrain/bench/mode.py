@@ -26,13 +26,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .idle import release_idle, wait_idle
 from .machine import environment, load_average
 from .options import BenchOptions, check_benchable
 from .phases import steps_per_epoch_one_rank, sync_period, throughput_phase, time_to_accuracy
-from .report import build_report, seconds_text
+from .report import build_report, partial_report, seconds_text
 
 #: Seconds between an idle rank's polls: a group runs for seconds, so a coarse
 #: poll delays nothing that is timed and costs the measured ranks less.
@@ -44,9 +44,12 @@ def _say(world, stream, text: str) -> None:
         print(text, file=stream or sys.stdout, flush=True)
 
 
-def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None) -> Optional[dict]:
+def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None,
+              on_size_done: Optional[Callable[[dict], None]] = None) -> Optional[dict]:
     """Run every size and method; collective over ``world``.  The report on rank 0,
-    None on the other ranks.
+    None on the other ranks.  ``on_size_done`` (rank 0) is given the report of
+    the sizes measured so far after each size (:func:`partial_report`), so that
+    a benchmark stopped halfway keeps them.
 
     Example::
 
@@ -101,6 +104,12 @@ def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None) -
             if world.rank == 0:
                 release_idle(world, range(size, world.size))
         world.barrier()
+        if world.rank == 0 and on_size_done is not None and size != sizes[-1]:
+            done = sizes[:sizes.index(size) + 1]
+            on_size_done(partial_report(
+                build_report(list(throughput), list(accuracy), sizes=done, methods=methods,
+                             options=options, environment=env, config=cfg.to_dict()),
+                planned=sizes))
     if world.rank != 0:
         return None
     report = build_report(throughput, accuracy, sizes=sizes, methods=methods, options=options,

@@ -100,6 +100,19 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
             "projections": projections, "paper_points": list(PAPER_POINTS), "config": config}
 
 
+def partial_report(report: dict, *, planned) -> dict:
+    """``report`` of the sizes measured so far, marked as one of a benchmark that
+    plans ``planned`` sizes (bench.json and bench.md say so until it ends).
+
+    Example::
+
+        partial_report(build_report(...sizes=(1, 2)...), planned=(1, 2, 4))["partial"]
+        # {'sizes_measured': [1, 2], 'sizes_planned': [1, 2, 4]}
+    """
+    return dict(report, partial={"sizes_measured": list(report["sizes"]),
+                                 "sizes_planned": list(planned)})
+
+
 def _upper_bound(acc: dict) -> bool:
     """The target was reached at the first evaluation: frames and seconds there
     are upper bounds (the crossing lies somewhere before it)."""
@@ -216,8 +229,9 @@ def _json_default(obj):
     raise TypeError(f"bench.json: cannot store {type(obj).__name__}")
 
 
-def write_report(report: dict, out_dir: str, *, dpi: int = 100) -> dict:
-    """Write bench.json, bench.md and the PNG plots into ``out_dir``; their paths.
+def write_report(report: dict, out_dir: str, *, dpi: int = 100, plots: bool = True) -> dict:
+    """Write bench.json, bench.md and (``plots``) the PNG plots into ``out_dir``;
+    their paths.
 
     Example::
 
@@ -229,14 +243,15 @@ def write_report(report: dict, out_dir: str, *, dpi: int = 100) -> dict:
              "markdown": os.path.join(out_dir, "bench.md"),
              "speedup_png": os.path.join(out_dir, "bench-speedup.png"),
              "accuracy_png": os.path.join(out_dir, "bench-accuracy.png")}
-    if not report["accuracy"]:
+    if not report["accuracy"] or not plots:
         del paths["accuracy_png"]
-    plots = [k for k in paths if k.endswith("_png")]
+    if not plots:
+        del paths["speedup_png"]
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         # the measurements are kept whatever happens to the pictures
-        for key in plots:
+        for key in [k for k in paths if k.endswith("_png")]:
             del paths[key]
         report = dict(report, notes=list(report.get("notes", [])) + [
             "Plots not drawn: matplotlib is not installed (pip install matplotlib)."])
@@ -294,11 +309,16 @@ def summary_markdown(report: dict) -> str:
              f"{env.get('device')}; MPI: "
              f"{' '.join((env.get('mpi', {}).get('library_version') or 'none').splitlines()[0].split())}"
              f"; load average at start {env.get('load_average_at_start')}, at end "
-             f"{env.get('load_average_at_end')}", "",
-             "## Throughput and time to target" + (" (simulated)" if simulated else ""), "",
-             "| method | ranks | frames/s | per rank | step ms | comm | throughput speedup "
-             "| frames to target | s to target | time-to-target speedup | stat. efficiency |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{env.get('load_average_at_end')}", ""]
+    partial = report.get("partial")
+    if partial:
+        lines += [f"**Partial report**: sizes {', '.join(map(str, partial['sizes_measured']))} "
+                  f"measured of {', '.join(map(str, partial['sizes_planned']))}; the benchmark "
+                  "had not finished when this was written.", ""]
+    lines += ["## Throughput and time to target" + (" (simulated)" if simulated else ""), "",
+              "| method | ranks | frames/s | per rank | step ms | comm | throughput speedup "
+              "| frames to target | s to target | time-to-target speedup | stat. efficiency |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     bounded = False
     for s in report["speedups"]:
         thr = _by(report["throughput"], s["method"], s["ranks"]) or {}

@@ -31,7 +31,7 @@ from .machine import environment, load_average
 from .mode import _accuracy_line, _throughput_line
 from .options import BenchOptions, check_benchable
 from .phases import steps_per_epoch_one_rank, sync_period, throughput_phase, time_to_accuracy
-from .report import build_report
+from .report import build_report, partial_report
 
 
 def _syncs(steps: int, period: int) -> int:
@@ -59,9 +59,19 @@ def assumptions(options: BenchOptions, compute) -> list:
     ]
 
 
+def _report(throughput, accuracy, sizes, methods, options, env, cfg, compute) -> dict:
+    report = build_report(throughput, accuracy, sizes=sizes, methods=methods, options=options,
+                          environment=env, config=cfg.to_dict())
+    report["virtual"] = {"compute": compute.to_dict(), "network": options.network.to_dict(),
+                         "assumptions": assumptions(options, compute)}
+    return report
+
+
 def run_virtual_bench(cfg, *, out_dir: str, options: BenchOptions, compute,
-                      stream=None) -> dict:
+                      stream=None, on_size_done=None) -> dict:
     """Every size of ``options.sizes`` and every method on virtual ranks; the report.
+    ``on_size_done`` is given the report of the sizes measured so far after each
+    size but the last (:func:`~mpitrain.bench.report.partial_report`).
 
     Example::
 
@@ -122,10 +132,12 @@ def run_virtual_bench(cfg, *, out_dir: str, options: BenchOptions, compute,
                        syncs=_syncs(row["steps"], sync[row["method"]]) if size > 1 else 0)
             accuracy.append(row)
             print(_accuracy_line(row) + " (simulated)", file=out, flush=True)
-    report = build_report(throughput, accuracy, sizes=sizes, methods=methods, options=options,
-                          environment=env, config=cfg.to_dict())
-    report["virtual"] = {"compute": compute.to_dict(), "network": options.network.to_dict(),
-                         "assumptions": assumptions(options, compute)}
+        if on_size_done is not None and size != sizes[-1]:
+            done = sizes[:sizes.index(size) + 1]
+            on_size_done(partial_report(_report(list(throughput), list(accuracy), done,
+                                                methods, options, env, cfg, compute),
+                                        planned=sizes))
+    report = _report(throughput, accuracy, sizes, methods, options, env, cfg, compute)
     report["wall_seconds"] = time.perf_counter() - started
     report["environment"]["load_average_at_end"] = load_average()
     return report

@@ -3,6 +3,7 @@ every measurement, the plots and the Markdown report (its pure pieces are tested
 in test_phases.py, test_options.py and test_projection.py)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -129,3 +130,35 @@ def test_bench_writes_plots_and_markdown(bench_run):
     assert "## Assumptions of the projection" in text and "N=32" in text
     # rank 0 alone reports
     assert result.stdout.count("projection model:") == 1, _output(result)
+
+
+def test_real_rank_bench_hands_on_each_finished_size_but_the_last(small_corpus, tmp_path,
+                                                                  monkeypatch):
+    # the real-rank loop, on two virtual ranks standing in for an mpiexec job (their
+    # clock stands still without a compute model, so the measurement is a stand-in)
+    from mpitrain.bench import mode
+    from mpitrain.bench.mode import run_bench
+    from mpitrain.bench.options import BenchOptions
+    from mpitrain.comm.virtual import VirtualCluster
+    from mpitrain.config import load_config
+    from ..helpers import QUICKSTART, small_overrides
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus)
+                      + ["model.hidden_dim=32", "model.hidden_layers=2"])
+
+    def measured(cfg, group, *, methods, options, out_dir):
+        group.barrier()
+        return [{"method": m, "ranks": group.size, "frames_per_sec": 1000.0 * group.size,
+                 "frames_per_sec_per_rank": 1000.0, "step_seconds": 0.25, "comm_fraction": 0.0,
+                 "compute_seconds_per_step": 0.25, "num_params": 1000, "sync_period": 8}
+                for m in methods]
+    monkeypatch.setattr(mode, "throughput_phase", measured)
+    handed = []
+    options = BenchOptions(sizes=(1, 2), methods=("model_averaging",), phases=("throughput",),
+                           throughput_steps=4, warmup_steps=1)
+    reports = VirtualCluster(2).run(lambda comm: run_bench(
+        cfg, comm, out_dir=str(tmp_path), options=options, stream=open(os.devnull, "w"),
+        on_size_done=handed.append))
+    assert reports[1] is None and reports[0]["sizes"] == [1, 2] and "partial" not in reports[0]
+    assert len(handed) == 1
+    assert handed[0]["partial"] == {"sizes_measured": [1], "sizes_planned": [1, 2]}
+    assert [r["ranks"] for r in handed[0]["throughput"]] == [1]

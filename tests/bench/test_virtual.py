@@ -66,3 +66,37 @@ def test_bench_virtual_accuracy_only_with_linear_rates(small_corpus, tmp_path):
     assert rates == {1: pytest.approx(0.003), 2: pytest.approx(0.006)}
     # no throughput rows: the report says there is no projection, not an empty table
     assert "None: the projection needs the throughput phase." in (out / "bench.md").read_text()
+
+
+def test_a_bench_stopped_halfway_keeps_the_sizes_it_measured(small_corpus, tmp_path,
+                                                             monkeypatch, capsys):
+    # a time limit or Ctrl-C during the last size: the sizes before it stay on disk
+    from mpitrain.comm.virtual import VirtualCluster
+    run = VirtualCluster.run
+
+    def stopped_at_size_4(cluster, rank_main):
+        if cluster.size == 4:
+            raise KeyboardInterrupt
+        return run(cluster, rank_main)
+    monkeypatch.setattr(VirtualCluster, "run", stopped_at_size_4)
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2,4", "--methods", "model_averaging",
+            "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
+            "--compute-ms", "2", "--out", str(out)]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=32", "model.hidden_layers=2"]:
+        argv += ["--set", item]
+    assert main(argv) == 130
+    report = json.loads((out / "bench.json").read_text())
+    assert report["partial"] == {"sizes_measured": [1, 2], "sizes_planned": [1, 2, 4]}
+    assert sorted(r["ranks"] for r in report["throughput"]) == [1, 2]
+    assert [s["throughput_speedup"] is not None for s in report["speedups"]] == [True, True]
+    assert "**Partial report**: sizes 1, 2 measured of 1, 2, 4" in (out / "bench.md").read_text()
+    assert "partial report (sizes 1, 2)" in capsys.readouterr().out
+    # the next bench into the same place keeps it unless told to replace it
+    monkeypatch.setattr(VirtualCluster, "run", run)
+    assert main(argv) == 2
+    assert "holds an earlier benchmark" in capsys.readouterr().err
+    assert main(argv + ["--overwrite"]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert "partial" not in report and report["sizes"] == [1, 2, 4]
+    assert "Partial" not in (out / "bench.md").read_text()
