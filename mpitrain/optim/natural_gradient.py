@@ -174,38 +174,48 @@ def _gram_schmidt_rows(m: np.ndarray) -> np.ndarray:
 
 
 class _UpdatePlan:
-    """The r x r results of one Fisher update, all float64 on the host."""
+    """The r x r results of one Fisher update, all float64 on the host.
 
-    __slots__ = ("a_matrix", "g", "d", "rho", "e", "gram_schmidt")
+    ``gram_schmidt``: W' must be orthogonalised by Gram-Schmidt; ``check``: the
+    Gram matrix cannot tell whether W' is orthogonal, so W' W'^T must be
+    computed from W' itself (Kaldi's check) once W' exists."""
 
-    def __init__(self, a_matrix, g, d, rho, e, gram_schmidt):
+    __slots__ = ("a_matrix", "g", "d", "rho", "e", "gram_schmidt", "check")
+
+    def __init__(self, a_matrix, g, d, rho, e, gram_schmidt, check=False):
         self.a_matrix, self.g, self.d, self.rho, self.e = a_matrix, g, d, rho, e
         self.gram_schmidt = gram_schmidt
+        self.check = check
 
 
 def _plan_update(gram: np.ndarray, x_sq: float, d: np.ndarray, rho: float, *,
-                 num_rows: int, dim: int, eta: float, alpha: float,
+                 num_rows: int, dim: int, eta: float, rounding: float, alpha: float,
                  epsilon: float, delta: float) -> _UpdatePlan:
     """The r x r part of one Fisher update (spec section 1), in float64; see
     :func:`_plan_updates`."""
     return _plan_updates(gram[None], np.array([x_sq]), d[None], np.array([rho]),
                          num_rows=np.array([num_rows]), dim=np.array([dim]),
-                         eta=np.array([eta]), alpha=alpha, epsilon=epsilon, delta=delta)[0]
+                         eta=np.array([eta]), rounding=np.array([rounding]), alpha=alpha,
+                         epsilon=epsilon, delta=delta)[0]
 
 
-def _plan_updates(gram, x_sq, d, rho, *, num_rows, dim, eta, alpha: float,
+def _plan_updates(gram, x_sq, d, rho, *, num_rows, dim, eta, rounding, alpha: float,
                   epsilon: float, delta: float) -> list:
     """The r x r parts of k Fisher updates of one rank r at once, in float64.
 
     Stacked: ``gram`` (k, 2r, 2r), ``d`` (k, r), and ``x_sq``, ``rho``,
-    ``num_rows``, ``dim``, ``eta`` (k,).  Each ``gram`` is the Gram matrix of
-    [W; J]: it holds W W^T, L = W J^T (= H^T H) and K = J J^T.  The new W is
-    ``A (J + diag(g) W)`` with the returned A and g.  When a reorthogonalisation
-    is due, its lower-triangular transform is folded into A, using
-    W' W'^T = A B B^T A^T computed from ``gram``, so the device needs no second
-    round trip.  One call for every layer side of a rank costs one pass of
-    small array operations instead of one per side (on a GPU the step waits
-    for the host meanwhile); each eigendecomposition is the same LAPACK call.
+    ``num_rows``, ``dim``, ``eta`` (k,); ``rounding`` (k,) is the machine
+    epsilon of the dtype the Gram matrix was computed in.  Each ``gram`` is
+    the Gram matrix of [W; J]: it holds W W^T, L = W J^T (= H^T H) and
+    K = J J^T.  The new W is ``A (J + diag(g) W)`` with the returned A and g.
+    When a reorthogonalisation is due, its lower-triangular transform is
+    folded into A, using W' W'^T = A B B^T A^T computed from ``gram``, so the
+    device needs no second round trip -- unless the rounding of ``gram``,
+    magnified by A, could hide a departure from orthogonality: then the plan
+    asks for Kaldi's check on W' itself (``check``).  One call for every layer
+    side of a rank costs one pass of small array operations instead of one
+    per side (on a GPU the step waits for the host meanwhile); each
+    eigendecomposition is the same LAPACK call.
     """
     k, r = d.shape
     ww = gram[:, :r, :r]
@@ -245,28 +255,56 @@ def _plan_updates(gram, x_sq, d, rho, *, num_rows, dim, eta, alpha: float,
         * s[:, None, :]
     plans = []
     for i in range(k):
-        gram_schmidt = False
+        gram_schmidt = check = False
         a_i = a_matrix[i]
         if reorthogonalize[i]:
-            a_i, gram_schmidt = _reorthogonalized(a_i, g[i], ww[i], l_mat[i], k_mat[i],
-                                                  sqrt_e1[i])
-        plans.append(_UpdatePlan(a_i, g[i], d1[i], float(rho1[i]), e1[i], gram_schmidt))
+            a_i, gram_schmidt, check = _reorthogonalized(
+                a_i, g[i], ww[i], l_mat[i], k_mat[i], sqrt_e1[i], float(rounding[i]))
+        plans.append(_UpdatePlan(a_i, g[i], d1[i], float(rho1[i]), e1[i], gram_schmidt, check))
     return plans
 
 
-def _reorthogonalized(a_matrix, g, ww, l_mat, k_mat, sqrt_e1):
+def _reorthogonalized(a_matrix, g, ww, l_mat, k_mat, sqrt_e1, rounding):
     """A with the transform that makes W' = A B orthogonal (rows of R') folded in,
-    and whether Gram-Schmidt must run on W' instead."""
-    r = g.size
+    whether Gram-Schmidt must run on W' instead, and whether W' W'^T must be
+    computed from W' itself because the folded estimate cannot be trusted.
+
+    Entry (k, l) of B B^T, assembled from the Gram matrix, carries a rounding
+    error of order ``rounding n_k n_l`` with ``n_k = |J_k| + |g_k| |W_k|`` >= |B_k|
+    (``rounding``: machine epsilon of the Gram matrix's dtype), so entry (i, j)
+    of O is off by about ``rounding m_i m_j``, ``m = |A| n / sqrt(e')``: the
+    factor by which B cancels under A.  In steady state m is below ~30 and O
+    from the Gram matrix agrees with W' W'^T to ~1e-5 in float32.  A first
+    update from the epsilon state on data of rank below r has m of 1e4 or
+    more, and O from the Gram matrix can say W' is orthonormal when a row of
+    W' has in fact vanished: then W' W'^T is taken from W' itself.
+    """
+    n = np.sqrt(np.maximum(np.diagonal(k_mat), 0.0)) \
+        + np.abs(g) * np.sqrt(np.maximum(np.diagonal(ww), 0.0))
+    magnification = (np.abs(a_matrix) @ n) / sqrt_e1
+    if not rounding * float(np.max(magnification)) ** 2 <= ORTHOGONALITY_TOLERANCE:
+        return a_matrix, False, True
     bbt = k_mat + l_mat * g[None, :] + g[:, None] * l_mat + g[:, None] * ww * g[None, :]
     o_mat = (a_matrix @ bbt @ a_matrix.T) / np.outer(sqrt_e1, sqrt_e1)
+    transform, gram_schmidt = _orthogonalizing_transform(o_mat, sqrt_e1)
+    if transform is None:
+        return a_matrix, gram_schmidt, False
+    return transform @ a_matrix, False, False
+
+
+def _orthogonalizing_transform(o_mat, sqrt_e1):
+    """Kaldi's ReorthogonalizeRt1 on ``O = E'^{-1/2} W' W'^T E'^{-1/2}``:
+    ``(None, False)`` when O is the unit matrix within the tolerance,
+    ``(E'^{1/2} C^{-1} E'^{-1/2}, False)`` to multiply W' by (O = C C^T), or
+    ``(None, True)`` when Gram-Schmidt must run instead."""
+    r = sqrt_e1.size
     if np.max(np.abs(np.tril(o_mat - np.eye(r)))) <= ORTHOGONALITY_TOLERANCE:
-        return a_matrix, False
+        return None, False
     c_inv = _cholesky_inverse(o_mat)
     if c_inv is None:
-        return a_matrix, True
+        return None, True
     # W' <- E'^{1/2} C^{-1} E'^{-1/2} W'
-    return (sqrt_e1[:, None] * c_inv / sqrt_e1[None, :]) @ a_matrix, False
+    return sqrt_e1[:, None] * c_inv / sqrt_e1[None, :], False
 
 
 def _cholesky_inverse(o_mat: np.ndarray):
@@ -546,7 +584,8 @@ class OnlineNaturalGradient(Preconditioner):
             self.dropped_updates += 1
             return None
         return gram, x_sq, self._d, self._rho, dict(
-            num_rows=num_rows, dim=dim, eta=self.eta(num_rows), alpha=self.alpha,
+            num_rows=num_rows, dim=dim, eta=self.eta(num_rows),
+            rounding=float(np.finfo(self._wj.dtype).eps), alpha=self.alpha,
             epsilon=self.epsilon, delta=self.delta)
 
     def _apply_plan(self, plan: _UpdatePlan) -> None:
@@ -565,12 +604,34 @@ class OnlineNaturalGradient(Preconditioner):
             # captured CUDA graph of later calls keeps using.
             self._wj[:rank] = w_new
             w_new = self._wj[:rank]
+        if plan.check:
+            self._check_orthogonal(plan, w_new)
         if plan.gram_schmidt:
             r_new = _gram_schmidt_rows(backend.to_host(w_new))
             w_new[...] = backend.to_device((np.sqrt(plan.e)[:, None] * r_new).astype(dtype), xp)
         if xp is np:
             self._wj, self._wj_next = self._wj_next, self._wj
         self._d, self._rho = plan.d, plan.rho
+
+    def _check_orthogonal(self, plan: _UpdatePlan, w_new) -> None:
+        """Kaldi's reorthogonalisation check on the computed W': transform W' in
+        place, or mark the plan for Gram-Schmidt.  It waits for the GEMM of
+        W' W'^T, as an initialisation pass waits for its Gram matrix; in
+        practice it runs only in the first few updates after a (re)start."""
+        rank = self._rank
+        # the Gram matrix was read already: its first r*r cells are free
+        o_dev = self._gram.reshape(-1)[:rank * rank].reshape(rank, rank)
+        backend.gemm(w_new, w_new, o_dev, trans_b=True)
+        sqrt_e1 = np.sqrt(plan.e)
+        o_mat = np.asarray(backend.copy_to_host_async(o_dev).result(), dtype=np.float64) \
+            / np.outer(sqrt_e1, sqrt_e1)
+        transform, plan.gram_schmidt = _orthogonalizing_transform(o_mat, sqrt_e1)
+        if transform is not None:
+            xp = backend.get_array_module(w_new)
+            scratch = self._wj_next[rank:]          # not W' (rows :rank of one buffer)
+            small = backend.to_device(transform.astype(w_new.dtype), xp)
+            backend.gemm(small, w_new, scratch)
+            w_new[...] = scratch
 
     def static_call_ahead(self) -> bool:
         """Whether the next call only runs fixed device work (no update to start or
@@ -623,6 +684,7 @@ class JointFisherUpdates:
                 num_rows=np.array([args[4]["num_rows"] for _, args in taken]),
                 dim=np.array([args[4]["dim"] for _, args in taken]),
                 eta=np.array([args[4]["eta"] for _, args in taken]),
+                rounding=np.array([args[4]["rounding"] for _, args in taken]),
                 alpha=alpha, epsilon=epsilon, delta=delta)
             for (member, _args), plan in zip(taken, plans):
                 member._apply_plan(plan)

@@ -605,6 +605,44 @@ def test_folded_cholesky_equals_transform_of_the_computed_w(monkeypatch):
     assert state_of(folded)[0] == pytest.approx(expected, abs=1e-12)
 
 
+@pytest.mark.parametrize("device", ["host", "standin"])
+@pytest.mark.parametrize("seed", [1, 3, 6])
+def test_first_update_on_data_of_rank_below_r_keeps_rows_orthonormal(seed, device):
+    """From the epsilon state, float32 data of rank r - 1: B = J + g W nearly
+    cancels under A, so the folded check from the float32 Gram matrix saw an
+    orthonormal W' while a row of W' had vanished (|R R^T - I| = 1, kept for
+    many calls).  Such a plan is checked on the computed W', as Kaldi does."""
+    import contextlib
+    from mpitrain.testing import standin_cupy
+    rng = np.random.default_rng(seed)
+    dim, rank, n = 101, 20, 512
+    basis = rng.standard_normal((rank - 1, dim))
+    X = (rng.standard_normal((n, rank - 1)) @ basis).astype(np.float32)
+    context = standin_cupy.installed() if device == "standin" else contextlib.nullcontext(np)
+    with context as xp:
+        prec = OnlineNaturalGradient(rank=rank, update_period=4)
+        prec.precondition(backend.to_device(X, xp))
+        check_invariants(prec, dim)
+        later = (rng.standard_normal((n, rank - 1)) @ basis).astype(np.float32)
+        prec.precondition(backend.to_device(later, xp))
+        check_invariants(prec, dim)
+
+
+def test_one_row_minibatches_match_dense_reference():
+    """N = 1 <= r: the first update from the epsilon state is as ill-conditioned
+    as it gets (c_1 / c_r ~ 1e20); in float64 it must still follow the dense form."""
+    rng = np.random.default_rng(25)
+    dim, rank = 41, 20
+    fast = OnlineNaturalGradient(rank=rank, update_period=1)
+    ref = DenseReference(rank)
+    for _ in range(40):
+        X = rng.standard_normal((1, dim))
+        Y, g = fast.precondition(X.copy())
+        Yr, gr = ref.call(X)
+        assert np.linalg.norm(g * Y - gr * Yr) <= 1e-6 * np.linalg.norm(X)
+        check_invariants(fast, dim)
+
+
 def test_float32_long_run_keeps_invariants():
     rng = np.random.default_rng(23)
     dim = 201
@@ -791,13 +829,16 @@ def test_stacked_plans_equal_one_at_a_time(monkeypatch, threshold):
         np.stack([i[2] for i in inputs]), np.array([i[3] for i in inputs]),
         num_rows=np.array([i[4]["num_rows"] for i in inputs]),
         dim=np.array([i[4]["dim"] for i in inputs]),
-        eta=np.array([i[4]["eta"] for i in inputs]), alpha=ALPHA, epsilon=EPS, delta=DELTA)
+        eta=np.array([i[4]["eta"] for i in inputs]),
+        rounding=np.array([i[4]["rounding"] for i in inputs]), alpha=ALPHA, epsilon=EPS,
+        delta=DELTA)
     for (gram, x_sq, d, rho, options), plan in zip(inputs, stacked):
         alone = real(gram, x_sq, d, rho, **options)
         np.testing.assert_allclose(plan.a_matrix, alone.a_matrix, rtol=1e-12, atol=1e-300)
         for field in ("g", "d", "e"):
             assert np.array_equal(getattr(plan, field), getattr(alone, field))
         assert plan.rho == alone.rho and plan.gram_schmidt == alone.gram_schmidt
+        assert plan.check == alone.check
     assert (len(reorthogonalised) > 0) == (threshold == 0.0)
 
 
