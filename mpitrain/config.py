@@ -65,7 +65,7 @@ class NgsgdConfig:
     rank_in: int = _opt(20, min=1, help="rank of the input-side Fisher estimate (capped at (in+1)/2)")
     rank_out: int = _opt(80, min=1, help="rank of the output-side Fisher estimate (capped at (out+1)/2)")
     update_period: int = _opt(4, min=1, help="minibatches between Fisher updates (after the first 10)")
-    num_samples_history: float = _opt(2000.0, min=0.0, min_exclusive=True, help="frames of memory of the Fisher estimate")
+    num_samples_history: float = _opt(2000.0, min=0.0, min_exclusive=True, max=1.0e6, help="frames of memory of the Fisher estimate")
     alpha: float = _opt(4.0, min=0.0, help="smoothing of the Fisher estimate towards the identity")
     reset_on_average: bool = _opt(True, help="fresh preconditioner state after each model "
                                              "average, as each Kaldi job starts fresh")
@@ -397,6 +397,10 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
         which = "asynchronous" if par.asynchronous else "delay_by_one"
         raise ConfigError(f"{where}parallel.{which}: hierarchical ADPSGD mixes lock-step "
                           f"without delay; set parallel.{which}: false")
+    ng = cfg.optimizer.ngsgd
+    if cfg.optimizer.name == "ngsgd" and ng.variant == "simple" and not ng.alpha > 0:
+        raise ConfigError(f"{where}optimizer.ngsgd.alpha: the simple variant needs alpha > 0 "
+                          f"(its smoothing is what makes the scatter invertible), got {ng.alpha}")
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
         raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
                           "set data.dev")

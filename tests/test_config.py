@@ -153,3 +153,16 @@ def test_a_text_setting_given_with_set_is_taken_as_typed():
     assert cfg.data.train == "corpus #1/train"       # YAML would have cut it at ' #'
     assert cfg.data.dev == "k: v/dev"                 # and refused ': '
     assert cfg.optimizer.name == "ngsgd" and cfg.training.epochs == 2.0
+
+
+def test_ngsgd_settings_the_preconditioners_refuse_name_the_key(tmp_path):
+    """Values the natural-gradient preconditioners would refuse at run time (Kaldi's
+    asserts) are refused here, naming the file and the key."""
+    msg = _error(tmp_path, "optimizer:\n  name: ngsgd\n  ngsgd:\n    num_samples_history: 2e6\n")
+    assert "optimizer.ngsgd.num_samples_history: expected a number in (0, 1e+06]" in msg
+    msg = _error(tmp_path, "optimizer:\n  name: ngsgd\n  ngsgd:\n    variant: simple\n"
+                           "    alpha: 0\n")
+    assert "optimizer.ngsgd.alpha: the simple variant needs alpha > 0" in msg
+    path = tmp_path / "ok.yaml"
+    path.write_text("optimizer:\n  name: ngsgd\n  ngsgd:\n    alpha: 0\n")
+    assert load_config(str(path)).optimizer.ngsgd.alpha == 0.0   # online: alpha >= 0
