@@ -448,6 +448,10 @@ class OnlineNaturalGradient(Preconditioner):
                              f"d {d.shape}, rank {rank}")
         if not (np.all(d > 0) and float(state["rho"]) > 0):
             raise ValueError("OnlineNaturalGradient state: fields 'd' and 'rho' must be > 0")
+        if not (np.all(np.isfinite(w)) and np.all(np.isfinite(d))
+                and math.isfinite(float(state["rho"]))):
+            raise ValueError("OnlineNaturalGradient state: fields 'W', 'd' and 'rho' must be "
+                             "finite")
         self._rank = rank
         self._d = d.copy()
         self._rho = float(state["rho"])

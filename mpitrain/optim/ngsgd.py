@@ -10,6 +10,8 @@ works unchanged: each rank preconditions its own rows.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .natural_gradient import JointFisherUpdates, OnlineNaturalGradient, SimpleNaturalGradient
 from .sgd import SGD
 
@@ -33,6 +35,7 @@ class NaturalGradientSGD(SGD):
             raise ValueError(f"variant must be 'online' or 'simple', got {variant!r}")
         self.variant = variant
         self.preconditioners = {}
+        self._dims = {}             # the number of columns each preconditioner sees
         for i, layer in enumerate(net.affine_layers()):
             if variant == "online":
                 # Kaldi's caps: at most half the dimension (the input side has I + 1 columns)
@@ -47,6 +50,8 @@ class NaturalGradientSGD(SGD):
             layer.set_preconditioners(p_in, p_out)
             self.preconditioners[f"layer{i}_in"] = p_in
             self.preconditioners[f"layer{i}_out"] = p_out
+            self._dims[f"layer{i}_in"], self._dims[f"layer{i}_out"] = \
+                layer.in_dim + 1, layer.out_dim
         # every side updates in the same minibatches: their host parts run together
         self.joint_updates = JointFisherUpdates(self.preconditioners.values())
 
@@ -87,4 +92,8 @@ class NaturalGradientSGD(SGD):
         for key, p in self.preconditioners.items():
             if key not in saved:
                 raise ValueError(f"optimizer state has no preconditioner '{key}'")
+            w = np.asarray(saved[key].get("W", np.zeros((0, 0))))
+            if w.size and (w.ndim != 2 or w.shape[1] != self._dims[key]):
+                raise ValueError(f"optimizer state: preconditioner '{key}' has W of shape "
+                                 f"{w.shape}; its layer gives rows of {self._dims[key]} columns")
             p.load_state_dict(saved[key])

@@ -522,6 +522,11 @@ def test_load_state_dict_rejects_bad_fields():
         prec.load_state_dict({k: v for k, v in state.items() if k != "rho"})
     with pytest.raises(ValueError, match="'W'"):
         prec.load_state_dict(dict(state, d=np.ones(5)))
+    # a damaged checkpoint: NaN in W (or an infinite rho) made every output NaN
+    with pytest.raises(ValueError, match="must be finite"):
+        prec.load_state_dict(dict(state, W=np.full_like(state["W"], np.nan)))
+    with pytest.raises(ValueError, match="must be finite"):
+        prec.load_state_dict(dict(state, rho=np.inf))
 
 
 def test_reset_forgets_everything():
