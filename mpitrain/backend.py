@@ -235,6 +235,24 @@ def precision() -> str:
     return _precision
 
 
+# machine epsilon of the products' tensor-core math (TF32: 10-bit mantissa)
+_PRECISION_EPSILON = {"tf32": 2.0 ** -10, "bf16": 2.0 ** -7}
+
+
+def gemm_epsilon(array) -> float:
+    """The machine epsilon of matrix products on ``array``'s device and dtype: the
+    dtype's, or coarser when the GPU's products use tensor-core math (``precision``).
+
+    Example::
+
+        gemm_epsilon(np.ones(2, np.float32))   # 1.19e-07
+    """
+    eps = float(np.finfo(array.dtype).eps)
+    if is_gpu_array(array) and array.dtype == np.float32:
+        eps = max(eps, _PRECISION_EPSILON.get(_precision, 0.0))
+    return eps
+
+
 _compiled = {}
 
 

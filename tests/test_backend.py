@@ -68,3 +68,18 @@ def test_gpu_device_selection_by_local_rank(cp):
     backend.select("gpu", local_rank=count + 1)
     assert cp.cuda.Device().id == 1 % count
     backend.select("gpu", local_rank=0)
+
+
+def test_gemm_epsilon_follows_dtype_and_device_precision():
+    from mpitrain.testing import standin_cupy
+    assert backend.gemm_epsilon(np.ones(2, np.float32)) == np.finfo(np.float32).eps
+    assert backend.gemm_epsilon(np.ones(2, np.float64)) == np.finfo(np.float64).eps
+    with standin_cupy.installed() as xp:
+        x = xp.ones(2, dtype=np.float32)
+        assert backend.gemm_epsilon(x) == np.finfo(np.float32).eps
+        backend.set_precision(xp, "tf32")
+        try:
+            assert backend.gemm_epsilon(x) == 2.0 ** -10
+            assert backend.gemm_epsilon(np.ones(2, np.float32)) == np.finfo(np.float32).eps
+        finally:
+            backend.set_precision(xp, "fp32")

@@ -205,7 +205,7 @@ def _plan_updates(gram, x_sq, d, rho, *, num_rows, dim, eta, rounding, alpha: fl
 
     Stacked: ``gram`` (k, 2r, 2r), ``d`` (k, r), and ``x_sq``, ``rho``,
     ``num_rows``, ``dim``, ``eta`` (k,); ``rounding`` (k,) is the machine
-    epsilon of the dtype the Gram matrix was computed in.  Each ``gram`` is
+    epsilon of the product that gave the Gram matrix (``backend.gemm_epsilon``).  Each ``gram`` is
     the Gram matrix of [W; J]: it holds W W^T, L = W J^T (= H^T H) and
     K = J J^T.  The new W is ``A (J + diag(g) W)`` with the returned A and g.
     When a reorthogonalisation is due, its lower-triangular transform is
@@ -589,7 +589,7 @@ class OnlineNaturalGradient(Preconditioner):
             return None
         return gram, x_sq, self._d, self._rho, dict(
             num_rows=num_rows, dim=dim, eta=self.eta(num_rows),
-            rounding=float(np.finfo(self._wj.dtype).eps), alpha=self.alpha,
+            rounding=backend.gemm_epsilon(self._wj), alpha=self.alpha,
             epsilon=self.epsilon, delta=self.delta)
 
     def _apply_plan(self, plan: _UpdatePlan) -> None:
