@@ -719,7 +719,8 @@ class SimpleNaturalGradient(Preconditioner):
         xp = backend.get_array_module(X)
         num_rows, dim = X.shape
         x_sq = float(kernels.sqnorm(X))
-        if num_rows == 1 or x_sq == 0.0:
+        if num_rows == 1 or x_sq == 0.0 or not math.isfinite(x_sq):
+            # non-finite rows go back as they are: the optimizer skips that step
             return X, 1.0
         lam = self.alpha * max(x_sq, 1e-20) / (num_rows * dim)
         if num_rows >= dim:

@@ -693,6 +693,16 @@ def test_simple_matches_direct_leave_one_out(n, dim):
     assert Xhat == pytest.approx(direct, rel=1e-9, abs=1e-12)
 
 
+def test_simple_passes_non_finite_rows_through():
+    """A NaN or infinite minibatch (which SGD skips and counts) stopped the run
+    with FloatingPointError in the leave-one-out check."""
+    for bad in (np.nan, np.inf):
+        X = np.ones((8, 5), np.float32)
+        X[2, 3] = bad
+        Xhat, gamma = SimpleNaturalGradient().precondition(X)
+        assert gamma == 1.0 and not np.all(np.isfinite(Xhat))
+
+
 def test_simple_edge_cases():
     prec = SimpleNaturalGradient()
     zero = np.zeros((4, 3))
