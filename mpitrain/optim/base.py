@@ -28,6 +28,9 @@ class Optimizer(ABC):
     """Base class of every optimizer (see the module docstring)."""
 
     name = "optimizer"
+    #: the parallel method's scale on an L2 term (1/J where J jobs' models are
+    #: averaged at J times the rate), set by :meth:`set_l2_factor`
+    l2_factor = 1.0
 
     @abstractmethod
     def step(self, lr) -> None:
@@ -59,6 +62,10 @@ class Optimizer(ABC):
 
     def after_average(self) -> None:
         """Called right after the ranks' models were averaged."""
+
+    def set_l2_factor(self, factor: float) -> None:
+        """Scale the L2 term (if any) by ``factor`` from the next step on."""
+        self.l2_factor = float(factor)
 
 
 class ReplayableOptimizer(Optimizer):

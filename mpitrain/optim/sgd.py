@@ -21,7 +21,9 @@ frames gains ``2 l2_c B w_c`` before everything above (after the natural
 gradient, which preconditions only the data term, and before max-change, as
 in Kaldi).  The rate then shrinks the weights by ``2 lr l2_c B`` per step.
 Strategies average gradients or models, so the term is counted once however
-many ranks there are.
+many ranks there are; where a method trains at J times the rate (Kaldi's
+averaging of J jobs) it scales the term by 1/J (``set_l2_factor``), as
+Kaldi's ``l2_regularize_factor`` does.
 """
 
 from __future__ import annotations
@@ -158,11 +160,13 @@ class SGD(ReplayableOptimizer):
             self.delta *= self.momentum
 
     def _add_l2_gradient(self) -> None:
-        """g_c += 2 l2_c B w_c, without temporaries (a captured graph may replay it)."""
+        """g_c += 2 l2_c B w_c (times :attr:`l2_factor`), without temporaries (a
+        captured graph may replay it; it is captured anew when the factor changes)."""
         params, grads, scratch, xp = self.net.params, self.net.grads, self._l2_scratch, \
             self.net.xp
         for sl, coefficient in self.l2_terms:
-            xp.multiply(params[sl], params.dtype.type(coefficient), out=scratch[sl])
+            xp.multiply(params[sl], params.dtype.type(coefficient * self.l2_factor),
+                        out=scratch[sl])
             grads[sl] += scratch[sl]
 
     def _block_norms(self, delta):

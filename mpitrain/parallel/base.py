@@ -18,7 +18,8 @@ class Strategy:
       when resuming instead ``bind(net)``, ``load_state_dict(state)`` and
       ``resume(net)`` (which sets the parameters training continues from).
     - ``is_active(step)``: whether this rank trains at 0-based ``step``.
-    - ``learning_rate(lr, step)``: the rate to use, given the schedule's.
+    - ``learning_rate(lr, step)``: the rate to use, given the schedule's;
+      ``l2_factor(step)``: what the L2 term is scaled by at that rate.
     - ``reduce_gradients(net)``: after backward, before the optimizer step.
     - ``after_update(net, optimizer, step)``: after ``step`` steps (periodic averaging).
     - ``finalize(net, optimizer, step)``: at the end; all ranks agree on the model.
@@ -64,6 +65,9 @@ class Strategy:
 
     def learning_rate(self, lr: float, step: int = 0) -> float:
         return lr
+
+    def l2_factor(self, step: int = 0) -> float:
+        return 1.0
 
     def reduce_gradients(self, net) -> None:
         pass

@@ -9,7 +9,9 @@ model at J_i times the scheduled rate; then their models are averaged::
     J_i = round(J_0 + (J_final - J_0) i / I)   (in multiples of jobs_step past it)
 
 Averaging J independently updated models divides each job's step by J, hence
-the rate J_i lr.  Idle ranks (rank >= J_i) skip their training steps and take
+the rate J_i lr; the L2 term is scaled by 1/J_i (Kaldi's
+``l2_regularize_factor``), so that the weights shrink as much per iteration
+as at the rate lr, however many jobs average.  Idle ranks (rank >= J_i) skip their training steps and take
 part in the average with a zero contribution, so each iteration needs one
 Allreduce whatever J_i is, and no communicator has to be split.
 
@@ -83,6 +85,9 @@ class KaldiAveraging(Strategy):
 
     def learning_rate(self, lr: float, step: int = 0) -> float:
         return lr * self.num_jobs(step)
+
+    def l2_factor(self, step: int = 0) -> float:
+        return 1.0 / self.num_jobs(step)
 
     def after_update(self, net, optimizer, step: int) -> None:
         if step % self.every_steps == 0:

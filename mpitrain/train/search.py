@@ -37,6 +37,9 @@ class _Alone:
     def learning_rate(self, lr: float, step: int = 0) -> float:
         return lr
 
+    def l2_factor(self, step: int = 0) -> float:
+        return 1.0
+
     def is_active(self, step: int) -> bool:
         return True
 

@@ -62,6 +62,7 @@ class TrainingStep:
         rate the strategy used (it may scale it)."""
         net, strategy = self.net, self.strategy
         lr = strategy.learning_rate(lr, step)
+        self.optimizer.set_l2_factor(strategy.l2_factor(step))
         if strategy.is_active(step):
             # parallel.straggler: a rank made slow on purpose sleeps after its step
             slow = strategy.straggler
@@ -174,6 +175,7 @@ class _StepGraph:
         optimizer.load_learning_rate(lr)
         key = tuple((a.data.ptr, a.shape) for a in
                     (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end))
+        key += (optimizer.l2_factor,)      # the L2 coefficient is in the graph
         if self.graph is not None and key == self.key:
             self.graph.launch()
             optimizer.count_replayed_step()

@@ -101,3 +101,44 @@ def test_l2_needs_the_minibatch_and_a_non_negative_value():
         SGD(net, l2_regularize=1e-4)
     with pytest.raises(ValueError, match=">= 0"):
         SGD(net, l2_regularize=-1e-4, minibatch=B)
+
+
+def test_kaldi_jobs_at_j_times_the_rate_shrink_the_weights_as_one_model_at_the_rate():
+    """Kaldi averages J jobs trained at J lr and scales the L2 term by 1/J
+    (l2_regularize_factor): per step the weights shrink by 2 lr l2 B, not J times that."""
+    from types import SimpleNamespace
+    from mpitrain.parallel.kaldi_averaging import KaldiAveraging
+    strategy = KaldiAveraging(SimpleNamespace(rank=0, size=4), every_steps=2, total_steps=8,
+                              jobs_initial=1, jobs_final=4)
+    assert [strategy.num_jobs(s) for s in range(8)] == [1, 1, 2, 2, 3, 3, 3, 3]
+    net = _net(np)
+    opt = SGD(net, max_change_per_layer=0, max_change_output=0, max_change=0,
+              l2_regularize=1e-3, l2_regularize_output=1e-3, minibatch=B)
+    before = net.params.copy()
+    for step in range(8):
+        net.grads[...] = 0            # no data term: only the L2 shrink
+        opt.set_l2_factor(strategy.l2_factor(step))
+        opt.step(strategy.learning_rate(0.1, step))
+    assert opt.l2_factor == pytest.approx(1 / 3)
+    np.testing.assert_allclose(net.params, before * (1 - 2 * 0.1 * 1e-3 * B) ** 8, rtol=1e-5)
+
+
+def test_the_training_step_hands_the_strategys_l2_factor_to_the_optimizer():
+    from mpitrain.comm.single import SingleCommunicator
+    from mpitrain.parallel.base import Strategy
+    from mpitrain.train.step import TrainingStep
+
+    class ThreeJobs(Strategy):
+        def l2_factor(self, step=0):
+            return 1 / 3
+    net = _net(np)
+    opt = SGD(net, l2_regularize=1e-3, minibatch=B)
+    step = TrainingStep(net, opt, ThreeJobs(SingleCommunicator()), minibatch=B,
+                        left_context=1, right_context=1)
+
+    class Chunk:
+        feats = np.random.default_rng(0).normal(size=(64, 5)).astype(np.float32)
+        labels = np.zeros(64, dtype=np.int32)
+        utt_start, utt_end = np.zeros(64, dtype=np.int64), np.full(64, 64, dtype=np.int64)
+    step.run(0, 0.01, lambda: (Chunk, np.arange(B)))
+    assert opt.l2_factor == pytest.approx(1 / 3)
