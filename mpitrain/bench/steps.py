@@ -104,7 +104,9 @@ class TrainerSteps:
 
     def learning_rate(self) -> float:
         """The schedule's rate for the next step (before the strategy scales it)."""
-        return self.schedule(self.step_count / self.planned_steps)
+        fraction = self.strategy.data_fraction(self.step_count)      # as Trainer.progress
+        return self.schedule(self.step_count / self.planned_steps if fraction is None
+                             else fraction)
 
     def next_batch(self):
         """The next minibatch: ``(chunk, frame indices)``, walking the shuffled order."""

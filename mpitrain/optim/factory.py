@@ -31,9 +31,11 @@ def build_optimizer(opt_cfg, net, *, minibatch: int = 0):
                               reset_on_average=ng.reset_on_average, **options)
 
 
-def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int):
+def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int, progress=None):
     """The schedule of ``optimizer.schedule``; ``frames_per_step``: frames one step
-    trains over all ranks (search cuts its chunks by it).
+    trains over all ranks (search cuts its chunks by it); ``progress``: step -> the
+    fraction of the planned data trained before it, for ``exponential`` (default
+    step / planned_steps).
 
     Example::
 
@@ -44,7 +46,7 @@ def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int):
     name, initial = opt_cfg.schedule, opt_cfg.initial_learning_rate
     if name == "exponential":
         return PlannedExponential(initial, opt_cfg.final_learning_rate,
-                                  planned_steps=planned_steps)
+                                  planned_steps=planned_steps, progress=progress)
     if name == "hand":
         return HandSchedule(initial, factor=opt_cfg.hand_factor)
     if name == "adapt":

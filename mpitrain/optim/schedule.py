@@ -99,15 +99,22 @@ class PlannedExponential(Schedule):
     Example::
 
         PlannedExponential(0.004, 0.0004, planned_steps=1000).rate(500)   # ~0.00126
+
+    ``progress`` (step -> fraction of the planned training data trained before it)
+    replaces step / planned_steps where the data per step varies (Kaldi's job ramp).
     """
 
     name = "exponential"
 
-    def __init__(self, initial: float, final: float, *, planned_steps: int):
+    def __init__(self, initial: float, final: float, *, planned_steps: int, progress=None):
         self.curve = ExponentialSchedule(initial, final)
         self.planned_steps = max(int(planned_steps), 1)
+        # step -> the fraction of the planned data trained before it (None: step / planned)
+        self.progress = progress
 
     def rate(self, step: int) -> float:
+        if self.progress is not None:
+            return self.curve(self.progress(step))
         return self.curve(step / self.planned_steps)
 
 

@@ -20,6 +20,8 @@ class Strategy:
     - ``is_active(step)``: whether this rank trains at 0-based ``step``.
     - ``learning_rate(lr, step)``: the rate to use, given the schedule's;
       ``l2_factor(step)``: what the L2 term is scaled by at that rate.
+    - ``data_fraction(step)``: how far through the planned data the run is, when
+      that is not in proportion to the steps (None: it is).
     - ``reduce_gradients(net)``: after backward, before the optimizer step.
     - ``after_update(net, optimizer, step)``: after ``step`` steps (periodic averaging).
     - ``finalize(net, optimizer, step)``: at the end; all ranks agree on the model.
@@ -68,6 +70,12 @@ class Strategy:
 
     def l2_factor(self, step: int = 0) -> float:
         return 1.0
+
+    def data_fraction(self, step: int):
+        """The fraction of the planned run's minibatches (all ranks together) trained
+        before 0-based ``step``, where it is not ``step / planned steps`` (ranks sitting
+        steps out by plan); else None.  Schedules over the planned data follow it."""
+        return None
 
     def reduce_gradients(self, net) -> None:
         pass

@@ -11,7 +11,9 @@ model at J_i times the scheduled rate; then their models are averaged::
 Averaging J independently updated models divides each job's step by J, hence
 the rate J_i lr; the L2 term is scaled by 1/J_i (Kaldi's
 ``l2_regularize_factor``), so that the weights shrink as much per iteration
-as at the rate lr, however many jobs average.  Idle ranks (rank >= J_i) skip their training steps and take
+as at the rate lr, however many jobs average.  The schedule's lr decays over
+the data processed, as Kaldi's (:meth:`KaldiAveraging.data_fraction`), not
+over the steps.  Idle ranks (rank >= J_i) skip their training steps and take
 part in the average with a zero contribution, so each iteration needs one
 Allreduce whatever J_i is, and no communicator has to be split.
 
@@ -66,9 +68,28 @@ class KaldiAveraging(Strategy):
         if not 1 <= initial <= comm.size or not 1 <= final <= comm.size:
             raise ValueError(f"parallel.num_jobs_initial/final must be in [1, {comm.size}] "
                              f"(the number of ranks), got {initial} and {final}")
-        num_iters = max(1, -(-int(total_steps) // self.every_steps))
+        self.total_steps = max(1, int(total_steps))
+        num_iters = -(-self.total_steps // self.every_steps)
         self.jobs = jobs_schedule(num_iters, initial, final, jobs_step)
         self.sync_period = self.every_steps
+        # job-minibatches trained before each iteration, and in the whole plan
+        self._before = [0]
+        for i, jobs in enumerate(self.jobs):
+            self._before.append(self._before[-1] + jobs * self._length(i))
+
+    def _length(self, iteration: int) -> int:
+        """Steps of ``iteration`` (the last one may be short)."""
+        start = iteration * self.every_steps
+        return min(self.every_steps, self.total_steps - start)
+
+    def data_fraction(self, step: int) -> float:
+        """Job-minibatches trained before 0-based ``step`` over those of the plan:
+        Kaldi's learning rate (and dropout) schedule runs over the data processed,
+        num_archives_processed / num_archives_to_process, which a ramp makes grow
+        slower than the steps at first.  Without a ramp exactly step / total_steps."""
+        i = self._iteration(step)
+        done = self._before[i] + self.jobs[i] * (step - i * self.every_steps)
+        return done / self._before[-1]
 
     def _iteration(self, step: int) -> int:
         return min(step // self.every_steps, len(self.jobs) - 1)

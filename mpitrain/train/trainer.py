@@ -121,13 +121,14 @@ class Trainer(CheckpointResume):
         self.dev_manifest = load_manifest(cfg.data.dev) if cfg.data.dev else None
         self._build_model()
         self._build_data()
-        self.schedule = build_schedule(cfg.optimizer, planned_steps=self.planned_steps,
-                                       frames_per_step=cfg.training.minibatch * comm.size)
-        self._trials = None       # optimizer.schedule: search, built at the first search
         try:
             self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
         except ValueError as exc:        # from the settings and the rank count: every rank's
             raise TrainingError(str(exc), agreed=True) from None
+        self.schedule = build_schedule(cfg.optimizer, planned_steps=self.planned_steps,
+                                       frames_per_step=cfg.training.minibatch * comm.size,
+                                       progress=self.progress)
+        self._trials = None       # optimizer.schedule: search, built at the first search
         self.step = 0
         self.frames_seen = 0      # summed over all ranks
         t = cfg.training
@@ -437,12 +438,20 @@ class Trainer(CheckpointResume):
                 self._say(f"cuda_graph: not used: {why}")
         return step
 
+    def progress(self, step: int) -> float:
+        """The fraction of the planned training data trained before 0-based ``step``:
+        step / planned steps, unless the strategy's ranks sit steps out by plan (Kaldi's
+        job ramp).  The exponential rate and the dropout schedule run over it, as
+        Kaldi's over the archives processed."""
+        fraction = self.strategy.data_fraction(step)
+        return step / self.planned_steps if fraction is None else fraction
+
     def dropout_at(self, step: int) -> float:
         """model.dropout's proportion at 0-based ``step`` (its schedule runs over the
-        planned steps, as Kaldi's over the data)."""
+        planned data, as Kaldi's)."""
         if self.dropout_schedule is None:
             return 0.0
-        return self.dropout_schedule.proportion(step / self.planned_steps)
+        return self.dropout_schedule.proportion(self.progress(step))
 
     def run(self) -> dict:
         cfg, xp, net, comm = self.cfg, self.xp, self.net, self.comm

@@ -1,0 +1,71 @@
+"""Kaldi-style averaging (parallel/kaldi_averaging.py): the learning rate decays over
+the data processed, as Kaldi's train_dnn.py does, not over the iterations.
+
+Kaldi's effective rate at an iteration is
+eff_0 (eff_F / eff_0) ** (num_archives_processed / num_archives_to_process), and
+each iteration processes J_i archives; so with a job ramp the data fraction
+grows slower than the steps at first.  Without a ramp the two are the same.
+"""
+
+import json
+import math
+import os
+
+from mpitrain.comm.virtual import VirtualCluster
+from mpitrain.config import load_config
+from mpitrain.parallel.kaldi_averaging import KaldiAveraging
+from mpitrain.train.virtual import ComputeModel, train_virtual
+
+from ..helpers import QUICKSTART, small_overrides
+
+
+def _strategies(size, **kwargs):
+    return VirtualCluster(size).run(lambda comm: KaldiAveraging(comm, **kwargs))
+
+
+def test_data_fraction_counts_each_iterations_jobs():
+    kaldi = _strategies(4, every_steps=5, total_steps=18, jobs_initial=1, jobs_final=4)[0]
+    assert kaldi.jobs == [1, 2, 3, 3]            # iterations of 5, 5, 5 and 3 steps
+    total = 1 * 5 + 2 * 5 + 3 * 5 + 3 * 3
+    assert kaldi.data_fraction(0) == 0.0
+    assert kaldi.data_fraction(3) == 3 / total
+    assert kaldi.data_fraction(5) == 5 / total
+    assert kaldi.data_fraction(7) == (5 + 2 * 2) / total
+    assert kaldi.data_fraction(15) == (5 + 10 + 15) / total
+    assert kaldi.data_fraction(18) == 1.0
+    # behind the steps while few jobs train
+    assert kaldi.data_fraction(9) < 9 / 18
+
+
+def test_without_a_ramp_the_fraction_is_the_steps_exactly():
+    for kaldi in _strategies(3, every_steps=4, total_steps=30):
+        assert kaldi.jobs == [3] * 8
+        assert all(kaldi.data_fraction(s) == s / 30 for s in range(31))
+
+
+def test_a_ramped_runs_rate_decays_over_the_data_processed(small_corpus, tmp_path):
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "parallel.method=kaldi",
+        "parallel.average_every=2", "parallel.num_jobs_initial=1", "training.epochs=1",
+        "training.log_interval=1", "training.eval_interval=0",
+        "training.checkpoint_interval=0", "optimizer.initial_learning_rate=0.004",
+        "optimizer.final_learning_rate=0.0004"])
+    run_dir = str(tmp_path / "run")
+    train_virtual(cfg, size=4, run_dir=run_dir, compute=ComputeModel(step_seconds=0.001))
+    with open(os.path.join(run_dir, "metrics.jsonl")) as fh:
+        records = [json.loads(line) for line in fh]
+    planned = next(r for r in records if r["type"] == "start")["planned_steps"]
+    trains = [r for r in records if r["type"] == "train"]
+    assert len(trains) == planned >= 8
+    kaldi = _strategies(4, every_steps=2, total_steps=planned, jobs_initial=1)[0]
+    assert kaldi.jobs[0] == 1 and kaldi.jobs[-1] == 4
+    ramp_visible = False
+    for record in trains:
+        step = record["step"] - 1                 # the 0-based step the record ends
+        jobs = kaldi.jobs[min(step // 2, len(kaldi.jobs) - 1)]
+        fraction = kaldi.data_fraction(step)
+        expected = jobs * 0.004 * math.exp(fraction * math.log(0.1))
+        assert math.isclose(record["lr"], expected, rel_tol=1e-9), (record, expected)
+        by_steps = jobs * 0.004 * math.exp(step / planned * math.log(0.1))
+        ramp_visible |= not math.isclose(record["lr"], by_steps, rel_tol=1e-6)
+    assert ramp_visible
