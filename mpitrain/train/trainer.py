@@ -10,7 +10,6 @@ per frame over all ranks' frames, frames/s summed, the comm fraction averaged.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 
@@ -140,8 +139,7 @@ class Trainer(CheckpointResume):
         rise_end = self.dropout_schedule.last_rise_end if self.dropout_schedule else 0.0
         self.selection = ModelSelection(select_by=t.select_by, patience=t.early_stop.patience,
                                         min_delta=t.early_stop.min_delta,
-                                        patience_from_step=math.ceil(rise_end *
-                                                                     self.planned_steps))
+                                        patience_from_step=self._first_step_at(rise_end))
         if rise_end and t.early_stop.patience:
             self._say(f"early_stop: counts held-out evaluations from step "
                       f"{self.selection.patience_from_step} on, where "
@@ -445,6 +443,18 @@ class Trainer(CheckpointResume):
         Kaldi's over the archives processed."""
         fraction = self.strategy.data_fraction(step)
         return step / self.planned_steps if fraction is None else fraction
+
+    def _first_step_at(self, fraction: float) -> int:
+        """The first step whose :meth:`progress` reaches ``fraction`` (planned steps
+        if none does): ceil(fraction x planned steps) when progress is the steps'."""
+        low, high = 0, self.planned_steps
+        while low < high:               # progress grows with the step
+            middle = (low + high) // 2
+            if self.progress(middle) >= fraction:
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def dropout_at(self, step: int) -> float:
         """model.dropout's proportion at 0-based ``step`` (its schedule runs over the

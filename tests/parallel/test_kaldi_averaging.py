@@ -43,8 +43,11 @@ def test_without_a_ramp_the_fraction_is_the_steps_exactly():
         assert all(kaldi.data_fraction(s) == s / 30 for s in range(31))
 
 
-def test_a_ramped_runs_rate_decays_over_the_data_processed(small_corpus, tmp_path):
+def test_a_ramped_runs_rate_decays_over_the_data_processed(small_corpus, tmp_path, capsys):
+    # the dropout schedule runs over the data too: its rise ends (and early stopping
+    # starts counting) where the data fraction reaches 0.5, past half the steps
     cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.dropout_schedule=0,0.2@0.5,0", "training.early_stop.patience=100",
         "model.hidden_dim=16", "model.hidden_layers=1", "parallel.method=kaldi",
         "parallel.average_every=2", "parallel.num_jobs_initial=1", "training.epochs=1",
         "training.log_interval=1", "training.eval_interval=0",
@@ -69,3 +72,7 @@ def test_a_ramped_runs_rate_decays_over_the_data_processed(small_corpus, tmp_pat
         by_steps = jobs * 0.004 * math.exp(step / planned * math.log(0.1))
         ramp_visible |= not math.isclose(record["lr"], by_steps, rel_tol=1e-6)
     assert ramp_visible
+    rise_end = next(s for s in range(planned + 1) if kaldi.data_fraction(s) >= 0.5)
+    assert rise_end > math.ceil(planned / 2)
+    assert f"early_stop: counts held-out evaluations from step {rise_end} on" \
+        in capsys.readouterr().out
