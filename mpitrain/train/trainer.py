@@ -565,19 +565,21 @@ class Trainer(CheckpointResume):
                 comm.allreduce_(sums, op="sum")
                 elapsed = now - window_start
                 per_step = (now - run_start) / max(self.step - self._start_step, 1)
-                with np.errstate(all="ignore"):       # a NaN window is reported, not warned
-                    xent = sums[0] / sums[2]
                 skipped = int(sums[4])
-                record = {"step": self.step, "epoch": self.stream.epoch,
-                          "frames": self.frames_seen, "seconds": now - run_start,
-                          "xent": float(xent),
-                          "acc": sums[1] / sums[2], "lr": lr,
-                          "frames_per_sec": sums[2] / elapsed,
-                          "comm_fraction": min(1.0, sums[3] / comm.size / elapsed),
-                          "skipped": skipped, "rss_mb": resident_mb(),
-                          # rank 0's own CPU time: steady even when the machine is shared
-                          "cpu_ms_per_step": 1e3 * (time.process_time() - cpu_at_window)
-                          / max(self.step - steps_at_window, 1)}
+                # a NaN window is reported, not warned; so is a window of no time on
+                # a virtual rank that sat its steps out (Kaldi's idle jobs)
+                with np.errstate(all="ignore"):
+                    xent = sums[0] / sums[2]
+                    record = {"step": self.step, "epoch": self.stream.epoch,
+                              "frames": self.frames_seen, "seconds": now - run_start,
+                              "xent": float(xent),
+                              "acc": sums[1] / sums[2], "lr": lr,
+                              "frames_per_sec": sums[2] / elapsed,
+                              "comm_fraction": min(1.0, sums[3] / comm.size / elapsed),
+                              "skipped": skipped, "rss_mb": resident_mb(),
+                              # rank 0's own CPU time: steady even when the machine is shared
+                              "cpu_ms_per_step": 1e3 * (time.process_time() - cpu_at_window)
+                              / max(self.step - steps_at_window, 1)}
                 verdict = self.guard.observe(xent=float(xent), skipped=skipped)
                 self.log.write("train", **record)
                 trouble = ""
