@@ -39,10 +39,16 @@ def bench_methods() -> tuple:
 
 def check_benchable(cfg, methods) -> None:
     """Refuse (ValueError, one line) a config the benchmark cannot run as asked:
-    asynchronous ADPSGD's ranks take no common steps to stop at a target together."""
+    asynchronous ADPSGD's ranks take no common steps to stop at a target together;
+    hierarchical ADPSGD's projection needs ``parallel.ranks_per_node`` (the nodes of
+    the projected sizes are not known from host names)."""
     if cfg.parallel.asynchronous and "adpsgd" in methods:
         raise ValueError("parallel.asynchronous: the benchmark mode runs ADPSGD lock-step; "
                          "set parallel.asynchronous: false")
+    if cfg.parallel.hierarchical and "adpsgd" in methods and not cfg.parallel.ranks_per_node:
+        raise ValueError("parallel.ranks_per_node: the benchmark prices hierarchical "
+                         "ADPSGD's node allreduce at every size, so it needs the ranks per "
+                         "node; set parallel.ranks_per_node")
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,11 @@ by hand.  The model, for N ranks training a model of ``nbytes`` bytes:
       2 (N - 1) / N * nbytes / bandwidth + 2 (N - 1) * latency
 
   seconds, or (ADPSGD, ``exchange="pairwise"``) sends it to one partner and
-  receives the partner's, ``latency + nbytes / bandwidth`` whatever N, with no
-  overlap of computing and communicating and no straggler;
+  receives the partner's, ``latency + nbytes / bandwidth`` whatever N, or
+  (hierarchical ADPSGD, ``exchange="hierarchical"``) allreduces the gradients
+  over the R ranks of a node, swaps the model between two nodes' first ranks
+  (when there are two nodes or more) and broadcasts it on the node, every
+  step; no overlap of computing and communicating and no straggler;
 - throughput speedup at N = N * compute / (compute + allreduce / sync_every);
 - frames needed to reach the target grow as N ** b, with b fitted by least
   squares on log-log axes to the measured sizes and clipped at 0 (more ranks
@@ -40,26 +43,56 @@ from ..comm.netmodel import NetworkModel, ring_allreduce_seconds  # noqa: F401
 
 #: How each method's ranks exchange the buffer (the rest: one allreduce per sync).
 PAIRWISE_METHODS = ("adpsgd",)
+EXCHANGES = ("allreduce", "pairwise", "hierarchical")
+
+
+def exchange_kind(method: str, parallel: dict) -> tuple:
+    """(exchange, ranks per node) of ``method`` run with the ``parallel`` settings (a
+    dict of the config's section): hierarchical ADPSGD's node allreduce, swap and
+    broadcast; ADPSGD's pairwise swap; else one allreduce.
+
+    Example::
+
+        exchange_kind("adpsgd", {"hierarchical": True, "ranks_per_node": 4})
+        # ("hierarchical", 4)
+    """
+    if method not in PAIRWISE_METHODS:
+        return "allreduce", 0
+    if parallel.get("hierarchical"):
+        return "hierarchical", int(parallel.get("ranks_per_node") or 0)
+    return "pairwise", 0
 
 
 def exchange_seconds(ranks: int, nbytes: float, network: NetworkModel,
-                     exchange: str = "allreduce") -> float:
-    """One exchange of the buffer among ``ranks`` ranks: a ring allreduce, or a
-    pairwise swap with one partner (both directions at once).
+                     exchange: str = "allreduce", ranks_per_node: int = 0) -> float:
+    """One exchange of the buffer among ``ranks`` ranks: a ring allreduce, a
+    pairwise swap with one partner (both directions at once), or hierarchical
+    ADPSGD's step (gradient allreduce over a node of ``ranks_per_node`` ranks,
+    a swap between two nodes, the model broadcast on the node).
 
     Example::
 
         exchange_seconds(16, 4e6, NetworkModel(), "pairwise")   # one p2p message's time
+        exchange_seconds(16, 4e6, NetworkModel(), "hierarchical", ranks_per_node=4)
     """
     if exchange == "pairwise":
         return network.p2p_seconds(nbytes) if ranks > 1 else 0.0
+    if exchange == "hierarchical":
+        if ranks_per_node < 1:
+            raise ValueError("parallel.ranks_per_node: the hierarchical exchange's cost "
+                             f"needs the ranks per node (>= 1), got {ranks_per_node}")
+        node = min(ranks_per_node, ranks)
+        swap = network.p2p_seconds(nbytes) if ranks > ranks_per_node else 0.0
+        return network.allreduce_seconds(nbytes, node) + swap \
+            + network.bcast_seconds(nbytes, node)
     if exchange != "allreduce":
-        raise ValueError(f"exchange must be 'allreduce' or 'pairwise', got {exchange!r}")
+        raise ValueError(f"exchange must be one of {', '.join(EXCHANGES)}, got {exchange!r}")
     return network.allreduce_seconds(nbytes, ranks)
 
 
 def step_seconds(ranks: int, *, compute_seconds: float, nbytes: float, sync_every: int,
-                 network: NetworkModel, exchange: str = "allreduce") -> float:
+                 network: NetworkModel, exchange: str = "allreduce",
+                 ranks_per_node: int = 0) -> float:
     """Projected wall time of one step: compute plus the exchange's share.
 
     Example::
@@ -68,11 +101,13 @@ def step_seconds(ranks: int, *, compute_seconds: float, nbytes: float, sync_ever
     """
     if sync_every < 1:
         raise ValueError(f"sync_every must be >= 1, got {sync_every}")
-    return compute_seconds + exchange_seconds(ranks, nbytes, network, exchange) / sync_every
+    return compute_seconds + exchange_seconds(ranks, nbytes, network, exchange,
+                                              ranks_per_node) / sync_every
 
 
 def throughput_speedup(ranks: int, *, compute_seconds: float, nbytes: float, sync_every: int,
-                       network: NetworkModel, exchange: str = "allreduce") -> float:
+                       network: NetworkModel, exchange: str = "allreduce",
+                       ranks_per_node: int = 0) -> float:
     """Frames per second on ``ranks`` ranks over frames per second on one.
 
     Example::
@@ -84,7 +119,7 @@ def throughput_speedup(ranks: int, *, compute_seconds: float, nbytes: float, syn
         raise ValueError(f"compute_seconds must be > 0, got {compute_seconds}")
     return ranks * compute_seconds / step_seconds(
         ranks, compute_seconds=compute_seconds, nbytes=nbytes, sync_every=sync_every,
-        network=network, exchange=exchange)
+        network=network, exchange=exchange, ranks_per_node=ranks_per_node)
 
 
 def fit_frames_exponent(frames_to_target: Mapping[int, float]) -> Optional[float]:
@@ -130,7 +165,7 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
                      sync_every: int, network: NetworkModel,
                      frames_exponent: Optional[float],
                      exponent_range: Optional[tuple] = None,
-                     exchange: str = "allreduce") -> list:
+                     exchange: str = "allreduce", ranks_per_node: int = 0) -> list:
     """Projected speedups at each size: one dict per size.
 
     ``time_to_target`` is None when no frames exponent could be fitted;
@@ -144,15 +179,17 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
     rows = []
     for n in sizes:
         thr = throughput_speedup(n, compute_seconds=compute_seconds, nbytes=nbytes,
-                                 sync_every=sync_every, network=network, exchange=exchange)
+                                 sync_every=sync_every, network=network, exchange=exchange,
+                                 ranks_per_node=ranks_per_node)
         frames_ratio = None if frames_exponent is None else n ** frames_exponent
         rows.append({
             "ranks": int(n),
             "step_seconds": step_seconds(n, compute_seconds=compute_seconds, nbytes=nbytes,
                                          sync_every=sync_every, network=network,
-                                         exchange=exchange),
+                                         exchange=exchange, ranks_per_node=ranks_per_node),
             # (named for the usual case: the one exchange's time, pairwise for ADPSGD)
-            "allreduce_seconds": exchange_seconds(n, nbytes, network, exchange),
+            "allreduce_seconds": exchange_seconds(n, nbytes, network, exchange,
+                                                  ranks_per_node),
             "throughput_speedup": thr,
             "frames_ratio": frames_ratio,
             "time_to_target_speedup": None if frames_ratio is None else thr / frames_ratio,
@@ -166,7 +203,7 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
 def project_method(sizes: Sequence[int], *, measured_compute_seconds: float, num_params: int,
                    sync_every: int, frames_to_target: Mapping[int, float],
                    network: NetworkModel, compute_seconds: float = 0.0,
-                   exchange: str = "allreduce") -> dict:
+                   exchange: str = "allreduce", ranks_per_node: int = 0) -> dict:
     """One method's projection from its measured figures, with what it assumed.
 
     ``measured_compute_seconds``: compute per step on one rank;
@@ -187,13 +224,13 @@ def project_method(sizes: Sequence[int], *, measured_compute_seconds: float, num
     return {"compute_seconds_per_step": compute,
             "compute_seconds_source": "option" if compute_seconds else "measured on one rank",
             "bytes_per_allreduce": nbytes, "sync_every_steps": sync_every,
-            "exchange": exchange,
+            "exchange": exchange, "ranks_per_node": int(ranks_per_node),
             "frames_exponent": exponent, "frames_exponent_range": spread,
             "fitted_sizes": sorted(int(n) for n, f in frames_to_target.items() if f),
             "rows": project_speedups(sizes, compute_seconds=compute, nbytes=nbytes,
                                      sync_every=sync_every, network=network,
                                      frames_exponent=exponent, exponent_range=spread,
-                                     exchange=exchange)}
+                                     exchange=exchange, ranks_per_node=ranks_per_node)}
 
 
 def assumptions(network: NetworkModel, compute_seconds: float = 0.0) -> list:
@@ -213,8 +250,9 @@ def assumptions(network: NetworkModel, compute_seconds: float = 0.0) -> list:
         compute,
         "One allreduce of the whole buffer (4 bytes per parameter) every sync period of "
         "the method (gradients every step for allreduce; for adpsgd one swap of the "
-        "parameters with one partner per step, whatever N); no overlap with compute, "
-        "no stragglers.",
+        "parameters with one partner per step, whatever N; for hierarchical adpsgd a "
+        "gradient allreduce and a broadcast over a node's ranks plus one swap between "
+        "nodes per step); no overlap with compute, no stragglers.",
         "Throughput speedup = N * compute / (compute + allreduce / sync period).",
         "Frames to target grow as N^b, b fitted to the measured sizes (least squares on "
         "log-log, clipped at 0); time-to-target speedup = throughput speedup / N^b.",

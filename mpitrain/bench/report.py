@@ -29,7 +29,7 @@ import numpy as np
 
 from ..files import atomic_open, atomic_path
 from .options import BenchOptions
-from .projection import PAIRWISE_METHODS, assumptions, project_method
+from .projection import assumptions, exchange_kind, project_method
 
 #: Where the papers' numbers come from (plotted and tabulated next to ours).
 PAPER_POINTS = ({"source": "Su & Chen 2015 (SWB-300h, model averaging)", "ranks": 16,
@@ -84,13 +84,14 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
             speedups.append(row)
         if base_t is None:
             continue
+        exchange, ranks_per_node = exchange_kind(method, (config or {}).get("parallel", {}))
         projections[method] = project_method(
             sorted(set(sizes) | set(options.project_to)),
             measured_compute_seconds=base_t["compute_seconds_per_step"],
             num_params=base_t["num_params"], sync_every=base_t["sync_period"],
             frames_to_target=frames, network=network,
             compute_seconds=options.compute_seconds,
-            exchange="pairwise" if method in PAIRWISE_METHODS else "allreduce")
+            exchange=exchange, ranks_per_node=ranks_per_node)
     return {"format": "mpitrain-bench/1", "sizes": list(sizes), "methods": list(methods),
             "options": options.to_dict(), "environment": environment,
             "network_model": network.to_dict(),
@@ -364,7 +365,9 @@ def summary_markdown(report: dict) -> str:
             cells.append(f"{r['throughput_speedup']:.1f}"
                          + (f" / {tt:.1f}" if tt is not None else "")
                          + _range_text(r.get("time_to_target_range")))
-        swap = " (pairwise)" if proj.get("exchange") == "pairwise" else ""
+        swap = {"pairwise": " (pairwise)",
+                "hierarchical": f" (hierarchical, {proj.get('ranks_per_node')} per node)"
+                }.get(proj.get("exchange"), "")
         lines.append(f"| {method} | {proj['compute_seconds_per_step'] * 1e3:.1f} | "
                      f"{proj['bytes_per_allreduce'] / 1e6:.2f}{swap} | "
                      f"{proj['sync_every_steps']} | "

@@ -66,3 +66,17 @@ def test_the_accuracy_phase_alone_needs_a_target():
     assert BenchOptions(sizes=(1, 2), phases=("accuracy",), target_accuracy=0.5).phases
     # with the throughput phase as well, the accuracy phase is skipped with a notice
     assert BenchOptions(sizes=(1, 2), phases=("throughput", "accuracy")).phases
+
+
+def test_hierarchical_adpsgd_without_ranks_per_node_is_refused_in_one_line():
+    from mpitrain.bench.options import check_benchable
+    from mpitrain.config import load_config
+    from ..helpers import QUICKSTART
+    cfg = load_config(QUICKSTART, ["parallel.method=adpsgd", "parallel.hierarchical=true"])
+    with pytest.raises(ValueError, match="parallel.ranks_per_node") as info:
+        check_benchable(cfg, ("adpsgd",))
+    assert "\n" not in str(info.value)
+    check_benchable(cfg, ("model_averaging",))      # ADPSGD not among the methods: fine
+    cfg = load_config(QUICKSTART, ["parallel.method=adpsgd", "parallel.hierarchical=true",
+                                   "parallel.ranks_per_node=2"])
+    check_benchable(cfg, ("adpsgd",))

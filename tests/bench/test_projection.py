@@ -158,3 +158,46 @@ def test_network_model_rejects_bad_values():
         NetworkModel(latency_s=-1e-6)
     with pytest.raises(ValueError, match="sync_every"):
         step_seconds(2, compute_seconds=COMPUTE, nbytes=NBYTES, sync_every=0, network=NET)
+
+
+def test_hierarchical_exchange_by_hand():
+    from mpitrain.bench.projection import exchange_seconds
+    # nodes of 4 ranks: ring allreduce of the gradients over 4 ranks (0.00606 s, as
+    # above), the broadcast on the node, the cheaper of a binomial tree 2 * 0.00401 and
+    # scatter + allgather (2 + 3) * 1e-5 + 2 * 3/4 * 0.004 = 0.00605 s, and between
+    # nodes one swap of 0.00401 s: 0.00606 + 0.00401 + 0.00605 = 0.01612 s
+    for ranks in (8, 16, 128):
+        assert exchange_seconds(ranks, NBYTES, NET, "hierarchical",
+                                ranks_per_node=4) == pytest.approx(0.01612)
+    # one node: no swap, 0.00606 + 0.00605
+    assert exchange_seconds(4, NBYTES, NET, "hierarchical",
+                            ranks_per_node=4) == pytest.approx(0.01211)
+    # 2 ranks of a 4-rank node: 0.00402 + min(0.00401, 0.00402)
+    assert exchange_seconds(2, NBYTES, NET, "hierarchical",
+                            ranks_per_node=4) == pytest.approx(0.00803)
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        exchange_seconds(8, NBYTES, NET, "hierarchical")
+
+
+def test_the_report_prices_adpsgd_as_its_settings_make_it_communicate():
+    from mpitrain.bench.options import BenchOptions
+    from mpitrain.bench.report import build_report
+    throughput = [{"method": "adpsgd", "ranks": 1, "frames_per_sec": 1e5,
+                   "compute_seconds_per_step": COMPUTE, "num_params": NBYTES // 4,
+                   "sync_period": 1}]
+
+    def projection(parallel):
+        report = build_report(throughput, [], sizes=(1,), methods=("adpsgd",),
+                              options=BenchOptions(project_to=(16,), network=NET),
+                              environment={}, config={"parallel": parallel})
+        return report["projections"]["adpsgd"]
+
+    flat = projection({"hierarchical": False, "ranks_per_node": 0})
+    assert flat["exchange"] == "pairwise"
+    assert flat["rows"][-1]["allreduce_seconds"] == pytest.approx(0.00401)
+    nodes = projection({"hierarchical": True, "ranks_per_node": 4})
+    assert (nodes["exchange"], nodes["ranks_per_node"]) == ("hierarchical", 4)
+    assert nodes["rows"][-1]["ranks"] == 16
+    assert nodes["rows"][-1]["allreduce_seconds"] == pytest.approx(0.01612)
+    assert nodes["rows"][-1]["throughput_speedup"] == pytest.approx(16 * COMPUTE
+                                                                    / (COMPUTE + 0.01612))
