@@ -80,3 +80,25 @@ def test_a_ramped_runs_rate_decays_over_the_data_processed(small_corpus, tmp_pat
     assert rise_end > math.ceil(planned / 2)
     assert f"early_stop: counts held-out evaluations from step {rise_end} on" \
         in capsys.readouterr().out
+
+
+def test_a_run_ending_inside_an_iteration_averages_that_iterations_jobs():
+    import numpy as np
+    from mpitrain.nn.network import build_network
+    from mpitrain.optim.sgd import SGD
+
+    def work(comm):
+        net = build_network(feat_dim=4, num_classes=3, left_context=0, right_context=0,
+                            hidden_layers=1, hidden_dim=8)
+        net.init_params(seed=1)
+        kaldi = KaldiAveraging(comm, every_steps=4, total_steps=12, jobs_initial=1,
+                               jobs_final=4)
+        kaldi.setup(net, SGD(net))
+        # two steps into iteration 1 (jobs [1, 2, 3]: 2 ranks train), the run ends
+        assert kaldi.num_jobs(5) == 2
+        net.params[...] = comm.rank + 1.0 if kaldi.is_active(5) else 1e3
+        kaldi.finalize(net, SGD(net), 6)
+        return net.params.copy()
+
+    for params in VirtualCluster(4).run(work):
+        assert np.array_equal(params, np.full_like(params, 1.5))     # (1 + 2) / 2
