@@ -29,16 +29,36 @@ SCHEDULE_PREFIX = "schedule_"
 SELECTION_PREFIX = "selection_"
 
 
+def _copied(state):
+    """``state`` with every array in its dicts and lists copied (the rest as it is).
+
+    Example::
+
+        _copied({"delta": momentum, "num_steps": 3})["delta"] is momentum     # False
+    """
+    if isinstance(state, dict):
+        return {key: _copied(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_copied(value) for value in state)
+    if hasattr(state, "shape") and hasattr(state, "copy"):
+        return state.copy()
+    return state
+
+
 class CheckpointResume:
     """Checkpoint state out of and back into a :class:`~mpitrain.train.trainer.Trainer`
     (a base class of it: the methods use the trainer's attributes)."""
 
     def _state_snapshot(self) -> dict:
-        """This rank's whole training state, on the host (the start of the run)."""
-        return {"params": backend.to_host(self.net.params).copy(),
-                "optimizer": self.optimizer.state_dict(), "reader": self.stream.state_dict(),
-                "strategy": self.strategy.state_dict(), "step": self.step,
-                "frames_seen": self.frames_seen, "schedule": self.schedule.state_dict()}
+        """This rank's whole training state, on the host (the start of the run): copies,
+        since on the CPU the parts' state_dict() hands out their live buffers (the
+        momentum, BMUF's block start), which training then changes."""
+        return _copied({"params": backend.to_host(self.net.params),
+                        "optimizer": self.optimizer.state_dict(),
+                        "reader": self.stream.state_dict(),
+                        "strategy": self.strategy.state_dict(), "step": self.step,
+                        "frames_seen": self.frames_seen,
+                        "schedule": self.schedule.state_dict()})
 
     def _trainer_state(self) -> dict:
         schedule = {SCHEDULE_PREFIX + k: v for k, v in self.schedule.state_dict().items()}

@@ -1,0 +1,42 @@
+"""The state a roll back returns to before the first checkpoint (train/resume.py).
+
+On the CPU the optimizer's and the strategies' state_dict() hand out their live
+buffers; the start-of-run snapshot must hold copies, or a roll back to "the
+initial model" keeps the momentum (and BMUF's block start) of the diverging
+run.
+"""
+
+import io
+
+import numpy as np
+import pytest
+
+from mpitrain.comm.single import SingleCommunicator
+from mpitrain.config import load_config
+from mpitrain.train.trainer import Trainer
+
+from ..helpers import QUICKSTART, small_overrides
+
+
+@pytest.mark.parametrize("method", ["model_averaging", "bmuf"])
+def test_a_roll_back_before_any_checkpoint_restores_the_start_exactly(small_corpus, tmp_path,
+                                                                      method):
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", f"parallel.method={method}",
+        "parallel.average_every=4", "optimizer.momentum=0.9", "training.max_steps=10",
+        "training.checkpoint_interval=0", "training.eval_interval=0"])
+    trainer = Trainer(cfg, comm=SingleCommunicator(), run_dir=str(tmp_path / "run"),
+                      stream=io.StringIO())
+    start = {"params": trainer.net.params.copy(), "momentum": trainer.optimizer.delta.copy(),
+             **{k: np.array(v, copy=True) for k, v in trainer.strategy.state_dict().items()}}
+    training_step = trainer._new_training_step()
+    for step in range(6):                   # mid-block: momentum and block start moved
+        training_step.run(step, 0.01, trainer.stream.next_batch)
+    trainer.step = 6
+    assert not np.array_equal(trainer.optimizer.delta, start["momentum"])
+    trainer._roll_back("a test")
+    assert trainer.step == 0
+    assert np.array_equal(trainer.net.params, start["params"])
+    assert np.array_equal(trainer.optimizer.delta, start["momentum"])
+    for key, value in trainer.strategy.state_dict().items():
+        assert np.array_equal(value, start[key]), key
