@@ -29,17 +29,17 @@ SCHEDULE_PREFIX = "schedule_"
 SELECTION_PREFIX = "selection_"
 
 
-def _copied(state):
+def copied_state(state):
     """``state`` with every array in its dicts and lists copied (the rest as it is).
 
     Example::
 
-        _copied({"delta": momentum, "num_steps": 3})["delta"] is momentum     # False
+        copied_state({"delta": momentum, "num_steps": 3})["delta"] is momentum   # False
     """
     if isinstance(state, dict):
-        return {key: _copied(value) for key, value in state.items()}
+        return {key: copied_state(value) for key, value in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(_copied(value) for value in state)
+        return type(state)(copied_state(value) for value in state)
     if hasattr(state, "shape") and hasattr(state, "copy"):
         return state.copy()
     return state
@@ -53,7 +53,7 @@ class CheckpointResume:
         """This rank's whole training state, on the host (the start of the run): copies,
         since on the CPU the parts' state_dict() hands out their live buffers (the
         momentum, BMUF's block start), which training then changes."""
-        return _copied({"params": backend.to_host(self.net.params),
+        return copied_state({"params": backend.to_host(self.net.params),
                         "optimizer": self.optimizer.state_dict(),
                         "reader": self.stream.state_dict(),
                         "strategy": self.strategy.state_dict(), "step": self.step,

@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from .resume import copied_state
 from .step import TrainingStep
 
 
@@ -50,15 +51,6 @@ class _Alone:
         pass
 
 
-def _copied(state):
-    """A deep copy of a state dict (host arrays may alias the live buffers)."""
-    if isinstance(state, dict):
-        return {key: _copied(value) for key, value in state.items()}
-    if isinstance(state, np.ndarray):
-        return state.copy()
-    return state
-
-
 class RateTrials:
     """Runs trials for the search schedule (see the module docstring)."""
 
@@ -74,7 +66,7 @@ class RateTrials:
         the objective is inf if any rank's trial skipped a non-finite step."""
         net, optimizer, stream = self.net, self.optimizer, self.stream
         params = net.params.copy()
-        opt_state = _copied(optimizer.state_dict())
+        opt_state = copied_state(optimizer.state_dict())
         reader = dict(stream.state_dict())
         # the rate real steps would take here (kaldi scales it by its number of jobs)
         lr = self.strategy.learning_rate(rate, step)
