@@ -17,7 +17,9 @@ by hand.  The model, for N ranks training a model of ``nbytes`` bytes:
   over the R ranks of a node, swaps the model between two nodes' first ranks
   (when there are two nodes or more) and broadcasts it on the node, every
   step; no overlap of computing and communicating and no straggler;
-- throughput speedup at N = N * compute / (compute + allreduce / sync_every);
+- throughput speedup at N = N * compute / (compute + allreduce / sync_every),
+  times the share of the N ranks that train on average (1 but for a Kaldi
+  job ramp: the mean of its J_i over N, :func:`active_ranks_of`);
 - frames needed to reach the target grow as N ** b, with b fitted by least
   squares on log-log axes to the measured sizes and clipped at 0 (more ranks
   are never assumed to need fewer frames);
@@ -61,6 +63,32 @@ def exchange_kind(method: str, parallel: dict) -> tuple:
     if parallel.get("hierarchical"):
         return "hierarchical", int(parallel.get("ranks_per_node") or 0)
     return "pairwise", 0
+
+
+def active_ranks_of(method: str, parallel: dict):
+    """ranks -> the mean number of ranks that train a step, for ``method`` with the
+    ``parallel`` settings (a dict of the config's section); None when all do.  A Kaldi
+    job ramp from ``num_jobs_initial`` to ``num_jobs_final`` (each capped at the
+    ranks, 0: all) trains the mean of its J_i (over a long run's iterations).
+
+    Example::
+
+        active_ranks_of("kaldi", {"num_jobs_initial": 4, "num_jobs_final": 0,
+                                  "jobs_step": 1})(16)      # about 10
+    """
+    initial, final = int(parallel.get("num_jobs_initial") or 0), \
+        int(parallel.get("num_jobs_final") or 0)
+    if method != "kaldi" or (not initial and not final):
+        return None
+    from ..parallel.kaldi_averaging import jobs_schedule
+    step = int(parallel.get("jobs_step") or 1)
+
+    def active(ranks: int) -> float:
+        last = min(final or ranks, ranks)
+        first = min(initial or last, ranks)
+        jobs = jobs_schedule(1000, first, last, step)
+        return sum(jobs) / len(jobs)
+    return active
 
 
 def exchange_seconds(ranks: int, nbytes: float, network: NetworkModel,
@@ -165,7 +193,8 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
                      sync_every: int, network: NetworkModel,
                      frames_exponent: Optional[float],
                      exponent_range: Optional[tuple] = None,
-                     exchange: str = "allreduce", ranks_per_node: int = 0) -> list:
+                     exchange: str = "allreduce", ranks_per_node: int = 0,
+                     active=None) -> list:
     """Projected speedups at each size: one dict per size.
 
     ``time_to_target`` is None when no frames exponent could be fitted;
@@ -181,6 +210,8 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
         thr = throughput_speedup(n, compute_seconds=compute_seconds, nbytes=nbytes,
                                  sync_every=sync_every, network=network, exchange=exchange,
                                  ranks_per_node=ranks_per_node)
+        if active is not None:          # ranks sitting steps out (a Kaldi job ramp)
+            thr *= active(n) / n
         frames_ratio = None if frames_exponent is None else n ** frames_exponent
         rows.append({
             "ranks": int(n),
@@ -203,7 +234,8 @@ def project_speedups(sizes: Sequence[int], *, compute_seconds: float, nbytes: fl
 def project_method(sizes: Sequence[int], *, measured_compute_seconds: float, num_params: int,
                    sync_every: int, frames_to_target: Mapping[int, float],
                    network: NetworkModel, compute_seconds: float = 0.0,
-                   exchange: str = "allreduce", ranks_per_node: int = 0) -> dict:
+                   exchange: str = "allreduce", ranks_per_node: int = 0,
+                   active=None) -> dict:
     """One method's projection from its measured figures, with what it assumed.
 
     ``measured_compute_seconds``: compute per step on one rank;
@@ -230,7 +262,8 @@ def project_method(sizes: Sequence[int], *, measured_compute_seconds: float, num
             "rows": project_speedups(sizes, compute_seconds=compute, nbytes=nbytes,
                                      sync_every=sync_every, network=network,
                                      frames_exponent=exponent, exponent_range=spread,
-                                     exchange=exchange, ranks_per_node=ranks_per_node)}
+                                     exchange=exchange, ranks_per_node=ranks_per_node,
+                                     active=active)}
 
 
 def assumptions(network: NetworkModel, compute_seconds: float = 0.0) -> list:
@@ -253,7 +286,8 @@ def assumptions(network: NetworkModel, compute_seconds: float = 0.0) -> list:
         "parameters with one partner per step, whatever N; for hierarchical adpsgd a "
         "gradient allreduce and a broadcast over a node's ranks plus one swap between "
         "nodes per step); no overlap with compute, no stragglers.",
-        "Throughput speedup = N * compute / (compute + allreduce / sync period).",
+        "Throughput speedup = N * compute / (compute + allreduce / sync period), times "
+        "the mean share of ranks training a step under a Kaldi job ramp.",
         "Frames to target grow as N^b, b fitted to the measured sizes (least squares on "
         "log-log, clipped at 0); time-to-target speedup = throughput speedup / N^b.",
         "Projections are a model's output, not measurements: the range after a "

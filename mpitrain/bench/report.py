@@ -29,7 +29,7 @@ import numpy as np
 
 from ..files import atomic_open, atomic_path
 from .options import BenchOptions
-from .projection import assumptions, exchange_kind, project_method
+from .projection import active_ranks_of, assumptions, exchange_kind, project_method
 
 #: Where the papers' numbers come from (plotted and tabulated next to ours).
 PAPER_POINTS = ({"source": "Su & Chen 2015 (SWB-300h, model averaging)", "ranks": 16,
@@ -84,14 +84,16 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
             speedups.append(row)
         if base_t is None:
             continue
-        exchange, ranks_per_node = exchange_kind(method, (config or {}).get("parallel", {}))
+        parallel = (config or {}).get("parallel", {})
+        exchange, ranks_per_node = exchange_kind(method, parallel)
         projections[method] = project_method(
             sorted(set(sizes) | set(options.project_to)),
             measured_compute_seconds=base_t["compute_seconds_per_step"],
             num_params=base_t["num_params"], sync_every=base_t["sync_period"],
             frames_to_target=frames, network=network,
             compute_seconds=options.compute_seconds,
-            exchange=exchange, ranks_per_node=ranks_per_node)
+            exchange=exchange, ranks_per_node=ranks_per_node,
+            active=active_ranks_of(method, parallel))
     return {"format": "mpitrain-bench/1", "sizes": list(sizes), "methods": list(methods),
             "options": options.to_dict(), "environment": environment,
             "network_model": network.to_dict(),

@@ -201,3 +201,28 @@ def test_the_report_prices_adpsgd_as_its_settings_make_it_communicate():
     assert nodes["rows"][-1]["allreduce_seconds"] == pytest.approx(0.01612)
     assert nodes["rows"][-1]["throughput_speedup"] == pytest.approx(16 * COMPUTE
                                                                     / (COMPUTE + 0.01612))
+
+
+def test_a_kaldi_job_ramp_trains_on_the_mean_of_its_jobs():
+    from mpitrain.bench.options import BenchOptions
+    from mpitrain.bench.projection import active_ranks_of
+    from mpitrain.bench.report import build_report
+    ramp = {"num_jobs_initial": 4, "num_jobs_final": 0, "jobs_step": 1}
+    active = active_ranks_of("kaldi", ramp)
+    # 4 -> 16 jobs, linear: the mean is about (4 + 16) / 2
+    assert active(16) == pytest.approx(10.0, abs=0.01)
+    assert active(2) == 2.0 and active(1) == 1.0          # capped at the ranks
+    assert active_ranks_of("kaldi", {"num_jobs_final": 8})(16) == 8.0
+    assert active_ranks_of("kaldi", {}) is None           # every rank trains
+    assert active_ranks_of("bmuf", ramp) is None
+    throughput = [{"method": "kaldi", "ranks": 1, "frames_per_sec": 1e5,
+                   "compute_seconds_per_step": COMPUTE, "num_params": NBYTES // 4,
+                   "sync_period": SYNC}]
+    report = build_report(throughput, [], sizes=(1,), methods=("kaldi",),
+                          options=BenchOptions(project_to=(16,), network=NET),
+                          environment={}, config={"parallel": ramp})
+    row = report["projections"]["kaldi"]["rows"][-1]
+    all_train = throughput_speedup(16, compute_seconds=COMPUTE, nbytes=NBYTES,
+                                   sync_every=SYNC, network=NET)
+    assert row["ranks"] == 16
+    assert row["throughput_speedup"] == pytest.approx(all_train * active(16) / 16)
