@@ -50,7 +50,8 @@ def gpu_available() -> bool:
 def select(device: str = "cpu", local_rank: int = 0):
     """Return the array module for ``device`` ('cpu' or 'gpu').
 
-    For 'gpu' the CUDA device ``local_rank % device_count`` becomes current,
+    For 'gpu' the CUDA device ``local_rank % device_count`` becomes current
+    (callers pass ``comm.device_rank``: the rank among those seeing these GPUs),
     so one process per GPU needs no further setup.
     """
     if device == "cpu":

@@ -133,7 +133,7 @@ def environment(world, cfg) -> dict:
     gpu = "not used (device: cpu)"
     if cfg.device == "gpu":
         from mpitrain import backend
-        gpu = backend.device_name(backend.select("gpu", world.local_rank))
+        gpu = backend.device_name(backend.select("gpu", world.device_rank))
     per_rank = world.allgather_obj({"host": host, "gpu": gpu})
     hosts = sorted({r["host"] for r in per_rank})
     ranks_per_host = {h: sum(r["host"] == h for r in per_rank) for h in hosts}

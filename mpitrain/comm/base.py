@@ -269,6 +269,14 @@ class Communicator(ABC):
     def local_size(self) -> int: ...
 
     @property
+    def device_rank(self) -> int:
+        """Rank among the processes on this node that see the same GPUs (the same
+        ``CUDA_VISIBLE_DEVICES``); :func:`mpitrain.backend.select` takes GPU
+        ``device_rank mod visible GPUs``, so ranks that see different GPUs
+        (``srun --gpu-bind=closest``) do not pick the same one."""
+        return self.local_rank
+
+    @property
     def thread_multiple(self) -> bool:
         """True when several threads may call into this communicator at once."""
         return True

@@ -28,6 +28,7 @@ import os
 import socket
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -271,6 +272,21 @@ def _init_timeout_s() -> float:
         raise ValueError(f"{NCCL_INIT_TIMEOUT_ENV}: expected a positive number of seconds, "
                          f"got {text!r}")
     return seconds
+
+
+def visible_devices_color(env=None) -> int:
+    """An MPI split colour for the GPUs this process sees: equal for equal
+    ``CUDA_VISIBLE_DEVICES`` (unset being one value of its own), so ranks of a
+    node are numbered apart per set of visible GPUs.
+
+    Example::
+
+        node.Split(visible_devices_color(), key=local_rank)   # ranks seeing these GPUs
+    """
+    env = os.environ if env is None else env
+    value = env.get("CUDA_VISIBLE_DEVICES")
+    text = "unset" if value is None else "set:" + value.replace(" ", "")
+    return zlib.crc32(text.encode("utf-8")) & 0x7FFFFFFF
 
 
 def device_identity(cupy) -> dict:
@@ -615,7 +631,8 @@ def choose_device_transport(mpi_comm, cupy, *, prefer: str = "auto") -> DeviceTr
                          f"got {prefer!r}")
     if prefer == "host-staged":
         return DeviceTransport(PinnedStagingPath(cupy),
-                               reason="host-staged requested by device_transport")
+                               reason=_with_sharing("host-staged requested by device_transport",
+                                                    mpi_comm, cupy))
     nccl, nccl_why_not = None, ""
     if prefer in ("auto", "nccl"):
         nccl, nccl_why_not = create_nccl(mpi_comm, cupy)
@@ -637,4 +654,23 @@ def choose_device_transport(mpi_comm, cupy, *, prefer: str = "auto") -> DeviceTr
         reason = f"NCCL not used: {nccl_why_not}; CUDA-aware MPI probe passed"
     else:
         reason = f"NCCL not used: {nccl_why_not}; {aware_why_not}"
+    if nccl is None:       # (NCCL itself is never set up on a shared GPU)
+        reason = _with_sharing(reason, mpi_comm, cupy)
     return DeviceTransport(path, nccl, reason=reason)
+
+
+def _with_sharing(reason: str, mpi_comm, cupy) -> str:
+    """Collective: ``reason``, and which ranks share a GPU when some do and the
+    reason does not say it yet, so that sharing never goes unmentioned."""
+    try:
+        identity = device_identity(cupy)
+    except Exception:
+        identity = None
+    identities = [json.loads(text) for text in
+                  _gather_bytes(mpi_comm, json.dumps(identity).encode("utf-8"))]
+    if any(identity is None for identity in identities):
+        return reason
+    sharing = shared_device(identities)
+    if not sharing or sharing in reason:
+        return reason
+    return f"{reason}; {sharing}"

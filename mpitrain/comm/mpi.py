@@ -86,6 +86,13 @@ class MpiCommunicator(Communicator):
         self._size = comm.Get_size()
         node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self._rank)
         self._local_rank, self._local_size = node.Get_rank(), node.Get_size()
+        # Ranks of the node that see the same GPUs count apart from those that see
+        # others: with per-rank CUDA_VISIBLE_DEVICES lists (srun --gpu-bind=closest
+        # with tasks alternating sockets) the node's local rank mod the count of
+        # visible GPUs would put two ranks on one GPU and leave others idle.
+        peers = node.Split(gpu.visible_devices_color(), key=self._local_rank)
+        self._device_rank = peers.Get_rank()
+        peers.Free()
         node.Free()
         self._prefer = device_transport
         self._device: Optional[gpu.DeviceTransport] = None
@@ -107,6 +114,10 @@ class MpiCommunicator(Communicator):
     @property
     def local_size(self) -> int:
         return self._local_size
+
+    @property
+    def device_rank(self) -> int:
+        return self._device_rank
 
     @property
     def mpi_comm(self):
@@ -140,7 +151,7 @@ class MpiCommunicator(Communicator):
 
         Example::
 
-            xp = backend.select("gpu", local_rank=comm.local_rank)
+            xp = backend.select("gpu", local_rank=comm.device_rank)
             name = comm.setup_device_transport(xp)
             log(f"transport {name} ({comm.transport_reason})")
         """

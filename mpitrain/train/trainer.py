@@ -93,7 +93,7 @@ class Trainer(CheckpointResume):
         self.log = None
         self._pending_lines: list = []
         self._pending_records: list = []
-        self.xp = backend.select(cfg.device, comm.local_rank)
+        self.xp = backend.select(cfg.device, comm.device_rank)
         backend.set_fused_kernels(cfg.fused_kernels)
         try:
             backend.set_precision(self.xp, cfg.precision)

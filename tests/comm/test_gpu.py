@@ -58,3 +58,30 @@ def test_nccl_setup_with_a_stand_in_binding(scenario, outcome, tmp_path):
     passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
     assert passed == [f"{scenario}: {outcome}"], _output(result)
     assert f"nccl_setup_worker: {scenario} passed" in result.stdout, _output(result)
+
+
+# (scenario of gpu_placement_worker.py, the physical GPU of ranks 0..3)
+PLACEMENTS = [
+    ("closest-cyclic", [0, 2, 1, 3]),       # not 0 3 0 3: local rank mod 2 per socket's list
+    ("closest-block", [0, 1, 2, 3]),
+    ("one-per-task", [0, 1, 2, 3]),
+    ("all-visible", [0, 1, 2, 3]),
+    ("more-ranks-than-gpus", [0, 1, 0, 1]),
+]
+
+
+@pytest.mark.parametrize("scenario,gpus", PLACEMENTS, ids=[s for s, _ in PLACEMENTS])
+def test_each_rank_takes_its_own_gpu_of_those_it_sees(scenario, gpus):
+    # Ranks seeing different GPU lists (srun --gpu-bind=closest, tasks alternating
+    # sockets) are numbered apart; ranks sharing a GPU are named whatever the route.
+    result = run_mpi(4, [str(WORKERS / "gpu_placement_worker.py"), scenario], timeout=120)
+    assert result.returncode == 0, _output(result)
+    lines = result.stdout.splitlines()
+    assert f"placement {' '.join(map(str, gpus))}" in lines, _output(result)
+    reasons = [line for line in lines if line.startswith("reason ")]
+    assert len(reasons) == 2, _output(result)
+    for line in reasons:
+        if len(set(gpus)) < len(gpus):
+            assert "ranks 0 and 2 share GPU 0" in line, _output(result)
+        else:
+            assert "share" not in line, _output(result)
