@@ -462,9 +462,22 @@ def cmd_plot(args) -> int:
 
 
 def _limit_blas_threads(cfg, comm) -> None:
-    """Apply ``blas_threads`` with the one thread policy (mpitrain.threads)."""
-    from .threads import apply_blas_threads
-    apply_blas_threads(cfg.blas_threads, device=cfg.device, ranks_on_node=comm.local_size)
+    """Apply ``blas_threads`` with the one thread policy (mpitrain.threads).
+
+    Collective: the ranks compare their CPU affinities, so a rank bound to
+    cores of its own (srun's task binding, Intel MPI's pinning) keeps them all
+    and ranks that share their cores split them.
+    """
+    import socket
+    from .threads import apply_blas_threads, cgroup_cpu_limit, cores_per_rank, cpu_affinity
+    affinity = cpu_affinity()
+    host = socket.gethostname()
+    everyone = comm.allgather_obj([host, sorted(affinity) if affinity else []])
+    node = [set(cpus) for other, cpus in everyone if other == host]
+    cores = cores_per_rank(affinity, node, ranks_on_node=comm.local_size,
+                           quota=cgroup_cpu_limit())
+    apply_blas_threads(cfg.blas_threads, device=cfg.device, ranks_on_node=comm.local_size,
+                       cores=cores)
 
 
 # -- parser ----------------------------------------------------------------------

@@ -261,7 +261,8 @@ class RunConfig:
                                           "a step; false: plain CuPy array expressions")
     cuda_graph: bool = _opt(False, help="GPU: replay steps whose work is fixed from a captured "
                                         "CUDA graph (not with the allreduce method)")
-    blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: cores / ranks on the node "
+    blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: the cores this rank may "
+                                              "use / the ranks using them too "
                                               "(1 with device: gpu)")
 
     def to_dict(self) -> dict:

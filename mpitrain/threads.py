@@ -42,6 +42,43 @@ def blas_threads(requested: int = 0, *, device: str = "cpu", ranks_on_node: int 
     return max(1, cores // max(1, ranks_on_node))
 
 
+def cpu_affinity() -> Optional[set]:
+    """The CPUs this process may run on (its affinity), or None where that is unknown."""
+    if not hasattr(os, "sched_getaffinity"):      # macOS
+        return None
+    try:
+        return set(os.sched_getaffinity(0))
+    except OSError:
+        return None
+
+
+def cores_per_rank(affinity: Optional[set], node_affinities: list, *,
+                   ranks_on_node: int, quota: Optional[int] = None) -> int:
+    """This rank's share of the cores, knowing every rank's affinity on its node.
+
+    The cores of ``affinity`` are shared by the ranks of ``node_affinities``
+    (this rank's included) whose affinity overlaps it: all the node's ranks
+    when none is bound, one when each is bound to cores of its own (``srun``'s
+    task binding, Intel MPI's pinning), the ranks of a socket when bound per
+    socket.  A cgroup CPU ``quota`` is shared by all ``ranks_on_node``.
+
+    Example::
+
+        cores_per_rank({0, 1, 2, 3}, [{0, 1, 2, 3}, {4, 5, 6, 7}], ranks_on_node=2)   # 4
+        cores_per_rank(set(range(8)), [set(range(8))] * 2, ranks_on_node=2)           # 4
+    """
+    if not affinity:
+        cores = os.cpu_count() or 1
+        sharing = max(1, ranks_on_node)
+    else:
+        cores = len(affinity)
+        sharing = max(1, sum(1 for other in node_affinities if other and other & affinity))
+    share = cores // sharing
+    if quota is not None:
+        share = min(share, quota // max(1, ranks_on_node))
+    return max(1, share)
+
+
 def available_cores(*, affinity: Optional[Callable[[], set]] = None,
                     cgroup_root: str = "/sys/fs/cgroup",
                     proc_cgroup: str = "/proc/self/cgroup") -> int:
@@ -135,22 +172,49 @@ def ranks_on_node_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[
     return None
 
 
+# The BLAS variables preset_blas_env set itself (a first guess, not the user's choice).
+_preset: dict = {}
+
+
 def preset_blas_env(env=None) -> None:
     """Before numpy loads: under a launcher with several ranks here, give each rank
-    its share of the cores unless the user set the BLAS variables."""
+    its share of the cores unless the user set the BLAS variables.
+
+    A first guess from the launcher's variables (they need not tell whether
+    each rank is bound to cores of its own); :func:`apply_blas_threads`
+    corrects it once the ranks have compared their affinities.
+    """
     env = os.environ if env is None else env
     ranks = ranks_on_node_from_env(env)
     if ranks is None or ranks <= 1:
         return
     threads = str(blas_threads(0, ranks_on_node=ranks))   # the cores we may use, shared
     for name in BLAS_ENV:
-        env.setdefault(name, threads)
+        if name not in env:
+            env[name] = threads
+            if env is os.environ:
+                _preset[name] = threads
 
 
-def apply_blas_threads(requested: int, *, device: str, ranks_on_node: int) -> None:
+def user_set_blas_env() -> bool:
+    """True when the user (not :func:`preset_blas_env`) set a BLAS variable."""
+    return any(name in os.environ and _preset.get(name) != os.environ[name]
+               for name in BLAS_ENV)
+
+
+def apply_blas_threads(requested: int, *, device: str, ranks_on_node: int,
+                       cores: Optional[int] = None) -> int:
     """After numpy loads: limit its BLAS to the policy's thread count (``requested`` 0:
-    the policy's default, left alone when the user set the BLAS variables)."""
-    if requested == 0 and device != "gpu" and any(name in os.environ for name in BLAS_ENV):
-        return
+    the policy's default, left alone when the user set the BLAS variables).
+
+    ``cores``: this rank's share of the cores (:func:`cores_per_rank`), when
+    known; else the cores this process may use over ``ranks_on_node``.
+    Returns the thread count, 0 when the user's variables were left alone.
+    """
+    if requested == 0 and device != "gpu" and user_set_blas_env():
+        return 0
+    threads = blas_threads(requested, device=device, ranks_on_node=1 if cores else ranks_on_node,
+                           cores=cores)
     from threadpoolctl import threadpool_limits
-    threadpool_limits(blas_threads(requested, device=device, ranks_on_node=ranks_on_node))
+    threadpool_limits(threads)
+    return threads

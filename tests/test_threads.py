@@ -95,3 +95,74 @@ def test_under_taskset_to_one_core_the_policy_gives_one_thread():
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["1", "1"]
+
+
+# -- ranks bound to cores of their own ------------------------------------------------------
+
+@pytest.mark.parametrize("mine,node,quota,expected", [
+    (set(range(8)), [set(range(8))] * 4, None, 2),                 # unbound: shared by 4
+    (set(range(8)), [set(range(8 * i, 8 * i + 8)) for i in range(4)], None, 8),   # srun binding
+    ({0}, [{0}, {1}], None, 1),                                    # bound to a core each
+    (set(range(16)), [set(range(16))] * 4 + [set(range(16, 32))] * 4, None, 4),  # per socket
+    (set(range(8)), [set(range(8 * i, 8 * i + 8)) for i in range(4)], 8, 2),     # quota of 8
+    (None, [None, None], None, 3),                                 # no affinity: cpu_count
+])
+def test_cores_per_rank_counts_only_the_ranks_sharing_them(monkeypatch, mine, node, quota,
+                                                           expected):
+    from mpitrain.threads import cores_per_rank
+    monkeypatch.setattr("os.cpu_count", lambda: 6)
+    assert cores_per_rank(mine, node, ranks_on_node=len(node), quota=quota) == expected
+
+
+class _Comm:
+    """A rank of a node whose other ranks report the given affinities."""
+
+    def __init__(self, affinities):
+        self.affinities, self.local_size = affinities, len(affinities)
+
+    def allgather_obj(self, obj):
+        host = obj[0]
+        return [obj] + [[host, sorted(cpus)] for cpus in self.affinities[1:]]
+
+
+def _limit(monkeypatch, affinities, environ):
+    from mpitrain import cli, threads
+    from mpitrain.config import RunConfig
+    applied = []
+    monkeypatch.setattr("threadpoolctl.threadpool_limits", applied.append)
+    monkeypatch.setattr(threads, "cpu_affinity", lambda: set(affinities[0]))
+    monkeypatch.setattr(threads, "cgroup_cpu_limit", lambda *a, **k: None)
+    monkeypatch.setattr(threads, "available_cores", lambda: len(affinities[0]))
+    for name in threads.BLAS_ENV:      # (set first so that the test's end restores them)
+        monkeypatch.setenv(name, "0")
+        monkeypatch.delenv(name)
+    monkeypatch.setattr(threads, "_preset", {})
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    return applied, threads, cli, RunConfig()
+
+
+def test_a_rank_bound_to_its_own_cores_uses_them_all(monkeypatch):
+    # srun --cpus-per-task=8 with task binding, 4 ranks on a 32-core node: each
+    # rank's affinity already is its share (8 cores, not 8 / 4)
+    bound = [set(range(8 * i, 8 * i + 8)) for i in range(4)]
+    applied, threads, cli, cfg = _limit(monkeypatch, bound, {"MPI_LOCALNRANKS": "4"})
+    threads.preset_blas_env()           # the first guess, before the ranks compared
+    assert threads._preset["OPENBLAS_NUM_THREADS"] == "2"
+    cli._limit_blas_threads(cfg, _Comm(bound))
+    assert applied == [8]
+
+
+def test_ranks_sharing_their_cores_split_them(monkeypatch):
+    shared = [set(range(8))] * 4
+    applied, threads, cli, cfg = _limit(monkeypatch, shared, {})
+    cli._limit_blas_threads(cfg, _Comm(shared))
+    assert applied == [2]
+
+
+def test_the_users_blas_variables_are_left_alone(monkeypatch):
+    bound = [set(range(8 * i, 8 * i + 8)) for i in range(4)]
+    applied, threads, cli, cfg = _limit(monkeypatch, bound, {"OMP_NUM_THREADS": "3"})
+    threads.preset_blas_env()
+    cli._limit_blas_threads(cfg, _Comm(bound))
+    assert applied == []
