@@ -517,6 +517,13 @@ def device_info(xp) -> dict:
             "cuda_runtime": version(runtime.runtimeGetVersion()), "cupy": _cupy.__version__}
 
 
+def device_index(xp) -> Optional[int]:
+    """The current CUDA device's number in this process, None on the host."""
+    if xp is np:
+        return None
+    return int(_cupy.cuda.Device().id)
+
+
 def device_name(xp) -> str:
     if xp is np:
         return "cpu"

@@ -1,5 +1,6 @@
 """The command line: help texts, exit codes and one-line errors."""
 
+import json
 import os
 import subprocess
 import sys
@@ -286,3 +287,30 @@ def test_init_keeps_corpus_paths_with_yaml_characters_whole(tmp_path, capsys):
     cfg = load_config(str(out / "mpitrain.yaml"))
     assert cfg.data.train == str(corpus / "train") and cfg.data.dev == str(corpus / "dev")
     assert f"cd '{out}'" in capsys.readouterr().out
+
+
+@pytest.mark.mpi
+def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_corpus,
+                                                                       tmp_path):
+    # a slow node is found from metrics.jsonl: the start record maps hosts to ranks,
+    # each train record names the slowest rank (the one that waits least) and its host
+    import socket
+    from mpitrain.testing.mpirun import run_mpi
+    from .helpers import QUICKSTART
+    overrides = ["model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=12",
+                 "training.log_interval=4", "data.chunk_frames=20000",
+                 "parallel.method=allreduce", "parallel.straggler.ranks=[1]",
+                 "parallel.straggler.slowdown=20",
+                 f"data.train={small_corpus}/train", f"data.dev={small_corpus}/dev"]
+    argv = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    for item in overrides:
+        argv += ["--set", item]
+    result = run_mpi(2, argv, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    start = next(r for r in records if r["type"] == "start")
+    host = socket.gethostname()
+    assert start["hosts"] == {host: [0, 1]} and start["gpus"] is None
+    train = [r for r in records if r["type"] == "train"]
+    assert train and all(r["slowest_rank"] == 1 and r["slowest_host"] == host
+                         for r in train), train

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 
 import numpy as np
@@ -101,6 +102,10 @@ class Trainer(CheckpointResume):
             raise TrainingError(str(exc)) from None
         # Collective: every rank agrees on how device buffers travel before step 1.
         self.transport = comm.setup_device_transport(self.xp)
+        # Collective: where each rank runs, for the start record (a slow node is
+        # found from the train records' slowest_rank)
+        self.placement = comm.allgather_obj(
+            [socket.gethostname(), backend.device_index(self.xp)])
         if not cfg.data.train:
             raise TrainingError("data.train: no training corpus given (set data.train "
                                 "in the config or with --set data.train=DIR)")
@@ -472,6 +477,7 @@ class Trainer(CheckpointResume):
         self.log.write("start", step=self.step, total_steps=self.total_steps,
                        planned_steps=self.planned_steps,
                        ranks=comm.size, device=backend.device_name(xp),
+                       hosts=self._hosts(), gpus=self._gpus(),
                        transport=self.transport, transport_reason=self._transport_reason(),
                        precision=cfg.precision, strategy=self.strategy.name,
                        optimizer=self.optimizer.name)
@@ -560,9 +566,14 @@ class Trainer(CheckpointResume):
                 now = comm.wtime()
                 comm_now = comm.comm_time
                 loss_sum, correct_sum, frames, skipped = training_step.take_sums()
-                sums = np.array([loss_sum, correct_sum, frames, comm_now - comm_at_window,
-                                 skipped], dtype=np.float64)
+                # and each rank's time in communication, in a slot of its own
+                sums = np.zeros(5 + comm.size, dtype=np.float64)
+                sums[:5] = [loss_sum, correct_sum, frames, comm_now - comm_at_window, skipped]
+                sums[5 + comm.rank] = comm_now - comm_at_window
                 comm.allreduce_(sums, op="sum")
+                # the others wait for the slowest rank: it spent the least time communicating
+                # (none is named for a window without communication)
+                slowest = int(np.argmin(sums[5:])) if sums[5:].max() > 0 else None
                 elapsed = now - window_start
                 per_step = (now - run_start) / max(self.step - self._start_step, 1)
                 skipped = int(sums[4])
@@ -576,6 +587,9 @@ class Trainer(CheckpointResume):
                               "acc": sums[1] / sums[2], "lr": lr,
                               "frames_per_sec": sums[2] / elapsed,
                               "comm_fraction": min(1.0, sums[3] / comm.size / elapsed),
+                              "slowest_rank": slowest,
+                              "slowest_host": None if slowest is None
+                              else self.placement[slowest][0],
                               "skipped": skipped, "rss_mb": resident_mb(),
                               # rank 0's own CPU time: steady even when the machine is shared
                               "cpu_ms_per_step": 1e3 * (time.process_time() - cpu_at_window)
@@ -744,6 +758,18 @@ class Trainer(CheckpointResume):
     def _transport_reason(self) -> str:
         return self.comm.transport_reason
 
+    def _hosts(self) -> dict:
+        """{host: [its ranks]}, hosts in the order of their first rank."""
+        hosts: dict = {}
+        for rank, (host, _) in enumerate(self.placement):
+            hosts.setdefault(host, []).append(rank)
+        return hosts
+
+    def _gpus(self):
+        """Each rank's CUDA device number on its host, None on the CPU."""
+        gpus = [device for _, device in self.placement]
+        return None if all(device is None for device in gpus) else gpus
+
     def _banner(self) -> str:
         cfg, net = self.cfg, self.net
         device = backend.device_name(self.xp)
@@ -751,7 +777,11 @@ class Trainer(CheckpointResume):
             reason = self._transport_reason()
             device += (f" ({cfg.precision}), transport {self.transport}"
                        + (f" ({reason})" if reason else ""))
-        return (f"mpitrain: {self.comm.size} rank(s), device {device}, "
+        hosts = self._hosts()
+        per_host = sorted({len(ranks) for ranks in hosts.values()})
+        where = (f" on {len(hosts)} hosts ({'-'.join(map(str, per_host))} per host)"
+                 if len(hosts) > 1 else "")
+        return (f"mpitrain: {self.comm.size} rank(s){where}, device {device}, "
                 f"strategy {self.strategy.name}, optimizer {self.optimizer.name}; model "
                 f"{net.input_dim}-{cfg.model.hidden_layers}x{cfg.model.hidden_dim}-"
                 f"{net.num_classes} ({net.num_params:,} params); {self.steps_per_epoch} "
