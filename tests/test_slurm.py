@@ -8,8 +8,10 @@ unless MPITRAIN_TEST_SLURM=1 says they must run, when they fail instead.
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -285,3 +287,42 @@ def test_an_attempt_stopped_before_its_first_checkpoint_starts_again(small_corpu
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "holds an attempt without a checkpoint; starting again" in result.stderr
     assert (run_dir / "final.h5").exists()
+
+
+def test_a_refused_requeue_at_the_time_limit_leaves_the_run_going(tmp_path):
+    """USR1 near the time limit when `scontrol requeue` fails (a job submitted with
+    --no-requeue, requeues disabled): the script says so and waits for the run
+    instead of exiting at once, which would have Slurm kill the run; paths with
+    spaces throughout."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    run_dir = tmp_path / "run dir"
+    config = tmp_path / "my configs" / "run.yaml"
+    config.parent.mkdir()
+    config.write_text("training:\n  epochs: 1\n")
+    started = tmp_path / "launched"
+    # the MPI launcher: a checkpoint appears, then the run goes on a while and ends well
+    (bin_dir / "launch").write_text(
+        "#!/bin/bash\nsleep 0.2\n"
+        f"touch {json.dumps(str(run_dir))}/ckpt-00000010.h5 {json.dumps(str(started))}\n"
+        "sleep 3\necho run-finished\n")
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/bash\necho 'scontrol: error: Requested operation is presently disabled' >&2\n"
+        "exit 1\n")
+    for name in ("launch", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               RUN_DIR=str(run_dir), LAUNCHER="mpirun", MPIEXEC=str(bin_dir / "launch"),
+               SLURM_NTASKS="2", SLURM_JOB_ID="77", VENV=str(tmp_path / "no-venv"))
+    script = subprocess.Popen(["bash", os.path.join(SLURM_DIR, "train.sbatch"), str(config)],
+                              env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert started.exists()
+    script.send_signal(signal.SIGUSR1)
+    out, err = script.communicate(timeout=60)
+    assert script.returncode == 0, out + err
+    assert "requeueing to resume" in out and "scontrol requeue failed" in err, out + err
+    assert "run-finished" in out, out + err
