@@ -326,3 +326,26 @@ def test_a_refused_requeue_at_the_time_limit_leaves_the_run_going(tmp_path):
     assert script.returncode == 0, out + err
     assert "requeueing to resume" in out and "scontrol requeue failed" in err, out + err
     assert "run-finished" in out, out + err
+
+
+@pytest.mark.parametrize("name", ["run[1]", "run *", "run?"])
+def test_a_run_directory_named_with_glob_characters_is_resumed_not_overwritten(tmp_path,
+                                                                               name):
+    # a requeued job whose RUN_DIR holds checkpoints must resume them, whatever the
+    # name: '--overwrite' would delete them
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    for done in ("config.yaml", "metrics.jsonl", "ckpt-00000010.h5"):
+        (run_dir / done).write_text("")
+    launch = tmp_path / "launch"
+    launch.write_text("#!/bin/bash\nprintf '<%s>' \"$@\"\n")
+    launch.chmod(0o755)
+    env = dict(os.environ, RUN_DIR=str(run_dir), LAUNCHER="mpirun", MPIEXEC=str(launch),
+               SLURM_NTASKS="2", VENV=str(tmp_path / "no-venv"))
+    result = subprocess.run(["bash", os.path.join(SLURM_DIR, "train.sbatch"), "run.yaml"],
+                            env=env, cwd=str(tmp_path), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    launched = result.stdout.splitlines()[-1]
+    assert f"<--run-dir><{run_dir}><--resume>" in launched, result.stdout + result.stderr
+    assert "--overwrite" not in launched
