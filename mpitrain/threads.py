@@ -202,6 +202,15 @@ def user_set_blas_env() -> bool:
                for name in BLAS_ENV)
 
 
+def current_blas_threads() -> Optional[int]:
+    """The threads numpy's BLAS uses now (the largest of its pools), None when
+    threadpoolctl sees no BLAS."""
+    from threadpoolctl import threadpool_info
+    counts = [pool["num_threads"] for pool in threadpool_info()
+              if pool.get("user_api") == "blas"]
+    return max(counts) if counts else None
+
+
 def apply_blas_threads(requested: int, *, device: str, ranks_on_node: int,
                        cores: Optional[int] = None) -> int:
     """After numpy loads: limit its BLAS to the policy's thread count (``requested`` 0:

@@ -311,6 +311,7 @@ def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_co
     start = next(r for r in records if r["type"] == "start")
     host = socket.gethostname()
     assert start["hosts"] == {host: [0, 1]} and start["gpus"] is None
+    assert isinstance(start["blas_threads"], int) and start["blas_threads"] >= 1
     train = [r for r in records if r["type"] == "train"]
     assert train and all(r["slowest_rank"] == 1 and r["slowest_host"] == host
                          for r in train), train

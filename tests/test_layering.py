@@ -32,7 +32,7 @@ ALLOWED = {
     "export": {"backend", "data", "files", "nn"},
     "convert": {"files", "nn"},
     "train": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
-              "plotting"},
+              "plotting", "threads"},
     "bench": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
               "plotting", "testing", "threads", "train"},
     "cli": {"backend", "bench", "comm", "config", "convert", "data", "export", "files", "nn",

@@ -166,3 +166,12 @@ def test_the_users_blas_variables_are_left_alone(monkeypatch):
     threads.preset_blas_env()
     cli._limit_blas_threads(cfg, _Comm(bound))
     assert applied == []
+
+
+def test_current_blas_threads_follows_the_limit():
+    from threadpoolctl import threadpool_limits
+    from mpitrain.threads import current_blas_threads
+    with threadpool_limits(1):
+        assert current_blas_threads() == 1
+    with threadpool_limits(2):
+        assert current_blas_threads() == 2

@@ -28,6 +28,7 @@ from ..nn.model_file import save_model
 from ..nn.network import build_network
 from ..optim.factory import build_optimizer, build_schedule
 from ..parallel.registry import build_strategy, data_share, takes_own_steps
+from ..threads import current_blas_threads
 from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, save_checkpoint
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
@@ -480,7 +481,7 @@ class Trainer(CheckpointResume):
                        hosts=self._hosts(), gpus=self._gpus(),
                        transport=self.transport, transport_reason=self._transport_reason(),
                        precision=cfg.precision, strategy=self.strategy.name,
-                       optimizer=self.optimizer.name)
+                       optimizer=self.optimizer.name, blas_threads=current_blas_threads())
         # the communicator's clock: wall time under MPI, simulated time on virtual ranks
         run_start, self._start_step = comm.wtime(), self.step
         self._run_start = run_start
