@@ -47,8 +47,8 @@ def assumptions(options: BenchOptions, compute) -> list:
         assumptions(BenchOptions(), ComputeModel(step_seconds=0.002))
     """
     return [
-        f"Virtual ranks: N ranks in one process run the trainer's own code; times are "
-        f"simulated, not measured.",
+        "Virtual ranks: N ranks in one process run the trainer's own code; times are "
+        "simulated, not measured.",
         f"Compute: {compute.describe()} for every step a rank trains ("
         + ("given with --compute-ms" if options.compute_seconds else
            "measured once on this machine for the model") + ").",

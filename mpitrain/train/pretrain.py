@@ -110,7 +110,7 @@ class Pretrainer:
         self.cmvn = (np.asarray(m.cmvn_mean, dtype=np.float32),
                      (1.0 / np.sqrt(var)).astype(np.float32))
         self._build_data()
-        p, t = cfg.pretrain, cfg.training
+        p = cfg.pretrain
         self.every_steps = max(1, p.average_every_frames // p.minibatch)
         self.strategy = ModelAveraging(comm, every_steps=self.every_steps,
                                        average_momentum=cfg.parallel.average_momentum)
