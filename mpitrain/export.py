@@ -63,7 +63,8 @@ def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
     for lo in range(0, n, batch):
         idx = xp.arange(lo, min(lo + batch, n))
         ctx = splice_indices(idx, start[idx], end[idx], net.left_context, net.right_context)
-        logp = log_softmax(net.forward(splice(frames, ctx)))
+        # a batch shorter than ``batch`` has a length of its own: its buffers go
+        logp = log_softmax(net.forward(splice(frames, ctx), keep_buffers=len(idx) == batch))
         out[lo:lo + len(idx)] = backend.to_host(logp) + offsets
     return out
 

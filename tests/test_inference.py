@@ -41,3 +41,18 @@ def test_bad_features_name_the_model(model_and_feats):
     with pytest.raises(ValueError, match=r"model.h5: expected one utterance's features of "
                                          r"shape \(frames, 3\)"):
         model.predict(feats[:, :2])
+
+
+def test_scoring_utterances_of_many_lengths_does_not_grow_memory(model_and_feats):
+    path, _ = model_and_feats
+    model = mpitrain.load_model(path)
+    rng = np.random.default_rng(0)
+
+    def held():
+        return sum(len(c._buffers.keys()) for c in model.net.components
+                   if hasattr(c, "_buffers"))
+    model.log_posteriors(rng.normal(size=(40, 3)), batch=16)
+    before = held()
+    for frames in range(1, 60):     # every length a new last-batch size
+        model.log_posteriors(rng.normal(size=(frames, 3)), batch=16)
+    assert held() == before

@@ -59,10 +59,25 @@ class Component(ABC):
 
 
 class BufferCache:
-    """Per-shape scratch arrays, reused across minibatches of the same size."""
+    """Per-shape scratch arrays, reused across minibatches of the same size.
+
+    Kept until released: a caller that passes rows of many different counts
+    (one utterance at a time) releases what it no longer needs with
+    :meth:`release_except`, or memory grows with every new count.
+    """
 
     def __init__(self):
         self._arrays = {}
+
+    def keys(self) -> set:
+        """The buffers held now (to release later the ones added since)."""
+        return set(self._arrays)
+
+    def release_except(self, keep) -> None:
+        """Forget every buffer whose key is not in ``keep``; arrays still referenced
+        elsewhere stay valid, the rest are freed."""
+        for key in [k for k in self._arrays if k not in keep]:
+            del self._arrays[key]
 
     def get(self, name, shape, xp, dtype):
         key = (name, tuple(shape), dtype, xp.__name__)

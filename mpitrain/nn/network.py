@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from .affine import Affine
-from .component import Component
+from .component import BufferCache, Component
 from .loss import SoftmaxCrossEntropy
 from .nonlinear import Normalize, PNorm, ReLU, Sigmoid
 
@@ -139,9 +139,24 @@ class Network:
             return first.input_view(batch, self.xp)
         return None
 
-    def forward(self, x, *, dropout=None):
+    def forward(self, x, *, dropout=None, keep_buffers: bool = True):
         """Logits for the rows of ``x`` (N, input_dim); ``dropout`` (a
-        :class:`~mpitrain.nn.dropout.DropoutMasks`) masks hidden-layer outputs."""
+        :class:`~mpitrain.nn.dropout.DropoutMasks`) masks hidden-layer outputs.
+
+        The layers keep scratch buffers per row count for the next pass of that
+        size.  ``keep_buffers=False``: a row count seen once (the last, shorter
+        batch of an utterance); the buffers this pass had to add are released
+        after it, so scoring many utterances of different lengths does not grow
+        memory with each new length.  The logits stay valid.
+        """
+        if not keep_buffers:
+            caches = self._buffer_caches()
+            held = [cache.keys() for cache in caches]
+            try:
+                return self.forward(x, dropout=dropout)
+            finally:
+                for cache, keys in zip(caches, held):
+                    cache.release_except(keys)
         h = x
         comps = self.components
         masked = dropout is not None and dropout.active
@@ -200,9 +215,14 @@ class Network:
             self._dropout_in_use = None
         return result
 
-    def evaluate_batch(self, x, labels, *, into=None):
-        """(summed loss, correct count) of a minibatch, or added to ``into``."""
-        logits = self.forward(x)
+    def _buffer_caches(self) -> list:
+        return [c._buffers for c in self.components
+                if isinstance(getattr(c, "_buffers", None), BufferCache)]
+
+    def evaluate_batch(self, x, labels, *, into=None, keep_buffers: bool = True):
+        """(summed loss, correct count) of a minibatch, or added to ``into``
+        (``keep_buffers``: as for :meth:`forward`)."""
+        logits = self.forward(x, keep_buffers=keep_buffers)
         return self.loss.forward(logits, labels, need_grad=False, into=into)
 
 

@@ -86,7 +86,9 @@ def evaluate_chunks(net, chunks) -> tuple:
         for lo in range(0, len(labels), EVAL_BATCH):
             idx = xp.arange(lo, min(lo + EVAL_BATCH, len(labels)))
             ctx = splice_indices(idx, start[idx], end[idx], net.left_context, net.right_context)
-            net.evaluate_batch(splice(feats, ctx), labels[idx], into=sums)
+            # each chunk's last, shorter batch: buffers of its own size, not kept
+            net.evaluate_batch(splice(feats, ctx), labels[idx], into=sums,
+                               keep_buffers=len(idx) == EVAL_BATCH)
             frames += len(idx)
     total, correct = backend.to_host(sums)
     return float(total), int(round(correct)), frames

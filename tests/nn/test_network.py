@@ -57,3 +57,29 @@ def test_parameters_are_views_of_one_flat_buffer():
         assert np.shares_memory(layer.block, net.params)
         assert np.shares_memory(layer.grad_block, net.grads)
     assert net.num_params == (4 + 1) * 6 + (6 + 1) * 6 + (6 + 1) * 3
+
+
+
+def _held_buffers(net):
+    return sum(len(c._buffers.keys()) for c in net.components if hasattr(c, "_buffers"))
+
+
+@pytest.mark.parametrize("nonlinearity", ["relu", "sigmoid", "pnorm"])
+def test_forward_without_keeping_buffers_releases_only_what_it_added(nonlinearity):
+    def network():
+        net = build_network(feat_dim=3, num_classes=4, left_context=1, right_context=1,
+                            hidden_layers=2, hidden_dim=8, nonlinearity=nonlinearity,
+                            pnorm_output_dim=4, normalize=True)
+        net.init_params(seed=1)
+        return net
+    net, reference = network(), network()
+    rng = np.random.default_rng(0)
+    net.forward(rng.normal(size=(16, 9)).astype(np.float32))
+    held, first = _held_buffers(net), net.first_input_view(16)
+    for rows in range(1, 12):          # one pass per length, as utterances come
+        x = rng.normal(size=(rows, 9)).astype(np.float32)
+        got = net.forward(x, keep_buffers=False)
+        np.testing.assert_array_equal(got, reference.forward(x))
+        assert _held_buffers(net) == held             # nothing of `rows` rows stays
+    # the buffers held before (a training step splices into the first) are the same
+    assert net.first_input_view(16).ctypes.data == first.ctypes.data

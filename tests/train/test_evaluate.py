@@ -68,3 +68,15 @@ def test_cap_shares_fill_what_each_rank_holds():
     assert cap_shares([10, 10], 100) == [10, 10]          # all there is
     assert cap_shares([5, 0, 7], 3) == [2, 0, 1]
     assert sum(cap_shares([3, 50, 1, 20], 40)) == 40
+
+
+def test_chunks_of_many_sizes_leave_no_buffers_of_their_sizes(small_corpus):
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    net = _network(dev, 2)
+    feats, labels, start, end = load_eval_chunks(dev, net)[0]
+    evaluate_chunks(net, [(feats, labels[:50], start[:50], end[:50])])
+    held = sum(len(c._buffers.keys()) for c in net.components if hasattr(c, "_buffers"))
+    for n in range(51, 70):          # each chunk's last batch a size of its own
+        evaluate_chunks(net, [(feats, labels[:n], start[:n], np.minimum(end[:n], n))])
+    assert sum(len(c._buffers.keys()) for c in net.components
+               if hasattr(c, "_buffers")) == held
