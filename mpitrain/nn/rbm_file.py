@@ -125,7 +125,9 @@ def save_rbm_stack(path, stack: RBMStack) -> None:
 
 
 def load_rbm_stack(path, *, xp=np) -> RBMStack:
-    """Read, check and verify (checksum, finite values) a stack file.
+    """Read, check and verify (checksum, finite values) a stack file, or the stack
+    of a pretraining checkpoint written at the end of a layer (one written inside
+    a layer is refused: its top RBM is part-trained).
 
     Example::
 
@@ -133,12 +135,20 @@ def load_rbm_stack(path, *, xp=np) -> RBMStack:
         [rbm.hidden_dim for rbm in stack.rbms]
     """
     with open_h5_for_reading(path, "RBM stack") as f, reading_errors(path, "RBM stack"):
-        group = f
+        group, done = f, None
         if "stack" in f:            # a pretraining checkpoint
             problem = link_problem(f, "stack", path, what="RBM stack")
             if problem:
                 raise ValueError(problem)
             group = f["stack"]
+            # it also holds the RBM being trained when it was written
+            done = _int_attr(f, "layer", path, 0, MAX_LAYERS)
         stack = read_stack_group(group, path, xp=xp)
+        if done is not None and len(stack.rbms) > done:
+            raise ValueError(
+                f"{path}: a pretraining checkpoint written during layer {done + 1} (step "
+                f"{f.attrs.get('layer_step')} of {f.attrs.get('layer_steps')}), whose RBM is "
+                "not fully trained; use the run's pretrain.h5, or a checkpoint written at "
+                "the end of a layer")
         verify_file(f, path, what="RBM stack")
     return stack

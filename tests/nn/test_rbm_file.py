@@ -48,3 +48,32 @@ def test_declared_sizes_are_checked_before_reading(tmp_path):
         f.attrs["layers"] = '[{"visible": "poisson", "visible_dim": 6, "hidden_dim": 4}]'
     with pytest.raises(ValueError, match="attribute 'layers'"):
         load_rbm_stack(path)
+
+
+def _checkpoint(path, *, layer, layer_step, layer_steps):
+    from mpitrain.h5io import atomic_h5_file
+    from mpitrain.nn.rbm_file import write_stack_group
+    with atomic_h5_file(path, checksum=True, what="checkpoint") as f:
+        f.attrs["format"] = "mpitrain-pretrain-checkpoint"
+        f.attrs["layer"], f.attrs["layer_step"] = layer, layer_step
+        f.attrs["layer_steps"] = layer_steps
+        write_stack_group(f.create_group("stack"), _stack())
+    return path
+
+
+def test_a_checkpoint_from_a_layers_end_gives_its_stack(tmp_path):
+    path = _checkpoint(str(tmp_path / "ckpt-00000040.h5"), layer=2, layer_step=0,
+                       layer_steps=0)
+    assert len(load_rbm_stack(path).rbms) == 2
+
+
+def test_a_checkpoint_inside_a_layer_is_refused_in_one_line(tmp_path):
+    # the stack's second RBM had 60 of its 179 steps
+    path = _checkpoint(str(tmp_path / "ckpt-00000239.h5"), layer=1, layer_step=60,
+                       layer_steps=179)
+    with pytest.raises(ValueError) as err:
+        load_rbm_stack(path)
+    assert str(err.value) == (
+        f"{path}: a pretraining checkpoint written during layer 2 (step 60 of 179), whose "
+        "RBM is not fully trained; use the run's pretrain.h5, or a checkpoint written at "
+        "the end of a layer")
