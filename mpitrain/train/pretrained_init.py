@@ -10,6 +10,8 @@ difference is one line naming ``model.init_from`` and the field.
 
 from __future__ import annotations
 
+import os
+
 from ..nn.affine import Affine
 from ..nn.rbm_file import load_rbm_stack
 
@@ -24,6 +26,9 @@ def init_from_pretrained(net, cfg) -> None:
     """
     path = cfg.model.init_from
     where = f"model.init_from: {path}"
+    if os.path.isdir(path):
+        raise ValueError(f"{where}: is a directory; name the RBM stack file in it (the "
+                         "pretraining run's pretrain.h5)")
     try:
         stack = load_rbm_stack(path, xp=net.xp)
     except FileNotFoundError:

@@ -121,6 +121,12 @@ def test_a_stack_that_does_not_fit_the_model_is_one_line_naming_the_key(
         "model.nonlinearity=sigmoid", f"model.init_from={tmp_path / 'missing.h5'}"]))
     err = capsys.readouterr().err.strip()
     assert code == 2 and "model.init_from" in err and "not found" in err
+    code = main(_argv("train", tmp_path / "run3", small_corpus, [
+        "model.nonlinearity=sigmoid", f"model.init_from={pre}"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.endswith("is a directory; name the RBM stack file in it (the pretraining run's "
+                        "pretrain.h5)"), err
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_on_resume(small_corpus, tmp_path):
