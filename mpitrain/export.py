@@ -217,6 +217,8 @@ class ArkWriter:
         try:
             self._write(key, matrix)
         except BrokenPipeError:
+            if self.ark.strip() == "-":
+                raise           # our stdout's reader left: quiet, as any Unix tool
             raise OSError(self._why_the_reader_left()) from None
         except OSError as exc:                  # a full disk: name the archive
             full = disk_full_error(exc, self.ark.strip())

@@ -91,6 +91,28 @@ def test_export_to_stdout_writes_only_the_archive(tiny):
     assert b"1 of 3 pdfs were never seen" in result.stderr
 
 
+def test_stdout_closed_by_its_reader_ends_quietly_as_a_unix_tool(tiny):
+    # `export --out ark:- | head`: the reader of our stdout went away; as any
+    # command whose output is cut short (docs/reliability.md): no message, status 141
+    import subprocess
+    import sys
+    import kaldiio
+    d, model, _ = tiny
+    rng = np.random.default_rng(1)
+    # far more than a pipe holds, so the writer meets the closed pipe
+    kaldiio.save_ark(str(d / "big.ark"),
+                     {f"u{i}": rng.standard_normal((400, 4)).astype(np.float32)
+                      for i in range(100)})
+    process = subprocess.Popen([sys.executable, "-m", "mpitrain", "export", str(model),
+                                "--feats", f"ark:{d}/big.ark", "--out", "ark,t:-"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=d)
+    process.stdout.read(10)
+    process.stdout.close()
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141, err
+    assert b"error" not in err, err
+
+
 def test_unseen_pdfs_get_a_very_low_score_and_one_warning(tiny, capsys):
     from mpitrain.export import UNSEEN_SCORE
     loglikes = _export(tiny)
