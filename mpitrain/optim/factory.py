@@ -54,7 +54,9 @@ def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int, progres
     if name == "search":
         from .search import SearchSchedule
         chunk_steps = max(1, round(opt_cfg.search_chunk_frames / max(frames_per_step, 1)))
-        trial_steps = max(1, round(opt_cfg.search_trial_fraction * chunk_steps))
+        # at least two: a trial scores each minibatch before its update, so the first
+        # score is the same at every rate and one minibatch alone cannot tell them apart
+        trial_steps = max(2, round(opt_cfg.search_trial_fraction * chunk_steps))
         return SearchSchedule(initial, factors=opt_cfg.search_factors, chunk_steps=chunk_steps,
                               trial_steps=trial_steps)
     if name == "newbob":

@@ -4,7 +4,7 @@ Rule.  The run is cut into chunks of ``chunk_steps`` minibatches (about an
 hour of frames over all ranks: ``optimizer.search_chunk_frames``).  Before
 each chunk, for every factor f in ``optimizer.search_factors`` (0.5, 1, 2),
 a trial trains ``trial_steps`` minibatches (``search_trial_fraction``, ~3% of
-the chunk) at rate ``r f`` from the current weights; the trial's objective is
+the chunk, at least two) at rate ``r f`` from the current weights; the trial's objective is
 its training cross-entropy per frame over all ranks' frames (each minibatch is
 scored before its update: progressive validation).  The chunk is trained at
 ``r <- r f*`` with f* the factor of the lowest objective (the first one on a

@@ -114,3 +114,14 @@ def test_factory_builds_each_schedule_and_cuts_search_chunks_in_steps():
     search = build_schedule(cfg("search", search_chunk_frames=360_000), planned_steps=100,
                             frames_per_step=512)
     assert search.chunk_steps == 703 and search.trial_steps == 21     # 360000 / 512, 3%
+
+
+def test_search_trials_are_long_enough_to_tell_the_rates_apart():
+    # each trial minibatch is scored before its update, so the first one's score
+    # never depends on the trial rate: a one-minibatch trial ties every factor and
+    # the search always took the first (halving the rate chunk after chunk)
+    cfg = OptimizerConfig(schedule="search", initial_learning_rate=0.008,
+                          search_chunk_frames=360_000)
+    # an hour of frames over 32 ranks of 256-frame minibatches: 44 steps a chunk
+    search = build_schedule(cfg, planned_steps=100, frames_per_step=32 * 256)
+    assert search.chunk_steps == 44 and search.trial_steps == 2

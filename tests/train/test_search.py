@@ -85,7 +85,8 @@ def test_two_ranks_agree_on_every_search(small_corpus, tmp_path):
     states = [trainer.schedule.state_dict() for trainer, _ in pairs]
     assert states[0] == states[1]
     assert states[0]["searches"] == 2                   # steps 0 and 39 (10000 / 256)
-    # trial frames over both ranks: 2 searches x 3 factors x 1 step x 128 frames x 2 ranks
-    assert pairs[0][1]["trial_frames"] == 2 * 3 * 1 * 128 * 2
+    # trial frames over both ranks: 2 searches x 3 factors x 2 steps (the least a trial
+    # takes) x 128 frames x 2 ranks
+    assert pairs[0][1]["trial_frames"] == 2 * 3 * 2 * 128 * 2
     with open(os.path.join(tmp_path, "run", "metrics.jsonl")) as fh:
         assert fh.read().count('"type": "search"') == 2
