@@ -37,7 +37,7 @@ import numpy as np
 from .. import backend
 from ..config import config_from_yaml, config_to_yaml, dump_config
 from ..data.batcher import MinibatchStream, plan_chunks, read_chunk
-from ..data.corpus import CorpusError, load_manifest
+from ..data.corpus import CorpusError
 from ..data.splice import splice_batch_
 from ..data.validate import validate_slices
 from ..files import remove_stale_temporaries
@@ -49,7 +49,7 @@ from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import RunDirLock, changed_settings, clear_run, corpus_places
-from .trainer import TrainingError, balanced_plan, no_minibatch_error
+from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
 RESULT_NAME = "pretrain.h5"
@@ -100,11 +100,11 @@ class Pretrainer:
             raise TrainingError(str(exc)) from None
         if not cfg.data.train:
             raise TrainingError("data.train: no training corpus given (set data.train "
-                                "in the config or with --set data.train=DIR)")
+                                "in the config or with --set data.train=DIR)", agreed=True)
         if cfg.model.hidden_layers < 1:
             raise TrainingError("model.hidden_layers: pretraining needs at least one hidden "
                                 "layer, got 0")
-        self.manifest = load_manifest(cfg.data.train)
+        self.manifest, _ = load_manifests(comm, cfg.data.train)
         m = self.manifest
         var = np.maximum(np.asarray(m.cmvn_var, dtype=np.float64), 1e-8)
         self.cmvn = (np.asarray(m.cmvn_mean, dtype=np.float32),

@@ -56,6 +56,25 @@ def balanced_plan(manifest, size: int) -> list:
     return plan
 
 
+def load_manifests(comm, train: str, dev: str = "") -> tuple:
+    """(training manifest, held-out manifest or None), read on every rank.
+
+    All ranks read the same files, so a wrong ``data.train`` or ``data.dev``
+    fails on all of them together: then it is one line from rank 0 (an agreed
+    error).  A rank that alone cannot read them (a file system missing on one
+    node) raises an error of its own, which aborts the job.
+    """
+    error, manifests = None, None
+    try:
+        manifests = (load_manifest(train), load_manifest(dev) if dev else None)
+    except (ValueError, OSError) as exc:
+        error = exc
+    failed = int(comm.allreduce_scalar(0 if error is None else 1, op="sum"))
+    if error is not None:
+        raise TrainingError(str(error), agreed=failed == comm.size) from None
+    return manifests
+
+
 def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
                        key: str) -> TrainingError:
     """The error when some rank's share holds no complete minibatch, the same on
@@ -109,7 +128,7 @@ class Trainer(CheckpointResume):
             [socket.gethostname(), backend.device_index(self.xp)])
         if not cfg.data.train:
             raise TrainingError("data.train: no training corpus given (set data.train "
-                                "in the config or with --set data.train=DIR)")
+                                "in the config or with --set data.train=DIR)", agreed=True)
         if cfg.training.plot and self.is_root:
             try:
                 import matplotlib  # noqa: F401  (checked now, not after hours of training)
@@ -122,8 +141,7 @@ class Trainer(CheckpointResume):
                 require_tensorboard()
             except ValueError as exc:
                 raise TrainingError(str(exc)) from None
-        self.manifest = load_manifest(cfg.data.train)
-        self.dev_manifest = load_manifest(cfg.data.dev) if cfg.data.dev else None
+        self.manifest, self.dev_manifest = load_manifests(comm, cfg.data.train, cfg.data.dev)
         self._build_model()
         self._build_data()
         try:

@@ -256,6 +256,22 @@ def test_unreadable_shard_on_one_rank_ends_the_job(small_corpus, tmp_path):
     assert not (tmp_path / "run").exists()                       # nothing was written
 
 
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("which", ["train", "dev"])
+def test_a_corpus_no_rank_finds_is_one_line_from_rank_0(small_corpus, tmp_path, which):
+    # every rank reads the same corpus.yaml: a wrong data.train or data.dev is one
+    # line, from rank 0, and no abort (it was one line and an MPI abort per rank)
+    missing = str(tmp_path / "nowhere")
+    result = train_on_ranks(2, tmp_path / "run", small_corpus,
+                            TINY + [f"data.{which}={missing}"], timeout=90)
+    assert result.returncode == 2, mpi_output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, mpi_output(result)
+    assert lines[0].startswith("mpitrain train: error: ") and "nowhere" in lines[0] \
+        and "corpus.yaml: not found" in lines[0], mpi_output(result)
+    assert not (tmp_path / "run").exists()
+
 @pytest.mark.mpi
 def test_shard_going_bad_mid_training_ends_the_job(small_corpus, tmp_path):
     # rank 1's shards are truncated after 3 minibatches; with 2000-frame chunks a
