@@ -246,6 +246,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from threadpoolctl import threadpool_limits
     threadpool_limits(args.threads)
     comm = create_communicator("auto")
+    try:
+        import torch  # noqa: F401  (every rank's environment alike: all stop here together)
+    except ImportError:
+        if comm.rank == 0:
+            print("mpitrain.bench.ddp_compare: error: PyTorch is not installed; this "
+                  "benchmark compares with it: pip install torch (CPU wheel: pip install "
+                  "torch --index-url https://download.pytorch.org/whl/cpu)",
+                  file=sys.stderr, flush=True)
+        return 2
     install_abort_hook(comm)     # a failing rank ends the job instead of hanging the others
     result = run(comm, args)
     if comm.rank == 0:

@@ -26,3 +26,16 @@ def test_ddp_comparison_runs_and_reports(tmp_path):
     assert "torch DDP" in names and "torch averager/8" in names
     assert all(r["fps"] > 0 for r in summary["rows"])
     assert "mpitrain / torch frames/s:" in result.stdout
+
+
+def test_without_pytorch_it_says_so_in_one_line(tmp_path):
+    try:
+        import torch  # noqa: F401
+        pytest.skip("PyTorch is installed: the refusal cannot be seen")
+    except ImportError:
+        pass
+    result = run_mpi(2, ["-m", "mpitrain.bench.ddp_compare", "--model", "tiny", "--rounds",
+                         "1"], timeout=120)
+    assert result.returncode == 2, _output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "PyTorch is not installed" in lines[0], _output(result)
