@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import numpy as np
@@ -98,6 +99,13 @@ def main(argv=None) -> int:
     for flag in ("hidden", "layers", "classes", "minibatch", "rounds", "steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.device == "gpu":
+        from .. import backend
+        try:
+            backend.select("gpu")
+        except backend.DeviceError as exc:    # no CuPy or no GPU: say so, no traceback
+            print(f"{p.prog}: error: {exc}", file=sys.stderr)
+            return 2
     result = measure(hidden=args.hidden, layers=args.layers, classes=args.classes,
                      minibatch=args.minibatch, rounds=args.rounds, steps=args.steps,
                      device=args.device, cuda_graph=args.cuda_graph,

@@ -52,3 +52,13 @@ def test_counts_below_one_are_refused(flag, capsys):
     with pytest.raises(SystemExit):
         ngsgd_overhead.main([flag, "0"])
     assert f"{flag} must be >= 1" in capsys.readouterr().err
+
+
+def test_device_gpu_without_cupy_or_a_gpu_is_one_line(capsys):
+    from mpitrain import backend
+    from mpitrain.bench.ngsgd_overhead import main
+    if backend.gpu_available():
+        pytest.skip("a GPU is present: the refusal cannot be seen")
+    assert main(["--device", "gpu", "--rounds", "1", "--steps", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error: device: gpu" in err[0], err

@@ -190,3 +190,13 @@ def test_main_without_torch_reports_mpitrain_and_gemm(monkeypatch, tmp_path, cap
     saved = json.loads(out.read_text())
     assert saved["machine"]["torch"] is None
     assert [r["model"] for r in saved["rows"]] == ["tiny"]
+
+
+def test_device_gpu_without_cupy_or_a_gpu_is_one_line(capsys):
+    from mpitrain import backend
+    if backend.gpu_available():
+        pytest.skip("a GPU is present: the refusal cannot be seen")
+    assert tp.main(["--device", "gpu", "--models", "quick", "--rounds", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m mpitrain.bench.throughput: error: "
+                                               "device: gpu"), err
