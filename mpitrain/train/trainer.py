@@ -223,7 +223,10 @@ class Trainer(CheckpointResume):
     def _build_data(self) -> None:
         cfg, comm = self.cfg, self.comm
         # which part of the data this rank trains on (a parameter server: none)
-        share, shares = data_share(cfg, rank=comm.rank, size=comm.size)
+        try:
+            share, shares = data_share(cfg, rank=comm.rank, size=comm.size)
+        except ValueError as exc:        # from the settings and the rank count: every rank's
+            raise TrainingError(str(exc), agreed=True) from None
         try:
             slices = balanced_plan(self.manifest, shares)[share] if share is not None else []
         except CorpusError as exc:

@@ -272,6 +272,21 @@ def test_a_corpus_no_rank_finds_is_one_line_from_rank_0(small_corpus, tmp_path, 
         and "corpus.yaml: not found" in lines[0], mpi_output(result)
     assert not (tmp_path / "run").exists()
 
+
+@pytest.mark.mpi
+def test_too_few_ranks_for_the_parameter_servers_is_one_line_from_rank_0(small_corpus,
+                                                                         tmp_path):
+    # every rank knows the rank count: one line from rank 0 and no abort
+    result = train_on_ranks(2, tmp_path / "run", small_corpus,
+                            TINY + ["parallel.method=param_server", "parallel.servers=2"],
+                            timeout=90)
+    assert result.returncode == 2, mpi_output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("mpitrain train: error: parallel.method: "
+                                                   "param_server with 2 server rank(s) needs "
+                                                   "at least 3 ranks"), mpi_output(result)
+    assert not (tmp_path / "run").exists()
+
 @pytest.mark.mpi
 def test_shard_going_bad_mid_training_ends_the_job(small_corpus, tmp_path):
     # rank 1's shards are truncated after 3 minibatches; with 2000-frame chunks a
