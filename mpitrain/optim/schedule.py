@@ -85,6 +85,10 @@ class Schedule(ABC):
         """Take the epoch's held-out results; returns what was decided (for the log)."""
         return {}
 
+    def after_roll_back(self) -> None:
+        """The trainer rolled back to a checkpoint (this schedule's state restored) and
+        lowered its rate scale, because training diverged."""
+
     def state_dict(self) -> dict:
         """Named scalars that continue this schedule exactly."""
         return {}

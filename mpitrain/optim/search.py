@@ -11,6 +11,11 @@ scored before its update: progressive validation).  The chunk is trained at
 tie; a non-finite trial never wins; if all are non-finite the smallest rate is
 kept).  ``r`` starts at ``optimizer.initial_learning_rate``.
 
+After a roll back (training diverged; the trainer's rate scale was lowered)
+the next search tries no factor above 1: otherwise a short trial, which does
+not see the divergence, picks the higher rate and the scale's cut is undone
+(factor 2 after a halving retrains at the rate that diverged).
+
 This class decides; running a trial (and putting the weights, the optimizer
 and the reader back afterwards) is the trainer's (``train/search.py``), given
 as the ``trial`` callable, so the objectives arrive already combined over ranks
@@ -50,6 +55,7 @@ class SearchSchedule(Schedule):
         self.searched_at = -1        # the step whose chunk already has its rate
         self.searches = 0
         self.trial_frames = 0        # frames the trials trained on, summed over ranks
+        self.held_back = False       # the next search tries no factor above 1
 
     def rate(self, step: int) -> float:
         return self.current
@@ -60,7 +66,11 @@ class SearchSchedule(Schedule):
     def search(self, step: int, trial) -> dict:
         """Try every factor with ``trial(rate) -> (objective, frames)`` and keep the best
         rate; returns the rates tried, their objectives and the choice."""
-        rates = [self.current * f for f in self.factors]
+        factors = self.factors
+        if self.held_back:
+            factors = tuple(f for f in factors if f <= 1.0) or (min(factors),)
+            self.held_back = False
+        rates = [self.current * f for f in factors]
         objectives = []
         for rate in rates:
             objective, frames = trial(rate)
@@ -76,9 +86,13 @@ class SearchSchedule(Schedule):
         self.searches += 1
         return {"rates": rates, "objectives": objectives, "chosen": self.current}
 
+    def after_roll_back(self) -> None:
+        self.held_back = True
+
     def state_dict(self) -> dict:
         return {"rate": self.current, "searched_at": self.searched_at,
-                "searches": self.searches, "trial_frames": self.trial_frames}
+                "searches": self.searches, "trial_frames": self.trial_frames,
+                "held_back": int(self.held_back)}
 
     def load_state_dict(self, state: dict) -> None:
         if "rate" not in state:
@@ -90,3 +104,4 @@ class SearchSchedule(Schedule):
         self.searched_at = int(state.get("searched_at", -1))
         self.searches = int(state.get("searches", 0))
         self.trial_frames = int(state.get("trial_frames", 0))
+        self.held_back = bool(state.get("held_back", 0))

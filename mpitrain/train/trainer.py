@@ -391,6 +391,7 @@ class Trainer(CheckpointResume):
             where = "the initial model"
         self.guard.load_state_dict(counts)
         self.guard.events, self.guard.running_mean = 0, None
+        self.schedule.after_roll_back()
         lr_scale, rollbacks = self.guard.lr_scale, self.guard.rollbacks
         self._say(f"divergence: {reason}; rolled back to {where} (step {self.step}), "
                   f"learning rate x{lr_scale:g} (roll back {rollbacks} of "

@@ -125,3 +125,23 @@ def test_search_trials_are_long_enough_to_tell_the_rates_apart():
     # an hour of frames over 32 ranks of 256-frame minibatches: 44 steps a chunk
     search = build_schedule(cfg, planned_steps=100, frames_per_step=32 * 256)
     assert search.chunk_steps == 44 and search.trial_steps == 2
+
+
+def test_after_a_roll_back_the_next_search_tries_no_higher_rate():
+    # a short trial does not see a divergence: factor 2 would undo the roll back's cut
+    sched = SearchSchedule(0.008, factors=(0.5, 1.0, 2.0), chunk_steps=10, trial_steps=2)
+    sched.after_roll_back()
+    restored = SearchSchedule(0.008, factors=(0.5, 1.0, 2.0), chunk_steps=10, trial_steps=2)
+    restored.load_state_dict(sched.state_dict())
+    for s in (sched, restored):
+        calls = []
+        s.search(0, _scripted_trial([2.0, 1.0], calls))
+        assert calls == [0.004, 0.008] and s.rate(0) == 0.008
+        calls = []
+        s.search(10, _scripted_trial([3.0, 2.0, 1.0], calls))       # then as before
+        assert calls == [0.004, 0.008, 0.016] and s.rate(10) == 0.016
+    only_up = SearchSchedule(0.008, factors=(2.0, 4.0), chunk_steps=10, trial_steps=2)
+    only_up.after_roll_back()
+    calls = []
+    only_up.search(0, _scripted_trial([1.0], calls))
+    assert calls == [0.016]                  # the smallest factor when none is <= 1

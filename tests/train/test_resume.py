@@ -40,3 +40,20 @@ def test_a_roll_back_before_any_checkpoint_restores_the_start_exactly(small_corp
     assert np.array_equal(trainer.optimizer.delta, start["momentum"])
     for key, value in trainer.strategy.state_dict().items():
         assert np.array_equal(value, start[key]), key
+
+
+def test_a_roll_back_holds_the_search_back_from_a_higher_rate(small_corpus, tmp_path):
+    # the roll back halves the rate scale; the next search must not double it back
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "optimizer.schedule=search",
+        "training.max_steps=10", "training.checkpoint_interval=0", "training.eval_interval=0"])
+    trainer = Trainer(cfg, comm=SingleCommunicator(), run_dir=str(tmp_path / "run"),
+                      stream=io.StringIO())
+    trainer._roll_back("a test")
+    assert trainer.guard.lr_scale == 0.5 and trainer.schedule.held_back
+    tried = []
+    trainer.schedule.search(0, lambda rate: tried.append(rate) or (1.0, 128))
+    base = cfg.optimizer.initial_learning_rate
+    assert tried == [0.5 * base, base]        # no factor 2
+    assert not trainer.schedule.held_back
+    trainer.close()
