@@ -406,7 +406,7 @@ def _model_file(path: str, command: str, *, stream=None) -> str:
 def cmd_eval(args) -> int:
     from .data.corpus import load_manifest, speaker_cmvn_kind
     from .nn.model_file import load_model
-    from .train.evaluate import evaluate_chunks, load_eval_chunks
+    from .train.evaluate import evaluate_chunks, iter_eval_chunks
     args.model = _model_file(args.model, "eval")
     net, _ = load_model(args.model)
     manifest = load_manifest(args.corpus_dir)
@@ -423,7 +423,8 @@ def cmd_eval(args) -> int:
                          f"{speaker_cmvn_kind(manifest.speaker_cmvn)}, but the model "
                          f"{args.model} was trained with "
                          f"{speaker_cmvn_kind(net.speaker_cmvn)}; prepare the corpus alike")
-    total, correct, frames = evaluate_chunks(net, load_eval_chunks(manifest, net,
+    # one chunk in memory at a time: a test set of any size scores in flat memory
+    total, correct, frames = evaluate_chunks(net, iter_eval_chunks(manifest, net,
                                                                    max_frames=args.max_frames))
     if frames == 0:
         raise UsageError(f"{args.corpus_dir}: no frames to evaluate")

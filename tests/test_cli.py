@@ -95,6 +95,37 @@ def test_eval_rejects_a_mismatched_corpus(tmp_path, capsys):
     assert "feat_dim 6" in capsys.readouterr().err
 
 
+
+def test_eval_reads_the_corpus_one_chunk_at_a_time(tmp_path, capsys, monkeypatch):
+    """A test set of any size: the chunks scored before are gone when the next is read."""
+    import weakref
+
+    import numpy as np
+    from mpitrain.data.writer import CorpusWriter
+    from mpitrain.nn.model_file import save_model
+    from mpitrain.nn.network import build_network
+    from mpitrain.train import evaluate
+    net = build_network(feat_dim=5, num_classes=3, left_context=1, right_context=1,
+                        hidden_layers=1, hidden_dim=4)
+    save_model(tmp_path / "m.h5", net)
+    rng = np.random.default_rng(0)
+    with CorpusWriter(str(tmp_path / "c"), feat_dim=5, num_classes=3, num_shards=6) as w:
+        for u in range(6):                 # one utterance, so one chunk, per shard
+            w.add(f"u{u}", rng.standard_normal((40, 5)).astype(np.float32),
+                  rng.integers(0, 3, 40).astype(np.int32))
+    read, held = evaluate.read_chunk, []
+
+    def reading(*args):
+        held.append(sum(ref() is not None for ref in refs))
+        chunk = read(*args)
+        refs.append(weakref.ref(chunk[0]))
+        return chunk
+    refs = []
+    monkeypatch.setattr(evaluate, "read_chunk", reading)
+    assert main(["eval", str(tmp_path / "m.h5"), str(tmp_path / "c")]) == 0
+    assert "frames 240 " in capsys.readouterr().out
+    assert len(held) == 6 and max(held) <= 1, held
+
 # -- entry points: version, no command, init, synth under mpiexec ----------------------------
 
 def test_help_never_doubles_a_default():

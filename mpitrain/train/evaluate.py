@@ -42,11 +42,23 @@ def cap_shares(available, cap: int) -> list:
 
 
 def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames: int = 0):
-    """This rank's part of a corpus, normalised with the network's CMVN, on its device.
+    """This rank's part of a corpus, normalised with the network's CMVN, on its device,
+    all in memory (for a set scored again and again: the held-out set of a run).
 
     Example::
 
         chunks = load_eval_chunks(load_manifest("corpus/dev"), net)
+    """
+    return list(iter_eval_chunks(manifest, net, rank=rank, size=size, max_frames=max_frames))
+
+
+def iter_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames: int = 0):
+    """The chunks of :func:`load_eval_chunks`, each read when the one before has been
+    taken: scoring a corpus once holds one chunk in memory, not the corpus.
+
+    Example::
+
+        evaluate_chunks(net, iter_eval_chunks(load_manifest("corpus/test"), net))
     """
     if max_frames < 0:
         raise ValueError(f"max_frames must be >= 0 (0: all frames), got {max_frames}")
@@ -61,8 +73,13 @@ def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames:
         limit = cap_shares([sum(s.frames for s in part) for part in plan],
                            max_frames)[rank] if max_frames else None
     mean, scale = backend.to_host(net.cmvn_mean), backend.to_host(net.cmvn_scale)
-    chunks, taken = [], 0
-    for spec in plan_chunks(manifest, slices, 100_000):
+    return _read_eval_chunks(manifest, net, plan_chunks(manifest, slices, 100_000), limit,
+                             mean, scale)
+
+
+def _read_eval_chunks(manifest, net, specs, limit, mean, scale):
+    taken = 0
+    for spec in specs:
         feats, labels, start, end = read_chunk(manifest, spec, mean, scale)
         if limit is not None and taken + len(labels) > limit:
             keep = limit - taken
@@ -70,11 +87,13 @@ def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames:
             reach = min(len(labels), keep + net.right_context)
             feats, labels = feats[:reach], labels[:keep]
             start, end = start[:keep], np.minimum(end[:keep], reach)
-        chunks.append(tuple(backend.to_device(a, net.xp) for a in (feats, labels, start, end)))
-        taken += len(labels)
+        chunk = tuple(backend.to_device(a, net.xp) for a in (feats, labels, start, end))
+        del feats, labels, start, end        # only the caller holds the chunk now
+        taken += len(chunk[1])
+        yield chunk
+        del chunk
         if limit is not None and taken >= limit:
             break
-    return chunks
 
 
 def evaluate_chunks(net, chunks) -> tuple:

@@ -7,7 +7,7 @@ import pytest
 
 from mpitrain.data.corpus import load_manifest
 from mpitrain.nn.network import build_network
-from mpitrain.train.evaluate import evaluate_chunks, load_eval_chunks
+from mpitrain.train.evaluate import evaluate_chunks, iter_eval_chunks, load_eval_chunks
 
 
 def _network(manifest, context):
@@ -80,3 +80,19 @@ def test_chunks_of_many_sizes_leave_no_buffers_of_their_sizes(small_corpus):
         evaluate_chunks(net, [(feats, labels[:n], start[:n], np.minimum(end[:n], n))])
     assert sum(len(c._buffers.keys()) for c in net.components
                if hasattr(c, "_buffers")) == held
+
+
+@pytest.mark.parametrize("cap", [0, 1500])
+def test_chunks_read_one_at_a_time_are_those_loaded_at_once(small_corpus, cap):
+    train = load_manifest(os.path.join(small_corpus, "train"))
+    net = _network(train, 2)
+    loaded = load_eval_chunks(train, net, rank=1, size=2, max_frames=cap)
+    streamed = iter_eval_chunks(train, net, rank=1, size=2, max_frames=cap)
+    assert not isinstance(streamed, (list, tuple))        # read as they are taken
+    streamed = list(streamed)
+    assert len(streamed) == len(loaded)
+    for got, expected in zip(streamed, loaded):
+        for a, b in zip(got, expected):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="max_frames must be >= 0"):
+        iter_eval_chunks(train, net, max_frames=-1)       # refused before any read
