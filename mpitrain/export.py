@@ -24,12 +24,13 @@ utterance is done, so an error never leaves a partial archive behind.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 
 import numpy as np
 
 from . import backend
-from .files import commit, discard, disk_full_error, temporary_path
+from .files import commit, discard, disk_full_error, remove_stale_temporaries, temporary_path
 from .data.cmvn import SpeakerCmvn
 from .data.kaldi_read import read_feature_matrices, split_rspecifier
 from .data.splice import frame_utterance_bounds, splice, splice_indices
@@ -190,6 +191,12 @@ class ArkWriter:
         self.text, self.ark, self.scp = parse_wspecifier(wspec)
         self._targets = [p for p in (self.ark, self.scp) if p is not None and not _is_stream(p)]
         self._tmp = {p: temporary_path(p) for p in self._targets}
+        for target in self._targets:
+            # an export of this file killed before left its partial copy (only this
+            # file's: other jobs may write beside it)
+            with contextlib.suppress(OSError):
+                remove_stale_temporaries(os.path.dirname(os.path.abspath(target)),
+                                         of={os.path.basename(target)})
         self._files = []
         self._position = 0       # bytes written to the ark, for the scp offsets
         try:

@@ -48,23 +48,29 @@ def temporary_path(path) -> str:
 TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)")
 
 
-def remove_stale_temporaries(directory) -> list:
+def remove_stale_temporaries(directory, *, of=None) -> list:
     """Delete the temporaries that writers killed mid-write left in ``directory``.
 
     Only regular files named exactly as :func:`temporary_path` names them are
     removed (not this process's own); call it before the program writes in
-    ``directory``, when no other process writes there.  Returns the removed
-    paths, sorted.
+    ``directory``, when no other process writes there.  ``of``: only the
+    temporaries of the files named so (a collection of names, or a compiled
+    pattern the whole name must match), for a directory other programs write
+    in too.  Returns the removed paths, sorted.
 
     Example::
 
         remove_stale_temporaries("runs/x")   # ['runs/x/.ckpt-00000100.h5.tmp-4242']
+        remove_stale_temporaries("exp", of={"loglikes.ark"})
     """
     directory = os.fspath(directory)
     removed = []
     for name in sorted(os.listdir(directory)):
         match = TEMPORARY_NAME.fullmatch(name)
         if not match or int(match.group("pid")) == os.getpid():
+            continue
+        if of is not None and not (of.fullmatch(match.group("name")) if hasattr(of, "fullmatch")
+                                   else match.group("name") in of):
             continue
         path = os.path.join(directory, name)
         with contextlib.suppress(FileNotFoundError):

@@ -72,6 +72,21 @@ def _export(tiny, *extra):
     return dict(kaldiio.load_ark(str(out)))
 
 
+def test_partial_archives_of_a_killed_export_do_not_pile_up(tiny):
+    """An export killed mid-write and run again: the partial copies of its --out files
+    go; those of other outputs in the directory (other jobs') stay."""
+    from mpitrain.files import temporary_path
+    d, model, _ = tiny
+    (d / "out").mkdir()
+    for pid in (11, 12):
+        for name in ("ll.ark", "ll.scp", "ll.2.ark"):
+            stale = temporary_path(d / "out" / name).replace(f"-{os.getpid()}", f"-{pid}")
+            (d / "out" / os.path.basename(stale)).write_bytes(b"x" * 100)
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark,scp:{d}/out/ll.ark,{d}/out/ll.scp"]) == 0
+    assert sorted(os.listdir(d / "out")) == [".ll.2.ark.tmp-11", ".ll.2.ark.tmp-12", "ll.ark",
+                                             "ll.scp"]
+
 def test_export_to_stdout_writes_only_the_archive(tiny):
     import io
     import subprocess

@@ -116,6 +116,17 @@ def test_stale_temporaries_of_any_writer_are_removed(tmp_path):
     assert sorted(os.listdir(tmp_path)) == [f".x.tmp-{os.getpid()}", "final.h5"]
 
 
+
+def test_stale_temporaries_of_named_files_only(tmp_path):
+    import re
+    for target in ("ll.1.ark", "ll.2.ark", "shard-00003.h5", "notes.txt"):
+        open(temporary_path(tmp_path / target).replace(f"-{os.getpid()}", "-1"), "w").close()
+    removed = remove_stale_temporaries(tmp_path, of={"ll.1.ark"})
+    assert [os.path.basename(p) for p in removed] == [".ll.1.ark.tmp-1"]
+    removed = remove_stale_temporaries(tmp_path, of=re.compile(r"shard-[0-9]+\.h5"))
+    assert [os.path.basename(p) for p in removed] == [".shard-00003.h5.tmp-1"]
+    assert sorted(os.listdir(tmp_path)) == [".ll.2.ark.tmp-1", ".notes.txt.tmp-1"]
+
 def test_yaml_files_keep_text_outside_ascii_as_it_is(tmp_path):
     # utterance ids and paths in reports and manifests must be found by grep
     path = write_yaml(tmp_path / "report.yaml", {"missing": ["spk\u00dcml\u00e4ut-utt004"],

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 
 import numpy as np
 
-from ..files import disk_full_error
-from .corpus import (CorpusError, CorpusManifest, MomentAccumulator, ShardInfo, manifest_path,
-                     shard_name, write_manifest)
+from ..files import disk_full_error, remove_stale_temporaries
+from .corpus import (MANIFEST_NAME, CorpusError, CorpusManifest, MomentAccumulator, ShardInfo,
+                     manifest_path, shard_name, write_manifest)
 from .shards import ShardBuilder, check_utterance
+
+#: The files a corpus writer writes: their temporaries left by a killed writer go.
+_CORPUS_FILES = re.compile(r"shard-[0-9]+\.h5|" + re.escape(MANIFEST_NAME))
 
 
 class CorpusWriter:
@@ -62,6 +66,8 @@ class CorpusWriter:
                               "choose another directory or pass overwrite=True (--overwrite on the command line)")
         # An existing corpus stays whole until the new one is complete (close()).
         os.makedirs(self.out_dir, exist_ok=True)
+        # a writer killed here before (a job run again) left its partial shards
+        self.removed_temporaries = remove_stale_temporaries(self.out_dir, of=_CORPUS_FILES)
 
         self._builders = []
         try:

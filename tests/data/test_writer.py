@@ -139,3 +139,23 @@ def test_a_full_disk_names_the_shard_and_leaves_no_temporaries(tmp_path, monkeyp
             for utt in make_utterances(12, num_classes=5):
                 writer.add(*utt)
     assert os.listdir(out) == []
+
+
+def test_partial_shards_of_a_killed_writer_do_not_pile_up(tmp_path):
+    """A prepare or synth killed mid-write and run again: its partial shards (as large
+    as the shards) go; files of other writers in the directory stay."""
+    from mpitrain.files import temporary_path
+    out = tmp_path / "corpus"
+    out.mkdir()
+    for pid in (11, 12):                 # two killed attempts
+        for name in ("shard-00000.h5", "shard-00001.h5", "corpus.yaml", "notes.txt"):
+            stale = temporary_path(out / name).replace(f"-{os.getpid()}", f"-{pid}")
+            with open(stale, "wb") as fh:
+                fh.write(b"x" * 100)
+    utts = make_utterances(6, num_classes=3)
+    with CorpusWriter(str(out), feat_dim=6, num_classes=3, num_shards=2) as writer:
+        for utt in utts:
+            writer.add(*utt)
+    assert sorted(os.listdir(out)) == [".notes.txt.tmp-11", ".notes.txt.tmp-12", "corpus.yaml",
+                                       "shard-00000.h5", "shard-00001.h5"]
+    assert len(writer.removed_temporaries) == 6
