@@ -368,9 +368,13 @@ def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str
 
 def sync_period(cfg, group, method: str) -> int:
     """Steps between the method's synchronisations under ``cfg`` (1: every step)."""
-    # building a strategy communicates nothing; only its period is needed here
+    # only its period is needed here (every rank of the group builds it)
     run_cfg = _with(cfg, parallel__method=method, **jobs_within(cfg, group.size))
-    return int(build_strategy(run_cfg, group, total_steps=1).sync_period)
+    strategy = build_strategy(run_cfg, group, total_steps=1)
+    try:
+        return int(strategy.sync_period)
+    finally:
+        strategy.close()
 
 
 def steps_per_epoch_one_rank(cfg) -> int:

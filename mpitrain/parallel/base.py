@@ -113,6 +113,12 @@ class Strategy:
     def load_rank_state_dict(self, state: dict) -> None:
         """Restore :meth:`rank_state_dict`'s result (resume on the same number of ranks)."""
 
+    def close(self) -> None:
+        """Release what the strategy holds beyond its run (communicators it split
+        off, with their device routes); collective, as freeing them is.  The
+        trainer calls it when it closes; a process that builds many strategies (a
+        benchmark) would otherwise keep every one's."""
+
 
 def every_steps_from(cfg) -> int:
     """Minibatches between syncs: ``parallel.average_every_frames`` wins when set."""

@@ -104,6 +104,15 @@ class NodeRingMixing(Strategy):
     def models_agree(self, step: int) -> bool:
         return self.num_nodes == 1
 
+    def close(self) -> None:
+        # the node and leader communicators (and their NCCL communicators on GPUs)
+        for name in ("node_comm", "leaders"):
+            sub = getattr(self, name)
+            if sub is not None:
+                sub.free()
+                setattr(self, name, None)
+        self.ring = None
+
     def finalize(self, net, optimizer, step: int = 0) -> None:
         self._final_local = net.params.copy()
         if self.comm.size > 1:

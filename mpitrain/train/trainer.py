@@ -108,6 +108,7 @@ class Trainer(CheckpointResume):
         self.is_root = comm.rank == 0
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._lock = None            # rank 0's lock on the run directory, while it runs
+        self._ran = False            # run() returned (on every rank)
         self._graph_said = False     # cuda_graph asked for and not used: said once
         # Nothing is written before the run is validated: lines wait for the log.
         self._stream_out = stream
@@ -495,7 +496,9 @@ class Trainer(CheckpointResume):
         cfg, xp, net, comm = self.cfg, self.xp, self.net, self.comm
         self._open_run_dir()
         if self._complete is not None:
-            return self._leave_complete_run()
+            result = self._leave_complete_run()
+            self._ran = True
+            return result
         self.log.say(self._banner())
         self.log.write("start", step=self.step, total_steps=self.total_steps,
                        planned_steps=self.planned_steps,
@@ -550,6 +553,7 @@ class Trainer(CheckpointResume):
         self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "
                      f"{format_duration(result['seconds'])}{trouble}; model "
                      f"{self.run_dir}/final.h5{best}")
+        self._ran = True
         return result
 
     def _train_to_end(self, run_start: float):
@@ -813,6 +817,10 @@ class Trainer(CheckpointResume):
 
     def close(self) -> None:
         self.stream.close()
+        if self._ran:
+            # after a run that ended on every rank alike (freeing what the strategy
+            # split off is collective: a rank that failed alone must not wait there)
+            self.strategy.close()
         if self.log is not None:
             self.log.close()
         if self._lock is not None:

@@ -91,6 +91,30 @@ def test_learns_and_resumes_bit_exactly_on_virtual_ranks(small_corpus, tmp_path)
     assert train[-1]["xent"] < train[0]["xent"], train
 
 
+def test_the_communicators_it_splits_off_are_freed_after_the_run(small_corpus, tmp_path,
+                                                                 monkeypatch):
+    """A process that builds many strategies (bench: every size, repeat and phase)
+    must not keep every one's node and leader communicators (NCCL's on GPUs)."""
+    from mpitrain.bench.phases import sync_period
+    from mpitrain.comm.virtual import VirtualCommunicator
+    made, freed = [], []
+    split = VirtualCommunicator.split
+
+    def splitting(self, color, key=0):
+        sub = split(self, color, key)
+        if sub is not None:
+            made.append(sub)
+        return sub
+    monkeypatch.setattr(VirtualCommunicator, "split", splitting)
+    monkeypatch.setattr(VirtualCommunicator, "free", lambda self: freed.append(self))
+    _virtual(small_corpus, tmp_path / "run", 4, ["training.max_steps=8"])
+    assert len(made) == 6 and sorted(map(id, freed)) == sorted(map(id, made))
+    made.clear()
+    freed.clear()
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + HIER)
+    assert VirtualCluster(4).run(lambda comm: sync_period(cfg, comm, "adpsgd")) == [1] * 4
+    assert len(made) == 6 and sorted(map(id, freed)) == sorted(map(id, made))
+
 @pytest.mark.parametrize("setting,named", [
     (["parallel.method=model_averaging", "parallel.hierarchical=true"], "parallel.hierarchical"),
     (HIER + ["parallel.delay_by_one=true"], "parallel.delay_by_one"),
