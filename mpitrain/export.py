@@ -263,6 +263,13 @@ class ArkWriter:
         """Flush and rename the files into place (the ark before its scp)."""
         self._close_files()
         for name in self._targets:
+            if not os.path.exists(self._tmp[name]):
+                # an export of the same --out started later took it as a killed one's
+                self.abort()
+                raise OSError(f"--out {self.ark.strip()}: another export wrote {name} at the "
+                              "same time (the partial copy is gone); give each export an "
+                              "--out of its own")
+        for name in self._targets:
             commit(self._tmp[name], name)
 
     def abort(self) -> None:

@@ -87,6 +87,17 @@ def test_partial_archives_of_a_killed_export_do_not_pile_up(tiny):
     assert sorted(os.listdir(d / "out")) == [".ll.2.ark.tmp-11", ".ll.2.ark.tmp-12", "ll.ark",
                                              "ll.scp"]
 
+
+def test_an_export_of_the_same_out_at_the_same_time_is_named(tmp_path):
+    from mpitrain.export import ArkWriter
+    writer = ArkWriter(f"ark,scp:{tmp_path}/ll.ark,{tmp_path}/ll.scp")
+    writer.write("u1", np.zeros((2, 3), np.float32))
+    os.remove(writer._tmp[f"{tmp_path}/ll.ark"])        # as an export started later does
+    with pytest.raises(OSError, match=r"another export wrote .*ll.ark at the same time"):
+        with writer:
+            pass
+    assert os.listdir(tmp_path) == []
+
 def test_export_to_stdout_writes_only_the_archive(tiny):
     import io
     import subprocess

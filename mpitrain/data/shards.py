@@ -126,6 +126,7 @@ class ShardBuilder:
         self.path = str(path)
         self.feat_dim = int(feat_dim)
         self._tmp = temporary_path(self.path)
+        self.temporary = self._tmp        # where it is written until commit()
         self._finished = False
         self._rows = chunk_rows(self.feat_dim)
         self._file = _h5py().File(self._tmp, "w")

@@ -140,6 +140,12 @@ class CorpusWriter:
         """Put the finished shards in place of a corpus written here before: its
         manifest goes first (a crash in between leaves no corpus that looks
         finished), then its shards beyond the new count."""
+        for builder in builders:
+            if not os.path.exists(builder.temporary):
+                # a writer started later on this directory took it as a killed one's
+                raise CorpusError(f"{self.out_dir}: another process wrote this corpus at the "
+                                  f"same time (the partial {os.path.basename(builder.path)} "
+                                  "is gone); write a corpus directory with one process")
         old_manifest = manifest_path(self.out_dir)
         if os.path.exists(old_manifest):
             os.remove(old_manifest)

@@ -159,3 +159,18 @@ def test_partial_shards_of_a_killed_writer_do_not_pile_up(tmp_path):
     assert sorted(os.listdir(out)) == [".notes.txt.tmp-11", ".notes.txt.tmp-12", "corpus.yaml",
                                        "shard-00000.h5", "shard-00001.h5"]
     assert len(writer.removed_temporaries) == 6
+
+
+def test_a_second_writer_of_the_directory_at_the_same_time_is_named(tmp_path):
+    """Its partial shards taken for a killed writer's: the first writer stops with one
+    line, and the corpus the second one wrote keeps its manifest."""
+    out = str(tmp_path / "corpus")
+    utts = make_utterances(6, num_classes=3)
+    first = CorpusWriter(out, feat_dim=6, num_classes=3, num_shards=2)
+    for utt in utts:
+        first.add(*utt)
+    os.remove(first._builders[1].temporary)      # as a writer started later does
+    with pytest.raises(CorpusError, match=r"corpus: another process wrote this corpus at "
+                                          r"the same time \(the partial shard-00001.h5"):
+        first.close()
+    assert os.listdir(out) == []
