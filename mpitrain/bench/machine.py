@@ -34,6 +34,19 @@ import numpy as np
 from mpitrain.threads import BLAS_ENV
 
 
+def device_problem(device: str) -> Optional[str]:
+    """Why ``device`` cannot be used here (no CuPy, or no GPU), None when it can;
+    selects it for the array backend."""
+    if device != "gpu":
+        return None
+    from .. import backend
+    try:
+        backend.select("gpu")
+    except backend.DeviceError as exc:
+        return str(exc)
+    return None
+
+
 def import_torch():
     """The ``torch`` module, or None when PyTorch is not installed."""
     try:

@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from ..files import atomic_open
+from .machine import device_problem
 
 
 def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
@@ -99,13 +100,10 @@ def main(argv=None) -> int:
     for flag in ("hidden", "layers", "classes", "minibatch", "rounds", "steps"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.device == "gpu":
-        from .. import backend
-        try:
-            backend.select("gpu")
-        except backend.DeviceError as exc:    # no CuPy or no GPU: say so, no traceback
-            print(f"{p.prog}: error: {exc}", file=sys.stderr)
-            return 2
+    problem = device_problem(args.device)
+    if problem:                           # no CuPy or no GPU: say so, no traceback
+        print(f"{p.prog}: error: {problem}", file=sys.stderr)
+        return 2
     result = measure(hidden=args.hidden, layers=args.layers, classes=args.classes,
                      minibatch=args.minibatch, rounds=args.rounds, steps=args.steps,
                      device=args.device, cuda_graph=args.cuda_graph,

@@ -548,13 +548,10 @@ def run(args: argparse.Namespace, *, log=None) -> list:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    if args.device == "gpu":
-        from mpitrain import backend
-        try:
-            backend.select("gpu")
-        except backend.DeviceError as exc:    # no CuPy or no GPU: say so, no traceback
-            print(f"python -m mpitrain.bench.throughput: error: {exc}", file=sys.stderr)
-            return 2
+    problem = machine.device_problem(args.device)
+    if problem:                           # no CuPy or no GPU: say so, no traceback
+        print(f"python -m mpitrain.bench.throughput: error: {problem}", file=sys.stderr)
+        return 2
     info = machine.machine_info(args.device)
     if info["torch"] is None and not args.no_torch:
         print(TORCH_MISSING, file=sys.stderr)
