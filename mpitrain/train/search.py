@@ -30,16 +30,20 @@ from .step import TrainingStep
 
 
 class _Alone:
-    """The strategy of a trial step: this rank trains alone, nothing is exchanged."""
+    """The strategy of a trial step: this rank trains alone, nothing is exchanged;
+    the L2 term is scaled as the run's strategy scales it at the trial's rate."""
 
     reduces_gradients = False
     straggler = None
+
+    def __init__(self):
+        self.l2 = 1.0
 
     def learning_rate(self, lr: float, step: int = 0) -> float:
         return lr
 
     def l2_factor(self, step: int = 0) -> float:
-        return 1.0
+        return self.l2
 
     def is_active(self, step: int) -> bool:
         return True
@@ -58,7 +62,8 @@ class RateTrials:
                  left_context: int, right_context: int):
         self.net, self.optimizer, self.strategy = net, optimizer, strategy
         self.stream, self.comm = stream, comm
-        self.step = TrainingStep(net, optimizer, _Alone(), minibatch=minibatch,
+        self._alone = _Alone()
+        self.step = TrainingStep(net, optimizer, self._alone, minibatch=minibatch,
                                  left_context=left_context, right_context=right_context)
 
     def run(self, rate: float, *, steps: int, step: int) -> tuple:
@@ -70,6 +75,8 @@ class RateTrials:
         reader = dict(stream.state_dict())
         # the rate real steps would take here (kaldi scales it by its number of jobs)
         lr = self.strategy.learning_rate(rate, step)
+        # and the L2 term as scaled there (kaldi: by 1/its number of jobs)
+        self._alone.l2 = self.strategy.l2_factor(step)
         self.step.take_sums()                     # start from empty sums
         try:
             for n in range(steps):

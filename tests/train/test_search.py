@@ -90,3 +90,41 @@ def test_two_ranks_agree_on_every_search(small_corpus, tmp_path):
     assert pairs[0][1]["trial_frames"] == 2 * 3 * 2 * 128 * 2
     with open(os.path.join(tmp_path, "run", "metrics.jsonl")) as fh:
         assert fh.read().count('"type": "search"') == 2
+
+
+class _JobsAveraging:
+    """A strategy that trains at 4 times the rate with the L2 term scaled by 1/4
+    (as Kaldi's averaging of 4 jobs)."""
+
+    def learning_rate(self, lr, step=0):
+        return 4 * lr
+
+    def l2_factor(self, step=0):
+        return 0.25
+
+
+def test_a_trial_scales_the_l2_term_as_the_real_steps_at_its_rate(small_corpus, tmp_path):
+    # a trial at the strategy's rate (J lr) must shrink the weights as real steps
+    # there do: with the L2 term scaled by the strategy's 1/J, not by 1
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + [
+        "optimizer.l2_regularize=0.001"])
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), comm=SingleCommunicator())
+    try:
+        optimizer = trainer.optimizer
+        seen = []
+        step = optimizer.step
+
+        def recording_step(lr):
+            seen.append((lr, optimizer.l2_factor))
+            return step(lr)
+
+        optimizer.step = recording_step
+        cfg_ = trainer.cfg
+        trials = RateTrials(trainer.net, optimizer, _JobsAveraging(), trainer.stream,
+                            trainer.comm, minibatch=cfg_.training.minibatch,
+                            left_context=cfg_.data.left_context,
+                            right_context=cfg_.data.right_context)
+        trials.run(0.001, steps=2, step=0)
+    finally:
+        trainer.close()
+    assert seen and all(lr == 0.004 and factor == 0.25 for lr, factor in seen), seen
