@@ -201,7 +201,8 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
                 continue
             if labels.shape[0] != matrix.shape[0]:
                 lengths = (key, int(matrix.shape[0]), int(labels.shape[0]))
-                if abs(lengths[1] - lengths[2]) > length_tolerance:
+                # (an empty alignment is no utterance, whatever the tolerance)
+                if abs(lengths[1] - lengths[2]) > length_tolerance or not lengths[2]:
                     report.length_mismatch.append(lengths)
                     continue
                 report.trimmed.append(lengths)

@@ -224,3 +224,20 @@ def test_transition_ids_given_for_pdf_ids_are_pointed_out(kaldi_dir, capsys):
         import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/tids.ark", str(d / "c3"), num_classes=5)
     # pdf ids from 0 (the fixture's alignments) warn of nothing
     assert import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/ali.ark", str(d / "c4")).warnings == []
+
+
+def test_length_tolerance_skips_an_utterance_it_would_cut_to_nothing(tmp_path):
+    # an empty alignment within the tolerance of its features' length would leave no
+    # frame: the utterance is skipped as a mismatch, not the whole import failed
+    rng = np.random.default_rng(4)
+    feats = {"u0": rng.standard_normal((30, 4)).astype(np.float32),
+             "u1": rng.standard_normal((2, 4)).astype(np.float32)}
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
+    kaldiio.save_ark(str(tmp_path / "ali.ark"), {"u0": np.ones(30, dtype=np.int32),
+                                                  "u1": np.zeros(0, dtype=np.int32)})
+    report = import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
+                          str(tmp_path / "c"), length_tolerance=2, num_classes=2)
+    assert report.imported == 1
+    assert ("u1", 2, 0) in report.length_mismatch and not report.trimmed
+    _, data = read_corpus(tmp_path / "c")
+    assert set(data) == {"u0"}
