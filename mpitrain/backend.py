@@ -67,6 +67,16 @@ def select(device: str = "cpu", local_rank: int = 0):
     return cupy
 
 
+def select_for_run(device: str, device_rank: int, *, precision: str, fused_kernels: bool):
+    """:func:`select` the device of a training run, with the run's matrix-product
+    precision and fused kernels (a process may have set others before); raises
+    :class:`DeviceError` where they cannot be had."""
+    xp = select(device, device_rank)
+    set_fused_kernels(fused_kernels)
+    set_precision(xp, precision)
+    return xp
+
+
 def nccl_module(cupy=None):
     """CuPy's NCCL binding, or None when this CuPy build or machine has none.
 

@@ -91,11 +91,10 @@ class Pretrainer:
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._stream_out, self.log, self._pending = stream, None, []
         self._lock = None            # rank 0's lock on the run directory, while it runs
-        self.xp = backend.select(cfg.device, comm.device_rank)
-        # the same precision and kernels as `train` (a process may have set others)
-        backend.set_fused_kernels(cfg.fused_kernels)
-        try:
-            backend.set_precision(self.xp, cfg.precision)
+        try:        # the same precision and kernels as `train`
+            self.xp = backend.select_for_run(cfg.device, comm.device_rank,
+                                             precision=cfg.precision,
+                                             fused_kernels=cfg.fused_kernels)
         except backend.DeviceError as exc:
             raise TrainingError(str(exc)) from None
         if not cfg.data.train:

@@ -115,10 +115,10 @@ class Trainer(CheckpointResume):
         self.log = None
         self._pending_lines: list = []
         self._pending_records: list = []
-        self.xp = backend.select(cfg.device, comm.device_rank)
-        backend.set_fused_kernels(cfg.fused_kernels)
         try:
-            backend.set_precision(self.xp, cfg.precision)
+            self.xp = backend.select_for_run(cfg.device, comm.device_rank,
+                                             precision=cfg.precision,
+                                             fused_kernels=cfg.fused_kernels)
         except backend.DeviceError as exc:
             raise TrainingError(str(exc)) from None
         # Collective: every rank agrees on how device buffers travel before step 1.
