@@ -151,13 +151,22 @@ def _run_on_ranks(command: str, runner_class, cfg, args, *, default_suffix: str)
         if comm.rank != 0:
             return 2
         raise UsageError(problem)
+    from .train.stop import EXIT_STOPPED, stop_on_signals
     try:
-        runner = runner_class(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
-                              overwrite=args.overwrite, accept_changes=args.accept_changes)
-        try:
-            runner.run()
-        finally:
-            runner.close()
+        # SIGTERM, SIGUSR1, SIGUSR2: a checkpoint at the next point where the ranks
+        # agree, then exit status EXIT_STOPPED on every rank (train/stop.py)
+        with stop_on_signals():
+            runner = runner_class(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
+                                  overwrite=args.overwrite, accept_changes=args.accept_changes)
+            try:
+                result = runner.run()
+            finally:
+                runner.close()
+        if result.get("stopped"):
+            # every rank returns after rank 0 has written everything: a launcher may
+            # end the others once one rank exits with a non-zero status
+            comm.barrier()
+            return EXIT_STOPPED
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if getattr(exc, "agreed", False) or comm.size == 1:
             if comm.rank != 0:        # every rank stopped here: rank 0 says why

@@ -289,26 +289,39 @@ def test_an_attempt_stopped_before_its_first_checkpoint_starts_again(small_corpu
     assert (run_dir / "final.h5").exists()
 
 
+def test_usr1_near_the_time_limit_reaches_the_run_which_then_is_requeued(tmp_path):
+    """USR1 near the time limit: the script passes it to the launcher (which passes
+    it to the ranks), waits for the run to write its checkpoint and stop with status
+    75, then requeues the job.  Paths with spaces throughout."""
+    _time_limit_signal(tmp_path, requeue_works=True)
+
+
 def test_a_refused_requeue_at_the_time_limit_leaves_the_run_going(tmp_path):
-    """USR1 near the time limit when `scontrol requeue` fails (a job submitted with
-    --no-requeue, requeues disabled): the script says so and waits for the run
-    instead of exiting at once, which would have Slurm kill the run; paths with
-    spaces throughout."""
+    """The same when `scontrol requeue` fails (a job submitted with --no-requeue,
+    requeues disabled): the run is not cut short by the script's end; it stops
+    itself with its checkpoint, and the script says the requeue failed."""
+    _time_limit_signal(tmp_path, requeue_works=False)
+
+
+def _time_limit_signal(tmp_path, *, requeue_works):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     run_dir = tmp_path / "run dir"
     config = tmp_path / "my configs" / "run.yaml"
     config.parent.mkdir()
     config.write_text("training:\n  epochs: 1\n")
-    started = tmp_path / "launched"
-    # the MPI launcher: a checkpoint appears, then the run goes on a while and ends well
+    started, requeued = tmp_path / "launched", tmp_path / "requeued"
+    # the MPI launcher: on USR1 the run writes a checkpoint and stops with status 75
     (bin_dir / "launch").write_text(
-        "#!/bin/bash\nsleep 0.2\n"
-        f"touch {json.dumps(str(run_dir))}/ckpt-00000010.h5 {json.dumps(str(started))}\n"
-        "sleep 3\necho run-finished\n")
+        "#!/bin/bash\n"
+        f"trap 'touch {json.dumps(str(run_dir))}/ckpt-00000020.h5; echo run-stopped; exit 75'"
+        " USR1\n"
+        f"touch {json.dumps(str(started))}\n"
+        "for i in $(seq 300); do sleep 0.1; done\necho run-finished\n")
     (bin_dir / "scontrol").write_text(
-        "#!/bin/bash\necho 'scontrol: error: Requested operation is presently disabled' >&2\n"
-        "exit 1\n")
+        f"#!/bin/bash\necho \"$@\" > {json.dumps(str(requeued))}\n" + (
+            "exit 0\n" if requeue_works else
+            "echo 'scontrol: error: Requested operation is presently disabled' >&2\nexit 1\n"))
     for name in ("launch", "scontrol"):
         (bin_dir / name).chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
@@ -323,9 +336,38 @@ def test_a_refused_requeue_at_the_time_limit_leaves_the_run_going(tmp_path):
     assert started.exists()
     script.send_signal(signal.SIGUSR1)
     out, err = script.communicate(timeout=60)
+    assert script.returncode == 75, out + err
+    assert "run-stopped" in out and "run-finished" not in out, out + err
+    assert "requeueing to resume from the newest checkpoint" in out, out + err
+    assert requeued.read_text().split() == ["requeue", "77"]
+    assert ("scontrol requeue failed" in err) != requeue_works, out + err
+
+
+def test_a_run_that_ends_before_the_signal_is_not_requeued(tmp_path):
+    """USR1 to a run that finishes anyway (status 0): no requeue, status 0."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    run_dir, started = tmp_path / "run", tmp_path / "launched"
+    (bin_dir / "launch").write_text(
+        f"#!/bin/bash\ntrap 'echo got-usr1' USR1\ntouch {json.dumps(str(started))}\n"
+        "for i in $(seq 10); do sleep 0.1; done\necho run-finished\n")
+    (bin_dir / "scontrol").write_text("#!/bin/bash\necho scontrol-called\n")
+    for name in ("launch", "scontrol"):
+        (bin_dir / name).chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               RUN_DIR=str(run_dir), LAUNCHER="mpirun", MPIEXEC=str(bin_dir / "launch"),
+               SLURM_NTASKS="2", SLURM_JOB_ID="77", VENV=str(tmp_path / "no-venv"))
+    script = subprocess.Popen(["bash", os.path.join(SLURM_DIR, "train.sbatch"), "run.yaml"],
+                              env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while not started.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    script.send_signal(signal.SIGUSR1)
+    out, err = script.communicate(timeout=60)
     assert script.returncode == 0, out + err
-    assert "requeueing to resume" in out and "scontrol requeue failed" in err, out + err
-    assert "run-finished" in out, out + err
+    assert "got-usr1" in out and "run-finished" in out, out + err
+    assert "scontrol-called" not in out, out + err
 
 
 @pytest.mark.parametrize("name", ["run[1]", "run *", "run?"])

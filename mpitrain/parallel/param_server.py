@@ -24,8 +24,9 @@ update t0 on it is the uniform (Polyak) average, theta_bar at t0 counting as
 its first sample.  theta_bar is what is evaluated and saved (``final.h5``).
 
 Message protocol (raw buffers, never pickle): a push is a float64 header
-``[kind, loss_sum, correct, frames, position]`` (tag ``HEADER_TAG``; position:
-the minibatch's index in the client's own sequence) followed, unless
+``[kind, loss_sum, correct, frames, position, stop]`` (tag ``HEADER_TAG``;
+position: the minibatch's index in the client's own sequence; stop: non-zero
+when a signal asked the client to stop, train/stop.py) followed, unless
 kind is ``DONE``, by the flat float32 gradient (``GRADIENT_TAG``); weights go
 back with ``WEIGHTS_TAG``.  The server waits with ``iprobe(ANY_SOURCE)`` on
 the header, so it never blocks on one client, then receives that client's
@@ -68,7 +69,7 @@ GRADIENT, LAST, DONE = 1, 2, 3
 #: Control kinds: send your slices; the average turns uniform; serving is over;
 #: send your slices of the optimizer's state.
 SNAPSHOT, SWITCH, END, OPTIMIZER = 1, 2, 3, 4
-HEADER_SIZE = 5
+HEADER_SIZE = 6
 #: Average modes.
 EXPONENTIAL, UNIFORM = "exponential", "uniform"
 
@@ -225,6 +226,7 @@ class Push:
     frames: int
     position: int
     staleness: int
+    stop: int = 0
 
 
 class ParameterServer(Strategy):
@@ -333,7 +335,7 @@ class ParameterServer(Strategy):
             comm.idle()     # on a shared core, leaves the CPU to the clients
         source = found[0]
         comm.recv(self._header, source, tag=HEADER_TAG)
-        kind, loss_sum, correct, frames, position = (float(x) for x in self._header)
+        kind, loss_sum, correct, frames, position, stop = (float(x) for x in self._header)
         kind = int(kind)
         if kind not in (GRADIENT, LAST, DONE):
             raise RuntimeError(f"param_server: rank {source} sent an unknown header kind "
@@ -344,7 +346,7 @@ class ParameterServer(Strategy):
             comm.recv(net.grads[self.own], source, tag=GRADIENT_TAG)
         return Push(source=source, kind=kind, loss_sum=loss_sum, correct=correct,
                     frames=int(frames), position=int(position),
-                    staleness=self.updates - self.sent_version[source])
+                    staleness=self.updates - self.sent_version[source], stop=int(stop))
 
     def apply(self, net, optimizer, lr: float, push: Push) -> None:
         """theta <- theta - lr g (the optimizer's step), t += 1, the average follows."""
@@ -385,7 +387,7 @@ class ParameterServer(Strategy):
                 self.comm.idle()
 
     def _tell_servers(self, kind: int, value: float = 0.0) -> None:
-        self._header[:] = (kind, value, 0.0, 0.0, 0.0)
+        self._header[:] = (kind, value, 0.0, 0.0, 0.0, 0.0)
         for server in self.servers[1:]:
             self.comm.send(self._header, server, tag=CONTROL_TAG)
 
@@ -436,10 +438,12 @@ class ParameterServer(Strategy):
                            for server, (start, stop) in enumerate(self.slices)])
 
     def push(self, net, *, loss_sum: float, correct: float, frames: int, position: int,
-             last: bool) -> None:
+             last: bool, stop: int = 0) -> None:
         """The gradient in ``net.grads`` of this client's minibatch number ``position``
-        and its sums, to the servers (each its slice)."""
-        self._header[:] = (LAST if last else GRADIENT, loss_sum, correct, frames, position)
+        and its sums, to the servers (each its slice); ``stop``: non-zero when this
+        client was asked to stop."""
+        self._header[:] = (LAST if last else GRADIENT, loss_sum, correct, frames, position,
+                           stop)
         for server, (start, stop) in enumerate(self.slices):
             self.comm.send(self._header, server, tag=HEADER_TAG)
             self.comm.send(net.grads[start:stop], server, tag=GRADIENT_TAG)
@@ -454,7 +458,7 @@ class ParameterServer(Strategy):
 
     def done_without_data(self) -> None:
         """Tell the server this client has no minibatch to train on."""
-        self._header[:] = (DONE, 0.0, 0.0, 0, 0)
+        self._header[:] = (DONE, 0.0, 0.0, 0, 0, 0)
         for server in self.servers:
             self.comm.send(self._header, server, tag=HEADER_TAG)
 

@@ -14,6 +14,9 @@ No collective can run while the ranks take their own numbers of steps, so:
   rank, and the end once the ranks' steps together reach the job's budget
   (``training.epochs`` of every rank's own data, capped by
   ``training.max_steps`` per rank: the frames a synchronous run would train);
+- a rank that a signal asked to stop (train/stop.py) says so in its next
+  report; rank 0 then calls the end of this attempt as it calls a quiet point,
+  and the trainer writes its checkpoint there;
 - at a quiet point rank 0 sends every rank ``HALT``; each rank, at the end of
   its step, finishes its exchanges (``quiesce``), and then all meet in the
   collective (the checkpoint's gather, or the end's average).  A quiet point
@@ -36,15 +39,17 @@ from ..comm.base import ANY_SOURCE
 from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
 from .metrics import format_duration, resident_mb
+from .stop import STOPPED, requested
 
 #: Message tags: a progress report to rank 0, a quiet point's call from rank 0.
 REPORT_TAG, HALT_TAG = 7420, 7421
 #: Report kinds.
 PROGRESS, FINAL = 1.0, 2.0
-#: Halt kinds.
-CHECKPOINT, STOP = 1.0, 2.0
-# report: kind, steps, frames, loss sum, correct, frames, skipped, comm seconds
-_REPORT_SIZE = 8
+#: Halt kinds: a checkpoint, the end, the end on a signal (a checkpoint follows).
+CHECKPOINT, STOP, SIGNALLED = 1.0, 2.0, 3.0
+# report: kind, steps, frames, loss sum, correct, frames, skipped, comm seconds,
+# the stop signal's code (stop.py; 0: none)
+_REPORT_SIZE = 9
 
 
 def plan_ring_steps(cfg, comm, local_steps: int) -> tuple:
@@ -69,14 +74,15 @@ def plan_ring_steps(cfg, comm, local_steps: int) -> tuple:
     return counts[comm.rank], budget, max(sum(planned) // comm.size, 1)
 
 
-def train_at_own_pace(trainer, run_start: float) -> None:
-    """Train until rank 0 calls the end; every rank returns there together.
+def train_at_own_pace(trainer, run_start: float):
+    """Train until rank 0 calls the end; every rank returns there together: None,
+    or ``STOPPED`` when a signal ended it (``trainer._stop`` then says which).
 
     Example::
 
         train_at_own_pace(trainer, run_start=trainer.comm.wtime())
     """
-    OwnPaceLoop(trainer, run_start).run()
+    return OwnPaceLoop(trainer, run_start).run()
 
 
 class OwnPaceLoop:
@@ -96,11 +102,12 @@ class OwnPaceLoop:
         self.steps_of = [int(s) for s, _ in counts]
         self.frames_of = [int(f) for _, f in counts]
         self.finished = set()
+        self.signalled = {}          # rank 0: rank -> the stop signal's code it reported
         self._new_window()
         self._dev = None
 
     # -- every rank ------------------------------------------------------------------
-    def run(self) -> None:
+    def run(self):
         t, ring = self.t, self.ring
         step = t._new_training_step()
         self.training_step = step
@@ -123,7 +130,14 @@ class OwnPaceLoop:
                 self._checkpoint()
             elif halt == STOP:
                 self._end()
-                return
+                return None
+            elif halt == SIGNALLED:
+                self._end()
+                code, ranks = self.comm.bcast_obj(
+                    [min(self.signalled.values()), len(self.signalled)]
+                    if self.comm.rank == 0 else None, root=0)
+                t._stop = (code, ranks)
+                return STOPPED
 
     def _halt_called(self):
         """A non-root rank: rank 0's call, if one came."""
@@ -142,7 +156,7 @@ class OwnPaceLoop:
         comm_now = self.comm.comm_time
         report = self._report
         report[:] = (kind, self.ring.own_steps, self.own_frames, loss_sum, correct, frames,
-                     skipped, comm_now - self._comm_at_report)
+                     skipped, comm_now - self._comm_at_report, requested.code())
         self._comm_at_report = comm_now
         if self.comm.rank == 0:
             self._take(0, report)
@@ -216,7 +230,9 @@ class OwnPaceLoop:
         self._take(source, self._report)
 
     def _take(self, source: int, report) -> None:
-        kind, steps, frames, loss, correct, window_frames, skipped, comm_s = report
+        kind, steps, frames, loss, correct, window_frames, skipped, comm_s, signal = report
+        if signal:
+            self.signalled.setdefault(source, int(signal))
         self.window_steps += int(steps) - self.steps_of[source]
         self.steps_of[source], self.frames_of[source] = int(steps), int(frames)
         self.sums += (loss, correct, window_frames, skipped, comm_s)
@@ -244,6 +260,8 @@ class OwnPaceLoop:
             self._evaluate(per_rank)
             step = self.eval_every or t.steps_per_epoch
             self.next_eval = (mark // step + 1) * step
+        if halt is None and self.signalled:
+            halt = SIGNALLED        # (its checkpoint stands for one due now)
         if halt is None and self.next_checkpoint and per_rank >= self.next_checkpoint:
             ck = t.cfg.training.checkpoint_interval
             self.next_checkpoint = (per_rank // ck + 1) * ck

@@ -49,6 +49,7 @@ from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import RunDirLock, changed_settings, clear_run, corpus_places
+from .stop import STOP_SIGNALS, requested, signal_name
 from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
@@ -124,6 +125,7 @@ class Pretrainer:
         self.layer, self.layer_step, self.frames_seen = 0, 0, 0
         self.rbm = self.cd = None
         self._resume_state = None
+        self._stop = None            # (signal code, ranks that got it) once agreed (stop.py)
         if resume:
             self._resume()
         self._window_first = None
@@ -374,11 +376,15 @@ class Pretrainer:
             if self.rbm is None:
                 self._new_layer(self.layer)
             recon = self._train_layer(started)
+            if self._stop is not None and self.layer_step < self.layer_steps[self.layer]:
+                return self._end_on_signal(started, written=False)     # inside the layer
             self.stack.rbms.append(self.rbm)
             self.log.write("layer", layer=self.layer + 1, visible=self.rbm.visible,
                            recon_mse=recon, frames=self.frames_seen)
             self.layer, self.layer_step, self.rbm = self.layer + 1, 0, None
             self.save_checkpoint()
+            if self._stop is not None and self.layer < len(self.layer_steps):
+                return self._end_on_signal(started, written=True)     # at a layer's end
         if self.is_root:
             save_rbm_stack(os.path.join(self.run_dir, RESULT_NAME), self.stack)
         result = {"layers": len(self.stack.rbms), "frames": self.frames_seen,
@@ -389,8 +395,25 @@ class Pretrainer:
                      f"{os.path.join(self.run_dir, RESULT_NAME)}")
         return result
 
+    def _end_on_signal(self, started: float, *, written: bool) -> dict:
+        """A signal stopped the run at a checkpoint (``written``: just written at a
+        layer's end; else written here): one line, and a result that says so."""
+        code, ranks = self._stop
+        if not written:
+            self.save_checkpoint()
+        path = checkpoint_path(self.run_dir, self._global_step())
+        name = signal_name(code)
+        self.log.write("stop", layer=self.layer + 1, step=self.layer_step, signal=name,
+                       ranks=ranks, checkpoint=path)
+        self.log.say(f"stopped at layer {self.layer + 1}, step {self.layer_step} on {name} "
+                     f"(received by {ranks} of {self.comm.size} rank(s)): checkpoint {path}; "
+                     "--resume continues from it")
+        return {"layers": len(self.stack.rbms), "frames": self.frames_seen,
+                "seconds": self.comm.wtime() - started, "stopped": name, "checkpoint": path}
+
     def _train_layer(self, started: float) -> float:
-        """CD-1 steps until the layer's planned end; returns its last window's error."""
+        """CD-1 steps until the layer's planned end, or until the ranks agree to stop
+        on a signal (``self._stop`` set; stop.py); returns its last window's error."""
         cfg, comm, xp = self.cfg, self.comm, self.xp
         p, index, rbm = cfg.pretrain, self.layer, self.rbm
         below = self.stack.rbms
@@ -419,8 +442,16 @@ class Pretrainer:
             self.strategy.after_update(rbm, self.cd, self.layer_step)
             last = self.layer_step == steps
             if self.layer_step % cfg.training.log_interval == 0 or last:
-                sums = np.array([float(backend.to_host(sq_err)), frames], dtype=np.float64)
+                # and whether a signal asked this rank to stop, by signal (stop.py)
+                sums = np.zeros(2 + len(STOP_SIGNALS), dtype=np.float64)
+                sums[:2] = (float(backend.to_host(sq_err)), frames)
+                if requested.code():
+                    sums[1 + requested.code()] = 1
                 comm.allreduce_(sums, op="sum")
+                if self._stop is None and sums[2:].any():
+                    mine = requested.code()
+                    self._stop = (mine if mine and self.is_root else
+                                  int(np.argmax(sums[2:])) + 1, int(round(sums[2:].sum())))
                 with np.errstate(all="ignore"):
                     recon = float(sums[0] / (sums[1] * rbm.visible_dim))
                 now = comm.wtime()
@@ -433,6 +464,14 @@ class Pretrainer:
                     and self.layer_step % self.every_steps == 0:
                 next_checkpoint = (self.layer_step // ck + 1) * ck
                 self.save_checkpoint()
+            # a signal: at the first averaging point from the log line where the ranks
+            # agreed (one rank alone: at once); at a layer's last step, its end's
+            # checkpoint is the one
+            if comm.size == 1 and self._stop is None and requested.code():
+                self._stop = (requested.code(), 1)
+            if self._stop is not None and not last \
+                    and (comm.size == 1 or self.layer_step % self.every_steps == 0):
+                return recon
         # a last partial block is averaged too, so every rank holds the same RBM
         self.strategy.finalize(rbm, self.cd, self.layer_step)
         return recon

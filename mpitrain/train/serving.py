@@ -12,6 +12,11 @@ the start and the end.  Instead:
 - each client pulls the weights, computes the gradient of its next
   minibatch, pushes it, until its own data is done.
 
+A signal that asks the run to stop (train/stop.py), on the server or in a
+client's next push, has the server write its checkpoint after the update it
+is applying and end the whole job with exit status 75 (no point comes where
+every rank waits for the others before the end).
+
 Both then return to :meth:`Trainer.run`, whose end (``finalize``: every rank
 gets the averaged model; the final checkpoint, evaluation and ``final.h5``)
 is the same as every method's.  The protocol is in
@@ -25,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -38,6 +44,7 @@ from .checkpoint import checkpoint_path, save_checkpoint
 from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
 from .metrics import format_duration, resident_mb
+from .stop import EXIT_STOPPED, requested, signal_name
 
 
 def plan_own_steps(cfg, comm, local_steps: int) -> tuple:
@@ -158,7 +165,7 @@ def train_client(trainer) -> None:
         loss_sum, correct, frames, _ = step.take_sums()
         last = k == total - 1
         ps.push(net, loss_sum=loss_sum, correct=correct, frames=frames, position=k,
-                last=last)
+                last=last, stop=requested.code())
         if not last:
             ps.pull(net)
     trainer.step = total
@@ -204,8 +211,14 @@ class Server:
         ck = cfg.training.checkpoint_interval
         next_checkpoint = (t.step // ck + 1) * ck if ck else 0
         rate = 0.0
+        signalled = {}                  # rank -> the stop signal's code it sent
         while left:
             push, rate = serve_next_push(t, left, rate)
+            if push is not None and push.stop:
+                signalled.setdefault(push.source, push.stop)
+            if requested.code() or signalled:
+                self.stop_on_signal(requested.code() or min(signalled.values()),
+                                    len(signalled) + bool(requested.code()))
             if push is None:
                 continue
             self.sums += (push.loss_sum, push.correct, push.frames)
@@ -304,8 +317,26 @@ class Server:
                       "uniform (Polyak) average from here on")
         return result
 
+    def stop_on_signal(self, code: int, ranks: int) -> None:
+        """A signal: the checkpoint of this update, one line, and the whole job ends
+        with exit status 75 (the clients wait for weights: nothing else ends them)."""
+        t = self.t
+        written = self.checkpoint()
+        name = signal_name(code)
+        t.log.write("stop", step=t.step, signal=name, ranks=ranks, checkpoint=written)
+        where = (f"checkpoint {written}; --resume continues from it" if written else
+                 "no checkpoint written (the model is diverging or not finite); --resume "
+                 "continues from the newest earlier one")
+        t.log.say(f"stopped at step {t.step} of {t.total_steps} on {name} (received by "
+                  f"{ranks} of {t.comm.size} rank(s)): {where}")
+        t.log.close()
+        if t._lock is not None:
+            t._lock.release()
+        t.comm.abort(EXIT_STOPPED, f"param_server: stopped on {name}")
+        os._exit(EXIT_STOPPED)      # (an abort may return before the launcher ends us)
+
     # -- checkpoints -------------------------------------------------------------
-    def checkpoint(self) -> None:
+    def checkpoint(self):
         """The server writes alone: its model, the average, the counters.  Every
         rank's entry holds the server's optimizer and reader state; the clients'
         data positions are the strategy's ``client_steps``."""
@@ -315,7 +346,7 @@ class Server:
         if not (t.guard.last_window_good and finite):
             t.log.say(f"step {t.step}: checkpoint not written (the model is diverging or "
                       "not finite)")
-            return
+            return None
         own = {"optimizer": ps.whole_optimizer_state(t.optimizer, net),
                "reader": t.stream.state_dict()}
         started = time.perf_counter()
@@ -328,3 +359,4 @@ class Server:
                         trainer_state=t._trainer_state())
         t.log.write("checkpoint", step=t.step, seconds=round(time.perf_counter() - started, 4))
         t.guard.checkpoint_written()
+        return checkpoint_path(t.run_dir, t.step)

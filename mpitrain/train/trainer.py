@@ -39,6 +39,7 @@ from .run_dir import RunDirLock, clear_run
 from .search import RateTrials
 from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
+from .stop import STOP_SIGNALS, STOPPED, requested, signal_name
 
 
 # Whole shards per rank unless that leaves ranks more than this far apart in frames:
@@ -182,6 +183,8 @@ class Trainer(CheckpointResume):
         self._verdict = None         # the last held-out evaluation's model selection
         self._run_start = None       # the communicator's clock when training began
         self._combination = None     # training.combine: snapshots for train/combine.py
+        self._checkpointed_at = None  # the step of the checkpoint written last
+        self._stop = None            # (signal code, ranks that got it) once agreed
         if cfg.training.combine:
             from .combine import FinalCombination
             self._combination = FinalCombination(cfg, comm, total_steps=self.total_steps,
@@ -392,6 +395,7 @@ class Trainer(CheckpointResume):
             where = "the initial model"
         self.guard.load_state_dict(counts)
         self.guard.events, self.guard.running_mean = 0, None
+        self._checkpointed_at = None     # (the counts differ from the file's now)
         self.schedule.after_roll_back()
         lr_scale, rollbacks = self.guard.lr_scale, self.guard.rollbacks
         self._say(f"divergence: {reason}; rolled back to {where} (step {self.step}), "
@@ -420,6 +424,7 @@ class Trainer(CheckpointResume):
             self._record("checkpoint", step=self.step,
                          seconds=round(time.perf_counter() - started, 4))
         self.guard.checkpoint_written()
+        self._checkpointed_at = self.step
 
     def _write_checkpoint(self, states) -> None:
         save_checkpoint(checkpoint_path(self.run_dir, self.step), net=self.net,
@@ -512,8 +517,11 @@ class Trainer(CheckpointResume):
         self._run_start = run_start
         comm.reset_comm_time()
         while True:
-            if self._train_to_end(run_start) == ROLL_BACK:
+            outcome = self._train_to_end(run_start)
+            if outcome == ROLL_BACK:
                 continue
+            if outcome == STOPPED:
+                return self._end_on_signal(run_start)
             self.strategy.finalize(net, self.optimizer, self.step)
             # a model that is not finite is never saved as the result
             if self._params_finite():
@@ -556,9 +564,46 @@ class Trainer(CheckpointResume):
         self._ran = True
         return result
 
+    def _end_on_signal(self, run_start: float) -> dict:
+        """A signal stopped the loop where every rank holds what a periodic checkpoint
+        holds: write that checkpoint (unless it was just written), say why in one
+        line, and return a result that says so (``stopped``: the signal's name)."""
+        code, ranks = self._stop
+        written = checkpoint_path(self.run_dir, self.step)
+        if self._checkpointed_at != self.step:
+            # (rank 0's divergence guard: the one that judges a window on every method)
+            good = self.comm.bcast_obj(bool(self.guard.last_window_good), root=0)
+            if good and self._params_finite():
+                self.save_checkpoint()
+            else:
+                written = None
+        name = signal_name(code)
+        self._record("stop", step=self.step, signal=name, ranks=ranks, checkpoint=written)
+        where = (f"checkpoint {written}; --resume continues from it" if written else
+                 "no checkpoint written (the model is diverging or not finite); --resume "
+                 "continues from the newest earlier one")
+        self._say(f"stopped at step {self.step} of {self.total_steps} on {name} (received "
+                  f"by {ranks} of {self.comm.size} rank(s)): {where}")
+        self._ran = True
+        return {"steps": self.step, "frames": self.frames_seen,
+                "seconds": self.comm.wtime() - run_start, "stopped": name,
+                "checkpoint": written}
+
+    def _stop_agreed(self, flags) -> None:
+        """From every rank's stop flags summed (one count per signal of
+        :data:`~mpitrain.train.stop.STOP_SIGNALS`, identical on every rank): the
+        signal to name and how many ranks got one."""
+        counts = [int(round(c)) for c in flags]
+        if self._stop is None and any(counts):
+            mine = requested.code()
+            code = mine if mine and self.is_root else \
+                max(range(len(counts)), key=lambda i: counts[i]) + 1
+            self._stop = (code, sum(counts))
+
     def _train_to_end(self, run_start: float):
         """Steps until the planned end or an early stop; ``ROLL_BACK`` when it rolled
-        back (the caller starts again from the restored step)."""
+        back (the caller starts again from the restored step), ``STOPPED`` when a
+        signal stopped it (train/stop.py)."""
         cfg, comm = self.cfg, self.comm
         batch = cfg.training.minibatch
         training_step = self._new_training_step()
@@ -593,14 +638,19 @@ class Trainer(CheckpointResume):
                 now = comm.wtime()
                 comm_now = comm.comm_time
                 loss_sum, correct_sum, frames, skipped = training_step.take_sums()
-                # and each rank's time in communication, in a slot of its own
-                sums = np.zeros(5 + comm.size, dtype=np.float64)
+                # and each rank's time in communication, in a slot of its own; last,
+                # whether a signal asked this rank to stop (train/stop.py), by signal
+                sums = np.zeros(5 + comm.size + len(STOP_SIGNALS), dtype=np.float64)
                 sums[:5] = [loss_sum, correct_sum, frames, comm_now - comm_at_window, skipped]
                 sums[5 + comm.rank] = comm_now - comm_at_window
+                if requested.code():
+                    sums[5 + comm.size + requested.code() - 1] = 1
                 comm.allreduce_(sums, op="sum")
+                self._stop_agreed(sums[5 + comm.size:])
+                rank_comm = sums[5:5 + comm.size]
                 # the others wait for the slowest rank: it spent the least time communicating
                 # (none is named for a window without communication)
-                slowest = int(np.argmin(sums[5:])) if sums[5:].max() > 0 else None
+                slowest = int(np.argmin(rank_comm)) if rank_comm.max() > 0 else None
                 elapsed = now - window_start
                 per_step = (now - run_start) / max(self.step - self._start_step, 1)
                 skipped = int(sums[4])
@@ -670,6 +720,13 @@ class Trainer(CheckpointResume):
                 else:
                     self.log.say(f"step {self.step}: checkpoint not written (the model is "
                                  "diverging or not finite)")
+            # a signal: one rank alone needs nobody's word; ranks that agreed at a log
+            # line stop at the first step from there where a checkpoint may be written
+            if comm.size == 1 and self._stop is None and requested.code():
+                self._stop = (requested.code(), 1)
+            if self._stop is not None and not last \
+                    and (comm.size == 1 or self.step % self.strategy.sync_period == 0):
+                return STOPPED
         return None
 
     # -- the learning-rate schedule's decisions (optimizer.schedule) ---------------------

@@ -1,0 +1,114 @@
+"""Stopping a run when the cluster asks: SIGTERM, SIGUSR1 or SIGUSR2.
+
+Slurm sends SIGTERM to every task on preemption and at the time limit (then
+SIGKILL after the cluster's ``KillWait``), and SIGUSR1 (or another signal)
+ahead of the time limit when asked to (``--signal``).  ``train`` and
+``pretrain`` install :func:`stop_on_signals` around the run: a signal only
+sets a flag (a handler runs between two bytecodes of the main thread, so it
+does nothing else), and the training loop looks at the flag at its own
+points:
+
+- the ranks tell each other about their flags inside a collective they hold
+  anyway (the sums of the log line, ``training.log_interval``); every rank
+  then knows the same step, and they stop together at the first step from
+  there where they hold the same model (a multiple of the method's averaging
+  period), the point a periodic checkpoint would be written;
+- asynchronous ADPSGD: each rank's flag travels in its progress report to
+  rank 0, which calls the end as it calls a quiet point;
+- param_server: a client's flag travels in the header of its next gradient;
+  server 0 writes a checkpoint after the update it is applying and ends the
+  job (there is no point where every rank waits for the others before the end).
+
+There the run writes a checkpoint of the kind the periodic ones are, rank 0
+says in one line why it stopped and where the checkpoint is, and every rank
+exits with :data:`EXIT_STOPPED` (75, ``EX_TEMPFAIL``: try again later), which
+``jobs/slurm/train.sbatch`` takes to requeue the job.  ``--resume``
+continues from that checkpoint; with the same ranks and settings it trains
+what an uninterrupted run would have.  A further signal while the checkpoint
+is written changes nothing (it only sets the flag again); SIGINT (Ctrl-C) is
+left as it was and ends the job at once.
+
+Example::
+
+    with stop_on_signals():
+        result = trainer.run()          # result["stopped"]: the signal's name, if one
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+
+#: The signals that ask a run to stop at its next checkpoint.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+#: Exit status of a run that a signal stopped after writing its checkpoint
+#: (sysexits.h EX_TEMPFAIL: a temporary failure; run it again).
+EXIT_STOPPED = 75
+#: What a training loop returns when a signal stopped it.
+STOPPED = "stopped"
+
+
+class StopRequest:
+    """The signal a run was asked to stop by (0: none yet); the first one counts.
+
+    Example::
+
+        requested.signum            # 0, or signal.SIGTERM once one came
+        requested.code()            # 1 + its index in STOP_SIGNALS (0: none)
+    """
+
+    def __init__(self):
+        self.signum = 0
+
+    def __call__(self, signum, frame=None) -> None:
+        if not self.signum:
+            self.signum = int(signum)
+
+    def clear(self) -> None:
+        self.signum = 0
+
+    def code(self) -> int:
+        """A small number naming the signal, for a message to the other ranks."""
+        for index, number in enumerate(STOP_SIGNALS):
+            if self.signum == number:
+                return index + 1
+        return 0
+
+
+#: This process's request (set by the handlers :func:`stop_on_signals` installs).
+requested = StopRequest()
+
+
+def signal_name(code: int) -> str:
+    """The name of the signal :meth:`StopRequest.code` gave ``code`` for."""
+    if 1 <= code <= len(STOP_SIGNALS):
+        return signal.Signals(STOP_SIGNALS[code - 1]).name
+    return "a signal"
+
+
+def stop_requested() -> bool:
+    return bool(requested.signum)
+
+
+@contextlib.contextmanager
+def stop_on_signals():
+    """Within the block, :data:`STOP_SIGNALS` set :data:`requested` instead of
+    ending the process; the previous handlers come back after it.  Outside the
+    main thread (where Python allows no handler) it changes nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield requested
+        return
+    requested.clear()
+    previous = {}
+    try:
+        for number in STOP_SIGNALS:
+            previous[number] = signal.signal(number, requested)
+            # system calls interrupted by it resume (a library's write, MPI's poll)
+            # instead of failing with EINTR
+            signal.siginterrupt(number, False)
+        yield requested
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        requested.clear()

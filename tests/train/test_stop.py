@@ -1,0 +1,135 @@
+"""Stopping a run on a signal (train/stop.py): what Slurm sends on preemption and
+ahead of the time limit.
+
+In this process: the handlers only set a flag and are restored after the run.
+Under `mpiexec` (marked mpi): a signal on one rank or on all stops every rank
+at the same step with a checkpoint and exit status 75, and the resumed run
+equals the one never stopped; asynchronous ADPSGD, the parameter server and
+pretraining stop with a checkpoint that `--resume` continues from.
+"""
+
+import os
+import signal
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain.testing.mpirun import run_mpi
+from mpitrain.train.stop import EXIT_STOPPED, STOP_SIGNALS, requested, stop_on_signals
+
+from ..helpers import QUICKSTART, WORKERS, mpi_output, records, train_on_ranks
+
+TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
+
+
+def test_a_signal_only_sets_the_flag_and_the_handlers_come_back():
+    before = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    with stop_on_signals():
+        assert not requested.code()
+        os.kill(os.getpid(), signal.SIGUSR1)        # default action: end the process
+        os.kill(os.getpid(), signal.SIGTERM)        # a second one: the first counts
+        assert requested.signum == signal.SIGUSR1 and requested.code() == 2
+    assert not requested.code()
+    assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == before
+
+
+def _signalled(nranks, run_dir, corpus, settings, *, sig, ranks, after, command="train"):
+    """`mpitrain COMMAND` under mpiexec with RANKS sending themselves SIG while they
+    read their AFTER-th minibatch (tests/workers/signal_worker.py)."""
+    values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
+              "data.chunk_frames": 20000}
+    values.update(item.split("=", 1) for item in settings)
+    args = [str(WORKERS / "signal_worker.py"), sig, ranks, str(after), "--", command,
+            QUICKSTART, "--run-dir", str(run_dir)]
+    for key, value in values.items():
+        args += ["--set", f"{key}={value}"]
+    return run_mpi(nranks, args, timeout=120)
+
+
+def _checkpoint_steps(run_dir):
+    return sorted(int(name[5:13]) for name in os.listdir(run_dir) if name.startswith("ckpt-"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("method,sig,ranks", [
+    ("model_averaging", "SIGTERM", "1"),      # one rank: the others hear it at a log line
+    ("allreduce", "SIGUSR1", "all"),
+], ids=["model_averaging-one-rank", "allreduce-every-rank"])
+def test_a_stopped_run_resumes_as_the_run_never_stopped(small_corpus, tmp_path, method, sig,
+                                                        ranks):
+    from mpitrain.nn.model_file import load_model
+    common = TINY + ["optimizer.momentum=0.5", f"parallel.method={method}",
+                     "parallel.average_every=8", "training.checkpoint_interval=1000",
+                     "training.max_steps=48", "training.log_interval=4"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    result = train_on_ranks(2, straight, small_corpus, common)
+    assert result.returncode == 0, mpi_output(result)
+    # the signal during step 13: the ranks agree at the log line of step 16, which
+    # is an averaging point of model_averaging (every 8) only at 16
+    result = _signalled(2, split, small_corpus, common, sig=sig, ranks=ranks, after=13)
+    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    received = 2 if ranks == "all" else 1
+    assert f"stopped at step 16 of 48 on {sig} (received by {received} of 2 rank(s)): " \
+           f"checkpoint {split}/ckpt-00000016.h5" in result.stdout, mpi_output(result)
+    assert _checkpoint_steps(split) == [16]
+    assert not (split / "final.h5").exists()
+    [stop] = records(split, "stop")
+    assert (stop["step"], stop["signal"], stop["ranks"]) == (16, sig, received)
+    result = train_on_ranks(2, split, small_corpus, common, resume=True)
+    assert result.returncode == 0, mpi_output(result)
+    assert [r["step"] for r in records(split, "start")] == [0, 16]
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks,method", [
+    (2, ["parallel.method=adpsgd", "parallel.asynchronous=true"]),
+    (3, ["parallel.method=param_server"]),
+], ids=["async-adpsgd", "param_server"])
+def test_an_asynchronous_run_stops_with_a_checkpoint_to_resume(small_corpus, tmp_path, nranks,
+                                                               method):
+    run = tmp_path / "run"
+    common = TINY + method + ["training.max_steps=40", "training.log_interval=4",
+                              "training.checkpoint_interval=1000"]
+    result = _signalled(nranks, run, small_corpus, common, sig="SIGTERM", ranks="1", after=5)
+    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    [stop] = records(run, "stop")
+    assert stop["signal"] == "SIGTERM" and stop["ranks"] == 1
+    assert _checkpoint_steps(run) == [stop["step"]]
+    assert f"checkpoint {run}/ckpt-{stop['step']:08d}.h5" in result.stdout
+    assert not (run / "final.h5").exists()
+    result = train_on_ranks(nranks, run, small_corpus, common, resume=True)
+    assert result.returncode == 0, mpi_output(result)
+    assert records(run, "start")[1]["step"] == stop["step"] > 0
+    assert (run / "final.h5").exists()
+
+
+@pytest.mark.mpi
+def test_pretraining_stops_at_an_averaging_point_and_resumes(small_corpus, tmp_path):
+    from mpitrain.nn.rbm_file import load_rbm_stack
+    common = TINY + ["training.log_interval=4", "pretrain.epochs_gaussian=0.1",
+                     "pretrain.epochs_per_layer=0.1", "pretrain.average_every_frames=2048"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    result = _signalled(2, straight, small_corpus, common, sig="SIGTERM", ranks="",
+                        after=1, command="pretrain")
+    assert result.returncode == 0, mpi_output(result)
+    # the signal on rank 0 in step 13: agreed at step 16, stopped at the average of 20
+    result = _signalled(2, split, small_corpus, common, sig="SIGUSR2", ranks="0", after=13,
+                        command="pretrain")
+    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    assert "stopped at layer 1, step 20 on SIGUSR2 (received by 1 of 2 rank(s))" \
+        in result.stdout, mpi_output(result)
+    assert _checkpoint_steps(split) == [20]
+    result = run_mpi(2, ["-m", "mpitrain", "pretrain", QUICKSTART, "--run-dir", str(split),
+                         "--resume"] + sum((["--set", s] for s in common + [
+                             f"data.train={small_corpus}/train",
+                             f"data.dev={small_corpus}/dev", "data.chunk_frames=20000"]), []),
+                     timeout=120)
+    assert result.returncode == 0, mpi_output(result)
+    a = load_rbm_stack(str(straight / "pretrain.h5"))
+    b = load_rbm_stack(str(split / "pretrain.h5"))
+    for x, y in zip(a.rbms, b.rbms):
+        assert np.array_equal(x.params, y.params)

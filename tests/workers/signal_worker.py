@@ -1,0 +1,39 @@
+"""A signal reaches some ranks of a training run, as Slurm sends one.
+
+Usage: signal_worker.py SIGNAL RANKS AFTER_BATCHES -- train|pretrain CONFIG [--set ...]
+
+Runs ``mpitrain train`` (or ``pretrain``) through the command-line entry
+point, exactly as ``python -m mpitrain train`` does.  RANKS ("1", "0,1" or
+"all") send themselves SIGNAL (e.g. SIGTERM) while they read their
+AFTER_BATCHES-th minibatch, so the signal comes at a known step of each of
+those ranks and the stop step is known.  Exits with the command's status.
+"""
+
+import os
+import signal
+import sys
+
+from mpitrain.cli import main
+from mpitrain.data.batcher import MinibatchStream
+
+signum = signal.Signals[sys.argv[1]]
+ranks, after_batches = sys.argv[2], int(sys.argv[3])
+assert sys.argv[4] == "--", sys.argv
+cli_args = sys.argv[5:]
+# (the launcher's rank: mpiexec of MPICH or Open MPI)
+rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
+signalled = ranks == "all" or str(rank) in ranks.split(",")
+
+original_next_batch = MinibatchStream.next_batch
+taken = {"batches": 0}
+
+
+def next_batch_with_signal(self):
+    taken["batches"] += 1
+    if signalled and taken["batches"] == after_batches:
+        os.kill(os.getpid(), signum)
+    return original_next_batch(self)
+
+
+MinibatchStream.next_batch = next_batch_with_signal
+sys.exit(main(cli_args))
