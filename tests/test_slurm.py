@@ -174,10 +174,11 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
     info = slurm.wait(job, timeout=JOB_TIMEOUT, until=checkpoint_or_finished)
     assert info["JobState"] == "RUNNING", open(output).read()
     slurm.run(["scancel", "--signal=USR1", "--batch", job])
-    # Slurm holds a requeued job for two minutes; let it start again at once.
+    # Slurm holds a requeued job for two minutes; let it start again soon.  (Not at
+    # once: slurmd refuses to launch a batch job it is still ending, "already killed".)
     slurm.wait(job, timeout=60, until=lambda info: info["Restarts"] == "1"
                and info["JobState"] == "PENDING")
-    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
+    slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now+5"])
     info, text = _finished_ok(slurm, job, output)
     assert info["Restarts"] == "1"
     assert "requeueing to resume from the newest checkpoint" in text
