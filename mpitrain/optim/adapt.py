@@ -46,17 +46,20 @@ class LimitedMemoryAdagrad:
         self.sum = xp.zeros_like(like) if self.decay > 0 else None
         self._scratch = xp.empty_like(like)
 
-    def scale_(self, grads) -> None:
-        """``grads <- grads / sqrt(K + G)`` after adding ``grads^2`` to G."""
+    def scale_(self, grads, part=slice(None)) -> None:
+        """``grads <- grads / sqrt(K + G)`` after adding ``grads^2`` to G; only
+        ``grads[part]`` and its part of G when ``part`` is given (a slice)."""
         xp = self.xp
-        sq = xp.multiply(grads, grads, out=self._scratch)
+        grads = grads[part]
+        sq = xp.multiply(grads, grads, out=self._scratch[part])
         if self.sum is None:
             denom = sq
         else:
+            memory = self.sum[part]
             xp.copyto(sq, np.float32(0.0), where=~xp.isfinite(sq))
-            self.sum *= np.float32(self.decay)
-            self.sum += sq
-            xp.copyto(sq, self.sum)
+            memory *= np.float32(self.decay)
+            memory += sq
+            xp.copyto(sq, memory)
             denom = sq
         denom += np.float32(self.k)
         xp.sqrt(denom, out=denom)

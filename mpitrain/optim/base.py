@@ -3,8 +3,9 @@
 An optimizer updates ``net.params`` from ``net.grads`` in :meth:`Optimizer.step`.
 A parallel strategy touches an optimizer only through this interface: the
 buffer averaging may include (:meth:`momentum_buffer`), clearing it
-(:meth:`clear_momentum`) and the signal that the ranks' models were just
-averaged (:meth:`after_average`).  Checkpoints go through
+(:meth:`clear_momentum`), the signal that the ranks' models were just
+averaged (:meth:`after_average`) and stepping only a slice of the model
+(:meth:`restrict_to`, a parameter server's).  Checkpoints go through
 :meth:`state_dict`/:meth:`load_state_dict` (host arrays and plain values).
 :class:`ReplayableOptimizer` adds what the training step needs to replay a
 step from a captured CUDA graph.
@@ -62,6 +63,11 @@ class Optimizer(ABC):
 
     def after_average(self) -> None:
         """Called right after the ranks' models were averaged."""
+
+    def restrict_to(self, start: int, stop: int) -> None:
+        """From now on update only ``params[start:stop]``, a run of whole layers (a
+        parameter server's slice of the model), reading no gradient outside it."""
+        raise NotImplementedError(f"{self.name}: cannot update a slice of the model")
 
     def set_l2_factor(self, factor: float) -> None:
         """Scale the L2 term (if any) by ``factor`` from the next step on."""

@@ -390,14 +390,28 @@ class MaxChangeState:
         self.finite = xp.ones(1, dtype=xp.int32)
         self.skipped = xp.zeros(1, dtype=xp.int64)
         self.neg_lr = xp.zeros(1, dtype=xp.float32)   # -lr, set before each step
+        self.active = list(range(self.num_layers))     # the layers a step changes
         self._blocks = None
 
+    def restrict(self, layers) -> None:
+        """Step only ``layers`` (a run of consecutive layers, each whole); the others
+        are not read, count as unchanged (norm 0) and keep their parameters."""
+        self.active = sorted(int(i) for i in layers)
+        self._blocks = None
+
+    @property
+    def span(self) -> tuple:
+        """(begin, end) in the flat buffer of the layers a step changes."""
+        return self.offsets[self.active[0]][0], self.offsets[self.active[-1]][1]
+
     def blocks(self):
-        """(block_layer, begin, end, first_block, partial) for kernels (1)-(3)."""
+        """(block_layer, begin, end, first_block, partial) for kernels (1)-(3); a
+        layer outside :attr:`active` has no block (an empty run: norm 0)."""
         if self._blocks is None:
             layer_of, begins, ends, first = [], [], [], [0]
+            active = set(self.active)
             for layer, (lo, hi) in enumerate(self.offsets):
-                for start in range(lo, hi, SGD_BLOCK_ELEMENTS):
+                for start in range(lo, hi, SGD_BLOCK_ELEMENTS) if layer in active else ():
                     layer_of.append(layer)
                     begins.append(start)
                     ends.append(min(start + SGD_BLOCK_ELEMENTS, hi))
@@ -454,11 +468,15 @@ def max_change_step_(params, grads, delta, *, lr: float, momentum: float, max_ch
 def _max_change_expressions_(params, grads, delta, lr, momentum, max_change, state, q):
     """The same step with array expressions: no host reads, a launch per layer."""
     xp = state.xp
-    grads *= np.float32(-lr)
+    begin, end = state.span
+    grads[begin:end] *= np.float32(-lr)
     if delta is not None:
-        delta += grads
+        delta[begin:end] += grads[begin:end]
     change = grads if delta is None else delta
-    sq = xp.stack([xp.dot(change[lo:hi], change[lo:hi]) for lo, hi in state.offsets])
+    active = set(state.active)
+    sq = xp.stack([xp.dot(change[lo:hi], change[lo:hi]) if i in active
+                   else xp.zeros((), dtype=change.dtype)
+                   for i, (lo, hi) in enumerate(state.offsets)])
     norms = xp.sqrt(sq.astype(xp.float64))
     finite = xp.all(xp.isfinite(norms))
     safe = xp.where(xp.isfinite(norms), norms, 0.0)
@@ -472,10 +490,12 @@ def _max_change_expressions_(params, grads, delta, lr, momentum, max_change, sta
     state.norms[...] = norms
     state.finite[...] = finite
     state.skipped += (~finite).astype(xp.int64)
-    for i, (lo, hi) in enumerate(state.offsets):
+    for i in state.active:
+        lo, hi = state.offsets[i]
         # grads is free now (or is the change itself): it holds scale * change
         block = xp.multiply(change[lo:hi], state.scales[i], out=grads[lo:hi])
         # a skipped step must not add 0 * NaN
         params[lo:hi] += xp.where(finite, block, np.float32(0.0))
     if delta is not None:
-        delta[...] = xp.where(finite, delta * np.float32(momentum), np.float32(0.0))
+        delta[begin:end] = xp.where(finite, delta[begin:end] * np.float32(momentum),
+                                    np.float32(0.0))

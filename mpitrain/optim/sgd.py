@@ -86,6 +86,9 @@ class SGD(ReplayableOptimizer):
             xp, [(sl.start, sl.stop) for sl in slices], self.layer_max_change)
         self._skipped = 0
         self._last_scales = [1.0] * len(slices)
+        # what a step changes: all of the buffer, or a run of whole layers (restrict_to)
+        self.span = slice(0, net.num_params)
+        self.active = list(range(len(slices)))
 
     # -- counters (read from the device only when asked) ---------------------------
     @property
@@ -119,20 +122,20 @@ class SGD(ReplayableOptimizer):
         if self.l2_terms:
             self._add_l2_gradient()
         if self.gradient_scaling is not None:
-            self.gradient_scaling.scale_(self.net.grads)
+            self.gradient_scaling.scale_(self.net.grads, self.span)
         if self._device is not None:
             kernels.max_change_step_(self.net.params, self.net.grads, self.delta, lr=lr,
                                      momentum=self.momentum, max_change=self.max_change,
                                      state=self._device)
             return
-        net, xp = self.net, self.net.xp
+        net, xp, span = self.net, self.net.xp, self.span
         grads = net.grads
         # grads becomes -lr * g in place: it is scratch until the next backward.
-        grads *= -lr
+        grads[span] *= -lr
         if self.delta is None:
             delta = grads
         else:
-            self.delta += grads
+            self.delta[span] += grads[span]
             delta = self.delta
         norms = self._block_norms(delta)
         q = 1.0 - self.momentum
@@ -140,24 +143,26 @@ class SGD(ReplayableOptimizer):
         if scales is None:
             self._skipped += 1
             if self.delta is not None:
-                self.delta[...] = 0
+                self.delta[span] = 0
             return
         self._last_scales = scales
         params = net.params
         if self.delta is None:
             if all(s == 1.0 for s in scales):
-                params += delta
+                params[span] += delta[span]
             else:
-                for sl, s in zip(self.slices, scales):
+                for i in self.active:
+                    sl = self.slices[i]
                     block = delta[sl]
-                    block *= s
+                    block *= scales[i]
                     params[sl] += block
         else:
-            for sl, s in zip(self.slices, scales):
+            for i in self.active:
+                sl = self.slices[i]
                 # grads is free now: use it as the temporary for s * delta.
-                xp.multiply(delta[sl], s, out=grads[sl])
+                xp.multiply(delta[sl], scales[i], out=grads[sl])
                 params[sl] += grads[sl]
-            self.delta *= self.momentum
+            self.delta[span] *= self.momentum
 
     def _add_l2_gradient(self) -> None:
         """g_c += 2 l2_c B w_c (times :attr:`l2_factor`), without temporaries (a
@@ -170,9 +175,13 @@ class SGD(ReplayableOptimizer):
             grads[sl] += scratch[sl]
 
     def _block_norms(self, delta):
+        """Each layer's ||delta_c|| (float64); 0 for a layer outside :attr:`span`."""
         xp = self.net.xp
-        sq = xp.stack([xp.dot(delta[sl], delta[sl]) for sl in self.slices])
-        return np.sqrt(to_host(sq).astype(np.float64))
+        sq = xp.stack([xp.dot(delta[self.slices[i]], delta[self.slices[i]])
+                       for i in self.active])
+        norms = np.zeros(len(self.slices))
+        norms[self.active] = np.sqrt(to_host(sq).astype(np.float64))
+        return norms
 
     def _scales(self, norms, q):
         """Per-layer scale factors q * k_c, or None when the step must be skipped."""
@@ -189,6 +198,25 @@ class SGD(ReplayableOptimizer):
 
     def momentum_buffer(self):
         return self.delta
+
+    def restrict_to(self, start: int, stop: int) -> None:
+        """From now on a step changes only ``params[start:stop]``, a run of whole
+        layers (a parameter server's slice of the model).  The gradient outside it
+        is not read; the parameters, momentum and ``adapt`` memory outside it are
+        left as they are; a layer outside counts as unchanged (norm 0) in the
+        whole-model max-change, as with a zero gradient there, and gets no L2 term.
+        Inside, the step is the unrestricted step's, bit for bit."""
+        start, stop = int(start), int(stop)
+        inside = [i for i, sl in enumerate(self.slices) if start <= sl.start and sl.stop <= stop]
+        if not inside or self.slices[inside[0]].start != start \
+                or self.slices[inside[-1]].stop != stop:
+            raise ValueError(f"{self.name}: cannot step parameters {start}..{stop}: a slice "
+                             "of the model must begin and end at layer boundaries")
+        self.span, self.active = slice(start, stop), inside
+        self.l2_terms = [(sl, c) for sl, c in self.l2_terms
+                         if start <= sl.start and sl.stop <= stop]
+        if self._device is not None:
+            self._device.restrict(inside)
 
     # -- CUDA graphs: steps whose device work is fixed ---------------------------
     def static_step_ahead(self) -> bool:

@@ -35,17 +35,24 @@ gradient (same source: MPI keeps one sender's messages in order).  kind
 minibatch at all) carries no gradient.  Serving ends once every client has
 sent ``LAST`` or ``DONE``: then nothing is in flight.
 
-Several servers (``parallel.servers`` S > 1): ranks 0..S-1 serve, ranks
-S..N-1 are clients, and the model is cut into S contiguous slices at layer
-boundaries (:func:`split_by_layers`, about equal parameter counts).  Server k
-owns slice k: a client pushes slice k of its gradient to server k and pulls
-slice k of theta from it, so each server's link carries 8P/S bytes per
-update.  Each server applies, averages and counts its own slice (max-change
-is per layer, so a slice's step needs nothing of the others).  Server 0 still
-logs, evaluates and checkpoints: before it does, it asks every other server
-for its slices of theta and theta_bar (``CONTROL_TAG``, kind ``SNAPSHOT``),
-tells them when the average turns uniform (``SWITCH``), and, once its own
-serving is done, lets them go (``END``).
+Several servers (``parallel.servers`` S > 1): ranks 0..S-1 serve, ranks S..N-1
+are clients, and the model is cut into S contiguous slices at layer boundaries
+(:func:`split_by_layers`, about equal parameter counts).  Server k owns slice
+k: a client pushes slice k of its gradient to server k and pulls slice k of
+theta from it, so each server's link carries 8P/S bytes per update.  Each
+server applies, averages and counts its own slice and computes nothing outside
+it: its optimizer is restricted to the slice
+(:meth:`~mpitrain.optim.base.Optimizer.restrict_to`: the step, momentum, L2 and
+``adapt`` memory of the slice's layers only) and so is its average
+(``ModelAverage(span=...)``), so a server does its slice's share of the
+update's work (about 1/S).  Max-change, per layer, needs nothing of the other
+slices; the whole-model max-change counts the slice's layers only, as it did
+when a server stepped the whole buffer with a zero gradient outside its slice
+(that step, bit for bit, in the slice).  NG-SGD preconditions on the clients.
+Server 0 still logs, evaluates and checkpoints: before it does, it asks every
+other server for its slices of theta and theta_bar (``CONTROL_TAG``, kind
+``SNAPSHOT``), tells them when the average turns uniform (``SWITCH``), and,
+once its own serving is done, lets them go (``END``).
 
 Symbols in the code: theta is ``net.params`` on the server, theta_bar is
 :attr:`ModelAverage.average`, t is ``ParameterServer.updates``, t0 is
@@ -146,32 +153,34 @@ class ModelAverage:
 
     Example::
 
-        avg = ModelAverage(net.params, eta=0.01)
+        avg = ModelAverage(net.params, eta=0.01)     # span=slice(a, b): that part only
         avg.update(net.params)          # after each server update
         avg.switch_to_uniform(updates=500)
     """
 
-    def __init__(self, params, *, eta: float = 0.01):
+    def __init__(self, params, *, eta: float = 0.01, span: slice = slice(None)):
         if not 0.0 < eta <= 1.0:
             raise ValueError(f"average_eta must be in (0, 1], got {eta}")
         self.eta = float(eta)
+        self.span = span                # the part :meth:`update` averages (a server's slice)
         self.average = params.copy()
-        self._diff = params.copy()      # scratch: theta - theta_bar
+        self._diff = params[span].copy()    # scratch: theta - theta_bar
         self.mode = EXPONENTIAL
         self.samples = 0                # uniform mode: samples in the average (t - t0 + 1)
         self.switched_at = None         # t0
 
     def update(self, params) -> None:
-        diff = self._diff
-        diff[...] = params
-        diff -= self.average
+        """theta_bar follows theta in :attr:`span`; the rest stays as it is."""
+        diff, average = self._diff, self.average[self.span]
+        diff[...] = params[self.span]
+        diff -= average
         if self.mode == EXPONENTIAL:
             # (1 - eta) theta_bar + eta theta, as theta_bar + eta (theta - theta_bar)
             diff *= diff.dtype.type(self.eta)
         else:
             self.samples += 1
             diff *= diff.dtype.type(1.0 / self.samples)
-        self.average += diff
+        average += diff
 
     def switch_to_uniform(self, *, updates: int) -> None:
         """From now on the uniform average; the current one is its first sample."""
@@ -263,6 +272,7 @@ class ParameterServer(Strategy):
         self.own = None             # this server's slice
         self._ended = False         # server 0 has said END
         self.optimizer = None       # a server's optimizer (set by its serving loop)
+        self._stepping = None       # the optimizer restricted to this server's slice
         self.updates = 0                            # t: gradients applied
         # minibatches each client has had applied (the data position on resume)
         self.client_steps = [0] * len(self.clients)
@@ -284,7 +294,7 @@ class ParameterServer(Strategy):
             if self.is_server:
                 self.own = slice(*self.slices[self.comm.rank])
         if self.is_server and self.average is None:
-            self.average = ModelAverage(net.params, eta=self.average_eta)
+            self.average = ModelAverage(net.params, eta=self.average_eta, span=self.own)
 
     @property
     def split(self) -> bool:
@@ -341,15 +351,17 @@ class ParameterServer(Strategy):
             raise RuntimeError(f"param_server: rank {source} sent an unknown header kind "
                                f"{kind}")
         if kind != DONE:
-            if self.split:
-                net.grads[...] = 0      # the step then leaves the other slices alone
             comm.recv(net.grads[self.own], source, tag=GRADIENT_TAG)
         return Push(source=source, kind=kind, loss_sum=loss_sum, correct=correct,
                     frames=int(frames), position=int(position),
                     staleness=self.updates - self.sent_version[source], stop=int(stop))
 
     def apply(self, net, optimizer, lr: float, push: Push) -> None:
-        """theta <- theta - lr g (the optimizer's step), t += 1, the average follows."""
+        """theta <- theta - lr g (the optimizer's step), t += 1, the average follows;
+        of a split model, this server's slice only."""
+        if self.split and self._stepping is not optimizer:
+            optimizer.restrict_to(self.own.start, self.own.stop)
+            self._stepping = optimizer
         optimizer.step(lr)
         self.updates += 1
         self.client_steps[push.source - len(self.servers)] = push.position + 1

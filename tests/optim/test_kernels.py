@@ -66,6 +66,41 @@ def test_max_change_kernels_match_the_host_step(cp, momentum, lr):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("momentum", [0.0, 0.5])
+def test_max_change_kernels_restricted_to_a_slice_equal_the_whole_step_there(cp, momentum):
+    # a parameter server's slice: the fused kernels run over its layers' blocks only;
+    # the other layers count as unchanged (norm 0), as with a zero gradient there
+    from mpitrain.nn.network import build_network
+    from mpitrain.optim.sgd import SGD
+
+    def make():
+        net = build_network(feat_dim=10, num_classes=50, left_context=1, right_context=1,
+                            hidden_layers=3, hidden_dim=300, xp=cp)
+        net.init_params(seed=4)
+        return net, SGD(net, momentum=momentum)
+
+    (wnet, whole), (pnet, part) = make(), make()
+    slices = [sl for _, sl in wnet.param_slices]
+    a, b = slices[1].start, slices[2].stop
+    part.restrict_to(a, b)
+    before = backend.to_host(pnet.params)
+    rng = np.random.default_rng(5)
+    for lr in (0.001, 30.0, 0.01):          # 30: max-change caps every layer
+        g = rng.standard_normal(wnet.num_params).astype(np.float32)
+        g[:a] = g[b:] = 0
+        wnet.grads[...] = cp.asarray(g)
+        g[:a] = g[b:] = np.nan
+        pnet.grads[...] = cp.asarray(g)
+        whole.step(lr)
+        part.step(lr)
+        got, want = backend.to_host(pnet.params), backend.to_host(wnet.params)
+        np.testing.assert_array_equal(got[a:b], want[a:b])
+        np.testing.assert_array_equal(got[:a], before[:a])
+        np.testing.assert_array_equal(got[b:], before[b:])
+    assert part.num_skipped == 0
+
+
+@pytest.mark.gpu
 def test_gpu_kernels_match_numpy(cp):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((33, 17)).astype(np.float32)

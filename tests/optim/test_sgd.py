@@ -79,3 +79,89 @@ def test_momentum_accumulates_and_scales_by_one_minus_momentum():
     opt2 = SGD(net, momentum=0.5)
     opt2.load_state_dict(state)
     np.testing.assert_array_equal(opt2.delta, opt.delta)
+
+
+# -------------------------------------------- a slice of the model (restrict_to)
+
+def _sliced_pair(xp, options, span_layers):
+    """(whole, part, (start, stop)): two identical nets and optimizers; ``part``
+    steps only the layers ``span_layers`` (a range of layer indices)."""
+    from mpitrain.optim.adapt import LimitedMemoryAdagrad
+    from mpitrain.optim.ngsgd import NaturalGradientSGD
+    pair = []
+    for _ in range(2):
+        net = build_network(feat_dim=3, num_classes=5, left_context=1, right_context=1,
+                            hidden_layers=3, hidden_dim=6, xp=xp)
+        net.init_params(seed=2)
+        net.params[...] += xp.asarray(np.random.default_rng(3).standard_normal(
+            net.num_params).astype(np.float32) * 0.1)
+        kind = dict(options)
+        cls = NaturalGradientSGD if kind.pop("ngsgd", False) else SGD
+        decay = kind.pop("adapt_decay", None)
+        if decay is not None:
+            kind["gradient_scaling"] = LimitedMemoryAdagrad(net.params, k=1.0, decay=decay)
+        pair.append((net, cls(net, minibatch=8, **kind)))
+    slices = [sl for _, sl in pair[0][0].param_slices]
+    span = (slices[span_layers[0]].start, slices[span_layers[-1]].stop)
+    pair[1][1].restrict_to(*span)
+    return pair[0], pair[1], span
+
+
+SLICE_CASES = {
+    "plain": dict(max_change_per_layer=0, max_change_output=0, max_change=0),
+    "max-change": dict(max_change_per_layer=0.3, max_change_output=0.4, max_change=0.5),
+    "momentum": dict(momentum=0.5, max_change_per_layer=0.3, max_change=0.5),
+    "adapt": dict(adapt_decay=0.9, max_change=0.5),
+    "l2": dict(l2_regularize=0.01, l2_regularize_output=0.02, max_change=0),
+    "ngsgd": dict(ngsgd=True, momentum=0.25, max_change=0.5),
+}
+
+
+@pytest.mark.parametrize("device", ["host", "standin"])
+@pytest.mark.parametrize("layers", [range(0, 2), range(1, 2), range(2, 4)])
+@pytest.mark.parametrize("case", sorted(SLICE_CASES))
+def test_a_step_restricted_to_a_slice_is_the_whole_step_there_bit_for_bit(case, layers,
+                                                                          device):
+    # the whole step with a zero gradient outside the slice is what a server of a
+    # split model computed before; restricted, the gradient outside is not read
+    # (NaN there) and the parameters and buffers outside are not touched
+    import contextlib
+    from mpitrain import backend
+    from mpitrain.testing import standin_cupy
+    context = standin_cupy.installed() if device == "standin" else contextlib.nullcontext(np)
+    with context as xp:
+        (wnet, whole), (pnet, part), (a, b) = _sliced_pair(xp, SLICE_CASES[case], layers)
+        host = lambda x: np.array(backend.to_host(x))      # noqa: E731
+        before = host(pnet.params)
+        rng = np.random.default_rng(7)
+        clipped = False
+        for lr in (0.5, 2.0, 0.05, 4.0):
+            g = rng.standard_normal(wnet.num_params).astype(np.float32)
+            g[:a] = g[b:] = 0
+            wnet.grads[...] = xp.asarray(g)
+            g[:a] = g[b:] = np.nan
+            pnet.grads[...] = xp.asarray(g)
+            whole.step(lr)
+            part.step(lr)
+            clipped |= min(whole.last_scales) < 1 - whole.momentum
+            np.testing.assert_array_equal(host(pnet.params)[a:b], host(wnet.params)[a:b])
+            np.testing.assert_array_equal(host(pnet.params)[:a], before[:a])
+            np.testing.assert_array_equal(host(pnet.params)[b:], before[b:])
+        assert part.num_skipped == 0 and part.num_steps == 4
+        if whole.delta is not None:
+            np.testing.assert_array_equal(host(part.delta)[a:b], host(whole.delta)[a:b])
+            assert not host(part.delta)[:a].any() and not host(part.delta)[b:].any()
+        if SLICE_CASES[case].get("max_change", 2.0):
+            assert clipped, "the step never reached a max-change"
+
+
+def test_restrict_to_refuses_a_slice_that_cuts_a_layer():
+    net = _net()
+    opt = SGD(net)
+    (_, first), (_, second) = net.param_slices[:2]
+    with pytest.raises(ValueError, match="layer boundaries"):
+        opt.restrict_to(0, first.stop + 1)
+    with pytest.raises(ValueError, match="layer boundaries"):
+        opt.restrict_to(first.start + 1, second.stop)
+    opt.restrict_to(second.start, second.stop)
+    assert opt.active == [1]

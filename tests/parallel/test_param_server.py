@@ -7,7 +7,9 @@ for bit (2 virtual ranks against one rank); a virtual run replays exactly with
 the same seed.  Under real ``mpiexec``: 3 ranks learn far above chance (slow);
 uneven shards with a 2x slow client finish within a timeout, every client
 having taken its own number of minibatches; a resumed run continues from the
-checkpoint's model and counters.
+checkpoint's model and counters; with 1, 2 and 3 servers each server steps
+and averages only its own slice, bit for bit as the whole-buffer step did
+(tests/workers/param_server_worker.py).
 """
 
 import os
@@ -336,6 +338,40 @@ def test_two_servers_with_a_slow_client_finish_on_real_ranks(small_corpus, tmp_p
     assert end["steps"] == sum(counts) == records(run, "start")[0]["total_steps"]
     train = records(run, "train")
     assert train[-1]["xent"] < train[0]["xent"], train
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nranks, servers", [(4, 1), (4, 2), (5, 3)])
+def test_each_server_steps_and_averages_only_its_slice_as_the_whole_step_did(nranks,
+                                                                             servers):
+    # tests/workers/param_server_worker.py: each server's record of the pushes it
+    # applied, replayed with the whole-buffer step and average, equals its slice bit
+    # for bit (SGD with momentum and max-change, NG-SGD, L2); it changed nothing
+    # outside its slice and sent only its slice; the checkpoint's view and the final
+    # model are the replays put together
+    from mpitrain.testing.mpirun import run_mpi
+    from ..helpers import WORKERS
+    result = run_mpi(nranks, [str(WORKERS / "param_server_worker.py"), str(servers)],
+                     timeout=120)
+    assert result.returncode == 0, mpi_output(result)
+    passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == ["sgd", "ngsgd", "l2"], mpi_output(result)
+
+
+def test_an_average_over_a_slice_follows_the_whole_average_there():
+    rng = np.random.default_rng(4)
+    start = rng.standard_normal(10).astype(np.float32)
+    whole, part = ModelAverage(start, eta=0.3), ModelAverage(start, eta=0.3, span=slice(3, 7))
+    for k in range(6):
+        theta = rng.standard_normal(10).astype(np.float32)
+        whole.update(theta)
+        part.update(theta)
+        if k == 2:
+            whole.switch_to_uniform(updates=3)
+            part.switch_to_uniform(updates=3)
+    assert np.array_equal(part.average[3:7], whole.average[3:7])
+    assert np.array_equal(part.average[:3], start[:3]) and np.array_equal(part.average[7:],
+                                                                         start[7:])
 
 
 def test_resume_from_a_checkpoint_taken_while_serving_is_bit_exact_with_one_client(
