@@ -456,9 +456,9 @@ class ParameterServer(Strategy):
         client was asked to stop."""
         self._header[:] = (LAST if last else GRADIENT, loss_sum, correct, frames, position,
                            stop)
-        for server, (start, stop) in enumerate(self.slices):
+        for server, (begin, end) in enumerate(self.slices):
             self.comm.send(self._header, server, tag=HEADER_TAG)
-            self.comm.send(net.grads[start:stop], server, tag=GRADIENT_TAG)
+            self.comm.send(net.grads[begin:end], server, tag=GRADIENT_TAG)
 
     def resumed_client_steps(self):
         """This client's minibatches server 0 had applied at the checkpoint resumed
