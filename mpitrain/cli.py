@@ -12,12 +12,57 @@ import contextlib
 import os
 import shlex
 import sys
+import time
 import traceback
 import warnings
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
+
+
+class _SaidByRank0(Exception):
+    """An error every rank of the job meets alike, on a rank other than 0: rank 0
+    says it, this rank ends with exit status 2 without a word."""
+
+
+#: Commands that run under mpiexec (or srun), one process per rank.
+MPI_COMMANDS = ("train", "pretrain", "bench", "synth")
+#: How long a silent rank waits before it exits: Open MPI's mpiexec ends the
+#: whole job as soon as one rank exits with a failure, which could cut rank 0
+#: off before it prints the error.
+QUIET_EXIT_DELAY_S = 2.0
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the MPI launcher set it (0 without one), read before
+    MPI starts."""
+    from .comm import rank_from_env
+    return rank_from_env()
+
+
+@contextlib.contextmanager
+def _before_mpi():
+    """Checks made before MPI starts: the configuration and the options.
+
+    They come first because MPI is started with settings from the configuration
+    (``device_transport``) and a run that cannot start should not start MPI at
+    all.  Every rank reads the same command line and configuration file, so
+    every rank meets the same error: rank 0 says it, the others end with exit
+    status 2 silently (mpiexec still reports the job failed).
+    """
+    try:
+        yield
+    except (UsageError, ValueError, OSError, RuntimeError) as exc:
+        if _launcher_rank() > 0:
+            raise _SaidByRank0() from exc
+        raise
+
+
+def _end_quietly() -> int:
+    """Exit status 2 of a rank whose error rank 0 says."""
+    time.sleep(QUIET_EXIT_DELAY_S)
+    return 2
 
 
 # -- commands ----------------------------------------------------------------------
@@ -114,7 +159,8 @@ def cmd_check(args) -> int:
 
 def cmd_train(args) -> int:
     from .config import load_config
-    cfg = load_config(args.config, args.set)
+    with _before_mpi():
+        cfg = load_config(args.config, args.set)
     if args.virtual:
         return _train_virtual(args, cfg)
     from .train.trainer import Trainer
@@ -124,7 +170,8 @@ def cmd_train(args) -> int:
 def cmd_pretrain(args) -> int:
     from .config import load_config
     from .train.pretrain import Pretrainer
-    cfg = load_config(args.config, args.set)
+    with _before_mpi():
+        cfg = load_config(args.config, args.set)
     return _run_on_ranks("pretrain", Pretrainer, cfg, args, default_suffix="-pretrain")
 
 
@@ -135,7 +182,8 @@ def _run_on_ranks(command: str, runner_class, cfg, args, *, default_suffix: str)
     all stop together or none; an error every rank reached together is one line
     from rank 0, an error on one rank aborts the job so the others do not wait.
     """
-    _refuse_virtual_only_options(args)
+    with _before_mpi():
+        _refuse_virtual_only_options(args)
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
     from .train.run_dir import run_dir_problem
@@ -279,16 +327,6 @@ def _number_list(text: str, flag: str, kind=int) -> tuple:
                          f"got {text!r}") from None
 
 
-def _launcher_rank() -> int:
-    """This process' rank as the MPI launcher set it (0 without one), read before
-    MPI starts."""
-    for name in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        value = os.environ.get(name, "")
-        if value.isdigit():
-            return int(value)
-    return 0
-
-
 def _bench_options(args, virtual_sizes):
     from .bench.options import BenchOptions
     from .bench.projection import NetworkModel
@@ -329,22 +367,20 @@ def cmd_bench(args) -> int:
     from .bench.mode import run_bench
     from .bench.report import clear_earlier_bench, out_dir_problem, projection_lines, write_report
     from .config import load_config
-    cfg = load_config(args.config, args.set)
-    virtual_sizes = ()
-    try:
+    with _before_mpi():
+        cfg = load_config(args.config, args.set)
         virtual_sizes = _number_list(args.virtual, "--virtual")
         if virtual_sizes and args.sizes.strip():
             raise UsageError("--sizes and --virtual both give the group sizes; with virtual "
                              "ranks give them as --virtual 1,2,4,...")
-        options = _bench_options(args, virtual_sizes)
-    except (ValueError, UsageError) as exc:
-        if _launcher_rank() > 0:     # the command line is every rank's: rank 0 says it
-            return 2
-        if isinstance(exc, UsageError):
-            raise
-        # the group sizes came from --virtual: name it
-        raise UsageError(str(exc).replace("--sizes", "--virtual", 1) if virtual_sizes
-                         else str(exc)) from None
+        try:
+            options = _bench_options(args, virtual_sizes)
+        except ValueError as exc:
+            # the group sizes came from --virtual: name it
+            raise UsageError(str(exc).replace("--sizes", "--virtual", 1) if virtual_sizes
+                             else str(exc)) from None
+        if not virtual_sizes:
+            _refuse_virtual_only_options(args)
     out_dir = args.out or os.path.join(
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
     if virtual_sizes:
@@ -359,7 +395,6 @@ def cmd_bench(args) -> int:
         paths = write_report(report, out_dir, dpi=args.dpi)
         print("wrote " + ", ".join(paths.values()))
         return 0
-    _refuse_virtual_only_options(args)
     from .comm import create_communicator
     from .comm.abort import install_abort_hook
     comm = create_communicator(device_transport=cfg.device_transport)
@@ -492,6 +527,18 @@ def _limit_blas_threads(cfg, comm) -> None:
 
 # -- parser ----------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that can leave its errors to rank 0 (``quiet``: this
+    process is another rank of an MPI job, which parses the same command line)."""
+
+    quiet = False
+
+    def error(self, message):
+        if self.quiet:
+            raise SystemExit(_end_quietly())
+        super().error(message)
+
+
 class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows '(default: X)' unless the help already says what the default is.
 
@@ -512,9 +559,11 @@ MODEL_HELP = ("a model file (best.h5, final.h5 or a checkpoint) or a run directo
               "(its best.h5, else its final.h5)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
+    """The command line parser; ``quiet_errors``: a bad command line ends this
+    process with exit status 2 and no message (another rank prints it)."""
     fmt = _DefaultsFormatter
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mpitrain", formatter_class=fmt,
         description="Train DNN acoustic models on many MPI ranks "
                     "(e.g. mpiexec -n 4 python -m mpitrain train run.yaml).")
@@ -724,6 +773,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="frames seen (all ranks), wall seconds since the start, or "
                         "training seconds (simulated ones for --virtual runs)")
     p.set_defaults(func=cmd_plot)
+    for each in (parser, *sub.choices.values()):
+        each.quiet = quiet_errors
     return parser
 
 
@@ -755,10 +806,13 @@ def main(argv=None) -> int:
         # `mpirun -np 32 python -m mpitrain`: the config of the current directory
         from .starter import DEFAULT_CONFIG
         if not os.path.isfile(DEFAULT_CONFIG):
+            if _launcher_rank() > 0:
+                return _end_quietly()
             print(USAGE, file=sys.stderr)
             return 2
         argv = ["train", DEFAULT_CONFIG]
-    parser = build_parser()
+    # a command line every rank of an MPI job parses alike: rank 0 says what is wrong
+    parser = build_parser(quiet_errors=argv[0] in MPI_COMMANDS and _launcher_rank() > 0)
     args = parser.parse_args(argv)
     # Numerical trouble is counted and reported by the program (see
     # train/divergence.py); numpy's own warnings would only repeat it unclearly.
@@ -767,6 +821,8 @@ def main(argv=None) -> int:
         status = args.func(args)
         sys.stdout.flush()      # a closed reader shows here, not at interpreter exit
         return status
+    except _SaidByRank0:
+        return _end_quietly()
     except UsageError as exc:
         print(f"mpitrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2

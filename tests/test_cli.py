@@ -346,3 +346,42 @@ def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_co
     train = [r for r in records if r["type"] == "train"]
     assert train and all(r["slowest_rank"] == 1 and r["slowest_host"] == host
                          for r in train), train
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("argv,line", [
+    (["train", "{bad}"], "mpitrain train: error: {bad}: model.hiden_dim: unknown key; "),
+    (["pretrain", "{bad}"], "mpitrain pretrain: error: {bad}: model.hiden_dim: unknown key; "),
+    (["bench", "{bad}"], "mpitrain bench: error: {bad}: model.hiden_dim: unknown key; "),
+    (["train", "{good}", "--set", "training.epochs=-1"],
+     "mpitrain train: error: {good}: training.epochs: expected a number in (0, inf), got -1"),
+    (["train", "{good}", "--slowdown", "1=2"], "mpitrain train: error: --slowdown and --jitter "),
+    (["train", "{good}", "--no-such-option"],
+     "mpitrain: error: unrecognized arguments: --no-such-option"),
+], ids=["train", "pretrain", "bench", "value-out-of-range", "option", "command-line"])
+def test_an_error_before_mpi_starts_is_said_once_and_every_rank_exits_2(mpiexec, tmp_path,
+                                                                         argv, line):
+    from mpitrain.testing.mpirun import run_mpi
+    from .helpers import QUICKSTART, WORKERS
+    bad = tmp_path / "bad.yaml"
+    with open(QUICKSTART, encoding="utf-8") as fh:
+        bad.write_text(fh.read().replace("hidden_dim:", "hiden_dim:"), encoding="utf-8")
+    argv = [a.format(bad=bad, good=QUICKSTART) for a in argv]
+    line = line.format(bad=bad, good=QUICKSTART)
+    status_dir = tmp_path / "status"
+    status_dir.mkdir()
+    result = run_mpi(3, [str(WORKERS / "cli_status_worker.py"), str(status_dir), *argv],
+                     timeout=120)
+    assert result.returncode == 2, result.stderr
+    said = [text for text in result.stderr.splitlines() if "error:" in text]
+    assert len(said) == 1 and said[0].startswith(line), result.stderr
+    statuses = {p.name: p.read_text().strip() for p in status_dir.iterdir()}
+    assert statuses == {"rank-0": "2", "rank-1": "2", "rank-2": "2"}, statuses
+
+
+@pytest.mark.mpi
+def test_no_command_without_a_config_under_mpiexec_prints_the_usage_once(mpiexec, tmp_path):
+    from mpitrain.testing.mpirun import run_mpi
+    result = run_mpi(2, ["-m", "mpitrain"], cwd=str(tmp_path), timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("usage:") == 1, result.stderr

@@ -23,6 +23,7 @@ from .single import SingleCommunicator
 __all__ = [
     "ANY_SOURCE", "ANY_TAG", "REDUCE_OPS", "Communicator", "Request", "SingleCommunicator",
     "create_communicator", "launched_by_mpi", "world_size_from_env", "local_rank_from_env",
+    "rank_from_env",
 ]
 
 KINDS = ("auto", "mpi", "single")
@@ -37,6 +38,11 @@ _LAUNCHER_VARS = (
     "PALS_RANKID",                             # HPE/Cray PALS
 )
 _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+# This process's rank in the job, most specific first: srun's SLURM_PROCID comes
+# last, since an mpiexec inside a batch script passes the script's own (0) on
+# to every rank it starts.
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK",
+              "PALS_RANKID", "SLURM_PROCID")
 _LOCAL_RANK_VARS = ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK",
                     "MV2_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID", "SLURM_LOCALID")
 
@@ -95,6 +101,25 @@ def local_rank_from_env(env: Optional[Mapping[str, str]] = None) -> int:
     """
     env = os.environ if env is None else env
     for name in _LOCAL_RANK_VARS:
+        value = _int_env(env, name)
+        if value is not None:
+            return value
+    return 0
+
+
+def rank_from_env(env: Optional[Mapping[str, str]] = None) -> int:
+    """This process's rank in the job according to the launcher, 0 when unknown.
+
+    Usable before MPI starts, e.g. so that rank 0 alone reports an error every
+    rank meets alike.
+
+    Example::
+
+        rank_from_env({"PMI_RANK": "3", "PMI_SIZE": "4"})     # 3
+        rank_from_env({})                                     # 0
+    """
+    env = os.environ if env is None else env
+    for name in _RANK_VARS:
         value = _int_env(env, name)
         if value is not None:
             return value

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from mpitrain.comm import (create_communicator, launched_by_mpi, local_rank_from_env,
-                           world_size_from_env)
+                           rank_from_env, world_size_from_env)
 from mpitrain.comm.single import SingleCommunicator
 
 
@@ -38,6 +38,17 @@ def test_launcher_detection_from_environment():
     assert local_rank_from_env({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}) == 2
     assert local_rank_from_env({"MPI_LOCALRANKID": "1", "SLURM_LOCALID": "5"}) == 1
     assert local_rank_from_env({}) == 0
+
+
+def test_rank_from_environment_of_each_launcher():
+    assert rank_from_env({}) == 0
+    assert rank_from_env({"PMI_RANK": "3", "MPI_LOCALRANKID": "1"}) == 3     # MPICH, Intel MPI
+    assert rank_from_env({"OMPI_COMM_WORLD_RANK": "2"}) == 2                   # Open MPI
+    assert rank_from_env({"PMIX_RANK": "5"}) == 5                              # PRRTE, srun pmix
+    assert rank_from_env({"SLURM_PROCID": "7", "SLURM_STEP_NUM_TASKS": "8"}) == 7   # srun
+    # mpiexec inside a batch script: every rank inherits the script's SLURM_PROCID=0
+    assert rank_from_env({"SLURM_PROCID": "0", "PMI_RANK": "1"}) == 1
+    assert rank_from_env({"SLURM_PROCID": "0", "OMPI_COMM_WORLD_RANK": "1"}) == 1
 
 
 def test_launcher_of_one_rank_gives_single_without_mpi():

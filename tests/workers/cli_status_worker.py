@@ -1,0 +1,20 @@
+"""`mpitrain` through the command line on each rank, writing the rank's exit
+status to STATUS_DIR/rank-N (mpiexec's own status is only the worst of them).
+
+Usage: cli_status_worker.py STATUS_DIR [mpitrain arguments ...]
+"""
+
+import os
+import sys
+
+from mpitrain import cli
+from mpitrain.comm import rank_from_env
+
+status_dir, argv = sys.argv[1], sys.argv[2:]
+try:
+    status = cli.main(argv)
+except SystemExit as exc:          # argparse's own exit
+    status = exc.code
+with open(os.path.join(status_dir, f"rank-{rank_from_env()}"), "w", encoding="utf-8") as fh:
+    fh.write(f"{status}\n")
+sys.exit(status)
