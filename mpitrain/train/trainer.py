@@ -181,6 +181,7 @@ class Trainer(CheckpointResume):
             self._initial = self._state_snapshot()
         self._dev = None
         self._verdict = None         # the last held-out evaluation's model selection
+        self._stopped_at = None      # (step, result, model) of the evaluation that stopped
         self._run_start = None       # the communicator's clock when training began
         self._combination = None     # training.combine: snapshots for train/combine.py
         self._checkpointed_at = None  # the step of the checkpoint written last
@@ -530,7 +531,7 @@ class Trainer(CheckpointResume):
         if self._combination is not None:
             self._combine()
         # evaluated first, so the final checkpoint holds the selection it made
-        result = self._log_eval(final=True) if self.dev_manifest is not None else {}
+        result = self._final_eval()
         self._complete_at = self.total_steps
         self.save_checkpoint()
         if self.is_root:
@@ -606,6 +607,7 @@ class Trainer(CheckpointResume):
         signal stopped it (train/stop.py)."""
         cfg, comm = self.cfg, self.comm
         batch = cfg.training.minibatch
+        self._stopped_at = None
         training_step = self._new_training_step()
         window_start = comm.wtime()
         comm_at_window = comm.comm_time
@@ -710,6 +712,8 @@ class Trainer(CheckpointResume):
                 if schedule_eval:
                     stop = self._end_schedule_epoch(result) or stop
                 if stop:
+                    with self._agreed_model(average=True):      # the model evaluated
+                        self._stopped_at = (self.step, result, self.net.params.copy())
                     return None
             # checkpoint at the first point after each interval where all ranks agree
             if next_checkpoint and self.step >= next_checkpoint and not last \
@@ -778,6 +782,22 @@ class Trainer(CheckpointResume):
                   f"best single ({found['best_single']}) xent "
                   f"{found['best_single_xent']:.4f}, gain {found['gain_xent']:.4f}; "
                   f"weights {weights}")
+
+    def _final_eval(self) -> dict:
+        """The final model's held-out result.  A run stopped at an evaluation (an
+        early stop, the schedule's or a caller's) whose final model is the one
+        evaluated there keeps that result: one evaluation, one record, one verdict
+        of model selection.  Otherwise (a last average or block update, a
+        combination changed it) the final model is evaluated."""
+        if self.dev_manifest is None:
+            return {}
+        stopped, self._stopped_at = self._stopped_at, None
+        if stopped is not None and self._combination is None:
+            step, result, model = stopped
+            same = step == self.step and bool(self.xp.array_equal(self.net.params, model))
+            if self.comm.allreduce_scalar(int(same), op="min"):    # all ranks alike
+                return dict(result)
+        return self._log_eval(final=True)
 
     def _log_eval(self, *, final: bool = False) -> dict:
         """Evaluate the ranks' common model (their average where they differ), log

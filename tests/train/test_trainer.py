@@ -406,3 +406,32 @@ def test_resume_on_two_ranks_is_bit_exact(small_corpus, tmp_path, method):
     after = [r["xent"] for r in records(straight, "train") if r["step"] > 32]
     resumed = [r["xent"] for r in records(split, "train") if r["step"] > 32]
     assert after == resumed
+
+
+@pytest.mark.parametrize("stop", ["early_stop", "on_eval"])
+def test_a_run_stopped_at_an_evaluation_evaluates_its_last_step_once(small_corpus, tmp_path,
+                                                                     monkeypatch, stop):
+    """The evaluation that stops the run is the final model's: it is not made, logged
+    or counted by model selection a second time."""
+    from mpitrain.train.trainer import Trainer
+    calls = []
+    real_evaluate = Trainer.evaluate
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.step)
+        return real_evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", counted)
+    settings = TINY + ["training.eval_interval=1000", "training.epochs=3"]
+    if stop == "early_stop":        # no evaluation gains 50 points: stops at the second
+        settings += ["training.early_stop.patience=1", "training.early_stop.min_delta=0.5"]
+    else:                           # a caller's stop (bench mode's): at the second
+        monkeypatch.setattr(Trainer, "on_eval", lambda self, result: len(calls) >= 2)
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, settings)
+    evals, end = records(run, "eval"), records(run, "end")[0]
+    assert end["steps"] < records(run, "start")[0]["total_steps"]       # it did stop early
+    assert calls == [e["step"] for e in evals] and len(calls) == 2
+    assert [r["step"] for r in records(run, "selection")] == calls
+    assert (end["dev_acc"], end["dev_xent"]) == (evals[-1]["dev_acc"], evals[-1]["dev_xent"])
+    assert evals[-1]["step"] == end["steps"]
