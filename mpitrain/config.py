@@ -382,6 +382,10 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
     if m.init_from and m.nonlinearity != "sigmoid":
         raise ConfigError(f"{where}model.nonlinearity: model.init_from gives RBM (sigmoid) "
                           f"hidden layers; expected 'sigmoid', got {m.nonlinearity!r}")
+    if m.init_from and m.normalize:
+        raise ConfigError(f"{where}model.normalize: model.init_from gives RBM layers, each "
+                          "pretrained on the sigmoid outputs of the one below; a normalize "
+                          "layer between them would change their input; set it to false")
     if cfg.training.early_stop.patience and not cfg.data.dev:
         raise ConfigError(f"{where}training.early_stop.patience: early stopping watches "
                           "held-out results; set data.dev")

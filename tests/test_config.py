@@ -74,6 +74,12 @@ def test_pretraining_and_combination_errors_name_the_key(tmp_path):
     assert "pretrain.momentum_final" in msg
     msg = _error(tmp_path, "model:\n  init_from: pre.h5\n  nonlinearity: relu\n")
     assert "model.nonlinearity" in msg and "model.init_from" in msg
+    # a normalize layer between pretrained RBM layers would change their input
+    msg = _error(tmp_path, "model:\n  init_from: pre.h5\n  nonlinearity: sigmoid\n"
+                           "  normalize: true\n")
+    assert "model.normalize:" in msg and "model.init_from" in msg
+    load_config(None, ["model.init_from=pre.h5", "model.nonlinearity=sigmoid"])
+    load_config(None, ["model.normalize=true"])
     msg = _error(tmp_path, "training:\n  combine: true\nparallel:\n  method: param_server\n")
     assert "training.combine" in msg
     msg = _error(tmp_path, "training:\n  combine_models: 0\n")

@@ -6,18 +6,31 @@ is; the output layer keeps its own initialisation (zeros, as Kaldi adds it).
 The stack must have been trained on the same input (feature dimension and
 splicing context) with the network's hidden layer count and width; any
 difference is one line naming ``model.init_from`` and the field.
+
+The stack also holds the input normalisation (global CMVN) its first layer
+was trained on.  As Kaldi keeps the pretraining's feature transform for the
+fine-tuning, the network starts from the function the stack computes on
+features normalised that way: where the training corpus's CMVN differs (a
+stack pretrained on other data), the first layer is rewritten so that, on
+the network's own normalisation (the corpus's, which the model file keeps),
+it gives exactly the stack's first layer on the stack's.
 """
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
+
+from ..backend import to_host
 from ..nn.affine import Affine
 from ..nn.rbm_file import load_rbm_stack
 
 
-def init_from_pretrained(net, cfg) -> None:
-    """Copy the stack at ``cfg.model.init_from`` into ``net``'s hidden affine layers.
+def init_from_pretrained(net, cfg) -> bool:
+    """Copy the stack at ``cfg.model.init_from`` into ``net``'s hidden affine layers;
+    True when its input normalisation differed from ``net``'s and the first layer
+    was rewritten for it.
 
     Example::
 
@@ -49,3 +62,28 @@ def init_from_pretrained(net, cfg) -> None:
                              f"builds {wanted} ({key})")
     for rbm, layer in zip(stack.rbms, hidden):
         layer.block[...] = rbm.block
+    return _refit_first_layer(hidden[0], stack, net) if hidden else False
+
+
+def _refit_first_layer(layer, stack, net) -> bool:
+    """Rewrite ``layer`` ([W | b] on inputs normalised as the stack's) for the
+    network's normalisation: with the network's x_n = (x - m_n) s_n and the
+    stack's x_s = (x - m_s) s_s = x_n (s_s / s_n) + (m_n - m_s) s_s, per feature,
+    W x_s + b = W' x_n + b' with W' = W diag(s_s / s_n), b' = b + W (m_n - m_s) s_s.
+    """
+    net_mean = to_host(net.cmvn_mean).astype(np.float64)
+    net_scale = to_host(net.cmvn_scale).astype(np.float64)
+    mean = np.asarray(stack.cmvn_mean, dtype=np.float64)
+    scale = np.asarray(stack.cmvn_scale, dtype=np.float64)
+    if np.array_equal(mean, net_mean) and np.array_equal(scale, net_scale):
+        return False
+    width = net.left_context + 1 + net.right_context        # spliced frames, feature-minor
+    ratio = np.tile(scale / net_scale, width)
+    shift = np.tile((net_mean - mean) * scale, width)
+    block = to_host(layer.block).astype(np.float64)
+    weight = block[:, :layer.in_dim]
+    bias = block[:, layer.in_dim] + weight @ shift
+    block[:, :layer.in_dim] = weight * ratio
+    block[:, layer.in_dim] = bias
+    layer.block[...] = net.xp.asarray(block.astype(np.float32))
+    return True

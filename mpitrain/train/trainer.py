@@ -208,9 +208,13 @@ class Trainer(CheckpointResume):
         if cfg.model.init_from and not self.resuming:
             from .pretrained_init import init_from_pretrained
             try:
-                init_from_pretrained(self.net, cfg)
+                refitted = init_from_pretrained(self.net, cfg)
             except ValueError as exc:    # every rank reads the same file: all stop alike
                 raise TrainingError(str(exc), agreed=True) from None
+            if refitted:
+                self._say(f"model.init_from: {cfg.model.init_from} was pretrained on "
+                          "features normalised otherwise (CMVN) than data.train's; its "
+                          "first layer is rescaled to give the same outputs on data.train's")
         if self.dev_manifest is not None:
             self._check_dev_matches(m)
         self.optimizer = build_optimizer(cfg.optimizer, self.net,
