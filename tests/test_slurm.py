@@ -392,3 +392,79 @@ def test_a_run_directory_named_with_glob_characters_is_resumed_not_overwritten(t
     launched = result.stdout.splitlines()[-1]
     assert f"<--run-dir><{run_dir}><--resume>" in launched, result.stdout + result.stderr
     assert "--overwrite" not in launched
+
+
+def _prepare_tasks(tmp_path, ids, *, lines=10, first=None, last=None, count=None, parts=None):
+    """prepare.sbatch run as each task of an array with ``ids`` (without Slurm: a stand-in
+    `sbatch` keeps the merge job's command, a stand-in python the prepare commands);
+    returns [(task id, exit status, stderr)], the merge command and the parts' scp lines."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        "#!/bin/bash\nfor a in \"$@\"; do case $a in --wrap=*) "
+        f"printf '%s\\n' \"${{a#--wrap=}}\" >> {json.dumps(str(tmp_path / 'merge'))};; "
+        "esac; done\necho 99\n")
+    (bin_dir / "python").write_text("#!/bin/bash\nexit 0\n")
+    for name in ("sbatch", "python"):
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "feats.scp").write_text("".join(f"utt{i} feats.ark:{i}\n" for i in range(lines)))
+    array = {"SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_COUNT": str(count or len(ids)),
+             "SLURM_ARRAY_TASK_MIN": str(min(ids) if first is None else first),
+             "SLURM_ARRAY_TASK_MAX": str(max(ids) if last is None else last)}
+    if parts is not None:
+        array["PARTS"] = str(parts)
+    results = []
+    for task in ids:
+        env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                   VENV=str(tmp_path / "no-venv"), SLURM_ARRAY_TASK_ID=str(task), **array)
+        if parts is None:
+            env.pop("PARTS", None)
+        done = subprocess.run(["bash", os.path.join(SLURM_DIR, "prepare.sbatch"), "feats.scp",
+                               "ark:ali.ark", "corpus"], env=env, cwd=str(tmp_path),
+                              capture_output=True, text=True, timeout=60)
+        results.append((task, done.returncode, done.stderr))
+    merge = (tmp_path / "merge").read_text() if (tmp_path / "merge").exists() else ""
+    written = {p.parent.name: p.read_text().splitlines()
+               for p in sorted((tmp_path / "corpus").glob("part-*/feats.scp"))}
+    return results, merge, written
+
+
+def test_prepare_array_from_0_writes_each_line_into_one_part_and_merges_them(tmp_path):
+    results, merge, written = _prepare_tasks(tmp_path, [0, 1, 2])
+    assert [r[1] for r in results] == [0, 0, 0], results
+    assert sorted(written) == ["part-00000", "part-00001", "part-00002"]
+    assert sum(written.values(), []) == [f"utt{i} feats.ark:{i}" for i in range(10)]
+    assert merge.count("mpitrain merge") == 1
+    assert all(f"corpus/{p}" in merge for p in written), merge
+
+
+@pytest.mark.parametrize("ids", [[1, 2, 3], [0, 2, 4], [0, 1, 5]],
+                         ids=["array=1-3", "array=0-4:2", "array=0,1,5"])
+def test_prepare_array_not_numbering_the_parts_is_refused_before_anything_is_written(
+        tmp_path, ids):
+    # (before, --array=1-3 wrote no part 0 and failed its last task; a step or a
+    # list left parts unwritten)
+    results, merge, written = _prepare_tasks(tmp_path, ids)
+    for task, status, err in results:
+        assert status == 2, (task, err)
+        lines = [line for line in err.splitlines() if line]
+        assert len(lines) == 1 and lines[0].startswith("prepare.sbatch: array tasks "), err
+        assert "--array=0-2" in lines[0], err
+    assert merge == "" and written == {}
+
+
+def test_prepare_rerun_of_some_parts_numbers_them_by_task_id(tmp_path):
+    results, merge, written = _prepare_tasks(tmp_path, [1], parts=3)
+    assert results[0][1] == 0, results
+    assert list(written) == ["part-00001"]
+    # floor(i * 3 / 10) == 1: the lines part 1 had in the first run
+    assert written["part-00001"] == [f"utt{i} feats.ark:{i}" for i in range(4, 7)]
+    # the first task of the re-run submits the merge of all three parts
+    assert all(f"corpus/part-0000{i}" in merge for i in range(3)), merge
+
+
+def test_prepare_with_parts_not_a_number_is_one_line(tmp_path):
+    results, merge, written = _prepare_tasks(tmp_path, [0], parts="eight")
+    assert results[0][1] == 2 and results[0][2].strip() == \
+        "prepare.sbatch: PARTS=eight: expected a number of parts >= 1"
+    assert merge == "" and written == {}
