@@ -449,6 +449,7 @@ def _model_file(path: str, command: str, *, stream=None) -> str:
 
 def cmd_eval(args) -> int:
     from .data.corpus import load_manifest, speaker_cmvn_kind
+    from .data.validate import validate_corpus
     from .nn.model_file import load_model
     from .train.evaluate import evaluate_chunks, iter_eval_chunks
     args.model = _model_file(args.model, "eval")
@@ -467,6 +468,13 @@ def cmd_eval(args) -> int:
                          f"{speaker_cmvn_kind(manifest.speaker_cmvn)}, but the model "
                          f"{args.model} was trained with "
                          f"{speaker_cmvn_kind(net.speaker_cmvn)}; prepare the corpus alike")
+    # the checks train makes of its held-out set: a NaN frame, a label outside the
+    # model's classes or a shard of another width is named, not scored
+    problems = validate_corpus(manifest, num_classes=net.num_classes)
+    if problems:
+        more = (f" ({len(problems) - 1} more problem(s): run `mpitrain check` on the corpus)"
+                if len(problems) > 1 else "")
+        raise UsageError(" ".join(problems[0].split()) + more)
     # one chunk in memory at a time: a test set of any size scores in flat memory
     total, correct, frames = evaluate_chunks(net, iter_eval_chunks(manifest, net,
                                                                    max_frames=args.max_frames))

@@ -181,6 +181,47 @@ def test_eval_max_frames_below_zero_is_refused(model, small_corpus, capsys):
     assert "--max-frames" in _one_line(capsys, "eval")
 
 
+def _damaged_copy(corpus_dir, out, damage):
+    """A copy of a corpus whose first shard ``damage(h5file)`` changed in place."""
+    import shutil
+
+    import h5py
+    shutil.copytree(corpus_dir, out)
+    with h5py.File(os.path.join(out, "shard-00000.h5"), "r+") as f:
+        damage(f)
+    return str(out)
+
+
+def _nan_frame(f):
+    f["feats"][7, 3] = np.nan
+
+
+def _label_beyond_the_classes(f):
+    f["labels"][5] = 100_000
+
+
+def _wider_features(f):
+    feats = f["feats"][()]
+    del f["feats"]
+    f.create_dataset("feats", data=np.concatenate([feats, feats[:, :2]], axis=1))
+
+
+@pytest.mark.parametrize("damage,message", [
+    (_nan_frame, "dataset 'feats': 1 frame(s) contain NaN or inf, the first at frame 7"),
+    (_label_beyond_the_classes, "dataset 'labels': 1 label(s) outside [0, "),
+    (_wider_features, "dataset 'feats' has 42 columns; expected feat_dim = 40"),
+], ids=["nan", "label", "width"])
+def test_eval_refuses_bad_frames_naming_the_shard(model, small_corpus, tmp_path, capsys,
+                                                  damage, message):
+    # eval scored NaN features as 'xent nan' with exit status 0, failed on a label
+    # beyond the model's classes with an IndexError, and on wider features with a
+    # numpy broadcast error naming no file
+    dev = _damaged_copy(os.path.join(small_corpus, "dev"), tmp_path / "dev", damage)
+    assert main(["eval", str(model), dev]) == 2
+    err = _one_line(capsys, "eval")
+    assert os.path.join(dev, "shard-00000.h5") in err and message in err, err
+
+
 def _normalised_per_speaker(corpus_dir, out):
     """A copy of a corpus whose manifest says prepare applied per-speaker CMVN."""
     import shutil
