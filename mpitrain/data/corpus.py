@@ -209,6 +209,7 @@ def manifest_problems(data, path: str) -> tuple[CorpusManifest | None, list[str]
     if not isinstance(raw_shards, list) or not raw_shards:
         bad("shards", "a non-empty list of {path, frames, utterances}", raw_shards)
         raw_shards = []
+    listed: dict[str, int] = {}        # each shard's file, to find one listed twice
     for i, entry in enumerate(raw_shards):
         where = f"shards[{i}]"
         if not isinstance(entry, dict):
@@ -218,6 +219,14 @@ def manifest_problems(data, path: str) -> tuple[CorpusManifest | None, list[str]
         if (not isinstance(shard_rel, str) or not shard_rel or os.path.isabs(shard_rel)
                 or ".." in shard_rel.replace("\\", "/").split("/")):
             bad(f"{where}.path", "a relative file name inside the corpus directory", shard_rel)
+        else:
+            # listed twice, its frames would be trained on twice (by two ranks at once)
+            same = os.path.normpath(shard_rel.replace("\\", "/"))
+            if same in listed:
+                problems.append(f"{path}: field '{where}.path': {shard_rel!r} is listed "
+                                f"again (shards[{listed[same]}] is the same file); list "
+                                "each shard once")
+            listed.setdefault(same, i)
         for key in ("frames", "utterances"):
             if not _is_int(entry.get(key)) or entry.get(key) < 0:
                 bad(f"{where}.{key}", "a non-negative int", entry.get(key))

@@ -39,6 +39,27 @@ def test_load_manifest_names_file_and_field(tmp_path, field, value, expected):
     assert path in str(err.value) and expected in str(err.value)
 
 
+@pytest.mark.parametrize("second", ["shard-00000.h5", "./shard-00000.h5"])
+def test_a_shard_listed_twice_is_refused(tmp_path, second):
+    # with totals that add up, it was loaded and trained on twice, by two ranks at once
+    out = str(tmp_path / "c")
+    with CorpusWriter(out, feat_dim=2, num_classes=3, num_shards=1) as writer:
+        writer.add("a", np.zeros((4, 2), np.float32), np.array([0, 1, 2, 2]))
+    path = manifest_path(out)
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    data["shards"].append(dict(data["shards"][0], path=second))
+    data["num_frames"] *= 2
+    data["num_utterances"] *= 2
+    data["class_counts"] = [2 * c for c in data["class_counts"]]
+    with open(path, "w") as f:
+        yaml.safe_dump(data, f)
+    with pytest.raises(CorpusError) as err:
+        load_manifest(out)
+    assert str(err.value) == (f"{path}: field 'shards[1].path': {second!r} is listed again "
+                              "(shards[0] is the same file); list each shard once")
+
+
 def test_load_manifest_of_a_directory_without_corpus(tmp_path):
     with pytest.raises(CorpusError, match="corpus.yaml: not found"):
         load_manifest(str(tmp_path))
