@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import to_device
+from .corpus import CorpusError
 from .shards import ShardReader
 from .splice import frame_utterance_bounds
 
@@ -70,8 +71,23 @@ def plan_chunks(manifest, slices, chunk_frames: int) -> list:
 
 
 def read_chunk(manifest, spec: ChunkSpec, cmvn_mean, cmvn_scale) -> tuple:
-    """Read and normalise one chunk on the host (runs in the prefetch thread)."""
-    with ShardReader(manifest.shard_path(spec.shard_index)) as reader:
+    """Read and normalise one chunk on the host (runs in the prefetch thread).
+
+    The shard must still be the one planned from: a shard rewritten since
+    (``prepare --overwrite`` into the corpus of a running job) is a
+    :class:`CorpusError` naming it, never frames of other utterances.
+    """
+    path = manifest.shard_path(spec.shard_index)
+    listed = manifest.shards[spec.shard_index]
+    with ShardReader(path) as reader:
+        offsets = reader.utt_offsets
+        if (reader.num_frames, reader.num_utterances) != (listed.frames, listed.utterances) \
+                or int(offsets[spec.end_utt] - offsets[spec.start_utt]) != spec.frames:
+            raise CorpusError(f"{path}: holds {reader.num_frames} frames in "
+                              f"{reader.num_utterances} utterances, not the {listed.frames} "
+                              f"in {listed.utterances} that {manifest.manifest_path} "
+                              "listed when reading began: the shard was rewritten since; "
+                              "start again on the corpus as it is now")
         feats, labels, offsets = reader.read(spec.start_utt, spec.end_utt)
     feats = np.ascontiguousarray(feats, dtype=np.float32)
     feats -= cmvn_mean

@@ -27,3 +27,27 @@ def test_chunks_read_ahead_for_skipped_positions_are_not_kept(small_corpus, pref
         assert max(held) <= 1, held
     finally:
         stream.close()
+
+
+@pytest.mark.parametrize("num_utts", [6, 40])
+def test_a_shard_rewritten_since_the_plan_is_named_not_read(tmp_path, num_utts):
+    """A corpus prepared again (``--overwrite``) under a running job: the next chunk
+    read stopped the run with an IndexError (fewer frames), or trained on frames
+    of other utterances (more)."""
+    import shutil
+
+    from mpitrain.data.batcher import read_chunk
+    from mpitrain.data.corpus import CorpusError
+
+    from .corpora import write_corpus
+    corpus = write_corpus(tmp_path / "c", num_utts=12)
+    manifest = load_manifest(corpus)
+    chunks = plan_chunks(manifest, assign_shards(manifest.shards, 0, 1), 1000)
+    cmvn = ([0.0] * manifest.feat_dim, [1.0] * manifest.feat_dim)
+    read_chunk(manifest, chunks[-1], *cmvn)            # as planned: read
+    shutil.rmtree(corpus)
+    write_corpus(tmp_path / "c", num_utts=num_utts, seed=1)
+    with pytest.raises(CorpusError) as err:
+        read_chunk(manifest, chunks[-1], *cmvn)
+    shard = manifest.shard_path(chunks[-1].shard_index)
+    assert str(err.value).startswith(f"{shard}: holds ") and "was rewritten" in str(err.value)
