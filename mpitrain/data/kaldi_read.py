@@ -571,6 +571,15 @@ def as_features(name: str, key: str, value) -> np.ndarray:
     if value.shape[0] and not value.shape[1]:
         raise CorpusError(f"{name}: utterance {key!r}: feature matrix has {value.shape[0]} "
                           "rows and no columns")
+    if value.dtype.itemsize > 4 and value.size:
+        # a finite double beyond float32's range would be stored as inf
+        beyond = np.abs(value) > np.finfo(np.float32).max
+        beyond &= np.isfinite(value)
+        if beyond.any():
+            row, col = (int(i) for i in np.argwhere(beyond)[0])
+            raise CorpusError(f"{name}: utterance {key!r}: {int(beyond.sum())} value(s) "
+                              f"beyond the float32 range features are stored in, the first "
+                              f"{value[row, col]:.6g} at frame {row}, dimension {col}")
     return value.astype(np.float32, copy=False)
 
 

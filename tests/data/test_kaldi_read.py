@@ -216,3 +216,25 @@ def test_ids_that_are_not_utf8_say_how_to_convert_them(tmp_path):
     from mpitrain.data.kaldi_read import read_utt2spk
     with pytest.raises(CorpusError, match=r"utt2spk:1: not UTF-8 text: ids in another encoding"):
         read_utt2spk(str(tmp_path / "utt2spk"))
+
+
+def test_doubles_beyond_float32_are_named_not_called_nan(tmp_path, capsys):
+    # a finite DM value beyond float32 became inf when stored, and prepare said
+    # the utterance 'contains NaN or inf', which the archive did not
+    feats = np.ones((5, 3))
+    feats[2, 1] = -1e300
+    kaldiio.save_ark(str(tmp_path / "f.ark"), {"a": np.ones((4, 3)), "b": feats})
+    kaldiio.save_ark(str(tmp_path / "ali.ark"), {"a": np.zeros(4, np.int32),
+                                                 "b": np.zeros(5, np.int32)})
+    with pytest.raises(CorpusError) as err:
+        list(read_feature_matrices(f"ark:{tmp_path / 'f.ark'}"))
+    assert str(err.value) == (f"{tmp_path / 'f.ark'}: utterance 'b': 1 value(s) beyond the "
+                              "float32 range features are stored in, the first -1e+300 at "
+                              "frame 2, dimension 1")
+    assert main(["prepare", "--feats", f"ark:{tmp_path / 'f.ark'}", "--ali",
+                 f"ark:{tmp_path / 'ali.ark'}", "--out", str(tmp_path / "c")]) == 2
+    assert "beyond the float32 range" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists() or os.listdir(tmp_path / "c") == []
+    # doubles within the range are read as float32
+    key, read = next(iter(read_feature_matrices(f"ark:{tmp_path / 'f.ark'}")))
+    assert key == "a" and read.dtype == np.float32 and (read == 1).all()
