@@ -410,11 +410,12 @@ def read_record(src: Input, key: str, *, expect: str = "matrix"):
     """Decode the record at the current position if it is of the kind expected.
 
     ``expect`` is "matrix" (features: float matrices and vectors, binary,
-    compressed or text), "stats" (the same kinds, text read as float64: CMVN
-    sums) or "ints" (alignments: binary int32 vectors).  Any other record is
-    refused by key before a byte of its payload is decoded.
+    compressed or text), "stats" (the same kinds: CMVN sums) or "ints"
+    (alignments: binary int32 vectors).  Text is read as float64, so that a
+    value beyond float32 is found by :func:`as_features` rather than turned
+    into inf by the parse.  Any other record is refused by key before a byte
+    of its payload is decoded.
     """
-    text_dtype = np.float64 if expect == "stats" else np.float32
     expect = "matrix" if expect == "stats" else expect
     expected = EXPECTED_FEATURES if expect == "matrix" else EXPECTED_ALIGNMENT
     head = src.peek(64)
@@ -433,7 +434,7 @@ def read_record(src: Input, key: str, *, expect: str = "matrix"):
             raise _refuse(src.name, key, f"a Kaldi {kind} matrix or vector", expected)
         return _read_binary_matrix(src, key, kind, read)
     if expect == "matrix" and head.lstrip(_WHITESPACE)[:1] == b"[":
-        return _read_text_matrix(src, key, text_dtype)
+        return _read_text_matrix(src, key, np.float64)
     raise _refuse(src.name, key, f"an unknown record (it starts with {head[:8]!r})", expected)
 
 

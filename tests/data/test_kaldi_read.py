@@ -234,6 +234,10 @@ def test_doubles_beyond_float32_are_named_not_called_nan(tmp_path, capsys):
     assert main(["prepare", "--feats", f"ark:{tmp_path / 'f.ark'}", "--ali",
                  f"ark:{tmp_path / 'ali.ark'}", "--out", str(tmp_path / "c")]) == 2
     assert "beyond the float32 range" in capsys.readouterr().err
+    # in a text archive too (it was parsed straight to float32, making inf)
+    kaldiio.save_ark(str(tmp_path / "t.ark"), {"b": feats}, text=True)
+    with pytest.raises(CorpusError, match="'b': 1 value.* the first -1e\\+300 at frame 2"):
+        list(read_feature_matrices(f"ark,t:{tmp_path / 't.ark'}"))
     assert not (tmp_path / "c").exists() or os.listdir(tmp_path / "c") == []
     # doubles within the range are read as float32
     key, read = next(iter(read_feature_matrices(f"ark:{tmp_path / 'f.ark'}")))
