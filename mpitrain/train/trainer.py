@@ -265,9 +265,12 @@ class Trainer(CheckpointResume):
         # equal step counts and whole minibatches per chunk leave some frames out
         used = steps * cfg.training.minibatch * comm.size
         if self.manifest.num_frames and used < 0.95 * self.manifest.num_frames:
-            self._say(f"data: {1 - used / self.manifest.num_frames:.0%} of the training "
-                      f"frames are left out of each epoch ({used:,} of "
-                      f"{self.manifest.num_frames:,}): every rank takes {steps} steps, as "
+            # rounded down: a share that is trained on never reads as 100% left out
+            left_out = int(100 * (1 - used / self.manifest.num_frames))
+            self._say(f"data: {left_out}% of the training "
+                      f"frames are left out of each epoch (only {used:,} of "
+                      f"{self.manifest.num_frames:,} are trained on): every rank takes "
+                      f"{steps} steps, as "
                       "many as the rank with the least data, of whole minibatches per "
                       "chunk; fewer ranks, more shards or a larger data.chunk_frames "
                       "leave out less")

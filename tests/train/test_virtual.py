@@ -233,3 +233,25 @@ def test_the_share_of_frames_left_out_of_each_epoch_is_said(tmp_path, capsys):
     assert main(argv) == 0
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
     assert len(said) == 1 and "of the training frames are left out of each epoch" in said[0]
+
+
+def test_a_share_left_out_that_rounds_to_all_does_not_say_100_percent(tmp_path, capsys):
+    # one rank holds a 60,000-frame utterance, the other 120 frames: 224 frames of
+    # 60,120 are trained on, and the line said "100% ... are left out (224 of 60,120)"
+    from mpitrain.cli import main
+    from mpitrain.data.writer import CorpusWriter
+    rng = np.random.default_rng(0)
+    with CorpusWriter(str(tmp_path / "c"), feat_dim=4, num_classes=3, num_shards=1) as writer:
+        for i, frames in enumerate([60_000, 30, 30, 30, 30]):
+            writer.add(f"u{i}", rng.standard_normal((frames, 4)).astype(np.float32),
+                       rng.integers(0, 3, frames))
+    argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
+            "--run-dir", str(tmp_path / "run")]
+    for item in [f"data.train={tmp_path / 'c'}", "data.dev=", "training.minibatch=16",
+                 "training.max_steps=2", "model.hidden_dim=16", "model.hidden_layers=1"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
+    assert len(said) == 1 and said[0].startswith(
+        "data: 99% of the training frames are left out of each epoch (only 224 of 60,120 "
+        "are trained on)"), said
