@@ -274,6 +274,13 @@ def shard_storage_problems(h5file, path: str) -> list[str]:
     return problems
 
 
+def _is_format_version(value) -> bool:
+    """Whether an attribute read from a file is the integer FORMAT_VERSION (a text,
+    a float such as 1.5 or NaN, a boolean or an array is not)."""
+    return (np.isscalar(value) and isinstance(value, (int, np.integer))
+            and not isinstance(value, (bool, np.bool_)) and int(value) == FORMAT_VERSION)
+
+
 def shard_layout_problems(h5file, path: str) -> list[str]:
     """Problems with the datasets of an open shard: storage, presence, dtype, shape, offsets.
 
@@ -292,9 +299,11 @@ def shard_layout_problems(h5file, path: str) -> list[str]:
     version = h5file.attrs.get("format_version")
     if version is None:
         problems.append(f"{path}: attribute 'format_version' is missing; expected {FORMAT_VERSION}")
-    elif not np.isscalar(version) or int(version) != FORMAT_VERSION:
-        problems.append(f"{path}: attribute 'format_version' is {version!r}; "
-                        f"expected {FORMAT_VERSION}")
+    elif not _is_format_version(version):
+        shown = repr(version)
+        problems.append(f"{path}: attribute 'format_version' is "
+                        f"{shown if len(shown) <= 60 else shown[:57] + '...'}; "
+                        f"expected the integer {FORMAT_VERSION}")
 
     def dataset(name):
         obj = h5file.get(name)

@@ -66,6 +66,30 @@ def test_reader_names_dataset_of_wrong_dtype(tmp_path):
         ShardReader(str(tmp_path / "absent.h5"))
 
 
+@pytest.mark.parametrize("version,shown", [
+    ("abc", "'abc'"), (float("nan"), "nan"), (1.5, "1.5"), (True, "True"), ([1, 1], "[1, 1]"),
+], ids=["text", "nan", "float", "bool", "array"])
+def test_a_format_version_that_is_not_the_integer_1_is_named(tmp_path, version, shown):
+    # a text or NaN stopped the reader (and check, and every rank of train) with
+    # "invalid literal for int()" naming no file; 1.5 and True were taken for 1
+    from mpitrain.data.validate import ShardCheck
+    utts = make_utterances(2)
+    path = str(tmp_path / "s.h5")
+    write_shard(path, [u[0] for u in utts], [u[1] for u in utts], [u[2] for u in utts])
+    with h5py.File(path, "a") as f:
+        f.attrs["format_version"] = version
+    with pytest.raises(CorpusError) as err:
+        ShardReader(path)
+    message = str(err.value)
+    assert message.startswith(f"{path}: attribute 'format_version' is ") and shown in message \
+        and message.endswith("; expected the integer 1"), message
+    with ShardCheck(path, feat_dim=utts[0][1].shape[1]) as shard:
+        assert shard.problems == [message]
+    with h5py.File(path, "a") as f:
+        f.attrs["format_version"] = np.int32(1)
+    ShardReader(path).close()
+
+
 def test_reader_refuses_datasets_declared_beyond_their_stored_data(tmp_path):
     # Grown without writing: HDF5 would hand back fill values, and a reader would
     # allocate the declared size.  The file stores none of it, so it is refused.
