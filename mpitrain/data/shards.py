@@ -274,6 +274,28 @@ def shard_storage_problems(h5file, path: str) -> list[str]:
     return problems
 
 
+def read_utt_ids(h5file, path: str) -> list[str]:
+    """The shard's utterance ids as text; :class:`CorpusError` names the first id
+    that is not UTF-8 (a shard written by another program).
+
+    Example::
+
+        with h5py.File(path, "r") as f:
+            ids = read_utt_ids(f, path)
+    """
+    ids = list(h5file[UTT_IDS].asstr(errors="surrogateescape")[()])
+    for u, utt in enumerate(ids):
+        try:
+            utt.encode("utf-8")
+        except UnicodeEncodeError:
+            raw = utt.encode("utf-8", "surrogateescape")
+            raise CorpusError(f"{path}: dataset '{UTT_IDS}': the id of utterance {u} is not "
+                              f"UTF-8 text ({raw[:40]!r}); utterance ids must be UTF-8 "
+                              "(convert them, e.g. with iconv, and write the shard again)") \
+                from None
+    return ids
+
+
 def _is_format_version(value) -> bool:
     """Whether an attribute read from a file is the integer FORMAT_VERSION (a text,
     a float such as 1.5 or NaN, a boolean or an array is not)."""
@@ -462,7 +484,7 @@ class ShardReader(ShardFile):
     @property
     def utt_ids(self) -> list[str]:
         if self._utt_ids is None:
-            self._utt_ids = list(self._file[UTT_IDS].asstr()[()])
+            self._utt_ids = read_utt_ids(self._file, self.path)
         return self._utt_ids
 
     def read(self, start_utt: int, end_utt: int):

@@ -30,8 +30,9 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from .corpus import CorpusError
 from .shards import (FEATS, HDF5_ERRORS, LABELS, UTT_IDS, UTT_OFFSETS, ShardFile, hdf5_reason,
-                     shard_layout_problems, shard_storage_problems)
+                     read_utt_ids, shard_layout_problems, shard_storage_problems)
 
 # Frames per read, at most: 10 MiB of float32 features at D = 40, so memory stays
 # small and numpy's per-call cost is spread over many frames.  Wider features
@@ -174,7 +175,10 @@ class ShardCheck(ShardFile):
         if ids is None or ids.ndim != 1 or _h5py().check_string_dtype(ids.dtype) is None:
             return None
         try:
-            return list(ids.asstr()[()])
+            return read_utt_ids(self._file, self.path)
+        except CorpusError as exc:
+            self.problems.append(str(exc))
+            return None
         except HDF5_ERRORS as exc:
             self.problems.append(f"{self.path}: dataset '{UTT_IDS}' cannot be read "
                                  f"({hdf5_reason(exc)}); the file is damaged")
@@ -190,7 +194,8 @@ class ShardCheck(ShardFile):
         if ids is not None and ids.ndim == 1 and ids.shape[0] > u \
                 and _h5py().check_string_dtype(ids.dtype) is not None:
             try:
-                name = repr(ids.asstr()[u])
+                # an id that is not UTF-8 is shown with its bytes escaped
+                name = repr(ids.asstr(errors="backslashreplace")[u])
             except HDF5_ERRORS:
                 pass                 # the index still names the record
         return f"frame {frame} (utterance {name}, frame {frame - int(self._offsets[u])} of it)"

@@ -264,3 +264,29 @@ def test_every_damaged_structure_is_one_line(tmp_path):
 def test_overwritten_file_start(corpus):
     overwrite(shard(corpus, 1), 0, b"\0" * 64)
     one_problem_naming(check_corpus(corpus), shard(corpus, 1), "cannot open as HDF5")
+
+
+def test_utterance_ids_that_are_not_utf8_are_named(corpus):
+    # a shard written by another program with Latin-1 ids: check, train and eval
+    # stopped with "'utf-8' codec can't decode byte 0xdc" naming no file
+    from mpitrain.data.corpus import CorpusError, load_manifest
+    from mpitrain.data.shards import ShardReader
+    from mpitrain.data.validate import validate_corpus
+
+    from .corpora import replace_dataset
+    path = shard(corpus)
+    with h5py.File(path, "r") as f:
+        ids = [utt.encode() for utt in f["utt_ids"].asstr()[()]]
+        bad_frame = int(f["utt_offsets"][1]) + 2       # frame 2 of utterance 1
+    ids[1] = b"spk\xdc-utt1"
+    replace_dataset(path, "utt_ids", np.array(ids, dtype=h5py.string_dtype("utf-8")))
+    with h5py.File(path, "a") as f:
+        f["feats"][bad_frame, 0] = np.nan
+    problems = check_corpus(corpus)
+    one_problem_naming(problems, path, "dataset 'utt_ids': the id of utterance 1 is not UTF-8",
+                       "b'spk\\xdc-utt1'")
+    # the bad frame names its utterance with the bytes escaped
+    one_problem_naming(problems, path, "dataset 'feats'", "'spk\\\\xdc-utt1', frame 2 of it")
+    one_problem_naming(validate_corpus(load_manifest(corpus)), path, "dataset 'feats'")
+    with ShardReader(path) as reader, pytest.raises(CorpusError, match="is not UTF-8"):
+        reader.utt_ids
