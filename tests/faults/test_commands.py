@@ -256,7 +256,7 @@ def test_an_internal_error_is_reported_as_a_bug_with_its_traceback(monkeypatch, 
         raise KeyError("a bug")
     monkeypatch.setattr(cli, "cmd_check", broken)
     parser = cli.build_parser
-    monkeypatch.setattr(cli, "build_parser", lambda: _with_check(parser(), broken))
+    monkeypatch.setattr(cli, "build_parser", lambda **kw: _with_check(parser(**kw), broken))
     assert main(["check", "anything"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError" in err
@@ -280,8 +280,8 @@ def test_numpy_warnings_never_reach_the_user(tmp_path):
         "    np.float32(1e38) * np.float32(10)\n"
         "    return 0\n"
         "parser = cli.build_parser\n"
-        "def patched():\n"
-        "    p = parser()\n"
+        "def patched(**kw):\n"
+        "    p = parser(**kw)\n"
         "    sub = next(a for a in p._actions if a.dest == 'command')\n"
         "    sub.choices['check'].set_defaults(func=noisy)\n"
         "    return p\n"
