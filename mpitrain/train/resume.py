@@ -82,44 +82,57 @@ class CheckpointResume:
         return {"steps": ckpt_step, "frames": self.frames_seen, "seconds": 0.0,
                 "complete": True, **best}
 
-    def _choose_checkpoint(self):
-        """Rank 0 picks the newest checkpoint that verifies; every rank loads that one."""
-        chosen, num_ranks, notes, problem = None, 0, [], None
+    def _choose_checkpoint(self, *, judge_settings: bool = True):
+        """Rank 0 picks the newest checkpoint that verifies and compares its settings
+        with the config; every rank loads that one (after the settings are accepted,
+        so that a changed model size is named by its key, not found by the load).
+        ``judge_settings``: refuse changes not accepted (a roll back judges none)."""
+        chosen, num_ranks, notes, problem, changes = None, 0, [], None, []
         if self.is_root:
             found = list_checkpoints(self.run_dir)
             if not found:
                 problem = f"{self.run_dir}: no checkpoint (ckpt-*.h5) to continue from"
             for path in reversed(found):
                 try:
-                    num_ranks = load_checkpoint(path, ranks=[]).num_ranks
+                    header = load_checkpoint(path, ranks=[])
                 except (ValueError, OSError) as exc:
                     notes.append(f"skipped {os.path.basename(path)}: {exc}")
                     continue
-                chosen = path
+                chosen, num_ranks = path, header.num_ranks
+                try:
+                    changes = changed_settings(
+                        config_from_yaml(header.config_yaml), self.cfg,
+                        old_places={k: v for k, v in header.trainer_state.items()
+                                    if k.startswith("place_")})
+                except ValueError as exc:
+                    problem = f"{path}: the stored config: {' '.join(str(exc).split())}"
                 break
             if found and chosen is None:
                 problem = (f"{self.run_dir}: no checkpoint verifies; tried "
                            + "; ".join(notes))
-        chosen, num_ranks, notes, problem = self.comm.bcast_obj(
-            [chosen, num_ranks, notes, problem], root=0)
+        chosen, num_ranks, notes, problem, changes = self.comm.bcast_obj(
+            [chosen, num_ranks, notes, problem, changes], root=0)
         if problem:
             raise TrainingError(problem, agreed=True)
+        if changes and judge_settings and not self.accept_changes:
+            raise TrainingError(
+                f"{chosen}: --resume with settings that change the result: "
+                + "; ".join(changes) + " (restore them, or pass --accept-changes)", agreed=True)
         mine = [self.comm.rank] if num_ranks == self.comm.size else []
+        ckpt, error = None, None
         try:
             ckpt = load_checkpoint(chosen, ranks=mine, into=self.net)
         except (ValueError, OSError) as exc:
-            raise TrainingError(str(exc)) from None
-        return ckpt, notes
+            error = exc
+        # a model the config does not build fails on every rank alike: one line from
+        # rank 0; a rank that alone cannot read the file aborts the job
+        failed = int(self.comm.allreduce_scalar(0 if error is None else 1, op="sum"))
+        if error is not None:
+            raise TrainingError(str(error), agreed=failed == self.comm.size) from None
+        return ckpt, notes, changes
 
     def _resume(self) -> None:
-        ckpt, notes = self._choose_checkpoint()
-        changes = changed_settings(config_from_yaml(ckpt.config_yaml), self.cfg,
-                                   old_places={k: v for k, v in ckpt.trainer_state.items()
-                                               if k.startswith("place_")})
-        if changes and not self.accept_changes:
-            raise TrainingError(
-                f"{ckpt.path}: --resume with settings that change the result: "
-                + "; ".join(changes) + " (restore them, or pass --accept-changes)", agreed=True)
+        ckpt, notes, changes = self._choose_checkpoint()
         for line in notes:
             self._say(f"resume: {line}")
         if changes:

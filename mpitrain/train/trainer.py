@@ -388,7 +388,7 @@ class Trainer(CheckpointResume):
         found = self.comm.bcast_obj(bool(list_checkpoints(self.run_dir)) if self.is_root
                                     else None, root=0)
         if found:
-            ckpt, _ = self._choose_checkpoint()
+            ckpt, _, _ = self._choose_checkpoint(judge_settings=False)
             self._restore(ckpt)
             where = os.path.basename(ckpt.path)
         else:

@@ -7,6 +7,7 @@ run.
 """
 
 import io
+import os
 
 import numpy as np
 import pytest
@@ -57,3 +58,35 @@ def test_a_roll_back_holds_the_search_back_from_a_higher_rate(small_corpus, tmp_
     assert tried == [0.5 * base, base]        # no factor 2
     assert not trainer.schedule.held_back
     trainer.close()
+
+
+@pytest.mark.mpi
+def test_resume_with_another_model_size_is_one_line_from_rank_0(small_corpus, tmp_path):
+    # the checkpoint was loaded into the network before the settings were compared:
+    # a changed model size was the loader's mismatch, printed by every rank with an
+    # MPI abort; now the changed key is named once, and with --accept-changes (a model
+    # size cannot change) the mismatch is one line from rank 0, no abort
+    from ..helpers import mpi_output, train_on_ranks
+    tiny = ["model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=8",
+            "training.checkpoint_interval=4", "training.eval_interval=0"]
+    run = tmp_path / "run"
+    result = train_on_ranks(2, run, small_corpus, tiny, timeout=90)
+    assert result.returncode == 0, mpi_output(result)
+    before = sorted(os.listdir(run))
+    wider = tiny + ["model.hidden_dim=24", "training.max_steps=12"]
+    result = train_on_ranks(2, run, small_corpus, wider, resume=True, timeout=90)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, mpi_output(result)
+    assert lines[0].startswith("mpitrain train: error: ") and \
+        "model.hidden_dim: 16 -> 24" in lines[0], mpi_output(result)
+    from mpitrain.testing.mpirun import run_mpi
+    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run), "--resume",
+            "--accept-changes"]
+    for item in small_overrides(small_corpus) + wider:
+        args += ["--set", item]
+    result = run_mpi(2, args, timeout=90)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, mpi_output(result)
+    assert lines[0].startswith("mpitrain train: error: ") and \
+        "is not the one the config builds" in lines[0], mpi_output(result)
+    assert sorted(os.listdir(run)) == before
