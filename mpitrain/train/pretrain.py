@@ -240,6 +240,12 @@ class Pretrainer:
     def _global_step(self) -> int:
         return sum(self.layer_steps[:self.layer]) + self.layer_step
 
+    def _check_run_dir(self, writing: str) -> None:
+        """Rank 0, before it writes: stop if the run directory was removed or moved."""
+        problem = self._lock.moved(writing) if self._lock is not None else None
+        if problem:
+            raise TrainingError(problem)
+
     def save_checkpoint(self) -> None:
         """Rank 0 writes the stack so far, the current RBM and every rank's state."""
         in_layer = self.rbm is not None and self.layer_step > 0
@@ -249,6 +255,7 @@ class Pretrainer:
         states = gather_rank_states(self.comm, rank_state)
         if not self.is_root:
             return
+        self._check_run_dir("a checkpoint")
         rbms = self.stack.rbms + ([self.rbm] if in_layer else [])
         stack = RBMStack(rbms, feat_dim=self.stack.feat_dim,
                          left_context=self.stack.left_context,
@@ -386,6 +393,7 @@ class Pretrainer:
             if self._stop is not None and self.layer < len(self.layer_steps):
                 return self._end_on_signal(started, written=True)     # at a layer's end
         if self.is_root:
+            self._check_run_dir(RESULT_NAME)
             save_rbm_stack(os.path.join(self.run_dir, RESULT_NAME), self.stack)
         result = {"layers": len(self.stack.rbms), "frames": self.frames_seen,
                   "recon_mse": recon, "seconds": comm.wtime() - started}

@@ -141,11 +141,15 @@ class RunDirLock:
     so that a second job started on the same directory (``--resume`` or
     ``--overwrite`` while the first still runs) is refused instead of deleting
     or interleaving the first one's files.  Released when the process ends.
+    :meth:`moved` tells whether the directory was removed or moved away since
+    (a write would then make a new directory of the same name, without the
+    run's config and log).
 
     Example::
 
         lock = RunDirLock("runs/exp1")
         problem = lock.acquire()          # None, or why not
+        lock.moved()                      # None, or the one-line error
     """
 
     NAME = ".lock"
@@ -153,6 +157,7 @@ class RunDirLock:
     def __init__(self, run_dir: str):
         self.path = os.path.join(run_dir, self.NAME)
         self._fh = None
+        self._identity = None
 
     def acquire(self):
         import fcntl
@@ -170,9 +175,30 @@ class RunDirLock:
         fh.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
         fh.flush()
         self._fh = fh
+        st = os.fstat(fh.fileno())
+        self._identity = (st.st_dev, st.st_ino)
         return None
+
+    def _identity_now(self):
+        # the lock file under its name (kept open, its inode cannot be reused: a
+        # directory made anew at the old place holds no such file)
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino)
+
+    def moved(self, writing: str = "its files"):
+        """None while the locked directory is still there under its name; else the
+        one-line error to stop with instead of writing ``writing`` there."""
+        if self._identity is None or self._identity_now() == self._identity:
+            return None
+        return (f"{os.path.dirname(self.path)}: the run directory (or its {self.NAME}) was "
+                "removed or moved away "
+                f"while this run used it; stopped instead of writing {writing} into a new "
+                "directory of that name (if it was moved, move it back and --resume)")
 
     def release(self) -> None:
         if self._fh is not None:
             self._fh.close()          # closing drops the lock
-            self._fh = None
+            self._fh, self._identity = None, None

@@ -418,6 +418,12 @@ class Trainer(CheckpointResume):
         local = int(bool(backend.to_host(xp.isfinite(self.net.params).all())))
         return bool(self.comm.allreduce_scalar(local, op="min"))
 
+    def _check_run_dir(self, writing: str) -> None:
+        """Rank 0, before it writes: stop if the run directory was removed or moved."""
+        problem = self._lock.moved(writing) if self._lock is not None else None
+        if problem:
+            raise TrainingError(problem)
+
     def save_checkpoint(self) -> None:
         rank_state = {"optimizer": self.optimizer.state_dict(),
                       "reader": self.stream.state_dict()}
@@ -426,6 +432,7 @@ class Trainer(CheckpointResume):
             rank_state["strategy"] = own_model
         states = gather_rank_states(self.comm, rank_state)
         if self.is_root:
+            self._check_run_dir("a checkpoint")
             started = time.perf_counter()
             with self._agreed_model(average=False):      # /model: the job's model
                 self._write_checkpoint(states)
@@ -542,6 +549,7 @@ class Trainer(CheckpointResume):
         self._complete_at = self.total_steps
         self.save_checkpoint()
         if self.is_root:
+            self._check_run_dir("final.h5")
             save_model(os.path.join(self.run_dir, "final.h5"), net,
                        class_priors=self.manifest.class_priors())
         result.update(steps=self.step, frames=self.frames_seen,
@@ -846,6 +854,7 @@ class Trainer(CheckpointResume):
         """Model selection on a held-out result (identical on every rank)."""
         verdict = self._verdict = self.selection.observe(result, step=self.step)
         if verdict.improved and self.is_root:
+            self._check_run_dir("best.h5")
             save_best_model(self.run_dir, self.net, class_priors=self.manifest.class_priors(),
                             result=result, step=self.step, select_by=self.selection.select_by)
         self._record("selection", step=self.step, best=verdict.improved,

@@ -1,6 +1,7 @@
 """Run directories: one run each, reuse only when asked, settings compared on resume."""
 
 import os
+import shutil
 
 from mpitrain.config import RunConfig
 from mpitrain.train.run_dir import changed_settings, clear_run, run_dir_problem, run_files
@@ -71,3 +72,21 @@ def test_run_directories_that_cannot_be_used_are_named(tmp_path, monkeypatch):
                         if str(path).endswith("/run") else real_access(path, mode, *a, **k))
     assert "not writable (a resumed run writes there)" in run_dir_problem(
         str(tmp_path / "run"), resume=True, overwrite=False)
+
+
+def test_the_lock_tells_when_its_directory_was_removed_or_moved(tmp_path):
+    from mpitrain.train.run_dir import RunDirLock
+    for how in ("moved", "removed"):
+        d = tmp_path / how
+        d.mkdir()
+        lock = RunDirLock(str(d))
+        assert lock.acquire() is None and lock.moved() is None
+        if how == "moved":
+            d.rename(tmp_path / "elsewhere")
+        else:
+            shutil.rmtree(d)
+        d.mkdir()                   # what a later write would have made
+        problem = lock.moved("final.h5")
+        assert problem.startswith(f"{d}: the run directory (or its .lock) was removed") \
+            and "final.h5" in problem, problem
+        lock.release()

@@ -435,3 +435,35 @@ def test_a_run_stopped_at_an_evaluation_evaluates_its_last_step_once(small_corpu
     assert [r["step"] for r in records(run, "selection")] == calls
     assert (end["dev_acc"], end["dev_xent"]) == (evals[-1]["dev_acc"], evals[-1]["dev_xent"])
     assert evals[-1]["step"] == end["steps"]
+
+
+@pytest.mark.parametrize("how", ["moved", "removed"])
+def test_a_run_directory_moved_or_removed_mid_run_stops_the_run(small_corpus, tmp_path,
+                                                                 monkeypatch, capsys, how):
+    # the next checkpoint made a new directory of the old name holding checkpoints,
+    # best.h5 and final.h5 but no config.yaml, metrics.jsonl or lock, and the run
+    # ended with status 0 (a removed run's log was written into a deleted file)
+    from mpitrain.train import trainer as trainer_module
+    run = tmp_path / "run"
+    real_write = trainer_module.Trainer._write_checkpoint
+
+    def write_then_lose_the_directory(self, states):
+        real_write(self, states)
+        if run.exists():
+            if how == "moved":
+                run.rename(tmp_path / "moved")
+            else:
+                shutil.rmtree(run)
+
+    monkeypatch.setattr(trainer_module.Trainer, "_write_checkpoint",
+                        write_then_lose_the_directory)
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in TINY + ["training.max_steps=12", "training.checkpoint_interval=4",
+                        f"data.train={small_corpus}/train", f"data.dev={small_corpus}/dev",
+                        "data.chunk_frames=20000"]:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mpitrain train: error: {run}: the run "
+                                               "directory (or its .lock) was removed"), err
+    assert not run.exists()
