@@ -141,6 +141,29 @@ def _nearly_full(path) -> bool:
         return False
 
 
+class WriteError(OSError):
+    """A write that failed for another reason than space; ``str`` is one line naming
+    the file being written (not the hidden temporary it was written under).
+
+    Example::
+
+        WriteError(errno.EROFS, "cannot write runs/x/final.h5: Read-only file system")
+    """
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _write_error(exc: BaseException, tmp: str, path) -> WriteError | None:
+    """The one-line error for an OSError while ``path`` was written under ``tmp``: one
+    about the temporary, or one naming no file (a write, flush or fsync that failed:
+    a read-only file system, a file size limit, an I/O error)."""
+    if not isinstance(exc, OSError) or isinstance(exc, WriteError) \
+            or exc.filename not in (None, tmp) or exc.errno is None:
+        return None
+    return WriteError(exc.errno, f"cannot write {os.fspath(path)}: {exc.strerror or exc}")
+
+
 def _fsync_directory(directory: str) -> None:
     with contextlib.suppress(OSError):       # not every file system allows it
         fd = os.open(directory, os.O_RDONLY)
@@ -184,6 +207,9 @@ def atomic_path(path):
         full = disk_full_error(exc, path)
         if full is not None:
             raise full from exc
+        named = _write_error(exc, tmp, path)
+        if named is not None:
+            raise named from exc
         raise
 
 

@@ -135,3 +135,40 @@ def test_yaml_files_keep_text_outside_ascii_as_it_is(tmp_path):
     assert "spk\u00dcml\u00e4ut-utt004" in text and "data/\u00fcber/train" in text
     assert read_yaml(path) == {"missing": ["spk\u00dcml\u00e4ut-utt004"],
                                "train": "data/\u00fcber/train"}
+
+
+def test_a_failed_write_names_the_file_not_its_temporary(tmp_path, monkeypatch):
+    # a read-only file system (or a directory removed) when the temporary is renamed
+    # into place was reported as "[Errno 30] Read-only file system: '.../.x.tmp-PID'
+    # -> '.../x'", naming a hidden file that is gone
+    target = tmp_path / "final.h5"
+
+    def refused(src, dst):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), src, None, dst)
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(OSError) as info:
+        with atomic_open(target) as fh:
+            fh.write("a: 1\n")
+    assert str(info.value) == f"cannot write {target}: Read-only file system"
+    assert info.value.errno == errno.EROFS and os.listdir(tmp_path) == []
+
+
+def test_a_file_size_limit_names_the_file_and_leaves_no_temporary(tmp_path):
+    # `ulimit -f`: the write fails with EFBIG (Python ignores SIGXFSZ), an error that
+    # names no file; it was "[Errno 27] File too large"
+    import subprocess
+    import sys
+    target = tmp_path / "ckpt-00000100.h5"
+    code = ("import resource, sys\n"
+            "from mpitrain.files import atomic_open\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "try:\n"
+            "    with atomic_open(sys.argv[1], 'wb') as fh:\n"
+            "        fh.write(bytes(100000))\n"
+            "except OSError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.strip() == f"cannot write {target}: File too large", out.stderr
+    assert os.listdir(tmp_path) == []
