@@ -73,21 +73,28 @@ def plan_chunks(manifest, slices, chunk_frames: int) -> list:
 def read_chunk(manifest, spec: ChunkSpec, cmvn_mean, cmvn_scale) -> tuple:
     """Read and normalise one chunk on the host (runs in the prefetch thread).
 
-    The shard must still be the one planned from: a shard rewritten since
-    (``prepare --overwrite`` into the corpus of a running job) is a
-    :class:`CorpusError` naming it, never frames of other utterances.
+    The shard must still be the one planned from: a shard written again since
+    (``prepare``/``synth``/``merge --overwrite`` into the corpus of a running
+    job) is a :class:`CorpusError` naming it, never frames of other utterances.
     """
     path = manifest.shard_path(spec.shard_index)
     listed = manifest.shards[spec.shard_index]
     with ShardReader(path) as reader:
-        offsets = reader.utt_offsets
-        if (reader.num_frames, reader.num_utterances) != (listed.frames, listed.utterances) \
-                or int(offsets[spec.end_utt] - offsets[spec.start_utt]) != spec.frames:
-            raise CorpusError(f"{path}: holds {reader.num_frames} frames in "
-                              f"{reader.num_utterances} utterances, not the {listed.frames} "
-                              f"in {listed.utterances} that {manifest.manifest_path} "
-                              "listed when reading began: the shard was rewritten since; "
-                              "start again on the corpus as it is now")
+        held = reader.utt_offsets
+        if (reader.num_frames, reader.num_utterances) != (listed.frames, listed.utterances):
+            now = (f"{manifest.manifest_path} listed {listed.frames} frames in "
+                   f"{listed.utterances} utterances when the run began, it holds "
+                   f"{reader.num_frames} in {reader.num_utterances} now")
+        elif int(held[spec.end_utt] - held[spec.start_utt]) != spec.frames:
+            now = (f"utterances {spec.start_utt}:{spec.end_utt} held {spec.frames} frames when "
+                   f"the run began, {int(held[spec.end_utt] - held[spec.start_utt])} now")
+        else:
+            now = None
+        if now is not None:
+            raise CorpusError(
+                f"{path}: the shard changed while this run read it ({now}); a corpus must "
+                "not be written again (prepare, synth, merge --overwrite) while a run reads "
+                "it: restore it and --resume, or start a new run")
         feats, labels, offsets = reader.read(spec.start_utt, spec.end_utt)
     feats = np.ascontiguousarray(feats, dtype=np.float32)
     feats -= cmvn_mean

@@ -50,4 +50,26 @@ def test_a_shard_rewritten_since_the_plan_is_named_not_read(tmp_path, num_utts):
     with pytest.raises(CorpusError) as err:
         read_chunk(manifest, chunks[-1], *cmvn)
     shard = manifest.shard_path(chunks[-1].shard_index)
-    assert str(err.value).startswith(f"{shard}: holds ") and "was rewritten" in str(err.value)
+    assert str(err.value).startswith(f"{shard}: the shard changed while this run read it")
+
+
+def test_a_shard_written_again_during_the_run_is_named_as_changed(tmp_path):
+    # `synth`/`prepare --overwrite` of the corpus a run reads: the next chunk read
+    # "utterance range 0:55 is outside 0:30" (or trained on other frames when the
+    # file held as many utterances)
+    from mpitrain.data.batcher import read_chunk
+    from mpitrain.data.corpus import CorpusError
+    from mpitrain.data.synthetic import synthesize
+    synthesize(str(tmp_path / "c"), hours=0.01, speakers=2, shards=1, seed=1,
+               dev_hours=0.002, dev_speakers=1)
+    manifest = load_manifest(str(tmp_path / "c" / "train"))
+    chunks = plan_chunks(manifest, assign_shards(manifest.shards, 0, 1), 10 ** 9)
+    cmvn = (manifest.cmvn_mean, [1.0] * manifest.feat_dim)
+    read_chunk(manifest, chunks[0], *cmvn)
+    for hours, seed in ((0.005, 2), (0.03, 2)):    # fewer utterances; more, other lengths
+        synthesize(str(tmp_path / "c"), hours=hours, speakers=2, shards=1, seed=seed,
+                   dev_hours=0.002, dev_speakers=1, overwrite=True)
+        with pytest.raises(CorpusError) as err:
+            read_chunk(manifest, chunks[0], *cmvn)
+        assert str(err.value).startswith(f"{manifest.shard_path(0)}: the shard changed while "
+                                         "this run read it"), str(err.value)
