@@ -793,9 +793,28 @@ def _one_line(exc: BaseException) -> str:
 def _silence_stdout() -> None:
     """Point standard output at /dev/null, so the interpreter's last flush cannot
     fail again."""
-    with contextlib.suppress(OSError, ValueError):
+    with contextlib.suppress(OSError, ValueError, AttributeError):
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
+
+
+def _fill_closed_standard_descriptors() -> None:
+    """Put /dev/null on a standard descriptor the program was started without
+    (``0<&-``, ``>&-``), so that no file it opens takes that number, where a
+    library's output to the console would land in it.  Python's own stream for
+    it stays None (standard error's: a stream to /dev/null): reading ``-`` from a
+    closed standard input, or writing ``-`` to a closed output, is refused."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            with contextlib.suppress(OSError):
+                opened = os.open(os.devnull, os.O_RDWR)
+                if opened != fd:        # a lower one was closed too and is filled now
+                    os.dup2(opened, fd)
+                    os.close(opened)
+    if sys.stderr is None:      # errors go where the caller sent them: nowhere
+        sys.stderr = open(os.devnull, "w", encoding="utf-8")
 
 
 def _version() -> str:
@@ -810,6 +829,7 @@ USAGE = """usage: mpiexec -n N python -m mpitrain train CONFIG.yaml [--set key=v
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    _fill_closed_standard_descriptors()
     if not argv:
         # `mpirun -np 32 python -m mpitrain`: the config of the current directory
         from .starter import DEFAULT_CONFIG
@@ -827,7 +847,8 @@ def main(argv=None) -> int:
     warnings.simplefilter("ignore", RuntimeWarning)
     try:
         status = args.func(args)
-        sys.stdout.flush()      # a closed reader shows here, not at interpreter exit
+        if sys.stdout is not None:      # (None: started with standard output closed)
+            sys.stdout.flush()  # a closed reader shows here, not at interpreter exit
         return status
     except _SaidByRank0:
         return _end_quietly()

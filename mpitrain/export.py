@@ -208,6 +208,9 @@ class ArkWriter:
 
     def _open(self, name: str, mode: str):
         if _is_stream(name):
+            if name.strip() == "-" and sys.stdout is None:
+                raise OSError(f"--out {name}: standard output is closed; nothing can be "
+                              "written to it")
             from kaldiio.utils import open_like_kaldi
             handle = open_like_kaldi(name, mode)
         else:

@@ -385,3 +385,39 @@ def test_no_command_without_a_config_under_mpiexec_prints_the_usage_once(mpiexec
     result = run_mpi(2, ["-m", "mpitrain"], cwd=str(tmp_path), timeout=60)
     assert result.returncode == 2, result.stderr
     assert result.stderr.count("usage:") == 1, result.stderr
+
+
+def _started_without(fd, args):
+    """`python -m mpitrain ARGS` started with descriptor ``fd`` closed (`0<&-`, `>&-`)."""
+    # (the child closes it after the pipes are in place, before it runs Python)
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], cwd=REPO,
+                          preexec_fn=lambda: os.close(fd), stdin=subprocess.DEVNULL,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_closed_standard_streams_are_no_bug(tmp_path, small_corpus):
+    # `train ... >&-` trained, then failed flushing standard output: a traceback and
+    # "internal error ... a bug", status 1; `prepare --feats ark:-` with standard input
+    # closed and `export --out ark:-` with standard output closed were tracebacks too
+    from .helpers import QUICKSTART
+    run = tmp_path / "run"
+    done = _started_without(1, ["train", QUICKSTART, "--run-dir", str(run), "--set",
+                                f"data.train={small_corpus}/train", "--set",
+                                f"data.dev={small_corpus}/dev", "--set",
+                                "model.hidden_dim=16", "--set", "training.max_steps=4"])
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert (run / "final.h5").exists()
+    feats = tmp_path / "feats.txt"
+    feats.write_text("u1  [\n 1 2\n 3 4 ]\n")
+    (tmp_path / "ali.txt").write_text("u1 0 1\n")
+    done = _started_without(0, ["prepare", "--feats", "ark,t:-", "--ali",
+                                f"ark,t:{tmp_path / 'ali.txt'}", "--out", str(tmp_path / "c")])
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "mpitrain prepare: error: -: standard input is closed; there is no ark to read "
+        "from it"], done.stderr
+    assert not (tmp_path / "c").exists()
+    done = _started_without(1, ["export", str(run / "final.h5"), "--feats",
+                                f"ark,t:{feats}", "--out", "ark,t:-"])
+    assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
+        "mpitrain export: error: --out -: standard output is closed; nothing can be "
+        "written to it"), done.stderr

@@ -25,7 +25,8 @@ from .base import Communicator
 
 def _report(comm: Communicator, exc_type, exc, tb) -> None:
     text = "".join(traceback.format_exception(exc_type, exc, tb))
-    sys.stdout.flush()
+    if sys.stdout is not None:      # (None: started with it closed)
+        sys.stdout.flush()
     sys.stderr.write(f"[rank {comm.rank}/{comm.size}] uncaught "
                      f"{exc_type.__name__}, aborting the job:\n{text}")
     sys.stderr.flush()
@@ -84,7 +85,8 @@ def abort_on_error(comm: Communicator):
         status = code if isinstance(code, int) else 1
         if not isinstance(code, int):
             sys.stderr.write(f"{code}\n")   # sys.exit("message") prints its message
-        sys.stdout.flush()
+        if sys.stdout is not None:      # (None: started with it closed)
+            sys.stdout.flush()
         sys.stderr.write(f"[rank {comm.rank}/{comm.size}] exiting with status {status}, "
                          f"aborting the job\n")
         sys.stderr.flush()

@@ -424,7 +424,8 @@ class MpiCommunicator(Communicator):
     def abort(self, code: int = 1, message: str = "") -> None:
         if message:
             sys.stderr.write(f"[rank {self._rank}/{self._size}] {message}\n")
-        sys.stdout.flush()
+        if sys.stdout is not None:      # (None: started with it closed)
+            sys.stdout.flush()
         sys.stderr.flush()
         # COMM_WORLD, not the wrapped group: the whole job must end.
         MPI.COMM_WORLD.Abort(int(code))

@@ -209,7 +209,8 @@ class SingleCommunicator(Communicator):
     def abort(self, code: int = 1, message: str = "") -> None:
         if message:
             print(f"[rank 0/1] {message}", file=sys.stderr)
-        sys.stdout.flush()
+        if sys.stdout is not None:      # (None: started with it closed)
+            sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
 

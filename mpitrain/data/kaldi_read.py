@@ -131,6 +131,9 @@ class Input:
                                     stdin=subprocess.DEVNULL)
             return cls(proc.stdout, target, proc=proc, stderr=stderr)
         if target == "-":
+            if sys.stdin is None:
+                raise CorpusError(f"-: standard input is closed; there is no {what} to read "
+                                  "from it")
             return cls(sys.stdin.buffer, "stdin")
         if not target or not os.path.isfile(target):
             raise CorpusError(f"{target or what}: {what} file not found or not a regular file")
