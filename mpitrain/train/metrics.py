@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sys
 import time
 
-from ..files import disk_full_error
+from ..files import WriteError, disk_full_error
 
 
 def resident_mb() -> float | None:
@@ -117,13 +118,31 @@ class MetricsLog:
 
     def say(self, text: str) -> None:
         if self.enabled:
-            self._end_bar()
-            print(text, file=self.stream, flush=True)
+            with self._console():
+                self._end_bar()
+                print(text, file=self.stream, flush=True)
 
     def progress(self, done: int, total: int, text: str) -> None:
         """A progress line: redrawn in place with a bar on a terminal, else printed."""
         if not self.enabled:
             return
+        with self._console():
+            self._progress(done, total, text)
+
+    @contextlib.contextmanager
+    def _console(self):
+        """A console line that cannot be written (the output file on a full disk) is
+        one line naming the console; a reader that left (``| head``) stays quiet."""
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            where = "standard output" if self.stream is sys.stdout else "the console stream"
+            raise WriteError(exc.errno, f"cannot write {where}: {exc.strerror or exc}") \
+                from exc
+
+    def _progress(self, done: int, total: int, text: str) -> None:
         if not _is_tty(self.stream):
             print(text, file=self.stream, flush=True)
             return

@@ -97,3 +97,32 @@ def test_a_full_disk_while_logging_names_the_metrics_file(tmp_path):
     log._fh = Full()
     with pytest.raises(OSError, match="no space left on device writing .*metrics.jsonl"):
         log.write("train", step=1)
+
+
+def test_a_console_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    # `train > log.txt` with log.txt's disk full stopped with "[Errno 28] No space left
+    # on device", naming nothing; a reader that left (`| head`) stays a quiet SIGPIPE
+    import errno
+    import sys
+
+    class Console:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def write(self, text):
+            raise self.exc
+
+        def flush(self):
+            pass
+
+    full = Console(OSError(errno.ENOSPC, "No space left on device"))
+    monkeypatch.setattr(sys, "stdout", full)
+    log = MetricsLog(str(tmp_path))
+    for say in (lambda: log.say("resumed"), lambda: log.progress(1, 2, "step 1/2")):
+        with pytest.raises(OSError) as err:
+            say()
+        assert str(err.value) == "cannot write standard output: No space left on device"
+    log.stream = Console(BrokenPipeError(errno.EPIPE, "Broken pipe"))
+    with pytest.raises(BrokenPipeError):
+        log.say("resumed")
+    log.close()
