@@ -23,12 +23,13 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from typing import Sequence
 
 import numpy as np
 
-from ..files import commit, discard, temporary_path
+from ..files import WriteError, commit, discard, disk_full_error, temporary_path
 from .corpus import CorpusError
 
 FORMAT_VERSION = 1
@@ -106,12 +107,73 @@ def check_utterance(where: str, utt_id: str, feats, labels, feat_dim: int | None
     return np.ascontiguousarray(feats, dtype=np.float32), labels.astype(np.int32, copy=False)
 
 
+class _WriteGuard(io.RawIOBase):
+    """The file HDF5 writes a shard through, which never tells HDF5 of a failed
+    write: the first failure (a full disk, a quota, a file size limit) is kept in
+    ``error`` and later writes are dropped.  HDF5 that meets a failed write is left
+    with broken caches: its next calls fail too and the process crashed at exit
+    (a bus error) after the error was reported."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self._fh = open(path, "w+b", buffering=0)
+        self.error = None
+
+    def readable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos, whence=0):
+        return self._fh.seek(pos, whence)
+
+    def tell(self):
+        return self._fh.tell()
+
+    def readinto(self, buffer):
+        return self._fh.readinto(buffer)
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        if self.error is None:
+            try:
+                done = 0
+                while done < len(view):
+                    done += self._fh.write(view[done:])
+                return len(view)
+            except OSError as exc:
+                self.error = exc
+        self._fh.seek(len(view), os.SEEK_CUR)     # dropped: the shard is discarded
+        return len(view)
+
+    def truncate(self, size=None):
+        if self.error is None:
+            try:
+                return self._fh.truncate(size)
+            except OSError as exc:
+                self.error = exc
+        return size
+
+    def flush(self) -> None:
+        return None
+
+    def close(self) -> None:
+        self._fh.close()
+        super().close()
+
+
 class ShardBuilder:
     """Append utterances to one shard file; ``close()`` renames it into place.
 
     The file is written under a temporary name, so an interrupted write never
     leaves a file that looks finished.  Frames are buffered and written in
-    blocks of whole chunks, which keeps the HDF5 calls few.
+    blocks of whole chunks, which keeps the HDF5 calls few.  A write that fails
+    (a full disk) is raised naming the shard at the next flush or at
+    :meth:`finish`, and :meth:`abort` discards the file.
 
     Example::
 
@@ -129,7 +191,11 @@ class ShardBuilder:
         self.temporary = self._tmp        # where it is written until commit()
         self._finished = False
         self._rows = chunk_rows(self.feat_dim)
-        self._file = _h5py().File(self._tmp, "w")
+        try:
+            self._raw = _WriteGuard(self._tmp)
+        except OSError as exc:
+            raise _write_error(exc, self.path) from exc
+        self._file = _h5py().File(self._raw, "w")
         self._file.attrs["format_version"] = FORMAT_VERSION
         self._feats = self._file.create_dataset(
             FEATS, shape=(0, self.feat_dim), maxshape=(None, self.feat_dim),
@@ -173,6 +239,11 @@ class ShardBuilder:
         self._pending_feats.clear()
         self._pending_labels.clear()
         self._pending_frames = 0
+        self._check_writes()
+
+    def _check_writes(self) -> None:
+        if self._raw.error is not None:
+            raise _write_error(self._raw.error, self.path) from self._raw.error
 
     def close(self) -> None:
         """Write the utterance index, close the file and rename it into place."""
@@ -191,6 +262,8 @@ class ShardBuilder:
         self._file.flush()
         self._file.close()
         self._file = None
+        self._raw.close()
+        self._check_writes()
         self._finished = True
 
     def commit(self) -> None:
@@ -206,8 +279,16 @@ class ShardBuilder:
             with contextlib.suppress(Exception):
                 self._file.close()
             self._file = None
+        with contextlib.suppress(OSError):
+            self._raw.close()
         self._finished = False
         discard(self._tmp)
+
+
+def _write_error(exc: OSError, path: str) -> OSError:
+    """One line naming the shard for a write that failed."""
+    return disk_full_error(exc, path) or WriteError(
+        exc.errno, f"cannot write {path}: {exc.strerror or exc}")
 
 
 def write_shard(path: str, utt_ids: Sequence[str], feats_list: Sequence, labels_list: Sequence,

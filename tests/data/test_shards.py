@@ -100,3 +100,31 @@ def test_reader_refuses_datasets_declared_beyond_their_stored_data(tmp_path):
         f["feats"].resize(10 ** 8, axis=0)
     with pytest.raises(CorpusError, match=r"s.h5: dataset 'feats' declares shape \(100000000, 6\)"):
         ShardReader(path)
+
+
+@pytest.mark.parametrize("at", ["data", "index"])
+def test_a_failed_write_is_one_error_naming_the_shard_and_no_crash(tmp_path, at):
+    # HDF5 that met a failed write (a full disk; here a file size limit, as
+    # `ulimit -f` sets) was left broken: the error named the hidden temporary, and
+    # the process died of a bus error or a segmentation fault at exit (status 135)
+    import subprocess
+    import sys
+    # one long utterance fails writing the frames; many short ones with long ids
+    # fail writing the utterance index when the file is finished
+    frames, dim, count = (40000, 40, 1) if at == "data" else (1, 1, 2000)
+    code = ("import resource, sys\n"
+            "import numpy as np\n"
+            "from mpitrain.data.shards import write_shard\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (200000, 200000))\n"
+            f"ids = [f'utt{{i:09d}}' * 20 for i in range({count})]\n"
+            "try:\n"
+            f"    feats = [np.ones(({frames}, {dim}), np.float32)] * {count}\n"
+            f"    write_shard(sys.argv[1], ids, feats, [np.zeros({frames}, int)] * {count})\n"
+            "except OSError as exc:\n"
+            "    print(exc)\n")
+    target = tmp_path / "shard-00000.h5"
+    out = subprocess.run([sys.executable, "-c", code, str(target)], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == f"cannot write {target}: File too large", out.stdout
+    assert os.listdir(tmp_path) == []
