@@ -65,6 +65,7 @@ class CorpusWriter:
             raise CorpusError(f"{existing}: a corpus already exists here; "
                               "choose another directory or pass overwrite=True (--overwrite on the command line)")
         # An existing corpus stays whole until the new one is complete (close()).
+        self._made_dir = _first_missing(self.out_dir)    # removed again by abort()
         os.makedirs(self.out_dir, exist_ok=True)
         # a writer killed here before (a job run again) left its partial shards
         self.removed_temporaries = remove_stale_temporaries(self.out_dir, of=_CORPUS_FILES)
@@ -164,6 +165,16 @@ class CorpusWriter:
             with contextlib.suppress(Exception):
                 builder.abort()
         self._builders = None
+        # the directories this writer made, if nothing else was put there meanwhile
+        directory = self.out_dir
+        while self._made_dir is not None:
+            try:
+                os.rmdir(directory)
+            except OSError:
+                break
+            if directory == self._made_dir:
+                break
+            directory = os.path.dirname(directory)
 
     def __enter__(self):
         return self
@@ -173,6 +184,16 @@ class CorpusWriter:
             self.close()
         else:
             self.abort()
+
+
+def _first_missing(directory: str) -> str | None:
+    """The outermost directory of ``directory``'s path that does not exist yet."""
+    missing = None
+    while not os.path.exists(directory):
+        missing, directory = directory, os.path.dirname(directory)
+        if directory == missing:
+            break
+    return missing
 
 
 def _named(exc: BaseException, path: str) -> BaseException:

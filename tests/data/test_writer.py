@@ -55,7 +55,7 @@ def test_writer_failure_leaves_no_manifest_and_no_partial_files(tmp_path):
         with CorpusWriter(out, feat_dim=2, num_classes=3, num_shards=2) as writer:
             writer.add("a", np.zeros((4, 2), np.float32), np.zeros(4, int))
             raise RuntimeError("interrupted")
-    assert os.listdir(out) == []
+    assert not os.path.exists(out)      # nor the directory the writer made
 
 
 def test_writer_rejects_bad_input_naming_the_utterance(tmp_path):
@@ -133,12 +133,22 @@ def test_a_full_disk_names_the_shard_and_leaves_no_temporaries(tmp_path, monkeyp
 
     monkeypatch.setattr(shards.ShardBuilder, "_flush", full)
     monkeypatch.setattr(files, "_nearly_full", lambda path: True)   # as on a full device
-    out = str(tmp_path / "c")
+    out = str(tmp_path / "c" / "train")
     with pytest.raises(files.DiskFullError, match="no space left on device writing .*shard-0000"):
         with CorpusWriter(out, feat_dim=6, num_classes=5, num_shards=2) as writer:
             for utt in make_utterances(12, num_classes=5):
                 writer.add(*utt)
-    assert os.listdir(out) == []
+    # nor the directories it made (they were left empty, looking like a corpus begun)
+    assert os.listdir(tmp_path) == []
+    # a directory that was there stays, and so does what else it holds
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    with pytest.raises(files.DiskFullError):
+        with CorpusWriter(str(tmp_path / "kept"), feat_dim=6, num_classes=5,
+                          num_shards=2) as writer:
+            for utt in make_utterances(12, num_classes=5):
+                writer.add(*utt)
+    assert os.listdir(tmp_path / "kept") == ["notes.txt"]
 
 
 def test_partial_shards_of_a_killed_writer_do_not_pile_up(tmp_path):
@@ -173,4 +183,4 @@ def test_a_second_writer_of_the_directory_at_the_same_time_is_named(tmp_path):
     with pytest.raises(CorpusError, match=r"corpus: another process wrote this corpus at "
                                           r"the same time \(the partial shard-00001.h5"):
         first.close()
-    assert os.listdir(out) == []
+    assert not os.path.exists(out)      # (the second writer's corpus would keep it)
