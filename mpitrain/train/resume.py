@@ -96,7 +96,9 @@ class CheckpointResume:
                 try:
                     header = load_checkpoint(path, ranks=[])
                 except (ValueError, OSError) as exc:
-                    notes.append(f"skipped {os.path.basename(path)}: {exc}")
+                    # (one line: HDF5's messages hold line breaks)
+                    notes.append(f"skipped {os.path.basename(path)}: "
+                                 + " ".join(str(exc).split()))
                     continue
                 chosen, num_ranks = path, header.num_ranks
                 try:

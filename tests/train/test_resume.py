@@ -90,3 +90,23 @@ def test_resume_with_another_model_size_is_one_line_from_rank_0(small_corpus, tm
     assert lines[0].startswith("mpitrain train: error: ") and \
         "is not the one the config builds" in lines[0], mpi_output(result)
     assert sorted(os.listdir(run)) == before
+
+
+def test_a_checkpoint_skipped_on_resume_is_said_in_one_line(small_corpus, tmp_path, capsys):
+    # HDF5's reason for an unreadable file holds a line break: the skip note came out
+    # as two lines ("... time = <date>" then ", filename = ...")
+    from mpitrain.cli import main
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                 "training.checkpoint_interval=4",
+                                                 "training.eval_interval=0"]:
+        argv += ["--set", item]
+    assert main(argv + ["--set", "training.max_steps=8"]) == 0
+    (run / "ckpt-00000009.h5").mkdir()          # no file HDF5 can open
+    capsys.readouterr()
+    assert main(argv + ["--set", "training.max_steps=12", "--resume"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    skipped = [i for i, line in enumerate(out) if line.startswith("resume: skipped")]
+    assert len(skipped) == 1 and "ckpt-00000009.h5" in out[skipped[0]], out
+    assert out[skipped[0] + 1].startswith("resumed from "), out
