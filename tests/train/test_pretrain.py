@@ -177,3 +177,25 @@ def test_pretraining_refuses_a_directory_in_use(small_corpus, tmp_path, capsys):
         assert "another run is using this directory" in capsys.readouterr().err
     finally:
         holder.release()
+
+
+def test_a_run_directory_moved_away_stops_pretraining(small_corpus, tmp_path, monkeypatch,
+                                                       capsys):
+    # the next checkpoint made a new directory of the old name, without the config,
+    # the log and the lock
+    from mpitrain.train import pretrain as pretrain_module
+    run = tmp_path / "run"
+    real = pretrain_module.Pretrainer._train_layer
+
+    def train_then_move(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        if run.exists():
+            run.rename(tmp_path / "moved")
+        return result
+
+    monkeypatch.setattr(pretrain_module.Pretrainer, "_train_layer", train_then_move)
+    assert main(_argv("pretrain", run, small_corpus)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mpitrain pretrain: error: {run}: the run "
+                                               "directory (or its .lock) was removed"), err
+    assert not run.exists() and (tmp_path / "moved" / "config.yaml").exists()
