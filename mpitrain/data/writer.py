@@ -66,7 +66,11 @@ class CorpusWriter:
                               "choose another directory or pass overwrite=True (--overwrite on the command line)")
         # An existing corpus stays whole until the new one is complete (close()).
         self._made_dir = _first_missing(self.out_dir)    # removed again by abort()
-        os.makedirs(self.out_dir, exist_ok=True)
+        try:
+            os.makedirs(self.out_dir, exist_ok=True)
+        except OSError as exc:
+            raise CorpusError(f"{self.out_dir}: cannot create the corpus directory "
+                              f"({exc.strerror or exc}: {exc.filename})") from None
         # a writer killed here before (a job run again) left its partial shards
         self.removed_temporaries = remove_stale_temporaries(self.out_dir, of=_CORPUS_FILES)
 

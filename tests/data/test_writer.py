@@ -184,3 +184,14 @@ def test_a_second_writer_of_the_directory_at_the_same_time_is_named(tmp_path):
                                           r"the same time \(the partial shard-00001.h5"):
         first.close()
     assert not os.path.exists(out)      # (the second writer's corpus would keep it)
+
+
+def test_a_corpus_directory_that_cannot_be_made_is_one_line_naming_it(tmp_path):
+    # it was the bare "[Errno 20] Not a directory: '...'" (or "[Errno 30] Read-only
+    # file system: ..." under a read-only mount)
+    (tmp_path / "a-file").write_text("x")
+    out = str(tmp_path / "a-file" / "c" / "train")
+    with pytest.raises(CorpusError) as err:
+        CorpusWriter(out, feat_dim=6, num_classes=5, num_shards=1)
+    assert str(err.value) == (f"{out}: cannot create the corpus directory (Not a directory: "
+                              f"{tmp_path / 'a-file' / 'c'})")
