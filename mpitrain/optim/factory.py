@@ -32,7 +32,8 @@ def build_optimizer(opt_cfg, net, *, minibatch: int = 0):
 
 
 def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int, progress=None):
-    """The schedule of ``optimizer.schedule``; ``frames_per_step``: frames one step
+    """The schedule of ``optimizer.schedule``; ``planned_steps``: the steps of the
+    planned run (search's chunks are no longer); ``frames_per_step``: frames one step
     trains over all ranks (search cuts its chunks by it); ``progress``: step -> the
     fraction of the planned data trained before it, for ``exponential`` (default
     step / planned_steps).
@@ -53,7 +54,10 @@ def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int, progres
         return ConstantSchedule(initial)
     if name == "search":
         from .search import SearchSchedule
-        chunk_steps = max(1, round(opt_cfg.search_chunk_frames / max(frames_per_step, 1)))
+        # a run shorter than a chunk is one chunk: a trial is a share of what the run
+        # trains, never more (long trials went round a small corpus many times)
+        chunk_steps = max(1, min(round(opt_cfg.search_chunk_frames / max(frames_per_step, 1)),
+                                 planned_steps))
         # at least two: a trial scores each minibatch before its update, so the first
         # score is the same at every rate and one minibatch alone cannot tell them apart
         trial_steps = max(2, round(opt_cfg.search_trial_fraction * chunk_steps))

@@ -111,9 +111,22 @@ def test_factory_builds_each_schedule_and_cuts_search_chunks_in_steps():
     names = {n: build_schedule(cfg(n), planned_steps=100, frames_per_step=512).name
              for n in ("exponential", "hand", "adapt", "search", "newbob")}
     assert names == {n: n for n in names}
-    search = build_schedule(cfg("search", search_chunk_frames=360_000), planned_steps=100,
+    search = build_schedule(cfg("search", search_chunk_frames=360_000), planned_steps=10_000,
                             frames_per_step=512)
     assert search.chunk_steps == 703 and search.trial_steps == 21     # 360000 / 512, 3%
+
+
+def test_a_run_shorter_than_a_search_chunk_is_one_chunk():
+    # 70 planned steps of 256 frames: an hour's chunk would be 1406 steps, and each
+    # trial (3% of it, or all of it) would train past the end of the run many times
+    # over; the chunk is the run, and a trial a share of what the run trains
+    def search(fraction):
+        cfg = OptimizerConfig(schedule="search", initial_learning_rate=0.008,
+                              search_chunk_frames=360_000, search_trial_fraction=fraction)
+        return build_schedule(cfg, planned_steps=70, frames_per_step=256)
+    assert (search(0.03).chunk_steps, search(0.03).trial_steps) == (70, 2)
+    assert (search(1.0).chunk_steps, search(1.0).trial_steps) == (70, 70)
+    assert search(0.5).search_due(0) and not search(0.5).search_due(69)
 
 
 def test_search_trials_are_long_enough_to_tell_the_rates_apart():
