@@ -396,6 +396,11 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
             shown = str(value).lower() if isinstance(value, bool) else value
             raise ConfigError(f"{where}parallel.{key}: {shown} works with parallel.method "
                               f"{method}, not {par.method}")
+    if par.servers > m.hidden_layers + 1:
+        # each server owns whole affine layers (parallel/param_server.py, split_by_layers)
+        raise ConfigError(f"{where}parallel.servers: {par.servers} servers for a model of "
+                          f"{m.hidden_layers + 1} affine layer(s) (model.hidden_layers + 1); "
+                          "at most one server per layer")
     if takes_own_steps(cfg):
         _check_own_steps(cfg, where)
     if par.hierarchical and (par.asynchronous or par.delay_by_one):

@@ -86,6 +86,15 @@ def test_pretraining_and_combination_errors_name_the_key(tmp_path):
     assert "training.combine_models" in msg
 
 
+def test_more_parameter_servers_than_layers_is_refused_naming_the_key(tmp_path):
+    # every client rank stopped at its first step with its own line and aborted the job
+    msg = _error(tmp_path, "model:\n  hidden_layers: 1\nparallel:\n  method: param_server\n"
+                           "  servers: 3\n")
+    assert "parallel.servers: 3 servers for a model of 2 affine layer(s)" in msg
+    load_config(None, ["model.hidden_layers=1", "parallel.method=param_server",
+                       "parallel.servers=2"])
+
+
 def test_override_errors_name_the_key(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("{}\n")
