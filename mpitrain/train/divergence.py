@@ -107,18 +107,27 @@ class DivergenceGuard:
 
     # -- checkpointed part ------------------------------------------------------------
     def state_dict(self) -> dict:
+        # the running mean too, so that a resumed run judges its windows as the
+        # uninterrupted run does (none before the first good window)
+        mean = {} if self.running_mean is None else {"running_mean": self.running_mean}
         return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
-                "skipped_total": self.skipped_total, "exploded_total": self.exploded_total}
+                "skipped_total": self.skipped_total, "exploded_total": self.exploded_total,
+                **mean}
 
     def load_state_dict(self, state: dict) -> None:
         self.rollbacks = int(state.get("rollbacks", 0))
         self.lr_scale = float(state.get("lr_scale", 1.0))
         self.skipped_total = int(state.get("skipped_total", 0))
         self.exploded_total = int(state.get("exploded_total", 0))
+        mean = state.get("running_mean")       # absent: written before any good window
+        self.running_mean = None if mean is None else float(mean)
         if not (math.isfinite(self.lr_scale) and 0.0 < self.lr_scale <= 1.0) \
-                or self.rollbacks < 0 or self.skipped_total < 0 or self.exploded_total < 0:
-            raise ValueError(f"checkpoint group 'trainer': expected lr_scale in (0, 1] and "
-                             f"non-negative counts, got {state!r}")
+                or self.rollbacks < 0 or self.skipped_total < 0 or self.exploded_total < 0 \
+                or not (self.running_mean is None
+                        or (math.isfinite(self.running_mean) and self.running_mean >= 0)):
+            raise ValueError(f"checkpoint group 'trainer': expected lr_scale in (0, 1], "
+                             f"non-negative counts and a finite running_mean >= 0, got "
+                             f"{state!r}")
 
 
 def restart_advice(run_dir: str) -> str:

@@ -6,6 +6,8 @@ import pytest
 
 from mpitrain.train.divergence import EVENT, OK, ROLL_BACK, DivergenceGuard, Diverged
 
+from ..helpers import records, train_straight_and_resumed
+
 
 def _guard(**kw):
     args = dict(factor=3.0, max_events=4, max_rollbacks=2, lr_factor=0.5)
@@ -74,10 +76,33 @@ def test_state_round_trip_and_bad_state_refused():
     other.load_state_dict(guard.state_dict())
     assert other.state_dict() == guard.state_dict() == {
         "rollbacks": 1, "lr_scale": 0.5, "skipped_total": 3, "exploded_total": 0}
+    guard.observe(xent=2.5, skipped=0)             # a good window: the mean is kept too
+    other.load_state_dict(guard.state_dict())
+    assert other.running_mean == guard.running_mean == 2.5
     other.load_state_dict({})                      # checkpoints written before the guard
+    assert other.running_mean is None
     assert other.lr_scale == 1.0 and other.rollbacks == 0
     with pytest.raises(ValueError, match="trainer"):
         other.load_state_dict({"lr_scale": float("nan")})
+    with pytest.raises(ValueError, match="running_mean"):
+        other.load_state_dict({"running_mean": float("inf")})
+
+
+def test_a_resumed_run_judges_its_first_window_as_the_straight_run(small_corpus, tmp_path):
+    # factor 1: a window above the running mean is an event.  Straight through, the
+    # window of steps 5-8 rises above the mean of the first; resumed at step 4 the
+    # mean was lost with the restart, the window passed, and the runs parted
+    # (with fewer events allowed, one rolled back and the other did not)
+    settings = ["model.hidden_dim=32", "model.hidden_layers=1", "training.epochs=1",
+                "training.log_interval=4", "training.checkpoint_interval=8",
+                "training.divergence_factor=1.0", "training.max_divergence_events=1000"]
+    straight, split = train_straight_and_resumed(tmp_path, small_corpus, settings,
+                                                 steps=16, half=4)
+    windows = [r["xent"] for r in records(straight, "train")]
+    assert windows[1] > windows[0]                # the window that is an event
+    assert [r["xent"] for r in records(split, "train")][-4:] == windows
+    assert records(split, "end")[-1]["exploded_windows"] \
+        == records(straight, "end")[-1]["exploded_windows"] == 1
 
 
 def test_the_advice_after_an_asynchronous_divergence_fits_the_run_directory(tmp_path):
