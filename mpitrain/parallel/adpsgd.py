@@ -173,6 +173,11 @@ class RingMixing(Strategy):
         if self.comm.size > 1:
             self.comm.allreduce_(net.params, op="mean")
 
+    def close(self) -> None:
+        # a run that stopped between steps (diverged on every rank at once) leaves
+        # the delay-by-one exchange in flight: complete it, as the partner does
+        self._drain()
+
     # -- the mix -------------------------------------------------------------------
     def _mix_now(self, iteration: int) -> None:
         partner = self.partner(iteration)

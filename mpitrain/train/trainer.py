@@ -110,6 +110,7 @@ class Trainer(CheckpointResume):
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._lock = None            # rank 0's lock on the run directory, while it runs
         self._ran = False            # run() returned (on every rank)
+        self._stopped_together = False   # every rank stopped at the same step (diverged)
         self._graph_said = False     # cuda_graph asked for and not used: said once
         # Nothing is written before the run is validated: lines wait for the log.
         self._stream_out = stream
@@ -383,6 +384,7 @@ class Trainer(CheckpointResume):
         try:
             self.guard.roll_back()
         except Diverged as exc:
+            self._stopped_together = True
             raise TrainingError(f"{self.run_dir}: {exc}", agreed=True) from None
         counts = self.guard.state_dict()     # the checkpoint's counts are older
         found = self.comm.bcast_obj(bool(list_checkpoints(self.run_dir)) if self.is_root
@@ -910,7 +912,7 @@ class Trainer(CheckpointResume):
 
     def close(self) -> None:
         self.stream.close()
-        if self._ran:
+        if self._ran or self._stopped_together:
             # after a run that ended on every rank alike (freeing what the strategy
             # split off is collective: a rank that failed alone must not wait there)
             self.strategy.close()

@@ -215,3 +215,18 @@ def _resume(nranks, run_dir, corpus, settings):
     for key, value in values.items():
         args += ["--set", f"{key}={value}"]
     return run_mpi(nranks, args, timeout=120)
+
+
+@pytest.mark.mpi
+def test_a_delay_by_one_run_that_diverges_stops_with_one_line(small_corpus, tmp_path):
+    # the stop came between steps with the delayed exchange in flight; it was never
+    # completed, and MPICH said so on every rank at exit ("Builtin communicator ...
+    # has pending 2 references")
+    result = train_on_ranks(2, tmp_path / "run", small_corpus, TINY + [
+        "parallel.method=adpsgd", "parallel.delay_by_one=true",
+        "optimizer.initial_learning_rate=0.5", "training.divergence_factor=1.0",
+        "training.max_divergence_events=0", "training.max_rollbacks=0",
+        "training.log_interval=1", "training.max_steps=40"], timeout=120)
+    assert result.returncode == 2, mpi_output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "training diverged" in lines[0], mpi_output(result)
