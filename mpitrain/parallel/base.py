@@ -90,6 +90,11 @@ class Strategy:
         """Whether every rank holds the same model after ``step`` steps."""
         return self.comm.size == 1 or step % self.sync_period == 0
 
+    def can_checkpoint(self, step: int) -> bool:
+        """Whether a checkpoint after ``step`` steps holds all that a resumed run
+        needs to continue exactly: at sync points, and after any step of one rank."""
+        return self.comm.size == 1 or step % self.sync_period == 0
+
     def result_params(self):
         """The job's model when it is not what the ranks train on (the same on every
         rank), else None: what is evaluated, kept as best and checkpointed."""

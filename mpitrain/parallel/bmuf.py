@@ -91,6 +91,11 @@ class BlockMomentum(Strategy):
             self.sync(net, optimizer)
         net.params[...] = self.global_model
 
+    def can_checkpoint(self, step: int) -> bool:
+        # a checkpoint holds the block's state (w_g, the block start, Delta) and a
+        # resumed run continues from the block start: only block ends, one rank too
+        return step % self.every_steps == 0
+
     def result_params(self):
         # the ranks train from the look-ahead point; the model is w_g
         return self.global_model

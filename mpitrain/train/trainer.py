@@ -734,7 +734,7 @@ class Trainer(CheckpointResume):
                     return None
             # checkpoint at the first point after each interval where all ranks agree
             if next_checkpoint and self.step >= next_checkpoint and not last \
-                    and (comm.size == 1 or self.step % self.strategy.sync_period == 0):
+                    and self.strategy.can_checkpoint(self.step):
                 next_checkpoint = (self.step // ck + 1) * ck
                 if self.guard.last_window_good and self._params_finite():
                     self.save_checkpoint()
