@@ -433,9 +433,12 @@ def _check_own_steps(cfg: RunConfig, where: str) -> None:
     if par.asynchronous and par.delay_by_one:
         raise ConfigError(f"{where}parallel.delay_by_one: the delay-by-one ring is lock-step;"
                           " set parallel.asynchronous: false or delay_by_one: false")
-    if par.asynchronous and cfg.optimizer.schedule in ("search", "newbob"):
+    if cfg.optimizer.schedule in ("search", "newbob"):
+        # (the parameter server's loop never searched nor ended a newbob epoch: the
+        # rate stayed initial_learning_rate)
         raise ConfigError(f"{where}optimizer.schedule: {cfg.optimizer.schedule} needs every "
-                          "rank at the same step; not available with parallel.asynchronous")
+                          f"rank at the same step; not available with parallel.method "
+                          f"{method}")
     if cfg.training.combine:
         raise ConfigError(f"{where}training.combine: not available with parallel.method "
                           f"{method} (its ranks take no common sync points)")

@@ -95,6 +95,17 @@ def test_more_parameter_servers_than_layers_is_refused_naming_the_key(tmp_path):
                        "parallel.servers=2"])
 
 
+@pytest.mark.parametrize("schedule", ["search", "newbob"])
+def test_schedules_that_need_a_common_step_are_refused_with_the_parameter_server(tmp_path,
+                                                                                 schedule):
+    # its loop follows the rate of its update count only: the run trained at
+    # initial_learning_rate throughout, with no search and no newbob decision
+    msg = _error(tmp_path, f"data:\n  dev: dev\noptimizer:\n  schedule: {schedule}\n"
+                           "parallel:\n  method: param_server\n")
+    assert f"optimizer.schedule: {schedule} needs every rank at the same step; not " \
+           "available with parallel.method param_server" in msg
+
+
 def test_override_errors_name_the_key(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("{}\n")
