@@ -78,11 +78,15 @@ class RateTrials:
         # and the L2 term as scaled there (kaldi: by 1/its number of jobs)
         self._alone.l2 = self.strategy.l2_factor(step)
         self.step.take_sums()                     # start from empty sums
+        # the run's strategy may reduce gradients during backward (allreduce with
+        # overlap): a trial exchanges nothing, so its backward must not start any
+        hook, net.grad_ready_hook = net.grad_ready_hook, None
         try:
             for n in range(steps):
                 self.step.run(step + n, lr, stream.next_batch)
             loss, _, frames, skipped = self.step.take_sums()
         finally:
+            net.grad_ready_hook = hook
             net.params[...] = params
             optimizer.load_state_dict(opt_state)
             stream.load_state_dict(reader)

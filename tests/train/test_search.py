@@ -56,6 +56,28 @@ def test_a_trial_leaves_weights_optimizer_and_reader_untouched(small_corpus, tmp
     np.testing.assert_array_equal(idx, expected)
 
 
+def test_a_trial_starts_no_gradient_reduction_of_an_overlapping_allreduce(small_corpus,
+                                                                          tmp_path):
+    # allreduce with overlap reduces gradients from a hook called during backward:
+    # trial steps called it too, so a trial's gradients were reduced over the ranks
+    # and its requests, left pending into the next real step, wrote into the
+    # gradients there (the run then differed from its resumed continuation)
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + [
+        "parallel.method=allreduce", "parallel.overlap=true"])
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), comm=SingleCommunicator())
+    try:
+        calls = []
+
+        def hook(offset):
+            calls.append(offset)
+        trainer.net.grad_ready_hook = hook        # (one rank sets none: stand in for it)
+        objective, _ = _trials(trainer).run(0.004, steps=3, step=1)
+        assert np.isfinite(objective) and calls == []
+        assert trainer.net.grad_ready_hook is hook
+    finally:
+        trainer.close()
+
+
 def test_ranks_choose_by_the_summed_objective_not_their_own():
     # rank 0 alone would pick factor 0.5, rank 1 alone factor 2; summed: factor 1
     own = {0: [1.0, 2.0, 9.0], 1: [9.0, 2.0, 1.0]}
