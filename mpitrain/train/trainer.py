@@ -745,8 +745,7 @@ class Trainer(CheckpointResume):
             # line stop at the first step from there where a checkpoint may be written
             if comm.size == 1 and self._stop is None and requested.code():
                 self._stop = (requested.code(), 1)
-            if self._stop is not None and not last \
-                    and (comm.size == 1 or self.step % self.strategy.sync_period == 0):
+            if self._stop is not None and not last and self.strategy.can_checkpoint(self.step):
                 return STOPPED
         return None
 

@@ -85,6 +85,27 @@ def test_a_stopped_run_resumes_as_the_run_never_stopped(small_corpus, tmp_path, 
 
 
 @pytest.mark.mpi
+def test_one_bmuf_rank_stops_at_its_block_end_and_resumes_exactly(small_corpus, tmp_path):
+    # one rank needs no agreement, but a BMUF checkpoint inside a block would lose
+    # the block's steps on resume: the stop waits for the block's end
+    from mpitrain.nn.model_file import load_model
+    common = TINY + ["parallel.method=bmuf", "parallel.average_every=8",
+                     "training.checkpoint_interval=1000", "training.max_steps=32",
+                     "training.log_interval=4"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    result = train_on_ranks(1, straight, small_corpus, common)
+    assert result.returncode == 0, mpi_output(result)
+    result = _signalled(1, split, small_corpus, common, sig="SIGTERM", ranks="0", after=11)
+    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    assert _checkpoint_steps(split) == [16], mpi_output(result)
+    result = train_on_ranks(1, split, small_corpus, common, resume=True)
+    assert result.returncode == 0, mpi_output(result)
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("nranks,method", [
     (2, ["parallel.method=adpsgd", "parallel.asynchronous=true"]),
     (3, ["parallel.method=param_server"]),
