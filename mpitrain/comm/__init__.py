@@ -99,12 +99,7 @@ def local_rank_from_env(env: Optional[Mapping[str, str]] = None) -> int:
 
         local_rank_from_env({"MPI_LOCALRANKID": "3"})          # 3
     """
-    env = os.environ if env is None else env
-    for name in _LOCAL_RANK_VARS:
-        value = _int_env(env, name)
-        if value is not None:
-            return value
-    return 0
+    return _first_int(os.environ if env is None else env, _LOCAL_RANK_VARS)
 
 
 def rank_from_env(env: Optional[Mapping[str, str]] = None) -> int:
@@ -118,8 +113,12 @@ def rank_from_env(env: Optional[Mapping[str, str]] = None) -> int:
         rank_from_env({"PMI_RANK": "3", "PMI_SIZE": "4"})     # 3
         rank_from_env({})                                     # 0
     """
-    env = os.environ if env is None else env
-    for name in _RANK_VARS:
+    return _first_int(os.environ if env is None else env, _RANK_VARS)
+
+
+def _first_int(env: Mapping[str, str], names) -> int:
+    """The first of ``names`` that ``env`` holds as an integer; 0 when none does."""
+    for name in names:
         value = _int_env(env, name)
         if value is not None:
             return value

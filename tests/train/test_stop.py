@@ -10,7 +10,6 @@ pretraining stop with a checkpoint that `--resume` continues from.
 
 import os
 import signal
-import sys
 
 import numpy as np
 import pytest
