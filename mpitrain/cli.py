@@ -113,7 +113,8 @@ def cmd_prepare(args) -> int:
     report = import_kaldi(args.feats, args.ali, args.out, shards=args.shards,
                           num_classes=args.num_classes, overwrite=args.overwrite,
                           utt2spk=args.utt2spk, cmvn=args.cmvn, norm_vars=args.norm_vars,
-                          length_tolerance=args.length_tolerance)
+                          length_tolerance=args.length_tolerance,
+                          scp_commands=args.scp_commands)
     for warning in report.warnings:
         print(f"mpitrain prepare: warning: {warning}", file=sys.stderr)
     print(report.summary())
@@ -491,7 +492,8 @@ def cmd_export(args) -> int:
     args.model = _model_file(args.model, "export", stream=sys.stderr)
     n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
                         batch=args.batch, prior_scale=args.prior_scale,
-                        priors=not args.no_priors, utt2spk=args.utt2spk, cmvn=args.cmvn)
+                        priors=not args.no_priors, utt2spk=args.utt2spk, cmvn=args.cmvn,
+                        scp_commands=args.scp_commands)
     # stderr: stdout may be the archive itself (--out ark:-)
     what = "log posteriors" if args.no_priors else "pseudo log-likelihoods"
     print(f"wrote {what} of {n} utterances to {args.out}", file=sys.stderr)
@@ -628,6 +630,9 @@ def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
                         "--utt2spk, else by utterance)")
     p.add_argument("--norm-vars", action="store_true",
                    help="with per-speaker CMVN also normalise variances (as apply-cmvn)")
+    p.add_argument("--scp-commands", action="store_true",
+                   help="run the entries of scp files that are commands ('utt cmd |'), as Kaldi "
+                        "does; without it they are refused: give it only for scp files you trust")
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("merge", formatter_class=fmt,
@@ -760,6 +765,9 @@ def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
                         "computed from them unless --cmvn gives them)")
     p.add_argument("--cmvn", default=None, metavar="RSPECIFIER",
                    help="Kaldi CMVN stats for --feats, e.g. scp:data/test/cmvn.scp")
+    p.add_argument("--scp-commands", action="store_true",
+                   help="run the entries of scp files that are commands ('utt cmd |'), as Kaldi "
+                        "does; without it they are refused: give it only for scp files you trust")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("convert", formatter_class=fmt,

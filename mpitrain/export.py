@@ -91,7 +91,8 @@ def prior_offsets(priors, *, scale: float = 1.0, unseen=None):
 
 def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=None,
                     batch: int = 4096, prior_scale: float = 1.0, priors: bool = True,
-                    warn=None, utt2spk: str | None = None, cmvn: str | None = None) -> int:
+                    warn=None, utt2spk: str | None = None, cmvn: str | None = None,
+                    scp_commands: bool = False) -> int:
     """Write loglikes for every utterance of ``feats_rspec``; returns the count.
 
     ``log p(x|s) = log p(s|x) - prior_scale * log p(s)``; ``priors=False``
@@ -99,6 +100,8 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
     training (default: printed to stderr).  A model trained on a corpus that
     ``prepare`` gave per-speaker CMVN needs ``utt2spk`` (stats computed from
     ``feats_rspec``) or ``cmvn`` (Kaldi's stats) and applies it the same way.
+    ``scp_commands``: run the entries of scp files that are commands
+    (``utt cmd |``); off, such an entry is refused (an scp file is data).
 
     Example::
 
@@ -106,13 +109,13 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
     """
     parse_wspecifier(out_wspec)          # a bad --out is refused before any work
     net, stored = load_model(model_path)
-    speaker = _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn)
+    speaker = _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn, scp_commands)
     offsets = np.zeros(net.num_classes, dtype=np.float32)
     if priors:
         offsets = _offsets(net, model_path, stored, corpus_dir, prior_scale, warn)
     count = 0
     with ArkWriter(out_wspec) as writer:
-        for utt, feats in read_feature_matrices(feats_rspec):
+        for utt, feats in read_feature_matrices(feats_rspec, scp_commands=scp_commands):
             if feats.shape[0] == 0:
                 # an utterance with no frames (Kaldi writes it 0 x 0): no rows out
                 feats = np.zeros((0, net.feat_dim), dtype=np.float32)
@@ -128,7 +131,7 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
     return count
 
 
-def _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn):
+def _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn, scp_commands):
     """The per-speaker CMVN the model was trained with, or None; one-line refusals."""
     if net.speaker_cmvn is None:
         if utt2spk or cmvn:
@@ -143,7 +146,8 @@ def _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn):
     if not cmvn and split_rspecifier(feats_rspec, "feats")[1].strip() == "-":
         raise ValueError("--feats -: computing CMVN stats reads the features twice, which "
                          "stdin cannot give; pass --cmvn with Kaldi's stats")
-    return SpeakerCmvn.load(utt2spk=utt2spk, cmvn=cmvn, feats=feats_rspec, norm_vars=norm_vars)
+    return SpeakerCmvn.load(utt2spk=utt2spk, cmvn=cmvn, feats=feats_rspec, norm_vars=norm_vars,
+                            scp_commands=scp_commands)
 
 
 def _offsets(net, model_path, priors, corpus_dir, scale, warn):

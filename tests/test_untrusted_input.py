@@ -308,7 +308,7 @@ def test_a_pickled_record_through_a_pipe_is_refused(evil, model, feats, capsys):
     (d / "p.ark").write_bytes(b"utt1 " + pickled_record(marker))
     (d / "pipe.scp").write_text(f"utt1 cut -c 6- {d}/p.ark |\n")
     with pytest.raises(CorpusError, match=r"cut -c 6- .*p.ark \|: entry 'utt1' holds a pickled"):
-        list(read_feature_matrices(f"scp:{d}/pipe.scp"))
+        list(read_feature_matrices(f"scp:{d}/pipe.scp", scp_commands=True))
     assert not marker.exists() and listing(out) == [] and listing(d / "corpus") == []
 
 

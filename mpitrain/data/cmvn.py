@@ -76,18 +76,20 @@ class SpeakerCmvn:
 
     @classmethod
     def load(cls, *, utt2spk: str | None = None, cmvn: str | None = None,
-             feats: str | None = None, norm_vars: bool = False) -> "SpeakerCmvn":
+             feats: str | None = None, norm_vars: bool = False,
+             scp_commands: bool = False) -> "SpeakerCmvn":
         """Read ``cmvn`` (an rspecifier of stats matrices), or compute the stats
-        per speaker of ``utt2spk`` from ``feats`` (a second pass over them)."""
+        per speaker of ``utt2spk`` from ``feats`` (a second pass over them);
+        ``scp_commands`` as for :func:`~mpitrain.data.kaldi_read.read_feature_matrices`."""
         spk_map = read_utt2spk(utt2spk) if utt2spk else None
         if cmvn:
-            return cls(read_cmvn_stats(cmvn), spk_map, norm_vars=norm_vars, stats_name=cmvn,
+            return cls(read_cmvn_stats(cmvn, scp_commands=scp_commands), spk_map, norm_vars=norm_vars, stats_name=cmvn,
                        utt2spk_name=utt2spk)
         if spk_map is None:
             raise ValueError("per-speaker CMVN needs --utt2spk (stats computed per speaker) "
                              "or --cmvn (Kaldi's stats)")
         stats: dict = {}
-        for utt, matrix in read_feature_matrices(feats):
+        for utt, matrix in read_feature_matrices(feats, scp_commands=scp_commands):
             spk = _speaker(spk_map, utt2spk, utt)
             if spk in stats and stats[spk].shape[1] != matrix.shape[1] + 1:
                 continue        # the import names the dimension mismatch itself

@@ -120,7 +120,8 @@ class ImportReport:
 def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
                  num_classes: int | None = None, overwrite: bool = False,
                  utt2spk: str | None = None, cmvn: str | None = None,
-                 norm_vars: bool = False, length_tolerance: int = 0) -> ImportReport:
+                 norm_vars: bool = False, length_tolerance: int = 0,
+                 scp_commands: bool = False) -> ImportReport:
     """Convert Kaldi features + pdf alignments into a corpus directory.
 
     ``num_classes`` should be the number of pdfs of the tree (``tree-info``);
@@ -132,6 +133,8 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     with Kaldi's stats (``cmvn``, e.g. ``scp:cmvn.scp``) or with stats computed
     per speaker from the features; the manifest's ``source.speaker_cmvn``
     records it, and models trained on the corpus carry it to ``export``.
+    ``scp_commands``: run the entries of scp files that are commands
+    (``utt cmd |``); off, such an entry is refused (an scp file is data).
 
     Example::
 
@@ -144,7 +147,7 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
         raise ValueError(f"length tolerance must be a whole number of frames >= 0, "
                          f"got {length_tolerance!r}")
     _, feats_path = split_rspecifier(feats, "feats")
-    alignments = read_alignments(ali)
+    alignments = read_alignments(ali, scp_commands=scp_commands)
     _, ali_path = split_rspecifier(ali, "ali")
     if not alignments:
         raise CorpusError(f"{ali_path}: no alignments found")
@@ -176,7 +179,7 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
             raise ValueError("--feats -: computing CMVN stats reads the features twice, "
                              "which stdin cannot give; pass --cmvn with Kaldi's stats")
         speaker_cmvn = SpeakerCmvn.load(utt2spk=utt2spk, cmvn=cmvn, feats=feats,
-                                        norm_vars=norm_vars)
+                                        norm_vars=norm_vars, scp_commands=scp_commands)
     elif norm_vars:
         raise ValueError("--norm-vars needs per-speaker CMVN: pass --utt2spk or --cmvn")
     report = ImportReport(num_classes=int(num_classes), feats=feats, ali=ali,
@@ -188,7 +191,7 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     seen: set[str] = set()
     writer = None
     try:
-        for key, matrix in read_feature_matrices(feats):
+        for key, matrix in read_feature_matrices(feats, scp_commands=scp_commands):
             if key in seen:
                 raise CorpusError(f"{feats_path}: utterance {key!r} appears twice")
             seen.add(key)

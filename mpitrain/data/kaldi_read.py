@@ -478,11 +478,13 @@ def iter_ark(target: str, *, expect: str = "matrix"):
 
 # ---------------------------------------------------------------- scp
 
-def parse_scp(target: str) -> list[tuple[str, str, int | None]]:
+def parse_scp(target: str, *, commands: bool = False) -> list[tuple[str, str, int | None]]:
     """[(key, location, offset)] of an scp (a file, ``-`` or a pipe).
 
     ``location`` is an ark path (relative paths as written, like Kaldi) or a
-    pipe command; ``offset`` is None for a whole file or a pipe.
+    pipe command; ``offset`` is None for a whole file or a pipe.  An entry that
+    is a command (``utt cmd |``) is refused unless ``commands``: an scp file is
+    data, and one written elsewhere must not run anything here.
     """
     entries = []
     with _opened(target, "scp") as src:
@@ -501,6 +503,11 @@ def parse_scp(target: str) -> list[tuple[str, str, int | None]]:
                                   f"got {line.strip()!r}")
             key, location = parts[0], parts[1].strip()
             if is_pipe(location):
+                if not commands:
+                    raise CorpusError(
+                        f"{name}:{lineno}: utterance {key!r}: the entry is a command "
+                        f"({location!r}); commands inside an scp file run only with "
+                        f"--scp-commands (scp_commands=True), for files you trust")
                 entries.append((key, location, None))
                 continue
             if location.endswith("]"):
@@ -515,11 +522,13 @@ def parse_scp(target: str) -> list[tuple[str, str, int | None]]:
     return entries
 
 
-def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix"):
-    """(key, matrix) for each scp entry, in scp order, keeping a few arks open."""
+def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix",
+             commands: bool = False):
+    """(key, matrix) for each scp entry, in scp order, keeping a few arks open;
+    ``commands``: run entries that are commands (see :func:`parse_scp`)."""
     handles: OrderedDict[str, Input] = OrderedDict()
     try:
-        for key, location, offset in parse_scp(target):
+        for key, location, offset in parse_scp(target, commands=commands):
             if is_pipe(location):
                 # one bare object (no key) on the command's stdout
                 with _opened(location, "scp entry") as src:
@@ -549,12 +558,13 @@ def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix"):
             src.abandon()
 
 
-def read_feature_matrices(spec: str):
+def read_feature_matrices(spec: str, *, scp_commands: bool = False):
     """(utterance id, float32 matrix (T, D)) for each entry of an rspecifier.
 
     Only Kaldi float matrices are accepted (binary, compressed or text); any
     other record is refused by key with a :class:`CorpusError` naming the
-    file or command.
+    file or command.  Entries of an scp file that are commands run only with
+    ``scp_commands`` (a pipe in ``spec`` itself is the caller's own command).
 
     Example::
 
@@ -562,7 +572,8 @@ def read_feature_matrices(spec: str):
             feats.shape        # (frames, feat_dim)
     """
     kind, target = split_rspecifier(spec, "feats")
-    records = iter_scp(target) if kind == "scp" else iter_ark(target)   # binary or text
+    records = iter_scp(target, commands=scp_commands) if kind == "scp" \
+        else iter_ark(target)                                   # binary or text
     for key, value in records:
         yield key, as_features(target, key, value)
 
@@ -589,12 +600,13 @@ def as_features(name: str, key: str, value) -> np.ndarray:
 
 # ---------------------------------------------------------------- CMVN and speakers
 
-def read_cmvn_stats(spec: str) -> dict[str, np.ndarray]:
+def read_cmvn_stats(spec: str, *, scp_commands: bool = False) -> dict[str, np.ndarray]:
     """Kaldi CMVN stats by speaker (or utterance): float64 matrices 2 x (D+1).
 
     Read like features (``scp:cmvn.scp``, ``ark:cmvn.ark``, text or binary),
     so only Kaldi float matrices are decoded; every other record is refused.
     The dimension is checked against the features where they are applied.
+    ``scp_commands``: as for :func:`read_feature_matrices`.
 
     Example::
 
@@ -602,7 +614,7 @@ def read_cmvn_stats(spec: str) -> dict[str, np.ndarray]:
         stats["spk1"][0, -1]        # the speaker's frame count
     """
     kind, target = split_rspecifier(spec, "cmvn")
-    records = iter_scp(target, expect="stats") if kind == "scp" \
+    records = iter_scp(target, expect="stats", commands=scp_commands) if kind == "scp" \
         else iter_ark(target, expect="stats")
     stats: dict[str, np.ndarray] = {}
     for key, value in records:
@@ -696,10 +708,10 @@ def _binary_alignments(src: Input, alignments: dict) -> None:
         alignments[key] = labels
 
 
-def read_alignments(spec: str) -> dict[str, np.ndarray]:
+def read_alignments(spec: str, *, scp_commands: bool = False) -> dict[str, np.ndarray]:
     """Per-frame pdf ids by utterance, from 'ark:', 'ark,t:', a pipe, a text file
     or 'scp:' (entries pointing at binary int32 vectors, as `copy-int-vector`
-    writes them with 'ark,scp:').
+    writes them with 'ark,scp:'; ``scp_commands`` as for :func:`read_feature_matrices`).
 
     Example::
 
@@ -709,7 +721,7 @@ def read_alignments(spec: str) -> dict[str, np.ndarray]:
     kind, target = split_rspecifier(spec, "ali")
     alignments: dict[str, np.ndarray] = {}
     if kind == "scp":
-        for key, labels in iter_scp(target, expect="ints"):
+        for key, labels in iter_scp(target, expect="ints", commands=scp_commands):
             if key in alignments:
                 raise CorpusError(f"{target}: utterance {key!r} appears twice")
             alignments[key] = as_pdf_ids(target, key, labels)

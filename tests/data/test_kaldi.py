@@ -110,7 +110,7 @@ def test_errors_name_the_file(kaldi_dir):
     (d / "pipe.scp").write_text("spk1-utt0 no-such-kaldi-tool ark:x.ark ark:- |\n")
     with pytest.raises(CorpusError, match=r"no-such-kaldi-tool ark:x.ark ark:- \|: the command "
                                           r"failed with exit status 127: .*not found"):
-        import_kaldi(f"scp:{d}/pipe.scp", f"ark:{d}/ali.ark", str(d / "c"))
+        import_kaldi(f"scp:{d}/pipe.scp", f"ark:{d}/ali.ark", str(d / "c"), scp_commands=True)
     (d / "dangling.scp").write_text(f"spk1-utt0 {d}/nowhere.ark:3\n")
     with pytest.raises(CorpusError, match=r"dangling.scp: utterance 'spk1-utt0' points to"):
         import_kaldi(f"scp:{d}/dangling.scp", f"ark:{d}/ali.ark", str(d / "c"))

@@ -55,7 +55,37 @@ def test_scp_entries_that_are_pipes(arks):
     for key, matrix in feats.items():
         kaldiio.save_mat(str(d / f"{key}.mat"), matrix)
     (d / "pipes.scp").write_text("".join(f"{k} cat {d}/{k}.mat |\n" for k in feats))
-    _same(dict(read_feature_matrices(f"scp:{d}/pipes.scp")), feats)
+    _same(dict(read_feature_matrices(f"scp:{d}/pipes.scp", scp_commands=True)), feats)
+
+
+@pytest.mark.parametrize("what", ["feats", "ali", "cmvn"])
+def test_commands_inside_an_scp_file_run_only_when_allowed(tmp_path, capsys, what):
+    # an scp file is data: one from elsewhere must not run anything unless the user
+    # says it may (prepare/export --scp-commands)
+    from mpitrain.data.kaldi_read import read_cmvn_stats
+    feats = {"u1": np.arange(8, dtype=np.float32).reshape(4, 2)}
+    kaldiio.save_ark(str(tmp_path / "f.ark"), feats, scp=str(tmp_path / "f.scp"))
+    (tmp_path / "ali.txt").write_text("u1 0 1 1 0\n")
+    ran = tmp_path / "ran"
+    (tmp_path / "evil.scp").write_text(f"u1 touch {ran}; cat {tmp_path}/f.ark |\n")
+    readers = {"feats": read_feature_matrices, "ali": read_alignments, "cmvn": read_cmvn_stats}
+    with pytest.raises(CorpusError, match=r"evil.scp:1: utterance 'u1': the entry is a command "
+                                          r".*--scp-commands"):
+        list(readers[what](f"scp:{tmp_path}/evil.scp"))
+    assert not ran.exists()
+    args = {"feats": f"scp:{tmp_path}/f.scp", "ali": f"ark,t:{tmp_path}/ali.txt", "cmvn": None}
+    args[what] = f"scp:{tmp_path}/evil.scp"
+    argv = ["prepare", "--feats", args["feats"], "--ali", args["ali"],
+            "--out", str(tmp_path / "c")]
+    if what == "cmvn":
+        argv += ["--cmvn", args["cmvn"]]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--scp-commands" in err[0], err
+    assert not ran.exists() and not (tmp_path / "c").exists()
+    # allowed: it runs (CMVN stats from a features ark are the wrong shape, refused after)
+    main(argv + ["--scp-commands"])
+    assert ran.exists()
 
 
 @pytest.mark.parametrize("spec", ["ark:{d}/ali.ark", "ark:gunzip -c {d}/ali.ark.gz |",
