@@ -21,7 +21,7 @@ from ..config import config_from_yaml
 from ..nn.model_file import save_model
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
-from .run_dir import changed_settings, corpus_places
+from .run_dir import changed_corpora, changed_settings, corpus_identity, corpus_places
 
 #: Prefixes of the schedule's and the model selection's scalars in the
 #: checkpoint's group 'trainer'.
@@ -67,7 +67,11 @@ class CheckpointResume:
         complete = {} if self._complete_at is None else {"complete_at": self._complete_at}
         return {**self.guard.state_dict(), "planned_steps": self.planned_steps,
                 "steps_per_epoch": self.steps_per_epoch, **schedule, **selection, **complete,
-                **corpus_places(self.cfg)}
+                **corpus_places(self.cfg), **self._corpus_identity()}
+
+    def _corpus_identity(self) -> dict:
+        # (data.dev may change on resume: only the training corpus is compared)
+        return corpus_identity({"data.train": self.manifest})
 
     def _leave_complete_run(self) -> dict:
         """``--resume`` of a run that had ended, with nothing that asks for more: the
@@ -106,6 +110,7 @@ class CheckpointResume:
                         config_from_yaml(header.config_yaml), self.cfg,
                         old_places={k: v for k, v in header.trainer_state.items()
                                     if k.startswith("place_")})
+                    changes += changed_corpora(header.trainer_state, self._corpus_identity())
                 except ValueError as exc:
                     problem = f"{path}: the stored config: {' '.join(str(exc).split())}"
                 break

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import glob
 import os
+import zlib
 
 #: Files a run writes (checkpoints are matched separately).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png",
@@ -109,6 +110,43 @@ def corpus_places(cfg) -> dict:
     flat = _flatten(cfg.to_dict())
     return {f"place_{key}": os.path.realpath(flat[key]) for key in PLACE_SETTINGS
             if isinstance(flat.get(key), str) and flat[key]}
+
+
+def corpus_identity(manifests: dict) -> dict:
+    """``{"corpus_data.train_frames": ..., "_utterances": ..., "_digest": ...}`` of
+    each corpus in ``manifests`` (setting -> manifest or None): stored with a run's
+    checkpoints, so that a corpus written again at the same path (``prepare
+    --overwrite``) is noticed on resume.  The digest is a CRC-32 of the shard list
+    (paths, frames, utterances), the classes and the feature dimension."""
+    identity = {}
+    for key, manifest in manifests.items():
+        if manifest is None:
+            continue
+        listing = ";".join(f"{s.path}:{int(s.frames)}:{int(s.utterances)}"
+                           for s in manifest.shards)
+        listing += f"|{int(manifest.num_classes)}|{int(manifest.feat_dim)}"
+        identity[f"corpus_{key}_frames"] = int(manifest.num_frames)
+        identity[f"corpus_{key}_utterances"] = int(manifest.num_utterances)
+        identity[f"corpus_{key}_digest"] = zlib.crc32(listing.encode("utf-8"))
+    return identity
+
+
+def changed_corpora(old_state: dict, now: dict) -> list:
+    """``"data.train: ..."`` for each corpus whose :func:`corpus_identity` in a
+    checkpoint's trainer state (``old_state``; absent in older checkpoints: not
+    compared) differs from ``now``."""
+    changes = []
+    for name in sorted(k for k in now if k.endswith("_digest")):
+        key = name[len("corpus_"):-len("_digest")]
+        if name not in old_state or int(old_state[name]) == now[name]:
+            continue
+        before = (int(old_state.get(f"corpus_{key}_frames", 0)),
+                  int(old_state.get(f"corpus_{key}_utterances", 0)))
+        after = (now[f"corpus_{key}_frames"], now[f"corpus_{key}_utterances"])
+        what = (f"{before[0]} frames in {before[1]} utterances -> {after[0]} in {after[1]}"
+                if before != after else "the same size, other shards, classes or dimension")
+        changes.append(f"{key}: the corpus was written again since the checkpoint ({what})")
+    return changes
 
 
 def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,

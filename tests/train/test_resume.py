@@ -110,3 +110,32 @@ def test_a_checkpoint_skipped_on_resume_is_said_in_one_line(small_corpus, tmp_pa
     skipped = [i for i, line in enumerate(out) if line.startswith("resume: skipped")]
     assert len(skipped) == 1 and "ckpt-00000009.h5" in out[skipped[0]], out
     assert out[skipped[0] + 1].startswith("resumed from "), out
+
+
+def test_resume_onto_a_corpus_written_again_is_refused_naming_it(tmp_path, capsys):
+    # `prepare --overwrite` into the corpus directory of a stopped run, then --resume:
+    # the plan of the new corpus was shorter, the run "ended" at once and wrote
+    # final.h5, trained on the old corpus alone
+    from mpitrain.cli import main
+    from mpitrain.data.synthetic import synthesize
+    corpus, run = tmp_path / "corpus", tmp_path / "run"
+
+    def write(hours, seed):
+        synthesize(str(corpus), hours=hours, speakers=4, shards=2, seed=seed,
+                   dev_hours=0.005, dev_speakers=2, overwrite=True)
+    write(0.02, 1)
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(str(corpus)) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                "training.checkpoint_interval=4",
+                                                "training.eval_interval=0"]:
+        argv += ["--set", item]
+    assert main(argv + ["--set", "training.max_steps=8"]) == 0
+    write(0.01, 2)
+    capsys.readouterr()
+    assert main(argv + ["--set", "training.max_steps=12", "--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "data.train: the corpus was written again since the checkpoint (" \
+        in err[0] and "--accept-changes" in err[0], err
+    # the same corpus written again alike is no change
+    write(0.02, 1)
+    assert main(argv + ["--set", "training.max_steps=12", "--resume"]) == 0
