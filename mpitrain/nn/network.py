@@ -34,6 +34,26 @@ def build_component(spec: dict) -> Component:
     return cls(spec.pop("in_dim"), **spec)
 
 
+#: Variances below this share of a corpus's largest are floored to it: such a
+#: dimension is constant but for rounding, whose noise normalising would blow up.
+#: Relative, so that features of any scale (even 1e-20) are normalised alike.
+RELATIVE_VARIANCE_FLOOR = 1e-12
+#: ... and never below this, so that 1 / sqrt(var) stays a float32 (constant data).
+ABSOLUTE_VARIANCE_FLOOR = 1e-60
+
+
+def floored_variance(var) -> np.ndarray:
+    """Per-dimension variances (float64) floored for normalisation.
+
+    Example::
+
+        floored_variance([4.0, 0.0])       # [4.0, 4e-12]
+    """
+    var = np.asarray(var, dtype=np.float64)
+    largest = float(var.max()) if var.size else 0.0
+    return np.maximum(var, max(RELATIVE_VARIANCE_FLOOR * largest, ABSOLUTE_VARIANCE_FLOOR))
+
+
 class Network:
     """Layers, flat parameter/gradient buffers, and the input transform.
 
@@ -116,11 +136,12 @@ class Network:
         for c in self.components:
             c.init_params(rng, self.xp)
 
-    def set_cmvn(self, mean, var, *, floor: float = 1e-8) -> None:
-        """Global mean/variance normalisation applied to unspliced frames."""
+    def set_cmvn(self, mean, var) -> None:
+        """Global mean/variance normalisation applied to unspliced frames (the
+        variance floored by :func:`floored_variance`)."""
         xp = self.xp
         mean = np.asarray(mean, dtype=np.float64)
-        var = np.maximum(np.asarray(var, dtype=np.float64), floor)
+        var = floored_variance(var)
         self.cmvn_mean[...] = xp.asarray(mean.astype(np.float32))
         self.cmvn_scale[...] = xp.asarray((1.0 / np.sqrt(var)).astype(np.float32))
 

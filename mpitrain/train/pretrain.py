@@ -43,6 +43,7 @@ from ..data.validate import validate_slices
 from ..files import remove_stale_temporaries
 from ..h5io import (atomic_h5_file, open_h5_for_reading, read_state, reading_errors,
                     verify_file, write_state)
+from ..nn.network import floored_variance
 from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack
 from ..nn.rbm_file import read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
@@ -106,7 +107,7 @@ class Pretrainer:
                                 "layer, got 0")
         self.manifest, _ = load_manifests(comm, cfg.data.train)
         m = self.manifest
-        var = np.maximum(np.asarray(m.cmvn_var, dtype=np.float64), 1e-8)
+        var = floored_variance(m.cmvn_var)
         self.cmvn = (np.asarray(m.cmvn_mean, dtype=np.float32),
                      (1.0 / np.sqrt(var)).astype(np.float32))
         self._build_data()

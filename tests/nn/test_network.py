@@ -83,3 +83,23 @@ def test_forward_without_keeping_buffers_releases_only_what_it_added(nonlinearit
         assert _held_buffers(net) == held             # nothing of `rows` rows stays
     # the buffers held before (a training step splices into the first) are the same
     assert net.first_input_view(16).ctypes.data == first.ctypes.data
+
+
+def test_features_of_any_scale_are_normalised_and_constant_ones_stay_finite():
+    # an absolute variance floor (1e-8) left features of tiny scale (x 1e-20, or
+    # denormal) unnormalised: such a corpus trained to 0.21 where the same data
+    # unscaled gave 0.99
+    from mpitrain.nn.network import floored_variance
+    rng = np.random.default_rng(0)
+    feats = (rng.normal(size=(4000, 3)) * [1e-20, 3e-20, 0.0] + [0.0, 5e-20, 7.0])
+    feats = feats.astype(np.float32)
+    net = build_network(feat_dim=3, num_classes=3, left_context=0, right_context=0,
+                        hidden_layers=1, hidden_dim=4)
+    net.set_cmvn(feats.mean(0, dtype=np.float64), feats.var(0, dtype=np.float64))
+    out = net.normalize_frames(feats.copy())
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out[:, :2].std(0), 1.0, rtol=1e-3)
+    np.testing.assert_array_equal(out[:, 2], 0.0)            # constant: nothing to scale
+    # the floor follows the largest variance; constant data stays finite in float32
+    np.testing.assert_array_equal(floored_variance([4.0, 0.0]), [4.0, 4e-12])
+    assert np.isfinite(np.float32(1 / np.sqrt(floored_variance([0.0, 0.0])))).all()
