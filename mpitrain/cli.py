@@ -59,6 +59,16 @@ def _before_mpi():
         raise
 
 
+def _refuse_virtual_under_a_launcher() -> None:
+    """``--virtual`` simulates every rank in one process: under mpiexec each rank
+    would run the whole simulation into the same run directory or report."""
+    from .comm import world_size_from_env
+    size = world_size_from_env()
+    if size and size > 1:
+        raise UsageError(f"--virtual simulates every rank in this one process; run it "
+                         f"without mpiexec or srun (this is one of {size} processes)")
+
+
 def _end_quietly() -> int:
     """Exit status 2 of a rank whose error rank 0 says."""
     time.sleep(QUIET_EXIT_DELAY_S)
@@ -162,6 +172,8 @@ def cmd_train(args) -> int:
     from .config import load_config
     with _before_mpi():
         cfg = load_config(args.config, args.set)
+        if args.virtual:
+            _refuse_virtual_under_a_launcher()
     if args.virtual:
         return _train_virtual(args, cfg)
     from .train.trainer import Trainer
@@ -380,7 +392,9 @@ def cmd_bench(args) -> int:
             # the group sizes came from --virtual: name it
             raise UsageError(str(exc).replace("--sizes", "--virtual", 1) if virtual_sizes
                              else str(exc)) from None
-        if not virtual_sizes:
+        if virtual_sizes:
+            _refuse_virtual_under_a_launcher()
+        else:
             _refuse_virtual_only_options(args)
     out_dir = args.out or os.path.join(
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])

@@ -358,7 +358,12 @@ def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_co
     (["train", "{good}", "--slowdown", "1=2"], "mpitrain train: error: --slowdown and --jitter "),
     (["train", "{good}", "--no-such-option"],
      "mpitrain: error: unrecognized arguments: --no-such-option"),
-], ids=["train", "pretrain", "bench", "value-out-of-range", "option", "command-line"])
+    (["train", "{good}", "--virtual", "2"],
+     "mpitrain train: error: --virtual simulates every rank in this one process; run it "
+     "without mpiexec or srun (this is one of 3 processes)"),
+    (["bench", "{good}", "--virtual", "1,2"], "mpitrain bench: error: --virtual simulates "),
+], ids=["train", "pretrain", "bench", "value-out-of-range", "option", "command-line",
+        "train-virtual", "bench-virtual"])
 def test_an_error_before_mpi_starts_is_said_once_and_every_rank_exits_2(mpiexec, tmp_path,
                                                                          argv, line):
     from mpitrain.testing.mpirun import run_mpi
