@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -45,6 +46,9 @@ from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
 from .metrics import format_duration, resident_mb
 from .stop import EXIT_STOPPED, requested, signal_name
+
+#: Seconds between the last line of a job stopped by a signal and its abort.
+ABORT_GRACE_S = 1.0
 
 
 def plan_own_steps(cfg, comm, local_steps: int) -> tuple:
@@ -332,6 +336,12 @@ class Server:
         t.log.close()
         if t._lock is not None:
             t._lock.release()
+        # the launcher ends every process at the abort and may drop lines it has not
+        # forwarded yet: give it a moment to pass the one above on
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+        time.sleep(ABORT_GRACE_S)
         t.comm.abort(EXIT_STOPPED, f"param_server: stopped on {name}")
         os._exit(EXIT_STOPPED)      # (an abort may return before the launcher ends us)
 
