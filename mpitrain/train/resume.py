@@ -189,6 +189,7 @@ class CheckpointResume:
                             lambda c: self.optimizer.load_state_dict(state["optimizer"]),
                             settings_changed, every_rank=False)
             self.stream.load_state_dict(state["reader"])
+            self._resumed_window = state.get("window")
             self._load_part(ckpt, "the parallel method's per-rank state",
                             lambda c: self.strategy.load_rank_state_dict(
                                 state.get("strategy", {})), settings_changed, every_rank=False)

@@ -17,6 +17,8 @@ Example::
 
 from __future__ import annotations
 
+import numpy as np
+
 from .. import backend
 from ..data.splice import splice_batch_
 from ..optim.base import ReplayableOptimizer
@@ -119,6 +121,22 @@ class TrainingStep:
         new_skips = int(skipped) - self._skipped_before
         self._skipped_before = int(skipped)
         return float(loss_sum), float(correct), frames, new_skips
+
+    def window_state(self) -> np.ndarray:
+        """The log window's sums so far, without resetting them (for a checkpoint
+        written inside a window): [cross-entropy, correct, frames, skipped steps]."""
+        loss_sum, correct, skipped = backend.to_host(self._readout_now())
+        return np.array([loss_sum, correct, self.frames, int(skipped) - self._skipped_before],
+                        dtype=np.float64)
+
+    def resume_window(self, state) -> None:
+        """Continue a log window from a checkpoint's :meth:`window_state`, so that a
+        resumed run's first log line (and the divergence guard's judgement of it)
+        is the uninterrupted run's."""
+        state = np.asarray(state, dtype=np.float64)
+        self.sums[...] = self.net.xp.asarray(state[:2])
+        self.frames = int(state[2])
+        self._skipped_before -= int(state[3])
 
 
 class _StepGraph:

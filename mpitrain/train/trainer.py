@@ -173,6 +173,8 @@ class Trainer(CheckpointResume):
                       "model.dropout_schedule stops raising the proportion")
         # (step, best) of a resumed run that had ended; the final checkpoint's step count
         self._complete, self._complete_at = None, None
+        self._training_step = None   # the loop's TrainingStep, once training began
+        self._resumed_window = None  # a checkpoint's log-window sums, to continue
         if resume:
             self._resume()
             self._initial = None
@@ -434,6 +436,9 @@ class Trainer(CheckpointResume):
     def save_checkpoint(self) -> None:
         rank_state = {"optimizer": self.optimizer.state_dict(),
                       "reader": self.stream.state_dict()}
+        if self._training_step is not None:
+            # the log window's sums so far: a resumed run's first log line is the same
+            rank_state["window"] = self._training_step.window_state()
         own_model = self.strategy.rank_state_dict()      # ADPSGD: each rank's own model
         if own_model:
             rank_state["strategy"] = own_model
@@ -630,7 +635,10 @@ class Trainer(CheckpointResume):
         cfg, comm = self.cfg, self.comm
         batch = cfg.training.minibatch
         self._stopped_at = None
-        training_step = self._new_training_step()
+        training_step = self._training_step = self._new_training_step()
+        if self._resumed_window is not None:
+            training_step.resume_window(self._resumed_window)
+            self._resumed_window = None
         window_start = comm.wtime()
         comm_at_window = comm.comm_time
         cpu_at_window, steps_at_window = time.process_time(), self.step

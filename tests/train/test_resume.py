@@ -139,3 +139,36 @@ def test_resume_onto_a_corpus_written_again_is_refused_naming_it(tmp_path, capsy
     # the same corpus written again alike is no change
     write(0.02, 1)
     assert main(argv + ["--set", "training.max_steps=12", "--resume"]) == 0
+
+
+def test_a_log_window_cut_by_a_checkpoint_reads_the_same_after_resume(small_corpus, tmp_path):
+    # a checkpoint inside a log window (log every 3 steps, checkpoints every 5): the
+    # resumed run's first window held only the steps since the checkpoint, so its
+    # train record, and the divergence guard's judgement of it, differed
+    import shutil
+
+    from mpitrain.cli import main
+
+    from ..helpers import records
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    common = small_overrides(small_corpus, **{"training.log_interval": 3}) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "training.checkpoint_interval=5",
+        "training.eval_interval=0", "training.max_steps=12", "optimizer.momentum=0.5"]
+
+    def train(run_dir, *extra):
+        argv = ["train", QUICKSTART, "--run-dir", str(run_dir), *extra]
+        for item in common:
+            argv += ["--set", item]
+        assert main(argv) == 0
+    train(straight)
+    shutil.copytree(straight, split)
+    for path in split.iterdir():
+        if path.name in ("final.h5", "best.h5") or (path.name.startswith("ckpt-")
+                                                    and path.name != "ckpt-00000005.h5"):
+            path.unlink()
+    train(split, "--resume")
+    assert [r["step"] for r in records(split, "start")] == [0, 5]
+    fields = ("step", "epoch", "frames", "xent", "acc", "lr", "skipped")
+    expected = [{k: r[k] for k in fields} for r in records(straight, "train") if r["step"] > 5]
+    resumed = [{k: r[k] for k in fields} for r in records(split, "train")][-len(expected):]
+    assert resumed == expected
