@@ -852,6 +852,8 @@ USAGE = """usage: mpiexec -n N python -m mpitrain train CONFIG.yaml [--set key=v
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _fill_closed_standard_descriptors()
+    from .plotting import keep_matplotlib_quiet
+    keep_matplotlib_quiet()     # (a compute node's HOME may be read-only)
     if not argv:
         # `mpirun -np 32 python -m mpitrain`: the config of the current directory
         from .starter import DEFAULT_CONFIG

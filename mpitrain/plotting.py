@@ -26,6 +26,42 @@ X_AXES = {"frames": ("frames", "frames seen (all ranks)"),
           "seconds": ("seconds", "training seconds (simulated on virtual ranks)")}
 
 
+def keep_matplotlib_quiet(env=None) -> None:
+    """Give Matplotlib a temporary config directory (``MPLCONFIGDIR``, removed at
+    exit) when its default ones cannot be written, e.g. a read-only or missing
+    HOME on a compute node: Matplotlib would otherwise print two warning lines at
+    its import.  Nothing changes when ``MPLCONFIGDIR`` is set or HOME is usable.
+
+    Example::
+
+        keep_matplotlib_quiet()     # before the first import of matplotlib
+    """
+    env = os.environ if env is None else env
+    if env.get("MPLCONFIGDIR"):
+        return
+    home = os.path.expanduser("~")
+    bases = (env.get("XDG_CONFIG_HOME") or os.path.join(home, ".config"),
+             env.get("XDG_CACHE_HOME") or os.path.join(home, ".cache"))
+    if all(_could_be_written(os.path.join(base, "matplotlib")) for base in bases):
+        return
+    import atexit
+    import shutil
+    import tempfile
+    directory = tempfile.mkdtemp(prefix="mpitrain-matplotlib-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    env["MPLCONFIGDIR"] = directory
+
+
+def _could_be_written(path: str) -> bool:
+    """Whether ``path`` is, or could be made as, a writable directory (nothing is made)."""
+    while not os.path.lexists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            return False
+        path = parent
+    return os.path.isdir(path) and os.access(path, os.W_OK | os.X_OK)
+
+
 def metrics_path(run_dir) -> str:
     """The metrics file of a run directory (a path to the file itself is kept).
 
@@ -169,6 +205,7 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
         if not records["eval"] and not (train and records["train"]):
             raise ValueError(f"{path}: no eval or train records to plot")
 
+    keep_matplotlib_quiet()
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure

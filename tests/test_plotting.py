@@ -131,3 +131,24 @@ def test_without_matplotlib_plotting_is_one_clear_error(tmp_path, monkeypatch):
     without_module(monkeypatch, "matplotlib")
     with pytest.raises(ValueError, match="plotting needs matplotlib: pip install matplotlib"):
         plot_runs([tmp_path / "run"], tmp_path / "c.png")
+
+
+def test_a_home_that_cannot_be_written_gives_no_matplotlib_warnings(tmp_path):
+    # a compute node's HOME may be read-only or missing: Matplotlib printed two
+    # warning lines about its cache directory (as root, a path under a file is the
+    # one place that can never be written)
+    import os
+    import subprocess
+    import sys
+    write_run(tmp_path / "r1", acc_at_end=0.6)
+    (tmp_path / "file").write_text("")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MPLCONFIGDIR", "XDG_CONFIG_HOME", "XDG_CACHE_HOME")}
+    env["HOME"] = str(tmp_path / "file" / "home")
+    env["TMPDIR"] = str(tmp_path / "tmp")
+    (tmp_path / "tmp").mkdir()
+    done = subprocess.run([sys.executable, "-m", "mpitrain", "plot", str(tmp_path / "r1")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert (tmp_path / "r1" / "curves.png").exists()
+    assert os.listdir(tmp_path / "tmp") == []          # its directory is removed at exit
