@@ -43,13 +43,10 @@ def _launcher_rank() -> int:
 
 @contextlib.contextmanager
 def _before_mpi():
-    """Checks made before MPI starts: the configuration and the options.
-
-    They come first because MPI is started with settings from the configuration
-    (``device_transport``) and a run that cannot start should not start MPI at
-    all.  Every rank reads the same command line and configuration file, so
-    every rank meets the same error: rank 0 says it, the others end with exit
-    status 2 silently (mpiexec still reports the job failed).
+    """Checks made before MPI starts that every rank meets alike (the command
+    line): rank 0 says the error, the others end with exit status 2 silently
+    (mpiexec still reports the job failed).  Checks that may differ between
+    ranks (the configuration each one reads) go through :func:`_start_ranks`.
     """
     try:
         yield
@@ -170,37 +167,53 @@ def cmd_check(args) -> int:
 
 def cmd_train(args) -> int:
     from .config import load_config
-    with _before_mpi():
-        cfg = load_config(args.config, args.set)
-        if args.virtual:
-            _refuse_virtual_under_a_launcher()
     if args.virtual:
+        with _before_mpi():
+            cfg = load_config(args.config, args.set)
+            _refuse_virtual_under_a_launcher()
         return _train_virtual(args, cfg)
     from .train.trainer import Trainer
-    return _run_on_ranks("train", Trainer, cfg, args, default_suffix="")
+    return _run_on_ranks("train", Trainer, args, default_suffix="")
 
 
 def cmd_pretrain(args) -> int:
-    from .config import load_config
     from .train.pretrain import Pretrainer
-    with _before_mpi():
+    return _run_on_ranks("pretrain", Pretrainer, args, default_suffix="-pretrain")
+
+
+def _start_ranks(args, checks=None):
+    """Load the configuration, make the other ``checks`` before MPI, start MPI and
+    agree with the other ranks (mpitrain/launch.py); returns ``(comm, cfg)``.
+    Raises UsageError on rank 0 and _SaidByRank0 elsewhere when any rank could
+    not start or the ranks' settings differ."""
+    from .config import load_config
+    from .launch import rank_settings, start_ranks
+
+    def prepare():
         cfg = load_config(args.config, args.set)
-    return _run_on_ranks("pretrain", Pretrainer, cfg, args, default_suffix="-pretrain")
+        if checks is not None:
+            checks()
+        return cfg, rank_settings(cfg, args)
+    with _before_mpi():
+        comm, cfg, problem = start_ranks(prepare, user_errors=(UsageError, ValueError,
+                                                               OSError, RuntimeError))
+    if problem:
+        if comm.rank != 0:
+            raise _SaidByRank0()
+        raise UsageError(problem)
+    return comm, cfg
 
 
-def _run_on_ranks(command: str, runner_class, cfg, args, *, default_suffix: str) -> int:
+def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> int:
     """Run a Trainer-like class (``run()``, ``close()``) on this job's MPI ranks.
 
     The run directory is judged by rank 0 and every rank hears the verdict, so
     all stop together or none; an error every rank reached together is one line
     from rank 0, an error on one rank aborts the job so the others do not wait.
     """
-    with _before_mpi():
-        _refuse_virtual_only_options(args)
-    from .comm import create_communicator
     from .comm.abort import install_abort_hook
     from .train.run_dir import run_dir_problem
-    comm = create_communicator(device_transport=cfg.device_transport)
+    comm, cfg = _start_ranks(args, lambda: _refuse_virtual_only_options(args))
     install_abort_hook(comm)
     _limit_blas_threads(cfg, comm)
     run_dir = args.run_dir or os.path.join(
@@ -381,8 +394,11 @@ def cmd_bench(args) -> int:
     from .bench.report import clear_earlier_bench, out_dir_problem, projection_lines, write_report
     from .config import load_config
     with _before_mpi():
-        cfg = load_config(args.config, args.set)
         virtual_sizes = _number_list(args.virtual, "--virtual")
+    options = None
+
+    def checks():
+        nonlocal options
         if virtual_sizes and args.sizes.strip():
             raise UsageError("--sizes and --virtual both give the group sizes; with virtual "
                              "ranks give them as --virtual 1,2,4,...")
@@ -399,6 +415,9 @@ def cmd_bench(args) -> int:
     out_dir = args.out or os.path.join(
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
     if virtual_sizes:
+        with _before_mpi():
+            cfg = load_config(args.config, args.set)
+            checks()
         from .bench.virtual import run_virtual_bench
         compute = _compute_model(args, cfg, max(virtual_sizes))     # (its options checked)
         problem = out_dir_problem(out_dir, overwrite=args.overwrite)
@@ -410,9 +429,8 @@ def cmd_bench(args) -> int:
         paths = write_report(report, out_dir, dpi=args.dpi)
         print("wrote " + ", ".join(paths.values()))
         return 0
-    from .comm import create_communicator
     from .comm.abort import install_abort_hook
-    comm = create_communicator(device_transport=cfg.device_transport)
+    comm, cfg = _start_ranks(args, checks)
     install_abort_hook(comm)
     _limit_blas_threads(cfg, comm)
     if options.sizes and max(options.sizes) > comm.size:

@@ -2,6 +2,8 @@
 status to STATUS_DIR/rank-N (mpiexec's own status is only the worst of them).
 
 Usage: cli_status_worker.py STATUS_DIR [mpitrain arguments ...]
+
+"{rank}" in an argument is replaced by the rank, for ranks started otherwise.
 """
 
 import os
@@ -10,7 +12,8 @@ import sys
 from mpitrain import cli
 from mpitrain.comm import rank_from_env
 
-status_dir, argv = sys.argv[1], sys.argv[2:]
+status_dir = sys.argv[1]
+argv = [arg.replace("{rank}", str(rank_from_env())) for arg in sys.argv[2:]]
 try:
     status = cli.main(argv)
 except SystemExit as exc:          # argparse's own exit

@@ -1,0 +1,110 @@
+"""The ranks' agreement before any work: an error met by some ranks only, and
+ranks started with different settings (mpitrain/launch.py)."""
+
+import argparse
+import os
+
+import pytest
+
+from mpitrain.config import load_config
+from mpitrain.launch import _problems_line, rank_settings, settings_differences
+
+from .helpers import QUICKSTART, WORKERS
+
+
+def _args(**options):
+    base = dict(func=print, command="train", config="a.yaml", set=["x=1"], run_dir=None,
+                resume=False, overwrite=False)
+    base.update(options)
+    return argparse.Namespace(**base)
+
+
+def test_settings_hold_the_configuration_and_the_options_but_not_the_file_name():
+    settings = rank_settings(load_config(QUICKSTART), _args(run_dir="runs/a"))
+    assert settings["model.hidden_dim"] == 512
+    assert settings["--run-dir"] == "runs/a" and settings["--resume"] is False
+    assert not {"func", "--func", "--config", "--set", "--command"} & set(settings)
+
+
+def test_only_settings_that_differ_are_named_with_rank_0s_value():
+    rank0 = {"model.hidden_dim": 512, "training.seed": 1, "--resume": False}
+    mine = {"model.hidden_dim": 256, "training.seed": 1, "--resume": True}
+    assert settings_differences(rank0, mine, {}) == [
+        "--resume: True (rank 0: False)", "model.hidden_dim: 256 (rank 0: 512)"]
+    assert settings_differences(rank0, dict(rank0), {}) == []
+
+
+def test_a_path_spelt_otherwise_is_the_same_setting_when_it_names_the_same_place(tmp_path):
+    rank0 = {"data.train": "data/train", "--run-dir": "runs/a"}
+    places = {"data.train": os.path.realpath(tmp_path / "data/train"),
+              "--run-dir": os.path.realpath(tmp_path / "runs/a")}
+    same = {"data.train": str(tmp_path / "data/train"), "--run-dir": str(tmp_path / "runs/a")}
+    assert settings_differences(rank0, same, places) == []
+    other = {"data.train": str(tmp_path / "data/other"), "--run-dir": str(tmp_path / "runs/a")}
+    assert [d.split(":")[0] for d in settings_differences(rank0, other, places)] == [
+        "data.train"]
+
+
+def test_an_error_every_rank_met_is_said_as_it_is():
+    assert _problems_line(["bad value", "bad value", "bad value"]) == "bad value"
+
+
+def test_errors_of_some_ranks_name_those_ranks_and_the_ranks_that_could_start():
+    line = _problems_line([None, "no file", None, "no file", "bad value"])
+    assert line == "ranks 1, 3: no file; rank 4: bad value (ranks 0, 2 could start)"
+
+
+def test_many_distinct_errors_stay_one_short_line():
+    line = _problems_line([f"error {r}" for r in range(10)])
+    assert line.count("error ") == 3 and "and 7 other errors" in line and "\n" not in line
+
+
+def _run(mpiexec, tmp_path, ranks, argv):
+    from mpitrain.testing.mpirun import run_mpi
+    status_dir = tmp_path / "status"
+    status_dir.mkdir()
+    result = run_mpi(ranks, [str(WORKERS / "cli_status_worker.py"), str(status_dir), *argv],
+                     timeout=120)
+    statuses = {p.name: p.read_text().strip() for p in status_dir.iterdir()}
+    said = [text for text in result.stderr.splitlines() if "error:" in text]
+    return result, statuses, said
+
+
+@pytest.mark.mpi
+def test_a_setting_that_differs_on_one_rank_ends_every_rank_with_one_line(mpiexec, tmp_path):
+    # rank 2 alone trains a narrower model: averaging would mix unequal buffers
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"),
+            "--set", "model.hidden_dim=6{rank}"]
+    result, statuses, said = _run(mpiexec, tmp_path, 3, argv)
+    assert result.returncode == 2, result.stderr
+    assert len(said) == 1, result.stderr
+    assert said[0].startswith("mpitrain train: error: the ranks were started with different "
+                              "settings: rank 1 has model.hidden_dim: 61 (rank 0: 60); "
+                              "ranks 1, 2 differ from rank 0;"), said
+    assert statuses == {"rank-0": "2", "rank-1": "2", "rank-2": "2"}, statuses
+    assert not (tmp_path / "run").exists()       # nothing was started
+
+
+@pytest.mark.mpi
+def test_a_configuration_missing_on_one_rank_is_said_by_rank_0_and_nobody_waits(
+        mpiexec, tmp_path):
+    # rank 1's node lacks the file (`run.yaml` copied to local disks but one)
+    for rank in (0, 2):
+        (tmp_path / f"run{rank}.yaml").write_text(open(QUICKSTART, encoding="utf-8").read(),
+                                                  encoding="utf-8")
+    argv = ["train", str(tmp_path / "run{rank}.yaml"), "--run-dir", str(tmp_path / "run")]
+    result, statuses, said = _run(mpiexec, tmp_path, 3, argv)
+    assert result.returncode == 2, result.stderr
+    assert len(said) == 1, result.stderr
+    assert said[0].startswith("mpitrain train: error: rank 1: "), said
+    assert said[0].endswith("run1.yaml: config file not found (ranks 0, 2 could start)"), said
+    assert statuses == {"rank-0": "2", "rank-1": "2", "rank-2": "2"}, statuses
+
+
+@pytest.mark.mpi
+def test_a_bench_option_that_differs_on_one_rank_is_named(mpiexec, tmp_path):
+    argv = ["bench", QUICKSTART, "--out", str(tmp_path / "bench"), "--steps", "1{rank}"]
+    result, statuses, said = _run(mpiexec, tmp_path, 2, argv)
+    assert result.returncode == 2, result.stderr
+    assert len(said) == 1 and "rank 1 has --steps: 11 (rank 0: 10)" in said[0], said
+    assert statuses == {"rank-0": "2", "rank-1": "2"}, statuses
