@@ -50,7 +50,7 @@ from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import RunDirLock, changed_settings, clear_run, corpus_places
-from .stop import STOP_SIGNALS, requested, signal_name
+from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
@@ -433,6 +433,8 @@ class Pretrainer:
         self._window_first = None
         ck = cfg.training.checkpoint_interval
         next_checkpoint = (self.layer_step // ck + 1) * ck if ck else 0
+        stop_poll = StopPoll(comm, max_every=cfg.training.log_interval)
+        stop_poll.start(self.layer_step)
         while self.layer_step < steps:
             chunk, idx = self.stream.next_batch()
             v0 = self._splice(chunk.feats, idx, chunk.utt_start, chunk.utt_end)
@@ -457,10 +459,9 @@ class Pretrainer:
                 if requested.code():
                     sums[1 + requested.code()] = 1
                 comm.allreduce_(sums, op="sum")
-                if self._stop is None and sums[2:].any():
-                    mine = requested.code()
-                    self._stop = (mine if mine and self.is_root else
-                                  int(np.argmax(sums[2:])) + 1, int(round(sums[2:].sum())))
+                stop_poll.heard(self.layer_step)
+                if self._stop is None:
+                    self._stop = agreed_stop(sums[2:], is_root=self.is_root)
                 with np.errstate(all="ignore"):
                     recon = float(sums[0] / (sums[1] * rbm.visible_dim))
                 now = comm.wtime()
@@ -469,6 +470,10 @@ class Pretrainer:
                 self._check_divergence(index, recon, rate, rate_key)
                 sq_err[...] = 0
                 frames, window_start = 0, comm.wtime()
+            elif self._stop is None and stop_poll.due(self.layer_step):
+                # log lines far apart: the signals are told in a poll of their own
+                self._stop = agreed_stop(stop_poll.exchange(self.layer_step),
+                                         is_root=self.is_root)
             if next_checkpoint and self.layer_step >= next_checkpoint and not last \
                     and self.layer_step % self.every_steps == 0:
                 next_checkpoint = (self.layer_step // ck + 1) * ck

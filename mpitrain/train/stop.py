@@ -9,10 +9,12 @@ does nothing else), and the training loop looks at the flag at its own
 points:
 
 - the ranks tell each other about their flags inside a collective they hold
-  anyway (the sums of the log line, ``training.log_interval``); every rank
-  then knows the same step, and they stop together at the first step from
-  there where they hold the same model (a multiple of the method's averaging
-  period), the point a periodic checkpoint would be written;
+  anyway (the sums of the log line, ``training.log_interval``) and, where log
+  lines are further apart than :data:`POLL_SECONDS`, in a small allreduce of
+  their own about that often (:class:`StopPoll`); every rank then knows the
+  same step, and they stop together at the first step from there where they
+  hold the same model (a multiple of the method's averaging period), the
+  point a periodic checkpoint would be written;
 - asynchronous ADPSGD: each rank's flag travels in its progress report to
   rank 0, which calls the end as it calls a quiet point;
 - param_server: a client's flag travels in the header of its next gradient;
@@ -40,6 +42,8 @@ import contextlib
 import signal
 import threading
 
+import numpy as np
+
 #: The signals that ask a run to stop at its next checkpoint.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 #: Exit status of a run that a signal stopped after writing its checkpoint
@@ -47,6 +51,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 EXIT_STOPPED = 75
 #: What a training loop returns when a signal stopped it.
 STOPPED = "stopped"
+#: How often, about, the ranks tell each other about signals between log lines:
+#: well inside a cluster's grace period (Slurm's KillWait is 30 s by default),
+#: rare enough to cost nothing measurable (one allreduce of a few numbers).
+POLL_SECONDS = 2.0
 
 
 class StopRequest:
@@ -87,6 +95,19 @@ def signal_name(code: int) -> str:
     return "a signal"
 
 
+def agreed_stop(counts, *, is_root: bool):
+    """``(signal code, ranks that got one)`` from every rank's stop flags summed
+    (one count per signal of :data:`STOP_SIGNALS`, the same on every rank), or
+    None when no rank got one.  The signal named is rank 0's own where it got
+    one, otherwise the one most ranks got."""
+    counts = [int(round(c)) for c in counts]
+    if not any(counts):
+        return None
+    mine = requested.code()
+    code = mine if mine and is_root else max(range(len(counts)), key=lambda i: counts[i]) + 1
+    return code, sum(counts)
+
+
 def stop_requested() -> bool:
     return bool(requested.signum)
 
@@ -112,3 +133,58 @@ def stop_on_signals():
         for number, handler in previous.items():
             signal.signal(number, handler)
         requested.clear()
+
+
+class StopPoll:
+    """When the ranks of a lock-step loop tell each other about their stop flags
+    between log lines: every :attr:`every` steps, a number rank 0 sets from its
+    own step time at each exchange so that exchanges are about
+    :data:`POLL_SECONDS` apart (at most ``max_every``, the log interval, whose
+    line carries the flags anyway).  Every rank learns the number in the same
+    exchange, so all ranks poll at the same steps.
+
+    Example::
+
+        poll = StopPoll(comm, max_every=cfg.training.log_interval)
+        poll.start(step)
+        ...                                  # after each step:
+        if log_line_due:
+            poll.heard(step)                 # the log line's sums held the flags
+        elif poll.due(step):
+            agree(poll.exchange(step))       # every rank's flags, summed
+    """
+
+    def __init__(self, comm, *, max_every: int, seconds: float | None = None):
+        self.comm = comm
+        self.max_every = max(1, int(max_every))
+        self.seconds = POLL_SECONDS if seconds is None else seconds
+        self.every = 1               # (the first exchange: after the first step)
+        self._next = None
+        self._since = (0, 0.0)       # (step, rank 0's time) of the last exchange
+
+    def start(self, step: int) -> None:
+        self.heard(step)
+
+    def heard(self, step: int) -> None:
+        """The ranks exchanged their flags at ``step`` (a log line's sums)."""
+        self._next = step + self.every
+        self._since = (step, self.comm.wtime())
+
+    def due(self, step: int) -> bool:
+        return self.comm.size > 1 and self._next is not None and step >= self._next
+
+    def exchange(self, step: int) -> np.ndarray:
+        """Every rank's stop flags summed (one count per signal of
+        :data:`STOP_SIGNALS`); sets the steps to the next exchange."""
+        buf = np.zeros(len(STOP_SIGNALS) + 1, dtype=np.float64)
+        if requested.code():
+            buf[requested.code() - 1] = 1
+        if self.comm.rank == 0:
+            since_step, since_time = self._since
+            per_step = (self.comm.wtime() - since_time) / max(step - since_step, 1)
+            every = self.seconds / per_step if per_step > 0 else self.max_every
+            buf[-1] = max(int(min(every, self.max_every)), 1)
+        self.comm.allreduce_(buf, op="sum")
+        self.every = int(buf[-1])
+        self.heard(step)
+        return buf[:-1]

@@ -39,7 +39,7 @@ from .run_dir import RunDirLock, clear_run
 from .search import RateTrials
 from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
-from .stop import STOP_SIGNALS, STOPPED, requested, signal_name
+from .stop import STOP_SIGNALS, STOPPED, StopPoll, agreed_stop, requested, signal_name
 
 
 # Whole shards per rank unless that leaves ranks more than this far apart in frames:
@@ -621,12 +621,8 @@ class Trainer(CheckpointResume):
         """From every rank's stop flags summed (one count per signal of
         :data:`~mpitrain.train.stop.STOP_SIGNALS`, identical on every rank): the
         signal to name and how many ranks got one."""
-        counts = [int(round(c)) for c in flags]
-        if self._stop is None and any(counts):
-            mine = requested.code()
-            code = mine if mine and self.is_root else \
-                max(range(len(counts)), key=lambda i: counts[i]) + 1
-            self._stop = (code, sum(counts))
+        if self._stop is None:
+            self._stop = agreed_stop(flags, is_root=self.is_root)
 
     def _train_to_end(self, run_start: float):
         """Steps until the planned end or an early stop; ``ROLL_BACK`` when it rolled
@@ -655,6 +651,8 @@ class Trainer(CheckpointResume):
             # param_server: the ranks serve or train on their own until all are done
             from .serving import train_asynchronously
             return train_asynchronously(self, run_start)
+        stop_poll = StopPoll(comm, max_every=cfg.training.log_interval)
+        stop_poll.start(self.step)
         while self.step < self.total_steps and not self.schedule.stopped:
             if self.schedule.search_due(self.step):
                 self._search_rate()
@@ -679,6 +677,7 @@ class Trainer(CheckpointResume):
                     sums[5 + comm.size + requested.code() - 1] = 1
                 comm.allreduce_(sums, op="sum")
                 self._stop_agreed(sums[5 + comm.size:])
+                stop_poll.heard(self.step)
                 rank_comm = sums[5:5 + comm.size]
                 # the others wait for the slowest rank: it spent the least time communicating
                 # (none is named for a window without communication)
@@ -724,6 +723,9 @@ class Trainer(CheckpointResume):
                     self._roll_back(f"{self.guard.events} non-finite or exploding "
                                     f"minibatches/windows since the last checkpoint")
                     return ROLL_BACK
+            elif self._stop is None and stop_poll.due(self.step):
+                # log lines far apart: the signals are told in a poll of their own
+                self._stop_agreed(stop_poll.exchange(self.step))
             # decided from the step count alone, so every rank evaluates together
             epoch_done = self.step % self.steps_per_epoch == 0
             # (not at the last step: the final evaluation follows, counted once)

@@ -33,14 +33,17 @@ def test_a_signal_only_sets_the_flag_and_the_handlers_come_back():
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == before
 
 
-def _signalled(nranks, run_dir, corpus, settings, *, sig, ranks, after, command="train"):
+def _signalled(nranks, run_dir, corpus, settings, *, sig, ranks, after, command="train",
+               poll_seconds=None):
     """`mpitrain COMMAND` under mpiexec with RANKS sending themselves SIG while they
-    read their AFTER-th minibatch (tests/workers/signal_worker.py)."""
+    read their AFTER-th minibatch (tests/workers/signal_worker.py); the ranks
+    tell each other at log lines only, or also every ``poll_seconds``."""
     values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
               "data.chunk_frames": 20000}
     values.update(item.split("=", 1) for item in settings)
-    args = [str(WORKERS / "signal_worker.py"), sig, ranks, str(after), "--", command,
-            QUICKSTART, "--run-dir", str(run_dir)]
+    args = [str(WORKERS / "signal_worker.py"), sig, ranks, str(after)] \
+        + ([] if poll_seconds is None else [str(poll_seconds)]) \
+        + ["--", command, QUICKSTART, "--run-dir", str(run_dir)]
     for key, value in values.items():
         args += ["--set", f"{key}={value}"]
     return run_mpi(nranks, args, timeout=120)
@@ -81,6 +84,60 @@ def test_a_stopped_run_resumes_as_the_run_never_stopped(small_corpus, tmp_path, 
     a, _ = load_model(straight / "final.h5")
     b, _ = load_model(split / "final.h5")
     assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
+
+
+@pytest.mark.mpi
+def test_log_lines_far_apart_do_not_delay_the_stop(small_corpus, tmp_path):
+    # no log line until the end: the ranks tell each other in polls of their own
+    # (here after every step), so the signal of step 13 stops them at the
+    # averaging point of step 16, and the resumed run is the one never stopped
+    from mpitrain.nn.model_file import load_model
+    common = TINY + ["parallel.method=model_averaging", "parallel.average_every=8",
+                     "training.checkpoint_interval=1000", "training.max_steps=48",
+                     "training.log_interval=1000"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    result = train_on_ranks(2, straight, small_corpus, common)
+    assert result.returncode == 0, mpi_output(result)
+    result = _signalled(2, split, small_corpus, common, sig="SIGTERM", ranks="1", after=13,
+                        poll_seconds=0)
+    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    assert "stopped at step 16 of 48 on SIGTERM (received by 1 of 2 rank(s))" \
+        in result.stdout, mpi_output(result)
+    assert _checkpoint_steps(split) == [16]
+    result = train_on_ranks(2, split, small_corpus, common, resume=True)
+    assert result.returncode == 0, mpi_output(result)
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
+
+
+def test_the_poll_comes_about_every_poll_seconds_and_never_after_the_log_line():
+    # rank 0 sets the steps between polls from its own step time at each poll
+    from mpitrain.train.stop import StopPoll
+
+    class Clock:
+        size, rank, now = 2, 0, 0.0
+
+        def wtime(self):
+            return self.now
+
+        def allreduce_(self, buf, op):
+            assert op == "sum"
+
+    comm = Clock()
+    poll = StopPoll(comm, max_every=100, seconds=2.0)
+    poll.start(0)
+    assert not poll.due(0) and poll.due(1)
+    comm.now = 0.5                       # 0.5 s per step: every 4 steps
+    assert not poll.exchange(1).any() and poll.every == 4
+    assert [s for s in range(2, 12) if poll.due(s)][0] == 5
+    comm.now = 0.5 + 4 * 0.001           # 1 ms per step: the log interval bounds it
+    poll.exchange(5)
+    assert poll.every == 100
+    poll.heard(50)                       # a log line told the flags: count from there
+    assert not poll.due(149) and poll.due(150)
+    comm.size = 1                        # one rank needs nobody's word
+    assert not poll.due(10 ** 6)
 
 
 @pytest.mark.mpi

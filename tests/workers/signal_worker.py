@@ -1,12 +1,16 @@
 """A signal reaches some ranks of a training run, as Slurm sends one.
 
-Usage: signal_worker.py SIGNAL RANKS AFTER_BATCHES -- train|pretrain CONFIG [--set ...]
+Usage: signal_worker.py SIGNAL RANKS AFTER_BATCHES [POLL_SECONDS] -- train|pretrain CONFIG ...
 
 Runs ``mpitrain train`` (or ``pretrain``) through the command-line entry
 point, exactly as ``python -m mpitrain train`` does.  RANKS ("1", "0,1" or
 "all") send themselves SIGNAL (e.g. SIGTERM) while they read their
 AFTER_BATCHES-th minibatch, so the signal comes at a known step of each of
-those ranks and the stop step is known.  Exits with the command's status.
+those ranks and the stop step is known.  The ranks tell each other about
+signals at log lines only, unless POLL_SECONDS is given: then also about that
+often in between (0: after every step; train/stop.py's StopPoll), so that the
+stop step does not hang on this machine's speed.  Exits with the command's
+status.
 """
 
 import os
@@ -15,11 +19,14 @@ import sys
 
 from mpitrain.cli import main
 from mpitrain.data.batcher import MinibatchStream
+from mpitrain.train import stop
 
 signum = signal.Signals[sys.argv[1]]
 ranks, after_batches = sys.argv[2], int(sys.argv[3])
-assert sys.argv[4] == "--", sys.argv
-cli_args = sys.argv[5:]
+split = sys.argv.index("--")
+assert split in (4, 5), sys.argv
+stop.POLL_SECONDS = float(sys.argv[4]) if split == 5 else float("inf")
+cli_args = sys.argv[split + 1:]
 # (the launcher's rank: mpiexec of MPICH or Open MPI)
 rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 signalled = ranks == "all" or str(rank) in ranks.split(",")
