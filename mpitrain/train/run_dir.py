@@ -16,6 +16,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import zlib
@@ -174,6 +175,11 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
     return changes
 
 
+#: What flock says when another process holds the lock; any other error means
+#: the filesystem cannot lock at all.
+HELD_ERRNOS = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
+
+
 class RunDirLock:
     """An exclusive lock on a run directory, held by rank 0 while its run uses it,
     so that a second job started on the same directory (``--resume`` or
@@ -196,18 +202,29 @@ class RunDirLock:
         self.path = os.path.join(run_dir, self.NAME)
         self._fh = None
         self._identity = None
+        #: None, or the line to say when the filesystem cannot lock (then the run
+        #: goes on without the lock)
+        self.unguarded = None
 
     def acquire(self):
         import fcntl
         fh = open(self.path, "a+", encoding="utf-8")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            fh.seek(0)
-            holder = fh.read().strip() or "another process"
-            fh.close()
-            return (f"{os.path.dirname(self.path)}: another run is using this directory "
-                    f"({holder}); wait for it to end, or choose another --run-dir")
+        except OSError as exc:
+            if exc.errno not in HELD_ERRNOS:
+                # a filesystem without file locks (Lustre mounted without flock, an
+                # NFS without a lock daemon): the run goes on, unguarded, and says so
+                self.unguarded = (
+                    f"{os.path.dirname(self.path)}: this filesystem does not lock files "
+                    f"({os.strerror(exc.errno) if exc.errno else exc}); a second job started "
+                    "on this run directory would not be noticed")
+            else:
+                fh.seek(0)
+                holder = fh.read().strip() or "another process"
+                fh.close()
+                return (f"{os.path.dirname(self.path)}: another run is using this directory "
+                        f"({holder}); wait for it to end, or choose another --run-dir")
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()} on {os.uname().nodename}\n")

@@ -366,6 +366,8 @@ class Trainer(CheckpointResume):
             problem = self._lock.acquire()
             if problem:
                 raise TrainingError(problem)
+            if self._lock.unguarded:
+                self._pending_lines.insert(0, self._lock.unguarded)
             stale = remove_stale_temporaries(self.run_dir)
             if stale:
                 self._pending_lines.insert(0, f"removed {len(stale)} temporary file(s) left by "

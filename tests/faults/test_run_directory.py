@@ -223,6 +223,25 @@ def test_resume_compares_corpora_by_the_directory_their_paths_name(small_corpus,
                   flags=["--resume"]) == 0
 
 
+@pytest.mark.parametrize("code", ["ENOLCK", "ENOSYS", "EOPNOTSUPP"])
+def test_a_filesystem_that_cannot_lock_trains_unguarded_and_says_so(small_corpus, tmp_path,
+                                                                     capsys, monkeypatch, code):
+    # Lustre mounted without flock, an NFS without its lock daemon: the run is not
+    # refused as if another held the directory
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    run = tmp_path / "run"
+    assert _train(run, small_corpus) == 0
+    out = capsys.readouterr().out
+    assert f"{run}: this filesystem does not lock files ({os.strerror(getattr(errno, code))}" \
+        "); a second job started on this run directory would not be noticed" in out, out
+    assert (run / "final.h5").exists()
+
+
 def test_a_second_run_on_a_directory_in_use_is_refused(finished_run, small_corpus, capsys):
     from mpitrain.train.run_dir import RunDirLock
     holder = RunDirLock(str(finished_run))
