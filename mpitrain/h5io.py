@@ -89,13 +89,25 @@ def atomic_h5_file(path, *, checksum: bool = False, what: str = "file"):
 _WRITE_BYTES = 64 << 20
 
 
+def h5_reader(path):
+    """``path`` open read-only in h5py, without HDF5's file lock.
+
+    HDF5 locks a file it opens, and fails the open where the filesystem cannot
+    lock (a parallel filesystem mounted without locks: "unable to lock file,
+    errno = 38" or 524) or where another program holds a write lock.  mpitrain
+    reads files that are complete when they appear (every writer here writes a
+    temporary file and renames it), so its reads need no lock; the lock would
+    only stop ranks on such a filesystem from reading their corpus at all.
+    """
+    return h5py_module().File(path, "r", locking=False)
+
+
 def open_h5_for_reading(path, what: str):
     """Open ``path`` read-only, turning h5py's errors into one clear message."""
-    h5py = h5py_module()
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: {what} not found")
     try:
-        return h5py.File(path, "r")
+        return h5_reader(path)
     except OSError as exc:
         raise ValueError(f"{path}: not a readable HDF5 {what} ({exc})") from exc
 

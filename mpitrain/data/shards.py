@@ -30,6 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from ..files import WriteError, commit, discard, disk_full_error, temporary_path
+from ..h5io import h5_reader
 from .corpus import CorpusError
 
 FORMAT_VERSION = 1
@@ -529,7 +530,7 @@ class ShardReader(ShardFile):
         if not os.path.exists(self.path):
             raise CorpusError(f"{self.path}: shard file not found")
         try:
-            self._file = _h5py().File(self.path, "r")
+            self._file = h5_reader(self.path)
         except OSError as exc:
             raise CorpusError(f"{self.path}: cannot open as HDF5 ({exc})") from exc
         try:

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..h5io import h5_reader
 from .corpus import CorpusError
 from .shards import (FEATS, HDF5_ERRORS, LABELS, UTT_IDS, UTT_OFFSETS, ShardFile, hdf5_reason,
                      read_utt_ids, shard_layout_problems, shard_storage_problems)
@@ -82,7 +83,7 @@ class ShardCheck(ShardFile):
             self.problems.append(f"{self.path}: shard file is missing{where}")
             return
         try:
-            self._file = _h5py().File(self.path, "r")
+            self._file = h5_reader(self.path)
         except OSError as exc:
             self.problems.append(f"{self.path}: cannot open as HDF5 ({exc})")
             return

@@ -177,3 +177,36 @@ def test_fewer_utterances_than_ranks_is_said_once_with_the_remedy(mpiexec, tmp_p
     assert len(lines) == 1, mpi_output(result)
     assert "the corpus has 1 utterance(s) for 2 ranks; use at most 1 ranks" in lines[0]
     assert not run.exists()
+
+
+def test_files_another_program_holds_locked_are_read_without_hdf5s_lock(corpus, tmp_path):
+    # HDF5 fails an open it cannot lock: on a filesystem without locks (errno 38
+    # or 524 on a parallel filesystem) every read failed.  mpitrain's files are
+    # complete when they appear (written aside, then renamed), so its reads take
+    # no lock; here another program's exclusive lock stands for the filesystem
+    import fcntl
+    from mpitrain.nn.model_file import load_model
+    run = tmp_path / "run"
+    assert _train(corpus, run) == 0
+    held = [open(path, "rb") for path in sorted(
+        [*(corpus / "train").glob("*.h5"), *(corpus / "dev").glob("*.h5"),
+         *run.glob("*.h5")])]
+    try:
+        for fh in held:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        if os.environ.get("HDF5_USE_FILE_LOCKING", "").upper() not in ("FALSE", "0", "NO"):
+            with pytest.raises(OSError, match="unable to lock file"):
+                h5py.File(held[0].name, "r")          # what HDF5 does by default
+        assert main(["check", str(corpus / "train")]) == 0
+        # the run resumed from its locked checkpoint, on locked shards
+        argv = ["train", QUICKSTART, "--run-dir", str(run), "--resume"]
+        for item in [f"data.train={corpus / 'train'}", f"data.dev={corpus / 'dev'}",
+                     "data.chunk_frames=20000", "training.max_steps=10"] + TINY[:2]:
+            argv += ["--set", item]
+        assert main(argv) == 0
+        assert main(["eval", str(run / "final.h5"), str(corpus / "dev")]) == 0
+        net, _ = load_model(str(run / "final.h5"))
+        assert np.isfinite(net.params).all()
+    finally:
+        for fh in held:
+            fh.close()
