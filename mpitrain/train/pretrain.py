@@ -49,7 +49,8 @@ from ..nn.rbm_file import read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import RunDirLock, changed_settings, clear_run, corpus_places
+from .run_dir import (RunDirLock, changed_corpora, changed_settings, clear_run, corpus_identity,
+                      corpus_places, moved_corpora)
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 
@@ -274,8 +275,10 @@ class Pretrainer:
                 if self.layer < len(self.layer_steps) else 0
             f.attrs["frames_seen"] = self.frames_seen
             f.attrs["num_ranks"] = len(states)
-            for key, place in corpus_places(self.cfg).items():
-                f.attrs[key] = place           # the directories the paths named
+            # the directories the paths named, and what the training corpus held
+            for key, value in {**corpus_places(self.cfg),
+                               **corpus_identity({"data.train": self.manifest})}.items():
+                f.attrs[key] = value
             write_stack_group(f.create_group("stack"), stack)
             ranks = f.create_group("ranks")
             for r, state in enumerate(states):
@@ -300,6 +303,9 @@ class Pretrainer:
             attrs["config"] = str(f.attrs.get("config", ""))
             attrs["places"] = {key: str(f.attrs[key]) for key in f.attrs
                                if key.startswith("place_")}
+            attrs["corpus"] = {key: int(f.attrs[key]) for key in f.attrs
+                               if key.startswith("corpus_")
+                               and isinstance(f.attrs[key], (int, np.integer))}
             stack = read_stack_group(f["stack"], path, xp=self.xp)
             same_ranks = attrs["num_ranks"] == self.comm.size
             rank = read_state(f["ranks"][f"{self.comm.rank:05d}"], path, what="checkpoint") \
@@ -327,8 +333,14 @@ class Pretrainer:
             ckpt = self._read_checkpoint(chosen)
         except (ValueError, OSError) as exc:
             raise TrainingError(str(exc)) from None
+        old_state, identity = {**ckpt["places"], **ckpt["corpus"]}, \
+            corpus_identity({"data.train": self.manifest})
+        moved = moved_corpora(old_state, identity, corpus_places(self.cfg))
+        notes += [f"{key}: the corpus this run trained on, moved from {before} to {after}"
+                  for key, (before, after) in moved.items()]
         changes = [c for c in changed_settings(config_from_yaml(ckpt["config"]), self.cfg,
-                                               old_places=ckpt["places"])
+                                               old_places=ckpt["places"], moved=moved)
+                   + changed_corpora(old_state, identity, corpus_places(self.cfg))
                    if c.startswith(PRETRAIN_SETTINGS)]
         if changes and not self.accept_changes:
             raise TrainingError(f"{chosen}: --resume with settings that change the result: "

@@ -132,14 +132,20 @@ def corpus_identity(manifests: dict) -> dict:
     return identity
 
 
-def changed_corpora(old_state: dict, now: dict) -> list:
+def changed_corpora(old_state: dict, now: dict, now_places: dict | None = None) -> list:
     """``"data.train: ..."`` for each corpus whose :func:`corpus_identity` in a
     checkpoint's trainer state (``old_state``; absent in older checkpoints: not
-    compared) differs from ``now``."""
+    compared) differs from ``now``.  A corpus now at another place than the
+    checkpoint's (``now_places``, :func:`corpus_places`) is another corpus, which
+    :func:`changed_settings` names already."""
     changes = []
     for name in sorted(k for k in now if k.endswith("_digest")):
         key = name[len("corpus_"):-len("_digest")]
         if name not in old_state or int(old_state[name]) == now[name]:
+            continue
+        before = old_state.get(f"place_{key}")
+        after = (now_places or {}).get(f"place_{key}")
+        if before and after and str(before) != after:
             continue
         before = (int(old_state.get(f"corpus_{key}_frames", 0)),
                   int(old_state.get(f"corpus_{key}_utterances", 0)))
@@ -150,18 +156,36 @@ def changed_corpora(old_state: dict, now: dict) -> list:
     return changes
 
 
+def moved_corpora(old_state: dict, now_identity: dict, now_places: dict) -> dict:
+    """``{"data.train": (old place, new place)}`` for each corpus that is the one a
+    checkpoint's trainer state (``old_state``) identifies (:func:`corpus_identity`:
+    the same shards, frames, classes and dimension) but now lies elsewhere: a
+    corpus copied to another disk (a node's local disk, a new scratch
+    directory) between a run and its resume."""
+    moved = {}
+    for name in sorted(k for k in now_identity if k.endswith("_digest")):
+        key = name[len("corpus_"):-len("_digest")]
+        before, after = old_state.get(f"place_{key}"), now_places.get(f"place_{key}")
+        if name in old_state and int(old_state[name]) == now_identity[name] \
+                and before and after and str(before) != after:
+            moved[key] = (str(before), after)
+    return moved
+
+
 def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
-                     old_places: dict | None = None) -> list:
+                     old_places: dict | None = None, moved: dict | None = None) -> list:
     """``"key: old -> new"`` for each setting that differs and changes the result.
 
     ``old_places`` (:func:`corpus_places` of the old run, where it was saved):
     path settings then differ when they name other directories from here, however
-    they are spelt (a relative path resumed from another working directory)."""
+    they are spelt (a relative path resumed from another working directory).
+    ``moved`` (:func:`moved_corpora`): path settings that name the same corpus
+    elsewhere, which changes nothing."""
     old, new = _flatten(old_cfg.to_dict()), _flatten(new_cfg.to_dict())
     places = corpus_places(new_cfg)
     changes = []
     for key in sorted(set(old) | set(new)):
-        if key in neutral:
+        if key in neutral or key in (moved or {}):
             continue
         saved = (old_places or {}).get(f"place_{key}")
         if saved is not None and key in PLACE_SETTINGS:

@@ -223,6 +223,36 @@ def test_resume_compares_corpora_by_the_directory_their_paths_name(small_corpus,
                   flags=["--resume"]) == 0
 
 
+def test_a_corpus_copied_elsewhere_resumes_as_the_same_corpus(small_corpus, tmp_path, capsys):
+    # a requeued job staging its corpus to another disk: the same shards, frames,
+    # classes and dimension at another place are the corpus the run trained on
+    import shutil
+    first, second = tmp_path / "scratch1" / "corpus", tmp_path / "scratch2" / "corpus"
+    shutil.copytree(small_corpus, first)
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, [f"data.train={first / 'train'}",
+                                      f"data.dev={first / 'dev'}"]) == 0
+    shutil.move(str(first), str(second))
+    capsys.readouterr()
+    assert _train(run, small_corpus, [f"data.train={second / 'train'}",
+                                      f"data.dev={second / 'dev'}", "training.max_steps=30"],
+                  flags=["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: data.train: the corpus this run trained on, moved from " \
+           f"{first / 'train'} to {second / 'train'}" in out, out
+    # another corpus written at the new place (where the newest checkpoint's
+    # corpus was) is another corpus
+    from mpitrain.data.synthetic import synthesize
+    shutil.rmtree(second)
+    synthesize(str(second), hours=0.02, speakers=4, shards=1, dev_hours=0.01, dev_speakers=2,
+               seed=9)
+    assert _train(run, small_corpus, [f"data.train={second / 'train'}",
+                                      f"data.dev={second / 'dev'}", "training.max_steps=40"],
+                  flags=["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "data.train: the corpus was written again since the checkpoint" in err, err
+
+
 @pytest.mark.parametrize("code", ["ENOLCK", "ENOSYS", "EOPNOTSUPP"])
 def test_a_filesystem_that_cannot_lock_trains_unguarded_and_says_so(small_corpus, tmp_path,
                                                                      capsys, monkeypatch, code):

@@ -95,6 +95,35 @@ def test_pretraining_resumes_from_a_checkpoint_bit_exactly(small_corpus, tmp_pat
         np.testing.assert_array_equal(x.params, y.params)
 
 
+def test_pretraining_resumes_bit_exactly_from_its_corpus_moved_but_not_from_another(
+        small_corpus, tmp_path, capsys):
+    from mpitrain.data.synthetic import synthesize
+    extra = ["training.checkpoint_interval=40", "training.keep_checkpoints=100"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    first, second = tmp_path / "a" / "corpus", tmp_path / "b" / "corpus"
+    shutil.copytree(small_corpus, first)
+    assert main(_argv("pretrain", whole, str(first), extra)) == 0
+    shutil.copytree(whole, cut)
+    os.remove(cut / "pretrain.h5")
+    for name in os.listdir(cut):
+        if name.startswith("ckpt-") and name > "ckpt-00000040.h5":
+            os.remove(cut / name)
+    shutil.move(str(first), str(second))
+    capsys.readouterr()
+    assert main(_argv("pretrain", cut, str(second), extra) + ["--resume"]) == 0
+    assert f"moved from {first / 'train'} to {second / 'train'}" in capsys.readouterr().out
+    a, b = load_rbm_stack(str(whole / "pretrain.h5")), load_rbm_stack(str(cut / "pretrain.h5"))
+    for x, y in zip(a.rbms, b.rbms):
+        np.testing.assert_array_equal(x.params, y.params)
+    # a corpus written again at the same place is another corpus: refused
+    shutil.rmtree(second)
+    synthesize(str(second), hours=0.15, speakers=20, shards=4, seed=8, dev_hours=0.03,
+               dev_speakers=4)
+    assert main(_argv("pretrain", cut, str(second), extra) + ["--resume"]) == 2
+    assert "data.train: the corpus was written again since the checkpoint" \
+        in capsys.readouterr().err
+
+
 def test_a_diverging_gaussian_layer_stops_naming_its_rate(small_corpus, tmp_path, capsys):
     code = main(_argv("pretrain", tmp_path / "run", small_corpus,
                       ["pretrain.learning_rate_gaussian=50", "pretrain.momentum_initial=0.9"]))
