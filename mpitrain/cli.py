@@ -872,15 +872,17 @@ def main(argv=None) -> int:
     _fill_closed_standard_descriptors()
     from .plotting import keep_matplotlib_quiet
     keep_matplotlib_quiet()     # (a compute node's HOME may be read-only)
+    usage_on_error = False
     if not argv:
         # `mpirun -np 32 python -m mpitrain`: the config of the current directory
+        from .launch import several_ranks
         from .starter import DEFAULT_CONFIG
-        if not os.path.isfile(DEFAULT_CONFIG):
-            if _launcher_rank() > 0:
-                return _end_quietly()
+        if not os.path.isfile(DEFAULT_CONFIG) and not several_ranks():
             print(USAGE, file=sys.stderr)
             return 2
-        argv = ["train", DEFAULT_CONFIG]
+        # (under a launcher every rank goes on, so that a node lacking the file is
+        # said by rank 0 instead of leaving the others waiting for it)
+        argv, usage_on_error = ["train", DEFAULT_CONFIG], True
     # a command line every rank of an MPI job parses alike: rank 0 says what is wrong
     parser = build_parser(quiet_errors=argv[0] in MPI_COMMANDS and _launcher_rank() > 0)
     args = parser.parse_args(argv)
@@ -895,6 +897,8 @@ def main(argv=None) -> int:
     except _SaidByRank0:
         return _end_quietly()
     except UsageError as exc:
+        if usage_on_error and "config file not found" in str(exc):
+            print(USAGE, file=sys.stderr)
         print(f"mpitrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except BrokenPipeError:

@@ -108,3 +108,25 @@ def test_a_bench_option_that_differs_on_one_rank_is_named(mpiexec, tmp_path):
     assert result.returncode == 2, result.stderr
     assert len(said) == 1 and "rank 1 has --steps: 11 (rank 0: 10)" in said[0], said
     assert statuses == {"rank-0": "2", "rank-1": "2"}, statuses
+
+
+@pytest.mark.mpi
+def test_a_bare_run_where_one_node_lacks_mpitrain_yaml_says_so_once(mpiexec, tmp_path,
+                                                                    small_corpus):
+    # `mpiexec -n 2 python -m mpitrain` trains ./mpitrain.yaml: rank 1 starts where
+    # there is none
+    from .helpers import small_overrides
+    for rank in (0, 1):
+        (tmp_path / f"r{rank}").mkdir()
+    text = open(QUICKSTART, encoding="utf-8").read()
+    for item in small_overrides(small_corpus):
+        key, value = item.split("=", 1)
+        section, name = key.split(".")
+        text = text.replace(f"  {name}:", f"  {name}: {value} #", 1)
+    (tmp_path / "r0" / "mpitrain.yaml").write_text(text, encoding="utf-8")
+    result, statuses, said = _run(mpiexec, tmp_path, 2, ["--cd", str(tmp_path / "r{rank}")])
+    assert result.returncode == 2, result.stderr
+    assert said == ["mpitrain train: error: rank 1: mpitrain.yaml: config file not found "
+                    "(rank 0 could start)"], result.stderr
+    assert result.stderr.count("usage:") == 1, result.stderr
+    assert statuses == {"rank-0": "2", "rank-1": "2"}, statuses

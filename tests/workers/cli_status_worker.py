@@ -1,9 +1,10 @@
 """`mpitrain` through the command line on each rank, writing the rank's exit
 status to STATUS_DIR/rank-N (mpiexec's own status is only the worst of them).
 
-Usage: cli_status_worker.py STATUS_DIR [mpitrain arguments ...]
+Usage: cli_status_worker.py STATUS_DIR [--cd DIR] [mpitrain arguments ...]
 
-"{rank}" in an argument is replaced by the rank, for ranks started otherwise.
+"{rank}" in an argument (and in DIR) is replaced by the rank, for ranks started
+otherwise; --cd runs the rank in DIR.
 """
 
 import os
@@ -12,8 +13,11 @@ import sys
 from mpitrain import cli
 from mpitrain.comm import rank_from_env
 
-status_dir = sys.argv[1]
+status_dir = os.path.abspath(sys.argv[1])
 argv = [arg.replace("{rank}", str(rank_from_env())) for arg in sys.argv[2:]]
+if argv[:1] == ["--cd"]:
+    os.chdir(argv[1])
+    argv = argv[2:]
 try:
     status = cli.main(argv)
 except SystemExit as exc:          # argparse's own exit
