@@ -217,8 +217,9 @@ def read_stored_model(group, path) -> StoredModel:
                        _speaker_cmvn(group, path))
 
 
-def _speaker_cmvn(group, path) -> dict | None:
-    """The optional ``speaker_cmvn`` attribute: JSON ``{"norm_vars": bool}``."""
+def _speaker_cmvn(group, path, *, what: str = "model", null: bool = False) -> dict | None:
+    """The optional ``speaker_cmvn`` attribute: JSON ``{"norm_vars": bool}`` (or,
+    with ``null``, ``null``: recorded as none)."""
     if "speaker_cmvn" not in group.attrs:
         return None
     text = group.attrs["speaker_cmvn"]
@@ -228,10 +229,13 @@ def _speaker_cmvn(group, path) -> dict | None:
         value = json.loads(text) if isinstance(text, str) and len(text) < 1000 else None
     except json.JSONDecodeError:
         value = None
+    if null and value is None and text == "null":
+        return None
     if not isinstance(value, dict) or set(value) != {"norm_vars"} \
             or not isinstance(value["norm_vars"], bool):
-        raise ValueError(f"{path}: model attribute 'speaker_cmvn': expected JSON "
-                         f'{{"norm_vars": true|false}}, got {str(text)[:80]!r}')
+        raise ValueError(f"{path}: {what} attribute 'speaker_cmvn': expected JSON "
+                         f'{{"norm_vars": true|false}}' + (" or null" if null else "")
+                         + f", got {str(text)[:80]!r}")
     return value
 
 

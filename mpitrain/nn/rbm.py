@@ -189,6 +189,10 @@ class ContrastiveDivergence:
         self.delta[...] = self.rbm.xp.asarray(delta)
 
 
+#: A stack's ``speaker_cmvn`` when its file did not record it.
+UNRECORDED = "unrecorded"
+
+
 class RBMStack:
     """RBMs trained layer by layer, with the input transform of their first layer.
 
@@ -200,8 +204,11 @@ class RBMStack:
     """
 
     def __init__(self, rbms, *, feat_dim: int, left_context: int, right_context: int,
-                 cmvn_mean, cmvn_scale):
+                 cmvn_mean, cmvn_scale, speaker_cmvn=UNRECORDED):
         self.rbms = list(rbms)
+        #: the corpus's per-speaker CMVN (None: none; UNRECORDED: a file older
+        #: than this record)
+        self.speaker_cmvn = speaker_cmvn
         self.feat_dim = int(feat_dim)
         self.left_context, self.right_context = int(left_context), int(right_context)
         self.cmvn_mean = np.asarray(cmvn_mean, dtype=np.float32)

@@ -4,7 +4,8 @@ A stack file holds, in one group: attribute ``format`` = ``mpitrain-rbm-stack``,
 ``layers`` (JSON: each RBM's visible type and dimensions), ``feat_dim`` and
 the splicing context; datasets ``layer_NNN`` (each RBM's flat parameters,
 ``[W | b]`` then the visible bias) and the CMVN the first layer was trained
-with.  Files are written atomically with a SHA-256 checksum, like model files
+with, and (attribute ``speaker_cmvn``, JSON) the per-speaker CMVN of the
+corpus it was trained on: ``null`` or ``{"norm_vars": bool}``.  Files are written atomically with a SHA-256 checksum, like model files
 (:mod:`mpitrain.nn.model_file`), and every declared size is checked against
 the stored datasets and fixed bounds before anything is allocated; then the
 whole file is verified.
@@ -19,8 +20,8 @@ import numpy as np
 from ..backend import to_host
 from ..h5io import (atomic_h5_file, link_problem, open_h5_for_reading, reading_errors,
                     require_dataset, verify_file)
-from .model_file import MAX_CONTEXT, MAX_FEAT_DIM, MAX_LAYER_DIM, MAX_PARAMS
-from .rbm import RBM, VISIBLE_TYPES, RBMStack
+from .model_file import MAX_CONTEXT, MAX_FEAT_DIM, MAX_LAYER_DIM, MAX_PARAMS, _speaker_cmvn
+from .rbm import RBM, UNRECORDED, VISIBLE_TYPES, RBMStack
 
 FORMAT = "mpitrain-rbm-stack"
 VERSION = 1
@@ -39,6 +40,11 @@ def write_stack_group(group, stack: RBMStack) -> None:
         group[f"layer_{i:03d}"] = to_host(rbm.params)
     group["cmvn_mean"] = np.asarray(stack.cmvn_mean, dtype=np.float32)
     group["cmvn_scale"] = np.asarray(stack.cmvn_scale, dtype=np.float32)
+    if stack.speaker_cmvn != UNRECORDED:
+        # (JSON null: the corpus had none; absent: a file older than this record)
+        group.attrs["speaker_cmvn"] = json.dumps(
+            None if stack.speaker_cmvn is None
+            else {"norm_vars": bool(stack.speaker_cmvn.get("norm_vars", False))})
 
 
 def _int_attr(group, name, path, low, high) -> int:
@@ -90,6 +96,8 @@ def read_stack_group(group, path, *, xp=np) -> RBMStack:
     feat_dim = _int_attr(group, "feat_dim", path, 1, MAX_FEAT_DIM)
     left = _int_attr(group, "left_context", path, 0, MAX_CONTEXT)
     right = _int_attr(group, "right_context", path, 0, MAX_CONTEXT)
+    speaker_cmvn = _speaker_cmvn(group, path, what="RBM stack", null=True) \
+        if "speaker_cmvn" in group.attrs else UNRECORDED
     shapes = [spec["hidden_dim"] * (spec["visible_dim"] + 1) + spec["visible_dim"]
               for spec in specs]
     if sum(shapes) > MAX_PARAMS:
@@ -110,7 +118,8 @@ def read_stack_group(group, path, *, xp=np) -> RBMStack:
         rbms.append(rbm)
     try:
         return RBMStack(rbms, feat_dim=feat_dim, left_context=left, right_context=right,
-                        cmvn_mean=arrays["cmvn_mean"], cmvn_scale=arrays["cmvn_scale"])
+                        cmvn_mean=arrays["cmvn_mean"], cmvn_scale=arrays["cmvn_scale"],
+                        speaker_cmvn=speaker_cmvn)
     except ValueError as exc:
         raise ValueError(f"{path}: RBM stack attribute 'layers': {exc}") from None
 

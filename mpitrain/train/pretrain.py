@@ -123,7 +123,7 @@ class Pretrainer:
                             for i in range(len(dims) - 1)]
         self.stack = RBMStack([], feat_dim=m.feat_dim, left_context=cfg.data.left_context,
                               right_context=cfg.data.right_context, cmvn_mean=self.cmvn[0],
-                              cmvn_scale=self.cmvn[1])
+                              cmvn_scale=self.cmvn[1], speaker_cmvn=m.speaker_cmvn)
         self.layer, self.layer_step, self.frames_seen = 0, 0, 0
         self.rbm = self.cd = None
         self._resume_state = None
@@ -264,7 +264,8 @@ class Pretrainer:
         stack = RBMStack(rbms, feat_dim=self.stack.feat_dim,
                          left_context=self.stack.left_context,
                          right_context=self.stack.right_context,
-                         cmvn_mean=self.stack.cmvn_mean, cmvn_scale=self.stack.cmvn_scale)
+                         cmvn_mean=self.stack.cmvn_mean, cmvn_scale=self.stack.cmvn_scale,
+                         speaker_cmvn=self.stack.speaker_cmvn)
         path = checkpoint_path(self.run_dir, self._global_step())
         with atomic_h5_file(path, checksum=True, what="checkpoint") as f:
             f.attrs["format"] = CHECKPOINT_FORMAT

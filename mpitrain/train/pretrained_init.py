@@ -3,9 +3,10 @@
 Each RBM's ``[W | b]`` block is exactly the hidden affine layer's block
 (:mod:`mpitrain.nn.rbm`), so layer i of the network takes RBM i's block as
 is; the output layer keeps its own initialisation (zeros, as Kaldi adds it).
-The stack must have been trained on the same input (feature dimension and
-splicing context) with the network's hidden layer count and width; any
-difference is one line naming ``model.init_from`` and the field.
+The stack must have been trained on the same input (feature dimension,
+splicing context, per-speaker CMVN or none) with the network's hidden layer
+count and width; any difference is one line naming ``model.init_from`` and
+the field.
 
 The stack also holds the input normalisation (global CMVN) its first layer
 was trained on.  As Kaldi keeps the pretraining's feature transform for the
@@ -23,7 +24,9 @@ import os
 import numpy as np
 
 from ..backend import to_host
+from ..data.corpus import speaker_cmvn_kind
 from ..nn.affine import Affine
+from ..nn.rbm import UNRECORDED
 from ..nn.rbm_file import load_rbm_stack
 
 
@@ -60,6 +63,14 @@ def init_from_pretrained(net, cfg) -> bool:
         if stored != wanted:
             raise ValueError(f"{where}: the stack's {field} is {stored}, but the config "
                              f"builds {wanted} ({key})")
+    # features normalised per speaker, or not, are other inputs: no rescaling of
+    # the first layer maps one onto the other
+    if stack.speaker_cmvn != UNRECORDED \
+            and speaker_cmvn_kind(stack.speaker_cmvn) != speaker_cmvn_kind(net.speaker_cmvn):
+        raise ValueError(f"{where}: the stack was pretrained on features with "
+                         f"{speaker_cmvn_kind(stack.speaker_cmvn)}, but the training corpus "
+                         f"has {speaker_cmvn_kind(net.speaker_cmvn)}; pretrain on a corpus "
+                         "prepared alike")
     for rbm, layer in zip(stack.rbms, hidden):
         layer.block[...] = rbm.block
     return _refit_first_layer(hidden[0], stack, net) if hidden else False

@@ -14,7 +14,7 @@ def _stack():
     top.init_params(seed=2)
     top.visible_bias[...] = 0.5
     return RBMStack([bottom, top], feat_dim=2, left_context=1, right_context=1,
-                    cmvn_mean=np.arange(2.0), cmvn_scale=np.ones(2))
+                    cmvn_mean=np.arange(2.0), cmvn_scale=np.ones(2), speaker_cmvn=None)
 
 
 def test_a_stack_file_round_trips(tmp_path):
@@ -26,6 +26,7 @@ def test_a_stack_file_round_trips(tmp_path):
         np.testing.assert_array_equal(a.params, b.params)
     np.testing.assert_array_equal(loaded.cmvn_mean, [0, 1])
     assert (loaded.left_context, loaded.right_context, loaded.feat_dim) == (1, 1, 2)
+    assert loaded.speaker_cmvn is None            # recorded: the corpus had none
 
 
 def test_a_damaged_stack_file_is_refused_by_its_checksum(tmp_path):
@@ -48,6 +49,18 @@ def test_declared_sizes_are_checked_before_reading(tmp_path):
         f.attrs["layers"] = '[{"visible": "poisson", "visible_dim": 6, "hidden_dim": 4}]'
     with pytest.raises(ValueError, match="attribute 'layers'"):
         load_rbm_stack(path)
+
+
+@pytest.mark.parametrize("text", ['{"norm_vars": "yes"}', '"import os"', "[1, 2]", "nul"])
+def test_a_speaker_cmvn_record_that_is_neither_null_nor_the_mapping_is_one_line(tmp_path, text):
+    path = str(tmp_path / "pretrain.h5")
+    save_rbm_stack(path, _stack())
+    with h5py.File(path, "r+") as f:
+        f.attrs["speaker_cmvn"] = text
+    with pytest.raises(ValueError) as info:
+        load_rbm_stack(path)
+    assert str(info.value).startswith(f"{path}: RBM stack attribute 'speaker_cmvn': expected "
+                                      'JSON {"norm_vars": true|false} or null, got '), info.value
 
 
 def _checkpoint(path, *, layer, layer_step, layer_steps):

@@ -7,21 +7,21 @@ import numpy as np
 import pytest
 
 from mpitrain.nn.network import build_network
-from mpitrain.nn.rbm import RBM, RBMStack
-from mpitrain.nn.rbm_file import save_rbm_stack
+from mpitrain.nn.rbm import RBM, UNRECORDED, RBMStack
+from mpitrain.nn.rbm_file import load_rbm_stack, save_rbm_stack
 from mpitrain.train.pretrained_init import init_from_pretrained
 
 FEAT, LEFT, RIGHT, HIDDEN = 6, 2, 1, 5
 WIDTH = LEFT + 1 + RIGHT
 
 
-def _stack(path, mean, scale):
+def _stack(path, mean, scale, **kw):
     rng = np.random.default_rng(3)
     rbms = [RBM(FEAT * WIDTH, HIDDEN, visible="gaussian"), RBM(HIDDEN, HIDDEN)]
     for rbm in rbms:
         rbm.params[...] = rng.standard_normal(rbm.num_params).astype(np.float32) * 0.3
     stack = RBMStack(rbms, feat_dim=FEAT, left_context=LEFT, right_context=RIGHT,
-                     cmvn_mean=mean, cmvn_scale=scale)
+                     cmvn_mean=mean, cmvn_scale=scale, **kw)
     save_rbm_stack(str(path), stack)
     return stack
 
@@ -83,3 +83,34 @@ def test_the_stacks_statistics_are_not_those_of_the_corpus_unnoticed(tmp_path, f
         init_from=str(tmp_path / "pre.h5"))))
     ours, theirs = _first_layer(net, stack, rng.normal(size=(20, WIDTH, FEAT)).astype(np.float32))
     np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("stack_cmvn,corpus_cmvn,refused", [
+    (None, {"norm_vars": True}, "no per-speaker CMVN, but the training corpus has "
+                                "per-speaker CMVN, norm_vars true"),
+    ({"norm_vars": False}, None, "per-speaker CMVN, norm_vars false, but the training "
+                                 "corpus has no per-speaker CMVN"),
+    ({"norm_vars": False}, {"norm_vars": True}, "norm_vars false, but the training corpus "
+                                                "has per-speaker CMVN, norm_vars true"),
+    ({"norm_vars": True}, {"norm_vars": True}, None),
+    (None, None, None),
+    (UNRECORDED, {"norm_vars": True}, None),        # a file older than the record
+], ids=["none-vs-speaker", "speaker-vs-none", "means-vs-vars", "alike", "neither", "old-file"])
+def test_a_stack_pretrained_with_other_per_speaker_cmvn_is_refused(tmp_path, stack_cmvn,
+                                                                  corpus_cmvn, refused):
+    # features normalised per speaker are another input: no rescaling maps them
+    rng = np.random.default_rng(0)
+    net = _network(rng.normal(size=FEAT), rng.uniform(0.5, 4.0, FEAT))
+    net.speaker_cmvn = corpus_cmvn
+    _stack(tmp_path / "pre.h5", mean=net.cmvn_mean, scale=net.cmvn_scale,
+           speaker_cmvn=stack_cmvn)
+    assert load_rbm_stack(str(tmp_path / "pre.h5")).speaker_cmvn == stack_cmvn
+    cfg = SimpleNamespace(model=SimpleNamespace(init_from=str(tmp_path / "pre.h5")))
+    if refused is None:
+        init_from_pretrained(net, cfg)
+        return
+    with pytest.raises(ValueError) as info:
+        init_from_pretrained(net, cfg)
+    assert str(info.value).startswith(f"model.init_from: {tmp_path / 'pre.h5'}: the stack was "
+                                      "pretrained on features with "), info.value
+    assert refused in str(info.value) and "pretrain on a corpus prepared alike" in str(info.value)
