@@ -49,6 +49,28 @@ def _signalled(nranks, run_dir, corpus, settings, *, sig, ranks, after, command=
     return run_mpi(nranks, args, timeout=120)
 
 
+def _straight_and_stopped(nranks, tmp_path, corpus, common, **signal):
+    """A run never stopped, and the same run stopped by a signal (``signal``: as
+    for :func:`_signalled`): ``(straight, split, the stopped run's result)``."""
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    result = train_on_ranks(nranks, straight, corpus, common)
+    assert result.returncode == 0, mpi_output(result)
+    result = _signalled(nranks, split, corpus, common, **signal)
+    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    return straight, split, result
+
+
+def _resumed_is_straight(nranks, straight, split, corpus, common):
+    """``--resume`` of the stopped run ends with the model of the run never
+    stopped, bit for bit."""
+    from mpitrain.nn.model_file import load_model
+    result = train_on_ranks(nranks, split, corpus, common, resume=True)
+    assert result.returncode == 0, mpi_output(result)
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
+
+
 def _checkpoint_steps(run_dir):
     return sorted(int(name[5:13]) for name in os.listdir(run_dir) if name.startswith("ckpt-"))
 
@@ -60,17 +82,13 @@ def _checkpoint_steps(run_dir):
 ], ids=["model_averaging-one-rank", "allreduce-every-rank"])
 def test_a_stopped_run_resumes_as_the_run_never_stopped(small_corpus, tmp_path, method, sig,
                                                         ranks):
-    from mpitrain.nn.model_file import load_model
     common = TINY + ["optimizer.momentum=0.5", f"parallel.method={method}",
                      "parallel.average_every=8", "training.checkpoint_interval=1000",
                      "training.max_steps=48", "training.log_interval=4"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    result = train_on_ranks(2, straight, small_corpus, common)
-    assert result.returncode == 0, mpi_output(result)
     # the signal during step 13: the ranks agree at the log line of step 16, which
     # is an averaging point of model_averaging (every 8) only at 16
-    result = _signalled(2, split, small_corpus, common, sig=sig, ranks=ranks, after=13)
-    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    straight, split, result = _straight_and_stopped(2, tmp_path, small_corpus, common, sig=sig,
+                                                    ranks=ranks, after=13)
     received = 2 if ranks == "all" else 1
     assert f"stopped at step 16 of 48 on {sig} (received by {received} of 2 rank(s)): " \
            f"checkpoint {split}/ckpt-00000016.h5" in result.stdout, mpi_output(result)
@@ -78,12 +96,8 @@ def test_a_stopped_run_resumes_as_the_run_never_stopped(small_corpus, tmp_path, 
     assert not (split / "final.h5").exists()
     [stop] = records(split, "stop")
     assert (stop["step"], stop["signal"], stop["ranks"]) == (16, sig, received)
-    result = train_on_ranks(2, split, small_corpus, common, resume=True)
-    assert result.returncode == 0, mpi_output(result)
+    _resumed_is_straight(2, straight, split, small_corpus, common)
     assert [r["step"] for r in records(split, "start")] == [0, 16]
-    a, _ = load_model(straight / "final.h5")
-    b, _ = load_model(split / "final.h5")
-    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
 
 
 @pytest.mark.mpi
@@ -91,24 +105,16 @@ def test_log_lines_far_apart_do_not_delay_the_stop(small_corpus, tmp_path):
     # no log line until the end: the ranks tell each other in polls of their own
     # (here after every step), so the signal of step 13 stops them at the
     # averaging point of step 16, and the resumed run is the one never stopped
-    from mpitrain.nn.model_file import load_model
     common = TINY + ["parallel.method=model_averaging", "parallel.average_every=8",
                      "training.checkpoint_interval=1000", "training.max_steps=48",
                      "training.log_interval=1000"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    result = train_on_ranks(2, straight, small_corpus, common)
-    assert result.returncode == 0, mpi_output(result)
-    result = _signalled(2, split, small_corpus, common, sig="SIGTERM", ranks="1", after=13,
-                        poll_seconds=0)
-    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    straight, split, result = _straight_and_stopped(2, tmp_path, small_corpus, common,
+                                                    sig="SIGTERM", ranks="1", after=13,
+                                                    poll_seconds=0)
     assert "stopped at step 16 of 48 on SIGTERM (received by 1 of 2 rank(s))" \
         in result.stdout, mpi_output(result)
     assert _checkpoint_steps(split) == [16]
-    result = train_on_ranks(2, split, small_corpus, common, resume=True)
-    assert result.returncode == 0, mpi_output(result)
-    a, _ = load_model(straight / "final.h5")
-    b, _ = load_model(split / "final.h5")
-    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
+    _resumed_is_straight(2, straight, split, small_corpus, common)
 
 
 def test_the_poll_comes_about_every_poll_seconds_and_never_after_the_log_line():
@@ -144,21 +150,13 @@ def test_the_poll_comes_about_every_poll_seconds_and_never_after_the_log_line():
 def test_one_bmuf_rank_stops_at_its_block_end_and_resumes_exactly(small_corpus, tmp_path):
     # one rank needs no agreement, but a BMUF checkpoint inside a block would lose
     # the block's steps on resume: the stop waits for the block's end
-    from mpitrain.nn.model_file import load_model
     common = TINY + ["parallel.method=bmuf", "parallel.average_every=8",
                      "training.checkpoint_interval=1000", "training.max_steps=32",
                      "training.log_interval=4"]
-    straight, split = tmp_path / "straight", tmp_path / "split"
-    result = train_on_ranks(1, straight, small_corpus, common)
-    assert result.returncode == 0, mpi_output(result)
-    result = _signalled(1, split, small_corpus, common, sig="SIGTERM", ranks="0", after=11)
-    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    straight, split, result = _straight_and_stopped(1, tmp_path, small_corpus, common,
+                                                    sig="SIGTERM", ranks="0", after=11)
     assert _checkpoint_steps(split) == [16], mpi_output(result)
-    result = train_on_ranks(1, split, small_corpus, common, resume=True)
-    assert result.returncode == 0, mpi_output(result)
-    a, _ = load_model(straight / "final.h5")
-    b, _ = load_model(split / "final.h5")
-    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
+    _resumed_is_straight(1, straight, split, small_corpus, common)
 
 
 @pytest.mark.mpi
