@@ -17,6 +17,7 @@ Example::
 from __future__ import annotations
 
 import errno
+import json
 import glob
 import os
 import zlib
@@ -114,11 +115,14 @@ def corpus_places(cfg) -> dict:
 
 
 def corpus_identity(manifests: dict) -> dict:
-    """``{"corpus_data.train_frames": ..., "_utterances": ..., "_digest": ...}`` of
-    each corpus in ``manifests`` (setting -> manifest or None): stored with a run's
-    checkpoints, so that a corpus written again at the same path (``prepare
-    --overwrite``) is noticed on resume.  The digest is a CRC-32 of the shard list
-    (paths, frames, utterances), the classes and the feature dimension."""
+    """``{"corpus_data.train_frames": ..., "_utterances": ..., "_digest": ...,
+    "_content": ...}`` of each corpus in ``manifests`` (setting -> manifest or
+    None): stored with a run's checkpoints, so that a corpus written again at
+    the same path (``prepare --overwrite``) is noticed on resume.  The digest is
+    a CRC-32 of the shard list (paths, frames, utterances), the classes and the
+    feature dimension; the content one of the frames per class and the features'
+    mean and variance: new alignments or other features of the same utterances
+    change them, the sizes not."""
     identity = {}
     for key, manifest in manifests.items():
         if manifest is None:
@@ -126,10 +130,22 @@ def corpus_identity(manifests: dict) -> dict:
         listing = ";".join(f"{s.path}:{int(s.frames)}:{int(s.utterances)}"
                            for s in manifest.shards)
         listing += f"|{int(manifest.num_classes)}|{int(manifest.feat_dim)}"
+        content = json.dumps([[int(c) for c in manifest.class_counts],
+                              [float(v) for v in manifest.cmvn_mean],
+                              [float(v) for v in manifest.cmvn_var]])
         identity[f"corpus_{key}_frames"] = int(manifest.num_frames)
         identity[f"corpus_{key}_utterances"] = int(manifest.num_utterances)
         identity[f"corpus_{key}_digest"] = zlib.crc32(listing.encode("utf-8"))
+        identity[f"corpus_{key}_content"] = zlib.crc32(content.encode("utf-8"))
     return identity
+
+
+def _same_corpus(old_state: dict, now: dict, key: str) -> bool:
+    """Whether the corpus of setting ``key`` is the one ``old_state`` identifies
+    (what an older checkpoint did not record is not compared)."""
+    return all(int(old_state[name]) == now[name]
+               for name in (f"corpus_{key}_digest", f"corpus_{key}_content")
+               if name in old_state and name in now)
 
 
 def changed_corpora(old_state: dict, now: dict, now_places: dict | None = None) -> list:
@@ -141,7 +157,7 @@ def changed_corpora(old_state: dict, now: dict, now_places: dict | None = None) 
     changes = []
     for name in sorted(k for k in now if k.endswith("_digest")):
         key = name[len("corpus_"):-len("_digest")]
-        if name not in old_state or int(old_state[name]) == now[name]:
+        if name not in old_state or _same_corpus(old_state, now, key):
             continue
         before = old_state.get(f"place_{key}")
         after = (now_places or {}).get(f"place_{key}")
@@ -150,8 +166,13 @@ def changed_corpora(old_state: dict, now: dict, now_places: dict | None = None) 
         before = (int(old_state.get(f"corpus_{key}_frames", 0)),
                   int(old_state.get(f"corpus_{key}_utterances", 0)))
         after = (now[f"corpus_{key}_frames"], now[f"corpus_{key}_utterances"])
-        what = (f"{before[0]} frames in {before[1]} utterances -> {after[0]} in {after[1]}"
-                if before != after else "the same size, other shards, classes or dimension")
+        if before != after:
+            what = f"{before[0]} frames in {before[1]} utterances -> {after[0]} in {after[1]}"
+        elif int(old_state[name]) != now[name]:
+            what = "the same size, other shards, classes or dimension"
+        else:
+            what = ("the same shards and sizes, other labels or features: the frames per "
+                    "class or the features' mean and variance differ")
         changes.append(f"{key}: the corpus was written again since the checkpoint ({what})")
     return changes
 
@@ -166,7 +187,7 @@ def moved_corpora(old_state: dict, now_identity: dict, now_places: dict) -> dict
     for name in sorted(k for k in now_identity if k.endswith("_digest")):
         key = name[len("corpus_"):-len("_digest")]
         before, after = old_state.get(f"place_{key}"), now_places.get(f"place_{key}")
-        if name in old_state and int(old_state[name]) == now_identity[name] \
+        if name in old_state and _same_corpus(old_state, now_identity, key) \
                 and before and after and str(before) != after:
             moved[key] = (str(before), after)
     return moved

@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 
+import numpy as np
 import pytest
 
 from mpitrain.cli import main
@@ -251,6 +252,37 @@ def test_a_corpus_copied_elsewhere_resumes_as_the_same_corpus(small_corpus, tmp_
                   flags=["--resume"]) == 2
     err = capsys.readouterr().err
     assert "data.train: the corpus was written again since the checkpoint" in err, err
+
+
+@pytest.mark.parametrize("change", ["labels", "features"])
+def test_a_corpus_written_again_with_the_same_sizes_is_noticed_on_resume(tmp_path, capsys,
+                                                                         change):
+    # new alignments (or features of another front end) for the same utterances:
+    # the same shards, frames and utterances, other frames per class (or other
+    # feature statistics)
+    from mpitrain.data.writer import CorpusWriter
+    rng = np.random.default_rng(4)
+    utterances = [(f"utt{i:03d}", rng.normal(size=(int(rng.integers(80, 160)), 40)),
+                   int(rng.integers(0, 12))) for i in range(80)]
+
+    def write(relabel, scale):
+        with CorpusWriter(str(tmp_path / "corpus"), feat_dim=40, num_classes=12,
+                          num_shards=2, overwrite=True) as writer:
+            for utt_id, feats, label in utterances:
+                labels = np.full(len(feats), (label + relabel) % 12)
+                writer.add(utt_id, (feats * scale).astype(np.float32), labels)
+    write(0, 1.0)
+    corpus = [f"data.train={tmp_path / 'corpus'}", "data.dev=", "model.hidden_dim=16"]
+    run = tmp_path / "run"
+    assert _train(run, str(tmp_path), corpus) == 0
+    write(1, 1.0) if change == "labels" else write(0, 1.5)
+    capsys.readouterr()
+    assert _train(run, str(tmp_path), corpus + ["training.max_steps=30"],
+                  flags=["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "data.train: the corpus was written again since the checkpoint (the same shards " \
+           "and sizes, other labels or features: the frames per class or the features' " \
+           "mean and variance differ)" in err, err
 
 
 @pytest.mark.parametrize("code", ["ENOLCK", "ENOSYS", "EOPNOTSUPP"])
