@@ -80,7 +80,9 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
 
     The result always has the keys ``start``, ``train``, ``eval`` and ``end``
     (possibly empty lists), plus any other type found.  A missing file raises
-    FileNotFoundError and a garbled line ValueError, both naming the file.
+    FileNotFoundError and a garbled line ValueError, both naming the file; a
+    last line cut short (no line end: being written, or its run was killed
+    then) is left out.
 
     Example::
 
@@ -100,6 +102,10 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
+                if not line.endswith("\n"):
+                    # the last line cut short: a run writing it now, or one killed
+                    # while it wrote (its resume drops the piece)
+                    break
                 raise ValueError(f"{path}: line {number}: expected one JSON object, "
                                  f"got unreadable text ({exc.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get("type"), str):

@@ -64,6 +64,16 @@ def test_garbled_metrics_line_names_file_and_line(tmp_path):
         read_metrics(tmp_path / "run")
 
 
+def test_a_last_line_cut_short_is_left_out(tmp_path):
+    # a run writing its next line now, or one killed while it wrote
+    write_run(tmp_path / "run", acc_at_end=0.7, steps=2)
+    whole = read_metrics(tmp_path / "run")
+    with open(tmp_path / "run" / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"type": "train", "step": 3, "xe')
+    assert read_metrics(tmp_path / "run") == whole
+    assert cli_main(["plot", str(tmp_path / "run")]) == 0
+
+
 def test_record_without_type_is_rejected(tmp_path):
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 3}\n')
