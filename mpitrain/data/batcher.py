@@ -14,6 +14,7 @@ draws exactly the minibatches an uninterrupted run would.
 from __future__ import annotations
 
 import concurrent.futures
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,12 +71,35 @@ def plan_chunks(manifest, slices, chunk_frames: int) -> list:
     return chunks
 
 
+def shard_stamp(path: str) -> tuple:
+    """What tells a shard file from one written again at its path: its inode
+    (a new file renamed into place), size and modification time (one rewritten
+    in place)."""
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def stamp_shards(manifest, chunks) -> None:
+    """Note the identity of the shards ``chunks`` read, as they are now (the start
+    of a run), in ``manifest.stamps``; a shard that cannot be looked at now is
+    noted at its first read (which names the problem)."""
+    for index in sorted({c.shard_index for c in chunks}):
+        try:
+            manifest.stamps.setdefault(index, shard_stamp(manifest.shard_path(index)))
+        except OSError:
+            pass
+
+
 def read_chunk(manifest, spec: ChunkSpec, cmvn_mean, cmvn_scale) -> tuple:
     """Read and normalise one chunk on the host (runs in the prefetch thread).
 
     The shard must still be the one planned from: a shard written again since
     (``prepare``/``synth``/``merge --overwrite`` into the corpus of a running
-    job) is a :class:`CorpusError` naming it, never frames of other utterances.
+    job) is a :class:`CorpusError` naming it, never frames of other utterances
+    or other labels of the same ones.  The sizes are compared with the
+    manifest's, and the file with the one this run first read
+    (:func:`shard_stamp`, after the read, so that a file replaced during the
+    read is caught too).
     """
     path = manifest.shard_path(spec.shard_index)
     listed = manifest.shards[spec.shard_index]
@@ -96,6 +120,13 @@ def read_chunk(manifest, spec: ChunkSpec, cmvn_mean, cmvn_scale) -> tuple:
                 "not be written again (prepare, synth, merge --overwrite) while a run reads "
                 "it: restore it and --resume, or start a new run")
         feats, labels, offsets = reader.read(spec.start_utt, spec.end_utt)
+        stamp = shard_stamp(path)
+    if manifest.stamps.setdefault(spec.shard_index, stamp) != stamp:
+        raise CorpusError(
+            f"{path}: the shard changed while this run read it (the file was replaced or "
+            "rewritten since the run first read it); a corpus must not be written again "
+            "(prepare, synth, merge --overwrite) while a run reads it: restore it and "
+            "--resume, or start a new run")
     feats = np.ascontiguousarray(feats, dtype=np.float32)
     feats -= cmvn_mean
     feats *= cmvn_scale
@@ -132,6 +163,7 @@ class MinibatchStream:
                              f"{self.local_steps_per_epoch} minibatches this rank holds")
         self.epoch = self.chunk_pos = self.batch_pos = 0
         self.steps_in_epoch = 0
+        stamp_shards(manifest, self.chunks)
         self._executor = concurrent.futures.ThreadPoolExecutor(1) if prefetch else None
         self._pending = {}
         self._current_key = None

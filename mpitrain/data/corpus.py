@@ -69,6 +69,9 @@ class CorpusManifest:
     shards: list[ShardInfo]
     source: dict = field(default_factory=dict)
     directory: str = "."
+    #: shard index -> the file's identity when this run first met it (see
+    #: :func:`mpitrain.data.batcher.read_chunk`); not part of corpus.yaml
+    stamps: dict = field(default_factory=dict, repr=False, compare=False)
 
     def shard_path(self, i: int) -> str:
         """Absolute path of shard ``i``."""

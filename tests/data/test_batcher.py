@@ -73,3 +73,35 @@ def test_a_shard_written_again_during_the_run_is_named_as_changed(tmp_path):
             read_chunk(manifest, chunks[0], *cmvn)
         assert str(err.value).startswith(f"{manifest.shard_path(0)}: the shard changed while "
                                          "this run read it"), str(err.value)
+
+
+@pytest.mark.parametrize("how", ["replaced", "rewritten in place"])
+def test_a_shard_written_again_with_the_same_utterances_and_sizes_is_named(tmp_path, how):
+    # new alignments of the same utterances: every size as planned, other labels
+    import shutil
+
+    import h5py
+
+    from mpitrain.data.batcher import read_chunk
+    from mpitrain.data.corpus import CorpusError
+
+    from .corpora import write_corpus
+    manifest = load_manifest(write_corpus(tmp_path / "c", num_utts=12))
+    chunks = plan_chunks(manifest, assign_shards(manifest.shards, 0, 1), 1000)
+    stream = MinibatchStream(manifest, chunks, minibatch=2, seed=0, rank=0, prefetch=False,
+                             cmvn=([0.0] * manifest.feat_dim, [1.0] * manifest.feat_dim))
+    stream.close()                       # (it noted the shards as they were at the start)
+    shard = manifest.shard_path(chunks[0].shard_index)
+    if how == "replaced":
+        shutil.copy(shard, tmp_path / "new.h5")
+        with h5py.File(tmp_path / "new.h5", "r+") as f:
+            f["labels"][...] = (f["labels"][...] + 1) % 6
+        os.replace(tmp_path / "new.h5", shard)
+    else:
+        with h5py.File(shard, "r+") as f:
+            f["labels"][...] = (f["labels"][...] + 1) % 6
+    with pytest.raises(CorpusError) as err:
+        read_chunk(manifest, chunks[0], [0.0] * manifest.feat_dim, [1.0] * manifest.feat_dim)
+    assert str(err.value).startswith(f"{shard}: the shard changed while this run read it (the "
+                                     "file was replaced or rewritten since the run first read "
+                                     "it)"), err.value
