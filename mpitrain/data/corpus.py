@@ -276,6 +276,13 @@ def read_manifest_data(path: str):
                           "directory above it)") from None
     except OSError:
         directory = os.path.dirname(path) or "."
+        if os.path.isfile(directory):
+            # the manifest (or another file) named where its directory belongs
+            inside = os.path.dirname(directory) or "."
+            hint = (f"; name its directory ({inside})"
+                    if os.path.basename(directory) == MANIFEST_NAME else "")
+            raise CorpusError(f"{directory}: is a file, not a corpus directory holding "
+                              f"{MANIFEST_NAME}{hint}") from None
         raise CorpusError(f"{path}: not found; expected a corpus directory "
                           f"({directory}) holding {MANIFEST_NAME}") from None
     try:

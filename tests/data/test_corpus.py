@@ -68,6 +68,20 @@ def test_load_manifest_of_a_directory_without_corpus(tmp_path):
         load_manifest(str(tmp_path))
 
 
+def test_a_file_named_where_the_corpus_directory_belongs_is_said_so(small_corpus, tmp_path):
+    # `eval model.h5 data/dev/corpus.yaml`, or a shard given as data.train
+    manifest = f"{small_corpus}/dev/corpus.yaml"
+    with pytest.raises(CorpusError) as info:
+        load_manifest(manifest)
+    assert str(info.value) == (f"{manifest}: is a file, not a corpus directory holding "
+                               f"corpus.yaml; name its directory ({small_corpus}/dev)")
+    (tmp_path / "shard.h5").write_bytes(b"")
+    with pytest.raises(CorpusError) as info:
+        load_manifest(str(tmp_path / "shard.h5"))
+    assert str(info.value) == (f"{tmp_path / 'shard.h5'}: is a file, not a corpus directory "
+                               "holding corpus.yaml")
+
+
 def test_a_manifest_that_cannot_be_read_is_not_called_missing(tmp_path, monkeypatch):
     import os as os_module
     from mpitrain.data.corpus import CorpusError, read_manifest_data
