@@ -481,25 +481,42 @@ def _model_file(path: str, command: str, *, stream=None) -> str:
 
 
 def cmd_eval(args) -> int:
-    from .data.corpus import load_manifest, speaker_cmvn_kind
-    from .data.validate import validate_corpus
     from .nn.model_file import load_model
     from .train.evaluate import evaluate_chunks, iter_eval_chunks
     args.model = _model_file(args.model, "eval")
     net, _ = load_model(args.model)
-    manifest = load_manifest(args.corpus_dir)
     if args.max_frames < 0:
         raise UsageError(f"--max-frames must be >= 0 (0: all frames), got {args.max_frames}")
+    # every corpus is checked before any is scored: a bad one is said before a
+    # long scoring of the others, not after it
+    manifests = [_eval_corpus(corpus_dir, net, args.model) for corpus_dir in args.corpus_dir]
+    for corpus_dir, manifest in zip(args.corpus_dir, manifests):
+        # one chunk in memory at a time: a test set of any size scores in flat memory
+        total, correct, frames = evaluate_chunks(net, iter_eval_chunks(
+            manifest, net, max_frames=args.max_frames))
+        if frames == 0:
+            raise UsageError(f"{corpus_dir}: no frames to evaluate")
+        where = f"{corpus_dir}: " if len(manifests) > 1 else ""
+        print(f"{where}frames {frames} xent {total / frames:.4f} acc {correct / frames:.4f}",
+              flush=True)
+    return 0
+
+
+def _eval_corpus(corpus_dir: str, net, model: str):
+    """The manifest of ``corpus_dir`` once it is known to fit ``net`` (UsageError)."""
+    from .data.corpus import load_manifest, speaker_cmvn_kind
+    from .data.validate import validate_corpus
+    manifest = load_manifest(corpus_dir)
     if manifest.feat_dim != net.feat_dim or manifest.num_classes != net.num_classes:
         hint = (f"; prepare it with --num-classes {net.num_classes} (the number of pdfs)"
                 if manifest.feat_dim == net.feat_dim else "")
-        raise UsageError(f"{args.corpus_dir}/corpus.yaml: feat_dim {manifest.feat_dim}, "
-                         f"num_classes {manifest.num_classes}; the model {args.model} "
+        raise UsageError(f"{corpus_dir}/corpus.yaml: feat_dim {manifest.feat_dim}, "
+                         f"num_classes {manifest.num_classes}; the model {model} "
                          f"expects {net.feat_dim} and {net.num_classes}{hint}")
     if speaker_cmvn_kind(manifest.speaker_cmvn) != speaker_cmvn_kind(net.speaker_cmvn):
-        raise UsageError(f"{args.corpus_dir}/corpus.yaml: "
+        raise UsageError(f"{corpus_dir}/corpus.yaml: "
                          f"{speaker_cmvn_kind(manifest.speaker_cmvn)}, but the model "
-                         f"{args.model} was trained with "
+                         f"{model} was trained with "
                          f"{speaker_cmvn_kind(net.speaker_cmvn)}; prepare the corpus alike")
     # the checks train makes of its held-out set: a NaN frame, a label outside the
     # model's classes or a shard of another width is named, not scored
@@ -508,13 +525,7 @@ def cmd_eval(args) -> int:
         more = (f" ({len(problems) - 1} more problem(s): run `mpitrain check` on the corpus)"
                 if len(problems) > 1 else "")
         raise UsageError(" ".join(problems[0].split()) + more)
-    # one chunk in memory at a time: a test set of any size scores in flat memory
-    total, correct, frames = evaluate_chunks(net, iter_eval_chunks(manifest, net,
-                                                                   max_frames=args.max_frames))
-    if frames == 0:
-        raise UsageError(f"{args.corpus_dir}: no frames to evaluate")
-    print(f"frames {frames} xent {total / frames:.4f} acc {correct / frames:.4f}")
-    return 0
+    return manifest
 
 
 def cmd_export(args) -> int:
@@ -769,8 +780,10 @@ def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
     p = sub.add_parser("eval", formatter_class=fmt,
                        help="held-out cross-entropy and frame accuracy of a model")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("corpus_dir")
-    p.add_argument("--max-frames", type=int, default=0, help="0: all frames")
+    p.add_argument("corpus_dir", nargs="+",
+                   help="corpus directories (e.g. dev and test sets): one line each")
+    p.add_argument("--max-frames", type=int, default=0,
+                   help="frames per corpus at most; 0: all frames")
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("export", formatter_class=fmt,

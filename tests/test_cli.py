@@ -96,6 +96,38 @@ def test_eval_rejects_a_mismatched_corpus(tmp_path, capsys):
 
 
 
+def test_eval_scores_several_corpora_one_line_each_after_checking_them_all(tmp_path, capsys):
+    import numpy as np
+    from mpitrain.data.writer import CorpusWriter
+    from mpitrain.nn.model_file import save_model
+    from mpitrain.nn.network import build_network
+    net = build_network(feat_dim=5, num_classes=3, left_context=1, right_context=1,
+                        hidden_layers=1, hidden_dim=4)
+    net.init_params(seed=0)
+    save_model(tmp_path / "m.h5", net)
+    rng = np.random.default_rng(0)
+    for name, frames in (("dev", 30), ("test", 50)):
+        with CorpusWriter(str(tmp_path / name), feat_dim=5, num_classes=3, num_shards=1) as w:
+            w.add("u1", rng.standard_normal((frames, 5)).astype(np.float32),
+                  rng.integers(0, 3, frames).astype(np.int32))
+    alone = []
+    for name in ("dev", "test"):
+        assert main(["eval", str(tmp_path / "m.h5"), str(tmp_path / name)]) == 0
+        alone.append(capsys.readouterr().out.strip())
+    assert alone[0].startswith("frames 30 xent ") and alone[1].startswith("frames 50 xent ")
+    assert main(["eval", str(tmp_path / "m.h5"), str(tmp_path / "dev"),
+                 str(tmp_path / "test")]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        f"{tmp_path / 'dev'}: {alone[0]}", f"{tmp_path / 'test'}: {alone[1]}"]
+    # a corpus that does not fit is said before any is scored
+    with CorpusWriter(str(tmp_path / "wide"), feat_dim=6, num_classes=3, num_shards=1) as w:
+        w.add("u1", np.zeros((10, 6), np.float32), np.zeros(10, np.int32))
+    assert main(["eval", str(tmp_path / "m.h5"), str(tmp_path / "dev"),
+                 str(tmp_path / "wide")]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "wide/corpus.yaml: feat_dim 6" in err, (out, err)
+
+
 def test_eval_reads_the_corpus_one_chunk_at_a_time(tmp_path, capsys, monkeypatch):
     """A test set of any size: the chunks scored before are gone when the next is read."""
     import weakref
