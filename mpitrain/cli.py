@@ -233,7 +233,13 @@ def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> i
             runner = runner_class(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
                                   overwrite=args.overwrite, accept_changes=args.accept_changes)
             try:
-                result = runner.run()
+                if args.dry_run:
+                    result = {}
+                    if comm.rank == 0:
+                        print("\n".join(runner.dry_run_lines() + [_dry_run_line(run_dir)]),
+                              flush=True)
+                else:
+                    result = runner.run()
             finally:
                 runner.close()
         if result.get("stopped"):
@@ -255,6 +261,11 @@ def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> i
     return 0
 
 
+def _dry_run_line(run_dir: str) -> str:
+    return (f"dry run: the configuration, the corpus and the plan hold (a run would start "
+            f"as above); nothing was trained or written ({run_dir})")
+
+
 def _end_every_rank(comm, command: str, exc: BaseException) -> None:
     """An interrupt or a bug on one rank ends the whole job: a rank that just
     returned would leave the others waiting in their next collective forever
@@ -274,7 +285,7 @@ def _end_every_rank(comm, command: str, exc: BaseException) -> None:
 def _train_virtual(args, cfg) -> int:
     """``train --virtual N``: N virtual ranks in this process, on a simulated clock."""
     from .train.run_dir import run_dir_problem
-    from .train.virtual import train_virtual
+    from .train.virtual import plan_virtual, train_virtual
     if args.virtual < 1:
         raise UsageError(f"--virtual: expected a number of ranks >= 1, got {args.virtual}")
     run_dir = args.run_dir or os.path.join(
@@ -282,6 +293,11 @@ def _train_virtual(args, cfg) -> int:
     problem = run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite)
     if problem:
         raise UsageError(problem)
+    if args.dry_run:
+        lines = plan_virtual(cfg, size=args.virtual, run_dir=run_dir, resume=args.resume,
+                             overwrite=args.overwrite, accept_changes=args.accept_changes)
+        print("\n".join(lines + [_dry_run_line(run_dir)]), flush=True)
+        return 0
     train_virtual(cfg, size=args.virtual, run_dir=run_dir, network=_network_model(args),
                   compute=_compute_model(args, cfg, args.virtual), resume=args.resume,
                   overwrite=args.overwrite, accept_changes=args.accept_changes)
@@ -704,6 +720,10 @@ def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--accept-changes", action="store_true",
                    help="with --resume: apply settings that differ from the checkpoint's "
                         "and change the result (each is listed in the log)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the configuration, the corpus, the run directory (and with "
+                        "--resume the checkpoint) on these ranks, print the plan, train and "
+                        "write nothing")
     p.add_argument("--virtual", type=int, default=0, metavar="N",
                    help="train as N virtual ranks in this process, on a simulated clock "
                         "(same results as mpiexec -n N; docs/parallel.md)")
@@ -724,6 +744,9 @@ def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
                    help="replace the run already in the run directory")
     p.add_argument("--accept-changes", action="store_true",
                    help="with --resume: apply settings that differ from the checkpoint's")
+    p.add_argument("--dry-run", action="store_true",
+                   help="check everything a run checks before its first step, print the "
+                        "plan, train and write nothing")
     p.set_defaults(func=cmd_pretrain)
 
     from .bench.options import bench_methods

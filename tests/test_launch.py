@@ -130,3 +130,18 @@ def test_a_bare_run_where_one_node_lacks_mpitrain_yaml_says_so_once(mpiexec, tmp
                     "(rank 0 could start)"], result.stderr
     assert result.stderr.count("usage:") == 1, result.stderr
     assert statuses == {"rank-0": "2", "rank-1": "2"}, statuses
+
+
+@pytest.mark.mpi
+def test_a_dry_run_on_two_ranks_plans_once_and_every_rank_exits_0(mpiexec, tmp_path,
+                                                                  small_corpus):
+    from .helpers import small_overrides
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--dry-run"]
+    for item in small_overrides(small_corpus):
+        argv += ["--set", item]
+    result, statuses, said = _run(mpiexec, tmp_path, 2, argv)
+    assert result.returncode == 0 and not said, result.stderr
+    assert result.stdout.count("mpitrain: 2 rank(s)") == 1, result.stdout
+    assert result.stdout.count("dry run: ") == 1, result.stdout
+    assert statuses == {"rank-0": "0", "rank-1": "0"}, statuses
+    assert not (tmp_path / "run").exists()

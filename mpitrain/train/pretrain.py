@@ -380,16 +380,23 @@ class Pretrainer:
             self.strategy.setup(self.rbm, self.cd)
 
     # -- the loop ----------------------------------------------------------------------
+    def _banner(self) -> str:
+        return (f"mpitrain pretrain: {self.comm.size} rank(s), {len(self.layer_steps)} RBMs "
+                f"{'-'.join(str(d) for d in self.dims)}; {self.steps_per_epoch} "
+                f"steps/epoch of {self.cfg.pretrain.minibatch} frames per rank, averaging "
+                f"every {self.every_steps} steps")
+
+    def dry_run_lines(self) -> list:
+        """What a run would say before its first step (``pretrain --dry-run``)."""
+        return list(self._pending) + [self._banner()]
+
     def run(self) -> dict:
         cfg, comm = self.cfg, self.comm
         self._open_run_dir()
         if self._resume_state is not None:
             self._restore(self._resume_state)
             self._resume_state = None
-        self.log.say(f"mpitrain pretrain: {comm.size} rank(s), {len(self.layer_steps)} RBMs "
-                     f"{'-'.join(str(d) for d in self.dims)}; {self.steps_per_epoch} "
-                     f"steps/epoch of {cfg.pretrain.minibatch} frames per rank, averaging "
-                     f"every {self.every_steps} steps")
+        self.log.say(self._banner())
         self.log.write("start", mode="pretrain", ranks=comm.size, layers=self.dims,
                        layer_steps=self.layer_steps, layer=self.layer + 1,
                        step=self.layer_step)

@@ -908,6 +908,11 @@ class Trainer(CheckpointResume):
         gpus = [device for _, device in self.placement]
         return None if all(device is None for device in gpus) else gpus
 
+    def dry_run_lines(self) -> list:
+        """What a run would say before its first step: its notes (resume) and the
+        banner (``train --dry-run`` prints them instead of training)."""
+        return list(self._pending_lines) + [self._banner()]
+
     def _banner(self) -> str:
         cfg, net = self.cfg, self.net
         device = backend.device_name(self.xp)

@@ -239,6 +239,26 @@ def run_virtual_trainers(cfg, *, size: int, run_dir: str, compute: ComputeModel,
         return cluster.run(rank_main)
 
 
+def plan_virtual(cfg, *, size: int, run_dir: str, **trainer_kwargs) -> list:
+    """What a run on ``size`` virtual ranks would say before its first step
+    (``train --virtual N --dry-run``): every rank's trainer is built, and so
+    checked, then closed; nothing is trained or written.
+
+    Example::
+
+        print("\n".join(plan_virtual(cfg, size=32, run_dir="runs/v32")))
+    """
+    cluster = VirtualCluster(size)
+
+    def rank_main(comm):
+        trainer = Trainer(cfg, run_dir=run_dir, comm=comm, **trainer_kwargs)
+        try:
+            return trainer.dry_run_lines()
+        finally:
+            trainer.close()
+    return cluster.run(rank_main)[0]
+
+
 def train_virtual(cfg, *, size: int, run_dir: str, compute: ComputeModel, network=None,
                   stream=None, **trainer_kwargs) -> dict:
     """Train ``cfg`` as ``size`` virtual ranks; rank 0's result (``seconds``: simulated).

@@ -320,3 +320,39 @@ def test_a_second_run_on_a_directory_in_use_is_refused(finished_run, small_corpu
         holder.release()
     assert _train(finished_run, small_corpus, ["training.max_steps=30"],
                   flags=["--resume"]) == 0
+
+
+def test_a_dry_run_checks_and_plans_but_trains_and_writes_nothing(small_corpus, tmp_path,
+                                                                   capsys):
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, flags=["--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mpitrain: 1 rank(s), device cpu, strategy model_averaging") \
+        and out[0].endswith(", 20 steps"), out
+    assert out[-1] == ("dry run: the configuration, the corpus and the plan hold (a run "
+                       f"would start as above); nothing was trained or written ({run})")
+    assert not run.exists()
+    # with --resume it reads and judges the checkpoint, and still writes nothing
+    assert _train(run, small_corpus) == 0
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert _train(run, small_corpus, ["training.max_steps=30"],
+                  flags=["--resume", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"resumed from {run}/ckpt-00000020.h5 at step 20" in out and ", 30 steps" in out, out
+    assert _train(run, small_corpus, ["training.max_steps=30", "model.hidden_dim=24"],
+                  flags=["--resume", "--dry-run"]) == 2
+    assert "model.hidden_dim: 32 -> 24" in capsys.readouterr().err
+    assert _snapshot(run) == before
+
+
+def test_a_virtual_dry_run_gives_the_plan_of_that_many_ranks(small_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, flags=["--virtual", "4", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mpitrain: 4 rank(s), device cpu" in out and "dry run: " in out, out
+    assert not run.exists()
+    # a plan that cannot work at that size is refused as the run would be
+    assert _train(run, small_corpus, ["training.minibatch=30000"],
+                  flags=["--virtual", "4", "--dry-run"]) == 2
+    assert "has no complete minibatch of 30000 frames" in capsys.readouterr().err

@@ -124,6 +124,13 @@ def test_pretraining_resumes_bit_exactly_from_its_corpus_moved_but_not_from_anot
         in capsys.readouterr().err
 
 
+def test_a_pretraining_dry_run_plans_and_writes_nothing(small_corpus, tmp_path, capsys):
+    assert main(_argv("pretrain", tmp_path / "run", small_corpus) + ["--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("mpitrain pretrain: 1 rank(s), 2 RBMs 440-32-32; "), out
+    assert out[-1].startswith("dry run: ") and not (tmp_path / "run").exists()
+
+
 def test_a_diverging_gaussian_layer_stops_naming_its_rate(small_corpus, tmp_path, capsys):
     code = main(_argv("pretrain", tmp_path / "run", small_corpus,
                       ["pretrain.learning_rate_gaussian=50", "pretrain.momentum_initial=0.9"]))
