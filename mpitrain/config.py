@@ -132,6 +132,10 @@ class TrainingConfig:
                                              "0: at the end of each epoch")
     eval_max_frames: int = _opt(0, min=0, help="cap on held-out frames; 0: all")
     checkpoint_interval: int = _opt(1000, min=0, help="steps between checkpoints; 0: end only")
+    checkpoint_minutes: float = _opt(0.0, min=0, help="also a checkpoint at the first point "
+                                                      "where one may be written after this "
+                                                      "many minutes since the last (rank 0's "
+                                                      "clock); 0: off")
     keep_checkpoints: int = _opt(3, min=2, help="newest checkpoints kept in the run directory")
     plot: bool = _opt(False, help="draw curves.png into the run directory at the end "
                                   "(needs matplotlib)")

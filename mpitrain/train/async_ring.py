@@ -36,6 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..comm.base import ANY_SOURCE
+from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
 from .metrics import format_duration, resident_mb
@@ -211,6 +212,7 @@ class OwnPaceLoop:
             (per_rank // t.steps_per_epoch + 1) * t.steps_per_epoch
         ck = cfg.training.checkpoint_interval
         self.next_checkpoint = (per_rank // ck + 1) * ck if ck else 0
+        self.clock = CheckpointClock(self.comm, cfg.training.checkpoint_minutes)
 
     def _drain_reports(self) -> None:
         """Take every report that has come.  One empty poll is not enough: MPI may
@@ -262,9 +264,12 @@ class OwnPaceLoop:
             self.next_eval = (mark // step + 1) * step
         if halt is None and self.signalled:
             halt = SIGNALLED        # (its checkpoint stands for one due now)
-        if halt is None and self.next_checkpoint and per_rank >= self.next_checkpoint:
-            ck = t.cfg.training.checkpoint_interval
-            self.next_checkpoint = (per_rank // ck + 1) * ck
+        steps_due = self.next_checkpoint and per_rank >= self.next_checkpoint
+        if halt is None and (steps_due or self.clock.due()):
+            if steps_due:
+                ck = t.cfg.training.checkpoint_interval
+                self.next_checkpoint = (per_rank // ck + 1) * ck
+            self.clock.written()
             halt = CHECKPOINT
         if halt is not None:
             self._halt[0] = halt

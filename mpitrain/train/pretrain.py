@@ -51,6 +51,7 @@ from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_chec
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import (RunDirLock, changed_corpora, changed_settings, clear_run, corpus_identity,
                       corpus_places, moved_corpora)
+from .checkpoint_clock import CheckpointClock
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 
@@ -391,7 +392,7 @@ class Pretrainer:
         return list(self._pending) + [self._banner()]
 
     def run(self) -> dict:
-        cfg, comm = self.cfg, self.comm
+        comm = self.comm
         self._open_run_dir()
         if self._resume_state is not None:
             self._restore(self._resume_state)
@@ -457,6 +458,7 @@ class Pretrainer:
         next_checkpoint = (self.layer_step // ck + 1) * ck if ck else 0
         stop_poll = StopPoll(comm, max_every=cfg.training.log_interval)
         stop_poll.start(self.layer_step)
+        clock = CheckpointClock(comm, cfg.training.checkpoint_minutes)
         while self.layer_step < steps:
             chunk, idx = self.stream.next_batch()
             v0 = self._splice(chunk.feats, idx, chunk.utt_start, chunk.utt_end)
@@ -475,15 +477,18 @@ class Pretrainer:
             self.strategy.after_update(rbm, self.cd, self.layer_step)
             last = self.layer_step == steps
             if self.layer_step % cfg.training.log_interval == 0 or last:
-                # and whether a signal asked this rank to stop, by signal (stop.py)
-                sums = np.zeros(2 + len(STOP_SIGNALS), dtype=np.float64)
+                # and whether a signal asked this rank to stop, by signal (stop.py);
+                # last, whether rank 0's clock says a checkpoint is due
+                sums = np.zeros(2 + len(STOP_SIGNALS) + 1, dtype=np.float64)
                 sums[:2] = (float(backend.to_host(sq_err)), frames)
                 if requested.code():
                     sums[1 + requested.code()] = 1
+                sums[-1] = clock.flag()
                 comm.allreduce_(sums, op="sum")
                 stop_poll.heard(self.layer_step)
+                clock.hear(sums[-1])
                 if self._stop is None:
-                    self._stop = agreed_stop(sums[2:], is_root=self.is_root)
+                    self._stop = agreed_stop(sums[2:-1], is_root=self.is_root)
                 with np.errstate(all="ignore"):
                     recon = float(sums[0] / (sums[1] * rbm.visible_dim))
                 now = comm.wtime()
@@ -493,12 +498,19 @@ class Pretrainer:
                 sq_err[...] = 0
                 frames, window_start = 0, comm.wtime()
             elif self._stop is None and stop_poll.due(self.layer_step):
-                # log lines far apart: the signals are told in a poll of their own
-                self._stop = agreed_stop(stop_poll.exchange(self.layer_step),
-                                         is_root=self.is_root)
-            if next_checkpoint and self.layer_step >= next_checkpoint and not last \
+                # log lines far apart: the signals (and rank 0's clock) are told in a
+                # poll of their own
+                flags, timed = stop_poll.exchange(self.layer_step, rank0_flag=clock.flag())
+                self._stop = agreed_stop(flags, is_root=self.is_root)
+                clock.hear(timed)
+            if comm.size == 1:
+                clock.hear(clock.due())
+            steps_due = next_checkpoint and self.layer_step >= next_checkpoint
+            if (steps_due or clock.agreed) and not last \
                     and self.layer_step % self.every_steps == 0:
-                next_checkpoint = (self.layer_step // ck + 1) * ck
+                if steps_due:
+                    next_checkpoint = (self.layer_step // ck + 1) * ck
+                clock.written()
                 self.save_checkpoint()
             # a signal: at the first averaging point from the log line where the ranks
             # agreed (one rank alone: at once); at a layer's last step, its end's

@@ -31,6 +31,7 @@ RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png"
 NEUTRAL_SETTINGS = (
     "data.dev", "data.prefetch", "training.max_steps", "training.log_interval",
     "training.eval_interval", "training.eval_max_frames", "training.checkpoint_interval",
+    "training.checkpoint_minutes",
     "training.keep_checkpoints", "training.plot", "training.tensorboard",
     "training.divergence_factor",
     "training.max_divergence_events", "training.max_rollbacks",

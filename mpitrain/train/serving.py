@@ -42,6 +42,7 @@ from ..data.splice import splice_batch_
 from ..parallel.param_server import DONE, LAST, UNIFORM
 from ..parallel.registry import data_share
 from .checkpoint import checkpoint_path, save_checkpoint
+from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
 from .metrics import format_duration, resident_mb
@@ -214,6 +215,7 @@ class Server:
             if eval_every else None
         ck = cfg.training.checkpoint_interval
         next_checkpoint = (t.step // ck + 1) * ck if ck else 0
+        clock = CheckpointClock(t.comm, cfg.training.checkpoint_minutes)
         rate = 0.0
         signalled = {}                  # rank -> the stop signal's code it sent
         while left:
@@ -239,8 +241,11 @@ class Server:
                 self.evaluate()
                 if next_eval is not None:
                     next_eval += eval_every
-            if next_checkpoint and t.step >= next_checkpoint:
-                next_checkpoint = (t.step // ck + 1) * ck
+            steps_due = next_checkpoint and t.step >= next_checkpoint
+            if steps_due or clock.due():
+                if steps_due:
+                    next_checkpoint = (t.step // ck + 1) * ck
+                clock.written()
                 self.checkpoint()
         if self.staleness:
             self._log(rate)

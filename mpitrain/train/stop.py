@@ -151,7 +151,7 @@ class StopPoll:
         if log_line_due:
             poll.heard(step)                 # the log line's sums held the flags
         elif poll.due(step):
-            agree(poll.exchange(step))       # every rank's flags, summed
+            flags, _ = poll.exchange(step)   # every rank's flags, summed
     """
 
     def __init__(self, comm, *, max_every: int, seconds: float | None = None):
@@ -173,18 +173,21 @@ class StopPoll:
     def due(self, step: int) -> bool:
         return self.comm.size > 1 and self._next is not None and step >= self._next
 
-    def exchange(self, step: int) -> np.ndarray:
-        """Every rank's stop flags summed (one count per signal of
-        :data:`STOP_SIGNALS`); sets the steps to the next exchange."""
-        buf = np.zeros(len(STOP_SIGNALS) + 1, dtype=np.float64)
+    def exchange(self, step: int, *, rank0_flag: bool = False) -> tuple:
+        """``(flags, rank0_flag)``: every rank's stop flags summed (one count per
+        signal of :data:`STOP_SIGNALS`), and rank 0's ``rank0_flag`` on every
+        rank (a checkpoint its clock says is due); sets the steps to the next
+        exchange."""
+        buf = np.zeros(len(STOP_SIGNALS) + 2, dtype=np.float64)
         if requested.code():
             buf[requested.code() - 1] = 1
         if self.comm.rank == 0:
             since_step, since_time = self._since
             per_step = (self.comm.wtime() - since_time) / max(step - since_step, 1)
             every = self.seconds / per_step if per_step > 0 else self.max_every
-            buf[-1] = max(int(min(every, self.max_every)), 1)
+            buf[-2] = max(int(min(every, self.max_every)), 1)
+            buf[-1] = float(bool(rank0_flag))
         self.comm.allreduce_(buf, op="sum")
-        self.every = int(buf[-1])
+        self.every = int(buf[-2])
         self.heard(step)
-        return buf[:-1]
+        return buf[:-2], bool(buf[-1])

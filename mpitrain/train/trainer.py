@@ -39,6 +39,7 @@ from .run_dir import RunDirLock, clear_run
 from .search import RateTrials
 from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
+from .checkpoint_clock import CheckpointClock
 from .stop import STOP_SIGNALS, STOPPED, StopPoll, agreed_stop, requested, signal_name
 
 
@@ -655,6 +656,7 @@ class Trainer(CheckpointResume):
             return train_asynchronously(self, run_start)
         stop_poll = StopPoll(comm, max_every=cfg.training.log_interval)
         stop_poll.start(self.step)
+        clock = CheckpointClock(comm, cfg.training.checkpoint_minutes)
         while self.step < self.total_steps and not self.schedule.stopped:
             if self.schedule.search_due(self.step):
                 self._search_rate()
@@ -670,15 +672,18 @@ class Trainer(CheckpointResume):
                 now = comm.wtime()
                 comm_now = comm.comm_time
                 loss_sum, correct_sum, frames, skipped = training_step.take_sums()
-                # and each rank's time in communication, in a slot of its own; last,
-                # whether a signal asked this rank to stop (train/stop.py), by signal
-                sums = np.zeros(5 + comm.size + len(STOP_SIGNALS), dtype=np.float64)
+                # and each rank's time in communication, in a slot of its own; then
+                # whether a signal asked this rank to stop (train/stop.py), by signal;
+                # last, whether rank 0's clock says a checkpoint is due
+                sums = np.zeros(5 + comm.size + len(STOP_SIGNALS) + 1, dtype=np.float64)
                 sums[:5] = [loss_sum, correct_sum, frames, comm_now - comm_at_window, skipped]
                 sums[5 + comm.rank] = comm_now - comm_at_window
                 if requested.code():
                     sums[5 + comm.size + requested.code() - 1] = 1
+                sums[-1] = clock.flag()
                 comm.allreduce_(sums, op="sum")
-                self._stop_agreed(sums[5 + comm.size:])
+                self._stop_agreed(sums[5 + comm.size:-1])
+                clock.hear(sums[-1])
                 stop_poll.heard(self.step)
                 rank_comm = sums[5:5 + comm.size]
                 # the others wait for the slowest rank: it spent the least time communicating
@@ -726,8 +731,13 @@ class Trainer(CheckpointResume):
                                     f"minibatches/windows since the last checkpoint")
                     return ROLL_BACK
             elif self._stop is None and stop_poll.due(self.step):
-                # log lines far apart: the signals are told in a poll of their own
-                self._stop_agreed(stop_poll.exchange(self.step))
+                # log lines far apart: the signals (and rank 0's clock) are told in a
+                # poll of their own
+                flags, timed = stop_poll.exchange(self.step, rank0_flag=clock.flag())
+                self._stop_agreed(flags)
+                clock.hear(timed)
+            if comm.size == 1:
+                clock.hear(clock.due())
             # decided from the step count alone, so every rank evaluates together
             epoch_done = self.step % self.steps_per_epoch == 0
             # (not at the last step: the final evaluation follows, counted once)
@@ -749,10 +759,14 @@ class Trainer(CheckpointResume):
                     with self._agreed_model(average=True):      # the model evaluated
                         self._stopped_at = (self.step, result, self.net.params.copy())
                     return None
-            # checkpoint at the first point after each interval where all ranks agree
-            if next_checkpoint and self.step >= next_checkpoint and not last \
+            # checkpoint at the first point after each interval (of steps, or of
+            # minutes by rank 0's clock) where all ranks agree
+            steps_due = next_checkpoint and self.step >= next_checkpoint
+            if (steps_due or clock.agreed) and not last \
                     and self.strategy.can_checkpoint(self.step):
-                next_checkpoint = (self.step // ck + 1) * ck
+                if steps_due:
+                    next_checkpoint = (self.step // ck + 1) * ck
+                clock.written()
                 if self.guard.last_window_good and self._params_finite():
                     self.save_checkpoint()
                 else:

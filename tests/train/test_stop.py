@@ -135,7 +135,8 @@ def test_the_poll_comes_about_every_poll_seconds_and_never_after_the_log_line():
     poll.start(0)
     assert not poll.due(0) and poll.due(1)
     comm.now = 0.5                       # 0.5 s per step: every 4 steps
-    assert not poll.exchange(1).any() and poll.every == 4
+    flags, timed = poll.exchange(1, rank0_flag=True)
+    assert not flags.any() and timed and poll.every == 4
     assert [s for s in range(2, 12) if poll.due(s)][0] == 5
     comm.now = 0.5 + 4 * 0.001           # 1 ms per step: the log interval bounds it
     poll.exchange(5)
