@@ -567,6 +567,19 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from .train.status import run_status
+    failed = False
+    for run_dir in args.run_dirs:
+        try:
+            print("\n".join(run_status(run_dir)), flush=True)
+        except (ValueError, OSError) as exc:
+            # one run that cannot be read does not hide the others
+            print(f"mpitrain status: error: {_one_line(exc)}", file=sys.stderr, flush=True)
+            failed = True
+    return 2 if failed else 0
+
+
 def cmd_plot(args) -> int:
     from .plotting import plot_runs
     out = args.out or (os.path.join(args.run_dirs[0], "curves.png")
@@ -857,6 +870,12 @@ def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
                    help="frames seen (all ranks), wall seconds since the start, or "
                         "training seconds (simulated ones for --virtual runs)")
     p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("status", formatter_class=fmt,
+                       help="where runs stand: ended, stopped or running, progress, held-out "
+                            "figures, the checkpoint a resume takes")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
+    p.set_defaults(func=cmd_status)
     for each in (parser, *sub.choices.values()):
         each.quiet = quiet_errors
     return parser

@@ -1,0 +1,167 @@
+"""``mpitrain status RUN_DIR ...``: where each run stands, in a few lines, from
+its run directory alone (``metrics.jsonl``, the checkpoints, ``.lock``).
+
+A cluster user has several jobs queued, running, stopped or ended; the log
+files of the jobs are somewhere else.  This reads what the run wrote: whether
+its latest start ended, was stopped by a signal or neither (still running,
+or cut off: a node lost, a job killed), how far it got and how fast, its
+held-out figures, and the checkpoint a ``--resume`` would continue from.
+Nothing is written, and no lock is taken.
+
+Example::
+
+    for line in run_status("runs/exp1"):
+        print(line)
+    # runs/exp1: running, or cut off (no end record; metrics.jsonl written 2m10s ago; ...)
+    #   step 1968 of 7000 (28%), epoch 0: xent 1.2345 acc 0.6123, 312,000 fr/s, about 1h02m left
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import time
+
+from ..plotting import metrics_path, read_metrics
+from .metrics import format_duration
+
+_CHECKPOINT = re.compile(r"^ckpt-(\d+)\.h5$")
+#: What :class:`~mpitrain.train.run_dir.RunDirLock` writes into ``.lock``.
+_HOLDER = re.compile(r"^pid (\d+) on (\S+)$")
+
+
+def run_status(run_dir, *, now: float | None = None) -> list:
+    """Lines saying where the run in ``run_dir`` stands (the first names it).
+    A directory without ``metrics.jsonl`` raises FileNotFoundError naming it."""
+    run_dir = os.fspath(run_dir)
+    records = read_metrics(run_dir)
+    now = time.time() if now is None else now
+    starts = records["start"]
+    end, stop = _how_the_latest_start_ended(metrics_path(run_dir))
+    pretraining = bool(starts) and starts[-1].get("mode") == "pretrain"
+    lines = [f"{run_dir}: " + _state(run_dir, end, stop, now, pretraining)]
+    if end is None:
+        lines += _progress(records, starts[-1] if starts else {}, pretraining)
+    lines += _held_out(records, end)
+    newest = _newest_checkpoint(run_dir)
+    if newest and end is None and stop is None:
+        lines.append(f"  newest checkpoint: {newest} (--resume continues from it)")
+    return lines
+
+
+def _how_the_latest_start_ended(path) -> tuple:
+    """``(end record or None, stop record or None)`` written after the file's last
+    ``start`` record: an earlier attempt's end does not end a resumed run."""
+    end = stop = None
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue        # (read_metrics has judged the file already)
+            kind = record.get("type") if isinstance(record, dict) else None
+            if kind == "start":
+                end = stop = None
+            elif kind == "end":
+                end = record
+            elif kind == "stop":
+                stop = record
+    return end, stop
+
+
+def _state(run_dir, end, stop, now, pretraining) -> str:
+    if end is not None:
+        result = os.path.join(run_dir, "pretrain.h5" if pretraining else "final.h5")
+        what = (f"{end.get('layers')} RBMs" if pretraining
+                else f"{end.get('steps')} steps")
+        return f"ended: {what} in {format_duration(end.get('seconds', 0.0))}; {result}"
+    if stop is not None:
+        where = (f"layer {stop.get('layer')}, step {stop.get('step')}" if pretraining
+                 else f"step {stop.get('step')}")
+        written = stop.get("checkpoint")
+        return (f"stopped at {where} on {stop.get('signal')}: "
+                + (f"checkpoint {written}; --resume continues from it" if written
+                   else "no checkpoint written then"))
+    age = format_duration(now - os.path.getmtime(metrics_path(run_dir)))
+    holder = _lock_holder(run_dir)
+    if holder is not None and holder[1] == os.uname().nodename:
+        # a run of this host: whether its rank 0 is still there says which
+        pid, host = holder
+        if _alive(pid):
+            return f"running (rank 0 is pid {pid} on {host}; metrics.jsonl written {age} ago)"
+        return (f"cut off: rank 0 (pid {pid} on {host}) is gone without an end record; "
+                f"metrics.jsonl written {age} ago")
+    where = f"; rank 0 was pid {holder[0]} on {holder[1]}" if holder else ""
+    return f"running, or cut off (no end record; metrics.jsonl written {age} ago{where})"
+
+
+def _lock_holder(run_dir):
+    """``(pid, host)`` that ``.lock`` names: rank 0 of the run that took it last
+    (it may have ended since); None when it names none."""
+    try:
+        with open(os.path.join(run_dir, ".lock"), encoding="utf-8") as fh:
+            text = fh.read(200)
+    except OSError:
+        return None
+    m = _HOLDER.match(text.strip())
+    return (int(m.group(1)), m.group(2)) if m else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True         # there, but another user's
+    return True
+
+
+def _progress(records, start, pretraining) -> list:
+    if pretraining:
+        last = (records.get("pretrain") or [None])[-1]
+        if last is None:
+            return ["  no progress line yet"]
+        layers = start.get("layers") or []
+        return [f"  layer {last.get('layer')} of {len(layers) - 1 if layers else '?'}, "
+                f"step {last.get('step')}: recon mse {last.get('recon_mse', float('nan')):.4f}, "
+                f"{last.get('frames_per_sec', 0.0):,.0f} fr/s"]
+    train = records["train"]
+    if not train:
+        return ["  no progress line yet"]
+    last, total = train[-1], start.get("total_steps")
+    step = last.get("step", 0)
+    done = f"step {step}" + (f" of {total} ({step / total:.0%})" if total else "")
+    left = ""
+    first_step = start.get("step", 0)
+    if total and step > first_step and last.get("seconds"):
+        per_step = last["seconds"] / (step - first_step)
+        left = f", about {format_duration(per_step * (total - step))} left"
+    return [f"  {done}, epoch {last.get('epoch')}: xent {last.get('xent', float('nan')):.4f} "
+            f"acc {last.get('acc', float('nan')):.4f}, "
+            f"{last.get('frames_per_sec', 0.0):,.0f} fr/s{left}"]
+
+
+def _held_out(records, end) -> list:
+    evals = records["eval"]
+    if not evals:
+        return []
+    last = evals[-1]
+    line = f"  held-out acc {last.get('dev_acc', float('nan')):.4f} at step {last.get('step')}"
+    chosen = end if end is not None and "best_step" in end else \
+        (records.get("selection") or [None])[-1]
+    if chosen is not None and chosen.get("best_step") is not None:
+        line += (f"; best {chosen.get('best_value', float('nan')):.4f} at step "
+                 f"{chosen.get('best_step')} (best.h5)")
+    return [line]
+
+
+def _newest_checkpoint(run_dir):
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(run_dir), "ckpt-*.h5")):
+        m = _CHECKPOINT.match(os.path.basename(path))
+        if m and os.path.isfile(path):
+            found.append((int(m.group(1)), os.path.basename(path)))
+    return max(found)[1] if found else None

@@ -1,0 +1,92 @@
+"""``mpitrain status`` (train/status.py): where runs stand, from their run
+directories alone: ended, stopped by a signal, running or cut off."""
+
+import json
+import os
+import subprocess
+import sys
+
+from mpitrain.cli import main
+from mpitrain.train.status import run_status
+
+from ..helpers import QUICKSTART, small_overrides
+
+
+def _write(run, records, lock=None):
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "metrics.jsonl", "w", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+    if lock is not None:
+        (run / ".lock").write_text(lock + "\n", encoding="utf-8")
+
+
+START = {"type": "start", "time": 0.0, "step": 0, "total_steps": 400}
+TRAIN = {"type": "train", "time": 50.0, "step": 100, "epoch": 0, "seconds": 50.0,
+         "xent": 1.5, "acc": 0.55, "frames_per_sec": 1234.0}
+EVAL = {"type": "eval", "time": 51.0, "step": 100, "dev_acc": 0.5}
+SELECTION = {"type": "selection", "time": 51.0, "step": 100, "best_step": 100,
+             "best_value": 0.5}
+
+
+def test_an_ended_run_names_its_model_and_held_out_figures(small_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "training.max_steps=20"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main(["status", str(run)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{run}: ended: 20 steps in ") \
+        and lines[0].endswith(f"; {run}/final.h5"), lines
+    assert lines[1].startswith("  held-out acc ") and "at step 20; best " in lines[1], lines
+    assert len(lines) == 2
+
+
+def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
+    run = tmp_path / "run"
+    _write(run, [START, TRAIN, {"type": "stop", "time": 52.0, "step": 104, "signal": "SIGTERM",
+                                "ranks": 1, "checkpoint": f"{run}/ckpt-00000104.h5"}])
+    lines = run_status(run)
+    assert lines[0] == (f"{run}: stopped at step 104 on SIGTERM: checkpoint "
+                        f"{run}/ckpt-00000104.h5; --resume continues from it")
+    assert lines[1] == ("  step 100 of 400 (25%), epoch 0: xent 1.5000 acc 0.5500, "
+                        "1,234 fr/s, about 2m30s left")
+
+
+def test_a_run_without_an_end_is_running_or_cut_off_as_its_rank_0_is(tmp_path):
+    host = os.uname().nodename
+    run = tmp_path / "run"
+    _write(run, [START, TRAIN, EVAL, SELECTION], lock=f"pid {os.getpid()} on {host}")
+    (run / "ckpt-00000100.h5").write_bytes(b"")
+    lines = run_status(run, now=os.path.getmtime(run / "metrics.jsonl") + 130)
+    assert lines[0] == (f"{run}: running (rank 0 is pid {os.getpid()} on {host}; "
+                        "metrics.jsonl written 2m10s ago)")
+    assert lines[2:] == ["  held-out acc 0.5000 at step 100; best 0.5000 at step 100 (best.h5)",
+                         "  newest checkpoint: ckpt-00000100.h5 (--resume continues from it)"]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (run / ".lock").write_text(f"pid {gone} on {host}\n", encoding="utf-8")
+    assert run_status(run)[0].startswith(f"{run}: cut off: rank 0 (pid {gone} on {host}) is "
+                                         "gone without an end record")
+    (run / ".lock").write_text("pid 12 on another-node\n", encoding="utf-8")
+    assert run_status(run)[0].startswith(f"{run}: running, or cut off (no end record; ") \
+        and run_status(run)[0].endswith("; rank 0 was pid 12 on another-node)")
+
+
+def test_an_earlier_attempts_end_does_not_count_after_a_resume(tmp_path):
+    run = tmp_path / "run"
+    ended = {"type": "end", "time": 60.0, "steps": 100, "seconds": 60.0}
+    resumed = dict(START, time=0.0, step=100)
+    _write(run, [START, TRAIN, ended, resumed])
+    assert run_status(run)[0].startswith(f"{run}: running, or cut off (")
+
+
+def test_status_of_several_runs_says_each_and_names_one_it_cannot_read(tmp_path, capsys):
+    _write(tmp_path / "a", [START, TRAIN])
+    assert main(["status", str(tmp_path / "a"), str(tmp_path / "missing"),
+                 str(tmp_path / "a")]) == 2
+    out, err = capsys.readouterr()
+    assert out.count(f"{tmp_path / 'a'}: running, or cut off") == 2, out
+    assert err.startswith(f"mpitrain status: error: {tmp_path / 'missing'}/metrics.jsonl: "), err
