@@ -48,10 +48,10 @@ from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack
 from ..nn.rbm_file import read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
+from .checkpoint_clock import CheckpointClock
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import (RunDirLock, changed_corpora, changed_settings, clear_run, corpus_identity,
                       corpus_places, moved_corpora)
-from .checkpoint_clock import CheckpointClock
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 

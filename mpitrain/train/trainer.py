@@ -30,6 +30,7 @@ from ..optim.factory import build_optimizer, build_schedule
 from ..parallel.registry import build_strategy, data_share, takes_own_steps
 from ..threads import current_blas_threads
 from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, save_checkpoint
+from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .errors import TrainingError
@@ -39,7 +40,6 @@ from .run_dir import RunDirLock, clear_run
 from .search import RateTrials
 from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
-from .checkpoint_clock import CheckpointClock
 from .stop import STOP_SIGNALS, STOPPED, StopPoll, agreed_stop, requested, signal_name
 
 
