@@ -74,12 +74,14 @@ def _how_the_latest_start_ended(path) -> tuple:
 def _state(run_dir, end, stop, now, pretraining) -> str:
     if end is not None:
         result = os.path.join(run_dir, "pretrain.h5" if pretraining else "final.h5")
-        what = (f"{end.get('layers')} RBMs" if pretraining
-                else f"{end.get('steps')} steps")
-        return f"ended: {what} in {format_duration(end.get('seconds', 0.0))}; {result}"
+        what = (f"{_num(end, 'layers', 'd')} RBMs" if pretraining
+                else f"{_num(end, 'steps', 'd')} steps")
+        seconds = end.get("seconds")
+        took = format_duration(seconds) if _is_number(seconds) else "?"
+        return f"ended: {what} in {took}; {result}"
     if stop is not None:
-        where = (f"layer {stop.get('layer')}, step {stop.get('step')}" if pretraining
-                 else f"step {stop.get('step')}")
+        where = (f"layer {_num(stop, 'layer', 'd')}, step {_num(stop, 'step', 'd')}"
+                 if pretraining else f"step {_num(stop, 'step', 'd')}")
         written = stop.get("checkpoint")
         return (f"stopped at {where} on {stop.get('signal')}: "
                 + (f"checkpoint {written}; --resume continues from it" if written
@@ -125,23 +127,25 @@ def _progress(records, start, pretraining) -> list:
         if last is None:
             return ["  no progress line yet"]
         layers = start.get("layers") or []
-        return [f"  layer {last.get('layer')} of {len(layers) - 1 if layers else '?'}, "
-                f"step {last.get('step')}: recon mse {last.get('recon_mse', float('nan')):.4f}, "
-                f"{last.get('frames_per_sec', 0.0):,.0f} fr/s"]
+        of = len(layers) - 1 if isinstance(layers, list) and layers else "?"
+        return [f"  layer {_num(last, 'layer', 'd')} of {of}, step {_num(last, 'step', 'd')}: "
+                f"recon mse {_num(last, 'recon_mse', '.4f')}, "
+                f"{_num(last, 'frames_per_sec', ',.0f')} fr/s"]
     train = records["train"]
     if not train:
         return ["  no progress line yet"]
     last, total = train[-1], start.get("total_steps")
-    step = last.get("step", 0)
-    done = f"step {step}" + (f" of {total} ({step / total:.0%})" if total else "")
+    step, first_step = last.get("step"), start.get("step", 0)
+    known = all(_is_number(v) for v in (step, total, first_step))
+    done = f"step {_num(last, 'step', 'd')}" + (
+        f" of {total} ({step / total:.0%})" if known and total > 0 else "")
     left = ""
-    first_step = start.get("step", 0)
-    if total and step > first_step and last.get("seconds"):
+    if known and total > 0 and step > first_step and _is_number(last.get("seconds")):
         per_step = last["seconds"] / (step - first_step)
-        left = f", about {format_duration(per_step * (total - step))} left"
-    return [f"  {done}, epoch {last.get('epoch')}: xent {last.get('xent', float('nan')):.4f} "
-            f"acc {last.get('acc', float('nan')):.4f}, "
-            f"{last.get('frames_per_sec', 0.0):,.0f} fr/s{left}"]
+        left = f", about {format_duration(per_step * max(total - step, 0))} left"
+    return [f"  {done}, epoch {_num(last, 'epoch', 'd')}: xent {_num(last, 'xent', '.4f')} "
+            f"acc {_num(last, 'acc', '.4f')}, {_num(last, 'frames_per_sec', ',.0f')} "
+            f"fr/s{left}"]
 
 
 def _held_out(records, end) -> list:
@@ -149,12 +153,12 @@ def _held_out(records, end) -> list:
     if not evals:
         return []
     last = evals[-1]
-    line = f"  held-out acc {last.get('dev_acc', float('nan')):.4f} at step {last.get('step')}"
+    line = f"  held-out acc {_num(last, 'dev_acc', '.4f')} at step {_num(last, 'step', 'd')}"
     chosen = end if end is not None and "best_step" in end else \
         (records.get("selection") or [None])[-1]
-    if chosen is not None and chosen.get("best_step") is not None:
-        line += (f"; best {chosen.get('best_value', float('nan')):.4f} at step "
-                 f"{chosen.get('best_step')} (best.h5)")
+    if chosen is not None and _is_number(chosen.get("best_step")):
+        line += (f"; best {_num(chosen, 'best_value', '.4f')} at step "
+                 f"{_num(chosen, 'best_step', 'd')} (best.h5)")
     return [line]
 
 
@@ -165,3 +169,18 @@ def _newest_checkpoint(run_dir):
         if m and os.path.isfile(path):
             found.append((int(m.group(1)), os.path.basename(path)))
     return max(found)[1] if found else None
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _num(record: dict, key: str, spec: str) -> str:
+    """``record[key]`` formatted by ``spec``, or "?" when it is not a number (a
+    record of an older or another writer)."""
+    value = record.get(key)
+    if not _is_number(value):
+        return "?"
+    if spec == "d":
+        return str(int(value))
+    return format(value, spec)

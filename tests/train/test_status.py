@@ -90,3 +90,12 @@ def test_status_of_several_runs_says_each_and_names_one_it_cannot_read(tmp_path,
     out, err = capsys.readouterr()
     assert out.count(f"{tmp_path / 'a'}: running, or cut off") == 2, out
     assert err.startswith(f"mpitrain status: error: {tmp_path / 'missing'}/metrics.jsonl: "), err
+
+
+def test_records_of_another_shape_are_said_with_question_marks_not_a_crash(tmp_path):
+    run = tmp_path / "run"
+    _write(run, [dict(START, total_steps="many"), dict(TRAIN, step="x", xent=None, acc=[1]),
+                 dict(EVAL, dev_acc="high"), dict(SELECTION, best_value=None)])
+    lines = run_status(run)
+    assert lines[1] == "  step ?, epoch 0: xent ? acc ?, 1,234 fr/s", lines
+    assert lines[2] == "  held-out acc ? at step 100; best ? at step 100 (best.h5)", lines
