@@ -26,6 +26,7 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import traceback
@@ -129,6 +130,11 @@ def _problems_line(problems: list) -> str:
 #: spelt otherwise, when they name the same place from each rank's working
 #: directory.
 PLACES = ("data.train", "data.dev", "model.init_from", "--run-dir", "--out")
+#: Of those, the ones that may name a copy on each node (a corpus staged to the
+#: nodes' local disks, a pretrained stack copied there): equal too when what
+#: they name holds the same bytes (a corpus's corpus.yaml, whose shard paths
+#: are relative to it; a stack file).
+COPIES = {"data.train": "corpus.yaml", "data.dev": "corpus.yaml", "model.init_from": ""}
 #: Command-line options that are not settings: the configuration file is compared
 #: by its content, and --set by the values it sets.
 NOT_SETTINGS = ("func", "command", "config", "set")
@@ -159,20 +165,46 @@ def _place(value) -> Optional[str]:
     return os.path.realpath(value) if isinstance(value, str) and value else None
 
 
-def settings_differences(rank0: dict, mine: dict, rank0_places: dict) -> list:
-    """``"key: mine (rank 0: theirs)"`` for each setting that differs from rank
-    0's; path settings spelt otherwise are compared by the place they name
-    (``rank0_places``: key -> rank 0's real path)."""
-    differences = []
+def settings_differences(rank0: dict, mine: dict, rank0_places: dict) -> tuple:
+    """``(differences, copies)``: ``"key: mine (rank 0: theirs)"`` for each setting
+    that differs from rank 0's (path settings spelt otherwise are compared by the
+    place they name, ``rank0_places``: key -> rank 0's real path), and the keys
+    of :data:`COPIES` that name another place than rank 0's, which are equal if
+    they hold the same bytes (:func:`copy_digest`)."""
+    differences, copies = [], []
     for key in sorted(set(rank0) | set(mine)):
         theirs, ours = rank0.get(key), mine.get(key)
         if theirs == ours:
             continue
-        if _is_place(key) and _place(ours) is not None \
-                and _place(ours) == rank0_places.get(key):
-            continue
-        differences.append(f"{key}: {ours!r} (rank 0: {theirs!r})")
-    return differences
+        if _is_place(key) and _place(ours) is not None:
+            if _place(ours) == rank0_places.get(key):
+                continue
+            if key in COPIES and _place(theirs) is not None:
+                copies.append(key)
+                continue
+        differences.append(_difference(key, ours, theirs))
+    return differences, copies
+
+
+def _difference(key, ours, theirs) -> str:
+    return f"{key}: {ours!r} (rank 0: {theirs!r})"
+
+
+def copy_digest(key: str, value) -> Optional[str]:
+    """SHA-256 of what the path setting ``key`` names (for a corpus, its
+    corpus.yaml), or None when it cannot be read here (the run's own checks
+    then name the problem on that rank)."""
+    if not isinstance(value, str) or not value:
+        return None
+    path = os.path.join(value, COPIES[key]) if COPIES.get(key) else value
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(block)
+    except OSError:
+        return None
+    return digest.hexdigest()
 
 
 def _settings_problem(comm, settings: dict) -> Optional[str]:
@@ -181,7 +213,17 @@ def _settings_problem(comm, settings: dict) -> Optional[str]:
     places = {key: _place(value) for key, value in settings.items() if _is_place(key)}
     rank0, rank0_places = comm.bcast_obj([settings, places] if comm.rank == 0 else None,
                                          root=0)
-    mine = settings_differences(rank0, settings, rank0_places)
+    mine, copies = settings_differences(rank0, settings, rank0_places)
+    if _any_rank(comm, bool(copies)):        # (a collective: every rank asks)
+        # copies on the nodes (rare): rank 0 reads what it names, the others compare
+        keys = sorted(set().union(*comm.allgather_obj(copies)))
+        theirs = comm.bcast_obj({key: copy_digest(key, rank0.get(key)) for key in keys}
+                                if comm.rank == 0 else None, root=0)
+        for key in copies:
+            ours = copy_digest(key, settings.get(key))
+            if None not in (ours, theirs[key]) and ours != theirs[key]:
+                mine.append(_difference(key, settings.get(key), rank0.get(key))
+                            + ", which holds other content")
     verdicts = comm.allgather_obj([mine[:3], len(mine)] if mine else None)
     differing = [rank for rank, v in enumerate(verdicts) if v]
     if not differing:
@@ -193,3 +235,7 @@ def _settings_problem(comm, settings: dict) -> Optional[str]:
     return (f"the ranks were started with different settings: rank {first} has "
             + "; ".join(named) + more + others
             + "; every rank must read the same configuration file and options")
+
+
+def _any_rank(comm, flag: bool) -> bool:
+    return bool(comm.allreduce_scalar(int(flag), op="max"))

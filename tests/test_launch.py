@@ -29,9 +29,9 @@ def test_settings_hold_the_configuration_and_the_options_but_not_the_file_name()
 def test_only_settings_that_differ_are_named_with_rank_0s_value():
     rank0 = {"model.hidden_dim": 512, "training.seed": 1, "--resume": False}
     mine = {"model.hidden_dim": 256, "training.seed": 1, "--resume": True}
-    assert settings_differences(rank0, mine, {}) == [
-        "--resume: True (rank 0: False)", "model.hidden_dim: 256 (rank 0: 512)"]
-    assert settings_differences(rank0, dict(rank0), {}) == []
+    assert settings_differences(rank0, mine, {}) == (
+        ["--resume: True (rank 0: False)", "model.hidden_dim: 256 (rank 0: 512)"], [])
+    assert settings_differences(rank0, dict(rank0), {}) == ([], [])
 
 
 def test_a_path_spelt_otherwise_is_the_same_setting_when_it_names_the_same_place(tmp_path):
@@ -39,10 +39,26 @@ def test_a_path_spelt_otherwise_is_the_same_setting_when_it_names_the_same_place
     places = {"data.train": os.path.realpath(tmp_path / "data/train"),
               "--run-dir": os.path.realpath(tmp_path / "runs/a")}
     same = {"data.train": str(tmp_path / "data/train"), "--run-dir": str(tmp_path / "runs/a")}
-    assert settings_differences(rank0, same, places) == []
+    assert settings_differences(rank0, same, places) == ([], [])
+    # another corpus directory may be a copy (node-local disks): compared by content
     other = {"data.train": str(tmp_path / "data/other"), "--run-dir": str(tmp_path / "runs/a")}
-    assert [d.split(":")[0] for d in settings_differences(rank0, other, places)] == [
-        "data.train"]
+    assert settings_differences(rank0, other, places) == ([], ["data.train"])
+    # another run directory is another run
+    elsewhere = {"data.train": "data/train", "--run-dir": str(tmp_path / "runs/b")}
+    differences, _ = settings_differences(rank0, elsewhere, places)
+    assert [d.split(":")[0] for d in differences] == ["--run-dir"]
+
+
+def test_a_copy_is_told_from_another_corpus_by_its_manifests_bytes(small_corpus, tmp_path):
+    import shutil
+
+    from mpitrain.launch import copy_digest
+    shutil.copytree(f"{small_corpus}/train", tmp_path / "copy")
+    assert copy_digest("data.train", f"{small_corpus}/train") \
+        == copy_digest("data.train", str(tmp_path / "copy"))
+    assert copy_digest("data.train", f"{small_corpus}/dev") \
+        != copy_digest("data.train", str(tmp_path / "copy"))
+    assert copy_digest("data.train", str(tmp_path / "nothing")) is None
 
 
 def test_an_error_every_rank_met_is_said_as_it_is():
@@ -145,3 +161,28 @@ def test_a_dry_run_on_two_ranks_plans_once_and_every_rank_exits_0(mpiexec, tmp_p
     assert result.stdout.count("dry run: ") == 1, result.stdout
     assert statuses == {"rank-0": "0", "rank-1": "0"}, statuses
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.mpi
+def test_a_corpus_staged_to_each_nodes_disk_is_the_same_corpus_another_is_not(
+        mpiexec, tmp_path, small_corpus):
+    # `--set data.train=/local/$(hostname)/corpus/train`: each rank its own copy
+    import shutil
+    from .helpers import small_overrides
+    for rank in (0, 1):
+        shutil.copytree(small_corpus, tmp_path / f"node{rank}")
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--dry-run"]
+    for item in small_overrides(str(tmp_path / "node{rank}")):
+        argv += ["--set", item]
+    result, statuses, said = _run(mpiexec, tmp_path, 2, argv)
+    assert result.returncode == 0 and not said, result.stderr
+    # node 1's copy holds another corpus: named, nobody trains
+    from mpitrain.data.synthetic import synthesize
+    shutil.rmtree(tmp_path / "node1")
+    synthesize(str(tmp_path / "node1"), hours=0.02, speakers=4, shards=1, dev_hours=0.01,
+               dev_speakers=2, seed=9)
+    shutil.rmtree(tmp_path / "status")
+    result, statuses, said = _run(mpiexec, tmp_path, 2, argv)
+    assert result.returncode == 2 and len(said) == 1, result.stderr
+    assert f"rank 1 has data.dev: '{tmp_path}/node1/dev' (rank 0: '{tmp_path}/node0/dev'), " \
+           "which holds other content; data.train: " in said[0], said
