@@ -28,6 +28,8 @@ class _SaidByRank0(Exception):
 
 #: Commands that run under mpiexec (or srun), one process per rank.
 MPI_COMMANDS = ("train", "pretrain", "bench", "synth")
+#: Of those, the ones whose ranks agree before any work (mpitrain/launch.py).
+AGREEING_COMMANDS = ("train", "pretrain", "bench")
 #: How long a silent rank waits before it exits: Open MPI's mpiexec ends the
 #: whole job as soon as one rank exits with a failure, which could cut rank 0
 #: off before it prints the error.
@@ -609,13 +611,26 @@ def _limit_blas_threads(cfg, comm) -> None:
 
 # -- parser ----------------------------------------------------------------------
 
+class _HeldParseError(Exception):
+    """A bad command line of a command whose ranks agree before any work
+    (mpitrain/launch.py): held until every rank has said whether it parsed."""
+
+    def __init__(self, prog: str, message: str, usage: str):
+        super().__init__(f"{prog}: {message}")
+        self.prog, self.message, self.usage = prog, message, usage
+
+
 class _Parser(argparse.ArgumentParser):
     """An argument parser that can leave its errors to rank 0 (``quiet``: this
-    process is another rank of an MPI job, which parses the same command line)."""
+    process is another rank of an MPI job, which parses the same command line),
+    or hold them for the ranks' agreement (``hold``)."""
 
     quiet = False
+    hold = False
 
     def error(self, message):
+        if self.hold:
+            raise _HeldParseError(self.prog, message, self.format_usage())
         if self.quiet:
             raise SystemExit(_end_quietly())
         super().error(message)
@@ -641,9 +656,11 @@ MODEL_HELP = ("a model file (best.h5, final.h5 or a checkpoint) or a run directo
               "(its best.h5, else its final.h5)")
 
 
-def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
+def build_parser(*, quiet_errors: bool = False,
+                 hold_errors: bool = False) -> argparse.ArgumentParser:
     """The command line parser; ``quiet_errors``: a bad command line ends this
-    process with exit status 2 and no message (another rank prints it)."""
+    process with exit status 2 and no message (another rank prints it);
+    ``hold_errors``: it raises :class:`_HeldParseError` instead."""
     fmt = _DefaultsFormatter
     parser = _Parser(
         prog="mpitrain", formatter_class=fmt,
@@ -877,7 +894,7 @@ def build_parser(*, quiet_errors: bool = False) -> argparse.ArgumentParser:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories")
     p.set_defaults(func=cmd_status)
     for each in (parser, *sub.choices.values()):
-        each.quiet = quiet_errors
+        each.quiet, each.hold = quiet_errors, hold_errors
     return parser
 
 
@@ -912,6 +929,25 @@ def _fill_closed_standard_descriptors() -> None:
         sys.stderr = open(os.devnull, "w", encoding="utf-8")
 
 
+def _parse_error_agreed(exc: _HeldParseError, command: str) -> int:
+    """Take part in the ranks' first exchange (mpitrain/launch.py) with this
+    rank's bad command line, then end: rank 0 says it (as argparse would when
+    every rank's is the same), the others end quietly."""
+    from .launch import start_ranks
+
+    def prepare():
+        raise UsageError(str(exc))
+    comm, _, problem = start_ranks(prepare, user_errors=(UsageError,))
+    if comm.rank != 0:
+        return _end_quietly()
+    if problem == str(exc):
+        sys.stderr.write(exc.usage)
+        print(f"{exc.prog}: error: {exc.message}", file=sys.stderr, flush=True)
+    else:
+        print(f"mpitrain {command}: error: {problem}", file=sys.stderr, flush=True)
+    return 2
+
+
 def _version() -> str:
     from . import __version__
     return __version__
@@ -938,9 +974,17 @@ def main(argv=None) -> int:
         # (under a launcher every rank goes on, so that a node lacking the file is
         # said by rank 0 instead of leaving the others waiting for it)
         argv, usage_on_error = ["train", DEFAULT_CONFIG], True
-    # a command line every rank of an MPI job parses alike: rank 0 says what is wrong
-    parser = build_parser(quiet_errors=argv[0] in MPI_COMMANDS and _launcher_rank() > 0)
-    args = parser.parse_args(argv)
+    # a command line every rank of an MPI job parses alike: rank 0 says what is
+    # wrong; for the commands whose ranks agree before any work, a rank whose
+    # command line alone is wrong is said too (instead of the others waiting)
+    from .launch import several_ranks
+    agreeing = argv[0] in AGREEING_COMMANDS and several_ranks()
+    parser = build_parser(quiet_errors=argv[0] in MPI_COMMANDS and _launcher_rank() > 0,
+                          hold_errors=agreeing)
+    try:
+        args = parser.parse_args(argv)
+    except _HeldParseError as exc:
+        return _parse_error_agreed(exc, argv[0])
     # Numerical trouble is counted and reported by the program (see
     # train/divergence.py); numpy's own warnings would only repeat it unclearly.
     warnings.simplefilter("ignore", RuntimeWarning)

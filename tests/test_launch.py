@@ -186,3 +186,15 @@ def test_a_corpus_staged_to_each_nodes_disk_is_the_same_corpus_another_is_not(
     assert result.returncode == 2 and len(said) == 1, result.stderr
     assert f"rank 1 has data.dev: '{tmp_path}/node1/dev' (rank 0: '{tmp_path}/node0/dev'), " \
            "which holds other content; data.train: " in said[0], said
+
+
+@pytest.mark.mpi
+def test_a_command_line_wrong_on_one_rank_only_is_said_by_rank_0(mpiexec, tmp_path):
+    # rank 1's batch script line carries an option this version does not know
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--dry-run",
+            "{rank=1}--no-such-option"]
+    result, statuses, said = _run(mpiexec, tmp_path, 3, argv)
+    assert result.returncode == 2, result.stderr
+    assert said == ["mpitrain train: error: rank 1: mpitrain: unrecognized arguments: "
+                    "--no-such-option (ranks 0, 2 could start)"], result.stderr
+    assert statuses == {"rank-0": "2", "rank-1": "2", "rank-2": "2"}, statuses

@@ -4,7 +4,8 @@ status to STATUS_DIR/rank-N (mpiexec's own status is only the worst of them).
 Usage: cli_status_worker.py STATUS_DIR [--cd DIR] [mpitrain arguments ...]
 
 "{rank}" in an argument (and in DIR) is replaced by the rank, for ranks started
-otherwise; --cd runs the rank in DIR.
+otherwise; an argument "{rank=N}TEXT" is TEXT on rank N and left out on the
+others; --cd runs the rank in DIR.
 """
 
 import os
@@ -14,7 +15,14 @@ from mpitrain import cli
 from mpitrain.comm import rank_from_env
 
 status_dir = os.path.abspath(sys.argv[1])
-argv = [arg.replace("{rank}", str(rank_from_env())) for arg in sys.argv[2:]]
+rank = rank_from_env()
+argv = []
+for arg in sys.argv[2:]:
+    if arg.startswith("{rank="):
+        only, _, arg = arg[len("{rank="):].partition("}")
+        if int(only) != rank:
+            continue
+    argv.append(arg.replace("{rank}", str(rank)))
 if argv[:1] == ["--cd"]:
     os.chdir(argv[1])
     argv = argv[2:]
