@@ -37,6 +37,8 @@ def run_status(run_dir, *, now: float | None = None) -> list:
     A directory without ``metrics.jsonl`` raises FileNotFoundError naming it."""
     run_dir = os.fspath(run_dir)
     records = read_metrics(run_dir)
+    if os.path.isfile(run_dir):             # its metrics.jsonl named: the directory
+        run_dir = os.path.dirname(run_dir) or "."
     now = time.time() if now is None else now
     starts = records["start"]
     end, stop = _how_the_latest_start_ended(metrics_path(run_dir))

@@ -48,6 +48,7 @@ def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
     run = tmp_path / "run"
     _write(run, [START, TRAIN, {"type": "stop", "time": 52.0, "step": 104, "signal": "SIGTERM",
                                 "ranks": 1, "checkpoint": f"{run}/ckpt-00000104.h5"}])
+    assert run_status(run / "metrics.jsonl") == run_status(run)   # the file named
     lines = run_status(run)
     assert lines[0] == (f"{run}: stopped at step 104 on SIGTERM: checkpoint "
                         f"{run}/ckpt-00000104.h5; --resume continues from it")
