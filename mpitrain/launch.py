@@ -3,9 +3,10 @@
 Every rank of a job parses its own command line and reads its own copy of the
 configuration.  Two faults are seen by no single rank:
 
-* one rank cannot start (the configuration file is missing on its node, an
-  option it reads is bad) while the others can: they would wait in MPI for it
-  forever, and its error would never be said;
+* one rank cannot start (the configuration file is missing on its node, a
+  value it reads is bad, its command line alone is wrong) while the others
+  can: they would wait in MPI for it forever, and its error would never be
+  said;
 * the ranks start with different settings (a file edited while the job
   started, an option set per rank in a batch script): their buffers would not
   match (an MPI error naming no setting) or, worse, they would train
@@ -13,13 +14,19 @@ configuration.  Two faults are seen by no single rank:
 
 So, under a launcher with several ranks, an error met before MPI is held, MPI
 is started anyway, and the ranks first exchange whether each could start, then
-compare their settings with rank 0's.  Either fault ends every rank with one
-line from rank 0 naming the ranks and the error or setting.  A run without a
-launcher (or with one rank) says its error at once and never starts MPI.
+compare their settings with rank 0's (a path spelt otherwise that names the
+same place is the same setting, and so is a corpus or stack each rank names
+as its own copy holding the same bytes).  Either fault ends every rank with
+one line from rank 0 naming the ranks and the error or setting.  A run
+without a launcher (or with one rank) says its error at once and never
+starts MPI.
 
 Example::
 
-    comm, cfg, problem = start_ranks(lambda: load_config(path), settings_of)
+    def prepare():
+        cfg = load_config(path)
+        return cfg, rank_settings(cfg, args)
+    comm, cfg, problem = start_ranks(prepare)
     if problem:
         ...       # rank 0 says `problem`; every rank ends with status 2
 """
