@@ -68,6 +68,21 @@ def _refuse_virtual_under_a_launcher() -> None:
                          f"without mpiexec or srun (this is one of {size} processes)")
 
 
+def _one_process_only(command: str) -> None:
+    """A command that is not an MPI one, started as one of several processes by
+    mpiexec or srun: every process would do the whole work (and write the same
+    files at once).  Rank 0 says so; every process ends with status 2."""
+    from .comm import world_size_from_env
+    from .launch import several_ranks
+    if not several_ranks():
+        return
+    if _launcher_rank() > 0:
+        raise _SaidByRank0()
+    size = world_size_from_env()
+    raise UsageError(f"{command} runs as one process; start it without mpiexec or srun"
+                     + (f" (this is one of {size} processes)" if size else ""))
+
+
 def _end_quietly() -> int:
     """Exit status 2 of a rank whose error rank 0 says."""
     time.sleep(QUIET_EXIT_DELAY_S)
@@ -989,6 +1004,8 @@ def main(argv=None) -> int:
     # train/divergence.py); numpy's own warnings would only repeat it unclearly.
     warnings.simplefilter("ignore", RuntimeWarning)
     try:
+        if args.command not in MPI_COMMANDS:
+            _one_process_only(args.command)
         status = args.func(args)
         if sys.stdout is not None:      # (None: started with standard output closed)
             sys.stdout.flush()  # a closed reader shows here, not at interpreter exit

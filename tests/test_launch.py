@@ -198,3 +198,21 @@ def test_a_command_line_wrong_on_one_rank_only_is_said_by_rank_0(mpiexec, tmp_pa
     assert said == ["mpitrain train: error: rank 1: mpitrain: unrecognized arguments: "
                     "--no-such-option (ranks 0, 2 could start)"], result.stderr
     assert statuses == {"rank-0": "2", "rank-1": "2", "rank-2": "2"}, statuses
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("command", ["check", "eval", "export"])
+def test_a_one_process_command_under_mpiexec_is_refused_once(mpiexec, tmp_path, small_corpus,
+                                                             command):
+    # `mpiexec -n 3 python -m mpitrain export ...`: every process would do the
+    # whole work and write the same output at once
+    argv = {"check": ["check", small_corpus],
+            "eval": ["eval", str(tmp_path / "m.h5"), f"{small_corpus}/dev"],
+            "export": ["export", str(tmp_path / "m.h5"), "--feats", "scp:feats.scp",
+                       "--out", f"ark:{tmp_path}/out.ark"]}[command]
+    result, statuses, said = _run(mpiexec, tmp_path, 3, argv)
+    assert result.returncode == 2, result.stderr
+    assert said == [f"mpitrain {command}: error: {command} runs as one process; start it "
+                    "without mpiexec or srun (this is one of 3 processes)"], result.stderr
+    assert statuses == {"rank-0": "2", "rank-1": "2", "rank-2": "2"}, statuses
+    assert not (tmp_path / "out.ark").exists()
