@@ -53,6 +53,9 @@ def _encode_or_flag(obj: Any):
 
 # Large host buffers are reduced in pieces of this size (see _allreduce_host_).
 HOST_PIECE_BYTES = 4 << 20
+#: Seconds between a rank's last words and its abort (see :meth:`MpiCommunicator.abort`).
+ABORT_FLUSH_S = 0.5
+
 
 class MpiCommunicator(Communicator):
     """Communicator over an mpi4py communicator (COMM_WORLD by default).
@@ -427,6 +430,10 @@ class MpiCommunicator(Communicator):
         if sys.stdout is not None:      # (None: started with it closed)
             sys.stdout.flush()
         sys.stderr.flush()
+        # The launcher forwards a rank's output through its own processes, and an
+        # abort ends them: without a pause the lines just written (a traceback,
+        # the reason) were sometimes lost on a loaded machine.
+        time.sleep(ABORT_FLUSH_S)
         # COMM_WORLD, not the wrapped group: the whole job must end.
         MPI.COMM_WORLD.Abort(int(code))
 
