@@ -16,7 +16,8 @@ import time
 import numpy as np
 import pytest
 
-from .slurm_cluster import LocalSlurm, SlurmUnavailable, install_packages, missing_programs
+from .slurm_cluster import (FINISHED_STATES, LocalSlurm, SlurmUnavailable, install_packages,
+                            missing_programs)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SLURM_DIR = os.path.join(REPO, "jobs", "slurm")
@@ -190,6 +191,36 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
     assert (run_dir / "final.h5").exists()
 
 
+def test_a_sweep_array_trains_each_line_on_the_cluster(slurm, corpus, tmp_path):
+    # `SWEEP=lrs.txt sbatch --array=0-1 train.sbatch`: two runs side by side, each
+    # with its own line of settings and run directory
+    from mpitrain.config import load_config
+    sweep = tmp_path / "lrs.txt"
+    sweep.write_text("optimizer.initial_learning_rate=0.008\n"
+                     "optimizer.initial_learning_rate=0.002\n")
+    env = _job_env(slurm, RUN_DIR=str(tmp_path / "run"), SWEEP=str(sweep),
+                   MPITRAIN_SET=_train_overrides(corpus, **{"model.hidden_dim": 32,
+                                                            "training.max_steps": 20}))
+    array = slurm.sbatch(["--array=0-1", "--ntasks-per-node=1", "--cpus-per-task=1",
+                          f"--output={tmp_path}/train-%a.out",
+                          os.path.join(SLURM_DIR, "train.sbatch"),
+                          "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
+    tasks = []
+
+    def every_task_finished(_):
+        tasks[:] = [j for j in slurm.jobs() if j.get("ArrayJobId") == array]
+        return len(tasks) == 2 and all(j["JobState"] in FINISHED_STATES for j in tasks)
+    slurm.wait(array, timeout=JOB_TIMEOUT, until=every_task_finished)
+    logs = "\n".join(open(f"{tmp_path}/train-{i}.out").read() for i in range(2)
+                     if os.path.exists(f"{tmp_path}/train-{i}.out"))
+    assert sorted((j["ArrayTaskId"], j["JobState"], j["ExitCode"]) for j in tasks) == \
+        [("0", "COMPLETED", "0:0"), ("1", "COMPLETED", "0:0")], logs + slurm.log_tail()
+    rates = [load_config(str(tmp_path / f"run-{i}" / "config.yaml"))
+             .optimizer.initial_learning_rate for i in range(2)]
+    assert rates == [0.008, 0.002], logs
+    assert all((tmp_path / f"run-{i}" / "final.h5").exists() for i in range(2)), logs
+
+
 def test_prepare_array_and_merge_make_one_corpus(slurm, tmp_path):
     import kaldiio
     from mpitrain.data.check import check_corpus
@@ -288,6 +319,42 @@ def test_an_attempt_stopped_before_its_first_checkpoint_starts_again(small_corpu
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "holds an attempt without a checkpoint; starting again" in result.stderr
     assert (run_dir / "final.h5").exists()
+
+
+def _sweep_task(tmp_path, corpus, sweep, task):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    env = dict(os.environ, **_job_env(None, RUN_DIR=str(tmp_path / "run"), LAUNCHER="mpirun",
+                                      SLURM_NTASKS="1", SWEEP=str(sweep),
+                                      MPITRAIN_SET=_train_overrides(corpus, **{
+                                          "model.hidden_dim": 16, "training.max_steps": 4})))
+    if task is not None:
+        env["SLURM_ARRAY_TASK_ID"] = str(task)
+    if os.path.exists(mpiexec):
+        env["MPIEXEC"] = mpiexec
+    return subprocess.run(["bash", os.path.join(SLURM_DIR, "train.sbatch"),
+                           "jobs/configs/quickstart.yaml"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_sweep_task_trains_its_line_of_settings_into_a_run_directory_of_its_own(
+        small_corpus, tmp_path):
+    from mpitrain.config import load_config
+    sweep = tmp_path / "sweep.txt"
+    sweep.write_text("# learning rates\n\noptimizer.initial_learning_rate=0.008\n"
+                     "optimizer.initial_learning_rate=0.002 training.seed=5\n")
+    result = _sweep_task(tmp_path, small_corpus, sweep, 1)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "sweep task 1 of 2: optimizer.initial_learning_rate=0.002 training.seed=5" \
+        in result.stdout
+    cfg = load_config(str(tmp_path / "run-1" / "config.yaml"))
+    assert (cfg.optimizer.initial_learning_rate, cfg.training.seed) == (0.002, 5)
+    assert (tmp_path / "run-1" / "final.h5").exists() and not (tmp_path / "run").exists()
+    # a task without its line, or a sweep outside an array, is one line
+    result = _sweep_task(tmp_path, small_corpus, sweep, 2)
+    assert result.returncode == 2 and "holds 2 settings line(s), none for array task 2 " \
+        "(submit with --array=0-1)" in result.stderr, result.stderr
+    result = _sweep_task(tmp_path, small_corpus, sweep, None)
+    assert result.returncode == 2 and "SWEEP needs a job array" in result.stderr, result.stderr
 
 
 def test_usr1_near_the_time_limit_reaches_the_run_which_then_is_requeued(tmp_path):
