@@ -177,6 +177,57 @@ def run_label(run_dir) -> str:
     return os.path.basename(path)
 
 
+#: Settings left out of the labels: where the files are, not what was trained.
+_PLACE_KEYS = ("data.train", "data.dev", "model.init_from")
+#: Differing settings named in a label at most.
+MAX_LABEL_SETTINGS = 3
+
+
+def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = ()) -> list:
+    """Each run's :func:`run_label` with the settings in which the runs'
+    ``config.yaml`` differ (``lr-0 (optimizer.initial_learning_rate=0.008)``), so
+    the runs of a sweep are told apart in a legend; a run without a readable
+    ``config.yaml`` keeps its bare name.  ``ignore``: settings not worth naming
+    (those that do not change what is trained), besides the corpus paths.
+
+    Example::
+
+        labels_with_settings(["runs/lr-0", "runs/lr-1"])
+    """
+    from .files import read_yaml
+    settings = []
+    for run_dir in run_dirs:
+        path = os.path.join(os.path.dirname(metrics_path(run_dir)), "config.yaml")
+        try:
+            data = read_yaml(path, what="config")
+        except (OSError, ValueError):
+            data = None
+        settings.append(_flat(data) if isinstance(data, dict) else None)
+    known = [s for s in settings if s is not None]
+    left_out = set(_PLACE_KEYS) | set(ignore)
+    keys = sorted(k for k in set().union(*known) if k not in left_out
+                  and len({repr(s.get(k)) for s in known}) > 1) if len(known) > 1 else []
+    labels = []
+    for run_dir, flat in zip(run_dirs, settings):
+        label = run_label(run_dir)
+        if flat is not None and keys:
+            shown = [f"{k}={flat.get(k)}" for k in keys[:MAX_LABEL_SETTINGS]]
+            more = f", +{len(keys) - MAX_LABEL_SETTINGS}" if len(keys) > MAX_LABEL_SETTINGS else ""
+            label += f" ({', '.join(shown)}{more})"
+        labels.append(label)
+    return labels
+
+
+def _flat(data: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
               labels: Optional[Sequence[str]] = None, title: Optional[str] = None,
               train: bool = True, dpi: int = 100) -> str:

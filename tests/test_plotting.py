@@ -162,3 +162,22 @@ def test_a_home_that_cannot_be_written_gives_no_matplotlib_warnings(tmp_path):
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert (tmp_path / "r1" / "curves.png").exists()
     assert os.listdir(tmp_path / "tmp") == []          # its directory is removed at exit
+
+
+def test_runs_of_a_sweep_are_labelled_with_the_settings_they_differ_in(tmp_path):
+    from mpitrain.plotting import labels_with_settings
+    from mpitrain.train.run_dir import NEUTRAL_SETTINGS
+    for name, lr, log in (("lr-0", 0.008, 50), ("lr-1", 0.002, 100), ("other", 0.002, 50)):
+        write_run(tmp_path / name, acc_at_end=0.7)
+        (tmp_path / name / "config.yaml").write_text(
+            f"optimizer:\n  initial_learning_rate: {lr}\ntraining:\n  log_interval: {log}\n"
+            f"data:\n  train: /somewhere/{name}\n")
+    (tmp_path / "other" / "config.yaml").unlink()          # a run without its config
+    runs = [tmp_path / "lr-0", tmp_path / "lr-1", tmp_path / "other"]
+    assert labels_with_settings(runs, ignore=NEUTRAL_SETTINGS) == [
+        "lr-0 (optimizer.initial_learning_rate=0.008)",
+        "lr-1 (optimizer.initial_learning_rate=0.002)", "other"]
+    # the logging interval does not change what is trained; the corpus path is a place
+    assert labels_with_settings(runs[:1], ignore=NEUTRAL_SETTINGS) == ["lr-0"]
+    assert cli_main(["plot", *map(str, runs), "--out", str(tmp_path / "sweep.png")]) == 0
+    assert (tmp_path / "sweep.png").stat().st_size > 0
