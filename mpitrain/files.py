@@ -290,6 +290,22 @@ def read_yaml(path, *, what: str = "YAML file"):
     return parse_yaml(text, where=path)
 
 
+def dotted_keys(data: dict, prefix: str = "") -> dict:
+    """Nested mappings (a config as YAML holds it) as one level of dotted keys.
+
+    Example::
+
+        dotted_keys({"model": {"hidden_dim": 512}})   # {'model.hidden_dim': 512}
+    """
+    out = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out.update(dotted_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def yaml_text(data, *, flow_leaves: bool = False) -> str:
     """YAML for plain data, keys in their order (``flow_leaves``: short lists on one line);
     text outside ASCII (utterance ids, paths) as it is, so that grep finds it."""

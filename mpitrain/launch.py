@@ -150,16 +150,10 @@ NOT_SETTINGS = ("func", "command", "config", "set")
 def rank_settings(cfg, args) -> dict:
     """Everything that must be equal on every rank: the configuration's values
     (``model.hidden_dim``: 512) and the command line's options (``--run-dir``)."""
+    from .files import dotted_keys
     settings = {f"--{name.replace('_', '-')}": value for name, value in vars(args).items()
                 if name not in NOT_SETTINGS}
-
-    def walk(data: dict, prefix: str) -> None:
-        for key, value in data.items():
-            if isinstance(value, dict):
-                walk(value, f"{prefix}{key}.")
-            else:
-                settings[f"{prefix}{key}"] = list(value) if isinstance(value, tuple) else value
-    walk(cfg.to_dict(), "")
+    settings.update(dotted_keys(cfg.to_dict()))
     # as every rank sees rank 0's (tuples become lists)
     return json.loads(json.dumps(settings))
 

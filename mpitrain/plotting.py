@@ -194,7 +194,7 @@ def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = ()) -> l
 
         labels_with_settings(["runs/lr-0", "runs/lr-1"])
     """
-    from .files import read_yaml
+    from .files import dotted_keys, read_yaml
     settings = []
     for run_dir in run_dirs:
         path = os.path.join(os.path.dirname(metrics_path(run_dir)), "config.yaml")
@@ -202,7 +202,7 @@ def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = ()) -> l
             data = read_yaml(path, what="config")
         except (OSError, ValueError):
             data = None
-        settings.append(_flat(data) if isinstance(data, dict) else None)
+        settings.append(dotted_keys(data) if isinstance(data, dict) else None)
     known = [s for s in settings if s is not None]
     left_out = set(_PLACE_KEYS) | set(ignore)
     keys = sorted(k for k in set().union(*known) if k not in left_out
@@ -216,16 +216,6 @@ def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = ()) -> l
             label += f" ({', '.join(shown)}{more})"
         labels.append(label)
     return labels
-
-
-def _flat(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",

@@ -28,7 +28,7 @@ ALLOWED = {
     "config": {"files", "parallel"},
     "plotting": {"files"},
     "starter": {"files"},
-    "launch": {"comm"},
+    "launch": {"comm", "files"},
     "inference": {"backend", "data", "export", "files", "nn"},
     "export": {"backend", "data", "files", "nn"},
     "convert": {"files", "nn"},

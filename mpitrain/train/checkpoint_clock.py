@@ -36,8 +36,13 @@ class CheckpointClock:
     def __init__(self, comm, minutes: float):
         self.comm = comm
         self.seconds = max(float(minutes), 0.0) * 60.0
-        self.agreed = False          # every rank heard rank 0 say a checkpoint is due
+        self._heard = False          # every rank heard rank 0 say a checkpoint is due
         self._since = comm.wtime()
+
+    @property
+    def agreed(self) -> bool:
+        """Every rank knows a checkpoint is due (one rank alone: by its own clock)."""
+        return self._heard or (self.comm.size == 1 and self.due())
 
     def due(self) -> bool:
         """By this rank's own clock (the decider's question)."""
@@ -49,11 +54,11 @@ class CheckpointClock:
         return float(self.comm.rank == 0 and self.due())
 
     def hear(self, flag) -> None:
-        """What an exchange said of rank 0's flag (one rank alone: its own)."""
+        """What an exchange said of rank 0's flag."""
         if flag:
-            self.agreed = True
+            self._heard = True
 
     def written(self) -> None:
         """A checkpoint was written (or given up on): the clock starts again."""
-        self.agreed = False
+        self._heard = False
         self._since = self.comm.wtime()

@@ -50,8 +50,7 @@ from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
 from .checkpoint_clock import CheckpointClock
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import (RunDirLock, changed_corpora, changed_settings, clear_run, corpus_identity,
-                      corpus_places, moved_corpora)
+from .run_dir import RunDirLock, clear_run, corpus_identity, corpus_places, resume_changes
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 
@@ -335,15 +334,11 @@ class Pretrainer:
             ckpt = self._read_checkpoint(chosen)
         except (ValueError, OSError) as exc:
             raise TrainingError(str(exc)) from None
-        old_state, identity = {**ckpt["places"], **ckpt["corpus"]}, \
-            corpus_identity({"data.train": self.manifest})
-        moved = moved_corpora(old_state, identity, corpus_places(self.cfg))
-        notes += [f"{key}: the corpus this run trained on, moved from {before} to {after}"
-                  for key, (before, after) in moved.items()]
-        changes = [c for c in changed_settings(config_from_yaml(ckpt["config"]), self.cfg,
-                                               old_places=ckpt["places"], moved=moved)
-                   + changed_corpora(old_state, identity, corpus_places(self.cfg))
-                   if c.startswith(PRETRAIN_SETTINGS)]
+        changes, moved = resume_changes(config_from_yaml(ckpt["config"]), self.cfg,
+                                        {**ckpt["places"], **ckpt["corpus"]},
+                                        corpus_identity({"data.train": self.manifest}))
+        notes += moved
+        changes = [c for c in changes if c.startswith(PRETRAIN_SETTINGS)]
         if changes and not self.accept_changes:
             raise TrainingError(f"{chosen}: --resume with settings that change the result: "
                                 + "; ".join(changes) + " (restore them, or pass "
@@ -503,8 +498,6 @@ class Pretrainer:
                 flags, timed = stop_poll.exchange(self.layer_step, rank0_flag=clock.flag())
                 self._stop = agreed_stop(flags, is_root=self.is_root)
                 clock.hear(timed)
-            if comm.size == 1:
-                clock.hear(clock.due())
             steps_due = next_checkpoint and self.layer_step >= next_checkpoint
             if (steps_due or clock.agreed) and not last \
                     and self.layer_step % self.every_steps == 0:

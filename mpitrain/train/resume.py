@@ -21,8 +21,7 @@ from ..config import config_from_yaml
 from ..nn.model_file import save_model
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
-from .run_dir import (changed_corpora, changed_settings, corpus_identity, corpus_places,
-                      moved_corpora)
+from .run_dir import corpus_identity, corpus_places, resume_changes
 
 #: Prefixes of the schedule's and the model selection's scalars in the
 #: checkpoint's group 'trainer'.
@@ -106,16 +105,11 @@ class CheckpointResume:
                                  + " ".join(str(exc).split()))
                     continue
                 chosen, num_ranks = path, header.num_ranks
-                state, identity = header.trainer_state, self._corpus_identity()
-                moved = moved_corpora(state, identity, corpus_places(self.cfg))
-                notes += [f"{key}: the corpus this run trained on, moved from {before} to "
-                          f"{after}" for key, (before, after) in moved.items()]
                 try:
-                    changes = changed_settings(
-                        config_from_yaml(header.config_yaml), self.cfg,
-                        old_places={k: v for k, v in state.items() if k.startswith("place_")},
-                        moved=moved)
-                    changes += changed_corpora(state, identity, corpus_places(self.cfg))
+                    changes, moved = resume_changes(config_from_yaml(header.config_yaml),
+                                                    self.cfg, header.trainer_state,
+                                                    self._corpus_identity())
+                    notes += moved
                 except ValueError as exc:
                     problem = f"{path}: the stored config: {' '.join(str(exc).split())}"
                 break

@@ -17,10 +17,12 @@ Example::
 from __future__ import annotations
 
 import errno
-import json
 import glob
+import json
 import os
 import zlib
+
+from ..files import dotted_keys
 
 #: Files a run writes (checkpoints are matched separately).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png",
@@ -90,17 +92,6 @@ def clear_run(run_dir) -> list:
     return removed
 
 
-def _flatten(data: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in data.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 #: Settings that name directories: compared by the directory they name (from the
 #: working directory of each run), not by their spelling.
 PLACE_SETTINGS = ("data.train", "data.dev", "model.init_from")
@@ -110,7 +101,7 @@ def corpus_places(cfg) -> dict:
     """``{"place_data.train": absolute real path, ...}`` of the path settings that
     are set: stored with a run's checkpoints, so a resume from another working
     directory is compared by what the paths name."""
-    flat = _flatten(cfg.to_dict())
+    flat = dotted_keys(cfg.to_dict())
     return {f"place_{key}": os.path.realpath(flat[key]) for key in PLACE_SETTINGS
             if isinstance(flat.get(key), str) and flat[key]}
 
@@ -203,7 +194,7 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
     they are spelt (a relative path resumed from another working directory).
     ``moved`` (:func:`moved_corpora`): path settings that name the same corpus
     elsewhere, which changes nothing."""
-    old, new = _flatten(old_cfg.to_dict()), _flatten(new_cfg.to_dict())
+    old, new = dotted_keys(old_cfg.to_dict()), dotted_keys(new_cfg.to_dict())
     places = corpus_places(new_cfg)
     changes = []
     for key in sorted(set(old) | set(new)):
@@ -219,6 +210,23 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
         if old.get(key) != new.get(key):
             changes.append(f"{key}: {old.get(key)!r} -> {new.get(key)!r}")
     return changes
+
+
+def resume_changes(old_cfg, new_cfg, old_state: dict, now_identity: dict) -> tuple:
+    """``(changes, notes)`` of a resume from a checkpoint with config ``old_cfg``
+    and trainer state ``old_state`` (its places and corpus identity): the settings
+    and corpora that differ (:func:`changed_settings`, :func:`changed_corpora`),
+    and a line for each corpus found elsewhere (:func:`moved_corpora`), which is
+    no change."""
+    places = corpus_places(new_cfg)
+    moved = moved_corpora(old_state, now_identity, places)
+    notes = [f"{key}: the corpus this run trained on, moved from {before} to {after}"
+             for key, (before, after) in moved.items()]
+    changes = changed_settings(
+        old_cfg, new_cfg, old_places={k: v for k, v in old_state.items()
+                                      if k.startswith("place_")}, moved=moved) \
+        + changed_corpora(old_state, now_identity, places)
+    return changes, notes
 
 
 #: What flock says when another process holds the lock; any other error means

@@ -736,8 +736,6 @@ class Trainer(CheckpointResume):
                 flags, timed = stop_poll.exchange(self.step, rank0_flag=clock.flag())
                 self._stop_agreed(flags)
                 clock.hear(timed)
-            if comm.size == 1:
-                clock.hear(clock.due())
             # decided from the step count alone, so every rank evaluates together
             epoch_done = self.step % self.steps_per_epoch == 0
             # (not at the last step: the final evaluation follows, counted once)

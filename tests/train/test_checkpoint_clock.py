@@ -17,6 +17,8 @@ from ..helpers import QUICKSTART, small_overrides
 
 
 class _Clock:
+    size = 2
+
     def __init__(self, rank=0):
         self.rank, self.now = rank, 100.0
 
@@ -42,6 +44,9 @@ def test_only_rank_0s_clock_speaks_and_a_checkpoint_starts_it_again():
     clock.written()
     assert not clock.agreed and not clock.due()
     assert not CheckpointClock(comm, minutes=0).due()
+    comm.size = 1                                   # one rank: its own clock is the word
+    comm.now += 120.0
+    assert clock.agreed
 
 
 def _checkpoint_steps(run_dir):
