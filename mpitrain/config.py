@@ -67,8 +67,9 @@ class NgsgdConfig:
     update_period: int = _opt(4, min=1, help="minibatches between Fisher updates (after the first 10)")
     num_samples_history: float = _opt(2000.0, min=0.0, min_exclusive=True, max=1.0e6, help="frames of memory of the Fisher estimate")
     alpha: float = _opt(4.0, min=0.0, help="smoothing of the Fisher estimate towards the identity")
-    reset_on_average: bool = _opt(True, help="fresh preconditioner state after each model "
-                                             "average, as each Kaldi job starts fresh")
+    reset_on_average: bool = _opt(False, help="fresh preconditioner state after each model "
+                                              "average, as each Kaldi job starts fresh (costly "
+                                              "when averages are a few minibatches apart)")
 
 
 @dataclass

@@ -36,7 +36,7 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
             reset_every: int = 0) -> dict:
     """Median step times of SGD and NG-SGD; ``reset_every`` K > 0 starts NG-SGD's
     preconditioners afresh every K steps, as model averaging every K minibatches
-    does on more than one rank with ``optimizer.ngsgd.reset_on_average``."""
+    does on several ranks with ``optimizer.ngsgd.reset_on_average: true``."""
     from .. import backend
     from .models import ModelSpec, synthetic_chunk
     from .steps import TrainerSteps
@@ -55,7 +55,7 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
         for _ in range(n):
             runner.step()
             if name == "ngsgd" and reset_every and runner.step_count % reset_every == 0:
-                runner.optimizer.after_average()
+                runner.optimizer.reset_preconditioners()
         backend.synchronize(xp)
         return (time.perf_counter() - start) / n
 

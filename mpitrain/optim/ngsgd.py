@@ -27,9 +27,11 @@ class NaturalGradientSGD(SGD):
 
     def __init__(self, net, *, variant: str = "online", rank_in: int = 20, rank_out: int = 80,
                  update_period: int = 4, num_samples_history: float = 2000.0,
-                 alpha: float = 4.0, reset_on_average: bool = True, **sgd_options):
+                 alpha: float = 4.0, reset_on_average: bool = False, **sgd_options):
         super().__init__(net, **sgd_options)
-        # Kaldi starts every job after an average from fresh Fisher estimates.
+        # Kaldi starts every job after an average from fresh Fisher estimates; its
+        # jobs are hundreds of minibatches long.  Averaging every few minibatches,
+        # a fresh start keeps every step in the estimate's costly start-up phase.
         self.reset_on_average = bool(reset_on_average)
         if variant not in ("online", "simple"):
             raise ValueError(f"variant must be 'online' or 'simple', got {variant!r}")

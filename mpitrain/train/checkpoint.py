@@ -53,9 +53,10 @@ def checkpoint_path(run_dir, step: int) -> str:
 
 def _numbered(run_dir) -> list:
     found = []
-    for path in glob.glob(os.path.join(run_dir, "ckpt-*.h5")):
+    for path in glob.glob(os.path.join(glob.escape(os.fspath(run_dir)), "ckpt-*.h5")):
         m = _NAME.search(os.path.basename(path))
-        if m:
+        # a directory of that name is not a checkpoint: never counted, never removed
+        if m and not os.path.isdir(path):
             found.append((int(m.group(1)), path))
     return sorted(found)
 

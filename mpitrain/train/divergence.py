@@ -133,7 +133,8 @@ class DivergenceGuard:
 def restart_advice(run_dir: str) -> str:
     """What to do after a run that cannot roll back diverged: resume with a lower
     rate when a checkpoint is there, else start again with one."""
-    if glob.glob(os.path.join(run_dir, "ckpt-*.h5")):
+    if any(not os.path.isdir(path)
+           for path in glob.glob(os.path.join(glob.escape(run_dir), "ckpt-*.h5"))):
         return ("resume from the last checkpoint with a lower learning rate "
                 "(--resume --accept-changes --set optimizer.initial_learning_rate=...)")
     return ("no checkpoint was written yet: start again with a lower learning rate "

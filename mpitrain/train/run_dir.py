@@ -42,12 +42,24 @@ NEUTRAL_SETTINGS = (
     "parallel.straggler.jitter")
 
 
+def unused_settings(cfg) -> tuple:
+    """Prefixes of the settings that ``cfg`` does not use: those of NG-SGD in a
+    run that trains with another optimizer.
+
+    Example::
+
+        unused_settings(cfg)    # ("optimizer.ngsgd.",) when optimizer.name is sgd
+    """
+    return () if cfg.optimizer.name == "ngsgd" else ("optimizer.ngsgd.",)
+
+
 def run_files(run_dir) -> list:
     """The files of a run found in ``run_dir`` (sorted)."""
     found = [os.path.join(run_dir, name) for name in RUN_FILES
              if os.path.exists(os.path.join(run_dir, name))]
-    found += glob.glob(os.path.join(run_dir, "ckpt-*.h5"))
-    return sorted(found)
+    found += glob.glob(os.path.join(glob.escape(os.fspath(run_dir)), "ckpt-*.h5"))
+    # a directory of a checkpoint's name is the user's, not a file of the run
+    return sorted(path for path in found if not os.path.isdir(path))
 
 
 def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
@@ -193,12 +205,14 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
     path settings then differ when they name other directories from here, however
     they are spelt (a relative path resumed from another working directory).
     ``moved`` (:func:`moved_corpora`): path settings that name the same corpus
-    elsewhere, which changes nothing."""
+    elsewhere, which changes nothing.  Settings that neither run uses
+    (:func:`unused_settings`) change nothing either."""
     old, new = dotted_keys(old_cfg.to_dict()), dotted_keys(new_cfg.to_dict())
     places = corpus_places(new_cfg)
+    unused = set(unused_settings(old_cfg)) & set(unused_settings(new_cfg))
     changes = []
     for key in sorted(set(old) | set(new)):
-        if key in neutral or key in (moved or {}):
+        if key in neutral or key in (moved or {}) or key.startswith(tuple(unused)):
             continue
         saved = (old_places or {}).get(f"place_{key}")
         if saved is not None and key in PLACE_SETTINGS:

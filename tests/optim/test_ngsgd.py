@@ -36,3 +36,31 @@ def test_state_of_a_preconditioner_for_another_dimension_is_refused():
     bad = dict(state, preconditioners=dict(state["preconditioners"], layer1_in=wide))
     with pytest.raises(ValueError, match="preconditioner 'layer1_in' has W of shape"):
         fresh.load_state_dict(bad)
+
+
+@pytest.mark.parametrize("reset", [None, False, True])
+def test_estimates_are_kept_across_averages_unless_asked(reset):
+    """By default the Fisher estimates survive a model average (averages a few
+    minibatches apart would keep every step in the costly start-up phase);
+    ``reset_on_average=True`` starts them afresh, as each Kaldi job does.  The
+    config's default is the optimizer's."""
+    from mpitrain.config import NgsgdConfig, OptimizerConfig
+    from mpitrain.optim.factory import build_optimizer
+    net, _ = _trained(steps=0)
+    cfg = OptimizerConfig(name="ngsgd", ngsgd=NgsgdConfig() if reset is None
+                          else NgsgdConfig(reset_on_average=reset))
+    opt = build_optimizer(cfg, net)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        x = rng.standard_normal((32, net.input_dim)).astype(np.float32)
+        net.forward_backward(x, rng.integers(0, net.num_classes, 32))
+        opt.step(0.01)
+    before = {k: p.t for k, p in opt.preconditioners.items()}
+    opt.after_average()
+    after = {k: p.t for k, p in opt.preconditioners.items()}
+    if reset:
+        assert set(after.values()) == {0}
+        assert not any(p.initialized for p in opt.preconditioners.values())
+    else:
+        assert after == before and set(after.values()) == {3}
+    assert NaturalGradientSGD(net).reset_on_average is NgsgdConfig().reset_on_average is False

@@ -278,6 +278,18 @@ def test_rotation_keeps_at_least_two(tmp_path):
         ["ckpt-00000300.h5", "ckpt-00000400.h5", "ckpt-00000500.h5"]
 
 
+def test_a_directory_named_like_a_checkpoint_is_neither_counted_nor_removed(tmp_path):
+    # it counted toward the kept checkpoints, and the rotation that reached it
+    # failed the save with IsADirectoryError
+    (tmp_path / "ckpt-00000050.h5").mkdir()
+    (tmp_path / "ckpt-00000050.h5" / "mine.txt").write_text("x")
+    for step in (100, 200, 300):
+        write(tmp_path, step, keep=2)
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
+        ["ckpt-00000200.h5", "ckpt-00000300.h5"]
+    assert (tmp_path / "ckpt-00000050.h5" / "mine.txt").exists()
+
+
 def test_rotation_drops_checkpoints_of_an_abandoned_timeline(tmp_path):
     # resumed from 200 after 300 and 400 were skipped: the next save is at 250
     for step in (100, 200, 300, 400):

@@ -103,7 +103,7 @@ def test_a_checkpoint_skipped_on_resume_is_said_in_one_line(small_corpus, tmp_pa
                                                  "training.eval_interval=0"]:
         argv += ["--set", item]
     assert main(argv + ["--set", "training.max_steps=8"]) == 0
-    (run / "ckpt-00000009.h5").mkdir()          # no file HDF5 can open
+    (run / "ckpt-00000009.h5").write_bytes(b"not HDF5")   # no file HDF5 can open
     capsys.readouterr()
     assert main(argv + ["--set", "training.max_steps=12", "--resume"]) == 0
     out = capsys.readouterr().out.splitlines()

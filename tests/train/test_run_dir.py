@@ -46,6 +46,14 @@ def test_clear_run_removes_the_run_files_only(tmp_path):
     assert sorted(os.listdir(d)) == ["notes.txt"]
 
 
+def test_a_directory_named_like_a_checkpoint_is_not_a_run_file(tmp_path):
+    # --overwrite removed the run's files with os.remove: it failed on the directory
+    d = _run(tmp_path)
+    (d / "ckpt-00000001.h5").mkdir()
+    clear_run(str(d))
+    assert sorted(os.listdir(d)) == ["ckpt-00000001.h5", "notes.txt"]
+
+
 def test_changed_settings_lists_what_changes_the_result():
     old, new = RunConfig(), RunConfig()
     new.optimizer.initial_learning_rate = 0.004
@@ -55,6 +63,23 @@ def test_changed_settings_lists_what_changes_the_result():
     assert changed_settings(old, new) == [
         "optimizer.initial_learning_rate: 0.002 -> 0.004", "training.minibatch: 256 -> 512"]
     assert changed_settings(old, RunConfig()) == []
+
+
+def test_settings_of_an_optimizer_neither_run_uses_are_no_change():
+    """An SGD run saved when NG-SGD's defaults were others (or with its NG-SGD
+    section edited since) resumes without a change; an NG-SGD run, or a switch
+    to or from NG-SGD, still names them."""
+    old, new = RunConfig(), RunConfig()
+    old.optimizer.ngsgd.reset_on_average = True
+    new.optimizer.ngsgd.rank_out = 40
+    assert changed_settings(old, new) == []
+    old.optimizer.name = "ngsgd"
+    assert changed_settings(old, new) == [
+        "optimizer.name: 'ngsgd' -> 'sgd'", "optimizer.ngsgd.rank_out: 80 -> 40",
+        "optimizer.ngsgd.reset_on_average: True -> False"]
+    new.optimizer.name = "ngsgd"
+    assert changed_settings(old, new) == [
+        "optimizer.ngsgd.rank_out: 80 -> 40", "optimizer.ngsgd.reset_on_average: True -> False"]
 
 
 def test_run_directories_that_cannot_be_used_are_named(tmp_path, monkeypatch):
