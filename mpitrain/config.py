@@ -70,6 +70,11 @@ class NgsgdConfig:
     reset_on_average: bool = _opt(False, help="fresh preconditioner state after each model "
                                               "average, as each Kaldi job starts fresh (costly "
                                               "when averages are a few minibatches apart)")
+    delayed_updates: bool = _opt(False, help="apply each Fisher update at the next updating "
+                                             "minibatch, not the next one (Kaldi's): the same "
+                                             "estimates, each used update_period - 1 "
+                                             "minibatches later; on a GPU the host plans "
+                                             "them meanwhile")
 
 
 @dataclass

@@ -33,10 +33,12 @@ from .machine import device_problem
 
 def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
             device="cpu", variant="online", cuda_graph: bool = False,
-            reset_every: int = 0) -> dict:
+            reset_every: int = 0, delayed_updates: bool = False) -> dict:
     """Median step times of SGD and NG-SGD; ``reset_every`` K > 0 starts NG-SGD's
     preconditioners afresh every K steps, as model averaging every K minibatches
-    does on several ranks with ``optimizer.ngsgd.reset_on_average: true``."""
+    does on several ranks with ``optimizer.ngsgd.reset_on_average: true``;
+    ``delayed_updates`` adds a third contender, NG-SGD with
+    ``optimizer.ngsgd.delayed_updates`` (``delayed_ngsgd_step_ms``, ``delayed_ratio``)."""
     from .. import backend
     from .models import ModelSpec, synthetic_chunk
     from .steps import TrainerSteps
@@ -44,9 +46,13 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
     model = ModelSpec("ngsgd-overhead", hidden_layers=layers, hidden_dim=hidden,
                       num_classes=classes, minibatch=minibatch)
     chunk, perm = synthetic_chunk(model, max(20 * minibatch, 20_000))
-    runners = {name: TrainerSteps(model, chunk, perm, xp=xp, optimizer=name,
-                                  ngsgd_variant=variant, cuda_graph=cuda_graph)
-               for name in ("sgd", "ngsgd")}
+    contenders = {"sgd": ("sgd", False), "ngsgd": ("ngsgd", False)}
+    if delayed_updates:
+        contenders["ngsgd-delayed"] = ("ngsgd", True)
+    runners = {name: TrainerSteps(model, chunk, perm, xp=xp, optimizer=optimizer,
+                                  ngsgd_variant=variant, cuda_graph=cuda_graph,
+                                  ngsgd_delayed_updates=delayed)
+               for name, (optimizer, delayed) in contenders.items()}
 
     def run(name, n):
         backend.synchronize(xp)
@@ -54,7 +60,7 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
         runner = runners[name]
         for _ in range(n):
             runner.step()
-            if name == "ngsgd" and reset_every and runner.step_count % reset_every == 0:
+            if name != "sgd" and reset_every and runner.step_count % reset_every == 0:
                 runner.optimizer.reset_preconditioners()
         backend.synchronize(xp)
         return (time.perf_counter() - start) / n
@@ -67,14 +73,18 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
             run(name, 12)
         times = {name: [] for name in runners}
         for r in range(rounds):
-            order = ("sgd", "ngsgd") if r % 2 == 0 else ("ngsgd", "sgd")
+            order = list(runners) if r % 2 == 0 else list(runners)[::-1]
             for name in order:
                 times[name].append(run(name, steps))
     med = {name: float(np.median(t)) for name, t in times.items()}
-    return {"model": f"440-{layers}x{hidden}-{classes}", "minibatch": minibatch,
-            "device": backend.device_name(xp), "cuda_graph": cuda_graph,
-            "reset_every": reset_every, "sgd_step_ms": med["sgd"] * 1e3,
-            "ngsgd_step_ms": med["ngsgd"] * 1e3, "ratio": med["ngsgd"] / med["sgd"]}
+    result = {"model": f"440-{layers}x{hidden}-{classes}", "minibatch": minibatch,
+              "device": backend.device_name(xp), "cuda_graph": cuda_graph,
+              "reset_every": reset_every, "sgd_step_ms": med["sgd"] * 1e3,
+              "ngsgd_step_ms": med["ngsgd"] * 1e3, "ratio": med["ngsgd"] / med["sgd"]}
+    if delayed_updates:
+        result.update(delayed_ngsgd_step_ms=med["ngsgd-delayed"] * 1e3,
+                      delayed_ratio=med["ngsgd-delayed"] / med["sgd"])
+    return result
 
 
 def main(argv=None) -> int:
@@ -93,6 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--reset-every", type=int, default=0, metavar="K",
                    help="NG-SGD's preconditioners start afresh every K steps, as model "
                         "averaging every K minibatches does on several ranks (0: never)")
+    p.add_argument("--delayed-updates", action="store_true",
+                   help="also time NG-SGD with optimizer.ngsgd.delayed_updates")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     if args.reset_every < 0:
@@ -107,12 +119,15 @@ def main(argv=None) -> int:
     result = measure(hidden=args.hidden, layers=args.layers, classes=args.classes,
                      minibatch=args.minibatch, rounds=args.rounds, steps=args.steps,
                      device=args.device, cuda_graph=args.cuda_graph,
-                     reset_every=args.reset_every)
+                     reset_every=args.reset_every, delayed_updates=args.delayed_updates)
     print(f"{result['model']} minibatch {result['minibatch']} on {result['device']}"
           f"{' (CUDA graphs)' if args.cuda_graph else ''}"
           f"{f', NG-SGD reset every {args.reset_every} steps' if args.reset_every else ''}: "
           f"SGD {result['sgd_step_ms']:.1f} ms/step, NG-SGD {result['ngsgd_step_ms']:.1f} "
           f"ms/step, NG-SGD / SGD = {result['ratio']:.3f}")
+    if args.delayed_updates:
+        print(f"  with delayed_updates: NG-SGD {result['delayed_ngsgd_step_ms']:.1f} ms/step, "
+              f"NG-SGD / SGD = {result['delayed_ratio']:.3f}")
     if args.json:
         with atomic_open(args.json) as fh:
             json.dump(result, fh, indent=2)

@@ -50,7 +50,8 @@ class TrainerSteps:
     def __init__(self, model: ModelSpec, chunk, order, *, comm=None,
                  method: Optional[str] = CONFIG_METHOD, every: int = 8, total_steps: int = 0,
                  lr_decay: bool = True, optimizer: str = "sgd", ngsgd_variant: str = "online",
-                 xp=np, seed: int = 1, cuda_graph: bool = False):
+                 xp=np, seed: int = 1, cuda_graph: bool = False,
+                 ngsgd_delayed_updates: bool = False):
         from mpitrain import backend
         from mpitrain.comm.single import SingleCommunicator
         from mpitrain.config import RunConfig
@@ -68,6 +69,7 @@ class TrainerSteps:
         cfg.data.left_context, cfg.data.right_context = model.left_context, model.right_context
         cfg.optimizer.name = optimizer
         cfg.optimizer.ngsgd.variant = ngsgd_variant
+        cfg.optimizer.ngsgd.delayed_updates = ngsgd_delayed_updates
         cfg.parallel.average_every = every
         comm = comm if comm is not None else SingleCommunicator()
         self.cfg, self.model, self.xp = cfg, model, xp

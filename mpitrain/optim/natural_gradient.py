@@ -23,6 +23,13 @@ Symbols in the code: X and Xhat are ``X`` (overwritten in place), W is
 the floors, ``W' = A B``) is :func:`_plan_updates`, in float64 on the host, for
 every layer side of one rank at once (:class:`JointFisherUpdates`).
 
+With ``delayed_updates`` an update started in one call is applied at the next
+updating call instead of the next call (past the initial updates, 3 calls
+later with ``update_period`` 4).  The estimates are Kaldi's, update for
+update (the rows of an updating call see the same W either way); the calls in
+between use the estimate one update older.  That leaves the host until then
+to plan the update, and leaves the calls in between fixed device work.
+
 Example::
 
     prec_in = OnlineNaturalGradient(rank=20)
@@ -344,6 +351,10 @@ class OnlineNaturalGradient(Preconditioner):
     (:class:`JointFisherUpdates`) the first side that finishes finishes every
     side's pending update.
 
+    With ``delayed_updates`` the update is finished at the next updating call
+    instead (see the module's docstring); reading the state then leaves a
+    pending update pending, and :meth:`state_dict` saves it.
+
     Example::
 
         prec = OnlineNaturalGradient(rank=80, update_period=4)
@@ -354,7 +365,7 @@ class OnlineNaturalGradient(Preconditioner):
     def __init__(self, *, rank: int, update_period: int = 4,
                  num_samples_history: float = 2000.0, num_minibatches_history: float = 0,
                  alpha: float = 4.0, epsilon: float = 1e-10, delta: float = 5e-4,
-                 frozen: bool = False):
+                 frozen: bool = False, delayed_updates: bool = False):
         if isinstance(rank, bool) or int(rank) != rank or rank < 1:
             raise ValueError(f"OnlineNaturalGradient: rank must be an integer >= 1, got {rank!r}")
         if isinstance(update_period, bool) or int(update_period) != update_period \
@@ -381,6 +392,7 @@ class OnlineNaturalGradient(Preconditioner):
         self.epsilon = float(epsilon)
         self.delta = float(delta)
         self.frozen = bool(frozen)
+        self.delayed_updates = bool(delayed_updates)
         # the JointFisherUpdates this object's updates are finished with, or None
         self.joint = None
         self.dropped_updates = 0    # updates left out because their rows were not finite
@@ -407,27 +419,42 @@ class OnlineNaturalGradient(Preconditioner):
     @property
     def W(self):
         """The (rank, D) matrix ``diag(sqrt e) R`` on the device, or None."""
-        self._finish_update()
+        self._settle()
         return None if self._wj is None else self._wj[:self._rank]
 
     @property
     def d(self):
-        self._finish_update()
+        self._settle()
         return None if self._d is None else self._d.copy()
 
     @property
     def rho(self) -> float:
-        self._finish_update()
+        self._settle()
         return self._rho
 
+    def _settle(self) -> None:
+        """Before the state is read: finish a pending update, unless updates are
+        delayed (then finishing it now would change the calls until it is due)."""
+        if not self.delayed_updates:
+            self._finish_update()
+
     def state_dict(self) -> dict:
-        self._finish_update()
+        self._settle()
         if not self.initialized:
             return {"t": int(self.t), "rank": 0, "W": np.zeros((0, 0), np.float32),
                     "d": np.zeros(0), "rho": 0.0}
-        return {"t": int(self.t), "rank": int(self._rank),
-                "W": np.array(backend.to_host(self.W)), "d": self._d.copy(),
-                "rho": float(self._rho)}
+        state = {"t": int(self.t), "rank": int(self._rank),
+                 "W": np.array(backend.to_host(self.W)), "d": self._d.copy(),
+                 "rho": float(self._rho)}
+        if self._pending is not None:
+            # a delayed update: its host inputs and J (rows rank: of the device buffer)
+            gram_copy, x_sq_copy, num_rows, _dim = self._pending
+            state.update(
+                pending_gram=np.array(gram_copy.result()),
+                pending_x_sq=np.array(x_sq_copy.result(), dtype=np.float64).reshape(()),
+                pending_rows=int(num_rows),
+                pending_J=np.array(backend.to_host(self._wj[self._rank:])))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         for key in ("t", "rank", "W", "d", "rho"):
@@ -456,6 +483,23 @@ class OnlineNaturalGradient(Preconditioner):
         self._d = d.copy()
         self._rho = float(state["rho"])
         self._set_w(np.array(w), np)
+        if "pending_gram" in state:
+            self._load_pending(state, w.shape[1])
+
+    def _load_pending(self, state: dict, dim: int) -> None:
+        """Restore a delayed update saved by :meth:`state_dict`."""
+        rank = self._rank
+        gram = np.asarray(state["pending_gram"])
+        j_rows = np.asarray(state.get("pending_J", np.zeros(0)))
+        x_sq = np.asarray(state.get("pending_x_sq", np.nan), dtype=np.float64).reshape(())
+        num_rows = int(state.get("pending_rows", 0))
+        if gram.shape != (2 * rank, 2 * rank) or j_rows.shape != (rank, dim) or num_rows < 1:
+            raise ValueError("OnlineNaturalGradient state: fields 'pending_gram', 'pending_J' "
+                             "and 'pending_rows' must be (2 rank, 2 rank), (rank, D) and >= 1, "
+                             f"got {gram.shape}, {j_rows.shape} and {num_rows}")
+        self._wj[rank:] = backend.to_device(j_rows.astype(self._wj.dtype), np)
+        self._pending = (backend.HostCopy(gram.astype(self._wj.dtype)),
+                         backend.HostCopy(x_sq), num_rows, dim)
 
     # -- preconditioning -------------------------------------------------------
     def eta(self, num_rows: int) -> float:
@@ -468,11 +512,18 @@ class OnlineNaturalGradient(Preconditioner):
         return not self.frozen and (self.t <= NUM_INITIAL_UPDATES or
                                     (self.t - NUM_INITIAL_UPDATES) % self.update_period == 0)
 
+    def _update_due(self) -> bool:
+        """Whether the next call must finish a pending update first: always, or
+        with ``delayed_updates`` when that call updates (or never will)."""
+        return self._pending is not None and (
+            not self.delayed_updates or self.frozen or self.updating())
+
     def precondition(self, X):
         X = _check_rows(X, "OnlineNaturalGradient.precondition")
         if X.shape[1] == 1:
             return X, 1.0                      # step 1: D = 1 is the identity
-        self._finish_update()                  # the previous call's update, if any
+        if self._update_due():
+            self._finish_update()              # the previous update
         if not self.initialized:
             self._initialize(X)                # step 2
         updating = self.updating()             # step 3
@@ -512,8 +563,9 @@ class OnlineNaturalGradient(Preconditioner):
         """Scratch (H, tmp) for this minibatch, and W/J moved to X's device and dtype."""
         xp = backend.get_array_module(X)
         if backend.get_array_module(self._wj) is not xp or self._wj.dtype != X.dtype:
-            w = backend.to_host(self.W)
-            self._set_w(w.astype(X.dtype), xp)
+            wj = backend.to_host(self._wj).astype(X.dtype)
+            self._set_w(wj[:self._rank], xp)
+            self._wj[self._rank:] = backend.to_device(wj[self._rank:], xp)  # J of a pending update
         rows = self._rows
         if rows is None or rows[1].shape != X.shape or backend.get_array_module(rows[1]) is not xp:
             rows = (xp.empty((X.shape[0], self._rank), dtype=X.dtype),
@@ -641,7 +693,7 @@ class OnlineNaturalGradient(Preconditioner):
         """Whether the next call only runs fixed device work (no update to start or
         finish, nothing to initialise): such a call may be replayed from a CUDA
         graph, followed by :meth:`count_replayed_call`."""
-        return self.initialized and self._pending is None and not self.updating()
+        return self.initialized and not self._update_due() and not self.updating()
 
     def count_replayed_call(self) -> None:
         """The host side of a call that was replayed from a CUDA graph."""

@@ -27,7 +27,8 @@ class NaturalGradientSGD(SGD):
 
     def __init__(self, net, *, variant: str = "online", rank_in: int = 20, rank_out: int = 80,
                  update_period: int = 4, num_samples_history: float = 2000.0,
-                 alpha: float = 4.0, reset_on_average: bool = False, **sgd_options):
+                 alpha: float = 4.0, reset_on_average: bool = False,
+                 delayed_updates: bool = False, **sgd_options):
         super().__init__(net, **sgd_options)
         # Kaldi starts every job after an average from fresh Fisher estimates; its
         # jobs are hundreds of minibatches long.  Averaging every few minibatches,
@@ -44,7 +45,8 @@ class NaturalGradientSGD(SGD):
                 r_in = max(1, min(rank_in, (layer.in_dim + 1) // 2))
                 r_out = max(1, min(rank_out, (layer.out_dim + 1) // 2))
                 options = dict(update_period=update_period,
-                               num_samples_history=num_samples_history, alpha=alpha)
+                               num_samples_history=num_samples_history, alpha=alpha,
+                               delayed_updates=delayed_updates)
                 p_in = OnlineNaturalGradient(rank=r_in, **options)
                 p_out = OnlineNaturalGradient(rank=r_out, **options)
             else:

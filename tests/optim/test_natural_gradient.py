@@ -814,6 +814,78 @@ def test_joint_updates_plan_once_per_rank_and_update(monkeypatch):
     assert sorted(calls) == sorted((sides[r], 2 * r, 2 * r) for r in ranks for _ in range(4))
 
 
+# -- delayed updates: applied at the next updating call ----------------------------------
+def _rows(seed, count, n=40, dim=30):
+    rng = np.random.default_rng(seed)
+    scale = 0.5 ** (np.arange(dim) / 6)
+    return [(rng.standard_normal((n, dim)) * scale).astype(np.float32) for _ in range(count)]
+
+
+def test_delayed_updates_give_kaldis_estimates_used_later():
+    """Fed the same rows, a delayed preconditioner holds Kaldi's estimate after
+    every updating call and gives Kaldi's output there, bit for bit; in the
+    calls between it uses the estimate one update older."""
+    kaldi = OnlineNaturalGradient(rank=5, update_period=4)
+    delayed = OnlineNaturalGradient(rank=5, update_period=4, delayed_updates=True)
+    # Kaldi's estimate of one update before, frozen between updates
+    older = OnlineNaturalGradient(rank=5, update_period=4, frozen=True)
+    differed = 0
+    for t, x in enumerate(_rows(1, 31)):
+        updating = kaldi.updating()
+        assert delayed.updating() == updating
+        if updating and t >= pc.NUM_INITIAL_UPDATES:
+            older.load_state_dict(kaldi.state_dict())     # the estimate before this update
+        yk, gk = kaldi.precondition(x.copy())
+        yd, gd = delayed.precondition(x.copy())
+        if updating or t <= pc.NUM_INITIAL_UPDATES:
+            assert np.array_equal(yk, yd) and gk == gd
+        else:
+            yo, go = older.precondition(x.copy())
+            assert np.array_equal(yo, yd) and go == gd
+            differed += not np.array_equal(yk, yd)
+    assert differed >= 10
+    # the last update (t = 30) finished by both: the same estimate
+    delayed.frozen = True
+    delayed.precondition(_rows(9, 1)[0])
+    kaldi.precondition(_rows(9, 1)[0])
+    assert np.array_equal(delayed.state_dict()["W"], kaldi.state_dict()["W"])
+    assert np.array_equal(delayed.state_dict()["d"], kaldi.state_dict()["d"])
+
+
+def test_delayed_update_pending_in_a_checkpoint_resumes_bit_for_bit():
+    rows = _rows(2, 30)
+    straight = OnlineNaturalGradient(rank=5, update_period=4, delayed_updates=True)
+    outputs = [straight.precondition(x.copy())[0] for x in rows]
+    first = OnlineNaturalGradient(rank=5, update_period=4, delayed_updates=True)
+    for x in rows[:17]:                   # t = 14 updated: pending until t = 18
+        first.precondition(x.copy())
+    state = first.state_dict()
+    assert "pending_gram" in state and state["pending_J"].shape == (5, 30)
+    # reading the state changed nothing: the first run goes on as the straight one
+    assert np.array_equal(first.precondition(rows[17].copy())[0], outputs[17])
+    resumed = OnlineNaturalGradient(rank=5, update_period=4, delayed_updates=True)
+    resumed.load_state_dict(state)
+    for t in range(17, 30):
+        assert np.array_equal(resumed.precondition(rows[t].copy())[0], outputs[t]), t
+    bad = dict(state, pending_J=np.zeros((4, 30), np.float32))
+    with pytest.raises(ValueError, match="pending_gram"):
+        OnlineNaturalGradient(rank=5, delayed_updates=True).load_state_dict(bad)
+
+
+def test_delayed_updates_leave_the_calls_between_updates_replayable():
+    kaldi = OnlineNaturalGradient(rank=5, update_period=4)
+    delayed = OnlineNaturalGradient(rank=5, update_period=4, delayed_updates=True)
+    static = {"kaldi": 0, "delayed": 0}
+    for x in _rows(3, 39):
+        static["kaldi"] += kaldi.static_call_ahead()
+        static["delayed"] += delayed.static_call_ahead()
+        kaldi.precondition(x.copy())
+        delayed.precondition(x.copy())
+    # calls 11-38: 7 updates; Kaldi replays the 2 calls of 4 that neither start
+    # nor finish one, delayed the 3 that do not update
+    assert static == {"kaldi": 14, "delayed": 21}
+
+
 @pytest.mark.parametrize("threshold", [pc.CONDITION_THRESHOLD, 0.0])
 def test_stacked_plans_equal_one_at_a_time(monkeypatch, threshold):
     """_plan_updates over a stack gives each item's _plan_update, including items

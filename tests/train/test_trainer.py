@@ -120,7 +120,9 @@ def test_quickstart_learns_far_above_majority_baseline(small_corpus, tmp_path):
 @pytest.mark.parametrize("optimizer,steps", [
     (["optimizer.momentum=0.5"], 60),          # momentum: optimizer state must be restored
     (["optimizer.name=ngsgd"], 40),            # NG-SGD: preconditioner state too
-], ids=["sgd-momentum", "ngsgd"])
+    # a Fisher update started at step 18 and still pending at the split (step 20)
+    (["optimizer.name=ngsgd", "optimizer.ngsgd.delayed_updates=true"], 40),
+], ids=["sgd-momentum", "ngsgd", "ngsgd-delayed"])
 def test_resume_is_bit_exact(small_corpus, tmp_path, optimizer, steps):
     common = ["training.checkpoint_interval=10", "model.hidden_dim=64", "model.hidden_layers=2",
               "training.epochs=1"] + optimizer
