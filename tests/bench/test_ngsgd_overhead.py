@@ -62,3 +62,15 @@ def test_device_gpu_without_cupy_or_a_gpu_is_one_line(capsys):
     assert main(["--device", "gpu", "--rounds", "1", "--steps", "1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error: device: gpu" in err[0], err
+
+
+def test_delayed_updates_are_a_third_contender(capsys):
+    result = ngsgd_overhead.measure(**TINY, delayed_updates=True)
+    assert result["delayed_ngsgd_step_ms"] > 0
+    assert result["delayed_ratio"] == pytest.approx(
+        result["delayed_ngsgd_step_ms"] / result["sgd_step_ms"])
+    assert "delayed_ratio" not in ngsgd_overhead.measure(**TINY)
+    assert ngsgd_overhead.main(["--hidden", "16", "--layers", "1", "--classes", "5",
+                                "--minibatch", "8", "--rounds", "1", "--steps", "2",
+                                "--delayed-updates"]) == 0
+    assert "with delayed_updates: NG-SGD" in capsys.readouterr().out

@@ -64,3 +64,13 @@ def test_estimates_are_kept_across_averages_unless_asked(reset):
     else:
         assert after == before and set(after.values()) == {3}
     assert NaturalGradientSGD(net).reset_on_average is NgsgdConfig().reset_on_average is False
+
+
+def test_delayed_updates_reach_every_preconditioner():
+    from mpitrain.config import NgsgdConfig, OptimizerConfig
+    from mpitrain.optim.factory import build_optimizer
+    net, _ = _trained(steps=0)
+    for delayed in (False, True):
+        opt = build_optimizer(OptimizerConfig(name="ngsgd",
+                                              ngsgd=NgsgdConfig(delayed_updates=delayed)), net)
+        assert [p.delayed_updates for p in opt.preconditioners.values()] == [delayed] * 6
