@@ -142,10 +142,26 @@ class HostCopy:
         self._host, self._event = host, event
 
     def result(self) -> np.ndarray:
-        if self._event is not None:
-            self._event.synchronize()
+        event = self._event         # one local name: two threads may wait at once
+        if event is not None:
+            event.synchronize()
             self._event = None
         return self._host
+
+
+def thread_setup(xp):
+    """A function for a new host thread to run first, so that it uses this
+    thread's GPU: a worker that waits on this GPU's events must not start a
+    context on device 0 of a node whose rank uses another.  Nothing on the host.
+
+    Example::
+
+        pool = ThreadPoolExecutor(2, initializer=thread_setup(xp))
+    """
+    if xp is np or xp is not _cupy:
+        return lambda: None
+    device_id = _cupy.cuda.runtime.getDevice()
+    return lambda: _cupy.cuda.runtime.setDevice(device_id)
 
 
 def pinned_empty(shape, dtype) -> np.ndarray:

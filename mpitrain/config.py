@@ -75,6 +75,9 @@ class NgsgdConfig:
                                              "estimates, each used update_period - 1 "
                                              "minibatches later; on a GPU the host plans "
                                              "them meanwhile")
+    plan_threads: int = _opt(0, min=0, max=64, help="host threads that plan the Fisher updates "
+                                                   "(their r x r part) while the GPU goes on; "
+                                                   "0: the training thread (same results)")
 
 
 @dataclass

@@ -33,12 +33,15 @@ from .machine import device_problem
 
 def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, steps=5,
             device="cpu", variant="online", cuda_graph: bool = False,
-            reset_every: int = 0, delayed_updates: bool = False) -> dict:
+            reset_every: int = 0, delayed_updates: bool = False, plan_threads=(0,)) -> dict:
     """Median step times of SGD and NG-SGD; ``reset_every`` K > 0 starts NG-SGD's
     preconditioners afresh every K steps, as model averaging every K minibatches
     does on several ranks with ``optimizer.ngsgd.reset_on_average: true``;
-    ``delayed_updates`` adds a third contender, NG-SGD with
-    ``optimizer.ngsgd.delayed_updates`` (``delayed_ngsgd_step_ms``, ``delayed_ratio``)."""
+    ``delayed_updates`` adds NG-SGD with ``optimizer.ngsgd.delayed_updates``
+    (``delayed_ngsgd_step_ms``, ``delayed_ratio``); ``plan_threads``: the values
+    of ``optimizer.ngsgd.plan_threads`` to time, each in both orders where
+    delayed updates are asked (the first gives the named fields; every NG-SGD
+    contender is in ``contenders``)."""
     from .. import backend
     from .models import ModelSpec, synthetic_chunk
     from .steps import TrainerSteps
@@ -46,13 +49,17 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
     model = ModelSpec("ngsgd-overhead", hidden_layers=layers, hidden_dim=hidden,
                       num_classes=classes, minibatch=minibatch)
     chunk, perm = synthetic_chunk(model, max(20 * minibatch, 20_000))
-    contenders = {"sgd": ("sgd", False), "ngsgd": ("ngsgd", False)}
-    if delayed_updates:
-        contenders["ngsgd-delayed"] = ("ngsgd", True)
+    threads = list(dict.fromkeys(int(n) for n in plan_threads))
+    contenders = {"sgd": ("sgd", False, 0)}
+    for n in threads:
+        for delayed in (False, True) if delayed_updates else (False,):
+            name = "ngsgd" + ("-delayed" if delayed else "") \
+                + ("" if n == threads[0] else f"-threads{n}")
+            contenders[name] = ("ngsgd", delayed, n)
     runners = {name: TrainerSteps(model, chunk, perm, xp=xp, optimizer=optimizer,
                                   ngsgd_variant=variant, cuda_graph=cuda_graph,
-                                  ngsgd_delayed_updates=delayed)
-               for name, (optimizer, delayed) in contenders.items()}
+                                  ngsgd_delayed_updates=delayed, plan_threads=n)
+               for name, (optimizer, delayed, n) in contenders.items()}
 
     def run(name, n):
         backend.synchronize(xp)
@@ -84,7 +91,19 @@ def measure(*, hidden=2048, layers=4, classes=4000, minibatch=512, rounds=7, ste
     if delayed_updates:
         result.update(delayed_ngsgd_step_ms=med["ngsgd-delayed"] * 1e3,
                       delayed_ratio=med["ngsgd-delayed"] / med["sgd"])
+    result["contenders"] = [
+        {"delayed_updates": delayed, "plan_threads": n, "ngsgd_step_ms": med[name] * 1e3,
+         "ratio": med[name] / med["sgd"]}
+        for name, (optimizer, delayed, n) in contenders.items() if optimizer == "ngsgd"]
     return result
+
+
+def _setting(contender: dict) -> str:
+    """``delayed_updates and 4 plan threads`` and the like, for a printed line."""
+    words = ["delayed_updates"] if contender["delayed_updates"] else []
+    if contender["plan_threads"]:
+        words.append(f"{contender['plan_threads']} plan threads")
+    return " and ".join(words) or "Kaldi's order on the training thread"
 
 
 def main(argv=None) -> int:
@@ -105,8 +124,17 @@ def main(argv=None) -> int:
                         "averaging every K minibatches does on several ranks (0: never)")
     p.add_argument("--delayed-updates", action="store_true",
                    help="also time NG-SGD with optimizer.ngsgd.delayed_updates")
+    p.add_argument("--plan-threads", default="0", metavar="N[,N...]",
+                   help="optimizer.ngsgd.plan_threads of the NG-SGD contenders, one each "
+                        "(default 0)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
+    try:
+        plan_threads = [int(n) for n in args.plan_threads.split(",")]
+    except ValueError:
+        plan_threads = [-1]
+    if min(plan_threads) < 0:
+        p.error(f"--plan-threads must be integers >= 0, got {args.plan_threads!r}")
     if args.reset_every < 0:
         p.error("--reset-every must be >= 0")
     for flag in ("hidden", "layers", "classes", "minibatch", "rounds", "steps"):
@@ -119,15 +147,16 @@ def main(argv=None) -> int:
     result = measure(hidden=args.hidden, layers=args.layers, classes=args.classes,
                      minibatch=args.minibatch, rounds=args.rounds, steps=args.steps,
                      device=args.device, cuda_graph=args.cuda_graph,
-                     reset_every=args.reset_every, delayed_updates=args.delayed_updates)
+                     reset_every=args.reset_every, delayed_updates=args.delayed_updates,
+                     plan_threads=plan_threads)
     print(f"{result['model']} minibatch {result['minibatch']} on {result['device']}"
           f"{' (CUDA graphs)' if args.cuda_graph else ''}"
           f"{f', NG-SGD reset every {args.reset_every} steps' if args.reset_every else ''}: "
           f"SGD {result['sgd_step_ms']:.1f} ms/step, NG-SGD {result['ngsgd_step_ms']:.1f} "
           f"ms/step, NG-SGD / SGD = {result['ratio']:.3f}")
-    if args.delayed_updates:
-        print(f"  with delayed_updates: NG-SGD {result['delayed_ngsgd_step_ms']:.1f} ms/step, "
-              f"NG-SGD / SGD = {result['delayed_ratio']:.3f}")
+    for other in result["contenders"][1:]:
+        print(f"  with {_setting(other)}: NG-SGD {other['ngsgd_step_ms']:.1f} ms/step, "
+              f"NG-SGD / SGD = {other['ratio']:.3f}")
     if args.json:
         with atomic_open(args.json) as fh:
             json.dump(result, fh, indent=2)

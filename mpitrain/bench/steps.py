@@ -51,7 +51,7 @@ class TrainerSteps:
                  method: Optional[str] = CONFIG_METHOD, every: int = 8, total_steps: int = 0,
                  lr_decay: bool = True, optimizer: str = "sgd", ngsgd_variant: str = "online",
                  xp=np, seed: int = 1, cuda_graph: bool = False,
-                 ngsgd_delayed_updates: bool = False):
+                 ngsgd_delayed_updates: bool = False, plan_threads: int = 0):
         from mpitrain import backend
         from mpitrain.comm.single import SingleCommunicator
         from mpitrain.config import RunConfig
@@ -70,6 +70,7 @@ class TrainerSteps:
         cfg.optimizer.name = optimizer
         cfg.optimizer.ngsgd.variant = ngsgd_variant
         cfg.optimizer.ngsgd.delayed_updates = ngsgd_delayed_updates
+        cfg.optimizer.ngsgd.plan_threads = plan_threads
         cfg.parallel.average_every = every
         comm = comm if comm is not None else SingleCommunicator()
         self.cfg, self.model, self.xp = cfg, model, xp

@@ -29,7 +29,8 @@ def build_optimizer(opt_cfg, net, *, minibatch: int = 0):
                               update_period=ng.update_period,
                               num_samples_history=ng.num_samples_history, alpha=ng.alpha,
                               reset_on_average=ng.reset_on_average,
-                              delayed_updates=ng.delayed_updates, **options)
+                              delayed_updates=ng.delayed_updates,
+                              plan_threads=ng.plan_threads, **options)
 
 
 def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int, progress=None):

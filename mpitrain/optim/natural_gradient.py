@@ -21,7 +21,8 @@ Symbols in the code: X and Xhat are ``X`` (overwritten in place), W is
 ``_wj[rank:]``, d and rho are ``_d`` and ``_rho``, eta is :meth:`eta`, r is
 ``rank``, t is ``t``; the r x r part of an update (Z, its eigendecomposition,
 the floors, ``W' = A B``) is :func:`_plan_updates`, in float64 on the host, for
-every layer side of one rank at once (:class:`JointFisherUpdates`).
+every layer side of one rank at once (:class:`JointFisherUpdates`), or for each
+side on a worker thread while the GPU goes on (``JointFisherUpdates(threads=N)``).
 
 With ``delayed_updates`` an update started in one call is applied at the next
 updating call instead of the next call (past the initial updates, 3 calls
@@ -42,6 +43,7 @@ from __future__ import annotations
 import math
 import warnings
 from abc import ABC, abstractmethod
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -327,6 +329,28 @@ def _cholesky_inverse(o_mat: np.ndarray):
     return c_inv
 
 
+def _received(pending):
+    """``(gram, x_sq, num_rows, dim)`` of a started update once its copies have
+    reached the host (float64), or None when its rows were not finite."""
+    gram_copy, x_sq_copy, num_rows, dim = pending
+    gram = np.asarray(gram_copy.result(), dtype=np.float64)
+    x_sq = float(np.asarray(x_sq_copy.result(), dtype=np.float64))
+    if not (math.isfinite(x_sq) and np.all(np.isfinite(gram))):
+        return None
+    return gram, x_sq, num_rows, dim
+
+
+def _planned_update(pending, d, rho, options):
+    """The plan of one started update (:func:`_plan_update`), None when its rows
+    were not finite.  Touches no preconditioner, so a worker thread may run it
+    while the step goes on."""
+    received = _received(pending)
+    if received is None:
+        return None
+    gram, x_sq, num_rows, dim = received
+    return _plan_update(gram, x_sq, d, rho, num_rows=num_rows, dim=dim, **options)
+
+
 class OnlineNaturalGradient(Preconditioner):
     """Kaldi's online natural gradient on (N, D) rows (nnet3 semantics).
 
@@ -411,6 +435,7 @@ class OnlineNaturalGradient(Preconditioner):
         self._gram_host = None
         self._x_sq_host = None
         self._pending = None     # an update started but not yet finished
+        self._planned = None     # its plan on a worker thread (a Future), if any
 
     @property
     def initialized(self) -> bool:
@@ -607,42 +632,48 @@ class OnlineNaturalGradient(Preconditioner):
         backend.gemm(self._wj, self._wj, self._gram, trans_b=True)
         self._pending = (backend.copy_to_host_async(self._gram, out=self._gram_host),
                          backend.copy_to_host_async(x_sq, out=self._x_sq_host), num_rows, dim)
+        if self.joint is not None:
+            self.joint.started(self)
 
     def finish_update(self) -> None:
         """Finish an update started by the last call now (it waits for the GPU)."""
         self._finish_update()
 
     def _finish_update(self) -> None:
-        """Finish the pending update: this object's alone, or with those of its
-        :class:`JointFisherUpdates` (which must come before W is read anyway)."""
+        """Finish the pending update: its plan from a worker thread, or this
+        object's alone, or with those of its :class:`JointFisherUpdates` (which
+        must come before W is read anyway)."""
         if self._pending is None:
             return
-        if self.joint is not None:
+        if self.joint is not None and self._planned is None:
             self.joint.finish()
         else:
             self._finish_own_update()
 
     def _finish_own_update(self) -> None:
-        taken = self._take_pending()
-        if taken is not None:
-            gram, x_sq, d, rho, options = taken
-            self._apply_plan(_plan_update(gram, x_sq, d, rho, **options))
-
-    def _take_pending(self):
-        """The arguments of :func:`_plan_update` for the pending update (it waits
-        for the copies to the host), and forget it; None when the rows were not
-        finite (a minibatch the optimizer skips): the estimate then stays as it was."""
-        gram_copy, x_sq_copy, num_rows, dim = self._pending
+        planned, self._planned = self._planned, None
+        if planned is not None:                      # planned on a worker thread
+            plan = planned.result()
+        else:
+            plan = _planned_update(*self._plan_arguments())
         self._pending = None
-        gram = np.asarray(gram_copy.result(), dtype=np.float64)
-        x_sq = float(np.asarray(x_sq_copy.result(), dtype=np.float64))
-        if not (math.isfinite(x_sq) and np.all(np.isfinite(gram))):
+        self._apply_planned(plan)
+
+    def _plan_arguments(self):
+        """The arguments of :func:`_planned_update` for the pending update (the
+        host copies may still be on their way)."""
+        pending = self._pending
+        return pending, self._d, self._rho, dict(
+            eta=self.eta(pending[2]), rounding=backend.gemm_epsilon(self._wj),
+            alpha=self.alpha, epsilon=self.epsilon, delta=self.delta)
+
+    def _apply_planned(self, plan) -> None:
+        """Apply a plan of :func:`_planned_update`; None (rows not finite, a
+        minibatch the optimizer skips) leaves the estimate as it was."""
+        if plan is None:
             self.dropped_updates += 1
-            return None
-        return gram, x_sq, self._d, self._rho, dict(
-            num_rows=num_rows, dim=dim, eta=self.eta(num_rows),
-            rounding=backend.gemm_epsilon(self._wj), alpha=self.alpha,
-            epsilon=self.epsilon, delta=self.delta)
+        else:
+            self._apply_plan(plan)
 
     def _apply_plan(self, plan: _UpdatePlan) -> None:
         """Fisher update from J (in the buffer) and the host's plan: new W, d, rho."""
@@ -701,7 +732,8 @@ class OnlineNaturalGradient(Preconditioner):
 
 
 class JointFisherUpdates:
-    """Finishes the pending Fisher updates of several preconditioners together.
+    """Finishes the pending Fisher updates of several preconditioners together,
+    or plans each on worker threads while the step goes on.
 
     NG-SGD updates every layer side's estimate in the same minibatches, and
     each update's r x r part runs on the host.  Finished one side at a time,
@@ -711,26 +743,59 @@ class JointFisherUpdates:
     finishing each alone (bit for bit on NumPy, tested), since a side's W is
     read only by its own next call.
 
+    With ``threads`` N > 0 each side's plan is handed to a pool of N threads
+    as soon as its update is started: a thread waits for that side's Gram
+    matrix to reach the host and plans it (NumPy's eigendecomposition lets
+    other threads run), while the training thread goes on queueing the rest
+    of the backward pass, the update and the next forward pass for the GPU.
+    A side's next call waits for its own plan only.  Each plan is the same
+    function of the same inputs as on the training thread, so the results are
+    bit for bit those of ``threads=0`` (tested); what changes is that on a
+    GPU the host's r x r work overlaps the device's.  On the CPU the threads
+    would only take cores from the step's own BLAS.
+
     Example::
 
-        joint = JointFisherUpdates(optimizer.preconditioners.values())
+        joint = JointFisherUpdates(optimizer.preconditioners.values(), threads=4)
     """
 
-    def __init__(self, members):
+    def __init__(self, members, *, threads: int = 0):
+        if isinstance(threads, bool) or int(threads) != threads or threads < 0:
+            raise ValueError(f"JointFisherUpdates: threads must be an integer >= 0, "
+                             f"got {threads!r}")
         self.members = [m for m in members if isinstance(m, OnlineNaturalGradient)]
         for member in self.members:
             member.joint = self
+        self.threads = int(threads)
+        self._pool = None
+
+    def started(self, member: OnlineNaturalGradient) -> None:
+        """``member`` has queued an update: with threads, plan it on one now."""
+        if self.threads == 0:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(
+                self.threads, thread_name_prefix="fisher-plan",
+                initializer=backend.thread_setup(backend.get_array_module(member._wj)))
+        member._planned = self._pool.submit(_planned_update, *member._plan_arguments())
 
     def finish(self) -> None:
         """Finish every member's pending update now."""
         groups = {}
         for member in self.members:
-            if member._pending is not None:
-                taken = member._take_pending()
-                if taken is None:            # not finite: that side keeps its estimate
+            if member._planned is not None:
+                member._finish_own_update()
+            elif member._pending is not None:
+                pending, d, rho, options = member._plan_arguments()
+                member._pending = None
+                received = _received(pending)
+                if received is None:
+                    member._apply_planned(None)   # that side keeps its estimate
                     continue
-                key = (member._rank, member.alpha, member.epsilon, member.delta)
-                groups.setdefault(key, []).append((member, taken))
+                gram, x_sq, num_rows, dim = received
+                key = (member._rank, options["alpha"], options["epsilon"], options["delta"])
+                groups.setdefault(key, []).append(
+                    (member, (gram, x_sq, d, rho, dict(options, num_rows=num_rows, dim=dim))))
         for (_rank, alpha, epsilon, delta), taken in groups.items():
             plans = _plan_updates(
                 np.stack([args[0] for _, args in taken]),

@@ -28,7 +28,7 @@ class NaturalGradientSGD(SGD):
     def __init__(self, net, *, variant: str = "online", rank_in: int = 20, rank_out: int = 80,
                  update_period: int = 4, num_samples_history: float = 2000.0,
                  alpha: float = 4.0, reset_on_average: bool = False,
-                 delayed_updates: bool = False, **sgd_options):
+                 delayed_updates: bool = False, plan_threads: int = 0, **sgd_options):
         super().__init__(net, **sgd_options)
         # Kaldi starts every job after an average from fresh Fisher estimates; its
         # jobs are hundreds of minibatches long.  Averaging every few minibatches,
@@ -56,8 +56,10 @@ class NaturalGradientSGD(SGD):
             self.preconditioners[f"layer{i}_out"] = p_out
             self._dims[f"layer{i}_in"], self._dims[f"layer{i}_out"] = \
                 layer.in_dim + 1, layer.out_dim
-        # every side updates in the same minibatches: their host parts run together
-        self.joint_updates = JointFisherUpdates(self.preconditioners.values())
+        # every side updates in the same minibatches: their host parts run together,
+        # or each on a worker thread while the GPU goes on
+        self.joint_updates = JointFisherUpdates(self.preconditioners.values(),
+                                                threads=plan_threads)
 
     def static_step_ahead(self) -> bool:
         return super().static_step_ahead() and self.variant == "online" and all(

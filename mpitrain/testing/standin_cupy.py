@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import types
 
 import numpy as np
@@ -182,12 +183,23 @@ def _alloc_pinned_memory(nbytes: int):
     return bytearray(nbytes)
 
 
+_threads = threading.local()    # each host thread's current device, as CUDA keeps it
+
+
+def _get_device() -> int:
+    return getattr(_threads, "device", 0)
+
+
+def _set_device(device_id: int) -> None:
+    _threads.device = int(device_id)
+
+
 class _Device:
     def __init__(self, device_id: int = 0):
         self.id = device_id
 
     def use(self) -> None:
-        pass
+        _set_device(self.id)
 
 
 def _build_module():
@@ -197,7 +209,7 @@ def _build_module():
     mod.get_array_module = _get_array_module
     mod.__version__ = "stand-in"
     runtime = types.SimpleNamespace(
-        getDeviceCount=lambda: 1,
+        getDeviceCount=lambda: 1, getDevice=_get_device, setDevice=_set_device,
         getDeviceProperties=lambda i: {"name": b"stand-in device"},
         driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
     mod.cuda = types.SimpleNamespace(

@@ -884,6 +884,83 @@ def test_delayed_updates_leave_the_calls_between_updates_replayable():
     # calls 11-38: 7 updates; Kaldi replays the 2 calls of 4 that neither start
     # nor finish one, delayed the 3 that do not update
     assert static == {"kaldi": 14, "delayed": 21}
+# -- plans on worker threads: the same results, planned off the training thread -------
+def _ngsgd_run(xp, plan_threads, steps=20, seed=4, update_period=2, delayed=False):
+    """Params and preconditioner states after ``steps`` NG-SGD steps on ``xp``."""
+    from mpitrain.nn.network import build_network
+    from mpitrain.optim.ngsgd import NaturalGradientSGD
+    net = build_network(feat_dim=6, num_classes=9, left_context=2, right_context=2,
+                        hidden_layers=2, hidden_dim=40, xp=xp)
+    net.init_params(seed=3)
+    opt = NaturalGradientSGD(net, rank_in=8, rank_out=12, update_period=update_period,
+                             plan_threads=plan_threads, delayed_updates=delayed)
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        x = rng.standard_normal((32, net.input_dim)).astype(np.float32)
+        net.forward_backward(backend.to_device(x, xp),
+                             backend.to_device(rng.integers(0, net.num_classes, 32), xp))
+        opt.step(0.01)
+    return net, opt
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["kaldi-order", "delayed"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_plan_threads_train_exactly_as_the_training_thread(xp, threads, delayed, monkeypatch):
+    import threading
+    where = []
+    real = pc._plan_update
+
+    def spy(*args, **kwargs):
+        where.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pc, "_plan_update", spy)
+    net0, opt0 = _ngsgd_run(xp, 0, update_period=4, delayed=delayed)
+    assert where and not any(name.startswith("fisher-plan") for name in where)
+    where.clear()
+    net1, opt1 = _ngsgd_run(xp, threads, update_period=4, delayed=delayed)
+    # every update after the initialisation passes was planned on a worker thread
+    assert sum(name.startswith("fisher-plan") for name in where) >= 10
+    assert np.array_equal(backend.to_host(net0.params), backend.to_host(net1.params))
+    for key, p in opt0.preconditioners.items():
+        mine, theirs = p.state_dict(), opt1.preconditioners[key].state_dict()
+        assert np.array_equal(mine["W"], theirs["W"]) and np.array_equal(mine["d"], theirs["d"])
+        assert mine["rho"] == theirs["rho"] and mine["t"] == theirs["t"] > 0
+
+
+def test_plan_threads_state_read_mid_update_and_reset():
+    """A checkpoint taken while plans are on their way waits for them (the state
+    equals the training thread's); a reset drops a plan still on its way."""
+    _net0, opt0 = _ngsgd_run(np, 0, steps=15)
+    _net1, opt1 = _ngsgd_run(np, 2, steps=15)
+    assert any(p._planned is not None for p in opt1.preconditioners.values())
+    assert opt0.state_dict()["preconditioners"].keys() == opt1.state_dict()["preconditioners"].keys()
+    for key, saved in opt1.state_dict()["preconditioners"].items():
+        assert np.array_equal(saved["W"], opt0.preconditioners[key].state_dict()["W"])
+    _net2, opt2 = _ngsgd_run(np, 2, steps=15)
+    opt2.reset_preconditioners()
+    assert all(p._pending is None and p._planned is None and not p.initialized
+               for p in opt2.preconditioners.values())
+
+
+def test_plan_threads_drop_an_update_of_rows_not_finite():
+    prec_threads = OnlineNaturalGradient(rank=4, update_period=1)
+    prec_alone = OnlineNaturalGradient(rank=4, update_period=1)
+    pc.JointFisherUpdates([prec_threads], threads=2)
+    rng = np.random.default_rng(2)
+    rows = [rng.standard_normal((20, 12)).astype(np.float32) for _ in range(4)]
+    rows[2][3, 5] = np.nan
+    for x in rows:
+        prec_threads.precondition(x.copy())
+        prec_alone.precondition(x.copy())
+    assert prec_threads.dropped_updates == prec_alone.dropped_updates == 1
+    assert np.array_equal(prec_threads.state_dict()["W"], prec_alone.state_dict()["W"])
+
+
+@pytest.mark.parametrize("threads", [-1, 1.5, True])
+def test_plan_threads_must_be_a_count(threads):
+    with pytest.raises(ValueError, match="threads must be an integer >= 0"):
+        pc.JointFisherUpdates([], threads=threads)
 
 
 @pytest.mark.parametrize("threshold", [pc.CONDITION_THRESHOLD, 0.0])

@@ -98,6 +98,37 @@ def test_steady_state_steps_read_nothing_back(optimizer, momentum):
         assert frames == (warmup + steps) * MINIBATCH and loss_sum > 0 and correct >= 0
 
 
+def test_plan_threads_read_nothing_back_and_wait_on_the_ranks_device(monkeypatch):
+    """With optimizer.ngsgd.plan_threads, steady-state steps still read nothing
+    back on the training thread, and the worker threads that wait for the Gram
+    matrices use the rank's device (device 1 here), not device 0."""
+    from mpitrain.optim import natural_gradient as pc
+    devices = []
+    real = pc._plan_update
+
+    def spy(*args, **kwargs):
+        devices.append(backend._cupy.cuda.runtime.getDevice())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pc, "_plan_update", spy)
+    with standin_cupy.installed() as cp:
+        cp.cuda.Device(1).use()
+        try:
+            net, opt, step, next_batch = _stepper(cp, "ngsgd", 0.0)
+            opt.joint_updates.threads = 2
+            for n in range(15):
+                step.run(n, 0.01, next_batch)
+            before = backend.host_read_counts()
+            standin_cupy.reset_counts()
+            for n in range(15, 35):
+                step.run(n, 0.01, next_batch)
+            assert standin_cupy.READS == {"implicit": 0, "asnumpy": 0}
+            assert backend.host_read_counts()["blocking"] == before["blocking"]
+        finally:
+            cp.cuda.Device(0).use()
+    assert len(devices) >= 20 and set(devices) == {1}
+
+
 @pytest.mark.parametrize("device", ["host", "standin"])
 @pytest.mark.parametrize("optimizer", ["sgd", "ngsgd"])
 @pytest.mark.parametrize("first", [12, 3], ids=["steady", "start-up"])
@@ -203,11 +234,13 @@ def test_gpu_training_matches_cpu(cp, optimizer_name):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer,delayed", [("sgd", False), ("ngsgd", False),
-                                               ("ngsgd", True)])
-def test_steady_state_steps_never_wait_for_the_gpu(cp, optimizer, delayed):
+@pytest.mark.parametrize("optimizer,delayed,plan_threads", [
+    ("sgd", False, 0), ("ngsgd", False, 0), ("ngsgd", False, 2), ("ngsgd", True, 0),
+    ("ngsgd", True, 2)])
+def test_steady_state_steps_never_wait_for_the_gpu(cp, optimizer, delayed, plan_threads):
     """On the real device: no read through the backend and no CuPy-detected
-    synchronisation during 24 steady-state steps of the trainer's step."""
+    synchronisation during 24 steady-state steps of the trainer's step (on the
+    training thread: with plan threads, those wait for the Gram matrices)."""
     import warnings
 
     import cupyx
@@ -217,7 +250,7 @@ def test_steady_state_steps_never_wait_for_the_gpu(cp, optimizer, delayed):
     model = MODELS["quick"]
     chunk, perm = synthetic_chunk(model, 20_000)
     steps = MpitrainSteps(model, chunk, perm, xp=cp, optimizer=optimizer,
-                          ngsgd_delayed_updates=delayed)
+                          ngsgd_delayed_updates=delayed, plan_threads=plan_threads)
     for _ in range(16):                      # buffers, kernels, NG-SGD's first updates
         steps.step()
     before = backend.host_read_counts()
@@ -235,19 +268,22 @@ def test_steady_state_steps_never_wait_for_the_gpu(cp, optimizer, delayed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("optimizer,delayed", [("sgd", False), ("ngsgd", False),
-                                               ("ngsgd", True)])
-def test_cuda_graph_replay_trains_like_eager_steps(cp, optimizer, delayed):
+@pytest.mark.parametrize("optimizer,delayed,plan_threads", [
+    ("sgd", False, 0), ("ngsgd", False, 0), ("ngsgd", False, 2), ("ngsgd", True, 0),
+    ("ngsgd", True, 2)])
+def test_cuda_graph_replay_trains_like_eager_steps(cp, optimizer, delayed, plan_threads):
     """With cuda_graph the steps replayed from a graph give the eager steps'
     parameters: the same kernels on the same data, so equal to float32 rounding
-    of cuBLAS's algorithm choice (rtol 1e-5)."""
+    of cuBLAS's algorithm choice (rtol 1e-5).  The graphed run plans its Fisher
+    updates on ``plan_threads`` worker threads, the eager one on its own."""
     from mpitrain.bench.throughput import MODELS, MpitrainSteps, synthetic_chunk
 
     model = MODELS["quick"]
     chunk, perm = synthetic_chunk(model, 20_000)
     options = dict(xp=cp, optimizer=optimizer, ngsgd_delayed_updates=delayed)
     eager = MpitrainSteps(model, chunk, perm, **options)
-    graphed = MpitrainSteps(model, chunk, perm, cuda_graph=True, **options)
+    graphed = MpitrainSteps(model, chunk, perm, cuda_graph=True, plan_threads=plan_threads,
+                            **options)
     for _ in range(40):
         eager.step()
         graphed.step()
