@@ -8,7 +8,7 @@
 #
 # Environment: PYTHON (default .venv/bin/python, else python3), MPIEXEC (default
 # mpiexec or mpirun on PATH), OUT (default runs/gpu-check), NP (default 2);
-# TESTS=0 skips the tests, BENCH=0 the throughput table.
+# TESTS=0 skips the tests, BENCH=0 the throughput table and NG-SGD's step time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -71,6 +71,14 @@ if [ "${BENCH:-1}" != 0 ]; then
             --precision fp32,tf32 --rounds 5 --json "$OUT/throughput.json"; then
         failures+=("throughput benchmark")
     fi
+    step "NG-SGD against SGD: Kaldi's order, delayed updates, plan threads, CUDA graphs"
+    for graphs in "" --cuda-graph; do
+        if ! "$PYTHON" -m mpitrain.bench.ngsgd_overhead --device gpu --rounds 7 --steps 16 \
+                --delayed-updates --plan-threads 0,4 $graphs \
+                --json "$OUT/ngsgd-overhead${graphs:+-graphs}.json"; then
+            failures+=("NG-SGD overhead benchmark${graphs:+ with CUDA graphs}")
+        fi
+    done
 fi
 
 if [ ${#failures[@]} -gt 0 ]; then

@@ -1,0 +1,50 @@
+"""scripts/gpu-check.sh without a GPU: what it runs, and that any failure fails it.
+
+The interpreter and the launcher are stand-ins that log their arguments (and
+fail where told), so the script's sequence is checked on any machine."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _stand_in(path, log, fail_on=""):
+    path.write_text(f"""#!/bin/sh
+echo "$(basename "$0") $*" >> {log}
+case "$*" in *{fail_on or "@never@"}*) exit 1;; esac
+exit 0
+""")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return str(path)
+
+
+def _run(tmp_path, fail_on=""):
+    log = tmp_path / "calls.log"
+    env = dict(os.environ, PYTHON=_stand_in(tmp_path / "python", log, fail_on),
+               MPIEXEC=_stand_in(tmp_path / "mpiexec", log), OUT=str(tmp_path / "out"),
+               TESTS="0")
+    result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu-check.sh")], env=env,
+                            capture_output=True, text=True, timeout=60)
+    return result, log.read_text().splitlines()
+
+
+def test_every_method_then_the_benchmarks_are_run(tmp_path):
+    result, calls = _run(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    trains = [c for c in calls if c.startswith("mpiexec") and " train " in c]
+    assert [c.split("parallel.method=")[1].split()[0] for c in trains] == \
+        ["model_averaging", "kaldi", "allreduce", "bmuf"]
+    ngsgd = [c for c in calls if "mpitrain.bench.ngsgd_overhead" in c]
+    assert len(ngsgd) == 2 and all("--delayed-updates --plan-threads 0,4" in c for c in ngsgd)
+    assert "--cuda-graph" in ngsgd[1] and "--cuda-graph" not in ngsgd[0]
+    assert any("mpitrain.bench.throughput --device gpu" in c for c in calls)
+
+
+def test_a_failing_benchmark_fails_the_check_and_is_named(tmp_path):
+    result, _ = _run(tmp_path, fail_on="--cuda-graph")
+    assert result.returncode == 1
+    assert "NG-SGD overhead benchmark with CUDA graphs" in result.stdout
