@@ -779,6 +779,13 @@ class JointFisherUpdates:
                 initializer=backend.thread_setup(backend.get_array_module(member._wj)))
         member._planned = self._pool.submit(_planned_update, *member._plan_arguments())
 
+    def close(self) -> None:
+        """Wait for plans still running on the threads and stop them (a plan
+        nobody will take, started before a reset, may still be running)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
     def finish(self) -> None:
         """Finish every member's pending update now."""
         groups = {}

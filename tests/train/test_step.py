@@ -102,12 +102,15 @@ def test_plan_threads_read_nothing_back_and_wait_on_the_ranks_device(monkeypatch
     """With optimizer.ngsgd.plan_threads, steady-state steps still read nothing
     back on the training thread, and the worker threads that wait for the Gram
     matrices use the rank's device (device 1 here), not device 0."""
+    import threading
+
     from mpitrain.optim import natural_gradient as pc
     devices = []
     real = pc._plan_update
 
     def spy(*args, **kwargs):
-        devices.append(backend._cupy.cuda.runtime.getDevice())
+        # by thread: a plan of another test's pool may still be running
+        devices.append((threading.current_thread(), backend._cupy.cuda.runtime.getDevice()))
         return real(*args, **kwargs)
 
     monkeypatch.setattr(pc, "_plan_update", spy)
@@ -126,7 +129,10 @@ def test_plan_threads_read_nothing_back_and_wait_on_the_ranks_device(monkeypatch
             assert backend.host_read_counts()["blocking"] == before["blocking"]
         finally:
             cp.cuda.Device(0).use()
-    assert len(devices) >= 20 and set(devices) == {1}
+    workers = set(opt.joint_updates._pool._threads)
+    opt.joint_updates.close()
+    mine = [device for thread, device in devices if thread in workers]
+    assert len(mine) >= 20 and set(mine) == {1}
 
 
 @pytest.mark.parametrize("device", ["host", "standin"])
