@@ -1,17 +1,20 @@
 """Step time of NG-SGD relative to plain SGD on the same model, in one run.
 
-Two copies of one model take the trainer's own step
+Copies of one model take the trainer's own step
 (:class:`~mpitrain.train.step.TrainingStep`, through
 :class:`~mpitrain.bench.steps.TrainerSteps`), one with SGD and one with
-NG-SGD, on the same synthetic chunk in alternating rounds (so machine load
-hits both alike); the ratio of median step times is printed.  On a GPU each round starts and ends
-with the GPU idle.
+NG-SGD (more with ``--delayed-updates`` and ``--plan-threads``), on the same
+synthetic chunk in interleaved rounds (so machine load hits all alike); the
+ratios of median step times to SGD's are printed.  On a GPU each round starts
+and ends with the GPU idle.
 
 Usage::
 
     python -m mpitrain.bench.ngsgd_overhead [--hidden 2048 --layers 4 --classes 4000
                                              --minibatch 512 --rounds 7 --steps 5
-                                             --device cpu|gpu]
+                                             --device cpu|gpu --cuda-graph
+                                             --reset-every K --delayed-updates
+                                             --plan-threads 0,4]
 
 Example::
 
