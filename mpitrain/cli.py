@@ -599,13 +599,13 @@ def cmd_status(args) -> int:
 
 def cmd_plot(args) -> int:
     from .plotting import labels_with_settings, plot_runs
-    from .train.run_dir import NEUTRAL_SETTINGS
+    from .train.run_dir import NEUTRAL_SETTINGS, unused_settings
     out = args.out or (os.path.join(args.run_dirs[0], "curves.png")
                        if len(args.run_dirs) == 1 else "curves.png")
     # several runs (a sweep): each named with the settings it differs in that
     # change what is trained
-    labels = labels_with_settings(args.run_dirs, ignore=NEUTRAL_SETTINGS) \
-        if len(args.run_dirs) > 1 else None
+    labels = labels_with_settings(args.run_dirs, ignore=NEUTRAL_SETTINGS,
+                                  unused=unused_settings) if len(args.run_dirs) > 1 else None
     print(f"wrote {plot_runs(args.run_dirs, out, x=args.x, labels=labels)}")
     return 0
 

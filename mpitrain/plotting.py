@@ -183,12 +183,15 @@ _PLACE_KEYS = ("data.train", "data.dev", "model.init_from")
 MAX_LABEL_SETTINGS = 3
 
 
-def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = ()) -> list:
+def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = (),
+                         unused=None) -> list:
     """Each run's :func:`run_label` with the settings in which the runs'
     ``config.yaml`` differ (``lr-0 (optimizer.initial_learning_rate=0.008)``), so
     the runs of a sweep are told apart in a legend; a run without a readable
     ``config.yaml`` keeps its bare name.  ``ignore``: settings not worth naming
-    (those that do not change what is trained), besides the corpus paths.
+    (those that do not change what is trained), besides the corpus paths;
+    ``unused``: dotted settings -> prefixes of those the run does not use (a
+    setting no run uses is not named).
 
     Example::
 
@@ -205,6 +208,9 @@ def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = ()) -> l
         settings.append(dotted_keys(data) if isinstance(data, dict) else None)
     known = [s for s in settings if s is not None]
     left_out = set(_PLACE_KEYS) | set(ignore)
+    if unused is not None and known:
+        unused_by_all = set.intersection(*(set(unused(s)) for s in known))
+        left_out |= {k for k in set().union(*known) if k.startswith(tuple(unused_by_all))}
     keys = sorted(k for k in set().union(*known) if k not in left_out
                   and len({repr(s.get(k)) for s in known}) > 1) if len(known) > 1 else []
     labels = []

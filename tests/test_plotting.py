@@ -181,3 +181,24 @@ def test_runs_of_a_sweep_are_labelled_with_the_settings_they_differ_in(tmp_path)
     assert labels_with_settings(runs[:1], ignore=NEUTRAL_SETTINGS) == ["lr-0"]
     assert cli_main(["plot", *map(str, runs), "--out", str(tmp_path / "sweep.png")]) == 0
     assert (tmp_path / "sweep.png").stat().st_size > 0
+
+
+def test_settings_no_run_of_a_sweep_uses_are_not_named(tmp_path):
+    # SGD runs saved under other NG-SGD defaults differ only in settings none uses
+    from mpitrain.plotting import labels_with_settings
+    from mpitrain.train.run_dir import NEUTRAL_SETTINGS, unused_settings
+    for name, optimizer, reset in (("a", "sgd", "true"), ("b", "sgd", "false"),
+                                   ("c", "ngsgd", "false")):
+        write_run(tmp_path / name, acc_at_end=0.7)
+        (tmp_path / name / "config.yaml").write_text(
+            f"optimizer:\n  name: {optimizer}\n  ngsgd:\n    reset_on_average: {reset}\n")
+    sgd_runs = [tmp_path / "a", tmp_path / "b"]
+    assert labels_with_settings(sgd_runs, ignore=NEUTRAL_SETTINGS,
+                                unused=unused_settings) == ["a", "b"]
+    assert labels_with_settings(sgd_runs, ignore=NEUTRAL_SETTINGS) == [
+        "a (optimizer.ngsgd.reset_on_average=True)", "b (optimizer.ngsgd.reset_on_average=False)"]
+    # with an NG-SGD run among them the NG-SGD settings count again
+    assert labels_with_settings([tmp_path / "a", tmp_path / "c"], ignore=NEUTRAL_SETTINGS,
+                                unused=unused_settings) == [
+        "a (optimizer.name=sgd, optimizer.ngsgd.reset_on_average=True)",
+        "c (optimizer.name=ngsgd, optimizer.ngsgd.reset_on_average=False)"]

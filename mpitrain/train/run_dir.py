@@ -42,15 +42,15 @@ NEUTRAL_SETTINGS = (
     "parallel.straggler.jitter")
 
 
-def unused_settings(cfg) -> tuple:
-    """Prefixes of the settings that ``cfg`` does not use: those of NG-SGD in a
-    run that trains with another optimizer.
+def unused_settings(settings: dict) -> tuple:
+    """Prefixes of the settings that a run with these dotted ``settings`` does not
+    use: those of NG-SGD in a run that trains with another optimizer.
 
     Example::
 
-        unused_settings(cfg)    # ("optimizer.ngsgd.",) when optimizer.name is sgd
+        unused_settings({"optimizer.name": "sgd"})    # ("optimizer.ngsgd.",)
     """
-    return () if cfg.optimizer.name == "ngsgd" else ("optimizer.ngsgd.",)
+    return () if settings.get("optimizer.name") == "ngsgd" else ("optimizer.ngsgd.",)
 
 
 def run_files(run_dir) -> list:
@@ -209,7 +209,7 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
     (:func:`unused_settings`) change nothing either."""
     old, new = dotted_keys(old_cfg.to_dict()), dotted_keys(new_cfg.to_dict())
     places = corpus_places(new_cfg)
-    unused = set(unused_settings(old_cfg)) & set(unused_settings(new_cfg))
+    unused = set(unused_settings(old)) & set(unused_settings(new))
     changes = []
     for key in sorted(set(old) | set(new)):
         if key in neutral or key in (moved or {}) or key.startswith(tuple(unused)):
