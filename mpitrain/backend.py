@@ -238,17 +238,23 @@ def fused_kernels(xp) -> bool:
 
 
 def set_precision(xp, precision: str) -> None:
-    """Matrix products in fp32, TF32 or bf16 tensor-core math (fp32 storage).
+    """Matrix products in fp32, TF32 or bf16 (fp32 storage, fp32 accumulation).
+
+    bf16: both operands of every float32 product are rounded to bf16 (nearest,
+    ties to even) and multiplied with fp32 accumulation, as the GPU's bf16
+    tensor cores do; on the CPU the same rounding is emulated (slower than
+    fp32, to preview bf16's effect on accuracy).  TF32 needs a GPU.
 
     Example::
 
         set_precision(cupy, "tf32")
     """
-    global _precision
+    global _precision, _bf16_on_host
     if precision not in PRECISIONS:
         raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if precision != "fp32" and xp is np:
-        raise DeviceError(f"precision: {precision} needs device: gpu (the CPU computes in fp32)")
+    if precision == "tf32" and xp is np:
+        raise DeviceError("precision: tf32 needs device: gpu (the CPU computes in fp32; "
+                          "bf16 is emulated there)")
     if xp is not np and xp is _cupy and hasattr(xp, "RawModule"):
         import importlib
         linalg = importlib.import_module(xp.__name__ + "._core._routines_linalg")
@@ -256,28 +262,73 @@ def set_precision(xp, precision: str) -> None:
         # TF32, 1 the default; bf16 products go through backend.gemm only.
         linalg.set_compute_type(np.float32, 7 if precision == "tf32" else 1)
     _precision = precision
+    _bf16_on_host = precision == "bf16" and xp is np
 
 
 def precision() -> str:
     return _precision
 
 
-# machine epsilon of the products' tensor-core math (TF32: 10-bit mantissa)
+# machine epsilon of the products' reduced precision (TF32: 10-bit mantissa, bf16: 7)
 _PRECISION_EPSILON = {"tf32": 2.0 ** -10, "bf16": 2.0 ** -7}
+_bf16_on_host = False     # bf16 chosen for the CPU: host products round their operands
+
+
+def _reduced_products(array) -> bool:
+    """True when float32 products on ``array``'s device use the reduced precision."""
+    return array.dtype == np.float32 and (is_gpu_array(array) or _bf16_on_host)
 
 
 def gemm_epsilon(array) -> float:
     """The machine epsilon of matrix products on ``array``'s device and dtype: the
-    dtype's, or coarser when the GPU's products use tensor-core math (``precision``).
+    dtype's, or coarser when the products use reduced precision (``precision``).
 
     Example::
 
         gemm_epsilon(np.ones(2, np.float32))   # 1.19e-07
     """
     eps = float(np.finfo(array.dtype).eps)
-    if is_gpu_array(array) and array.dtype == np.float32:
+    if _reduced_products(array):
         eps = max(eps, _PRECISION_EPSILON.get(_precision, 0.0))
     return eps
+
+
+def round_to_bf16(x):
+    """A float32 copy of ``x`` with every value rounded to the nearest bf16 (ties to
+    even; infinities and NaNs stay what they are): the operand a bf16 product sees.
+
+    Example::
+
+        round_to_bf16(np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8], np.float32))  # [1, 1 + 2**-6]
+    """
+    xp = get_array_module(x)
+    bits = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    rounded = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) & xp.uint32(0xFFFF0000)
+    # NaN payloads would carry into the exponent: keep NaNs as they are
+    rounded = xp.where((bits & xp.uint32(0x7FFFFFFF)) > xp.uint32(0x7F800000), bits, rounded)
+    return rounded.view(xp.float32).reshape(x.shape)
+
+
+# fp32 -> bf16 bits (nearest, ties to even) into a compact copy whose rows are
+# padded to 8 elements, so that the tensor cores' 16-byte alignment holds.
+BF16_SOURCE = r"""
+extern "C" __global__ void mpitrain_to_bf16(const float* src, long long rows, long long cols,
+                                            long long ld, long long padded,
+                                            unsigned short* dst)
+{
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    if (i >= rows * cols) return;
+    const long long r = i / cols;
+    const long long c = i - r * cols;
+    const unsigned int u = __float_as_uint(src[r * ld + c]);
+    unsigned short h;
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        h = (unsigned short)((u >> 16) | 0x40u);            // NaN stays a quiet NaN
+    else
+        h = (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    dst[r * padded + c] = h;
+}
+"""
 
 
 _compiled = {}
@@ -405,8 +456,9 @@ def _check_cublas(status: int, what: str) -> None:
         raise RuntimeError(f"cuBLAS {what} failed with status {status}")
 
 
-_GEMM_COMPUTE = {"fp32": 68, "tf32": 77, "bf16": 75}   # cublasComputeType_t
-_CUDA_R_32F = 0
+# cublasComputeType_t: 32F, 32F_FAST_TF32, and 32F for the bf16 operands
+_GEMM_COMPUTE = {"fp32": 68, "tf32": 77, "bf16": 68}
+_CUDA_R_32F, _CUDA_R_16BF = 0, 14
 _host_scalars = {}
 
 
@@ -474,10 +526,15 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False, alpha=1.0,
     else:
         alpha_ptr, beta_ptr = _host_scalar_ptr(float(alpha)), _host_scalar_ptr(float(beta))
     compute = _GEMM_COMPUTE[_precision]
-    algo = -1 if _precision == "fp32" else 99
+    algo = 99 if _precision == "tf32" else -1     # 99: CUBLAS_GEMM_DEFAULT_TENSOR_OP
+    operand_type, a_ptr, b_ptr = _CUDA_R_32F, a.data.ptr, b.data.ptr
+    if _precision == "bf16":
+        operand_type = _CUDA_R_16BF
+        a_ptr, lda = _bf16_operand(a, lda, "a")
+        b_ptr, ldb = _bf16_operand(b, ldb, "b")
     # Row-major out (m, n) is column-major out^T = op(b)^T op(a)^T.
     args = (handle, 1 if trans_b else 0, 1 if trans_a else 0, n, m, k,
-            alpha_ptr, b.data.ptr, _CUDA_R_32F, ldb, a.data.ptr, _CUDA_R_32F, lda,
+            alpha_ptr, b_ptr, operand_type, ldb, a_ptr, operand_type, lda,
             beta_ptr, out.data.ptr, _CUDA_R_32F, ldc, compute, algo)
     if _capturing:
         gemm_ex, set_stream, set_mode = _direct_cublas()
@@ -498,8 +555,38 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False, alpha=1.0,
     return out
 
 
+_bf16_scratch = {}
+
+
+def _bf16_operand(x, ld: int, slot: str):
+    """(device pointer, leading dimension) of a bf16 copy of the stored matrix ``x``
+    (row stride ``ld``), rows padded to 8 elements.
+
+    The copy lives in a scratch buffer kept per thread, operand and power-of-two
+    capacity and never freed: a captured CUDA graph keeps the buffers it used,
+    and the products of a stream run in order, so each may reuse its buffer.
+    """
+    import threading
+    rows, cols = x.shape
+    padded = max(8, -(-cols // 8) * 8)
+    size = max(rows * padded, 1)
+    capacity = 1 << (size - 1).bit_length()
+    key = (threading.get_ident(), slot, capacity)
+    scratch = _bf16_scratch.get(key)
+    if scratch is None:
+        scratch = _bf16_scratch[key] = _cupy.empty(capacity, dtype=np.uint16)
+    if rows * cols:
+        kernel = raw_module(_cupy, "bf16", BF16_SOURCE).get_function("mpitrain_to_bf16")
+        threads = 256
+        kernel(((rows * cols + threads - 1) // threads,), (threads,),
+               (x, np.int64(rows), np.int64(cols), np.int64(ld), np.int64(padded), scratch))
+    return scratch.data.ptr, padded
+
+
 def _gemm_expressions(left, right, out, alpha, beta):
     xp = get_array_module(out)
+    if _precision == "bf16" and _reduced_products(out) and left.dtype == right.dtype == out.dtype:
+        left, right = round_to_bf16(left), round_to_bf16(right)
     plain_alpha = not is_gpu_array(alpha) and float(alpha) == 1.0
     if beta == 0.0 and plain_alpha:
         xp.matmul(left, right, out=out)

@@ -268,8 +268,9 @@ class RunConfig:
                                  help="how GPU buffers travel between ranks; auto: NCCL, else "
                                       "CUDA-aware MPI, else pinned host staging")
     precision: str = _opt("fp32", choices=("fp32", "tf32", "bf16"),
-                          help="GPU matrix products: fp32, TF32 tensor cores, or bf16 products "
-                               "with fp32 master weights and reductions")
+                          help="matrix products: fp32, TF32 tensor cores (GPU), or bf16 "
+                               "operands with fp32 accumulation, weights and reductions (on "
+                               "the CPU emulated, to preview its accuracy)")
     fused_kernels: bool = _opt(True, help="GPU: fused CUDA kernels for the elementwise work of "
                                           "a step; false: plain CuPy array expressions")
     cuda_graph: bool = _opt(False, help="GPU: replay steps whose work is fixed from a captured "

@@ -57,6 +57,52 @@ def test_reduced_precision_gemm_is_close(cp, precision, rtol):
     assert err < rtol
 
 
+@pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
+                                             (True, True)])
+def test_bf16_gemm_multiplies_the_rounded_operands(cp, trans_a, trans_b):
+    """bf16: cuBLAS multiplies bf16 copies of both operands with fp32 accumulation,
+    so it matches the CPU's emulation (the rounded operands' exact product) up to
+    fp32 accumulation error: products of bf16 values are exact in fp32, and 2049
+    terms summed in fp32 drift by about sqrt(2049) 2^-24 = 3e-6 relative (bound
+    2e-5); the exact fp32 product is 2^-9-ish away, so the test sees bf16 in use."""
+    rng = np.random.default_rng(8)
+    m, k, n = 96, 2049, 40                  # k: a [W|b] block's inner dimension
+    a = rng.standard_normal((k, m + 3) if trans_a else (m, k + 3)).astype(np.float32)
+    b = rng.standard_normal((n, k + 1) if trans_b else (k, n + 1)).astype(np.float32)
+    a_view = a[:, :m] if trans_a else a[:, :k]
+    b_view = b[:, :k] if trans_b else b[:, :n]
+    left = a_view.T if trans_a else a_view
+    right = b_view.T if trans_b else b_view
+    out = cp.zeros((m, n + 2), dtype=cp.float32)
+    backend.set_precision(cp, "bf16")
+    try:
+        backend.gemm(cp.asarray(a)[:, :a_view.shape[1]], cp.asarray(b)[:, :b_view.shape[1]],
+                     out[:, :n], trans_a=trans_a, trans_b=trans_b)
+    finally:
+        backend.set_precision(cp, "fp32")
+    got = backend.to_host(out)
+    want = backend.round_to_bf16(left).astype(np.float64) @ backend.round_to_bf16(right)
+    err = np.linalg.norm(got[:, :n] - want) / np.linalg.norm(want)
+    assert err < 2e-5, err
+    assert np.linalg.norm(got[:, :n] - left.astype(np.float64) @ right) \
+        / np.linalg.norm(want) > 1e-4
+    assert not got[:, n:].any()
+
+
+def test_bf16_copy_kernel_rounds_as_the_host_does(cp):
+    rng = np.random.default_rng(12)
+    bits = rng.integers(0, 2 ** 32, (37, 300), dtype=np.uint64).astype(np.uint32)
+    bits[0, :4] = [0x7F800000, 0xFF800000, 0x7F800001, 0x00000001]   # inf, -inf, NaN, tiny
+    x = bits.view(np.float32)
+    ptr, ld = backend._bf16_operand(cp.asarray(x)[:, :299], 300, "a")
+    scratch = next(buf for buf in backend._bf16_scratch.values() if buf.data.ptr == ptr)
+    got = backend.to_host(scratch[:37 * ld]).reshape(37, ld)[:, :299]
+    want = backend.round_to_bf16(x[:, :299]).view(np.uint32) >> 16
+    nan = np.isnan(x[:, :299])
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert nan.any() and ((got[nan] & 0x7FFF) > 0x7F80).all()     # still NaN as bf16
+
+
 def test_async_host_copy_waits_only_for_its_data(cp):
     x = cp.arange(1000, dtype=cp.float32)
     pending = backend.copy_to_host_async(x * 2)

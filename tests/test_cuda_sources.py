@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+from mpitrain import backend
 from mpitrain.nn import kernels as nn_kernels
 from mpitrain.optim import kernels as optim_kernels
 
@@ -56,6 +57,7 @@ def elementwise_as_cuda(in_params: str, out_params: str, body: str, name: str) -
 
 
 SOURCES = {
+    "bf16": backend.BF16_SOURCE,
     "nn": nn_kernels.SOURCE,
     "optim_sgd": optim_kernels.SGD_SOURCE,
     "optim_sumsq": optim_kernels.SUMSQ_SOURCE,

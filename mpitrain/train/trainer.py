@@ -932,6 +932,8 @@ class Trainer(CheckpointResume):
             reason = self._transport_reason()
             device += (f" ({cfg.precision}), transport {self.transport}"
                        + (f" ({reason})" if reason else ""))
+        elif cfg.precision != "fp32":
+            device += f" ({cfg.precision} products emulated)"
         hosts = self._hosts()
         per_host = sorted({len(ranks) for ranks in hosts.values()})
         where = (f" on {len(hosts)} hosts ({'-'.join(map(str, per_host))} per host)"

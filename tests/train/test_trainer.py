@@ -116,6 +116,30 @@ def test_quickstart_learns_far_above_majority_baseline(small_corpus, tmp_path):
     assert os.path.exists(run / "config.yaml")
 
 
+def test_bf16_products_are_emulated_on_the_cpu_and_learn(small_corpus, tmp_path, capsys):
+    """``precision: bf16`` on the CPU rounds every product's operands: the run says so,
+    learns, and ends with other weights than the same run in fp32."""
+    common = ["model.hidden_dim=64", "model.hidden_layers=2", "training.max_steps=60",
+              "training.epochs=1"]
+    train_in_process(tmp_path / "fp32", small_corpus, common)
+    capsys.readouterr()
+    try:
+        train_in_process(tmp_path / "bf16", small_corpus, common + ["precision=bf16"])
+    finally:
+        backend.set_precision(np, "fp32")
+    out = capsys.readouterr()
+    assert "device cpu (bf16 products emulated)" in out.out + out.err
+    assert records(tmp_path / "bf16", "start")[0]["precision"] == "bf16"
+    fp32, _ = load_model(tmp_path / "fp32" / "final.h5")
+    bf16, _ = load_model(tmp_path / "bf16" / "final.h5")
+    assert not np.array_equal(fp32.params, bf16.params)
+    final = records(tmp_path / "bf16", "eval")[-1]
+    assert final["dev_acc"] > 0.05, final        # it trained (chance is 1/120)
+    # as well as fp32, within what 60 steps on different trajectories can differ
+    assert abs(final["dev_acc"] - records(tmp_path / "fp32", "eval")[-1]["dev_acc"]) < 0.05
+    assert backend.precision() == "fp32"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("optimizer,steps", [
     (["optimizer.momentum=0.5"], 60),          # momentum: optimizer state must be restored
