@@ -2,7 +2,8 @@
 # Verify a GPU install in one command:
 #   1. the GPU tests (MPITRAIN_TEST_GPU=1: a missing GPU is a failure, not a skip);
 #   2. 2-rank GPU training on the built-in corpus with every parallel method,
-#      each of which must learn (held-out accuracy well above chance);
+#      and once with bf16 products, each of which must learn (held-out
+#      accuracy well above chance);
 #   3. the throughput table against PyTorch and the cuBLAS GEMM bound.
 # Exits non-zero on any failure.
 #
@@ -41,12 +42,16 @@ else
         launch+=(--oversubscribe -x PYTHONPATH -x PATH)
         [ "$(id -u)" = 0 ] && launch+=(--allow-run-as-root)
     fi
-    for method in model_averaging kaldi allreduce bmuf; do
-        step "$NP-rank GPU training: $method"
-        run_dir="$OUT/train-$method"
+    # every method in fp32, and model averaging once more with bf16 products
+    for run in model_averaging kaldi allreduce bmuf model_averaging:bf16; do
+        method=${run%%:*}
+        precision=fp32
+        [ "$run" != "$method" ] && precision=${run#*:}
+        step "$NP-rank GPU training: $method ($precision)"
+        run_dir="$OUT/train-${run/:/-}"
         rm -rf "$run_dir"
         if "${launch[@]}" "$PYTHON" -m mpitrain train jobs/configs/quickstart.yaml \
-                --set device=gpu --set parallel.method="$method" \
+                --set device=gpu --set parallel.method="$method" --set precision="$precision" \
                 --set data.train="$OUT/data/train" --set data.dev="$OUT/data/dev" \
                 --set training.epochs=1 --run-dir "$run_dir"; then
             if ! "$PYTHON" - "$run_dir/metrics.jsonl" <<'EOF'
@@ -58,9 +63,9 @@ print(f"transport {start.get('transport')} ({start.get('transport_reason') or 'n
       f"held-out accuracy {end['dev_acc']:.3f} after {end['steps']} steps")
 sys.exit(0 if end["dev_acc"] > 0.3 else 1)
 EOF
-            then failures+=("$method did not learn"); fi
+            then failures+=("$method ($precision) did not learn"); fi
         else
-            failures+=("$method failed")
+            failures+=("$method ($precision) failed")
         fi
     done
 fi
@@ -68,7 +73,7 @@ fi
 if [ "${BENCH:-1}" != 0 ]; then
     step "throughput: mpitrain, PyTorch and the GEMM bound on this GPU"
     if ! "$PYTHON" -m mpitrain.bench.throughput --device gpu --models quick,small,large \
-            --precision fp32,tf32 --rounds 5 --json "$OUT/throughput.json"; then
+            --precision fp32,tf32,bf16 --rounds 5 --json "$OUT/throughput.json"; then
         failures+=("throughput benchmark")
     fi
     step "NG-SGD against SGD: Kaldi's order, delayed updates, plan threads, CUDA graphs"

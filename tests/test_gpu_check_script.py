@@ -37,7 +37,8 @@ def test_every_method_then_the_benchmarks_are_run(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     trains = [c for c in calls if c.startswith("mpiexec") and " train " in c]
     assert [c.split("parallel.method=")[1].split()[0] for c in trains] == \
-        ["model_averaging", "kaldi", "allreduce", "bmuf"]
+        ["model_averaging", "kaldi", "allreduce", "bmuf", "model_averaging"]
+    assert [c.split("precision=")[1].split()[0] for c in trains] == ["fp32"] * 4 + ["bf16"]
     ngsgd = [c for c in calls if "mpitrain.bench.ngsgd_overhead" in c]
     assert len(ngsgd) == 2 and all("--delayed-updates --plan-threads 0,4" in c for c in ngsgd)
     assert "--cuda-graph" in ngsgd[1] and "--cuda-graph" not in ngsgd[0]
