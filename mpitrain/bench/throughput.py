@@ -25,7 +25,9 @@ is preempted does not accrue them.
 - GEMM bound: the model's GEMMs at its minibatch size (forward, weight
   gradient for every layer, data gradient for all but the first) run back to
   back with numpy's BLAS; frames/s can be no higher than that GEMM FLOP/s over
-  the model FLOPs per frame.
+  the model FLOPs per frame.  On the GPU they go through ``backend.gemm`` in
+  the chosen precision, so with bf16 each includes the conversion of its two
+  operands to bf16, as every bf16 product of mpitrain does.
 
 Usage::
 
