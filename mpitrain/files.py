@@ -255,7 +255,12 @@ def parse_yaml(text: str, *, where: str = "YAML text"):
     global _LOADER
     if _LOADER is None:
         _LOADER = _loader()
-    loader = _LOADER(text)          # the safe loader above: builds no Python objects
+    try:
+        # the safe loader above: builds no Python objects; its reader already
+        # refuses control characters, so the constructor is inside the try too
+        loader = _LOADER(text)
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{where}: not valid YAML ({_yaml_problem(exc)})") from None
     try:
         return loader.get_single_data()
     except yaml.YAMLError as exc:
@@ -264,6 +269,17 @@ def parse_yaml(text: str, *, where: str = "YAML text"):
         raise ValueError(f"{where}: not valid YAML{line}") from None
     finally:
         loader.dispose()
+
+
+def _yaml_problem(exc) -> str:
+    """PyYAML's reader error in a few words: which character, where."""
+    character = getattr(exc, "character", None)
+    position = getattr(exc, "position", None)
+    if isinstance(character, str):
+        character = ord(character)
+    if isinstance(character, int) and position is not None:
+        return f"character #x{character:04x} at offset {position}"
+    return type(exc).__name__
 
 
 def read_yaml(path, *, what: str = "YAML file"):

@@ -49,6 +49,9 @@ def test_yaml_never_builds_python_objects():
     ("directory", "is a directory"),
     (b"a: \xff\xfe\n", "not UTF-8"),
     (b"a: [1, 2\n", "not valid YAML at line 2"),
+    # control characters: PyYAML's reader refuses them while the loader is built
+    (b"data:\n  train: base/train\x07\n", "not valid YAML (character #x0007 at offset 25)"),
+    (b"\x00\x01", "not valid YAML (character #x0000 at offset 0)"),
 ])
 def test_read_yaml_errors_are_one_line_naming_the_file(tmp_path, content, message):
     path = tmp_path / "run.yaml"
