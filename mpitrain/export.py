@@ -32,7 +32,7 @@ import numpy as np
 from . import backend
 from .files import commit, discard, disk_full_error, remove_stale_temporaries, temporary_path
 from .data.cmvn import SpeakerCmvn
-from .data.kaldi_read import read_feature_matrices, split_rspecifier
+from .data.kaldi_read import is_pipe, parse_scp, read_feature_matrices, split_rspecifier
 from .data.splice import frame_utterance_bounds, splice, splice_indices
 from .nn.loss import log_softmax
 from .nn.model_file import load_model
@@ -108,6 +108,8 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
         export_loglikes("runs/x/final.h5", "scp:data/test/feats.scp", "ark:loglikes.ark")
     """
     parse_wspecifier(out_wspec)          # a bad --out is refused before any work
+    _refuse_overwriting_inputs(out_wspec, [("model", model_path), ("--feats", feats_rspec),
+                                           ("--cmvn", cmvn), ("--utt2spk", utt2spk)])
     net, stored = load_model(model_path)
     speaker = _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn, scp_commands)
     offsets = np.zeros(net.num_classes, dtype=np.float32)
@@ -129,6 +131,44 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
             writer.write(utt, utterance_loglikes(net, feats, offsets, batch=batch))
             count += 1
     return count
+
+
+def _refuse_overwriting_inputs(out_wspec: str, inputs) -> None:
+    """Refuse an ``--out`` file that this export also reads: the finished output
+    would replace it (features, an ark an scp points into, CMVN stats, utt2spk,
+    the model).  ``inputs``: (option, path or rspecifier or None) pairs."""
+    _, ark, scp = parse_wspecifier(out_wspec)
+    outputs = [p for p in (ark, scp) if p is not None and not _is_stream(p)]
+    if not outputs:
+        return
+    read = []
+    for option, spec in inputs:
+        if not spec:
+            continue
+        if option in ("--feats", "--cmvn"):
+            kind, target = split_rspecifier(spec, option[2:])
+            if is_pipe(target) or target.strip() == "-":
+                continue        # a stream is read once; nothing to compare
+            read.append((option, target))
+            if kind == "scp":
+                read += [(f"{option} {target}", location)
+                         for location in dict.fromkeys(
+                             loc for _, loc, _ in parse_scp(target) if not is_pipe(loc))]
+        else:
+            read.append((option, spec))
+    for out in outputs:
+        for option, path in read:
+            if _same_file(out, path):
+                raise ValueError(f"--out {out_wspec}: {out} is read by this export "
+                                 f"({option} {path}) and would be replaced; write to "
+                                 "another file")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:       # one of them does not exist (yet): compare the names
+        return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn, scp_commands):

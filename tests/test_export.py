@@ -98,6 +98,29 @@ def test_an_export_of_the_same_out_at_the_same_time_is_named(tmp_path):
             pass
     assert os.listdir(tmp_path) == []
 
+def test_an_out_that_is_one_of_the_inputs_is_refused_and_nothing_changes(tiny, capsys):
+    """The finished output replaces its --out file: naming the features (or an ark an
+    scp points into, a symlink to it, the model) there would have lost them."""
+    import kaldiio
+    d, model, feats = tiny
+    kaldiio.save_ark(str(d / "scp.ark"), feats, scp=str(d / "feats.scp"))
+    os.symlink(d / "scp.ark", d / "alias.ark")
+    before = {name: (d / name).read_bytes() for name in ("feats.ark", "scp.ark", "feats.scp")}
+    model_bytes = model.read_bytes()
+    for feats_spec, out, named in [
+            (f"ark:{d}/feats.ark", f"ark:{d}/feats.ark", "--feats"),
+            (f"scp:{d}/feats.scp", f"ark:{d}/scp.ark", f"--feats {d}/feats.scp"),
+            (f"scp:{d}/feats.scp", f"ark,scp:{d}/new.ark,{d}/feats.scp", "--feats"),
+            (f"scp:{d}/feats.scp", f"ark:{d}/alias.ark", f"--feats {d}/feats.scp"),
+            (f"ark:{d}/feats.ark", f"ark:{model}", "model")]:
+        assert main(["export", str(model), "--feats", feats_spec, "--out", out]) == 2
+        err = capsys.readouterr().err.strip()
+        assert f"({named}" in err and "would be replaced" in err and "\n" not in err, err
+    assert {name: (d / name).read_bytes() for name in before} == before
+    assert model.read_bytes() == model_bytes
+    assert not (d / "new.ark").exists()
+
+
 def test_export_to_stdout_writes_only_the_archive(tiny):
     import io
     import subprocess
