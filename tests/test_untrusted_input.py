@@ -464,7 +464,17 @@ def _unknown_option(f):
                          "init_scale": "__import__('os')"}])
 
 
+def _version_newer(f):
+    f.attrs["version"] = 99
+
+
+def _version_not_int(f):
+    f.attrs["version"] = "1"
+
+
 @pytest.mark.parametrize("craft,parts", [
+    (_version_newer, ["model format version 99 is newer than this mpitrain reads (up to 1)"]),
+    (_version_not_int, ["model attribute 'version': expected a positive int, got '1'"]),
     (_huge_layers, ["dataset 'params' declares shape (1200430000,)", "stores 0 bytes"]),
     (_too_many_params, ["model attribute 'components' declares", "parameters; at most"]),
     (_dims_beyond_bound, ["component 0 (affine): field 'out_dim'", "1000000000000"]),

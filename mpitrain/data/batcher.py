@@ -134,6 +134,14 @@ def read_chunk(manifest, spec: ChunkSpec, cmvn_mean, cmvn_scale) -> tuple:
     return feats, np.ascontiguousarray(labels, dtype=np.int32), start, end
 
 
+
+def _check_position(name: str, value: int, low: int, high) -> None:
+    if value < low or (high is not None and value > high):
+        bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"field '{name}': {value} is out of range {bound} for this rank's "
+                         "data")
+
+
 class MinibatchStream:
     """Endless stream of (chunk, frame indices) minibatches over epochs.
 
@@ -184,10 +192,18 @@ class MinibatchStream:
                 "steps_in_epoch": self.steps_in_epoch}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch = int(state["epoch"])
-        self.chunk_pos = int(state["chunk_pos"])
-        self.batch_pos = int(state["batch_pos"])
-        self.steps_in_epoch = int(state["steps_in_epoch"])
+        """Stand where ``state`` (from :meth:`state_dict`) stood; ValueError naming the
+        field when the position does not exist in this rank's chunks."""
+        epoch, chunk_pos = int(state["epoch"]), int(state["chunk_pos"])
+        batch_pos, steps_in_epoch = int(state["batch_pos"]), int(state["steps_in_epoch"])
+        _check_position("epoch", epoch, 0, None)
+        _check_position("chunk_pos", chunk_pos, 0, max(len(self.chunks) - 1, 0))
+        if self.chunks:
+            batches = self._spec_at(epoch, chunk_pos).frames // self.minibatch
+            _check_position("batch_pos", batch_pos, 0, batches)
+        _check_position("steps_in_epoch", steps_in_epoch, 0, self.steps_per_epoch)
+        self.epoch, self.chunk_pos = epoch, chunk_pos
+        self.batch_pos, self.steps_in_epoch = batch_pos, steps_in_epoch
         # a chunk's content and order depend on its position alone: keep the one
         # loaded if the position is still in it (a search trial rewinds here)
         if self._current_key != (self.epoch, self.chunk_pos):

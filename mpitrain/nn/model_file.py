@@ -74,6 +74,21 @@ def _int_attr(group, name, path, low, high) -> int:
     return int(value)
 
 
+def check_version(group, path, *, what: str, newest: int) -> None:
+    """Refuse a file written in a newer format than this program reads (a file
+    without the attribute is read as the first version)."""
+    if "version" not in group.attrs:
+        return
+    version = group.attrs["version"]
+    if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)) \
+            or int(version) < 1:
+        raise ValueError(f"{path}: {what} attribute 'version': expected a positive int, "
+                         f"got {version!r}")
+    if int(version) > newest:
+        raise ValueError(f"{path}: {what} format version {int(version)} is newer than this "
+                         f"mpitrain reads (up to {newest}); use a newer mpitrain")
+
+
 def _component_specs(group, path) -> list:
     text = _attr(group, "components", path)
     if isinstance(text, bytes):
@@ -193,6 +208,7 @@ def read_stored_model(group, path) -> StoredModel:
     if not isinstance(fmt, str) or fmt != FORMAT:
         raise ValueError(f"{path}: not an mpitrain model (attribute 'format' is "
                          f"{fmt!r}, expected {FORMAT!r})")
+    check_version(group, path, what="model", newest=VERSION)
     components = _build_components(_component_specs(group, path), path)
     feat_dim = _int_attr(group, "feat_dim", path, 1, MAX_FEAT_DIM)
     left = _int_attr(group, "left_context", path, 0, MAX_CONTEXT)

@@ -20,7 +20,8 @@ import numpy as np
 from ..backend import to_host
 from ..h5io import (atomic_h5_file, link_problem, open_h5_for_reading, reading_errors,
                     require_dataset, verify_file)
-from .model_file import MAX_CONTEXT, MAX_FEAT_DIM, MAX_LAYER_DIM, MAX_PARAMS, _speaker_cmvn
+from .model_file import (MAX_CONTEXT, MAX_FEAT_DIM, MAX_LAYER_DIM, MAX_PARAMS, _speaker_cmvn,
+                         check_version)
 from .rbm import RBM, UNRECORDED, VISIBLE_TYPES, RBMStack
 
 FORMAT = "mpitrain-rbm-stack"
@@ -92,6 +93,7 @@ def read_stack_group(group, path, *, xp=np) -> RBMStack:
     if not isinstance(fmt, str) or fmt != FORMAT:
         raise ValueError(f"{path}: not an mpitrain RBM stack (attribute 'format' is "
                          f"{fmt!r}, expected {FORMAT!r})")
+    check_version(group, path, what="RBM stack", newest=VERSION)
     specs = _layer_specs(group, path)
     feat_dim = _int_attr(group, "feat_dim", path, 1, MAX_FEAT_DIM)
     left = _int_attr(group, "left_context", path, 0, MAX_CONTEXT)

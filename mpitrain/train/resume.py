@@ -187,7 +187,11 @@ class CheckpointResume:
             self._load_part(ckpt, "the optimizer state",
                             lambda c: self.optimizer.load_state_dict(state["optimizer"]),
                             settings_changed, every_rank=False)
-            self.stream.load_state_dict(state["reader"])
+            try:
+                self.stream.load_state_dict(state["reader"])
+            except ValueError as exc:
+                raise ValueError(f"{ckpt.path}: ranks/{self.comm.rank:05d}/reader: "
+                                 f"{exc}") from None
             self._resumed_window = state.get("window")
             self._load_part(ckpt, "the parallel method's per-rank state",
                             lambda c: self.strategy.load_rank_state_dict(

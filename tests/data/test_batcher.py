@@ -105,3 +105,30 @@ def test_a_shard_written_again_with_the_same_utterances_and_sizes_is_named(tmp_p
     assert str(err.value).startswith(f"{shard}: the shard changed while this run read it (the "
                                      "file was replaced or rewritten since the run first read "
                                      "it)"), err.value
+
+
+def test_a_position_outside_the_ranks_data_is_refused_naming_the_field(small_corpus):
+    """A reader position from a damaged or hand-edited checkpoint: a chunk past the
+    last one stopped the run with an IndexError; a minibatch past the chunk's end
+    trained on silently."""
+    manifest = load_manifest(os.path.join(small_corpus, "train"))
+    chunks = plan_chunks(manifest, assign_shards(manifest.shards, 0, 1), 2000)
+    stream = MinibatchStream(manifest, chunks, minibatch=256, seed=1, rank=0, prefetch=False,
+                             cmvn=(manifest.cmvn_mean, [1.0] * manifest.feat_dim))
+    try:
+        for _ in range(3):
+            stream.next_batch()
+        good = stream.state_dict()
+        batches = chunks[int(stream.chunk_order(0)[good["chunk_pos"]])].frames // 256
+        for field, value, bound in [("chunk_pos", len(chunks), f"[0, {len(chunks) - 1}]"),
+                                    ("chunk_pos", -1, "[0, "),
+                                    ("batch_pos", batches + 1, f"[0, {batches}]"),
+                                    ("steps_in_epoch", 10 ** 9, "[0, "),
+                                    ("epoch", -2, ">= 0")]:
+            with pytest.raises(ValueError) as err:
+                stream.load_state_dict({**good, field: value})
+            assert f"field '{field}': {value} is out of range {bound}" in str(err.value)
+        assert stream.state_dict() == good            # nothing changed by a refusal
+        stream.load_state_dict({**good, "batch_pos": batches})   # the chunk's end: fine
+    finally:
+        stream.close()

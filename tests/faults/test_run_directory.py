@@ -356,3 +356,24 @@ def test_a_virtual_dry_run_gives_the_plan_of_that_many_ranks(small_corpus, tmp_p
     assert _train(run, small_corpus, ["training.minibatch=30000"],
                   flags=["--virtual", "4", "--dry-run"]) == 2
     assert "has no complete minibatch of 30000 frames" in capsys.readouterr().err
+
+
+def test_a_checkpoint_whose_reader_position_does_not_exist_is_refused(small_corpus, tmp_path,
+                                                                       capsys):
+    """A reader position past the rank's chunks (a damaged or hand-edited checkpoint,
+    its checksum made to match): one line naming the file and the field."""
+    import h5py
+
+    from mpitrain.h5io import write_checksums
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, ["training.max_steps=10"]) == 0
+    ckpt = list_checkpoints(str(run))[-1]
+    with h5py.File(ckpt, "r+") as f:
+        f["ranks/00000/reader"].attrs["chunk_pos"] = 10 ** 6
+        write_checksums(f, ckpt, what="checkpoint")
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert _train(run, small_corpus, flags=["--resume"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"{ckpt}: ranks/00000/reader: field 'chunk_pos': 1000000 is out of range" in err
+    assert _snapshot(run) == before

@@ -63,6 +63,17 @@ def test_a_speaker_cmvn_record_that_is_neither_null_nor_the_mapping_is_one_line(
                                       'JSON {"norm_vars": true|false} or null, got '), info.value
 
 
+def test_a_stack_in_a_newer_format_is_refused_in_one_line(tmp_path):
+    path = str(tmp_path / "pretrain.h5")
+    save_rbm_stack(path, _stack())
+    with h5py.File(path, "r+") as f:
+        f.attrs["version"] = 7
+    with pytest.raises(ValueError) as info:
+        load_rbm_stack(path)
+    assert str(info.value) == (f"{path}: RBM stack format version 7 is newer than this "
+                               "mpitrain reads (up to 1); use a newer mpitrain")
+
+
 def _checkpoint(path, *, layer, layer_step, layer_steps):
     from mpitrain.h5io import atomic_h5_file
     from mpitrain.nn.rbm_file import write_stack_group
