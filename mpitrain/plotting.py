@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Optional, Sequence
 
@@ -108,12 +109,32 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
                     break
                 raise ValueError(f"{path}: line {number}: expected one JSON object, "
                                  f"got unreadable text ({exc.msg})") from None
+            except RecursionError:
+                raise ValueError(f"{path}: line {number}: expected one JSON object, got "
+                                 "values nested too deep to read") from None
             if not isinstance(record, dict) or not isinstance(record.get("type"), str):
                 raise ValueError(f"{path}: line {number}: field 'type': expected a string "
                                  f"({', '.join(RECORD_TYPES)}) in a JSON object")
+            _check_positions(record, path, number)
             record = clock.place(record, records)
             records.setdefault(record["type"], []).append(record)
     return records
+
+
+# where a record stands: counts and clocks, never NaN or infinite (the values
+# measured, such as a held-out loss, may be NaN)
+_POSITION_FIELDS = ("step", "steps", "frames", "layer", "time", "seconds")
+
+
+def _check_positions(record: dict, path: str, number: int) -> None:
+    for name in _POSITION_FIELDS:
+        value = record.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            raise ValueError(f"{path}: line {number}: field '{name}': expected a finite "
+                             f"number, got {value!r}")
 
 
 class _Timeline:

@@ -1,6 +1,8 @@
 """Training-curve plots: reading metrics files and drawing PNGs from them."""
 
 import json
+import math
+import re
 
 import numpy as np
 import pytest
@@ -79,6 +81,39 @@ def test_record_without_type_is_rejected(tmp_path):
     (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 3}\n')
     with pytest.raises(ValueError, match=r"line 1: field 'type'"):
         read_metrics(tmp_path / "run")
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"type": "eval", "step": Infinity, "frames": 10, "dev_acc": 0.5}',
+     "line 7: field 'step': expected a finite number, got inf"),
+    ('{"type": "eval", "step": NaN, "frames": 10, "dev_acc": 0.5}',
+     "line 7: field 'step': expected a finite number, got nan"),
+    ('{"type": "train", "step": "3", "frames": 10}',
+     "line 7: field 'step': expected a finite number, got '3'"),
+    ('{"type": "eval", "x": ' + "[" * 100000 + "]" * 100000 + "}",
+     "line 7: expected one JSON object, got values nested too deep to read"),
+])
+def test_a_record_that_cannot_stand_on_the_timeline_is_named(tmp_path, capsys, line, message):
+    """``status`` and ``plot`` stopped with an OverflowError, a NaN conversion or a
+    recursion error, naming no file."""
+    write_run(tmp_path / "run", acc_at_end=0.7, steps=2)
+    with open(tmp_path / "run" / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write(line + "\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        read_metrics(tmp_path / "run")
+    for command in (["status", str(tmp_path / "run")], ["plot", str(tmp_path / "run")]):
+        assert cli_main(command) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "metrics.jsonl: " + message in err, err
+
+
+def test_a_measured_value_that_is_nan_is_kept(tmp_path):
+    # a held-out loss can be NaN (a diverged model): it is data, not a broken file
+    write_run(tmp_path / "run", acc_at_end=0.7, steps=2)
+    with open(tmp_path / "run" / "metrics.jsonl", "a", encoding="utf-8") as fh:
+        fh.write('{"type": "eval", "step": 3, "frames": 30, "time": 4.0, "dev_xent": NaN, '
+                 '"dev_acc": 0.1}\n')
+    assert math.isnan(read_metrics(tmp_path / "run")["eval"][-1]["dev_xent"])
 
 
 def test_plot_rejects_bad_arguments(tmp_path):
