@@ -49,6 +49,9 @@ def convert_model(model_path, fmt: str, out: str) -> str:
     """
     if fmt not in FORMATS:
         raise ValueError(f"--to: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "onnx" and os.path.isdir(out):
+        raise ValueError(f"{out}: is a directory; --to onnx writes one file (name it, "
+                         f"e.g. {os.path.join(out, 'model.onnx')})")
     net, priors = load_model(model_path)
     model = _Parts(net, priors)
     if fmt == "onnx":

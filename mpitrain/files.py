@@ -177,7 +177,14 @@ def commit(tmp: str, path) -> None:
     """Flush ``tmp`` to disk and rename it over ``path`` (then flush the directory)."""
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
-    os.replace(tmp, os.fspath(path))
+    try:
+        os.replace(tmp, os.fspath(path))
+    except OSError as exc:
+        # the user named the target (a directory, say), not our temporary beside it
+        if exc.errno is None:
+            raise
+        raise WriteError(exc.errno, f"cannot write {os.fspath(path)}: "
+                                    f"{exc.strerror or exc}") from None
     _fsync_directory(os.path.dirname(os.path.abspath(os.fspath(path))))
 
 

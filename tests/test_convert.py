@@ -1,5 +1,6 @@
 """`mpitrain convert`: ONNX and PyTorch forms give what mpitrain computes."""
 
+import os
 import ast
 import json
 import sys
@@ -104,3 +105,13 @@ def test_torch_target_that_is_a_file_is_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     assert main(["convert", str(model), "--to", "torch", str(tmp_path / "file")]) == 2
     assert "file: exists and is not a directory" in capsys.readouterr().err
+
+
+def test_onnx_target_that_is_a_directory_is_one_line(tmp_path, capsys):
+    # it failed at the end with the raw rename error, naming our temporary file
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+    (tmp_path / "out").mkdir()
+    assert main(["convert", str(model), "--to", "onnx", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "out: is a directory; --to onnx writes one file" in err
+    assert os.listdir(tmp_path / "out") == [] and ".tmp" not in " ".join(os.listdir(tmp_path))

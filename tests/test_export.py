@@ -121,6 +121,16 @@ def test_an_out_that_is_one_of_the_inputs_is_refused_and_nothing_changes(tiny, c
     assert not (d / "new.ark").exists()
 
 
+def test_an_out_that_is_a_directory_is_refused_before_any_work(tiny, capsys):
+    d, model, _ = tiny
+    (d / "outdir").mkdir()
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark:{d}/outdir"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "outdir is a directory; name a file" in err, err
+    assert os.listdir(d / "outdir") == []
+
+
 def test_export_to_stdout_writes_only_the_archive(tiny):
     import io
     import subprocess

@@ -175,3 +175,17 @@ def test_a_file_size_limit_names_the_file_and_leaves_no_temporary(tmp_path):
                          text=True, timeout=60)
     assert out.stdout.strip() == f"cannot write {target}: File too large", out.stderr
     assert os.listdir(tmp_path) == []
+
+
+def test_commit_over_a_directory_names_the_target_not_the_temporary(tmp_path):
+    from mpitrain.files import WriteError, commit, temporary_path
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    tmp = temporary_path(target)
+    with open(tmp, "w") as fh:
+        fh.write("data")
+    with pytest.raises(WriteError) as err:
+        commit(tmp, target)
+    assert str(err.value).startswith(f"cannot write {target}: ") and tmp not in str(err.value)
+    assert (target / "keep").read_text() == "x"
