@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import shlex
 import sys
@@ -529,6 +530,10 @@ def cmd_eval(args) -> int:
             manifest, net, max_frames=args.max_frames))
         if frames == 0:
             raise UsageError(f"{corpus_dir}: no frames to evaluate")
+        if not math.isfinite(total):
+            raise UsageError(f"{corpus_dir}: the model's output is not finite on some frames "
+                             "(features far outside the range it was trained on?); "
+                             "no score")
         where = f"{corpus_dir}: " if len(manifests) > 1 else ""
         print(f"{where}frames {frames} xent {total / frames:.4f} acc {correct / frames:.4f}",
               flush=True)

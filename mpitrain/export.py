@@ -128,7 +128,16 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
                 raise ValueError(f"{feats_rspec}: utterance {utt} contains NaN or inf")
             if speaker is not None:
                 feats = speaker.apply(utt, feats)
-            writer.write(utt, utterance_loglikes(net, feats, offsets, batch=batch))
+            loglikes = utterance_loglikes(net, feats, offsets, batch=batch)
+            bad = ~np.isfinite(loglikes).all(axis=1)
+            if bad.any():
+                # a decoder would read NaN scores: no output rather than a wrong one
+                raise ValueError(
+                    f"{feats_rspec}: utterance {utt}: the model's output is not finite at "
+                    f"frame {int(np.argmax(bad))} of {len(bad)} (features up to "
+                    f"{float(np.max(np.abs(feats))):.3g} in magnitude: far outside the "
+                    "range it was trained on?)")
+            writer.write(utt, loglikes)
             count += 1
     return count
 

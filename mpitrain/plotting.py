@@ -122,17 +122,15 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
 
 
 # where a record stands: counts and clocks, never NaN or infinite (the values
-# measured, such as a held-out loss, may be NaN)
+# measured, such as a held-out loss, may be NaN; a field of another type is a
+# record of another shape, which status shows as '?')
 _POSITION_FIELDS = ("step", "steps", "frames", "layer", "time", "seconds")
 
 
 def _check_positions(record: dict, path: str, number: int) -> None:
     for name in _POSITION_FIELDS:
         value = record.get(name)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) \
-                or not math.isfinite(value):
+        if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{path}: line {number}: field '{name}': expected a finite "
                              f"number, got {value!r}")
 

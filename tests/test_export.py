@@ -131,6 +131,28 @@ def test_an_out_that_is_a_directory_is_refused_before_any_work(tiny, capsys):
     assert os.listdir(d / "outdir") == []
 
 
+def test_features_that_overflow_the_model_give_an_error_not_nan_scores(tiny, capsys):
+    """A finite frame far outside the training range (3e38) made NaN log-likelihoods,
+    written with exit status 0 for a decoder to read."""
+    import kaldiio
+
+    from mpitrain.nn.model_file import load_model, save_model
+    d, model, feats = tiny
+    net, stored = load_model(model)
+    net.params[...] = np.random.default_rng(4).standard_normal(net.num_params)  # trained-like
+    save_model(model, net, class_priors=stored)
+    bad = dict(feats)
+    bad["utt1"] = bad["utt1"].copy()
+    bad["utt1"][2] = 3e38
+    kaldiio.save_ark(str(d / "huge.ark"), bad)
+    assert main(["export", str(model), "--feats", f"ark:{d}/huge.ark",
+                 "--out", f"ark:{d}/ll.ark"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "utterance utt1: the model's output is not finite at frame" in err, err
+    assert "features up to 3e+38 in magnitude" in err
+    assert not (d / "ll.ark").exists()
+
+
 def test_export_to_stdout_writes_only_the_archive(tiny):
     import io
     import subprocess

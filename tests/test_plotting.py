@@ -88,8 +88,8 @@ def test_record_without_type_is_rejected(tmp_path):
      "line 7: field 'step': expected a finite number, got inf"),
     ('{"type": "eval", "step": NaN, "frames": 10, "dev_acc": 0.5}',
      "line 7: field 'step': expected a finite number, got nan"),
-    ('{"type": "train", "step": "3", "frames": 10}',
-     "line 7: field 'step': expected a finite number, got '3'"),
+    ('{"type": "train", "step": 3, "frames": -Infinity}',
+     "line 7: field 'frames': expected a finite number, got -inf"),
     ('{"type": "eval", "x": ' + "[" * 100000 + "]" * 100000 + "}",
      "line 7: expected one JSON object, got values nested too deep to read"),
 ])

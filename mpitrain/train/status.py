@@ -159,8 +159,11 @@ def _held_out(records, end) -> list:
     chosen = end if end is not None and "best_step" in end else \
         (records.get("selection") or [None])[-1]
     if chosen is not None and _is_number(chosen.get("best_step")):
-        line += (f"; best {_num(chosen, 'best_value', '.4f')} at step "
-                 f"{_num(chosen, 'best_step', 'd')} (best.h5)")
+        if chosen["best_step"] >= 0:
+            line += (f"; best {_num(chosen, 'best_value', '.4f')} at step "
+                     f"{_num(chosen, 'best_step', 'd')} (best.h5)")
+        else:               # no finite held-out result yet, so no best.h5
+            line += "; no best model yet (no finite held-out result)"
     return [line]
 
 

@@ -185,6 +185,7 @@ class Trainer(CheckpointResume):
             self._initial = self._state_snapshot()
         self._dev = None
         self._verdict = None         # the last held-out evaluation's model selection
+        self._said_nonfinite_held_out = False
         self._stopped_at = None      # (step, result, model) of the evaluation that stopped
         self._run_start = None       # the communicator's clock when training began
         self._combination = None     # training.combine: snapshots for train/combine.py
@@ -883,6 +884,13 @@ class Trainer(CheckpointResume):
     def _keep_best(self, result: dict) -> None:
         """Model selection on a held-out result (identical on every rank)."""
         verdict = self._verdict = self.selection.observe(result, step=self.step)
+        if not np.isfinite(result.get("dev_xent", 0.0)) and not self._said_nonfinite_held_out:
+            # the model's weights are finite (the divergence guard watches them), so
+            # some held-out frames overflow it: said once, as the run goes on
+            self._said_nonfinite_held_out = True
+            self._say(f"warning: the held-out loss at step {self.step} is not finite: some "
+                      "held-out frames overflow the model (features far outside the range "
+                      "of the training data?); best.h5 is chosen among finite results only")
         if verdict.improved and self.is_root:
             self._check_run_dir("best.h5")
             save_best_model(self.run_dir, self.net, class_priors=self.manifest.class_priors(),
