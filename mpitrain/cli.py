@@ -1039,8 +1039,10 @@ def main(argv=None) -> int:
         print(f"mpitrain {args.command}: error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return 2
     except MemoryError:
-        print(f"mpitrain {args.command}: error: out of memory (use fewer ranks per node, "
-              "a smaller data.chunk_frames or a smaller model)", file=sys.stderr, flush=True)
+        advice = (" (use fewer ranks per node, a smaller data.chunk_frames or a smaller "
+                  "model)" if args.command in ("train", "pretrain", "bench") else "")
+        print(f"mpitrain {args.command}: error: out of memory{advice}", file=sys.stderr,
+              flush=True)
         return 2
     except KeyboardInterrupt:
         print(f"mpitrain {args.command}: interrupted", file=sys.stderr, flush=True)

@@ -25,6 +25,9 @@ FORMAT_VERSION = 1
 MANIFEST_NAME = "corpus.yaml"
 
 
+# classes a corpus may have: the largest output layer a model file may hold
+MAX_CLASSES = 1 << 20
+
 class CorpusError(ValueError):
     """A corpus file is missing or malformed; the message names file and field.
 
@@ -180,6 +183,9 @@ def manifest_problems(data, path: str) -> tuple[CorpusManifest | None, list[str]
     for name in ("feat_dim", "num_classes"):
         if not _is_int(data[name]) or data[name] <= 0:
             bad(name, "a positive int", data[name])
+    if _is_int(data["num_classes"]) and data["num_classes"] > MAX_CLASSES:
+        bad("num_classes", f"at most {MAX_CLASSES} (a model's largest output layer)",
+            data["num_classes"])
     for name in ("num_frames", "num_utterances"):
         if not _is_int(data[name]) or data[name] < 0:
             bad(name, "a non-negative int", data[name])

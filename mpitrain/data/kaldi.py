@@ -37,7 +37,7 @@ import numpy as np
 
 from ..files import write_yaml
 from .cmvn import SpeakerCmvn
-from .corpus import CorpusError
+from .corpus import MAX_CLASSES, CorpusError
 # the one rspecifier reader; its names stay importable from here
 from .kaldi_read import (EXPECTED_ALIGNMENT, EXPECTED_FEATURES, read_alignments,  # noqa: F401
                          read_feature_matrices, split_rspecifier)
@@ -156,6 +156,17 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     smallest = min((int(labels.min()) for labels in alignments.values() if labels.size),
                    default=0)
     warnings = []
+    if num_classes is not None and (int(num_classes) != num_classes or num_classes < 1):
+        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+    if num_classes is not None and num_classes > MAX_CLASSES:
+        raise ValueError(f"num_classes (--num-classes) {num_classes}: at most {MAX_CLASSES} "
+                         "classes (the largest output layer a model may have; a Kaldi tree "
+                         "has thousands of pdfs: tree-info tells)")
+    if num_classes is None and largest >= MAX_CLASSES:
+        worst = next(k for k, v in alignments.items() if v.size and v.max() == largest)
+        raise CorpusError(f"{ali_path}: utterance {worst!r}: label {largest} would make "
+                          f"{largest + 1} classes, more than the {MAX_CLASSES} a model may "
+                          "have: are these pdf ids (ali-to-pdf)? Pass --num-classes (tree-info)")
     if num_classes is None:
         num_classes = largest + 1
         if smallest > 0:
@@ -165,8 +176,6 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
                             f"transition ids rather than pdf ids? ali.*.gz holds transition "
                             f"ids; convert them with ali-to-pdf, and pass --num-classes "
                             f"(tree-info)")
-    elif int(num_classes) != num_classes or num_classes < 1:
-        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     elif largest >= num_classes:
         worst = next(k for k, v in alignments.items() if v.size and v.max() == largest)
         raise CorpusError(f"{ali_path}: utterance {worst!r}: pdf id {largest} is outside "

@@ -99,6 +99,37 @@ def test_explicit_num_classes_is_checked(kaldi_dir):
     assert not os.path.exists(d / "c2" / "corpus.yaml")
 
 
+def test_a_class_count_no_model_can_have_is_refused_before_writing(kaldi_dir):
+    """One label of 2**31 - 1 (a corrupt alignment) or --num-classes 20000000: prepare
+    allocated class counts that size, ran out of memory and left a partial shard."""
+    d, _, ali = kaldi_dir
+    with pytest.raises(ValueError, match=r"num_classes \(--num-classes\) 20000000: at most "
+                                         r"1048576 classes"):
+        import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/ali.ark", str(d / "c1"),
+                     num_classes=20_000_000)
+    huge = dict(ali)
+    first = sorted(huge)[0]
+    huge[first] = huge[first].copy()
+    huge[first][0] = 2 ** 31 - 1
+    kaldiio.save_ark(str(d / "huge.ark"), huge)
+    with pytest.raises(CorpusError, match=rf"huge.ark: utterance '{first}': label 2147483647 "
+                                          r"would make 2147483648 classes, more than the 1048576"):
+        import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/huge.ark", str(d / "c2"))
+    assert not os.path.exists(d / "c1") and not os.path.exists(d / "c2")
+
+
+def test_a_corpus_yaml_with_more_classes_than_a_model_can_have_is_refused(kaldi_dir):
+    import yaml
+    d, _, _ = kaldi_dir
+    import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/ali.ark", str(d / "c"))
+    path = d / "c" / "corpus.yaml"
+    data = yaml.safe_load(path.read_text())
+    data["num_classes"] = 10 ** 12
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(CorpusError, match=r"num_classes.*at most 1048576"):
+        load_manifest(str(d / "c"))
+
+
 def test_errors_name_the_file(kaldi_dir):
     d, _, _ = kaldi_dir
     with pytest.raises(CorpusError, match=r"missing.scp: scp file not found"):
