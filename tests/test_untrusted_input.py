@@ -251,7 +251,8 @@ def _cm_header(kind, rows, cols):
 @pytest.mark.parametrize("record,declared", [
     (_fm_header(b"FM", 10 ** 9, 10 ** 9), "FM header declares 1000000000 x 1000000000"),
     (_fm_header(b"DM", 10 ** 9, 1), "DM header declares 1000000000 x 1"),
-    (_fm_header(b"FM", -5, 3), "FM header declares -5 x 3"),
+    # (it said "(0 bytes of data) but only 100 bytes follow", which contradicts itself)
+    (_fm_header(b"FM", -5, 3), "FM header declares -5 x 3: a negative size"),
     (b"\0BFV \4" + struct.pack("<i", 2 ** 31 - 1), "FV header declares 2147483647 "),
     (_cm_header(b"CM", 2 ** 31 - 1, 2 ** 31 - 1), "CM header declares"),
     (_cm_header(b"CM2", 10 ** 9, 40), "CM2 header declares 1000000000 x 40"),
@@ -264,7 +265,8 @@ def test_matrix_headers_beyond_the_file_are_refused_before_allocating(tmp_path, 
     write_text_ali(tmp_path / "ali.txt", {"utt7": ali["utt0"]})
     prepare = run_limited(["-m", "mpitrain", "prepare", "--feats", "ark:big.ark",
                            "--ali", "ali.txt", "--out", "corpus"], cwd=tmp_path)
-    assert_refused(prepare, "big.ark", "'utt7'", declared, "bytes follow in the file")
+    assert_refused(prepare, "big.ark", "'utt7'", declared,
+                   "" if "negative" in declared else "bytes follow in the file")
     export = run_limited(["-m", "mpitrain", "export", str(model), "--feats", "ark:big.ark",
                           "--out", "ark:ll.ark"], cwd=tmp_path)
     assert_refused(export, "big.ark", "'utt7'", declared)

@@ -328,7 +328,10 @@ def _payload(src: Input, key: str, kind: str, shape: str, need: int, rows: int,
              cols: int) -> bytes:
     """The ``need`` bytes a header declared, checked before they are allocated."""
     left = src.bytes_left()
-    if rows < 0 or cols < 0 or (left is not None and need > left):
+    if rows < 0 or cols < 0:
+        raise CorpusError(f"{src.name}: entry {key!r}: {kind} header declares {shape}: a "
+                          "negative size")
+    if left is not None and need > left:
         raise CorpusError(f"{src.name}: entry {key!r}: {kind} header declares {shape} "
                           f"({need} bytes of data) but only {left} bytes follow in the file")
     data = src.read_payload(need)
