@@ -208,6 +208,7 @@ def read_stored_model(group, path) -> StoredModel:
     if not isinstance(fmt, str) or fmt != FORMAT:
         raise ValueError(f"{path}: not an mpitrain model (attribute 'format' is "
                          f"{fmt!r}, expected {FORMAT!r})")
+    # before the checksum is verified: a newer format may sum its contents otherwise
     check_version(group, path, what="model", newest=VERSION)
     components = _build_components(_component_specs(group, path), path)
     feat_dim = _int_attr(group, "feat_dim", path, 1, MAX_FEAT_DIM)
