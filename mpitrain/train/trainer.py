@@ -247,10 +247,12 @@ class Trainer(CheckpointResume):
         except ValueError as exc:        # from the settings and the rank count: every rank's
             raise TrainingError(str(exc), agreed=True) from None
         try:
-            slices = balanced_plan(self.manifest, shares)[share] if share is not None else []
+            # every rank plans, a parameter server too (it trains on no share): planning
+            # reads the same files on every rank, so every rank fails alike
+            plan = balanced_plan(self.manifest, shares)
         except CorpusError as exc:
-            # planning reads the same files on every rank: every rank fails alike
             raise TrainingError(" ".join(str(exc).split()), agreed=True) from None
+        slices = plan[share] if share is not None else []
         # every rank checks its own part before step 1, the held-out set shared out
         problems = validate_slices(self.manifest, slices, num_classes=self.manifest.num_classes)
         if self.dev_manifest is not None:

@@ -14,6 +14,7 @@ the accuracy tests, and the corpus (``small_corpus``, tests/conftest.py) is
 about 0.15 h of synthetic speech.
 """
 
+import glob
 import math
 import os
 import shutil
@@ -281,6 +282,26 @@ def test_unreadable_shard_on_one_rank_ends_the_job(small_corpus, tmp_path):
     assert result.stderr.count("\n") == 1, mpi_output(result)       # one line, from rank 0
     assert not (tmp_path / "run").exists()                       # nothing was written
 
+
+
+@pytest.mark.mpi
+def test_a_damaged_shard_ends_a_parameter_server_job_too(small_corpus, tmp_path):
+    """3 clients over 4 shards: planning reads the shards to split them by utterance.
+    The server, which trains on no share, did not plan, so it waited in the
+    collective the failing clients never reached: the job hung without a word."""
+    data = tmp_path / "data"
+    shutil.copytree(small_corpus, data)
+    bad = sorted(glob.glob(str(data / "train" / "shard-*.h5")))[2]
+    os.truncate(bad, os.path.getsize(bad) // 2)
+    timeout, start = 90, time.monotonic()
+    try:
+        result = train_on_ranks(4, tmp_path / "run", str(data),
+                                TINY + ["parallel.method=param_server"], timeout=timeout)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"the job hung instead of ending: {exc}")
+    _assert_quick_failure(result, time.monotonic() - start, timeout,
+                          "mpitrain train: error:", os.path.basename(bad), "cannot open as HDF5")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.mpi
