@@ -19,8 +19,9 @@ No collective can run while the ranks take their own numbers of steps, so:
   and the trainer writes its checkpoint there;
 - at a quiet point rank 0 sends every rank ``HALT``; each rank, at the end of
   its step, finishes its exchanges (``quiesce``), and then all meet in the
-  collective (the checkpoint's gather, or the end's average).  A quiet point
-  waits for the slowest rank's current step, not for its step count.
+  collective (the checkpoint's gather, or the end's average); at a checkpoint
+  they go on together once rank 0 has written it.  A quiet point waits for the
+  slowest rank's current step, not for its step count.
 
 The learning rate of a rank's k-th step is the schedule's at min(k, planned
 steps per rank): a fast rank reaches the final rate sooner.
@@ -177,6 +178,10 @@ class OwnPaceLoop:
         else:
             t._say(f"step {t.step}: checkpoint not written (the model is diverging or "
                    "not finite)")
+        # every rank waits while rank 0 writes the file, as at a synchronous method's
+        # checkpoint: the others stepped on meanwhile, so rank 0 fell behind, saw the
+        # end of the budget late and the ranks hardly mixed
+        self.comm.barrier()
 
     def _end(self) -> None:
         t = self.t

@@ -256,6 +256,29 @@ def test_slow_rank_on_uneven_shards_finishes_and_learns(small_corpus, tmp_path_f
 
 
 @pytest.mark.mpi
+def test_slow_checkpoint_writes_neither_starve_rank_0_nor_overshoot_the_budget(small_corpus,
+                                                                              tmp_path):
+    """Each checkpoint write of rank 0 takes 0.4 s: the other ranks stepped on meanwhile,
+    so rank 0 fell far behind, saw the budget's end late (50% over) and the ranks
+    hardly mixed.  They now wait for the file, as at a synchronous checkpoint."""
+    run = tmp_path / "run"
+    args = [str(WORKERS / "slow_checkpoint_worker.py"), "0.4", "--", "train", QUICKSTART,
+            "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + TINY + ASYNC + [
+            "training.max_steps=40", "training.checkpoint_interval=5",
+            "training.log_interval=5", "training.eval_interval=0"]:
+        args += ["--set", item]
+    result = run_mpi(3, args, timeout=180)
+    assert result.returncode == 0, mpi_output(result)
+    end = records(run, "end")[-1]
+    budget = 40 * 3 * 256
+    # a few steps per rank past it at most (reports in flight on busy cores), not 50%
+    assert budget <= end["frames"] <= budget + 6 * 3 * 256, (end["frames"], budget)
+    # (the ranks' step counts still differ: three ranks share this machine's cores)
+    assert len(records(run, "checkpoint")) >= 5
+
+
+@pytest.mark.mpi
 def test_resume_on_real_ranks_continues_from_each_ranks_checkpoint(small_corpus, tmp_path):
     from mpitrain.train.checkpoint import load_checkpoint
     run = tmp_path / "run"
