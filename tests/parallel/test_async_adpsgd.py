@@ -273,7 +273,7 @@ def test_slow_checkpoint_writes_neither_starve_rank_0_nor_overshoot_the_budget(s
     end = records(run, "end")[-1]
     budget = 40 * 3 * 256
     # a few steps per rank past it at most (reports in flight on busy cores), not 50%
-    assert budget <= end["frames"] <= budget + 6 * 3 * 256, (end["frames"], budget)
+    assert budget <= end["frames"] <= budget + 8 * 3 * 256, (end["frames"], budget)
     # (the ranks' step counts still differ: three ranks share this machine's cores)
     assert len(records(run, "checkpoint")) >= 5
 
