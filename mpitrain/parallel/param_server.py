@@ -21,7 +21,11 @@ N - 2 with N - 1 clients taking turns).  The average is exponential
 (eta = ``parallel.average_eta``, 0.01 in the paper) until, at a held-out
 evaluation, theta_bar scores a lower cross-entropy than theta; from that
 update t0 on it is the uniform (Polyak) average, theta_bar at t0 counting as
-its first sample.  theta_bar is what is evaluated and saved (``final.h5``).
+its first sample.  Beyond the paper: should theta score lower than the
+uniform average at a later evaluation, the average starts again from theta
+there (a switch while both models were near chance left the uniform average
+carrying the early models for the rest of the run).  theta_bar is what is
+evaluated and saved (``final.h5``).
 
 Message protocol (raw buffers, never pickle): a push is a float64 header
 ``[kind, loss_sum, correct, frames, position, stop]`` (tag ``HEADER_TAG``;
@@ -51,7 +55,8 @@ when a server stepped the whole buffer with a zero gradient outside its slice
 (that step, bit for bit, in the slice).  NG-SGD preconditions on the clients.
 Server 0 still logs, evaluates and checkpoints: before it does, it asks every
 other server for its slices of theta and theta_bar (``CONTROL_TAG``, kind
-``SNAPSHOT``), tells them when the average turns uniform (``SWITCH``), and,
+``SNAPSHOT``), tells them when the average turns uniform (``SWITCH``) or
+starts again (``RESTART``), and,
 once its own serving is done, lets them go (``END``).
 
 Symbols in the code: theta is ``net.params`` on the server, theta_bar is
@@ -75,7 +80,7 @@ CONTROL_TAG, SLICE_TAG = 7503, 7504
 GRADIENT, LAST, DONE = 1, 2, 3
 #: Control kinds: send your slices; the average turns uniform; serving is over;
 #: send your slices of the optimizer's state.
-SNAPSHOT, SWITCH, END, OPTIMIZER = 1, 2, 3, 4
+SNAPSHOT, SWITCH, END, OPTIMIZER, RESTART = 1, 2, 3, 4, 5
 HEADER_SIZE = 6
 #: Average modes.
 EXPONENTIAL, UNIFORM = "exponential", "uniform"
@@ -186,6 +191,12 @@ class ModelAverage:
         """From now on the uniform average; the current one is its first sample."""
         if self.mode == UNIFORM:
             return
+        self.mode, self.samples, self.switched_at = UNIFORM, 1, int(updates)
+
+    def restart_uniform(self, params, *, updates: int) -> None:
+        """The uniform average starts again from ``params`` (theta) at update ``updates``,
+        in :attr:`span`: the models it carried are dropped."""
+        self.average[self.span] = params[self.span]
         self.mode, self.samples, self.switched_at = UNIFORM, 1, int(updates)
 
     def state_dict(self) -> dict:
@@ -381,6 +392,8 @@ class ParameterServer(Strategy):
             self.comm.send(self.average.average[self.own], 0, tag=SLICE_TAG)
         elif kind == SWITCH:
             self.average.switch_to_uniform(updates=self.updates)
+        elif kind == RESTART:
+            self.average.restart_uniform(net.params, updates=self.updates)
         elif kind == END:
             self._ended = True
         elif kind == OPTIMIZER:
@@ -435,6 +448,12 @@ class ParameterServer(Strategy):
         self.average.switch_to_uniform(updates=self.updates)
         if self.split:
             self._tell_servers(SWITCH, self.updates)
+
+    def restart_average(self, net) -> None:
+        """Server 0: the uniform average starts again from theta, on every server."""
+        self.average.restart_uniform(net.params, updates=self.updates)
+        if self.split:
+            self._tell_servers(RESTART, self.updates)
 
     def release_servers(self) -> None:
         """Server 0, its serving done: the other servers may stop answering."""

@@ -293,17 +293,16 @@ class Server:
         return self._dev.score(t.net)
 
     def evaluate(self) -> dict:
-        """Both models while the average is exponential; the average from then on.
-        The first time the average is the better, it turns uniform."""
+        """Both models: the first time the average is the better, it turns uniform;
+        whenever the current model is the better of the two after that, the uniform
+        average starts again from it."""
         t, ps, net = self.t, self.ps, self.t.net
         average = ps.average
-        compare = average.mode != UNIFORM
+        mode = average.mode
         ps.collect_slices(net)         # a split model: the other servers' slices
-        if compare:
-            current_xent, current_acc, _ = self._held_out()
-        extra = {"average_mode": average.mode}
-        if compare:
-            extra.update(current_dev_xent=current_xent, current_dev_acc=current_acc)
+        current_xent, current_acc, _ = self._held_out()
+        extra = {"average_mode": mode, "current_dev_xent": current_xent,
+                 "current_dev_acc": current_acc}
         theta = net.params.copy()
         net.params[...] = average.average
         try:
@@ -314,16 +313,20 @@ class Server:
             t._keep_best(result)        # best.h5: the averaged model, as evaluated
         finally:
             net.params[...] = theta
-        text = f"held-out at step {t.step}: xent {xent:.4f} acc {acc:.4f} ({frames} frames, " \
-               f"{average.mode} average)"
-        if compare:
-            text += f"; current model xent {current_xent:.4f} acc {current_acc:.4f}"
-        t.log.say(text)
-        if compare and xent < current_xent:
+        t.log.say(f"held-out at step {t.step}: xent {xent:.4f} acc {acc:.4f} ({frames} "
+                  f"frames, {mode} average); current model xent {current_xent:.4f} acc "
+                  f"{current_acc:.4f}")
+        if mode != UNIFORM and xent < current_xent:
             ps.switch_to_uniform()
             t.log.write("average", step=t.step, mode=UNIFORM, switched_at=ps.updates)
             t.log.say(f"step {t.step}: the averaged model is the better on held-out data; "
                       "uniform (Polyak) average from here on")
+        elif mode == UNIFORM and current_xent < xent:
+            ps.restart_average(net)
+            t.log.write("average", step=t.step, mode=UNIFORM, switched_at=ps.updates,
+                        restarted=True)
+            t.log.say(f"step {t.step}: the current model is the better on held-out data; "
+                      "the uniform average starts again from it")
         return result
 
     def stop_on_signal(self, code: int, ranks: int) -> None:
