@@ -134,7 +134,6 @@ def read_chunk(manifest, spec: ChunkSpec, cmvn_mean, cmvn_scale) -> tuple:
     return feats, np.ascontiguousarray(labels, dtype=np.int32), start, end
 
 
-
 def _check_position(name: str, value: int, low: int, high) -> None:
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"

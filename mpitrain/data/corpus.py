@@ -28,6 +28,7 @@ MANIFEST_NAME = "corpus.yaml"
 # classes a corpus may have: the largest output layer a model file may hold
 MAX_CLASSES = 1 << 20
 
+
 class CorpusError(ValueError):
     """A corpus file is missing or malformed; the message names file and field.
 
