@@ -220,9 +220,14 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
                                  options=BenchOptions())
     """
     steps = options.warmup_steps + options.throughput_steps
+    # no held-out set here, so nothing that decides on one: newbob's rate rule and
+    # early stopping (the rate a step is timed at does not change its time)
+    held_out_free = {"training__early_stop__patience": 0}
+    if cfg.optimizer.schedule == "newbob":
+        held_out_free["optimizer__schedule"] = "exponential"
     # every rank active: a Kaldi job ramp spans the planned run (1000 epochs here), so
     # it would stay at num_jobs_initial and the group's other ranks would only wait
-    run_cfg = _with(cfg, **scaled_rates(cfg, options, group.size),
+    run_cfg = _with(cfg, **scaled_rates(cfg, options, group.size), **held_out_free,
                     parallel__num_jobs_initial=0, parallel__num_jobs_final=0,
                     parallel__method=method, data__dev="", training__max_steps=steps,
                     training__epochs=1000.0, training__log_interval=options.warmup_steps,

@@ -110,3 +110,25 @@ def test_kaldi_throughput_is_measured_with_every_rank_of_the_group_active(small_
     report = json.loads((out / "bench.json").read_text())
     fps = {r["ranks"]: r["frames_per_sec"] for r in report["throughput"]}
     assert fps[2] / fps[1] == pytest.approx(2, rel=0.02)
+
+
+@pytest.mark.parametrize("setting", ["optimizer.schedule=newbob",
+                                     "training.early_stop.patience=2"])
+def test_a_config_that_decides_on_held_out_results_is_benchmarked(small_corpus, tmp_path,
+                                                                   setting):
+    """The throughput phase runs without a held-out set; newbob and early stopping,
+    which need one, made it refuse such a config (jobs/configs/speech.yaml among
+    them) with 'set data.dev', which was set."""
+    import json
+    from mpitrain.cli import main
+    from ..helpers import small_overrides
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "model_averaging",
+            "--phases", "throughput", "--steps", "4", "--warmup-steps", "2",
+            "--compute-ms", "1", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                 setting]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert sorted(r["ranks"] for r in report["throughput"]) == [1, 2]
