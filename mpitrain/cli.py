@@ -433,6 +433,9 @@ def cmd_bench(args) -> int:
 
     def checks():
         nonlocal options
+        if args.dpi < 1:
+            # the plots are drawn at the end: a bad resolution would waste the run
+            raise UsageError(f"--dpi must be a positive resolution, got {args.dpi}")
         if virtual_sizes and args.sizes.strip():
             raise UsageError("--sizes and --virtual both give the group sizes; with virtual "
                              "ranks give them as --virtual 1,2,4,...")
