@@ -70,7 +70,9 @@ class ModelSelection:
     def observe(self, result: dict, *, step: int) -> Verdict:
         """Take one evaluation's ``result`` (``dev_acc``, ``dev_xent``) at ``step``."""
         value = float(result[_KEYS[self.select_by]])
-        if not math.isfinite(value):      # a diverged model is never the best
+        # a diverged model is never the best, nor one whose other figure is not
+        # finite (a held-out set that overflows it: its file could not be written)
+        if not all(math.isfinite(float(result.get(key, 0.0))) for key in _KEYS.values()):
             self.since_gain += 1
             return Verdict(False, False, self._exhausted(), self.since_gain)
         improved = self._better(value, self.best_value)

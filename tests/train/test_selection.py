@@ -50,6 +50,12 @@ def test_a_non_finite_figure_is_never_the_best():
     selection.observe({"dev_xent": 1.0}, step=1)
     verdict = selection.observe({"dev_xent": math.nan}, step=2)
     assert not verdict.improved and verdict.stop and selection.best_step == 1
+    # selecting by accuracy: a finite accuracy beside a NaN loss (a held-out set that
+    # overflows the model) is not the best either (best.h5 refuses NaN attributes)
+    by_acc = ModelSelection(select_by="acc")
+    by_acc.observe({"dev_acc": 0.1, "dev_xent": 4.0}, step=1)
+    assert not by_acc.observe({"dev_acc": 0.5, "dev_xent": math.nan}, step=2).improved
+    assert by_acc.best_step == 1
 
 
 def test_state_round_trips_with_finite_numbers_only():
