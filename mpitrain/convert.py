@@ -52,6 +52,9 @@ def convert_model(model_path, fmt: str, out: str) -> str:
     if fmt == "onnx" and os.path.isdir(out):
         raise ValueError(f"{out}: is a directory; --to onnx writes one file (name it, "
                          f"e.g. {os.path.join(out, 'model.onnx')})")
+    if fmt == "onnx" and os.path.exists(out) and os.path.samefile(out, model_path):
+        raise ValueError(f"{out}: is the model being converted, which the ONNX file would "
+                         "replace; write to another file")
     net, priors = load_model(model_path)
     model = _Parts(net, priors)
     if fmt == "onnx":

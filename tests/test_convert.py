@@ -115,3 +115,13 @@ def test_onnx_target_that_is_a_directory_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "out: is a directory; --to onnx writes one file" in err
     assert os.listdir(tmp_path / "out") == [] and ".tmp" not in " ".join(os.listdir(tmp_path))
+
+
+def test_onnx_target_that_is_the_model_itself_is_refused(tmp_path, capsys):
+    # it wrote the ONNX file over the model and said so, exit status 0
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+    before = model.read_bytes()
+    assert main(["convert", str(model), "--to", "onnx", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the model being converted" in err
+    assert model.read_bytes() == before
