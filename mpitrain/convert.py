@@ -140,9 +140,16 @@ def _write_onnx(model: _Parts, out: str) -> None:
             if p == 2.0:
                 h = node("ReduceL2", [g], axes=[2], keepdims=0)
             else:
-                s = node("ReduceSum", [node("Pow", [node("Abs", [g]), const(p)]),
+                # scaled by the group's largest |x|, as nn.nonlinear.PNorm (no overflow)
+                from .nn.nonlinear import TINY
+                magnitude = node("Abs", [g])
+                scale = node("Max", [node("ReduceMax", [magnitude], axes=[2], keepdims=1),
+                                     const(TINY)])
+                s = node("ReduceSum", [node("Pow", [node("Div", [magnitude, scale]),
+                                                    const(p)]),
                                        const([2], np.int64)], keepdims=0)
-                h = node("Pow", [s, const(1.0 / p)])
+                h = node("Mul", [node("Squeeze", [scale, const([2], np.int64)]),
+                                 node("Pow", [s, const(1.0 / p)])])
         elif kind == "normalize":
             from .nn.nonlinear import Normalize
             scale = spec["in_dim"] * float(spec.get("target_rms", 1.0)) ** 2
@@ -196,6 +203,7 @@ FEAT_DIM, LEFT, RIGHT = {feat_dim}, {left}, {right}
 NUM_CLASSES = {num_classes}
 SPEAKER_CMVN = {speaker_cmvn}
 NORMALIZE_FLOOR = {floor!r}
+PNORM_TINY = {pnorm_tiny!r}
 
 
 class AcousticModel(torch.nn.Module):
@@ -216,7 +224,8 @@ class AcousticModel(torch.nn.Module):
         y = (feats - self.cmvn_mean) * self.cmvn_scale
         t = torch.arange(y.shape[0], device=y.device)
         rows = (t[:, None] + torch.arange(-LEFT, RIGHT + 1, device=y.device)[None, :])
-        h = y[rows.clamp(0, y.shape[0] - 1)].reshape(y.shape[0], -1)
+        # explicit widths: an utterance of no frames has no -1 to infer
+        h = y[rows.clamp(0, y.shape[0] - 1)].reshape(y.shape[0], FEAT_DIM * (LEFT + 1 + RIGHT))
         layers = iter(self.affine)
         for spec in SPECS:
             kind = spec["kind"]
@@ -227,8 +236,12 @@ class AcousticModel(torch.nn.Module):
             elif kind == "sigmoid":
                 h = torch.sigmoid(h)
             elif kind == "pnorm":
-                g = h.reshape(h.shape[0], spec["out_dim"], -1)
-                h = g.abs().pow(spec.get("p", 2.0)).sum(dim=2).pow(1.0 / spec.get("p", 2.0))
+                p = spec.get("p", 2.0)
+                g = h.reshape(h.shape[0], spec["out_dim"],
+                              spec["in_dim"] // spec["out_dim"]).abs()
+                # scaled by the group's largest |x|: |x|^p alone overflows for large p
+                scale = g.amax(dim=2, keepdim=True).clamp_min(PNORM_TINY)
+                h = scale[:, :, 0] * (g / scale).pow(p).sum(dim=2).pow(1.0 / p)
             elif kind == "normalize":
                 scale = spec["in_dim"] * spec.get("target_rms", 1.0) ** 2
                 power = (h * h).sum(dim=1, keepdim=True) / scale
@@ -246,7 +259,7 @@ def load(path=None):
 
 
 def _write_torch(model: _Parts, out: str) -> None:
-    from .nn.nonlinear import Normalize
+    from .nn.nonlinear import TINY, Normalize
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out}: exists and is not a directory (convert --to torch writes "
                          "a directory: model.py and weights.npz)")
@@ -267,7 +280,8 @@ def _write_torch(model: _Parts, out: str) -> None:
     source = _MODULE.format(specs=repr(model.specs), feat_dim=model.feat_dim,
                             left=model.left, right=model.right,
                             num_classes=model.specs[-1]["out_dim"],
-                            speaker_cmvn=repr(model.speaker_cmvn), floor=Normalize.FLOOR)
+                            speaker_cmvn=repr(model.speaker_cmvn), floor=Normalize.FLOOR,
+                            pnorm_tiny=TINY)
     _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
 
 

@@ -33,15 +33,18 @@ def _layers(kind):
         return [Affine(width, 8), Sigmoid(8), Affine(8, 3)]
     if kind == "pnorm2":
         return [Affine(width, 12), PNorm(12, 4, p=2.0), Normalize(4), Affine(4, 3)]
+    if kind == "pnorm100":               # |x|^100 alone overflows float32
+        return [Affine(width, 12), PNorm(12, 3, p=100.0), Affine(3, 3)]
     return [Affine(width, 12), PNorm(12, 3, p=3.0), Normalize(3, target_rms=0.5),
             Affine(3, 3)]
 
 
 FEATS = {"long": np.random.default_rng(0).normal(size=(9, 4)).astype(np.float32),
-         "one frame": np.random.default_rng(1).normal(size=(1, 4)).astype(np.float32)}
+         "one frame": np.random.default_rng(1).normal(size=(1, 4)).astype(np.float32),
+         "loud": 30 * np.random.default_rng(2).normal(size=(5, 4)).astype(np.float32)}
 
 
-@pytest.mark.parametrize("kind", ["relu", "sigmoid", "pnorm2", "pnorm3"])
+@pytest.mark.parametrize("kind", ["relu", "sigmoid", "pnorm2", "pnorm3", "pnorm100"])
 def test_onnx_output_equals_ours(tmp_path, kind):
     pytest.importorskip("onnx")
     ort = pytest.importorskip("onnxruntime")
@@ -125,3 +128,25 @@ def test_onnx_target_that_is_the_model_itself_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "is the model being converted" in err
     assert model.read_bytes() == before
+
+
+@pytest.mark.parametrize("kind", ["relu", "pnorm100"])
+def test_torch_form_takes_loud_frames_and_an_utterance_of_no_frames(tmp_path, kind):
+    # a large p overflowed (|x|^p); an empty utterance failed to reshape (-1 of 0)
+    torch = pytest.importorskip("torch")
+    model = _model(tmp_path / "m.h5", _layers(kind))
+    out = tmp_path / "torch"
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
+    sys.path.insert(0, str(out))
+    try:
+        import model as converted
+        net = converted.load()
+    finally:
+        sys.path.remove(str(out))
+        sys.modules.pop("model", None)
+    ours = mpitrain.load_model(model)
+    with torch.no_grad():
+        for feats in FEATS.values():
+            got = net(torch.from_numpy(feats)).numpy()
+            np.testing.assert_allclose(got, ours.log_posteriors(feats), atol=1e-5, rtol=0)
+        assert net(torch.zeros(0, 4)).shape == (0, 3)

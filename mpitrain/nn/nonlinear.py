@@ -10,6 +10,9 @@ from ..backend import get_array_module
 from .component import BufferCache, Component
 from .kernels import relu_backward
 
+# the p-norm's scale floor: a group of zeros gives 0 (any positive scale does)
+TINY = 1e-30
+
 
 class _Elementwise(Component):
     def __init__(self, dim: int):
@@ -111,7 +114,12 @@ class PNorm(Component):
         if self.p == 2.0:
             out[...] = xp.sqrt(xp.einsum("ngk,ngk->ng", grouped, grouped))
         else:
-            out[...] = (xp.abs(grouped) ** self.p).sum(axis=2) ** (1.0 / self.p)
+            # y = s (sum (|x|/s)^p)^(1/p) with s the group's largest |x|: |x|^p alone
+            # overflows (or vanishes) in float32 for large p (p = 100 on 3.0 gave inf)
+            magnitude = xp.abs(grouped)
+            scale = xp.maximum(magnitude.max(axis=2, keepdims=True), TINY)
+            out[...] = scale[:, :, 0] * ((magnitude / scale) ** self.p).sum(axis=2) \
+                ** (1.0 / self.p)
         self._y = out
         return out
 
@@ -124,7 +132,8 @@ class PNorm(Component):
         if self.p == 2.0:
             local = x / safe_y
         else:
-            local = xp.sign(x) * xp.abs(x) ** (self.p - 1) * safe_y ** (1 - self.p)
+            # sign(x) (|x| / y)^(p-1): |x| <= y, so no power overflows
+            local = xp.sign(x) * (xp.abs(x) / safe_y) ** (self.p - 1)
         local = xp.where(y > 0, local, 0)
         dx = self._buffers.get("dx", (n, self.in_dim), xp, dy.dtype)
         dx.reshape(n, self.out_dim, self.group)[...] = local * dy[:, :, None]
