@@ -6,8 +6,11 @@ posteriors (T, num_classes), with CMVN and splicing inside, exactly as
 the utterance's ends).  A model trained with per-speaker CMVN (its
 ``speaker_cmvn``) expects features that already had it; the outputs say so
 (ONNX metadata ``speaker_cmvn``, the module's ``SPEAKER_CMVN``).  Pseudo
-log-likelihoods are the log posteriors minus ``log p(s)``: the priors are
-stored beside (ONNX metadata ``class_priors``; ``priors`` in the npz).
+log-likelihoods are the log posteriors minus ``log p(s)``, with a pdf never
+seen in training scored far below every other, as ``export`` does: the ONNX
+metadata ``loglike_offsets`` holds what to add (prior scale 1), beside
+``class_priors``; the module's ``loglikes(feats, prior_scale)`` computes them
+from ``priors`` in the npz.
 
 - ``onnx``: one file built with the ``onnx`` package (opset 17; an optional
   dependency: ``pip install onnx``), checked with ``onnx.checker``.
@@ -29,6 +32,7 @@ import os
 
 import numpy as np
 
+from .export import UNSEEN_PRIOR, UNSEEN_SCORE, prior_offsets
 from .files import commit, discard, temporary_path
 from .nn.model_file import load_model
 
@@ -172,6 +176,10 @@ def _write_onnx(model: _Parts, out: str) -> None:
             "left_context": str(model.left), "right_context": str(model.right)}
     if model.priors is not None:
         meta["class_priors"] = json.dumps(model.priors.tolist())
+        # what export adds at prior scale 1: -log p(s), and for pdfs never seen in
+        # training (prior at the floor) a score below every other, as in Kaldi
+        meta["loglike_offsets"] = json.dumps(
+            [float(v) for v in prior_offsets(model.priors, scale=1.0)[0]])
     helper.set_model_props(proto, meta)
     onnx.checker.check_model(proto)
     _atomic_bytes(out, proto.SerializeToString())
@@ -204,6 +212,8 @@ NUM_CLASSES = {num_classes}
 SPEAKER_CMVN = {speaker_cmvn}
 NORMALIZE_FLOOR = {floor!r}
 PNORM_TINY = {pnorm_tiny!r}
+# a prior at or below UNSEEN_PRIOR: a pdf never seen in training, scored UNSEEN_SCORE
+UNSEEN_PRIOR, UNSEEN_SCORE = {unseen_prior!r}, {unseen_score!r}
 
 
 class AcousticModel(torch.nn.Module):
@@ -211,6 +221,7 @@ class AcousticModel(torch.nn.Module):
         super().__init__()
         self.register_buffer("cmvn_mean", torch.from_numpy(weights["cmvn_mean"]))
         self.register_buffer("cmvn_scale", torch.from_numpy(weights["cmvn_scale"]))
+        self.priors = torch.from_numpy(weights["priors"]) if "priors" in weights else None
         self.affine = torch.nn.ModuleList()
         for i in range(sum(s["kind"] == "affine" for s in SPECS)):
             w = torch.from_numpy(weights[f"affine{{i}}_weight"])
@@ -248,6 +259,15 @@ class AcousticModel(torch.nn.Module):
                 h = h * power.clamp_min(NORMALIZE_FLOOR).pow(-0.5)
         return torch.log_softmax(h, dim=1)
 
+    def loglikes(self, feats, prior_scale=1.0):
+        """Pseudo log-likelihoods, as `mpitrain export` writes them: log posteriors
+        minus prior_scale * log p(s), pdfs never seen in training at UNSEEN_SCORE."""
+        if self.priors is None:
+            raise ValueError("this model was saved without class priors")
+        offsets = -prior_scale * torch.log(self.priors)
+        offsets[self.priors <= UNSEEN_PRIOR] = UNSEEN_SCORE
+        return self.forward(feats) + offsets.to(torch.float32)
+
 
 def load(path=None):
     """The model with weights from ``path`` (default: weights.npz beside this file)."""
@@ -281,7 +301,8 @@ def _write_torch(model: _Parts, out: str) -> None:
                             left=model.left, right=model.right,
                             num_classes=model.specs[-1]["out_dim"],
                             speaker_cmvn=repr(model.speaker_cmvn), floor=Normalize.FLOOR,
-                            pnorm_tiny=TINY)
+                            pnorm_tiny=TINY, unseen_prior=UNSEEN_PRIOR,
+                            unseen_score=UNSEEN_SCORE)
     _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
 
 

@@ -150,3 +150,39 @@ def test_torch_form_takes_loud_frames_and_an_utterance_of_no_frames(tmp_path, ki
             got = net(torch.from_numpy(feats)).numpy()
             np.testing.assert_allclose(got, ours.log_posteriors(feats), atol=1e-5, rtol=0)
         assert net(torch.zeros(0, 4)).shape == (0, 3)
+
+
+def test_converted_forms_score_an_unseen_pdf_as_export_does(tmp_path):
+    """A pdf never seen in training has its prior at the floor 1e-8: minus its log
+    made it the best-scoring pdf of every frame in the converted forms (+18 here)
+    while export scores it far below every other."""
+    import kaldiio
+    from mpitrain.nn.model_file import load_model
+    net, _ = load_model(_model(tmp_path / "seen.h5", _layers("relu")))
+    save_model(tmp_path / "m.h5", net, class_priors=np.array([0.7, 0.3 - 1e-8, 1e-8]))
+    model = tmp_path / "m.h5"
+    feats = FEATS["long"]
+    kaldiio.save_ark(str(tmp_path / "f.ark"), {"u": feats})
+    assert main(["export", str(model), "--feats", f"ark:{tmp_path}/f.ark",
+                 "--out", f"ark:{tmp_path}/ll.ark"]) == 0
+    want = dict(kaldiio.load_ark(str(tmp_path / "ll.ark")))["u"]
+    assert (want[:, 2] < -1e18).all()
+    logp = mpitrain.load_model(model).log_posteriors(feats)
+    onnx = pytest.importorskip("onnx")
+    assert main(["convert", str(model), "--to", "onnx", str(tmp_path / "m.onnx")]) == 0
+    meta = {p.key: p.value for p in onnx.load(str(tmp_path / "m.onnx")).metadata_props}
+    offsets = np.array(json.loads(meta["loglike_offsets"]), dtype=np.float32)
+    np.testing.assert_allclose(logp + offsets, want, rtol=1e-6, atol=1e-5)
+    torch = pytest.importorskip("torch")
+    out = tmp_path / "torch"
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
+    sys.path.insert(0, str(out))
+    try:
+        import model as converted
+        net = converted.load()
+    finally:
+        sys.path.remove(str(out))
+        sys.modules.pop("model", None)
+    with torch.no_grad():
+        got = net.loglikes(torch.from_numpy(feats)).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)

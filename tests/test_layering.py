@@ -31,7 +31,7 @@ ALLOWED = {
     "launch": {"comm", "files"},
     "inference": {"backend", "data", "export", "files", "nn"},
     "export": {"backend", "data", "files", "nn"},
-    "convert": {"files", "nn"},
+    "convert": {"export", "files", "nn"},   # export: the prior and unseen-pdf scoring rules
     "train": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
               "plotting", "threads"},
     "bench": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
