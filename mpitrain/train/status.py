@@ -41,9 +41,11 @@ def run_status(run_dir, *, now: float | None = None) -> list:
         run_dir = os.path.dirname(run_dir) or "."
     now = time.time() if now is None else now
     starts = records["start"]
-    end, stop = _how_the_latest_start_ended(metrics_path(run_dir))
+    end, stop, error = _how_the_latest_start_ended(metrics_path(run_dir))
     pretraining = bool(starts) and starts[-1].get("mode") == "pretrain"
-    lines = [f"{run_dir}: " + _state(run_dir, end, stop, now, pretraining)]
+    lines = [f"{run_dir}: " + (_failure(error) if error is not None and end is None
+                               and stop is None
+                               else _state(run_dir, end, stop, now, pretraining))]
     if end is None:
         lines += _progress(records, starts[-1] if starts else {}, pretraining)
     lines += _held_out(records, end)
@@ -53,10 +55,16 @@ def run_status(run_dir, *, now: float | None = None) -> list:
     return lines
 
 
+def _failure(error: dict) -> str:
+    message = error.get("message")
+    return (f"failed at step {_num(error, 'step', 'd')}: "
+            + (message if isinstance(message, str) else "?"))
+
+
 def _how_the_latest_start_ended(path) -> tuple:
-    """``(end record or None, stop record or None)`` written after the file's last
-    ``start`` record: an earlier attempt's end does not end a resumed run."""
-    end = stop = None
+    """``(end, stop, error)``: each the record written after the file's last ``start``
+    record, or None: an earlier attempt's end does not end a resumed run."""
+    end = stop = error = None
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             try:
@@ -65,12 +73,14 @@ def _how_the_latest_start_ended(path) -> tuple:
                 continue        # (read_metrics has judged the file already)
             kind = record.get("type") if isinstance(record, dict) else None
             if kind == "start":
-                end = stop = None
+                end = stop = error = None
             elif kind == "end":
                 end = record
             elif kind == "stop":
                 stop = record
-    return end, stop
+            elif kind == "error":
+                error = record
+    return end, stop, error
 
 
 def _state(run_dir, end, stop, now, pretraining) -> str:

@@ -531,7 +531,7 @@ class Trainer(CheckpointResume):
         return self.dropout_schedule.proportion(self.progress(step))
 
     def run(self) -> dict:
-        cfg, xp, net, comm = self.cfg, self.xp, self.net, self.comm
+        cfg, xp, comm = self.cfg, self.xp, self.comm
         self._open_run_dir()
         if self._complete is not None:
             result = self._leave_complete_run()
@@ -545,6 +545,17 @@ class Trainer(CheckpointResume):
                        transport=self.transport, transport_reason=self._transport_reason(),
                        precision=cfg.precision, strategy=self.strategy.name,
                        optimizer=self.optimizer.name, blas_threads=current_blas_threads())
+        try:
+            return self._run_from_start()
+        except Exception as exc:
+            # `status` then says how the run ended, not that it was cut off
+            with contextlib.suppress(Exception):
+                self._record("error", step=self.step, error=type(exc).__name__,
+                             message=" ".join(str(exc).split())[:1000])
+            raise
+
+    def _run_from_start(self) -> dict:
+        net, comm = self.net, self.comm
         # the communicator's clock: wall time under MPI, simulated time on virtual ranks
         run_start, self._start_step = comm.wtime(), self.step
         self._run_start = run_start

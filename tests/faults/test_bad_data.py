@@ -236,3 +236,27 @@ def test_held_out_frames_that_overflow_the_model_are_said_not_scored_silently(co
     assert main(["eval", str(run / "final.h5"), str(corpus / "dev")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the model's output is not finite on some frames" in err
+
+
+def test_a_run_that_ends_on_an_error_says_so_to_status(corpus, tmp_path, capsys,
+                                                       monkeypatch):
+    """A run that stopped on an error was shown as 'cut off: rank 0 ... is gone without
+    an end record', the words for a lost node."""
+    from mpitrain.train.status import run_status
+    from mpitrain.train.trainer import Trainer
+    saved = Trainer.save_checkpoint
+    calls = []
+
+    def failing_save(self):
+        calls.append(self.step)
+        if len(calls) == 2:
+            raise OSError("cannot write the checkpoint: Input/output error")
+        return saved(self)
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", failing_save)
+    run = tmp_path / "run"
+    assert _train(corpus, run, ["training.max_steps=40", "training.checkpoint_interval=4"]) == 2
+    lines = run_status(str(run))
+    assert lines[0] == f"{run}: failed at step 8: cannot write the checkpoint: Input/output " \
+                       "error", lines
+    assert any("newest checkpoint: ckpt-00000004.h5" in line for line in lines), lines
