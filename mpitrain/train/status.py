@@ -170,7 +170,11 @@ def _held_out(records, end) -> list:
         (records.get("selection") or [None])[-1]
     if chosen is not None and _is_number(chosen.get("best_step")):
         if chosen["best_step"] >= 0:
-            line += (f"; best {_num(chosen, 'best_value', '.4f')} at step "
+            # the figure that selects: accuracy, or cross-entropy (runs that did not
+            # record which show the number alone)
+            figure = chosen.get("select_by")
+            figure = f"{figure} " if figure in ("acc", "xent") else ""
+            line += (f"; best {figure}{_num(chosen, 'best_value', '.4f')} at step "
                      f"{_num(chosen, 'best_step', 'd')} (best.h5)")
         else:               # no finite held-out result yet, so no best.h5
             line += "; no best model yet (no finite held-out result)"

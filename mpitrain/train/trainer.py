@@ -910,7 +910,7 @@ class Trainer(CheckpointResume):
                             result=result, step=self.step, select_by=self.selection.select_by)
         self._record("selection", step=self.step, best=verdict.improved,
                      since_gain=verdict.since_gain, best_step=self.selection.best_step,
-                     best_value=self.selection.best_value)
+                     best_value=self.selection.best_value, select_by=self.selection.select_by)
 
     def _stops_early(self) -> bool:
         """training.early_stop: True (with a line) when patience has run out."""

@@ -1,6 +1,7 @@
 """``mpitrain status`` (train/status.py): where runs stand, from their run
 directories alone: ended, stopped by a signal, running or cut off."""
 
+import pytest
 import json
 import os
 import subprocess
@@ -100,3 +101,13 @@ def test_records_of_another_shape_are_said_with_question_marks_not_a_crash(tmp_p
     lines = run_status(run)
     assert lines[1] == "  step ?, epoch 0: xent ? acc ?, 1,234 fr/s", lines
     assert lines[2] == "  held-out acc ? at step 100; best ? at step 100 (best.h5)", lines
+
+
+@pytest.mark.parametrize("select_by,value,shown", [("xent", 4.30681, "best xent 4.3068"),
+                                                    ("acc", 0.51, "best acc 0.5100")])
+def test_the_best_is_named_by_the_figure_that_selects_it(tmp_path, select_by, value, shown):
+    # a cross-entropy shown beside 'held-out acc' read as an accuracy
+    run = tmp_path / "run"
+    _write(run, [START, TRAIN, EVAL, dict(SELECTION, best_value=value, select_by=select_by)])
+    lines = run_status(run)
+    assert lines[2].startswith(f"  held-out acc 0.5000 at step 100; {shown} at step 100"), lines
