@@ -1,11 +1,12 @@
 """``mpitrain status`` (train/status.py): where runs stand, from their run
 directories alone: ended, stopped by a signal, running or cut off."""
 
-import pytest
 import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from mpitrain.cli import main
 from mpitrain.train.status import run_status
