@@ -220,6 +220,36 @@ def atomic_path(path):
         raise
 
 
+def output_file_problem(path) -> str | None:
+    """Why ``path`` cannot become a written file (None when it can), checked before
+    the work that produces it: a directory, or a parent that is a file or that
+    cannot be written.  Missing parents are fine (they are made).
+
+    Example::
+
+        output_file_problem("/tmp")        # 'is a directory'
+    """
+    path = os.path.abspath(os.fspath(path))
+    if os.path.isdir(path):
+        return "is a directory"
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"cannot write in {parent}"
+    return None
+
+
+def check_json_option(parser, path) -> None:
+    """``parser.error`` for a ``--json`` file that could not be written, before
+    anything is measured (found only when the results were written, they were lost)."""
+    problem = output_file_problem(path) if path else None
+    if problem:
+        parser.error(f"--json {path}: {problem}")
+
+
 @contextlib.contextmanager
 def atomic_open(path, mode: str = "w"):
     """Open ``path`` for writing through a temporary file renamed into place on success.

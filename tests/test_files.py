@@ -189,3 +189,29 @@ def test_commit_over_a_directory_names_the_target_not_the_temporary(tmp_path):
         commit(tmp, target)
     assert str(err.value).startswith(f"cannot write {target}: ") and tmp not in str(err.value)
     assert (target / "keep").read_text() == "x"
+
+
+@pytest.mark.parametrize("module", ["throughput", "collectives", "ngsgd_overhead", "scaling",
+                                    "ddp_compare"])
+def test_a_json_output_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys,
+                                                                           module):
+    """It was found when the results were written: a traceback, the measurement lost."""
+    import importlib
+    (tmp_path / "file").write_text("")
+    parse = importlib.import_module(f"mpitrain.bench.{module}")
+    entry = getattr(parse, "parse_args", None) or parse.main
+    for path, problem in [(tmp_path, "is a directory"),
+                          (tmp_path / "file" / "x.json", "is not a directory")]:
+        with pytest.raises(SystemExit) as exit_:
+            entry(["--json", str(path)])
+        assert exit_.value.code == 2
+        assert f"error: --json {path}: " in capsys.readouterr().err
+
+
+def test_output_file_problem_names_what_stands_in_the_way(tmp_path):
+    from mpitrain.files import output_file_problem
+    (tmp_path / "file").write_text("")
+    assert output_file_problem(tmp_path) == "is a directory"
+    assert output_file_problem(tmp_path / "file" / "x") == f"{tmp_path / 'file'} is not a directory"
+    assert output_file_problem(tmp_path / "new" / "deeper" / "x.json") is None
+    assert output_file_problem(tmp_path / "x.json") is None

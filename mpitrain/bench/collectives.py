@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mpitrain.files import atomic_open
+from mpitrain.files import atomic_open, check_json_option
 
 METHODS = ("bare", "ours_sum", "ours_mean")
 MB = 1_000_000
@@ -43,6 +43,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="untimed warm-up repetitions per size and method")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
     args = parser.parse_args(argv)
+    check_json_option(parser, args.json)
     try:
         args.sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
     except ValueError:

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import os
 
-from mpitrain.files import atomic_open
+from mpitrain.files import atomic_open, check_json_option
 from mpitrain.threads import BLAS_ENV
 
 # One BLAS thread per rank unless the caller says otherwise: set before numpy loads.
@@ -80,6 +80,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="BLAS and torch threads per rank")
     parser.add_argument("--json", default=None, help="also write the result to this file")
     args = parser.parse_args(argv)
+    check_json_option(parser, args.json)
     if min(args.every, args.steps, args.rounds, args.threads) < 1 or args.skip < 0:
         parser.error("--every, --steps, --rounds and --threads must be >= 1, --skip >= 0")
     return args

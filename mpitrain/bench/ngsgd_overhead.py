@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from ..files import atomic_open
+from ..files import atomic_open, check_json_option
 from .machine import device_problem
 
 
@@ -132,6 +132,7 @@ def main(argv=None) -> int:
                         "(default 0)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
+    check_json_option(p, args.json)
     try:
         plan_threads = [int(n) for n in args.plan_threads.split(",")]
     except ValueError:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 
-from mpitrain.files import atomic_open
+from mpitrain.files import atomic_open, check_json_option
 from mpitrain.threads import BLAS_ENV
 
 # One BLAS thread per rank unless the caller says otherwise: set before numpy loads.
@@ -78,6 +78,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
     parser.add_argument("--json", default=None, help="also write the result to this file")
     args = parser.parse_args(argv)
+    check_json_option(parser, args.json)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:

@@ -50,7 +50,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from mpitrain.files import atomic_open
+from mpitrain.files import atomic_open, check_json_option
 from mpitrain.data.splice import splice, splice_indices
 
 from . import machine
@@ -500,6 +500,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="override the models' minibatch size; 0: the model's own")
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args(argv)
+    check_json_option(parser, args.json)
     args.precision = [p.strip() for p in args.precision.split(",") if p.strip()]
     if not args.precision or any(p not in ("fp32", "tf32", "bf16") for p in args.precision):
         parser.error(f"--precision: expected some of fp32, tf32, bf16, got {args.precision}")
