@@ -423,6 +423,24 @@ def _partial_report_writer(out_dir: str, dpi: int):
     return write
 
 
+def _check_corpus_feeds(cfg, config: str, ranks: int, options) -> None:
+    """Refuse, before the first measurement, a largest group the training corpus
+    cannot give an utterance per data rank (found only when that size came)."""
+    from .data.corpus import load_manifest
+    try:
+        utterances = load_manifest(cfg.data.train).num_utterances
+    except (ValueError, OSError):
+        return                  # the runs name a corpus that cannot be read
+    readers = ranks - (cfg.parallel.servers if "param_server" in (options.methods or ())
+                       else 0)
+    if utterances < readers:
+        group = f"{readers} ranks" if readers == ranks else \
+            f"{readers} data ranks ({ranks} with the servers)"
+        raise UsageError(f"{config}: data.train {cfg.data.train} has {utterances} "
+                         f"utterance(s), fewer than the {group} of the largest group; "
+                         "give smaller group sizes")
+
+
 def cmd_bench(args) -> int:
     from .bench.mode import run_bench
     from .bench.report import clear_earlier_bench, out_dir_problem, projection_lines, write_report
@@ -457,6 +475,7 @@ def cmd_bench(args) -> int:
             checks()
         from .bench.virtual import run_virtual_bench
         compute = _compute_model(args, cfg, max(virtual_sizes))     # (its options checked)
+        _check_corpus_feeds(cfg, args.config, max(virtual_sizes), options)
         problem = out_dir_problem(out_dir, overwrite=args.overwrite)
         if problem:
             raise UsageError(problem)
@@ -475,6 +494,12 @@ def cmd_bench(args) -> int:
             return 2
         raise UsageError(f"--sizes: {max(options.sizes)} ranks asked for, but the job has "
                          f"{comm.size} (mpiexec -n {max(options.sizes)} or more)")
+    try:
+        _check_corpus_feeds(cfg, args.config, max(options.sizes or (comm.size,)), options)
+    except UsageError:
+        if comm.rank != 0:          # every rank reads the same manifest: rank 0 says it
+            return 2
+        raise
     # rank 0 judges the output directory and every rank hears it: all stop, or none
     problem = comm.bcast_obj(out_dir_problem(out_dir, overwrite=args.overwrite)
                              if comm.rank == 0 else None, root=0)

@@ -100,3 +100,22 @@ def test_a_bench_stopped_halfway_keeps_the_sizes_it_measured(small_corpus, tmp_p
     report = json.loads((out / "bench.json").read_text())
     assert "partial" not in report and report["sizes"] == [1, 2, 4]
     assert "Partial" not in (out / "bench.md").read_text()
+
+
+def test_a_group_larger_than_the_corpus_can_feed_is_refused_before_measuring(small_corpus,
+                                                                             tmp_path, capsys):
+    """Size 1 was measured and a partial report written before size 64 found too few
+    utterances; a rerun then needed --overwrite."""
+    from mpitrain.data.corpus import load_manifest
+    utterances = load_manifest(os.path.join(small_corpus, "train")).num_utterances
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", f"1,{utterances + 1}", "--steps", "2",
+            "--warmup-steps", "1", "--compute-ms", "1", "--methods", "model_averaging",
+            "--out", str(out)]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1"]:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"has {utterances} utterance(s), fewer than the " \
+        f"{utterances + 1} ranks of the largest group" in err, err
+    assert not out.exists()
