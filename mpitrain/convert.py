@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from .export import UNSEEN_PRIOR, UNSEEN_SCORE, prior_offsets
-from .files import commit, discard, temporary_path
+from .files import atomic_path, commit, discard, temporary_path
 from .nn.model_file import load_model
 
 FORMATS = ("onnx", "torch")
@@ -307,11 +307,8 @@ def _write_torch(model: _Parts, out: str) -> None:
 
 
 def _atomic_bytes(path: str, data: bytes) -> None:
-    tmp = temporary_path(path)
-    try:
+    # the file is written under a hidden name and renamed into place: failures name
+    # the file asked for (and missing folders are made, as --to torch makes its own)
+    with atomic_path(path) as tmp:
         with open(tmp, "wb") as fh:
             fh.write(data)
-        commit(tmp, path)
-    except BaseException:
-        discard(tmp)
-        raise

@@ -186,3 +186,12 @@ def test_converted_forms_score_an_unseen_pdf_as_export_does(tmp_path):
     with torch.no_grad():
         got = net.loglikes(torch.from_numpy(feats)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_onnx_target_in_folders_not_yet_made_is_written_there(tmp_path):
+    # it failed naming its hidden temporary; --to torch made its folders already
+    pytest.importorskip("onnx")
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+    target = tmp_path / "new" / "deeper" / "m.onnx"
+    assert main(["convert", str(model), "--to", "onnx", str(target)]) == 0
+    assert target.is_file() and os.listdir(target.parent) == ["m.onnx"]
