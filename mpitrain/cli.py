@@ -741,8 +741,9 @@ def build_parser(*, quiet_errors: bool = False,
                        help="write DIR/mpitrain.yaml, a starter config with corpus paths "
                             "filled in")
     p.add_argument("dir", help="directory to write mpitrain.yaml into (created if needed)")
-    p.add_argument("--corpus", default="data/synth",
-                   help="directory holding train/ and dev/ corpora (as synth writes them)")
+    p.add_argument("--corpus", default=None,
+                   help="directory holding train/ and dev/ corpora (as synth writes them; "
+                        "default: data/synth)")
     p.add_argument("--train", default=None, help="training corpus (default: CORPUS/train)")
     p.add_argument("--dev", default=None, help="held-out corpus (default: CORPUS/dev)")
     p.add_argument("--example", default="quickstart",

@@ -23,6 +23,7 @@ from .files import atomic_open
 
 DEFAULT_CONFIG = "mpitrain.yaml"
 DEFAULT_EXAMPLE = "quickstart"
+DEFAULT_CORPUS = "data/synth"     # where `mpitrain synth data/synth` writes
 
 
 def examples_dir() -> Path:
@@ -40,15 +41,24 @@ def example_configs() -> dict[str, Path]:
     return {p.stem: p for p in sorted(examples_dir().glob("*.yaml"))}
 
 
-def write_starter(out_dir, *, corpus: str | None = "data/synth", train: str | None = None,
+def write_starter(out_dir, *, corpus: str | None = None, train: str | None = None,
                   dev: str | None = None, example: str = DEFAULT_EXAMPLE,
                   overwrite: bool = False, warn=None) -> Path:
     """Write ``out_dir/mpitrain.yaml`` from an example with absolute corpus paths.
 
     ``train`` and ``dev`` default to ``corpus/train`` and ``corpus/dev`` (the
-    layout ``mpitrain synth`` writes).  ``warn(message)`` hears of a corpus
+    layout ``mpitrain synth`` writes); ``corpus`` None: the built-in corpus
+    (``data/synth``) when neither is given.  ``warn(message)`` hears of a corpus
     directory without a ``corpus.yaml`` (it may be written later).
     """
+    if corpus is None and bool(train) != bool(dev):
+        # one named, the other left to the built-in corpus: a pair that belongs to
+        # no one corpus, taken without a word
+        given, missing = ("--train", "--dev") if train else ("--dev", "--train")
+        raise ValueError(f"init: {given} is given but not {missing}; name {missing} too "
+                         "(or --corpus DIR holding both)")
+    if corpus is None:
+        corpus = DEFAULT_CORPUS
     examples = example_configs()
     if example not in examples:
         raise ValueError(f"--example: no example configuration {example!r}; "

@@ -220,6 +220,18 @@ def test_init_warns_of_a_corpus_not_written_yet(tmp_path, capsys):
     assert f"{tmp_path / 't'}/corpus.yaml does not exist yet" in err
 
 
+@pytest.mark.parametrize("given,missing", [("--train", "--dev"), ("--dev", "--train")])
+def test_init_with_one_corpus_of_the_pair_named_is_refused(tmp_path, capsys, given, missing):
+    # the other was taken from data/synth without a word: a pair of unrelated corpora
+    assert main(["init", str(tmp_path / "exp"), given, str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{given} is given but not {missing}" in err
+    assert not (tmp_path / "exp").exists()
+    # with --corpus naming where the other one lives, it is fine
+    assert main(["init", str(tmp_path / "exp"), "--corpus", str(tmp_path / "corpus"),
+                 given, str(tmp_path / "c")]) == 0
+
+
 def test_example_configs_are_shipped_with_the_package():
     from mpitrain.starter import example_configs
     names = set(example_configs())
