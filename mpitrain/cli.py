@@ -574,8 +574,11 @@ def _eval_corpus(corpus_dir: str, net, model: str):
     from .data.validate import validate_corpus
     manifest = load_manifest(corpus_dir)
     if manifest.feat_dim != net.feat_dim or manifest.num_classes != net.num_classes:
+        # a corpus of fewer classes may only lack the highest pdfs: prepared again
+        # with the model's count it fits; one of more classes does not
         hint = (f"; prepare it with --num-classes {net.num_classes} (the number of pdfs)"
-                if manifest.feat_dim == net.feat_dim else "")
+                if manifest.feat_dim == net.feat_dim
+                and manifest.num_classes < net.num_classes else "")
         raise UsageError(f"{corpus_dir}/corpus.yaml: feat_dim {manifest.feat_dim}, "
                          f"num_classes {manifest.num_classes}; the model {model} "
                          f"expects {net.feat_dim} and {net.num_classes}{hint}")

@@ -299,7 +299,8 @@ class Trainer(CheckpointResume):
         for field in ("feat_dim", "num_classes"):
             if getattr(dev, field) != getattr(m, field):
                 hint = (f"; prepare it with --num-classes {m.num_classes} (the number of pdfs)"
-                        if field == "num_classes" else "")
+                        if field == "num_classes" and dev.num_classes < m.num_classes
+                        else "")
                 raise TrainingError(f"{manifest_path(dev.directory)}: {field} is "
                                     f"{getattr(dev, field)}, but the training corpus has "
                                     f"{getattr(m, field)}{hint}", agreed=True)

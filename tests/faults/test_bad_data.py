@@ -153,6 +153,12 @@ def test_held_out_corpus_of_other_classes_says_how_to_prepare_it(corpus, tmp_pat
     err = capsys.readouterr().err
     assert err.rstrip().endswith(f"expects {train.feat_dim} and {train.num_classes}; prepare it "
                                  f"with --num-classes {train.num_classes} (the number of pdfs)")
+    # a model of fewer classes than the corpus: no preparing makes them fit, so no
+    # such advice (it said 'prepare it with --num-classes 2' for a 120-class corpus)
+    small = tiny_model(str(tmp_path / "small.h5"), feat_dim=train.feat_dim, num_classes=2)
+    assert main(["eval", small, str(tmp_path / "fewer")]) == 2
+    err = capsys.readouterr().err
+    assert "expects" in err and "--num-classes" not in err, err
 
 
 def test_a_minibatch_larger_than_a_ranks_data(corpus, tmp_path, capsys):
