@@ -370,6 +370,8 @@ def parse_wspecifier(wspec: str) -> tuple[bool, str, str | None]:
         raise ValueError(f"--out {wspec}: expected ark:PATH or ark,scp:ARK,SCP")
     if spec["scp"] is not None and _is_stream(spec["ark"]):
         raise ValueError(f"--out {wspec}: an scp needs the ark written to a file")
+    if spec["scp"] is not None and _same_file(spec["ark"], spec["scp"]):
+        raise ValueError(f"--out {wspec}: the ark and the scp are the same file; name two")
     for target in (spec["ark"], spec["scp"]):
         if target is not None and not _is_stream(target) and os.path.isdir(target):
             raise ValueError(f"--out {wspec}: {target} is a directory; name a file")

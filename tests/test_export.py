@@ -121,6 +121,18 @@ def test_an_out_that_is_one_of_the_inputs_is_refused_and_nothing_changes(tiny, c
     assert not (d / "new.ark").exists()
 
 
+def test_an_ark_and_scp_of_the_same_name_are_refused_and_nothing_changes(tiny, capsys):
+    # the scp replaced the ark: the file held an scp pointing into itself
+    d, model, _ = tiny
+    (d / "s.ark").write_text("old")
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark,scp:{d}/s.ark,{d}/s.ark"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the ark and the scp are the same file" in err, err
+    assert (d / "s.ark").read_text() == "old"
+    assert not [p for p in os.listdir(d) if ".tmp" in p]
+
+
 def test_an_out_that_is_a_directory_is_refused_before_any_work(tiny, capsys):
     d, model, _ = tiny
     (d / "outdir").mkdir()
