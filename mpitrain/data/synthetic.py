@@ -291,10 +291,14 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
     for name, value, least in (("hours", hours, 1), ("dev_hours", dev_hours, 1),
                                ("seen_dev_hours", seen_dev_hours, 0)):
         # at least one frame (100 frames/s) of each set asked for, and a finite amount
+        # (an optional set asked for too: checked before any set is written)
+        optional = not least
+        if optional and value > 0:
+            least = 1
         if not (math.isfinite(value) and value >= 0
                 and value * 3600 * FRAMES_PER_SECOND >= least):
             raise ValueError(f"{name} must be a finite number of hours giving at least "
-                             f"{max(least, 1)} frame (100 frames/s){' or 0' if not least else ''}, "
+                             f"1 frame (100 frames/s){' or 0' if optional else ''}, "
                              f"got {value}")
     if isinstance(seed, bool) or int(seed) != seed or seed < 0:
         raise ValueError(f"seed must be an integer >= 0, got {seed!r}")

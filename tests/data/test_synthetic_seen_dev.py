@@ -55,3 +55,13 @@ def test_seen_dev_is_deterministic_and_leaves_train_and_dev_alone(corpus, tmp_pa
     for split in ("train_dir", "dev_dir"):
         a, b = load_corpus(corpus[split]), load_corpus(plain[split])
         assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[3] == b[3]
+
+
+def test_a_seen_dev_set_of_less_than_a_frame_is_refused_before_anything_is_written(tmp_path):
+    # train and dev were written, then the empty seen set failed: a rerun then met
+    # 'a corpus already exists'
+    import pytest
+    with pytest.raises(ValueError, match=r"seen_dev_hours must be a finite number of hours "
+                                         r"giving at least 1 frame \(100 frames/s\) or 0"):
+        synthesize(str(tmp_path / "s"), seen_dev_hours=1e-7, **SMALL)
+    assert not (tmp_path / "s").exists()
