@@ -118,6 +118,11 @@ class SpeakerCmvn:
         if not stats[0, -1] > 0:
             raise CorpusError(f"{self.stats_name}: CMVN stats of {key!r} have a frame count "
                               f"of {stats[0, -1]:g}; expected more than 0")
+        rows = stats if self.norm_vars else stats[:1]     # the sums of squares: norm_vars
+        if not np.isfinite(rows).all():
+            row, col = (int(i) for i in np.argwhere(~np.isfinite(rows))[0])
+            raise CorpusError(f"{self.stats_name}: CMVN stats of {key!r} hold "
+                              f"{rows[row, col]} at row {row}, column {col}")
         return apply_cmvn(feats, stats, norm_vars=self.norm_vars)
 
 

@@ -115,6 +115,12 @@ def test_bad_cmvn_input_is_one_line_naming_file_and_speaker(kaldi, tmp_path):
     # per-speaker stats without --utt2spk: looked up by utterance, which the message says
     fails(r"cmvn\.scp: no CMVN stats for utterance 'a1' \(without --utt2spk stats are looked up "
           r"by utterance; per-speaker stats need --utt2spk\)", cmvn=f"scp:{kaldi}/cmvn.scp")
+    # a NaN in the stats: it was blamed on the features, naming the output corpus
+    nan_stats = {s: v.copy() for s, v in STATS.items()}
+    nan_stats["b"][1, 0] = np.nan
+    kaldiio.save_ark(str(kaldi / "nan.ark"), nan_stats)
+    fails(r"nan\.ark: CMVN stats of 'b' hold nan at row 1, column 0",
+          utt2spk=str(kaldi / "utt2spk"), cmvn=f"ark:{kaldi}/nan.ark", norm_vars=True)
     (kaldi / "bad_utt2spk").write_text("a1 a extra\n")
     fails(r"bad_utt2spk:1: expected 'utterance speaker'", utt2spk=str(kaldi / "bad_utt2spk"))
 
