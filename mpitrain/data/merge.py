@@ -82,7 +82,7 @@ def merge_corpora(out_dir: str, parts, *, num_classes: int | None = None,
         raise CorpusError(f"{manifest_path(worst)}: field 'num_classes': {largest} is more "
                           f"than the {num_classes} classes asked for the merged corpus")
 
-    _check_unique_utterances(parts, manifests)
+    part_utterances = _check_unique_utterances(parts, manifests)
 
     counts = np.zeros(num_classes, dtype=np.int64)
     shards = []
@@ -101,6 +101,7 @@ def merge_corpora(out_dir: str, parts, *, num_classes: int | None = None,
             raise CorpusError(f"{manifest_path(m.directory)}: {kind}, but "
                               f"{manifest_path(manifests[0].directory)}: {kinds[0]}; "
                               "prepare every part alike")
+    _check_speakers_in_one_part(manifests, part_utterances)
     merged = CorpusManifest(
         feat_dim=feat_dim, num_classes=int(num_classes),
         num_frames=sum(m.num_frames for m in manifests),
@@ -190,19 +191,48 @@ def merge_import_reports(parts) -> dict | None:
     return merged
 
 
-def _check_unique_utterances(parts, manifests) -> None:
+def _check_unique_utterances(parts, manifests) -> list:
+    """Each part's utterance ids (a list of lists); refuses an id in two parts."""
     from .shards import ShardReader
     owner: dict[str, str] = {}
+    found = []
     for part, m in zip(parts, manifests):
+        found.append([])
         for i in range(len(m.shards)):
             path = m.shard_path(i)
             with ShardReader(path) as reader:
-                ids = reader.utt_ids
+                ids = list(reader.utt_ids)
+            found[-1] += ids
             for utt in ids:
                 first = owner.setdefault(utt, path)
                 if first != path:
                     raise CorpusError(f"{path}: utterance id {utt!r} is also in {first}; "
                                       "utterance ids must be unique across the parts")
+    return found
+
+
+def _check_speakers_in_one_part(manifests, part_utterances) -> None:
+    """Per-speaker CMVN computed by each part (``--utt2spk`` without ``--cmvn``) used
+    the stats of the part's utterances of a speaker: a speaker split over parts was
+    normalised differently in each, and otherwise than export will (stats of the
+    whole speaker).  Checked where the parts' utt2spk files can still be read."""
+    from .kaldi_read import read_utt2spk
+    owner: dict[str, str] = {}
+    for m, utterances in zip(manifests, part_utterances):
+        spec = m.speaker_cmvn or {}
+        stats, utt2spk = spec.get("stats"), spec.get("utt2spk")
+        if not (isinstance(stats, str) and stats.startswith("stats computed from")
+                and isinstance(utt2spk, str) and os.path.isfile(utt2spk)):
+            continue
+        speakers = read_utt2spk(utt2spk)
+        for spk in sorted({speakers[u] for u in utterances if u in speakers}):
+            first = owner.setdefault(spk, m.directory)
+            if first != m.directory:
+                raise CorpusError(
+                    f"{manifest_path(m.directory)}: speaker {spk!r} is also in {first}, and "
+                    "each part normalised it with CMVN stats of its own utterances of that "
+                    "speaker; prepare each speaker's utterances in one part, or give every "
+                    "part Kaldi's stats of whole speakers (--cmvn)")
 
 
 def _write_yaml(path: str, data: dict) -> None:

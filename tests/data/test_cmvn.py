@@ -136,11 +136,19 @@ def test_merge_refuses_parts_normalised_differently(kaldi):
             f"{part}{u} " + " ".join("1" * f.shape[0]) + "\n" for u, f in FEATS.items()))
         (kaldi / f"{part}.u2s").write_text("".join(f"{part}{u} {s}\n"
                                                    for u, s in UTT2SPK.items()))
+        (kaldi / f"{part}.own.u2s").write_text("".join(f"{part}{u} {part}{s}\n"
+                                                       for u, s in UTT2SPK.items()))
         kw = {"utt2spk": str(kaldi / f"{part}.u2s")} if kw else {}
         import_kaldi(f"ark:{kaldi}/{part}.ark", str(kaldi / f"{part}.ali"), str(m / part), **kw)
     with pytest.raises(CorpusError, match=r"p2/corpus\.yaml: no per-speaker CMVN, but "
                                           r".*p1/corpus\.yaml: per-speaker CMVN, norm_vars false"):
         merge_corpora(str(m), [str(m / "p1"), str(m / "p2")])
+    # the same speakers in two parts, each normalised with its own part's stats
+    with pytest.raises(CorpusError, match=r"p3/corpus\.yaml: speaker 'a' is also in .*p1, and "
+                                          r"each part normalised it with CMVN stats of its own"):
+        merge_corpora(str(m), [str(m / "p1"), str(m / "p3")])
+    import_kaldi(f"ark:{kaldi}/p3.ark", str(kaldi / "p3.ali"), str(m / "p3"),
+                 utt2spk=str(kaldi / "p3.own.u2s"), overwrite=True)
     merged = merge_corpora(str(m), [str(m / "p1"), str(m / "p3")])
     assert merged.speaker_cmvn["norm_vars"] is False
 
