@@ -339,7 +339,14 @@ class ArkWriter:
         files, self._files = self._files, []
         for handle in files:
             # a pipe's close waits for its command and returns its status
-            status = handle.close()
+            try:
+                status = handle.close()
+            except BrokenPipeError:
+                # the last buffered bytes met a command that had gone: as in write
+                if self.ark.strip() == "-":
+                    raise
+                self._files = [handle]
+                raise OSError(self._why_the_reader_left()) from None
             if status:
                 raise OSError(f"--out {self.ark.strip()}: the command failed with exit "
                               f"status {status >> 8 or status}")

@@ -121,6 +121,21 @@ def test_an_out_that_is_one_of_the_inputs_is_refused_and_nothing_changes(tiny, c
     assert not (d / "new.ark").exists()
 
 
+def test_a_command_that_fails_before_the_last_bytes_are_flushed_is_named(tmp_path):
+    """The archive's last bytes, still buffered, met the command's closed pipe when the
+    writer closed: a BrokenPipeError that the command line took for 'the reader of our
+    stdout left' (exit 141, no message) one time in five."""
+    import time
+    from mpitrain.export import ArkWriter
+    writer = ArkWriter("ark:| exit 3")
+    writer.write("u1", np.zeros((2, 3), np.float32))   # small: it stays in the buffer
+    time.sleep(0.5)                                     # the command has exited by now
+    with pytest.raises(OSError) as info:
+        writer.close()
+    assert not isinstance(info.value, BrokenPipeError)
+    assert str(info.value) == "--out | exit 3: the command failed with exit status 3"
+
+
 def test_an_ark_and_scp_of_the_same_name_are_refused_and_nothing_changes(tiny, capsys):
     # the scp replaced the ark: the file held an scp pointing into itself
     d, model, _ = tiny
