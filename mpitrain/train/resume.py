@@ -18,6 +18,7 @@ import os
 
 from .. import backend
 from ..config import config_from_yaml
+from ..parallel.registry import takes_own_steps
 from ..nn.model_file import save_model
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
@@ -182,7 +183,8 @@ class CheckpointResume:
         else:
             self.strategy.setup(self.net, self.optimizer)    # from the checkpoint's model
         self.frames_seen = ckpt.frames_seen
-        if ckpt.num_ranks == self.comm.size:
+        replanned = self._data_plan_change(ckpt)
+        if not replanned:
             state = ckpt.rank_state(self.comm.rank)
             self._load_part(ckpt, "the optimizer state",
                             lambda c: self.optimizer.load_state_dict(state["optimizer"]),
@@ -198,14 +200,15 @@ class CheckpointResume:
                                 state.get("strategy", {})), settings_changed, every_rank=False)
             self.step = ckpt.step
             return
-        # N -> M ranks: the data was re-planned over this job's ranks; the same
-        # fraction of the schedule is done; per-rank state cannot carry over.
+        # N -> M ranks, or settings that split the data otherwise: the data was
+        # re-planned; the same fraction of the schedule is done; per-rank state
+        # cannot carry over.
         old_planned = int(ckpt.trainer_state.get("planned_steps", 0))
         if old_planned <= 0:
             raise TrainingError(
-                f"{ckpt.path}: written by {ckpt.num_ranks} ranks, this job has "
-                f"{self.comm.size}, and the checkpoint predates resuming on another number "
-                "of ranks; resume with the same number of ranks", agreed=True)
+                f"{ckpt.path}: {replanned}, and the checkpoint predates re-planning the "
+                "data on resume; resume with the same number of ranks and settings",
+                agreed=True)
         self.step = min(int(round(ckpt.step * self.planned_steps / old_planned)),
                         self.total_steps)
         if not self._takes_own_steps():
@@ -214,21 +217,46 @@ class CheckpointResume:
         elif self.cfg.parallel.method == "adpsgd":
             self._seek_own_steps(ckpt.step / old_planned)
         # (a parameter server's clients seek in the serving loop: serving.py)
-        self._say(f"resume: written by {ckpt.num_ranks} ranks, continuing on "
-                  f"{self.comm.size}: data re-planned over {self.comm.size} ranks, step "
+        self._say(f"resume: {replanned}: data re-planned over {self.comm.size} ranks, step "
                   f"{ckpt.step} of {old_planned} becomes {self.step} of {self.planned_steps}, "
                   "optimizer state (momentum, natural-gradient statistics) starts afresh")
         self._record("rank_change", from_ranks=ckpt.num_ranks, to_ranks=self.comm.size,
                      from_step=ckpt.step, to_step=self.step)
 
+    def _data_plan_change(self, ckpt) -> str:
+        """Why the checkpoint's reader positions do not fit this job's data plan
+        ('' when they do): another number of ranks, or accepted changes that split
+        or step through the data otherwise (minibatch, chunk size, a parameter
+        server's shares, each rank at its own pace)."""
+        if ckpt.num_ranks != self.comm.size:
+            return f"written by {ckpt.num_ranks} ranks, continuing on {self.comm.size}"
+        try:
+            saved = config_from_yaml(ckpt.config_yaml)
+        except ValueError:
+            return ""           # (judged already: changes were accepted or none made)
+        now = self.cfg
+
+        def shares(cfg):
+            return cfg.parallel.servers if cfg.parallel.method == "param_server" else 0
+
+        changed = [name for name, old, new in (
+            ("training.minibatch", saved.training.minibatch, now.training.minibatch),
+            ("data.chunk_frames", saved.data.chunk_frames, now.data.chunk_frames),
+            ("the ranks that read data", shares(saved), shares(now)),
+            ("each rank at its own pace", takes_own_steps(saved), takes_own_steps(now)))
+            if old != new]
+        return f"{', '.join(changed)} changed" if changed else ""
+
     def _seek_own_steps(self, fraction: float) -> None:
-        """Asynchronous ADPSGD on another number of ranks: each rank has done the
-        same fraction of its own planned steps (its own data, its own count)."""
+        """Asynchronous ADPSGD after a re-plan: each rank has done the same fraction
+        of its own planned steps (its own data, its own count) as the job of its
+        planned steps, capped by ``training.max_steps`` as its steps are."""
         cfg = self.cfg
         planned = max(int(round(cfg.training.epochs * self.steps_per_epoch)), 1)
+        own = int(round(fraction * planned))
         if cfg.training.max_steps:
-            planned = min(planned, cfg.training.max_steps)
-        own = min(int(round(fraction * planned)), planned)
+            own = min(own, cfg.training.max_steps)
+        own = min(own, planned)
         self.strategy.own_steps = own
         self.stream.seek(own // self.steps_per_epoch, own % self.steps_per_epoch)
 

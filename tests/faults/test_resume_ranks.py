@@ -99,3 +99,40 @@ def test_methods_whose_ranks_take_their_own_steps_resume_on_another_number(small
     assert end["frames"] < 3 * first_end["frames"] + 2 * 256 * 60, (end, first_end)
     net, _ = load_model(run / "final.h5")
     assert np.isfinite(net.params).all()
+
+
+@pytest.mark.parametrize("change", [
+    ["training.minibatch=512"],          # the saved positions lay past the new chunks' ends
+    ["training.minibatch=128"],          # they were read as positions of smaller batches
+    ["parallel.method=adpsgd", "parallel.asynchronous=true"],   # it started from step 0
+], ids=["larger-minibatch", "smaller-minibatch", "to-async-adpsgd"])
+def test_accepted_changes_that_split_the_data_otherwise_re_plan_it(small_corpus, tmp_path,
+                                                                   change):
+    """--resume --accept-changes with settings that step through the data otherwise:
+    the data is re-planned and the same fraction of the schedule counts as done, as
+    on another number of ranks."""
+    from mpitrain.testing.mpirun import run_mpi
+    from ..helpers import QUICKSTART, small_overrides
+    run = tmp_path / "run"
+    common = TINY + ["training.epochs=1", "training.checkpoint_interval=8",
+                     "parallel.average_every=4"]
+    _train(2, run, small_corpus, common + ["training.max_steps=24"])
+    first = records(run, "start")[0]
+    args = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(run), "--resume",
+            "--accept-changes"]
+    for item in small_overrides(small_corpus) + ["training.log_interval=10"] + common + change:
+        args += ["--set", item]
+    result = run_mpi(2, args, timeout=180)
+    assert result.returncode == 0, result.stderr[-4000:] + result.stdout[-4000:]
+    assert "changed: data re-planned over 2 ranks, step 24 of" in result.stdout, result.stdout
+    change_record, = records(run, "rank_change")
+    second = records(run, "start")[1]
+    assert change_record["to_step"] == round(24 * second["planned_steps"]
+                                             / first["planned_steps"])
+    with open(run / "metrics.jsonl") as fh:
+        everything = list(map(json.loads, fh))
+    second_start = [i for i, r in enumerate(everything) if r["type"] == "start"][1]
+    train = [r for r in everything[second_start:] if r["type"] == "train"]
+    # it goes on from the fraction done, neither over again nor back
+    assert train and train[0]["step"] > change_record["to_step"], (train[0], change_record)
+    assert records(run, "end")[-1]["steps"] >= second["total_steps"] - 2
