@@ -39,6 +39,17 @@ def _layers(kind):
             Affine(3, 3)]
 
 
+def _load_module(out):
+    """The converted PyTorch module in directory ``out``, loaded as its users do."""
+    sys.path.insert(0, str(out))
+    try:
+        import model as converted
+        return converted.load()
+    finally:
+        sys.path.remove(str(out))
+        sys.modules.pop("model", None)
+
+
 FEATS = {"long": np.random.default_rng(0).normal(size=(9, 4)).astype(np.float32),
          "one frame": np.random.default_rng(1).normal(size=(1, 4)).astype(np.float32),
          "loud": 30 * np.random.default_rng(2).normal(size=(5, 4)).astype(np.float32)}
@@ -89,13 +100,7 @@ def test_torch_form_is_a_module_and_npz_without_pickle(tmp_path):
                                       "affine1_weight", "cmvn_mean", "cmvn_scale", "priors"]
         assert data["affine0_weight"].shape == (12, 16) and data["affine1_bias"].shape == (3,)
     torch = pytest.importorskip("torch")
-    sys.path.insert(0, str(out))
-    try:
-        import model as converted
-        net = converted.load()
-    finally:
-        sys.path.remove(str(out))
-        sys.modules.pop("model", None)
+    net = _load_module(out)
     ours = mpitrain.load_model(model)
     for feats in FEATS.values():
         with torch.no_grad():
@@ -137,13 +142,7 @@ def test_torch_form_takes_loud_frames_and_an_utterance_of_no_frames(tmp_path, ki
     model = _model(tmp_path / "m.h5", _layers(kind))
     out = tmp_path / "torch"
     assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
-    sys.path.insert(0, str(out))
-    try:
-        import model as converted
-        net = converted.load()
-    finally:
-        sys.path.remove(str(out))
-        sys.modules.pop("model", None)
+    net = _load_module(out)
     ours = mpitrain.load_model(model)
     with torch.no_grad():
         for feats in FEATS.values():
@@ -176,13 +175,7 @@ def test_converted_forms_score_an_unseen_pdf_as_export_does(tmp_path):
     torch = pytest.importorskip("torch")
     out = tmp_path / "torch"
     assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
-    sys.path.insert(0, str(out))
-    try:
-        import model as converted
-        net = converted.load()
-    finally:
-        sys.path.remove(str(out))
-        sys.modules.pop("model", None)
+    net = _load_module(out)
     with torch.no_grad():
         got = net.loglikes(torch.from_numpy(feats)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
