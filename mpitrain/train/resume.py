@@ -82,6 +82,10 @@ class CheckpointResume:
         if self.is_root and not os.path.exists(final):
             save_model(final, self.net, class_priors=self.manifest.class_priors())
             self._say(f"resume: wrote {final} from the final checkpoint")
+            # the run's end, which writing final.h5 had failed to reach (a full disk):
+            # `status` reads it from here on
+            self._record("end", steps=ckpt_step, frames=self.frames_seen,
+                         final_written_on_resume=True, **best)
         self._say(f"resume: the run had ended at step {ckpt_step}; nothing to train (raise "
                   "training.epochs or training.max_steps to go on)")
         return {"steps": ckpt_step, "frames": self.frames_seen, "seconds": 0.0,

@@ -28,8 +28,8 @@ def corpus(small_corpus, tmp_path):
     return copy
 
 
-def _train(corpus, run_dir, extra=()):
-    argv = ["train", QUICKSTART, "--run-dir", str(run_dir)]
+def _train(corpus, run_dir, extra=(), flags=()):
+    argv = ["train", QUICKSTART, "--run-dir", str(run_dir), *flags]
     for item in [f"data.train={corpus / 'train'}", f"data.dev={corpus / 'dev'}",
                  "data.chunk_frames=20000"] + TINY + list(extra):
         argv += ["--set", item]
@@ -266,3 +266,27 @@ def test_a_run_that_ends_on_an_error_says_so_to_status(corpus, tmp_path, capsys,
     assert lines[0] == f"{run}: failed at step 8: cannot write the checkpoint: Input/output " \
                        "error", lines
     assert any("newest checkpoint: ckpt-00000004.h5" in line for line in lines), lines
+
+
+def test_a_final_model_written_on_resume_ends_the_run_for_status(corpus, tmp_path,
+                                                                 monkeypatch):
+    """final.h5 could not be written (a full disk) after the final checkpoint; --resume
+    wrote it, but status still said the run had failed."""
+    import mpitrain.train.trainer as trainer_module
+    from mpitrain.train.status import run_status
+    saved = trainer_module.save_model
+
+    def failing_final(path, *args, **kwargs):
+        if os.path.basename(str(path)) == "final.h5":
+            raise OSError("No space left on device writing final.h5")
+        return saved(path, *args, **kwargs)
+
+    run = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module, "save_model", failing_final)
+        assert _train(corpus, run, ["training.max_steps=8"]) == 2
+    assert run_status(str(run))[0].startswith(f"{run}: failed at step 8: No space left")
+    assert _train(corpus, run, ["training.max_steps=8"], flags=["--resume"]) == 0
+    assert (run / "final.h5").exists()
+    assert run_status(str(run))[0].startswith(f"{run}: ended: 8 steps in ?; "), \
+        run_status(str(run))
