@@ -76,6 +76,9 @@ def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
         above = os.path.dirname(above)
     if not os.path.isdir(above):
         return f"{run_dir}: cannot create the run directory ({above} is not a directory)"
+    room = _name_room_problem(run_dir, above)
+    if room:
+        return room
     if resume:
         if not os.path.isdir(run_dir):
             return f"{run_dir}: --resume given but the run directory does not exist"
@@ -93,6 +96,30 @@ def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
         return f"{run_dir}: cannot create the run directory ({parent} is not writable)"
     if os.path.isdir(run_dir) and not os.access(run_dir, os.W_OK):
         return f"{run_dir}: run directory is not writable"
+    return None
+
+
+# the longest name a run writes: a checkpoint's temporary (``.ckpt-N.h5.tmp-PID``)
+_LONGEST_NAME = ".ckpt-0000000000.h5.tmp-4194304"
+
+
+def _name_room_problem(run_dir, existing: str) -> str | None:
+    """A run directory whose files' paths would be too long for the file system
+    (found at the first checkpoint, after the run had started writing)."""
+    path = os.path.join(os.path.abspath(run_dir), _LONGEST_NAME)
+    try:
+        limit = os.pathconf(existing, "PC_PATH_MAX")
+        name_limit = os.pathconf(existing, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return None
+    too_long = [part for part in os.path.abspath(run_dir).split(os.sep)
+                if len(os.fsencode(part)) > name_limit]
+    if too_long:
+        return (f"{run_dir}: a directory name of {len(os.fsencode(too_long[0]))} bytes; this "
+                f"file system takes at most {name_limit}")
+    if len(os.fsencode(path)) >= limit:
+        return (f"{run_dir}: the run's file paths would be {len(os.fsencode(path))} bytes long, "
+                f"over this system's limit of {limit}; choose a shorter --run-dir")
     return None
 
 

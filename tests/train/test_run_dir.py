@@ -115,3 +115,21 @@ def test_the_lock_tells_when_its_directory_was_removed_or_moved(tmp_path):
         assert problem.startswith(f"{d}: the run directory (or its .lock) was removed") \
             and "final.h5" in problem, problem
         lock.release()
+
+
+def test_a_run_directory_whose_files_could_not_be_named_is_refused_before_writing(tmp_path):
+    """Near PATH_MAX a run trained, then failed at its first checkpoint (its temporary
+    name too long), with config.yaml and metrics.jsonl written and nothing to resume."""
+    import os
+    from mpitrain.train.run_dir import run_dir_problem
+    limit = os.pathconf(tmp_path, "PC_PATH_MAX")
+    deep = str(tmp_path)
+    while len(deep) < limit - 20:
+        deep = os.path.join(deep, "d" * min(200, limit - 20 - len(deep)))
+    problem = run_dir_problem(deep, resume=False, overwrite=False)
+    assert problem and "choose a shorter --run-dir" in problem and f"limit of {limit}" in problem
+    assert not (tmp_path / "d").exists()
+    long_name = tmp_path / ("n" * 300)
+    assert "a directory name of 300 bytes" in run_dir_problem(str(long_name), resume=False,
+                                                               overwrite=False)
+    assert run_dir_problem(str(tmp_path / "fine"), resume=False, overwrite=False) is None
