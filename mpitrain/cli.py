@@ -272,7 +272,7 @@ def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> i
             raise
         print(f"mpitrain {command}: rank {comm.rank}: error: {_one_line(exc)}",
               file=sys.stderr, flush=True)
-        comm.abort(2, _one_line(exc))
+        comm.abort(2)           # (the line above says why: no second copy of it)
     except BaseException as exc:
         _end_every_rank(comm, command, exc)
         raise
@@ -522,7 +522,7 @@ def cmd_bench(args) -> int:
             raise
         print(f"mpitrain bench: rank {comm.rank}: error: {_one_line(exc)}", file=sys.stderr,
               flush=True)
-        comm.abort(2, _one_line(exc))
+        comm.abort(2)           # (the line above says why: no second copy of it)
     except BaseException as exc:
         _end_every_rank(comm, "bench", exc)
         raise
