@@ -35,7 +35,7 @@ import os
 import numpy as np
 
 from .. import backend
-from ..config import config_from_yaml, config_to_yaml, dump_config
+from ..config import PretrainConfig, config_from_yaml, config_to_yaml, dump_config
 from ..data.batcher import MinibatchStream, plan_chunks, read_chunk
 from ..data.corpus import CorpusError
 from ..data.splice import splice_batch_
@@ -105,7 +105,7 @@ class Pretrainer:
                                 "in the config or with --set data.train=DIR)", agreed=True)
         if cfg.model.hidden_layers < 1:
             raise TrainingError("model.hidden_layers: pretraining needs at least one hidden "
-                                "layer, got 0")
+                                "layer, got 0", agreed=True)      # (every rank's config)
         self.manifest, _ = load_manifests(comm, cfg.data.train)
         m = self.manifest
         var = floored_variance(m.cmvn_var)
@@ -504,6 +504,11 @@ class Pretrainer:
                 if steps_due:
                     next_checkpoint = (self.layer_step // ck + 1) * ck
                 clock.written()
+                # an averaging point: every rank holds the same RBM, so every rank
+                # judges it alike; a diverged one is said as such, not as a file that
+                # cannot hold NaN (the log lines that check it may be further apart)
+                if not bool(backend.to_host(xp.isfinite(rbm.params).all())):
+                    self._check_divergence(index, math.nan, rate, rate_key)
                 self.save_checkpoint()
             # a signal: at the first averaging point from the log line where the ranks
             # agreed (one rank alone: at once); at a layer's last step, its end's
@@ -543,9 +548,13 @@ class Pretrainer:
         kind = "Gaussian-Bernoulli" if index == 0 else "Bernoulli-Bernoulli"
         what = "is not finite" if not math.isfinite(recon) else \
             f"exploded to {recon:.4g} (first window {self._window_first:.4g})"
+        # a weight decay raised above the default can be the cause as well
+        decay = self.cfg.pretrain.weight_decay
+        also = f", or pretrain.weight_decay (now {decay:g})" \
+            if decay > PretrainConfig().weight_decay else ""
         raise TrainingError(f"pretrain: layer {index + 1} ({kind}) diverged at step "
                             f"{self.layer_step}: reconstruction error {what}; lower "
-                            f"{rate_key} (now {rate:g})", agreed=True)
+                            f"{rate_key} (now {rate:g}){also}", agreed=True)
 
     def close(self) -> None:
         self.stream.close()

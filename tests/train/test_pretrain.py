@@ -141,6 +141,23 @@ def test_a_diverging_gaussian_layer_stops_naming_its_rate(small_corpus, tmp_path
     assert not (tmp_path / "run" / "pretrain.h5").exists()
 
 
+@pytest.mark.parametrize("setting,named", [
+    ("pretrain.learning_rate_gaussian=10", "lower pretrain.learning_rate_gaussian (now 10)"),
+    ("pretrain.weight_decay=300", "or pretrain.weight_decay (now 300)"),
+])
+def test_divergence_between_log_lines_is_said_at_the_checkpoint(small_corpus, tmp_path, capsys,
+                                                               setting, named):
+    """With checkpoints closer together than log lines, a diverged RBM reached the
+    checkpoint first, which refused to store NaN: the error named a dataset of the
+    file, not the divergence or the setting to lower."""
+    code = main(_argv("pretrain", tmp_path / "run", small_corpus,
+                      [setting, "training.log_interval=1000", "training.checkpoint_interval=4"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert ") diverged at step " in err and named in err, err
+    assert not list((tmp_path / "run").glob(".ckpt-*"))
+
+
 def test_a_stack_that_does_not_fit_the_model_is_one_line_naming_the_key(
         small_corpus, tmp_path, capsys):
     pre = tmp_path / "pre"
