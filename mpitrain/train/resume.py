@@ -18,8 +18,8 @@ import os
 
 from .. import backend
 from ..config import config_from_yaml
-from ..parallel.registry import takes_own_steps
 from ..nn.model_file import save_model
+from ..parallel.registry import takes_own_steps
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
 from .run_dir import corpus_identity, corpus_places, resume_changes
@@ -252,9 +252,9 @@ class CheckpointResume:
         return f"{', '.join(changed)} changed" if changed else ""
 
     def _seek_own_steps(self, fraction: float) -> None:
-        """Asynchronous ADPSGD after a re-plan: each rank has done the same fraction
-        of its own planned steps (its own data, its own count) as the job of its
-        planned steps, capped by ``training.max_steps`` as its steps are."""
+        """Asynchronous ADPSGD after a re-plan: each rank has done the fraction of its
+        own planned steps (its own data, its own count) that the job had done of its
+        plan, capped by ``training.max_steps`` as its steps are."""
         cfg = self.cfg
         planned = max(int(round(cfg.training.epochs * self.steps_per_epoch)), 1)
         own = int(round(fraction * planned))
