@@ -13,9 +13,15 @@ Example::
     model = mpitrain.load_model("runs/quickstart/final.h5")
     post = model.predict(feats)               # (T, num_classes), rows sum to 1
     ll = model.log_likelihoods(feats)         # log p(s|x) - log p(s), as export writes
+
+Threads may share a model: its calls take turns (the network computes in
+buffers of its own).
 """
 
 from __future__ import annotations
+
+import numbers
+import threading
 
 import numpy as np
 
@@ -36,6 +42,9 @@ class AcousticModel:
     def __init__(self, net, class_priors, path):
         self.net, self.path = net, str(path)
         self.class_priors = None if class_priors is None else np.asarray(class_priors)
+        # the network computes in buffers of its own: one utterance at a time, so
+        # that threads sharing the model get right results (in turn)
+        self._lock = threading.Lock()
 
     @classmethod
     def load(cls, path) -> "AcousticModel":
@@ -66,12 +75,32 @@ class AcousticModel:
         if feats.ndim != 2 or feats.shape[1] != self.feat_dim or feats.dtype.kind not in "fiu":
             raise ValueError(f"{self.path}: expected one utterance's features of shape "
                              f"(frames, {self.feat_dim}), got {feats.dtype} {feats.shape}")
+        if feats.dtype.kind == "f":
+            # NaN, inf, or beyond float32 (the model's precision): NaN scores otherwise
+            with np.errstate(invalid="ignore"):
+                bad = ~(np.abs(feats) <= np.finfo(np.float32).max).all(axis=1)
+            if bad.any():
+                raise ValueError(f"{self.path}: frame {int(np.argmax(bad))} of the features "
+                                 "holds NaN, inf or a value beyond float32")
         return feats
+
+    def _scores(self, feats, offsets, batch) -> np.ndarray:
+        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
+            raise ValueError(f"batch must be an integer >= 1 (frames per forward pass), "
+                             f"got {batch!r}")
+        frames = self._frames(feats)
+        with self._lock:
+            scores = utterance_loglikes(self.net, frames, offsets, batch=int(batch))
+        bad = ~np.isfinite(scores).all(axis=1)
+        if bad.any():
+            raise ValueError(f"{self.path}: the model's output is not finite at frame "
+                             f"{int(np.argmax(bad))} (features far outside the range it was "
+                             "trained on?)")
+        return scores
 
     def log_posteriors(self, feats, *, batch: int = 4096) -> np.ndarray:
         """(T, num_classes) log p(s|x), float32."""
-        zeros = np.zeros(self.num_classes, dtype=np.float32)
-        return utterance_loglikes(self.net, self._frames(feats), zeros, batch=batch)
+        return self._scores(feats, np.zeros(self.num_classes, dtype=np.float32), batch)
 
     def predict(self, feats, *, batch: int = 4096) -> np.ndarray:
         """(T, num_classes) posteriors p(s|x): each row sums to 1."""
@@ -85,8 +114,11 @@ class AcousticModel:
         """
         if self.class_priors is None:
             raise ValueError(f"{self.path}: the model stores no class priors; use predict()")
+        if isinstance(prior_scale, bool) or not isinstance(prior_scale, numbers.Real) \
+                or not 0 <= prior_scale < float("inf"):
+            raise ValueError(f"prior_scale: expected a number >= 0, got {prior_scale!r}")
         offsets, _ = prior_offsets(self.class_priors, scale=prior_scale)
-        return utterance_loglikes(self.net, self._frames(feats), offsets, batch=batch)
+        return self._scores(feats, offsets, batch)
 
 
 def load_model(path) -> AcousticModel:

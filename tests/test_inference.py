@@ -56,3 +56,56 @@ def test_scoring_utterances_of_many_lengths_does_not_grow_memory(model_and_feats
     for frames in range(1, 60):     # every length a new last-batch size
         model.log_posteriors(rng.normal(size=(frames, 3)), batch=16)
     assert held() == before
+
+
+def test_threads_sharing_a_model_get_the_results_of_one(model_and_feats):
+    """The network computes in buffers of its own: two threads calling predict at once
+    got each other's rows (posteriors off by up to 0.99) or a shape error."""
+    import threading
+    path, _ = model_and_feats
+    model = mpitrain.load_model(path)
+    rng = np.random.default_rng(5)
+    utterances = [rng.normal(size=(int(n), 3)).astype(np.float32)
+                  for n in rng.integers(20, 400, size=30)]
+    want = [model.predict(u, batch=64) for u in utterances]
+    wrong, errors = [], []
+
+    def work(order):
+        try:
+            for i in order:
+                if not np.array_equal(model.predict(utterances[i], batch=64), want[i]):
+                    wrong.append(i)
+        except Exception as exc:      # noqa: BLE001 - collected for the assertion
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(list(range(30)) * 3,)),
+               threading.Thread(target=work, args=(list(range(29, -1, -1)) * 3,))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and not wrong, (errors[:1], wrong[:5])
+
+
+def test_features_or_settings_that_would_give_nan_scores_are_refused(model_and_feats):
+    # export refuses them; from Python they gave NaN rows without a word
+    path, feats = model_and_feats
+    model = mpitrain.load_model(path)
+    for value in (np.nan, np.inf):
+        bad = feats.copy()
+        bad[3, 1] = value
+        with pytest.raises(ValueError, match=r"model.h5: frame 3 of the features holds NaN, "
+                                             r"inf or a value beyond float32"):
+            model.predict(bad)
+    huge = feats.astype(np.float64)
+    huge[4, 0] = 1e300
+    with pytest.raises(ValueError, match="frame 4 of the features"):
+        model.log_likelihoods(huge)
+    for scale in (float("nan"), float("inf"), -1.0, "1"):
+        with pytest.raises(ValueError, match="prior_scale: expected a number >= 0"):
+            model.log_likelihoods(feats, prior_scale=scale)
+    for batch in (None, 0, 2.5, True):
+        with pytest.raises(ValueError, match="batch must be an integer >= 1"):
+            model.predict(feats, batch=batch)
+    np.testing.assert_array_equal(model.log_likelihoods(feats, prior_scale=np.float32(1)),
+                                  model.log_likelihoods(feats))
