@@ -68,6 +68,14 @@ def merge_corpora(out_dir: str, parts, *, num_classes: int | None = None,
                              f"{out_dir}, because shard paths in corpus.yaml are relative "
                              "to it")
         manifests.append(load_manifest(directory))
+    # a part inside another (a merged corpus and one of its own parts): its shards
+    # would be listed, and counted, twice
+    resolved = [os.path.abspath(p) for p in parts]
+    for part, directory in zip(parts, resolved):
+        for other_part, other in zip(parts, resolved):
+            if other != directory and os.path.commonpath([directory, other]) == other:
+                raise ValueError(f"{part}: lies inside {other_part}, another part to merge; "
+                                 "its shards would be counted twice")
 
     feat_dim = manifests[0].feat_dim
     for part, m in zip(parts, manifests):

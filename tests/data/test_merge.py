@@ -104,6 +104,17 @@ def test_part_outside_the_merged_directory_is_refused(tmp_path):
         merge_corpora(str(tmp_path / "train"), [tmp_path / "elsewhere"])
 
 
+def test_a_part_inside_another_part_is_refused(two_parts):
+    """A merged corpus and one of its own parts: merged together, that part's shards
+    were counted twice, and the corpus written failed `check` ('listed again')."""
+    out, _ = two_parts
+    _write_part(out / "part-00000" / "inner", _utterances(3, 3, 7, "spkC"), num_classes=7)
+    with pytest.raises(ValueError, match=r"part-00000/inner: lies inside .*part-00000, "
+                                         r"another part to merge"):
+        merge_corpora(str(out), [out / "part-00000", out / "part-00000" / "inner"])
+    assert not (out / "corpus.yaml").exists()
+
+
 def test_duplicate_utterances_and_feat_dim_mismatch_are_named(tmp_path):
     out = tmp_path / "train"
     same = _utterances(4, 3, 5, "dup")
