@@ -96,6 +96,15 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
                                 "`mpitrain train` has one)")
     records: dict[str, list[dict]] = {kind: [] for kind in RECORD_TYPES}
     clock = _Timeline()
+    try:
+        _read_records(path, records, clock)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start} of a line): not a "
+                         "metrics file of mpitrain, or damaged") from None
+    return records
+
+
+def _read_records(path: str, records: dict, clock) -> None:
     with open(path, encoding="utf-8") as fh:
         for number, line in enumerate(fh, start=1):
             if not line.strip():
@@ -118,7 +127,6 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
             _check_positions(record, path, number)
             record = clock.place(record, records)
             records.setdefault(record["type"], []).append(record)
-    return records
 
 
 # where a record stands: counts and clocks, never NaN or infinite (the values

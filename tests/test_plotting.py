@@ -107,6 +107,16 @@ def test_a_record_that_cannot_stand_on_the_timeline_is_named(tmp_path, capsys, l
         assert err.count("\n") == 1 and "metrics.jsonl: " + message in err, err
 
 
+def test_a_metrics_file_that_is_not_utf8_is_named(tmp_path, capsys):
+    # the message was the codec's alone, naming no file
+    write_run(tmp_path / "run", acc_at_end=0.7, steps=2)
+    with open(tmp_path / "run" / "metrics.jsonl", "ab") as fh:
+        fh.write(b'{"type": "train", "step": 3, "x": "\xc7\xff"}\n')
+    assert cli_main(["status", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "metrics.jsonl: not UTF-8 text" in err, err
+
+
 def test_a_measured_value_that_is_nan_is_kept(tmp_path):
     # a held-out loss can be NaN (a diverged model): it is data, not a broken file
     write_run(tmp_path / "run", acc_at_end=0.7, steps=2)
