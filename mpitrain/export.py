@@ -24,6 +24,7 @@ utterance is done, so an error never leaves a partial archive behind.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 import sys
 
@@ -50,9 +51,11 @@ def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
     """(T, num_classes) log posteriors of one utterance's raw features plus ``offsets``.
 
     ``offsets`` is ``-scale * log p(s)`` per class (:func:`prior_offsets`);
-    zeros give log posteriors.
+    zeros give log posteriors.  ValueError when an output is not finite (features
+    far outside what the model was trained on): NaN scores are never returned.
     """
-    if isinstance(batch, bool) or int(batch) != batch or batch < 1:
+    if isinstance(batch, bool) or not isinstance(batch, numbers.Real) \
+            or int(batch) != batch or batch < 1:
         raise ValueError(f"batch must be an integer >= 1 (frames per forward pass), "
                          f"got {batch!r}")
     batch = int(batch)
@@ -67,6 +70,10 @@ def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
         # a batch shorter than ``batch`` has a length of its own: its buffers go
         logp = log_softmax(net.forward(splice(frames, ctx), keep_buffers=len(idx) == batch))
         out[lo:lo + len(idx)] = backend.to_host(logp) + offsets
+    bad = ~np.isfinite(out).all(axis=1)
+    if bad.any():
+        raise ValueError(f"the model's output is not finite at frame {int(np.argmax(bad))} "
+                         f"of {n}")
     return out
 
 
@@ -128,15 +135,14 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
                 raise ValueError(f"{feats_rspec}: utterance {utt} contains NaN or inf")
             if speaker is not None:
                 feats = speaker.apply(utt, feats)
-            loglikes = utterance_loglikes(net, feats, offsets, batch=batch)
-            bad = ~np.isfinite(loglikes).all(axis=1)
-            if bad.any():
+            try:
+                loglikes = utterance_loglikes(net, feats, offsets, batch=batch)
+            except ValueError as exc:
                 # a decoder would read NaN scores: no output rather than a wrong one
                 raise ValueError(
-                    f"{feats_rspec}: utterance {utt}: the model's output is not finite at "
-                    f"frame {int(np.argmax(bad))} of {len(bad)} (features up to "
+                    f"{feats_rspec}: utterance {utt}: {exc} (features up to "
                     f"{float(np.max(np.abs(feats))):.3g} in magnitude: far outside the "
-                    "range it was trained on?)")
+                    "range it was trained on?)") from None
             writer.write(utt, loglikes)
             count += 1
     return count

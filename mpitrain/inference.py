@@ -85,18 +85,12 @@ class AcousticModel:
         return feats
 
     def _scores(self, feats, offsets, batch) -> np.ndarray:
-        if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1:
-            raise ValueError(f"batch must be an integer >= 1 (frames per forward pass), "
-                             f"got {batch!r}")
         frames = self._frames(feats)
         with self._lock:
-            scores = utterance_loglikes(self.net, frames, offsets, batch=int(batch))
-        bad = ~np.isfinite(scores).all(axis=1)
-        if bad.any():
-            raise ValueError(f"{self.path}: the model's output is not finite at frame "
-                             f"{int(np.argmax(bad))} (features far outside the range it was "
-                             "trained on?)")
-        return scores
+            try:
+                return utterance_loglikes(self.net, frames, offsets, batch=batch)
+            except ValueError as exc:
+                raise ValueError(f"{self.path}: {exc}") from None
 
     def log_posteriors(self, feats, *, batch: int = 4096) -> np.ndarray:
         """(T, num_classes) log p(s|x), float32."""
