@@ -10,10 +10,13 @@ Layout::
     attrs: format, step, frames_seen, num_ranks, config (YAML text), checksum
 
 Files are named ``ckpt-<step>.h5`` and written atomically (temporary name,
-fsync, rename); only rank 0 writes.  Rotation keeps the one just written and
-the ``keep - 1`` before it, never fewer than two in all, so a damaged newest
-still leaves a good one; checkpoints with a higher step than the one written
-belong to a timeline the run abandoned (it resumed from before them) and go.
+fsync, rename); only rank 0 writes.  Checkpoints are ordered by the training
+they hold (frames seen, then step), not by the step in the name alone: a run
+resumed on more ranks numbers its steps lower than the checkpoint it came
+from.  Rotation keeps the one just written and the ``keep - 1`` before it,
+never fewer than two in all, so a damaged newest still leaves a good one;
+checkpoints after the one written belong to a timeline the run abandoned (it
+resumed from before them) and go.
 
 Loading validates every declared size before reading (see ``load_checkpoint``)
 and then verifies the whole file -- its SHA-256 checksum and that every float
@@ -33,13 +36,13 @@ import re
 import numpy as np
 
 from ..files import remove_stale_temporaries
-from ..h5io import (atomic_h5_file, dataset_problem, h5py_module, link_problem,
+from ..h5io import (atomic_h5_file, dataset_problem, h5_reader, h5py_module, link_problem,
                     open_h5_for_reading, read_state, reading_errors, verify_file, write_state)
 from ..nn.model_file import ModelMismatchError, read_stored_model, write_model_group
 
 __all__ = ["Checkpoint", "MIN_KEEP", "checkpoint_path", "gather_rank_states",
            "list_checkpoints", "load_checkpoint", "load_latest_good_checkpoint",
-           "remove_stale_temporaries", "save_checkpoint"]
+           "remove_stale_temporaries", "rotate_checkpoints", "save_checkpoint"]
 
 FORMAT = "mpitrain-checkpoint"
 _NAME = re.compile(r"ckpt-(\d+)\.h5$")
@@ -61,9 +64,40 @@ def _numbered(run_dir) -> list:
     return sorted(found)
 
 
+def _progress(path):
+    """(frames seen, step) of a checkpoint, by its attributes and name; None when
+    the file cannot be read (damaged: it is never a fallback)."""
+    try:
+        with h5_reader(path) as f:
+            frames = f.attrs.get("frames_seen")
+            if not isinstance(frames, (int, np.integer)):
+                return None
+            named = _NAME.search(os.path.basename(os.fspath(path)))
+            return int(frames), int(named.group(1)) if named else 0
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError):
+        return None
+
+
+def _in_training_order(run_dir) -> list:
+    """[(progress, step, path)], oldest first (``progress``: see :func:`_progress`).
+    A file that cannot be read keeps its place by step after the readable ones
+    of lower steps, so a resume still tries it where its name puts it."""
+    ordered, unreadable = [], []
+    for step, path in _numbered(run_dir):
+        progress = _progress(path)
+        (unreadable if progress is None else ordered).append((progress, step, path))
+    ordered.sort()
+    for entry in unreadable:
+        place = max((i + 1 for i, (_, step, _) in enumerate(ordered) if step < entry[1]),
+                    default=0)
+        ordered.insert(place, entry)
+    return ordered
+
+
 def list_checkpoints(run_dir) -> list:
-    """Complete checkpoints in ``run_dir``, oldest first."""
-    return [p for _, p in _numbered(run_dir)]
+    """Complete checkpoints in ``run_dir``, oldest first in the training they hold
+    (frames seen, then step; an unreadable file by its step)."""
+    return [path for _, _, path in _in_training_order(run_dir)]
 
 
 def _trainer_scalars(state: dict) -> dict:
@@ -110,21 +144,29 @@ def save_checkpoint(path, *, net, step: int, frames_seen: int, config_yaml: str,
         if trainer_state is not None:
             write_state(f.create_group("trainer"), trainer_state)
     if keep:
-        _rotate(path, max(int(keep), MIN_KEEP))
+        rotate_checkpoints(path, max(int(keep), MIN_KEEP))
 
 
-def _rotate(path, keep: int) -> None:
-    """Keep ``path`` and the ``keep - 1`` checkpoints before it; remove the rest."""
+def rotate_checkpoints(path, keep: int) -> None:
+    """Keep ``path`` (just written) and the ``keep - 1`` checkpoints before it in
+    training order; remove older ones and those after it (an abandoned timeline).
+    A file that cannot be read is removed only when its step is higher."""
+    written = _progress(path)
     m = _NAME.search(os.path.basename(os.fspath(path)))
-    found = _numbered(os.path.dirname(os.path.abspath(path)))
-    if m is None:                       # not named by step: plain newest ``keep``
-        doomed = [p for _, p in found[:-keep]]
-    else:
-        step = int(m.group(1))
-        older = [p for s, p in found if s < step]
-        doomed = older[:max(len(older) - (keep - 1), 0)]
-        # a higher step than the one just written: a timeline the run left
-        doomed += [p for s, p in found if s > step]
+    step = int(m.group(1)) if m else None
+    older, doomed = [], []
+    for progress, found_step, found in _in_training_order(os.path.dirname(
+            os.path.abspath(path))):
+        if os.path.abspath(found) == os.path.abspath(path):
+            continue
+        if progress is None or written is None:
+            if step is not None and found_step > step:
+                doomed.append(found)
+        elif progress > written:
+            doomed.append(found)
+        else:
+            older.append(found)
+    doomed += older[:max(len(older) - (keep - 1), 0)]
     for old in doomed:
         os.remove(old)
 

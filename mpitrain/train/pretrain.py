@@ -47,7 +47,8 @@ from ..nn.network import floored_variance
 from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack
 from ..nn.rbm_file import read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
-from .checkpoint import MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints
+from .checkpoint import (MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints,
+                         rotate_checkpoints)
 from .checkpoint_clock import CheckpointClock
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import RunDirLock, clear_run, corpus_identity, corpus_places, resume_changes
@@ -285,9 +286,7 @@ class Pretrainer:
             for r, state in enumerate(states):
                 write_state(ranks.create_group(f"{r:05d}"), state)
         self.log.write("checkpoint", layer=self.layer + 1, step=self.layer_step)
-        keep = max(self.cfg.training.keep_checkpoints, MIN_KEEP)
-        for old in list_checkpoints(self.run_dir)[:-keep]:
-            os.remove(old)
+        rotate_checkpoints(path, max(self.cfg.training.keep_checkpoints, MIN_KEEP))
 
     def _read_checkpoint(self, path) -> dict:
         with open_h5_for_reading(path, "checkpoint") as f, reading_errors(path, "checkpoint"):

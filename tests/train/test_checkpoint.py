@@ -387,3 +387,40 @@ def test_a_flipped_bit_anywhere_loads_the_same_content_or_is_one_line_naming_the
         assert ckpt.net.params.tobytes() == net.params.tobytes(), pos
         assert ckpt.step == 100 and ckpt.config_yaml == "a: 1\n", pos
     assert refused > 5
+
+
+def _write_at(run_dir, step, frames, keep=3):
+    save_checkpoint(checkpoint_path(run_dir, step), net=small_net(step), step=step,
+                    frames_seen=frames, config_yaml="a: 1\n",
+                    rank_states=[{"optimizer": {}, "reader": {}}], strategy_state={},
+                    keep=keep)
+
+
+def test_a_resume_that_numbers_steps_lower_keeps_its_fallbacks(tmp_path):
+    # 2 ranks wrote steps 100..400; resumed on 4 ranks, step 400 became 200 and the
+    # next checkpoint is named 250: the ones it came from are older, not abandoned
+    # (only the new one was left, with no fallback should it be damaged)
+    for step in (100, 200, 300, 400):
+        _write_at(tmp_path, step, 10 * step, keep=None)
+    _write_at(tmp_path, 250, 4000 + 50 * 4 * 10)
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
+        ["ckpt-00000300.h5", "ckpt-00000400.h5", "ckpt-00000250.h5"]
+    # a second resume continues from the newest training, not the highest number
+    ckpt, skipped = load_latest_good_checkpoint(tmp_path, ranks=[])
+    assert ckpt.step == 250 and skipped == []
+    _write_at(tmp_path, 300, 4000 + 100 * 4 * 10)      # replaces the old step 300
+    _write_at(tmp_path, 350, 4000 + 150 * 4 * 10)
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
+        ["ckpt-00000250.h5", "ckpt-00000300.h5", "ckpt-00000350.h5"]
+
+
+def test_a_renumbered_resume_past_damaged_checkpoints_drops_them(tmp_path):
+    for step in (100, 200, 300, 400):
+        _write_at(tmp_path, step, 10 * step, keep=None)
+    flip_data_byte(checkpoint_path(tmp_path, 400), "model/params")
+    with open(checkpoint_path(tmp_path, 300), "r+b") as fh:     # not HDF5 any more
+        fh.write(b"\0" * 64)
+    # resumed from 200 on more ranks: step 200 became 100, the next is named 120
+    _write_at(tmp_path, 120, 2000 + 20 * 4 * 10)
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
+        ["ckpt-00000100.h5", "ckpt-00000200.h5", "ckpt-00000120.h5"]
