@@ -109,3 +109,9 @@ class ReplayableOptimizer(Optimizer):
     @abstractmethod
     def count_replayed_step(self) -> None:
         """The host side of a step whose device work was replayed."""
+
+    def graph_key(self) -> tuple:
+        """What a captured step depends on besides the minibatch's buffers: the
+        addresses of the optimizer's buffers that may move (a reset or a load
+        makes new ones), so that a graph on freed memory is never replayed."""
+        return ()

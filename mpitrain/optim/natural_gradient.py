@@ -431,6 +431,7 @@ class OnlineNaturalGradient(Preconditioner):
         self._wj = None          # (2 rank, D) device buffer: rows [W; J]
         self._wj_next = None     # the buffer the next W is written into
         self._rows = None        # (H, tmp) scratch for the current minibatch size
+        self._cells = None       # on a device: ||X||^2, ||Xhat||^2 and gamma
         self._gram = None        # (2 rank, 2 rank) device buffer, and its host copies
         self._gram_host = None
         self._x_sq_host = None
@@ -622,6 +623,14 @@ class OnlineNaturalGradient(Preconditioner):
 
     def _start_update(self, xp, num_rows: int, dim: int, x_sq) -> None:
         """Queue the Gram matrix of [W; J] (W W^T, L, K) and ||X||^2 for the host."""
+        backend.gemm(self._wj, self._wj, self._gram_buffer(xp), trans_b=True)
+        self._pending = (backend.copy_to_host_async(self._gram, out=self._gram_host),
+                         backend.copy_to_host_async(x_sq, out=self._x_sq_host), num_rows, dim)
+        if self.joint is not None:
+            self.joint.started(self)
+
+    def _gram_buffer(self, xp):
+        """The (2 rank, 2 rank) buffer of the Gram matrix on ``xp``, with its host copies."""
         size = 2 * self._rank
         if self._gram is None or self._gram.shape[0] != size \
                 or backend.get_array_module(self._gram) is not xp:
@@ -629,11 +638,7 @@ class OnlineNaturalGradient(Preconditioner):
             self._gram_host = backend.pinned_empty((size, size), self._wj.dtype)
             # on a device ||X||^2 is a 0-d array of X's dtype; on the host a float
             self._x_sq_host = None if xp is np else backend.pinned_empty((), self._wj.dtype)
-        backend.gemm(self._wj, self._wj, self._gram, trans_b=True)
-        self._pending = (backend.copy_to_host_async(self._gram, out=self._gram_host),
-                         backend.copy_to_host_async(x_sq, out=self._x_sq_host), num_rows, dim)
-        if self.joint is not None:
-            self.joint.started(self)
+        return self._gram
 
     def finish_update(self) -> None:
         """Finish an update started by the last call now (it waits for the GPU)."""
@@ -706,8 +711,10 @@ class OnlineNaturalGradient(Preconditioner):
         W' W'^T, as an initialisation pass waits for its Gram matrix; in
         practice it runs only in the first few updates after a (re)start."""
         rank = self._rank
-        # the Gram matrix was read already: its first r*r cells are free
-        o_dev = self._gram.reshape(-1)[:rank * rank].reshape(rank, rank)
+        # the Gram matrix was read already: its first r*r cells are free (an update
+        # restored from a checkpoint brought its Gram matrix on the host: none yet)
+        gram = self._gram_buffer(backend.get_array_module(w_new))
+        o_dev = gram.reshape(-1)[:rank * rank].reshape(rank, rank)
         backend.gemm(w_new, w_new, o_dev, trans_b=True)
         sqrt_e1 = np.sqrt(plan.e)
         o_mat = np.asarray(backend.copy_to_host_async(o_dev).result(), dtype=np.float64) \
@@ -724,7 +731,18 @@ class OnlineNaturalGradient(Preconditioner):
         """Whether the next call only runs fixed device work (no update to start or
         finish, nothing to initialise): such a call may be replayed from a CUDA
         graph, followed by :meth:`count_replayed_call`."""
-        return self.initialized and not self._update_due() and not self.updating()
+        # (and W and the scratch where the last call put them: not after a reset or
+        # a load, whose first call moves W to the device and makes the scratch)
+        return self.initialized and not self._update_due() and not self.updating() \
+            and self._rows is not None
+
+    def graph_buffers(self) -> tuple:
+        """The addresses of the device buffers a replayed call uses (W, its scratch
+        and cells); a captured graph is valid only while they stay put.  () on the
+        host."""
+        if self._rows is None or self._cells is None:
+            return ()
+        return tuple(a.data.ptr for a in (self._wj, *self._rows, self._cells))
 
     def count_replayed_call(self) -> None:
         """The host side of a call that was replayed from a CUDA graph."""

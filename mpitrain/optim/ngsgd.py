@@ -65,6 +65,10 @@ class NaturalGradientSGD(SGD):
         return super().static_step_ahead() and self.variant == "online" and all(
             p.static_call_ahead() for p in self.preconditioners.values())
 
+    def graph_key(self) -> tuple:
+        return super().graph_key() + tuple(p.graph_buffers()
+                                           for p in self.preconditioners.values())
+
     def host_step_state(self) -> list:
         return super().host_step_state() + [p.t for p in self.preconditioners.values()]
 

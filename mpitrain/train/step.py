@@ -194,6 +194,7 @@ class _StepGraph:
         key = tuple((a.data.ptr, a.shape) for a in
                     (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end))
         key += (optimizer.l2_factor,)      # the L2 coefficient is in the graph
+        key += optimizer.graph_key()        # and the optimizer's buffers where they are
         if self.graph is not None and key == self.key:
             self.graph.launch()
             optimizer.count_replayed_step()

@@ -1133,3 +1133,93 @@ def test_simple_on_gpu_matches_numpy(cp, n, dim):
     Yd, gd = SimpleNaturalGradient().precondition(cp.asarray(X))
     assert g == gd == 1.0
     assert rel_err(backend.to_host(Yd), Y) < 1e-4
+
+
+@pytest.mark.parametrize("device", ["host", "standin"])
+def test_a_restored_pending_update_that_needs_the_check_resumes_bit_for_bit(device):
+    """Data of rank below r: the first updates take Kaldi's orthogonality check.  A
+    delayed update restored from a checkpoint brings its Gram matrix on the host;
+    the check that finishes it needs the device scratch, which the restore had
+    not made (AttributeError on resume, and in a rate-search trial's restore)."""
+    import contextlib
+    from mpitrain.testing import standin_cupy
+    rng = np.random.default_rng(0)
+    basis = rng.standard_normal((2, 40)).astype(np.float32)
+    rows = [(rng.standard_normal((16, 2)) @ basis * 10.0 ** int(rng.integers(-3, 3))
+             ).astype(np.float32) for _ in range(8)]
+    context = standin_cupy.installed() if device == "standin" else contextlib.nullcontext(np)
+    with context as xp:
+        straight = OnlineNaturalGradient(rank=8, delayed_updates=True)
+        outputs = [backend.to_host(straight.precondition(backend.to_device(x, xp))[0])
+                   for x in rows]
+        first = OnlineNaturalGradient(rank=8, delayed_updates=True)
+        pending = 0
+        for stop in range(1, len(rows)):
+            first.precondition(backend.to_device(rows[stop - 1], xp))
+            state = first.state_dict()
+            pending += "pending_gram" in state
+            resumed = OnlineNaturalGradient(rank=8, delayed_updates=True)
+            resumed.load_state_dict(state)
+            for t in range(stop, len(rows)):
+                out = resumed.precondition(backend.to_device(rows[t], xp))[0]
+                assert np.array_equal(backend.to_host(out), outputs[t]), (stop, t)
+        assert pending >= 3
+
+
+def test_a_call_after_a_reset_or_a_load_is_not_replayable():
+    """A captured call reads W and its scratch where the last call left them; a
+    reset or a load makes new ones (W on the host after a load), so the next call
+    must run eagerly, however the update schedule stands."""
+    prec = OnlineNaturalGradient(rank=5, update_period=4)
+    rows = _rows(4, 30)
+    for x in rows[:15]:
+        prec.precondition(x.copy())
+    while not prec.static_call_ahead():
+        prec.precondition(rows[15].copy())
+    state = prec.state_dict()
+    restored = OnlineNaturalGradient(rank=5, update_period=4)
+    restored.load_state_dict(state)
+    assert restored.t == prec.t and not restored._update_due()
+    assert not restored.static_call_ahead()
+    restored.precondition(rows[16].copy())
+    prec.precondition(rows[16].copy())
+    assert restored.static_call_ahead() == prec.static_call_ahead()
+
+
+def test_the_graph_key_follows_the_preconditioners_buffers():
+    """NG-SGD's part of a CUDA graph's key is where each preconditioner's W, scratch
+    and cells lie: buffers made anew (reset_on_average, a load) give another key,
+    so the step is captured again rather than replayed on freed memory."""
+    from mpitrain.nn.network import build_network
+    from mpitrain.optim.ngsgd import NaturalGradientSGD
+    from mpitrain.testing import standin_cupy
+    with standin_cupy.installed() as cp:
+        net = build_network(feat_dim=6, num_classes=9, left_context=1, right_context=1,
+                            hidden_layers=1, hidden_dim=24, xp=cp)
+        net.init_params(seed=3)
+        opt = NaturalGradientSGD(net, rank_in=4, rank_out=6, update_period=4)
+        assert opt.graph_key() == tuple(() for _ in opt.preconditioners)
+        rng = np.random.default_rng(1)
+
+        def step():
+            x = rng.standard_normal((32, net.input_dim)).astype(np.float32)
+            net.forward_backward(cp.asarray(x), cp.asarray(rng.integers(0, 9, 32)))
+            opt.step(0.001)
+
+        for _ in range(14):
+            step()
+        key = opt.graph_key()
+        held = [(p._wj, *p._rows, p._cells) for p in opt.preconditioners.values()]
+        assert all(len(k) == 4 for k in key)
+        assert key == tuple(tuple(a.data.ptr for a in bufs) for bufs in held)
+        step()
+        assert opt.graph_key() == key or not opt.static_step_ahead()
+        opt.after_average()                      # not reset: nothing moves
+        assert opt.graph_key() == key
+        opt.reset_on_average = True
+        opt.after_average()                      # fresh estimates, new buffers
+        assert not opt.static_step_ahead()
+        for _ in range(14):
+            step()
+        assert opt.graph_key() != key            # (the old buffers are still held)
+        assert held
