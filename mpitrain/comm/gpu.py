@@ -56,6 +56,7 @@ class HostPath:
     """Host arrays go to MPI as they are."""
 
     name = "host"
+    nonblocking_collectives = True
 
     def enter(self, buf, *, copy_in: bool):
         return buf, None
@@ -65,9 +66,14 @@ class HostPath:
 
 
 class CudaAwarePath:
-    """Device arrays go to MPI directly, after the stream has finished writing them."""
+    """Device arrays go to MPI directly, after the stream has finished writing them.
+
+    Point to point and blocking collectives only: Open MPI's CUDA support (4.x)
+    does not take device memory in non-blocking collectives (MPI_Iallreduce),
+    so those are staged through the host (``nonblocking_collectives``)."""
 
     name = "cuda-aware-mpi"
+    nonblocking_collectives = False
 
     def enter(self, buf, *, copy_in: bool):
         backend.synchronize(backend.get_array_module(buf))
@@ -85,6 +91,7 @@ class PinnedStagingPath:
     """
 
     name = "host-staged"
+    nonblocking_collectives = True
 
     def __init__(self, cupy):
         self._cupy = cupy

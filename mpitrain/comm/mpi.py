@@ -99,7 +99,9 @@ class MpiCommunicator(Communicator):
         node.Free()
         self._prefer = device_transport
         self._device: Optional[gpu.DeviceTransport] = None
-        self._p2p_staging = None   # device p2p before any collective chose a route
+        # staging for device p2p before any collective chose a route, and for
+        # non-blocking collectives that CUDA-aware MPI does not take
+        self._staging = None
 
     # ---- identity
     @property
@@ -176,10 +178,14 @@ class MpiCommunicator(Communicator):
                 self.setup_device_transport(backend.get_array_module(buf))
             else:
                 # Point to point needs no agreement between ranks: staging always works.
-                if self._p2p_staging is None:
-                    self._p2p_staging = gpu.PinnedStagingPath(backend.get_array_module(buf))
-                return self._p2p_staging, None
+                return self._host_staging(buf), None
         return self._device.path, self._device.nccl
+
+    def _host_staging(self, buf):
+        """The pinned host staging path for ``buf``'s device (made once)."""
+        if self._staging is None:
+            self._staging = gpu.PinnedStagingPath(backend.get_array_module(buf))
+        return self._staging
 
     # ---- buffer collectives
     def allreduce_(self, buf, op: str = "mean"):
@@ -237,6 +243,8 @@ class MpiCommunicator(Communicator):
         size = self._size
         with self._timed():
             path, nccl = self._route(buf, collective=True)
+            if nccl is None and not path.nonblocking_collectives:
+                path = self._host_staging(buf)
             if nccl is not None:
                 test_fn, wait_fn = nccl.iallreduce_(buf, op)
                 token = None
