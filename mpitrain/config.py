@@ -205,8 +205,8 @@ class ParallelConfig:
     topology: str = _opt("fixed_ring", choices=("fixed_ring", "random_ring"),
                          help="adpsgd: partners on a fixed ring, or on a ring drawn anew "
                               "each step from training.seed")
-    delay_by_one: bool = _opt(False, help="adpsgd: exchange the weights while the step "
-                                          "runs; the mix is added when it arrives")
+    delay_by_one: bool = _opt(False, help="adpsgd: apply each step's gradient one step "
+                                          "late: w <- mix(w) - lr g(w of the step before)")
     asynchronous: bool = _opt(False, help="adpsgd: each rank steps at its own pace and "
                                           "mixes without waiting (active/passive pairs); "
                                           "false: lock-step pairs, deterministic")

@@ -4,24 +4,27 @@ speech recognition", Interspeech 2019; Cui, Zhang et al., "Asynchronous
 decentralized distributed training of acoustic models", TASLP 2021; after Lian
 et al.'s AD-PSGD, arXiv 1710.06952), run as lock-step pairs.
 
-Every step, rank i takes its own SGD step and then averages its model with
-one partner j, the rank beside it on a ring::
+Every step, rank i computes its gradient on its weights w_i^k while it
+exchanges them with one partner j, the rank beside it on a ring (a
+non-blocking Isend/Irecv of a copy, in flight during the whole step), then
+adds the mix to its own step::
 
-    w_i <- w_i - lr g_i(w_i)                 the local step (the optimizer)
-    w_i, w_j <- (w_i + w_j) / 2              one Sendrecv between i and j only
+    w_i^{k+1} = (w_i^k + w_j^k) / 2 - lr g_i(w_i^k)
 
-In matrix form W_{k+1} = (W_k - lr G_k) T_k, T_k doubly stochastic with 1/2
-at each pair, so each mix keeps the mean of the models over the ranks.
+In matrix form W_{k+1} = W_k T_k - lr G(W_k), T_k doubly stochastic with 1/2
+at each pair: each mix keeps the mean of the models over the ranks, and each
+rank's step is its own gradient's (not its pair's mean of two).  In the code
+the optimizer steps first and the mix is added after the exchange completes,
+w_i <- w_i - lr g_i + (w_j^k - w_i^k) / 2; the pair's two corrections are
+exact negatives.
 
-Delay-by-one (``delay_by_one``): the exchange of the weights w_i^k starts,
-non-blocking, on a copy before step k+1; the step runs meanwhile on w_i^k;
-when the exchange completes the mix is added to the stepped weights::
+Delay-by-one (``delay_by_one``): the gradient is applied one step late, so
+that a step's computing and the exchange need not meet before its end::
 
-    w_i^{k+1} = w_i^k - lr g_i(w_i^k) + (w_j^k - w_i^k) / 2
-              = (w_i^k + w_j^k) / 2 - lr g_i(w_i^k)
+    w_i^{k+1} = (w_i^k + w_j^k) / 2 - lr g_i(w_i^{k-1})
 
-so the gradient is taken on the weights before the mix it is added to
-(one mix stale), and computing and communicating overlap.
+the gradient of step k is held (``held``) and the optimizer applies the
+one held from step k-1 (none on the first step of a run).
 
 Pairs at iteration k (the k-th step, from 1): the ranks stand on a ring (in
 rank order for ``fixed_ring``; in an order drawn from ``seed`` and k for
@@ -30,13 +33,13 @@ rank order for ``fixed_ring``; in an order drawn from ``seed`` and k for
 with their right neighbour on even iterations and their left one on odd
 iterations.  With an odd number of ranks the ring is not closed: one rank
 (the last place or the first) sits the iteration out.  Every rank computes
-the same matching, so each Sendrecv meets exactly its partner's: no deadlock
+the same matching, so each exchange meets exactly its partner's: no deadlock
 and no wait for anyone but the partner.  The final model is the average of
 all ranks' models (one Allreduce at the end).
 
 Symbols in the code: w_i is ``net.params``, j is :meth:`RingMixing.partner`,
 k is the step count ``iteration``; the exchanged copy of w_i^k is ``sent``,
-w_j^k is ``received``.
+w_j^k is ``received``, g_i is ``net.grads``.
 """
 
 from __future__ import annotations
@@ -147,20 +150,28 @@ class RingMixing(Strategy):
         self._start_exchange(self.iteration + 1)
 
     def bind(self, net) -> None:
-        self._drain()
+        self.drain()
         if self.net is not net or self.received is None:
             xp = net.xp
             self.received = xp.empty_like(net.params)
-            self.sent = xp.empty_like(net.params) if self.delay_by_one else None
+            self.sent = xp.empty_like(net.params)
+            self.held = xp.zeros_like(net.grads) if self.delay_by_one else None
+            self._fresh = xp.empty_like(net.grads) if self.delay_by_one else None
         self.net = net
+
+    def reduce_gradients(self, net) -> None:
+        if self.delay_by_one:
+            # apply the gradient held from the last step, hold this one; copies into
+            # buffers that stay put (a captured CUDA graph replays these addresses)
+            fresh, held, grads = self._fresh, self.held, net.grads
+            fresh[...] = grads
+            grads[...] = held
+            held[...] = fresh
 
     def after_update(self, net, optimizer, step: int) -> None:
         self.iteration = step
-        if self.delay_by_one:
-            self._finish_exchange()
-            self._start_exchange(step + 1)
-        else:
-            self._mix_now(step)
+        self._finish_exchange()
+        self._start_exchange(step + 1)
 
     def models_agree(self, step: int) -> bool:
         return self.comm.size == 1      # each rank mixes with its partners only
@@ -168,31 +179,18 @@ class RingMixing(Strategy):
     def finalize(self, net, optimizer, step: int = 0) -> None:
         # the exchange started for a step that will not run is dropped; the
         # result is the average of every rank's model
-        self._drain()
+        self.drain()
         self._final_local = net.params.copy()
         if self.comm.size > 1:
             self.comm.allreduce_(net.params, op="mean")
 
     def close(self) -> None:
         # a run that stopped between steps (diverged on every rank at once) leaves
-        # the delay-by-one exchange in flight: complete it, as the partner does
-        self._drain()
+        # the exchange in flight: complete it, as the partner does
+        self.drain()
 
     # -- the mix -------------------------------------------------------------------
-    def _mix_now(self, iteration: int) -> None:
-        partner = self.partner(iteration)
-        if partner is None:
-            return
-        params = self.net.params
-        self.comm.sendrecv(params, partner, self.received, partner, tag=MIX_TAG)
-        # a + b is the same sum on both sides (IEEE addition commutes): the pair agrees
-        params += self.received
-        params *= params.dtype.type(0.5)
-        self.num_mixes += 1
-
     def _start_exchange(self, iteration: int) -> None:
-        if not self.delay_by_one:
-            return
         partner = self.partner(iteration)
         if partner is None:
             return
@@ -203,14 +201,14 @@ class RingMixing(Strategy):
     def _finish_exchange(self) -> None:
         if not self._requests:
             return
-        self._drain()
+        self.drain()
         # the pair's two corrections are exact negatives, so the mean is kept
         self.received -= self.sent
         self.received *= self.received.dtype.type(0.5)
         self.net.params += self.received
         self.num_mixes += 1
 
-    def _drain(self) -> None:
+    def drain(self) -> None:
         """Complete the exchange in flight (its data then unused unless the caller uses it)."""
         requests, self._requests = self._requests, []
         if requests:
@@ -226,27 +224,52 @@ class RingMixing(Strategy):
                 or iteration < 0:
             raise ValueError(f"checkpoint group 'strategy': ADPSGD 'iteration' must be a "
                              f"non-negative int, got {iteration!r}")
-        self._drain()
+        self.drain()
         self.iteration = int(iteration)
         self._final_local = None
 
     def resume(self, net) -> None:
-        self._restart_exchange()
+        self.restart_exchange()
 
     def rank_state_dict(self) -> dict:
-        """This rank's own model (before the final average, once there was one)."""
+        """This rank's own model (before the final average, once there was one), and
+        with delay-by-one the gradient it holds for its next step."""
         from ..backend import to_host
         local = self._final_local if self._final_local is not None else self.net.params
-        return {"params": to_host(local).copy()}
+        state = {"params": to_host(local).copy()}
+        if self.delay_by_one:
+            held = to_host(self.held).copy()
+            if np.isfinite(held).all():
+                state["held_gradient"] = held
+            else:
+                # a checkpoint holds finite floats only; the step that applies a
+                # non-finite gradient is skipped, as it will be after a resume
+                state["held_gradient_finite"] = 0
+        return state
 
     def load_rank_state_dict(self, state: dict) -> None:
-        if restore_own_model(self.net, state):
-            self._restart_exchange()
+        restored = restore_own_model(self.net, state)
+        if self.delay_by_one:
+            state = state if isinstance(state, dict) else {}
+            held = state.get("held_gradient")
+            if state.get("held_gradient_finite", 1) == 0:
+                self.held[...] = np.nan
+            elif held is None:          # (a run that did not delay: nothing held)
+                self.held[...] = 0
+            else:
+                held = np.asarray(held)
+                if held.shape != self.held.shape or held.dtype.kind != "f":
+                    raise ValueError(f"checkpoint rank state 'strategy/held_gradient' has "
+                                     f"shape {held.shape} and dtype {held.dtype}; expected "
+                                     f"{self.held.shape} floats like the model's parameters")
+                self.held[...] = self.net.xp.asarray(held)
+        if restored:
+            self.restart_exchange()
 
-    def _restart_exchange(self) -> None:
+    def restart_exchange(self) -> None:
         """The exchange that was in flight at the checkpoint, started again from the
-        restored weights (delay-by-one)."""
-        self._drain()
+        restored weights (or the first one, from the start)."""
+        self.drain()
         self._final_local = None
         self._start_exchange(self.iteration + 1)
 

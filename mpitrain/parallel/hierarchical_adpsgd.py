@@ -4,12 +4,14 @@ act as one learner::
 
     inside node n, every step:   g_n <- mean of g_i over the node's ranks     one Allreduce on the node
                                  w_n <- w_n - lr g_n                          every rank of n alike
-    across nodes, every step:    w_n, w_m <- (w_n + w_m) / 2                  the nodes' first ranks, paired
+    across nodes, every step:    w_n <- w_n + (w_m - w_n) / 2                 the nodes' first ranks, paired
                                  w_n to every rank of n                       one Bcast on the node
 
-The fast links inside a node carry the per-step gradient Allreduce; the
-slower links between nodes carry one model exchange per step between two
-nodes only.  The pairs are lock-step ADPSGD's (:class:`~.adpsgd.RingMixing`,
+so w_n <- (w_n + w_m) / 2 - lr g_n, lock-step ADPSGD's rule with the node as
+the learner: the exchange of the weights the step starts from is in flight
+while the node computes its step.  The fast links inside a node carry the
+per-step gradient Allreduce; the slower links between nodes carry one model
+exchange per step between two nodes only.  The pairs are lock-step ADPSGD's (:class:`~.adpsgd.RingMixing`,
 fixed or random ring) over a communicator of the nodes' first ranks.
 
 Nodes: the ranks sharing a host name (as the launcher placed them), or
@@ -84,6 +86,8 @@ class NodeRingMixing(Strategy):
     def setup(self, net, optimizer) -> None:
         super().setup(net, optimizer)
         self.bind(net)
+        if self.ring is not None:
+            self.ring.restart_exchange()
 
     def bind(self, net) -> None:
         self.net = net
@@ -105,6 +109,8 @@ class NodeRingMixing(Strategy):
         return self.num_nodes == 1
 
     def close(self) -> None:
+        if self.ring is not None:       # the exchange in flight, as the partner does
+            self.ring.drain()
         # the node and leader communicators (and their NCCL communicators on GPUs)
         for name in ("node_comm", "leaders"):
             sub = getattr(self, name)
@@ -114,6 +120,8 @@ class NodeRingMixing(Strategy):
         self.ring = None
 
     def finalize(self, net, optimizer, step: int = 0) -> None:
+        if self.ring is not None:       # the exchange started for a step that will not run
+            self.ring.drain()
         self._final_local = net.params.copy()
         if self.comm.size > 1:
             self.comm.allreduce_(net.params, op="mean")
@@ -128,6 +136,10 @@ class NodeRingMixing(Strategy):
         self.iteration = int(state.get("iteration", 0))
         self._final_local = None
 
+    def resume(self, net) -> None:
+        if self.ring is not None:
+            self.ring.restart_exchange()
+
     def rank_state_dict(self) -> dict:
         """This rank's own model (its node's; before the final average, once there
         was one)."""
@@ -136,5 +148,6 @@ class NodeRingMixing(Strategy):
         return {"params": to_host(local).copy()}
 
     def load_rank_state_dict(self, state: dict) -> None:
-        restore_own_model(self.net, state)
+        if restore_own_model(self.net, state) and self.ring is not None:
+            self.ring.restart_exchange()
         self._final_local = None

@@ -11,9 +11,11 @@ model at J_i times the scheduled rate; then their models are averaged::
 Averaging J independently updated models divides each job's step by J, hence
 the rate J_i lr; the L2 term is scaled by 1/J_i (Kaldi's
 ``l2_regularize_factor``), so that the weights shrink as much per iteration
-as at the rate lr, however many jobs average.  The schedule's lr decays over
-the data processed, as Kaldi's (:meth:`KaldiAveraging.data_fraction`), not
-over the steps.  Idle ranks (rank >= J_i) skip their training steps and take
+as at the rate lr, however many jobs average.  The schedule's lr is set once
+per iteration from the data processed before it, as Kaldi's,
+lr_eff(i) = lr0 exp((p_i / A) ln(lr1 / lr0)) with p_i the job-minibatches of
+the iterations before i and A those of the plan, and the last iteration
+trains at lr1 (:meth:`KaldiAveraging.data_fraction`); not over the steps.  Idle ranks (rank >= J_i) skip their training steps and take
 part in the average with a zero contribution, so each iteration needs one
 Allreduce whatever J_i is, and no communicator has to be split.
 
@@ -83,13 +85,16 @@ class KaldiAveraging(Strategy):
         return min(self.every_steps, self.total_steps - start)
 
     def data_fraction(self, step: int) -> float:
-        """Job-minibatches trained before 0-based ``step`` over those of the plan:
-        Kaldi's learning rate (and dropout) schedule runs over the data processed,
-        num_archives_processed / num_archives_to_process, which a ramp makes grow
-        slower than the steps at first.  Without a ramp exactly step / total_steps."""
+        """p_i / A for the iteration i holding 0-based ``step``: the job-minibatches
+        trained before the iteration over those of the plan, and 1.0 in the last
+        iteration.  Kaldi sets each iteration's rate (and dropout) once, from the
+        archives processed before it (num_archives_processed /
+        num_archives_to_process), which a ramp makes grow slower than the steps at
+        first, and trains the last iteration at the final rate."""
         i = self._iteration(step)
-        done = self._before[i] + self.jobs[i] * (step - i * self.every_steps)
-        return done / self._before[-1]
+        if i == len(self.jobs) - 1:
+            return 1.0
+        return self._before[i] / self._before[-1]
 
     def _iteration(self, step: int) -> int:
         return min(step // self.every_steps, len(self.jobs) - 1)

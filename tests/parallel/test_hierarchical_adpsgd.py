@@ -18,12 +18,15 @@ from mpitrain.config import ConfigError, load_config
 from mpitrain.nn.model_file import load_model
 from mpitrain.nn.network import build_network
 from mpitrain.optim.sgd import SGD
+from mpitrain.parallel.adpsgd import ring_pairs
 from mpitrain.parallel.hierarchical_adpsgd import NodeRingMixing, node_of_ranks
 from mpitrain.train.virtual import ComputeModel, train_virtual
 
 from ..helpers import QUICKSTART, mpi_output, records, small_overrides, train_on_ranks
 
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
+NUM_PARAMS = build_network(feat_dim=5, num_classes=4, left_context=1, right_context=1,
+                           hidden_layers=1, hidden_dim=16).num_params
 HIER = ["parallel.method=adpsgd", "parallel.hierarchical=true", "parallel.ranks_per_node=2"]
 
 
@@ -36,7 +39,13 @@ def test_nodes_come_from_host_names_or_blocks_of_ranks():
 
 @pytest.mark.parametrize("size", [4, 6])
 def test_a_step_averages_gradients_in_a_node_and_mixes_nodes(size):
-    lr = 0.5
+    """w_n <- (w_n + w_m) / 2 - lr g_n, g_n the mean of the node's gradients: the
+    mix is of the weights the step started from; the step is the node's own."""
+    lr, steps = 0.5, 3
+
+    def gradient(rank, k):
+        return np.random.default_rng([5, rank, k]).standard_normal(
+            NUM_PARAMS).astype(np.float32)
 
     def work(comm):
         net = build_network(feat_dim=5, num_classes=4, left_context=1, right_context=1,
@@ -46,28 +55,34 @@ def test_a_step_averages_gradients_in_a_node_and_mixes_nodes(size):
         strategy = NodeRingMixing(comm, topology="fixed_ring", seed=1, ranks_per_node=2)
         strategy.setup(net, opt)
         start = net.params.copy()
-        net.grads[...] = np.random.default_rng([5, comm.rank]).standard_normal(
-            net.num_params).astype(np.float32)
-        grads = net.grads.copy()
-        strategy.reduce_gradients(net)
-        opt.step(lr)
-        strategy.after_update(net, opt, 1)
-        return start, grads, net.params.copy()
+        after = []
+        for k in range(1, steps + 1):
+            net.grads[...] = gradient(comm.rank, k)
+            strategy.reduce_gradients(net)
+            opt.step(lr)
+            strategy.after_update(net, opt, k)
+            after.append(net.params.copy())
+        strategy.close()
+        return start, after
 
     out = VirtualCluster(size).run(work)
-    start = np.float64(out[0][0])
-    node_step = [start - lr * np.mean([np.float64(out[r][1]) for r in (2 * n, 2 * n + 1)],
-                                      axis=0) for n in range(size // 2)]
-    # iteration 1 on a fixed ring of nodes: places (1, 2), (3, 0), ...: with 2 nodes
-    # they mix; with 3 nodes node 0 sits out and nodes 1 and 2 mix
-    if size == 4:
-        expected = [(node_step[0] + node_step[1]) / 2] * 2
-    else:
-        mixed = (node_step[1] + node_step[2]) / 2
-        expected = [node_step[0], mixed, mixed]
-    for rank in range(size):
-        np.testing.assert_allclose(out[rank][2], expected[rank // 2], rtol=1e-5, atol=1e-6)
-        assert np.array_equal(out[rank][2], out[rank ^ 1][2])    # a node agrees exactly
+    nodes = size // 2
+    models = [np.float64(out[0][0])] * nodes
+    for k in range(1, steps + 1):
+        step = [lr * np.mean([np.float64(gradient(r, k)) for r in (2 * n, 2 * n + 1)], axis=0)
+                for n in range(nodes)]
+        mixed = list(models)
+        # the ring of nodes: iteration 1 pairs places (1, 2), (3, 0), ... (with 3
+        # nodes node 0 sits out), iteration 2 places (0, 1), ...
+        for a, b in ring_pairs("fixed_ring", nodes, k, 1):
+            mixed[a] = mixed[b] = (models[a] + models[b]) / 2
+        models = [mixed[n] - step[n] for n in range(nodes)]
+        for rank in range(size):
+            np.testing.assert_allclose(out[rank][1][k - 1], models[rank // 2],
+                                       rtol=1e-5, atol=1e-5)
+            assert np.array_equal(out[rank][1][k - 1], out[rank ^ 1][1][k - 1])  # a node agrees
+    # the nodes' models differ by their own steps: their gradients were not shared
+    assert not np.allclose(models[0], models[1], atol=1e-3)
 
 
 def _virtual(corpus, run_dir, size, extra=(), resume=False):

@@ -1,10 +1,12 @@
-"""Kaldi-style averaging (parallel/kaldi_averaging.py): the learning rate decays over
-the data processed, as Kaldi's train_dnn.py does, not over the iterations.
+"""Kaldi-style averaging (parallel/kaldi_averaging.py): the learning rate is set
+once per iteration from the data processed before it, as Kaldi's train_dnn.py
+does, not over the steps.
 
-Kaldi's effective rate at an iteration is
-eff_0 (eff_F / eff_0) ** (num_archives_processed / num_archives_to_process), and
-each iteration processes J_i archives; so with a job ramp the data fraction
-grows slower than the steps at first.  Without a ramp the two are the same.
+Kaldi's effective rate at iteration i is
+lr_0 (lr_F / lr_0) ** (p_i / A), p_i the archives processed before it (each
+iteration processes J_i), A those of the plan, and lr_F on the last
+iteration; so with a job ramp the data fraction grows slower than the steps
+at first.  Without a ramp it is the steps' at each iteration's start.
 """
 
 import json
@@ -28,20 +30,39 @@ def test_data_fraction_counts_each_iterations_jobs():
     kaldi = _strategies(4, every_steps=5, total_steps=18, jobs_initial=1, jobs_final=4)[0]
     assert kaldi.jobs == [1, 2, 3, 3]            # iterations of 5, 5, 5 and 3 steps
     total = 1 * 5 + 2 * 5 + 3 * 5 + 3 * 3
-    assert kaldi.data_fraction(0) == 0.0
-    assert kaldi.data_fraction(3) == 3 / total
-    assert kaldi.data_fraction(5) == 5 / total
-    assert kaldi.data_fraction(7) == (5 + 2 * 2) / total
-    assert kaldi.data_fraction(15) == (5 + 10 + 15) / total
-    assert kaldi.data_fraction(18) == 1.0
+    # constant within an iteration: the data trained before it
+    assert [kaldi.data_fraction(s) for s in range(5)] == [0.0] * 5
+    assert [kaldi.data_fraction(s) for s in range(5, 10)] == [5 / total] * 5
+    assert [kaldi.data_fraction(s) for s in range(10, 15)] == [(5 + 10) / total] * 5
+    # the last iteration at the final rate
+    assert [kaldi.data_fraction(s) for s in range(15, 19)] == [1.0] * 4
     # behind the steps while few jobs train
-    assert kaldi.data_fraction(9) < 9 / 18
+    assert kaldi.data_fraction(9) < 5 / 18
 
 
-def test_without_a_ramp_the_fraction_is_the_steps_exactly():
+def test_the_rate_is_kaldis_at_every_step():
+    """lr_eff(i) = lr0 exp((p_i / A) ln(lr1 / lr0)), lr1 on the last iteration, times
+    J_i, computed from the spec's formula, not from data_fraction."""
+    from mpitrain.optim.schedule import PlannedExponential
+    kaldi = _strategies(4, every_steps=5, total_steps=20, jobs_initial=1, jobs_final=4)[0]
+    schedule = PlannedExponential(0.004, 0.0004, planned_steps=20,
+                                  progress=kaldi.data_fraction)
+    jobs, p, total = kaldi.jobs, [0], sum(j * 5 for j in kaldi.jobs)
+    for j in jobs:
+        p.append(p[-1] + j * 5)
+    for step in range(20):
+        i = step // 5
+        eff = 0.0004 if i == len(jobs) - 1 else \
+            0.004 * math.exp(p[i] / total * math.log(0.0004 / 0.004))
+        assert math.isclose(kaldi.learning_rate(schedule.rate(step), step), jobs[i] * eff,
+                            rel_tol=1e-12), step
+
+
+def test_without_a_ramp_the_fraction_is_the_steps_at_each_iterations_start():
     for kaldi in _strategies(3, every_steps=4, total_steps=30):
         assert kaldi.jobs == [3] * 8
-        assert all(kaldi.data_fraction(s) == s / 30 for s in range(31))
+        assert all(kaldi.data_fraction(s) == (s // 4 * 4 / 30 if s < 28 else 1.0)
+                   for s in range(31))
 
 
 def test_a_ramped_runs_rate_decays_over_the_data_processed(small_corpus, tmp_path, capsys):
