@@ -420,20 +420,41 @@ _capturing = False
 _cublas_direct = None
 
 
+def loaded_library(binding_file: str, symbol: str, name: str,
+                   maps: str = "/proc/self/maps"):
+    """The shared library whose ``symbol`` the extension module at ``binding_file``
+    calls, opened with ctypes: looked up through the module's own dependencies
+    first, else the first mapped file whose name holds ``name``.  Another copy
+    of a library may be mapped in the same process (PyTorch's cuBLAS, in a
+    benchmark), and a handle made by one copy must not go to the other's
+    functions.
+
+    Example::
+
+        lib = loaded_library(cupy_backends.cuda.libs.cublas.__file__, "cublasGemmEx",
+                             "libcublas.so")
+    """
+    import ctypes
+    try:
+        binding = ctypes.CDLL(binding_file)
+        getattr(binding, symbol)        # (dlsym searches the module's dependencies)
+        return binding
+    except (OSError, AttributeError):
+        pass
+    with open(maps, encoding="utf-8") as mapped:
+        for line in mapped:
+            fields = line.split()
+            if len(fields) >= 6 and name in os.path.basename(fields[-1]):
+                return ctypes.CDLL(fields[-1])
+    raise RuntimeError(f"{name} not found among the loaded libraries")
+
+
 def _direct_cublas():
     global _cublas_direct
     if _cublas_direct is None:
         import ctypes
-        from cupy_backends.cuda.libs import cublas  # noqa: F401  (loads libcublas)
-        path = None
-        with open("/proc/self/maps", encoding="utf-8") as maps:
-            for line in maps:
-                if "libcublas.so" in line and "libcublasLt" not in line:
-                    path = line.split()[-1]
-                    break
-        if path is None:
-            raise RuntimeError("cuBLAS library not found among the loaded libraries")
-        lib = ctypes.CDLL(path)
+        from cupy_backends.cuda.libs import cublas      # (loads libcublas)
+        lib = loaded_library(cublas.__file__, "cublasGemmEx", "libcublas.so")
         gemm_ex = lib.cublasGemmEx
         gemm_ex.restype = ctypes.c_int
         gemm_ex.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int,

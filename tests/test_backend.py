@@ -129,3 +129,24 @@ def test_gemm_epsilon_follows_dtype_and_device_precision():
             assert backend.gemm_epsilon(np.ones(2, np.float32)) == np.finfo(np.float32).eps
         finally:
             backend.set_precision(xp, "fp32")
+
+
+def test_a_bindings_library_is_found_through_its_own_dependencies(tmp_path):
+    """The GEMMs inside a CUDA-graph capture call the cuBLAS that CuPy's binding
+    uses; with two copies mapped (PyTorch's beside CuPy's) the first one in the
+    address map may be the other.  Here with libffi behind the _ctypes module."""
+    import _ctypes
+    import math
+    lib = backend.loaded_library(_ctypes.__file__, "ffi_call", "libffi.so")
+    assert lib.ffi_call
+    # a module without that dependency: the first mapped file of the name
+    ffi_path = next(line.split()[-1] for line in open("/proc/self/maps")
+                    if "libffi.so" in line.split()[-1])
+    maps = tmp_path / "maps"
+    maps.write_text("7f00-7f01 r-xp 00000000 08:01 1 /usr/lib/libother.so.1\n"
+                    f"7f01-7f02 r-xp 00000000 08:01 2 {ffi_path}\n")
+    if getattr(math, "__file__", None):
+        lib = backend.loaded_library(math.__file__, "ffi_call", "libffi.so", maps=str(maps))
+        assert lib.ffi_call
+    with pytest.raises(RuntimeError, match="libcublas.so not found"):
+        backend.loaded_library(str(maps), "cublasGemmEx", "libcublas.so", maps=str(maps))
