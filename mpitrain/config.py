@@ -386,6 +386,13 @@ def from_dict(cls, data: Any, *, prefix: str = "", where: str = ""):
 
 def _cross_checks(cfg: RunConfig, where: str) -> None:
     m = cfg.model
+    if m.dropout_schedule:
+        # (imported here: the network package is heavy, and most configs have none)
+        from .nn.dropout import parse_dropout_schedule
+        try:
+            parse_dropout_schedule(m.dropout_schedule)
+        except ValueError as exc:
+            raise ConfigError(f"{where}model.dropout_schedule: {exc}") from None
     if m.nonlinearity == "pnorm":
         if m.pnorm_output_dim < 1 or m.hidden_dim % m.pnorm_output_dim:
             raise ConfigError(f"{where}model.pnorm_output_dim: expected a positive divisor of "

@@ -171,6 +171,9 @@ def test_a_number_where_text_is_expected_is_taken_as_its_text(tmp_path):
     assert load_config(str(path)).model.dropout_schedule == "0.3"
     assert load_config(str(path), ["model.dropout_schedule=0.2"]).model.dropout_schedule == "0.2"
     assert "model.dropout_schedule" in _error(tmp_path, "model:\n  dropout_schedule: [1]\n")
+    # its syntax is checked with the file, which the message names (_error)
+    assert "model.dropout_schedule: '0.5@x' in '0,0.5@x' is not value[@fraction]" in _error(
+        tmp_path, "model:\n  dropout_schedule: 0,0.5@x\n")
 
 
 def test_a_text_setting_given_with_set_is_taken_as_typed():

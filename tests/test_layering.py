@@ -25,7 +25,7 @@ ALLOWED = {
     "optim": {"backend"},
     "data": {"backend", "files", "h5io"},
     "parallel": {"backend"},
-    "config": {"files", "parallel"},
+    "config": {"files", "nn", "parallel"},
     "plotting": {"files"},
     "starter": {"files"},
     "launch": {"comm", "files"},
@@ -47,6 +47,8 @@ ONLY = {"mpi4py": {"comm"}, "cupy": {"backend"}, "cupy_backends": {"backend"},
         "cupyx": set(), "yaml": {"files"}, "pickle": set(), "cPickle": set(), "dill": set()}
 #: what config may take from parallel: the names of the methods, not the strategies.
 CONFIG_FROM_PARALLEL = {"mpitrain.parallel.registry"}
+#: and from nn: the dropout schedule's syntax, not the network.
+CONFIG_FROM_NN = {"mpitrain.nn.dropout"}
 
 
 def _modules(package=PACKAGE):
@@ -121,6 +123,8 @@ def layering_problems(package=PACKAGE) -> list:
                 bad.append(f"{module} imports {target}")
             if mine == "config" and theirs == "parallel" and target not in CONFIG_FROM_PARALLEL:
                 bad.append(f"{module} imports {target} (only the method registry)")
+            if mine == "config" and theirs == "nn" and target not in CONFIG_FROM_NN:
+                bad.append(f"{module} imports {target} (only the dropout schedule)")
     bad += [f"component {c!r} has no rule" for c in {_component(m) for m in modules} - set(ALLOWED)]
     bad += [f"{module}:{line} imports {name}" for module, name, line in found
             if name.split(".")[0] in ONLY

@@ -116,7 +116,8 @@ def test_a_bad_dropout_schedule_is_one_line_before_anything_is_written(small_cor
             "--set", "model.dropout_schedule=0,1.5,0"]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert "model.dropout_schedule: dropout proportion 1.5" in err and "\n" not in err
+    assert f"{QUICKSTART}: model.dropout_schedule: dropout proportion 1.5" in err \
+        and "\n" not in err
     assert not (tmp_path / "run").exists()
 
 
