@@ -238,8 +238,11 @@ def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = (),
     if unused is not None and known:
         unused_by_all = set.intersection(*(set(unused(s)) for s in known))
         left_out |= {k for k in set().union(*known) if k.startswith(tuple(unused_by_all))}
-    keys = sorted(k for k in set().union(*known) if k not in left_out
-                  and len({repr(s.get(k)) for s in known}) > 1) if len(known) > 1 else []
+    distinct = {k: len({repr(s.get(k)) for s in known})
+                for k in set().union(*known) if k not in left_out} if len(known) > 1 else {}
+    # the settings that tell the most runs apart first (a sweep's method before a
+    # rate two of them share), then by name
+    keys = sorted((k for k, n in distinct.items() if n > 1), key=lambda k: (-distinct[k], k))
     labels = []
     for run_dir, flat in zip(run_dirs, settings):
         label = run_label(run_dir)
@@ -249,6 +252,36 @@ def labels_with_settings(run_dirs: Sequence, *, ignore: Sequence[str] = (),
             label += f" ({', '.join(shown)}{more})"
         labels.append(label)
     return labels
+
+
+#: Legend labels up to this long fit inside the accuracy panel; longer ones (a
+#: sweep's differing settings) go under both panels, wrapped to the second width.
+INSET_LEGEND_CHARS, BELOW_LEGEND_CHARS = 32, 150
+
+
+def place_legend(fig, axes) -> str:
+    """Lay out ``fig`` with the legend of ``axes``'s curves: inside the panel when
+    the labels are short, else under the panels, the figure made taller for its
+    lines, so that no label runs over a curve or off the figure.  Returns
+    ``"inside"``, ``"below"`` or ``"none"``."""
+    import textwrap
+    handles, names = axes.get_legend_handles_labels()
+    if not names:
+        fig.tight_layout()
+        return "none"
+    if max(len(n) for n in names) <= INSET_LEGEND_CHARS:
+        axes.legend(fontsize="small", loc="lower right")
+        fig.tight_layout()
+        return "inside"
+    wrapped = [textwrap.fill(n, BELOW_LEGEND_CHARS, subsequent_indent="    ") for n in names]
+    lines = sum(w.count("\n") + 1 for w in wrapped)
+    width, height = fig.get_size_inches()
+    below = 0.19 * lines + 0.25                 # inches: small text, a line apart
+    fig.set_size_inches(width, height + below)
+    fig.legend(handles, wrapped, fontsize="small", loc="lower left", ncol=1,
+               frameon=False, bbox_to_anchor=(0.01, 0.0))
+    fig.tight_layout(rect=(0, below / (height + below), 1, 1))
+    return "below"
 
 
 def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
@@ -317,10 +350,9 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
     for ax in (ax_acc, ax_xent):
         ax.set_xlabel(x_title)
         ax.grid(True, alpha=0.3)
-    ax_acc.legend(fontsize="small", loc="lower right")
     note = "solid: held-out" + (", dashed: training" if train else "")
     fig.suptitle(f"{title}  ({note})" if title else note, fontsize="medium")
-    fig.tight_layout()
+    place_legend(fig, ax_acc)
     out_png = os.fspath(out_png)
     parent = os.path.dirname(out_png)
     if parent:

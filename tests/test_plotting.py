@@ -247,3 +247,49 @@ def test_settings_no_run_of_a_sweep_uses_are_not_named(tmp_path):
                                 unused=unused_settings) == [
         "a (optimizer.name=sgd, optimizer.ngsgd.reset_on_average=True)",
         "c (optimizer.name=ngsgd, optimizer.ngsgd.reset_on_average=False)"]
+
+
+def test_long_labels_go_under_the_panels_and_tell_the_runs_apart_first(tmp_path):
+    """Seven runs differing in several settings (methods compared): their labels
+    ran off the figure and over the curves from inside the panel.  They go under
+    both panels, the figure taller, each label within it; the setting that tells
+    the most runs apart is named first."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from mpitrain.plotting import labels_with_settings, place_legend
+    runs = []
+    for i, method in enumerate(["allreduce", "bmuf", "kaldi", "adpsgd", "adpsgd"]):
+        run = tmp_path / f"run-{i}"
+        write_run(run, acc_at_end=0.5 + 0.05 * i)
+        (run / "config.yaml").write_text(
+            f"parallel:\n  method: {method}\n  delay_by_one: {i == 4}\n"
+            f"optimizer:\n  initial_learning_rate: {0.004 if i < 3 else 0.002}\n"
+            f"  final_learning_rate: {0.0004 if i < 3 else 0.0002}\n"
+            f"training:\n  seed: {1 if i else 2}\n")
+        runs.append(run)
+    labels = labels_with_settings(runs)
+    assert labels[0] == ("run-0 (parallel.method=allreduce, optimizer.final_learning_rate=0.0004"
+                         ", optimizer.initial_learning_rate=0.004, +2)")
+    out = plot_runs(runs, tmp_path / "methods.png", labels=labels, dpi=50)
+    height, width = _png_pixels(out).shape[:2]
+    assert width == 550 and height > 210 + 5 * 8          # taller by the legend's lines
+
+    fig = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    for i, label in enumerate(labels):
+        left.plot([0, 1], [i, i + 1], label=label)
+    assert place_legend(fig, left) == "below"
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legends[0].get_window_extent(renderer)
+    box = fig.bbox
+    assert box.x0 <= legend.x0 and legend.x1 <= box.x1 and box.y0 <= legend.y0
+    for ax in (left, right):
+        assert legend.y1 <= ax.get_window_extent(renderer).y0     # under the panels
+    short = Figure(figsize=(11, 4.2))
+    FigureCanvasAgg(short)
+    ax, _ = short.subplots(1, 2)
+    ax.plot([0, 1], [0, 1], label="sgd")
+    assert place_legend(short, ax) == "inside"
+    assert tuple(short.get_size_inches()) == (11, 4.2)
