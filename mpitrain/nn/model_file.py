@@ -169,8 +169,13 @@ class StoredModel:
                   self.right_context)
         wanted = (into.specs(), into.feat_dim, into.left_context, into.right_context)
         if stored != wanted:
-            raise ModelMismatchError(f"{self.path}: the stored model ({_describe(*stored)}) is "
-                                     f"not the one the config builds ({_describe(*wanted)})")
+            mine, theirs = _describe(*stored), _describe(*wanted)
+            if mine == theirs:          # the same outline: name the first component that differs
+                i = next(i for i, (a, b) in enumerate(zip(stored[0], wanted[0])) if a != b)
+                mine += f"; component {i}: {_spec_text(stored[0][i])}"
+                theirs += f"; component {i}: {_spec_text(wanted[0][i])}"
+            raise ModelMismatchError(f"{self.path}: the stored model ({mine}) is not the "
+                                     f"one the config builds ({theirs})")
 
     def install(self, *, xp=np, into: Network | None = None):
         """Return (network, class_priors): ``into`` filled in, or a new network."""
@@ -273,10 +278,25 @@ def read_model_group(group, path, *, xp=np, into: Network | None = None):
 
 
 def _describe(specs, feat_dim, left, right) -> str:
+    """``440-64-64-120 relu with 5 components, ...``: the affine sizes and what
+    follows each hidden affine (``pnorm+normalize``; several: each layer's, by ``/``)."""
     dims = [specs[0]["in_dim"]] + [spec["out_dim"] for spec in specs
                                    if spec["kind"] == "affine"]
-    return (f"{'-'.join(str(d) for d in dims)} with {len(specs)} components, feat_dim "
-            f"{feat_dim}, context {left}+{right}")
+    layers, current = [], None
+    for spec in specs:
+        if spec["kind"] == "affine":
+            current = []
+            layers.append(current)
+        elif current is not None:
+            current.append(spec["kind"])
+    hidden = ["+".join(kinds) for kinds in layers[:-1] if kinds]
+    kinds = " " + "/".join(dict.fromkeys(hidden)) if hidden else ""
+    return (f"{'-'.join(str(d) for d in dims)}{kinds} with {len(specs)} components, "
+            f"feat_dim {feat_dim}, context {left}+{right}")
+
+
+def _spec_text(spec: dict) -> str:
+    return " ".join(f"{k} {v}" for k, v in spec.items())
 
 
 def save_model(path, net: Network, *, class_priors=None) -> None:

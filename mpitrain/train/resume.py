@@ -18,7 +18,7 @@ import os
 
 from .. import backend
 from ..config import config_from_yaml
-from ..nn.model_file import save_model
+from ..nn.model_file import ModelMismatchError, save_model
 from ..parallel.registry import takes_own_steps
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
@@ -133,6 +133,9 @@ class CheckpointResume:
         ckpt, error = None, None
         try:
             ckpt = load_checkpoint(chosen, ranks=mine, into=self.net)
+        except ModelMismatchError as exc:      # (accepted changes of the model settings)
+            error = ValueError(f"{exc}; a resumed run keeps its network: restore the model "
+                               "settings, or train in a new run directory")
         except (ValueError, OSError) as exc:
             error = exc
         # a model the config does not build fails on every rank alike: one line from

@@ -137,3 +137,29 @@ def test_loading_into_another_shape_is_a_mismatch_not_damage(model):
     with h5py.File(model, "r") as f, pytest.raises(ModelMismatchError, match="stored model"):
         read_model_group(f, str(model), into=other)
     np.testing.assert_array_equal(other.params, before)
+
+
+@pytest.mark.parametrize("change,shown", [
+    (dict(nonlinearity="sigmoid"), ("440-64-64-120 relu with", "440-64-64-120 sigmoid with")),
+    (dict(normalize=True), ("440-64-64-120 relu with 5", "440-64-64-120 relu+normalize with 7")),
+    (dict(nonlinearity="pnorm", pnorm_output_dim=16, pnorm_p=3.0),
+     ("component 1: kind pnorm in_dim 64 out_dim 16 p 2.0",
+      "component 1: kind pnorm in_dim 64 out_dim 16 p 3.0")),
+])
+def test_a_mismatch_names_what_differs(tmp_path, change, shown):
+    """The description of the two models differed only in the affine sizes and
+    the component count: another nonlinearity read as the same model twice."""
+    from mpitrain.nn.network import build_network
+    base = dict(feat_dim=40, num_classes=120, left_context=5, right_context=5,
+                hidden_layers=2, hidden_dim=64)
+    if change.get("pnorm_p"):
+        base.update(nonlinearity="pnorm", pnorm_output_dim=16)
+    saved = build_network(**base)
+    saved.init_params(seed=1)
+    save_model(tmp_path / "m.h5", saved)
+    other = build_network(**{**base, **change})
+    with h5py.File(tmp_path / "m.h5", "r") as f, pytest.raises(ModelMismatchError) as err:
+        read_model_group(f, str(tmp_path / "m.h5"), into=other)
+    message = str(err.value)
+    stored, built = message.split(") is not the one the config builds (")
+    assert shown[0] in stored and shown[1] in built, message

@@ -89,6 +89,8 @@ def test_resume_with_another_model_size_is_one_line_from_rank_0(small_corpus, tm
     assert result.returncode == 2 and len(lines) == 1, mpi_output(result)
     assert lines[0].startswith("mpitrain train: error: ") and \
         "is not the one the config builds" in lines[0], mpi_output(result)
+    assert lines[0].endswith("; a resumed run keeps its network: restore the model settings, "
+                             "or train in a new run directory"), lines[0]
     assert sorted(os.listdir(run)) == before
 
 
