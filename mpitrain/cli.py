@@ -443,6 +443,7 @@ def _check_corpus_feeds(cfg, config: str, ranks: int, options) -> None:
 
 def cmd_bench(args) -> int:
     from .bench.mode import run_bench
+    from .bench.options import BenchSettingsError
     from .bench.report import clear_earlier_bench, out_dir_problem, projection_lines, write_report
     from .config import load_config
     with _before_mpi():
@@ -507,12 +508,16 @@ def cmd_bench(args) -> int:
         if comm.rank != 0:
             return 2
         raise UsageError(problem)
+    refused = None
     try:
         if comm.rank == 0 and args.overwrite:
             _say_cleared(clear_earlier_bench(out_dir), out_dir)
-        report = run_bench(cfg, comm, out_dir=out_dir, options=options,
-                           on_size_done=_partial_report_writer(out_dir, args.dpi))
-        if comm.rank == 0:
+        try:
+            report = run_bench(cfg, comm, out_dir=out_dir, options=options,
+                               on_size_done=_partial_report_writer(out_dir, args.dpi))
+        except BenchSettingsError as exc:
+            refused = str(exc)      # found alike on every rank before measuring
+        if comm.rank == 0 and refused is None:
             paths = write_report(report, out_dir, dpi=args.dpi)
             print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]
                             + projection_lines(report)))
@@ -526,6 +531,10 @@ def cmd_bench(args) -> int:
     except BaseException as exc:
         _end_every_rank(comm, "bench", exc)
         raise
+    if refused is not None:
+        if comm.rank != 0:          # rank 0 says it
+            return 2
+        raise UsageError(refused)
     return 0
 
 

@@ -30,8 +30,9 @@ from typing import Callable, Optional
 
 from .idle import release_idle, wait_idle
 from .machine import environment, load_average
-from .options import BenchOptions, check_benchable
-from .phases import steps_per_epoch_one_rank, sync_period, throughput_phase, time_to_accuracy
+from .options import BenchOptions, BenchSettingsError, check_benchable
+from .phases import (check_groups, steps_per_epoch_one_rank, sync_period, throughput_phase,
+                     time_to_accuracy)
 from .report import build_report, partial_report, seconds_text
 
 #: Seconds between an idle rank's polls: a group runs for seconds, so a coarse
@@ -58,10 +59,11 @@ def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None,
     """
     sizes, methods = options.resolve(world.size)
     check_benchable(cfg, methods)
-    env = environment(world, cfg)
     if options.measures_accuracy and not cfg.data.dev:
-        raise ValueError("data.dev: the time-to-accuracy phase needs a held-out corpus "
-                         "(set data.dev, or run with --phases throughput)")
+        raise BenchSettingsError("data.dev: the time-to-accuracy phase needs a held-out "
+                                 "corpus (set data.dev, or run with --phases throughput)")
+    check_groups(cfg, methods, sizes)
+    env = environment(world, cfg)
     if "accuracy" in options.phases and options.target_accuracy is None:
         _say(world, stream, "no --target-accuracy given: skipping the time-to-accuracy phase")
     _say(world, stream, f"bench: sizes {', '.join(map(str, sizes))}; methods "

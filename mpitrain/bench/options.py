@@ -37,18 +37,23 @@ def bench_methods() -> tuple:
     return tuple(m for m in METHODS if m not in ASYNCHRONOUS_METHODS)
 
 
+class BenchSettingsError(ValueError):
+    """A setting the benchmark cannot run, found before anything is measured; every
+    rank finds it alike, so one line from rank 0 says it."""
+
+
 def check_benchable(cfg, methods) -> None:
-    """Refuse (ValueError, one line) a config the benchmark cannot run as asked:
+    """Refuse (BenchSettingsError, one line) a config the benchmark cannot run as asked:
     asynchronous ADPSGD's ranks take no common steps to stop at a target together;
     hierarchical ADPSGD's projection needs ``parallel.ranks_per_node`` (the nodes of
     the projected sizes are not known from host names)."""
     if cfg.parallel.asynchronous and "adpsgd" in methods:
-        raise ValueError("parallel.asynchronous: the benchmark mode runs ADPSGD lock-step; "
-                         "set parallel.asynchronous: false")
+        raise BenchSettingsError("parallel.asynchronous: the benchmark mode runs ADPSGD "
+                                 "lock-step; set parallel.asynchronous: false")
     if cfg.parallel.hierarchical and "adpsgd" in methods and not cfg.parallel.ranks_per_node:
-        raise ValueError("parallel.ranks_per_node: the benchmark prices hierarchical "
-                         "ADPSGD's node allreduce at every size, so it needs the ranks per "
-                         "node; set parallel.ranks_per_node")
+        raise BenchSettingsError("parallel.ranks_per_node: the benchmark prices hierarchical "
+                                 "ADPSGD's node allreduce at every size, so it needs the "
+                                 "ranks per node; set parallel.ranks_per_node")
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 from ..config import config_from_dict
 from ..parallel.registry import build_strategy
 from ..train.trainer import Trainer
-from .options import BenchOptions
+from .options import BenchOptions, BenchSettingsError
 
 #: Evaluations per epoch (of the one-rank run) when neither option nor config says.
 DEFAULT_EVALS_PER_EPOCH = 20
@@ -86,6 +86,42 @@ def jobs_within(cfg, ranks: int) -> dict:
     return {f"parallel__{key}": min(value, ranks)
             for key, value in (("num_jobs_initial", par.num_jobs_initial),
                                ("num_jobs_final", par.num_jobs_final)) if value > ranks}
+
+
+def straggler_within(cfg, ranks: int) -> dict:
+    """``parallel.straggler.ranks`` cut to the group's ranks, as ``_with`` overrides: a
+    slow rank 1 is slow in every group that has a rank 1 (the one-rank group has none).
+
+    Example::
+
+        straggler_within(cfg, 1)    # {'parallel__straggler__ranks': ()} when ranks is (1,)
+    """
+    slow = tuple(cfg.parallel.straggler.ranks)
+    inside = tuple(r for r in slow if r < ranks)
+    return {"parallel__straggler__ranks": inside} if inside != slow else {}
+
+
+def group_settings(cfg, method: str, ranks: int) -> dict:
+    """The ``_with`` overrides every run of ``method`` on a group of ``ranks`` takes."""
+    return dict(parallel__method=method, **jobs_within(cfg, ranks),
+                **straggler_within(cfg, ranks))
+
+
+def check_groups(cfg, methods, sizes) -> None:
+    """Refuse, before anything is measured, a config that some method or group size
+    of the benchmark cannot take (a setting of one method, as
+    ``parallel.straggler_policy: adapt`` with ``allreduce``): BenchSettingsError."""
+    for method in methods:
+        for ranks in sizes:
+            try:
+                _with(cfg, **group_settings(cfg, method, ranks))
+            except ValueError as exc:
+                fits = [m for m in methods if m != method]
+                hint = f" (--methods {','.join(fits)})" if fits else ""
+                raise BenchSettingsError(
+                    f"{exc}; the benchmark runs the config with parallel.method {method}: "
+                    f"benchmark the methods the config's settings fit{hint}, or leave the "
+                    "setting out") from None
 
 
 class BenchTrainer(Trainer):
@@ -229,6 +265,7 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
     # it would stay at num_jobs_initial and the group's other ranks would only wait
     run_cfg = _with(cfg, **scaled_rates(cfg, options, group.size), **held_out_free,
                     parallel__num_jobs_initial=0, parallel__num_jobs_final=0,
+                    **straggler_within(cfg, group.size),
                     parallel__method=method, data__dev="", training__max_steps=steps,
                     training__epochs=1000.0, training__log_interval=options.warmup_steps,
                     training__checkpoint_interval=0)
@@ -314,8 +351,8 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
         ("training.max_steps", cfg.training.max_steps), ("--max-steps", options.max_steps),
         ("--max-frames", math.ceil(options.max_frames / (batch * n)) if options.max_frames
          else 0)) if c}
-    run_cfg = _with(cfg, **scaled_rates(cfg, options, n), **jobs_within(cfg, n),
-                    parallel__method=method, training__eval_interval=interval,
+    run_cfg = _with(cfg, **scaled_rates(cfg, options, n), **group_settings(cfg, method, n),
+                    training__eval_interval=interval,
                     training__max_steps=min(caps.values()) if caps else 0,
                     training__checkpoint_interval=0)
     trainer, result = _run_trainer(run_cfg, group, run_dir, target=options.target_accuracy,
@@ -374,7 +411,7 @@ def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str
 def sync_period(cfg, group, method: str) -> int:
     """Steps between the method's synchronisations under ``cfg`` (1: every step)."""
     # only its period is needed here (every rank of the group builds it)
-    run_cfg = _with(cfg, parallel__method=method, **jobs_within(cfg, group.size))
+    run_cfg = _with(cfg, **group_settings(cfg, method, group.size))
     strategy = build_strategy(run_cfg, group, total_steps=1)
     try:
         return int(strategy.sync_period)

@@ -80,3 +80,58 @@ def test_hierarchical_adpsgd_without_ranks_per_node_is_refused_in_one_line():
     cfg = load_config(QUICKSTART, ["parallel.method=adpsgd", "parallel.hierarchical=true",
                                    "parallel.ranks_per_node=2"])
     check_benchable(cfg, ("adpsgd",))
+
+
+def test_a_setting_of_one_method_is_refused_before_measuring_naming_the_methods():
+    """``straggler_policy: adapt`` (model averaging's) or ``hierarchical`` (ADPSGD's)
+    with other methods benchmarked: the benchmark measured the first method, then
+    aborted the job at the next one's config."""
+    from mpitrain.bench.options import BenchSettingsError
+    from mpitrain.bench.phases import check_groups
+    from mpitrain.config import load_config
+    from ..helpers import QUICKSTART
+    cfg = load_config(QUICKSTART, ["parallel.straggler_policy=adapt"])
+    with pytest.raises(BenchSettingsError) as info:
+        check_groups(cfg, ("model_averaging", "allreduce"), (1, 2))
+    assert str(info.value) == (
+        "parallel.straggler_policy: adapt works with parallel.method model_averaging, not "
+        "allreduce; the benchmark runs the config with parallel.method allreduce: benchmark "
+        "the methods the config's settings fit (--methods model_averaging), or leave the "
+        "setting out")
+    check_groups(cfg, ("model_averaging",), (1, 2))
+    cfg = load_config(QUICKSTART, ["parallel.method=adpsgd", "parallel.hierarchical=true",
+                                   "parallel.ranks_per_node=2"])
+    with pytest.raises(BenchSettingsError, match="hierarchical.*--methods adpsgd"):
+        check_groups(cfg, ("adpsgd", "model_averaging"), (1, 2, 4))
+
+
+def test_a_slow_rank_is_slow_in_the_groups_that_have_it():
+    """``parallel.straggler.ranks: [1]``: the one-rank group (always measured first)
+    has no rank 1; the benchmark could never run."""
+    from mpitrain.bench.phases import _with, check_groups, group_settings, straggler_within
+    from mpitrain.config import load_config
+    from ..helpers import QUICKSTART
+    cfg = load_config(QUICKSTART, ["parallel.straggler.ranks=[1, 3]"])
+    assert straggler_within(cfg, 1) == {"parallel__straggler__ranks": ()}
+    assert straggler_within(cfg, 2) == {"parallel__straggler__ranks": (1,)}
+    assert straggler_within(cfg, 4) == {}
+    assert _with(cfg, **group_settings(cfg, "allreduce", 2)).parallel.straggler.ranks == (1,)
+    check_groups(cfg, ("model_averaging", "allreduce"), (1, 2, 4))
+
+
+@pytest.mark.mpi
+def test_settings_refused_before_measuring_are_one_line_from_rank_0(small_corpus, tmp_path):
+    from mpitrain.testing.mpirun import run_mpi
+    from ..helpers import QUICKSTART, small_overrides
+    for n, extra in enumerate((["--set", "data.dev=", "--target-accuracy", "0.2"],
+                               ["--set", "parallel.straggler_policy=adapt",
+                                "--methods", "model_averaging,allreduce"])):
+        args = ["-m", "mpitrain", "bench", QUICKSTART, "--out", str(tmp_path / f"b{n}")]
+        for item in small_overrides(small_corpus):
+            args += ["--set", item]
+        result = run_mpi(2, args + extra, timeout=120)
+        lines = result.stderr.strip().splitlines()
+        # (each rank printed its line, and the job ended in an MPI abort)
+        assert result.returncode == 2 and len(lines) == 1, result.stderr + result.stdout
+        assert lines[0].startswith("mpitrain bench: error: "), lines
+        assert "Abort" not in result.stderr and not (tmp_path / f"b{n}").exists()
