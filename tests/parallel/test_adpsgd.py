@@ -231,3 +231,48 @@ def test_a_delay_by_one_run_that_diverges_stops_with_one_line(small_corpus, tmp_
     assert result.returncode == 2, mpi_output(result)
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "training diverged" in lines[0], mpi_output(result)
+
+
+def test_delay_by_one_checkpoints_the_held_gradient_and_a_non_finite_one_as_a_skip():
+    """The gradient held for the next step is part of a rank's state (a resumed run
+    applies it, as the uninterrupted one does); a checkpoint holds finite floats only,
+    so a held NaN gradient (a minibatch the next step skips) is stored as a flag and
+    comes back as NaN: the resumed step is skipped too."""
+    net = build_network(feat_dim=4, num_classes=3, left_context=1, right_context=1,
+                        hidden_layers=1, hidden_dim=8)
+    net.init_params(seed=1)
+    opt = SGD(net)
+    strategy = RingMixing(SingleCommunicator(), delay_by_one=True)
+    strategy.setup(net, opt)
+    first = np.arange(net.num_params, dtype=np.float32)
+    net.grads[...] = first
+    strategy.reduce_gradients(net)
+    assert not net.grads.any()                  # the first step applies none
+    second = -first
+    net.grads[...] = second
+    strategy.reduce_gradients(net)
+    assert np.array_equal(net.grads, first)     # the gradient of the step before
+    state = strategy.rank_state_dict()
+    assert np.array_equal(state["held_gradient"], second)
+    other = RingMixing(SingleCommunicator(), delay_by_one=True)
+    other.setup(net, SGD(net))
+    other.load_rank_state_dict(state)
+    net.grads[...] = 0
+    other.reduce_gradients(net)
+    assert np.array_equal(net.grads, second)
+    net.grads[...] = np.nan
+    other.reduce_gradients(net)                 # a non-finite minibatch's, now held
+    state = other.rank_state_dict()
+    assert "held_gradient" not in state and state["held_gradient_finite"] == 0
+    third = RingMixing(SingleCommunicator(), delay_by_one=True)
+    third.setup(net, SGD(net))
+    third.load_rank_state_dict(state)
+    third.reduce_gradients(net)
+    assert np.isnan(net.grads).all()
+    # a checkpoint of a run without delay-by-one holds none: nothing is held
+    fourth = RingMixing(SingleCommunicator(), delay_by_one=True)
+    fourth.setup(net, SGD(net))
+    fourth.load_rank_state_dict({"params": net.params.copy()})
+    net.grads[...] = 1
+    fourth.reduce_gradients(net)
+    assert not net.grads.any()
