@@ -444,6 +444,7 @@ def _check_corpus_feeds(cfg, config: str, ranks: int, options) -> None:
 def cmd_bench(args) -> int:
     from .bench.mode import run_bench
     from .bench.options import BenchSettingsError
+    from .bench.phases import check_bench
     from .bench.report import clear_earlier_bench, out_dir_problem, projection_lines, write_report
     from .config import load_config
     with _before_mpi():
@@ -477,6 +478,11 @@ def cmd_bench(args) -> int:
         from .bench.virtual import run_virtual_bench
         compute = _compute_model(args, cfg, max(virtual_sizes))     # (its options checked)
         _check_corpus_feeds(cfg, args.config, max(virtual_sizes), options)
+        sizes = tuple(sorted(set(options.sizes))) or (1,)
+        try:                        # before an earlier benchmark is cleared (--overwrite)
+            check_bench(cfg, options, sizes, options.resolve(max(sizes))[1])
+        except BenchSettingsError as exc:
+            raise UsageError(str(exc)) from None
         problem = out_dir_problem(out_dir, overwrite=args.overwrite)
         if problem:
             raise UsageError(problem)
@@ -495,6 +501,12 @@ def cmd_bench(args) -> int:
             return 2
         raise UsageError(f"--sizes: {max(options.sizes)} ranks asked for, but the job has "
                          f"{comm.size} (mpiexec -n {max(options.sizes)} or more)")
+    try:                            # before an earlier benchmark is cleared (--overwrite)
+        check_bench(cfg, options, *options.resolve(comm.size))
+    except BenchSettingsError as exc:
+        if comm.rank != 0:          # found alike on every rank: rank 0 says it
+            return 2
+        raise UsageError(str(exc)) from None
     try:
         _check_corpus_feeds(cfg, args.config, max(options.sizes or (comm.size,)), options)
     except UsageError:
@@ -508,16 +520,12 @@ def cmd_bench(args) -> int:
         if comm.rank != 0:
             return 2
         raise UsageError(problem)
-    refused = None
     try:
         if comm.rank == 0 and args.overwrite:
             _say_cleared(clear_earlier_bench(out_dir), out_dir)
-        try:
-            report = run_bench(cfg, comm, out_dir=out_dir, options=options,
-                               on_size_done=_partial_report_writer(out_dir, args.dpi))
-        except BenchSettingsError as exc:
-            refused = str(exc)      # found alike on every rank before measuring
-        if comm.rank == 0 and refused is None:
+        report = run_bench(cfg, comm, out_dir=out_dir, options=options,
+                           on_size_done=_partial_report_writer(out_dir, args.dpi))
+        if comm.rank == 0:
             paths = write_report(report, out_dir, dpi=args.dpi)
             print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]
                             + projection_lines(report)))
@@ -531,10 +539,6 @@ def cmd_bench(args) -> int:
     except BaseException as exc:
         _end_every_rank(comm, "bench", exc)
         raise
-    if refused is not None:
-        if comm.rank != 0:          # rank 0 says it
-            return 2
-        raise UsageError(refused)
     return 0
 
 

@@ -30,8 +30,8 @@ from typing import Callable, Optional
 
 from .idle import release_idle, wait_idle
 from .machine import environment, load_average
-from .options import BenchOptions, BenchSettingsError, check_benchable
-from .phases import (check_groups, steps_per_epoch_one_rank, sync_period, throughput_phase,
+from .options import BenchOptions
+from .phases import (check_bench, steps_per_epoch_one_rank, sync_period, throughput_phase,
                      time_to_accuracy)
 from .report import build_report, partial_report, seconds_text
 
@@ -58,11 +58,7 @@ def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None,
                            options=BenchOptions(target_accuracy=0.5))
     """
     sizes, methods = options.resolve(world.size)
-    check_benchable(cfg, methods)
-    if options.measures_accuracy and not cfg.data.dev:
-        raise BenchSettingsError("data.dev: the time-to-accuracy phase needs a held-out "
-                                 "corpus (set data.dev, or run with --phases throughput)")
-    check_groups(cfg, methods, sizes)
+    check_bench(cfg, options, sizes, methods)
     env = environment(world, cfg)
     if "accuracy" in options.phases and options.target_accuracy is None:
         _say(world, stream, "no --target-accuracy given: skipping the time-to-accuracy phase")

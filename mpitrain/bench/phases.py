@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 from ..config import config_from_dict
 from ..parallel.registry import build_strategy
 from ..train.trainer import Trainer
-from .options import BenchOptions, BenchSettingsError
+from .options import BenchOptions, BenchSettingsError, check_benchable
 
 #: Evaluations per epoch (of the one-rank run) when neither option nor config says.
 DEFAULT_EVALS_PER_EPOCH = 20
@@ -110,18 +110,33 @@ def group_settings(cfg, method: str, ranks: int) -> dict:
 def check_groups(cfg, methods, sizes) -> None:
     """Refuse, before anything is measured, a config that some method or group size
     of the benchmark cannot take (a setting of one method, as
-    ``parallel.straggler_policy: adapt`` with ``allreduce``): BenchSettingsError."""
+    ``parallel.straggler_policy: adapt`` with ``allreduce``): BenchSettingsError
+    naming the methods that take it at every size."""
+    problems = {}
     for method in methods:
         for ranks in sizes:
             try:
                 _with(cfg, **group_settings(cfg, method, ranks))
             except ValueError as exc:
-                fits = [m for m in methods if m != method]
-                hint = f" (--methods {','.join(fits)})" if fits else ""
-                raise BenchSettingsError(
-                    f"{exc}; the benchmark runs the config with parallel.method {method}: "
-                    f"benchmark the methods the config's settings fit{hint}, or leave the "
-                    "setting out") from None
+                problems[method] = str(exc)
+                break
+    if problems:
+        method, message = next(iter(problems.items()))
+        fits = [m for m in methods if m not in problems]
+        hint = (f"benchmark the methods the config's settings fit (--methods "
+                f"{','.join(fits)})" if fits else "no method asked for takes them")
+        raise BenchSettingsError(f"{message}; the benchmark runs the config with "
+                                 f"parallel.method {method}: {hint}, or leave the setting out")
+
+
+def check_bench(cfg, options, sizes, methods) -> None:
+    """Everything the benchmark refuses before it measures or writes anything
+    (BenchSettingsError, one line; every rank finds it alike)."""
+    check_benchable(cfg, methods)
+    if options.measures_accuracy and not cfg.data.dev:
+        raise BenchSettingsError("data.dev: the time-to-accuracy phase needs a held-out "
+                                 "corpus (set data.dev, or run with --phases throughput)")
+    check_groups(cfg, methods, sizes)
 
 
 class BenchTrainer(Trainer):

@@ -107,7 +107,7 @@ class TrainerSteps:
 
     def learning_rate(self) -> float:
         """The schedule's rate for the next step (before the strategy scales it)."""
-        fraction = self.strategy.data_fraction(self.step_count)      # as Trainer.progress
+        fraction = self.strategy.rate_fraction(self.step_count)   # as Trainer.rate_progress
         return self.schedule(self.step_count / self.planned_steps if fraction is None
                              else fraction)
 

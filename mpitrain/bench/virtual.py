@@ -29,8 +29,8 @@ from ..comm.single import SingleCommunicator
 from ..comm.virtual import VirtualCluster
 from .machine import environment, load_average
 from .mode import _accuracy_line, _throughput_line
-from .options import BenchOptions, BenchSettingsError, check_benchable
-from .phases import (check_groups, steps_per_epoch_one_rank, sync_period, throughput_phase,
+from .options import BenchOptions
+from .phases import (check_bench, steps_per_epoch_one_rank, sync_period, throughput_phase,
                      time_to_accuracy)
 from .report import build_report, partial_report
 
@@ -84,11 +84,7 @@ def run_virtual_bench(cfg, *, out_dir: str, options: BenchOptions, compute,
     out = stream or sys.stdout
     sizes = tuple(sorted(set(options.sizes))) or (1,)
     _, methods = options.resolve(max(sizes))
-    check_benchable(cfg, methods)
-    if options.measures_accuracy and not cfg.data.dev:
-        raise BenchSettingsError("data.dev: the time-to-accuracy phase needs a held-out "
-                                 "corpus (set data.dev, or run with --phases throughput)")
-    check_groups(cfg, methods, sizes)
+    check_bench(cfg, options, sizes, methods)
     env = environment(SingleCommunicator(), cfg)
     env.update(ranks=max(sizes), virtual=True, oversubscribed=False)
     print(f"bench (virtual ranks): sizes {', '.join(map(str, sizes))}; methods "

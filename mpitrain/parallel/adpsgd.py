@@ -135,7 +135,7 @@ class RingMixing(Strategy):
         self.iteration = 0          # steps taken (mixes done)
         self.num_mixes = 0          # mixes this rank took part in
         self.net = None
-        self.sent = self.received = None
+        self.sent = self.received = self.held = None
         self._requests = []         # the exchange in flight (delay-by-one)
         self._final_local = None    # this rank's own model before the final average
 
@@ -227,6 +227,10 @@ class RingMixing(Strategy):
         self.drain()
         self.iteration = int(iteration)
         self._final_local = None
+        if self.held is not None:
+            # nothing held, as at the start, unless the rank's own state follows (a
+            # roll back to the initial model restores no rank state)
+            self.held[...] = 0
 
     def resume(self, net) -> None:
         self.restart_exchange()

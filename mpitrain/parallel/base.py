@@ -21,7 +21,8 @@ class Strategy:
     - ``learning_rate(lr, step)``: the rate to use, given the schedule's;
       ``l2_factor(step)``: what the L2 term is scaled by at that rate.
     - ``data_fraction(step)``: how far through the planned data the run is, when
-      that is not in proportion to the steps (None: it is).
+      that is not in proportion to the steps (None: it is); ``rate_fraction(step)``
+      where the rate schedule stands (the same, unless the method says otherwise).
     - ``reduce_gradients(net)``: after backward, before the optimizer step.
     - ``after_update(net, optimizer, step)``: after ``step`` steps (periodic averaging).
     - ``finalize(net, optimizer, step)``: at the end; all ranks agree on the model.
@@ -76,6 +77,12 @@ class Strategy:
         before 0-based ``step``, where it is not ``step / planned steps`` (ranks sitting
         steps out by plan); else None.  Schedules over the planned data follow it."""
         return None
+
+    def rate_fraction(self, step: int):
+        """Where the learning-rate schedule stands at 0-based ``step``, as a fraction
+        of the planned data: :meth:`data_fraction`, unless the method sets the rate
+        otherwise (Kaldi's last iteration at the final rate); None: the steps'."""
+        return self.data_fraction(step)
 
     def reduce_gradients(self, net) -> None:
         pass

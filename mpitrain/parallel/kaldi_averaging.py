@@ -15,9 +15,11 @@ as at the rate lr, however many jobs average.  The schedule's lr is set once
 per iteration from the data processed before it, as Kaldi's,
 lr_eff(i) = lr0 exp((p_i / A) ln(lr1 / lr0)) with p_i the job-minibatches of
 the iterations before i and A those of the plan, and the last iteration
-trains at lr1 (:meth:`KaldiAveraging.data_fraction`); not over the steps.  Idle ranks (rank >= J_i) skip their training steps and take
-part in the average with a zero contribution, so each iteration needs one
-Allreduce whatever J_i is, and no communicator has to be split.
+trains at lr1 (:meth:`KaldiAveraging.rate_fraction`); not over the steps.
+The dropout schedule reads p_i / A (:meth:`KaldiAveraging.data_fraction`).
+Idle ranks (rank >= J_i) skip their training steps and take part in the
+average with a zero contribution, so each iteration needs one Allreduce
+whatever J_i is, and no communicator has to be split.
 
 Symbols in the code: K is ``every_steps``, J_i is :meth:`KaldiAveraging.num_jobs`,
 the schedule is :func:`jobs_schedule`, w_j is ``net.params``.
@@ -86,15 +88,19 @@ class KaldiAveraging(Strategy):
 
     def data_fraction(self, step: int) -> float:
         """p_i / A for the iteration i holding 0-based ``step``: the job-minibatches
-        trained before the iteration over those of the plan, and 1.0 in the last
-        iteration.  Kaldi sets each iteration's rate (and dropout) once, from the
-        archives processed before it (num_archives_processed /
-        num_archives_to_process), which a ramp makes grow slower than the steps at
-        first, and trains the last iteration at the final rate."""
+        trained before the iteration over those of the plan.  Kaldi sets each
+        iteration's rate and dropout once, from the archives processed before it
+        (num_archives_processed / num_archives_to_process), which a ramp makes grow
+        slower than the steps at first."""
         i = self._iteration(step)
-        if i == len(self.jobs) - 1:
-            return 1.0
         return self._before[i] / self._before[-1]
+
+    def rate_fraction(self, step: int) -> float:
+        """:meth:`data_fraction`, and 1.0 (the final rate) in the last iteration, as
+        Kaldi's rate; its dropout keeps the data's fraction there."""
+        if self._iteration(step) == len(self.jobs) - 1:
+            return 1.0
+        return self.data_fraction(step)
 
     def _iteration(self, step: int) -> int:
         return min(step // self.every_steps, len(self.jobs) - 1)

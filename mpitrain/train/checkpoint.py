@@ -150,23 +150,34 @@ def save_checkpoint(path, *, net, step: int, frames_seen: int, config_yaml: str,
 def rotate_checkpoints(path, keep: int) -> None:
     """Keep ``path`` (just written) and the ``keep - 1`` checkpoints before it in
     training order; remove older ones and those after it (an abandoned timeline).
-    A file that cannot be read is removed only when its step is higher."""
+    A file that cannot be read is removed when its step is higher than the one
+    written, or lower than the oldest one kept.  ``path`` not named by step
+    (``ckpt-<step>.h5``): the newest ``keep`` others are kept, none taken for
+    abandoned."""
     written = _progress(path)
-    m = _NAME.search(os.path.basename(os.fspath(path)))
-    step = int(m.group(1)) if m else None
-    older, doomed = [], []
-    for progress, found_step, found in _in_training_order(os.path.dirname(
-            os.path.abspath(path))):
-        if os.path.abspath(found) == os.path.abspath(path):
-            continue
+    named = _NAME.search(os.path.basename(os.fspath(path)))
+    found = [entry for entry in _in_training_order(os.path.dirname(os.path.abspath(path)))
+             if os.path.abspath(entry[2]) != os.path.abspath(path)]
+    if named is None:
+        for _, _, old in found[:-keep]:
+            os.remove(old)
+        return
+    step = int(named.group(1))
+    older, unreadable, doomed = [], [], []
+    for progress, found_step, found_path in found:
         if progress is None or written is None:
-            if step is not None and found_step > step:
-                doomed.append(found)
+            if found_step > step:
+                doomed.append(found_path)
+            else:
+                unreadable.append((found_step, found_path))
         elif progress > written:
-            doomed.append(found)
+            doomed.append(found_path)
         else:
-            older.append(found)
-    doomed += older[:max(len(older) - (keep - 1), 0)]
+            older.append((found_step, found_path))
+    cut = max(len(older) - (keep - 1), 0)
+    doomed += [p for _, p in older[:cut]]
+    kept_steps = [s for s, _ in older[cut:]] + [step]
+    doomed += [p for s, p in unreadable if s < min(kept_steps)]
     for old in doomed:
         os.remove(old)
 

@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -27,7 +26,6 @@ import time
 from ..plotting import metrics_path, read_metrics
 from .metrics import format_duration
 
-_CHECKPOINT = re.compile(r"^ckpt-(\d+)\.h5$")
 #: What :class:`~mpitrain.train.run_dir.RunDirLock` writes into ``.lock``.
 _HOLDER = re.compile(r"^pid (\d+) on (\S+)$")
 
@@ -182,12 +180,11 @@ def _held_out(records, end) -> list:
 
 
 def _newest_checkpoint(run_dir):
-    found = []
-    for path in glob.glob(os.path.join(glob.escape(run_dir), "ckpt-*.h5")):
-        m = _CHECKPOINT.match(os.path.basename(path))
-        if m and os.path.isfile(path):
-            found.append((int(m.group(1)), os.path.basename(path)))
-    return max(found)[1] if found else None
+    """The checkpoint ``--resume`` tries first: the newest in the training it holds
+    (a run resumed on more ranks numbers its steps lower than the one it came from)."""
+    from .checkpoint import list_checkpoints
+    found = list_checkpoints(run_dir)
+    return os.path.basename(found[-1]) if found else None
 
 
 def _is_number(value) -> bool:

@@ -154,7 +154,7 @@ class Trainer(CheckpointResume):
             raise TrainingError(str(exc), agreed=True) from None
         self.schedule = build_schedule(cfg.optimizer, planned_steps=self.planned_steps,
                                        frames_per_step=cfg.training.minibatch * comm.size,
-                                       progress=self.progress)
+                                       progress=self.rate_progress)
         self._trials = None       # optimizer.schedule: search, built at the first search
         self.step = 0
         self.frames_seen = 0      # summed over all ranks
@@ -510,6 +510,12 @@ class Trainer(CheckpointResume):
         job ramp).  The exponential rate and the dropout schedule run over it, as
         Kaldi's over the archives processed."""
         fraction = self.strategy.data_fraction(step)
+        return step / self.planned_steps if fraction is None else fraction
+
+    def rate_progress(self, step: int) -> float:
+        """:meth:`progress` as the learning-rate schedule reads it (Kaldi's method: the
+        final rate in its last iteration)."""
+        fraction = self.strategy.rate_fraction(step)
         return step / self.planned_steps if fraction is None else fraction
 
     def _first_step_at(self, fraction: float) -> int:

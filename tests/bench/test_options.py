@@ -99,6 +99,11 @@ def test_a_setting_of_one_method_is_refused_before_measuring_naming_the_methods(
         "the methods the config's settings fit (--methods model_averaging), or leave the "
         "setting out")
     check_groups(cfg, ("model_averaging",), (1, 2))
+    # the hint names only the methods that take the settings (it named every other)
+    with pytest.raises(BenchSettingsError, match=r"\(--methods model_averaging\), or"):
+        check_groups(cfg, ("allreduce", "model_averaging", "kaldi", "bmuf"), (1, 2))
+    with pytest.raises(BenchSettingsError, match="no method asked for takes them"):
+        check_groups(cfg, ("allreduce", "kaldi"), (1, 2))
     cfg = load_config(QUICKSTART, ["parallel.method=adpsgd", "parallel.hierarchical=true",
                                    "parallel.ranks_per_node=2"])
     with pytest.raises(BenchSettingsError, match="hierarchical.*--methods adpsgd"):
@@ -135,3 +140,14 @@ def test_settings_refused_before_measuring_are_one_line_from_rank_0(small_corpus
         assert result.returncode == 2 and len(lines) == 1, result.stderr + result.stdout
         assert lines[0].startswith("mpitrain bench: error: "), lines
         assert "Abort" not in result.stderr and not (tmp_path / f"b{n}").exists()
+    # refused before an earlier benchmark in --out is cleared (--overwrite)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    (earlier / "bench.json").write_text("{}")
+    args = ["-m", "mpitrain", "bench", QUICKSTART, "--out", str(earlier), "--overwrite",
+            "--set", "parallel.straggler_policy=adapt"]
+    for item in small_overrides(small_corpus):
+        args += ["--set", item]
+    result = run_mpi(2, args, timeout=120)
+    assert result.returncode == 2 and "leave the setting out" in result.stderr, result.stderr
+    assert (earlier / "bench.json").exists() and "removed" not in result.stdout

@@ -269,6 +269,13 @@ def test_delay_by_one_checkpoints_the_held_gradient_and_a_non_finite_one_as_a_sk
     third.load_rank_state_dict(state)
     third.reduce_gradients(net)
     assert np.isnan(net.grads).all()
+    # a roll back to the initial model restores the strategy's state and no rank
+    # state: nothing is held, as at the start (it applied the diverged run's last one)
+    third.reduce_gradients(net)
+    third.load_state_dict({"iteration": 0})
+    net.grads[...] = 1
+    third.reduce_gradients(net)
+    assert not net.grads.any()
     # a checkpoint of a run without delay-by-one holds none: nothing is held
     fourth = RingMixing(SingleCommunicator(), delay_by_one=True)
     fourth.setup(net, SGD(net))

@@ -34,8 +34,12 @@ def test_data_fraction_counts_each_iterations_jobs():
     assert [kaldi.data_fraction(s) for s in range(5)] == [0.0] * 5
     assert [kaldi.data_fraction(s) for s in range(5, 10)] == [5 / total] * 5
     assert [kaldi.data_fraction(s) for s in range(10, 15)] == [(5 + 10) / total] * 5
-    # the last iteration at the final rate
-    assert [kaldi.data_fraction(s) for s in range(15, 19)] == [1.0] * 4
+    assert [kaldi.data_fraction(s) for s in range(15, 18)] == [(5 + 10 + 15) / total] * 3
+    # the rate: the same, but the last iteration at the final rate (the dropout
+    # schedule keeps the data's fraction there, as Kaldi's)
+    assert [kaldi.rate_fraction(s) for s in range(15)] == \
+        [kaldi.data_fraction(s) for s in range(15)]
+    assert [kaldi.rate_fraction(s) for s in range(15, 18)] == [1.0] * 3
     # behind the steps while few jobs train
     assert kaldi.data_fraction(9) < 5 / 18
 
@@ -46,7 +50,7 @@ def test_the_rate_is_kaldis_at_every_step():
     from mpitrain.optim.schedule import PlannedExponential
     kaldi = _strategies(4, every_steps=5, total_steps=20, jobs_initial=1, jobs_final=4)[0]
     schedule = PlannedExponential(0.004, 0.0004, planned_steps=20,
-                                  progress=kaldi.data_fraction)
+                                  progress=kaldi.rate_fraction)
     jobs, p, total = kaldi.jobs, [0], sum(j * 5 for j in kaldi.jobs)
     for j in jobs:
         p.append(p[-1] + j * 5)
@@ -61,8 +65,8 @@ def test_the_rate_is_kaldis_at_every_step():
 def test_without_a_ramp_the_fraction_is_the_steps_at_each_iterations_start():
     for kaldi in _strategies(3, every_steps=4, total_steps=30):
         assert kaldi.jobs == [3] * 8
-        assert all(kaldi.data_fraction(s) == (s // 4 * 4 / 30 if s < 28 else 1.0)
-                   for s in range(31))
+        assert all(kaldi.data_fraction(s) == s // 4 * 4 / 30 for s in range(28))
+        assert all(kaldi.rate_fraction(s) == 1.0 for s in range(28, 31))
 
 
 def test_a_ramped_runs_rate_decays_over_the_data_processed(small_corpus, tmp_path, capsys):
@@ -91,7 +95,7 @@ def test_a_ramped_runs_rate_decays_over_the_data_processed(small_corpus, tmp_pat
     for record in trains:
         step = record["step"] - 1                 # the 0-based step the record ends
         jobs = kaldi.jobs[min(step // 2, len(kaldi.jobs) - 1)]
-        fraction = kaldi.data_fraction(step)
+        fraction = kaldi.rate_fraction(step)
         expected = jobs * 0.004 * math.exp(fraction * math.log(0.1))
         assert math.isclose(record["lr"], expected, rel_tol=1e-9), (record, expected)
         by_steps = jobs * 0.004 * math.exp(step / planned * math.log(0.1))

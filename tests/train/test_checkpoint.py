@@ -424,3 +424,29 @@ def test_a_renumbered_resume_past_damaged_checkpoints_drops_them(tmp_path):
     _write_at(tmp_path, 120, 2000 + 20 * 4 * 10)
     assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
         ["ckpt-00000100.h5", "ckpt-00000200.h5", "ckpt-00000120.h5"]
+
+
+def test_a_checkpoint_not_named_by_step_keeps_the_newest_others(tmp_path):
+    for step in (100, 200, 300, 400):
+        _write_at(tmp_path, step, 10 * step, keep=None)
+    path = tmp_path / "snapshot.h5"
+    save_checkpoint(path, net=small_net(1), step=250, frames_seen=2500, config_yaml="a: 1\n",
+                    rank_states=[{"optimizer": {}, "reader": {}}], strategy_state={}, keep=3)
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
+        ["ckpt-00000200.h5", "ckpt-00000300.h5", "ckpt-00000400.h5"]
+    assert path.exists()
+
+
+def test_a_damaged_old_checkpoint_goes_once_it_is_older_than_every_one_kept(tmp_path):
+    # it stayed for the rest of the run, skipped on every resume
+    _write_at(tmp_path, 50, 500, keep=None)
+    _write_at(tmp_path, 100, 1000, keep=None)
+    with open(checkpoint_path(tmp_path, 100), "r+b") as fh:     # not HDF5 any more
+        fh.write(b"\0" * 64)
+    _write_at(tmp_path, 200, 2000, keep=3)
+    # among the ones kept (by its step) it stays
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
+        ["ckpt-00000050.h5", "ckpt-00000100.h5", "ckpt-00000200.h5"]
+    _write_at(tmp_path, 300, 3000, keep=2)
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
+        ["ckpt-00000200.h5", "ckpt-00000300.h5"]

@@ -78,6 +78,19 @@ def test_a_run_without_an_end_is_running_or_cut_off_as_its_rank_0_is(tmp_path):
         and run_status(run)[0].endswith("; rank 0 was pid 12 on another-node)")
 
 
+def test_the_newest_checkpoint_is_the_newest_training_not_the_highest_number(tmp_path):
+    """Resumed on more ranks, a run numbers its steps lower: ckpt-50 holds more
+    training than ckpt-80, and --resume continues from it."""
+    import h5py
+    run = tmp_path / "run"
+    _write(run, [START, TRAIN])
+    for step, frames in ((60, 15360), (80, 20480), (50, 25600)):
+        with h5py.File(run / f"ckpt-{step:08d}.h5", "w") as f:
+            f.attrs["frames_seen"] = frames
+    assert run_status(run)[-1] == \
+        "  newest checkpoint: ckpt-00000050.h5 (--resume continues from it)"
+
+
 def test_an_earlier_attempts_end_does_not_count_after_a_resume(tmp_path):
     run = tmp_path / "run"
     ended = {"type": "end", "time": 60.0, "steps": 100, "seconds": 60.0}
