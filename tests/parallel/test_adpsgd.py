@@ -84,14 +84,20 @@ def test_bad_topology_is_refused():
         RingMixing(SingleCommunicator(), topology="star")
 
 
-@pytest.mark.parametrize("delay_by_one", [False, True])
-def test_one_rank_changes_nothing(delay_by_one):
+def _one_rank_ring(delay_by_one):
+    """(net, optimizer, strategy) of a one-rank ring, set up."""
     net = build_network(feat_dim=4, num_classes=3, left_context=1, right_context=1,
                         hidden_layers=1, hidden_dim=8)
     net.init_params(seed=1)
     opt = SGD(net)
     strategy = RingMixing(SingleCommunicator(), delay_by_one=delay_by_one)
     strategy.setup(net, opt)
+    return net, opt, strategy
+
+
+@pytest.mark.parametrize("delay_by_one", [False, True])
+def test_one_rank_changes_nothing(delay_by_one):
+    net, opt, strategy = _one_rank_ring(delay_by_one)
     before = net.params.copy()
     for step in range(1, 5):
         strategy.after_update(net, opt, step)
@@ -238,12 +244,7 @@ def test_delay_by_one_checkpoints_the_held_gradient_and_a_non_finite_one_as_a_sk
     applies it, as the uninterrupted one does); a checkpoint holds finite floats only,
     so a held NaN gradient (a minibatch the next step skips) is stored as a flag and
     comes back as NaN: the resumed step is skipped too."""
-    net = build_network(feat_dim=4, num_classes=3, left_context=1, right_context=1,
-                        hidden_layers=1, hidden_dim=8)
-    net.init_params(seed=1)
-    opt = SGD(net)
-    strategy = RingMixing(SingleCommunicator(), delay_by_one=True)
-    strategy.setup(net, opt)
+    net, _, strategy = _one_rank_ring(True)
     first = np.arange(net.num_params, dtype=np.float32)
     net.grads[...] = first
     strategy.reduce_gradients(net)

@@ -396,12 +396,17 @@ def _write_at(run_dir, step, frames, keep=3):
                     keep=keep)
 
 
+def _two_rank_timeline(run_dir):
+    """Checkpoints at steps 100..400 of a run whose frames are 10 x its steps."""
+    for step in (100, 200, 300, 400):
+        _write_at(run_dir, step, 10 * step, keep=None)
+
+
 def test_a_resume_that_numbers_steps_lower_keeps_its_fallbacks(tmp_path):
     # 2 ranks wrote steps 100..400; resumed on 4 ranks, step 400 became 200 and the
     # next checkpoint is named 250: the ones it came from are older, not abandoned
     # (only the new one was left, with no fallback should it be damaged)
-    for step in (100, 200, 300, 400):
-        _write_at(tmp_path, step, 10 * step, keep=None)
+    _two_rank_timeline(tmp_path)
     _write_at(tmp_path, 250, 4000 + 50 * 4 * 10)
     assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
         ["ckpt-00000300.h5", "ckpt-00000400.h5", "ckpt-00000250.h5"]
@@ -415,8 +420,7 @@ def test_a_resume_that_numbers_steps_lower_keeps_its_fallbacks(tmp_path):
 
 
 def test_a_renumbered_resume_past_damaged_checkpoints_drops_them(tmp_path):
-    for step in (100, 200, 300, 400):
-        _write_at(tmp_path, step, 10 * step, keep=None)
+    _two_rank_timeline(tmp_path)
     flip_data_byte(checkpoint_path(tmp_path, 400), "model/params")
     with open(checkpoint_path(tmp_path, 300), "r+b") as fh:     # not HDF5 any more
         fh.write(b"\0" * 64)
@@ -427,8 +431,7 @@ def test_a_renumbered_resume_past_damaged_checkpoints_drops_them(tmp_path):
 
 
 def test_a_checkpoint_not_named_by_step_keeps_the_newest_others(tmp_path):
-    for step in (100, 200, 300, 400):
-        _write_at(tmp_path, step, 10 * step, keep=None)
+    _two_rank_timeline(tmp_path)
     path = tmp_path / "snapshot.h5"
     save_checkpoint(path, net=small_net(1), step=250, frames_seen=2500, config_yaml="a: 1\n",
                     rank_states=[{"optimizer": {}, "reader": {}}], strategy_state={}, keep=3)
