@@ -8,8 +8,9 @@ model at J_i times the scheduled rate; then their models are averaged::
     w <- (1/J_i) sum_{j < J_i} w_j        every rank continues from the average
     J_i = round(J_0 + (J_final - J_0) i / I)   (in multiples of jobs_step past it)
 
-Averaging J independently updated models divides each job's step by J, hence
-the rate J_i lr; the L2 term is scaled by 1/J_i (Kaldi's
+Each rank's momentum starts from zero after every average, as each Kaldi job
+starts a fresh trainer.  Averaging J independently updated models divides
+each job's step by J, hence the rate J_i lr; the L2 term is scaled by 1/J_i (Kaldi's
 ``l2_regularize_factor``), so that the weights shrink as much per iteration
 as at the rate lr, however many jobs average.  The schedule's lr is set once
 per iteration from the data processed before it, as Kaldi's,
@@ -131,6 +132,8 @@ class KaldiAveraging(Strategy):
                 net.params[...] = 0
             self.comm.allreduce_(net.params, op="sum")
             net.params *= 1.0 / jobs
+        # each Kaldi job starts a fresh trainer, its momentum zero
+        optimizer.clear_momentum()
         optimizer.after_average()
 
     def finalize(self, net, optimizer, step: int = 0) -> None:

@@ -127,3 +127,31 @@ def test_a_run_ending_inside_an_iteration_averages_that_iterations_jobs():
 
     for params in VirtualCluster(4).run(work):
         assert np.array_equal(params, np.full_like(params, 1.5))     # (1 + 2) / 2
+
+
+def test_every_average_starts_each_ranks_momentum_afresh():
+    """Each Kaldi job builds a new trainer whose momentum is zero (nnet3's
+    NnetTrainer zeroes its delta): kept across averages, a rank's momentum
+    pushed the average's model its own way at once."""
+    import numpy as np
+    from mpitrain.nn.network import build_network
+    from mpitrain.optim.sgd import SGD
+
+    def work(comm):
+        net = build_network(feat_dim=4, num_classes=3, left_context=0, right_context=0,
+                            hidden_layers=1, hidden_dim=8)
+        net.init_params(seed=1)
+        opt = SGD(net, momentum=0.5)
+        kaldi = KaldiAveraging(comm, every_steps=2, total_steps=6)
+        kaldi.setup(net, opt)
+        seen = []
+        for step in range(1, 5):
+            net.grads[...] = np.random.default_rng([comm.rank, step]).standard_normal(
+                net.num_params).astype(np.float32)
+            opt.step(0.01)
+            kaldi.after_update(net, opt, step)
+            seen.append(bool(np.any(opt.momentum_buffer())))
+        return seen
+
+    for seen in VirtualCluster(2).run(work):
+        assert seen == [True, False, True, False]      # zero right after each average
