@@ -123,8 +123,12 @@ class NodeRingMixing(Strategy):
         if self.ring is not None:       # the exchange started for a step that will not run
             self.ring.drain()
         self._final_local = net.params.copy()
-        if self.comm.size > 1:
-            self.comm.allreduce_(net.params, op="mean")
+        # the mean over the nodes (the learners whose mean the mixing keeps), not
+        # over the ranks: a node of more ranks would weigh more
+        if self.leaders is not None and self.leaders.size > 1:
+            self.leaders.allreduce_(net.params, op="mean")
+        if self.node_comm.size > 1:
+            self.node_comm.bcast_(net.params, root=0)
 
     # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict:
