@@ -126,7 +126,8 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
     with ArkWriter(out_wspec) as writer:
         for utt, feats in read_feature_matrices(feats_rspec, scp_commands=scp_commands):
             if feats.shape[0] == 0:
-                # an utterance with no frames (Kaldi writes it 0 x 0): no rows out
+                # an utterance with no frames (Kaldi writes it 0 x 0): no rows out,
+                # written 0 x 0 as Kaldi reads an empty matrix (ArkWriter)
                 feats = np.zeros((0, net.feat_dim), dtype=np.float32)
             if feats.shape[1] != net.feat_dim:
                 raise ValueError(f"{feats_rspec}: utterance {utt} has features of shape "
@@ -168,7 +169,7 @@ def _refuse_overwriting_inputs(out_wspec: str, inputs) -> None:
             if kind == "scp":
                 read += [(f"{option} {target}", location)
                          for location in dict.fromkeys(
-                             loc for _, loc, _ in parse_scp(target) if not is_pipe(loc))]
+                             loc for _, loc, *_ in parse_scp(target) if not is_pipe(loc))]
         else:
             read.append((option, spec))
     for out in outputs:
@@ -313,6 +314,10 @@ class ArkWriter:
 
     def _write(self, key: str, matrix: np.ndarray) -> None:
         from kaldiio.matio import write_array, write_array_ascii
+        if matrix.size == 0:
+            # Kaldi's matrix reader aborts the program on a 0 x N matrix (only 0 x 0
+            # may be empty), which a decoder would read for an utterance of no frames
+            matrix = np.zeros((0, 0), dtype=matrix.dtype)
         head = (key + " ").encode("utf-8")
         self._fark.write(head)
         self._position += len(head)

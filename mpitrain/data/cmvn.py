@@ -111,13 +111,17 @@ class SpeakerCmvn:
                 else (f"utterance {utt!r} (without --utt2spk stats are looked up by "
                       "utterance; per-speaker stats need --utt2spk)")
             raise CorpusError(f"{self.stats_name}: no CMVN stats for {who}")
-        if stats.shape != (2, feats.shape[1] + 1):
+        if stats.shape[1] != feats.shape[1] + 1:
             raise CorpusError(f"{self.stats_name}: CMVN stats of {key!r} are {stats.shape[0]} x "
                               f"{stats.shape[1]}; features of dimension {feats.shape[1]} "
                               f"(utterance {utt!r}) need 2 x {feats.shape[1] + 1}")
-        if not stats[0, -1] > 0:
+        if self.norm_vars and stats.shape[0] < 2:
+            raise CorpusError(f"{self.stats_name}: CMVN stats of {key!r} have no sums of "
+                              "squares (one row), which --norm-vars needs")
+        if not stats[0, -1] >= 1:
+            # (Kaldi's apply-cmvn refuses a count below one frame too)
             raise CorpusError(f"{self.stats_name}: CMVN stats of {key!r} have a frame count "
-                              f"of {stats[0, -1]:g}; expected more than 0")
+                              f"of {stats[0, -1]:g}; expected at least 1")
         rows = stats if self.norm_vars else stats[:1]     # the sums of squares: norm_vars
         if not np.isfinite(rows).all():
             row, col = (int(i) for i in np.argwhere(~np.isfinite(rows))[0])

@@ -10,8 +10,9 @@ text file with lines ``uttid 3 3 3 5 ...``.  Both are read by
 Utterances without an alignment, or whose alignment length differs from the
 number of feature frames, are skipped and listed in the report, which is
 also written to ``out_dir/import-report.yaml``.  With ``length_tolerance``
-N, a difference of at most N frames is forgiven instead, as Kaldi nnet1's
-``--length-tolerance``: features and labels are both cut to the shorter
+N, a difference of at most N frames is forgiven instead, as nnet3's example
+tools count it (Kaldi nnet1's ``--length-tolerance`` N forgives fewer than N):
+features and labels are both cut to the shorter
 length (features computed with other frame settings than the alignment's
 often differ by a frame or two at the end).
 

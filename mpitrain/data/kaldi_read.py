@@ -3,7 +3,7 @@
 Rspecifiers are parsed by kaldiio's ``parse_specifier``, so every Kaldi form
 works: ``ark:feats.ark``, ``ark,t:ali.txt``, ``ark,s,cs:-`` (stdin),
 ``scp:feats.scp`` (entries ``utt file.ark:offset``, ``utt file.mat`` or
-``utt cmd |``), and pipes, ``ark:gunzip -c feats.ark.gz |`` or
+``utt cmd |``, each with an optional Kaldi range ``[r1:r2,c1:c2]``), and pipes, ``ark:gunzip -c feats.ark.gz |`` or
 ``scp:cmd |``.  A bare path is read as an scp if it ends in ``.scp``, else as
 an ark.  Pipes are run by the shell as in Kaldi; one that exits non-zero is
 an error naming the command (with the last line it wrote to stderr), raised
@@ -20,7 +20,8 @@ bytes that arrive, never the header.  Only then is a binary record decoded,
 by kaldiio's ``read_matrix_or_vector`` from those bytes.
 
 CMVN stats (:func:`read_cmvn_stats`) are read as features are, text kept in
-float64, and must be 2 x (D+1); utt2spk (:func:`read_utt2spk`) is plain text.
+float64, and must be 2 x (D+1) (or 1 x (D+1) without variances); utt2spk
+(:func:`read_utt2spk`) is plain text.
 
 Example::
 
@@ -377,10 +378,12 @@ def _read_text_matrix(src: Input, key: str, dtype=np.float32) -> np.ndarray:
         src.read(1)
     try:
         body = text[:-1].decode("ascii").strip()[1:]       # between '[' and ']'
-        rows = [line.split() for line in body.splitlines() if line.strip()]
+        # rows end at line breaks, or at ';' as Kaldi also reads them
+        rows = [line.split() for line in body.replace(";", "\n").splitlines()
+                if line.strip()]
         if not rows:
             return np.zeros((0, 0), dtype=dtype)     # Kaldi's empty matrix ' [ ]'
-        if "\n" not in body:
+        if "\n" not in body and ";" not in body:
             # ' [ 1 2 3 ]' on one line: Kaldi reads a matrix written so as one row
             return np.array(rows[:1], dtype=dtype)
         if len({len(row) for row in rows}) > 1:
@@ -449,12 +452,15 @@ def _read_key(src: Input) -> str | None:
     while src.peek(1) and src.peek(1) in _WHITESPACE:
         src.read(1)
     key = b""
-    while src.peek(1) not in (b" ", b""):
+    # the id ends at a space, a tab or a line break, as Kaldi's table reader reads
+    # it; a space or a tab after it is part of the separator, a line break is not
+    while src.peek(1) not in (b" ", b"\t", b"\n", b"\r", b""):
         key += src.read(1)
         if len(key) > _MAX_KEY_BYTES:
             raise CorpusError(f"{src.name}: an utterance id is longer than {_MAX_KEY_BYTES} "
                               "bytes; not a Kaldi archive")
-    src.read(1)
+    if src.peek(1) in (b" ", b"\t"):
+        src.read(1)
     if not key:
         return None
     try:
@@ -481,12 +487,14 @@ def iter_ark(target: str, *, expect: str = "matrix"):
 
 # ---------------------------------------------------------------- scp
 
-def parse_scp(target: str, *, commands: bool = False) -> list[tuple[str, str, int | None]]:
-    """[(key, location, offset)] of an scp (a file, ``-`` or a pipe).
+def parse_scp(target: str, *, commands: bool = False) -> list[tuple]:
+    """[(key, location, offset, ranges)] of an scp (a file, ``-`` or a pipe).
 
     ``location`` is an ark path (relative paths as written, like Kaldi) or a
-    pipe command; ``offset`` is None for a whole file or a pipe.  An entry that
-    is a command (``utt cmd |``) is refused unless ``commands``: an scp file is
+    pipe command; ``offset`` is None for a whole file or a pipe; ``ranges`` is
+    the text of a trailing Kaldi range (``file.ark:12[0:99]``,
+    ``[0:99,0:12]``; see :func:`matrix_range`) or "".  An entry that is a
+    command (``utt cmd |``) is refused unless ``commands``: an scp file is
     data, and one written elsewhere must not run anything here.
     """
     entries = []
@@ -505,24 +513,62 @@ def parse_scp(target: str, *, commands: bool = False) -> list[tuple[str, str, in
                 raise CorpusError(f"{name}:{lineno}: expected 'uttid ark_path:offset', "
                                   f"got {line.strip()!r}")
             key, location = parts[0], parts[1].strip()
+            ranges = ""
+            if location.endswith("]") and "[" in location:
+                location, ranges = location[:-1].rsplit("[", 1)
+                location = location.rstrip()
             if is_pipe(location):
                 if not commands:
                     raise CorpusError(
                         f"{name}:{lineno}: utterance {key!r}: the entry is a command "
                         f"({location!r}); commands inside an scp file run only with "
                         f"--scp-commands (scp_commands=True), for files you trust")
-                entries.append((key, location, None))
+                entries.append((key, location, None, ranges))
                 continue
-            if location.endswith("]"):
-                raise CorpusError(f"{name}:{lineno}: utterance {key!r}: row/column ranges "
-                                  f"({location!r}) are not supported")
             ark, offset = location, None
             if ":" in location:
                 head, tail = location.rsplit(":", 1)
                 if tail.isdigit():
                     ark, offset = head, int(tail)
-            entries.append((key, ark, offset))
+            entries.append((key, ark, offset, ranges))
     return entries
+
+
+#: Rows a Kaldi range may reach past a matrix's end (segments rounded to 10 ms
+#: against frames of 25 ms): Kaldi warns and reads up to the last row.
+_RANGE_ROW_SLACK = 3
+
+
+def matrix_range(matrix: np.ndarray, ranges: str, where: str) -> np.ndarray:
+    """``matrix`` cut to a Kaldi scp range: ``r1:r2`` (rows) or ``r1:r2,c1:c2``,
+    inclusive, each part ``:`` for all; the last row may lie up to two past the
+    matrix's end, which is read to its last row, as Kaldi's
+    ParseMatrixRangeSpecifier allows.  ``where`` names the entry in errors.
+
+    Example::
+
+        matrix_range(np.zeros((100, 40)), "0:49,0:12", "feats.scp: 'utt1'").shape  # (50, 13)
+    """
+    rows, cols = matrix.shape
+    parts = ranges.split(",")
+    bounds = []
+    try:
+        if len(parts) > 2 or any(not p for p in parts):
+            raise ValueError
+        for part, size in zip(parts + [":"] * (2 - len(parts)), (rows, cols)):
+            if part == ":":
+                bounds.append((0, size - 1))
+                continue
+            first, last = part.split(":")
+            bounds.append((int(first), int(last)))
+    except ValueError:
+        raise CorpusError(f"{where}: range [{ranges}] is not Kaldi's 'r1:r2' or "
+                          "'r1:r2,c1:c2' (':' for all)") from None
+    (r1, r2), (c1, c2) = bounds
+    if not (0 <= r1 <= r2 < rows + _RANGE_ROW_SLACK and 0 <= c1 <= c2 < cols):
+        raise CorpusError(f"{where}: range [{ranges}] lies outside its {rows} x {cols} "
+                          "matrix")
+    return np.ascontiguousarray(matrix[r1:min(r2, rows - 1) + 1, c1:c2 + 1])
 
 
 def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix",
@@ -531,12 +577,15 @@ def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix",
     ``commands``: run entries that are commands (see :func:`parse_scp`)."""
     handles: OrderedDict[str, Input] = OrderedDict()
     try:
-        for key, location, offset in parse_scp(target, commands=commands):
+        for key, location, offset, ranges in parse_scp(target, commands=commands):
+            if ranges and expect == "ints":
+                raise CorpusError(f"{target}: utterance {key!r}: a range ([{ranges}]) on an "
+                                  "alignment; ranges cut matrices only")
             if is_pipe(location):
                 # one bare object (no key) on the command's stdout
                 with _opened(location, "scp entry") as src:
                     value = read_record(src, key, expect=expect)
-                yield key, value
+                yield key, _ranged(value, ranges, target, key)
                 continue
             src = handles.get(location)
             if src is None:
@@ -555,10 +604,17 @@ def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix",
                                   f"{location!r}, at or past its end")
             # Without an offset the file holds one bare object (no key), as in Kaldi.
             src.seek(offset or 0)
-            yield key, read_record(src, key, expect=expect)
+            yield key, _ranged(read_record(src, key, expect=expect), ranges, target, key)
     finally:
         for src in handles.values():
             src.abandon()
+
+
+def _ranged(value, ranges: str, target: str, key: str):
+    """A record cut to its scp entry's range (none: as it is)."""
+    if not ranges:
+        return value
+    return matrix_range(value, ranges, f"{target}: utterance {key!r}")
 
 
 def read_feature_matrices(spec: str, *, scp_commands: bool = False):
@@ -604,7 +660,9 @@ def as_features(name: str, key: str, value) -> np.ndarray:
 # ---------------------------------------------------------------- CMVN and speakers
 
 def read_cmvn_stats(spec: str, *, scp_commands: bool = False) -> dict[str, np.ndarray]:
-    """Kaldi CMVN stats by speaker (or utterance): float64 matrices 2 x (D+1).
+    """Kaldi CMVN stats by speaker (or utterance): float64 matrices 2 x (D+1), or
+    1 x (D+1) (the sums and the count alone, which Kaldi takes without
+    ``--norm-vars``).
 
     Read like features (``scp:cmvn.scp``, ``ark:cmvn.ark``, text or binary),
     so only Kaldi float matrices are decoded; every other record is refused.
@@ -621,10 +679,11 @@ def read_cmvn_stats(spec: str, *, scp_commands: bool = False) -> dict[str, np.nd
         else iter_ark(target, expect="stats")
     stats: dict[str, np.ndarray] = {}
     for key, value in records:
-        if not isinstance(value, np.ndarray) or value.ndim != 2 or value.shape[0] != 2 \
-                or value.shape[1] < 2:
+        if not isinstance(value, np.ndarray) or value.ndim != 2 \
+                or value.shape[0] not in (1, 2) or value.shape[1] < 2:
             raise CorpusError(f"{target}: speaker {key!r}: expected a 2 x (dim+1) CMVN stats "
-                              f"matrix, got shape {getattr(value, 'shape', None)}")
+                              f"matrix (or 1 x (dim+1) without variances), got shape "
+                              f"{getattr(value, 'shape', None)}")
         if key in stats:
             raise CorpusError(f"{target}: speaker {key!r} appears twice")
         stats[key] = value.astype(np.float64)

@@ -85,6 +85,11 @@ def test_text_stats_by_utterance_without_utt2spk(kaldi):
     cmvn = SpeakerCmvn.load(cmvn=f"ark,t:{kaldi}/cmvn.txt")
     np.testing.assert_allclose(cmvn.apply("a1", FEATS["a1"]),
                                FEATS["a1"] - FEATS["a1"].mean(axis=0))
+    # the sums and the count alone (one row), as Kaldi takes them without --norm-vars
+    kaldiio.save_ark(str(kaldi / "means.ark"), {u: s[:1] for u, s in per_utt.items()})
+    cmvn = SpeakerCmvn.load(cmvn=f"ark:{kaldi}/means.ark")
+    np.testing.assert_allclose(cmvn.apply("a1", FEATS["a1"]),
+                               FEATS["a1"] - FEATS["a1"].mean(axis=0))
 
 
 def test_bad_cmvn_input_is_one_line_naming_file_and_speaker(kaldi, tmp_path):
@@ -115,6 +120,17 @@ def test_bad_cmvn_input_is_one_line_naming_file_and_speaker(kaldi, tmp_path):
     # per-speaker stats without --utt2spk: looked up by utterance, which the message says
     fails(r"cmvn\.scp: no CMVN stats for utterance 'a1' \(without --utt2spk stats are looked up "
           r"by utterance; per-speaker stats need --utt2spk\)", cmvn=f"scp:{kaldi}/cmvn.scp")
+    # a count below one frame (Kaldi's apply-cmvn refuses it too), and one-row stats
+    # (sums and count alone) with --norm-vars
+    low = {s: v.copy() for s, v in STATS.items()}
+    low["a"][0] *= 0.5 / low["a"][0, -1]
+    kaldiio.save_ark(str(kaldi / "low.ark"), low)
+    fails(r"low\.ark: CMVN stats of 'a' have a frame count of 0\.5; expected at least 1",
+          utt2spk=str(kaldi / "utt2spk"), cmvn=f"ark:{kaldi}/low.ark")
+    kaldiio.save_ark(str(kaldi / "means.ark"), {s: v[:1] for s, v in STATS.items()})
+    fails(r"means\.ark: CMVN stats of 'a' have no sums of squares \(one row\), which "
+          r"--norm-vars needs", utt2spk=str(kaldi / "utt2spk"), cmvn=f"ark:{kaldi}/means.ark",
+          norm_vars=True)
     # a NaN in the stats: it was blamed on the features, naming the output corpus
     nan_stats = {s: v.copy() for s, v in STATS.items()}
     nan_stats["b"][1, 0] = np.nan

@@ -272,3 +272,55 @@ def test_doubles_beyond_float32_are_named_not_called_nan(tmp_path, capsys):
     # doubles within the range are read as float32
     key, read = next(iter(read_feature_matrices(f"ark:{tmp_path / 'f.ark'}")))
     assert key == "a" and read.dtype == np.float32 and (read == 1).all()
+
+
+def test_ids_end_at_a_tab_or_a_line_break_and_rows_at_a_semicolon(tmp_path):
+    """Kaldi's table reader ends an id at a space, a tab or a line break (a tab was
+    read into the id, and the utterance went missing); its text matrices also end
+    rows at ';'."""
+    text = tmp_path / "feats.txt"
+    text.write_text("u1\t[ 1 2 ; 3 4 ]\nu2 [\n 5 6\n 7 8 ]\nu3\n[ 9 10 ]\n")
+    got = dict(read_feature_matrices(f"ark,t:{text}"))
+    assert list(got) == ["u1", "u2", "u3"]
+    assert got["u1"].tolist() == [[1, 2], [3, 4]] and got["u2"].tolist() == [[5, 6], [7, 8]]
+    assert got["u3"].tolist() == [[9, 10]]
+    binary = tmp_path / "feats.ark"
+    matrix = np.arange(6, dtype=np.float32).reshape(3, 2)
+    record = b"\0BFM \x04" + (3).to_bytes(4, "little") + b"\x04" + (2).to_bytes(4, "little")
+    binary.write_bytes(b"a1\t" + record + matrix.tobytes())
+    (key, value), = read_feature_matrices(f"ark:{binary}")
+    assert key == "a1" and np.array_equal(value, matrix)
+
+
+def test_scp_ranges_cut_rows_and_columns_as_kaldi_does(tmp_path):
+    """Segment-style scp entries, ``file.ark:12[a:b]`` and ``[a:b,c:d]`` (inclusive;
+    ':' for all; the last row may lie up to two past the end, read to the last
+    row, as Kaldi's ParseMatrixRangeSpecifier): they were refused."""
+    rng = np.random.default_rng(0)
+    whole = rng.standard_normal((10, 6)).astype(np.float32)
+    kaldiio.save_ark(str(tmp_path / "f.ark"), {"rec": whole},
+                     scp=str(tmp_path / "whole.scp"))
+    location = (tmp_path / "whole.scp").read_text().split()[1]
+    (tmp_path / "seg.scp").write_text(
+        f"s1 {location}[2:5]\ns2 {location}[0:9,1:3]\ns3 {location}[:,4:5]\n"
+        f"s4 {location}[7:11]\n")
+    got = dict(read_feature_matrices(f"scp:{tmp_path}/seg.scp"))
+    assert np.array_equal(got["s1"], whole[2:6])
+    assert np.array_equal(got["s2"], whole[:, 1:4])
+    assert np.array_equal(got["s3"], whole[:, 4:6])
+    assert np.array_equal(got["s4"], whole[7:])            # two rows past the end
+    for bad, says in (("[2:13]", "lies outside its 10 x 6 matrix"),
+                      ("[5:2]", "lies outside"), ("[0:1,0:6]", "lies outside"),
+                      ("[a:b]", "is not Kaldi's 'r1:r2'"), ("[1:2,]", "is not Kaldi's"),
+                      ("[3]", "is not Kaldi's")):
+        (tmp_path / "bad.scp").write_text(f"s {location}{bad}\n")
+        with pytest.raises(CorpusError) as err:
+            list(read_feature_matrices(f"scp:{tmp_path}/bad.scp"))
+        assert says in str(err.value) and "utterance 's'" in str(err.value), err.value
+    # alignments are vectors: a range on one is refused by name
+    kaldiio.save_ark(str(tmp_path / "ali.ark"), {"rec": np.arange(5, dtype=np.int32)},
+                     scp=str(tmp_path / "ali.scp"))
+    ali_location = (tmp_path / "ali.scp").read_text().split()[1]
+    (tmp_path / "ali_seg.scp").write_text(f"s1 {ali_location}[0:2]\n")
+    with pytest.raises(CorpusError, match="ranges cut matrices only"):
+        dict(read_alignments(f"scp:{tmp_path}/ali_seg.scp"))
