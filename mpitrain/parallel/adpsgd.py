@@ -135,8 +135,8 @@ class RingMixing(Strategy):
         self.iteration = 0          # steps taken (mixes done)
         self.num_mixes = 0          # mixes this rank took part in
         self.net = None
-        self.sent = self.received = self.held = None
-        self._requests = []         # the exchange in flight (delay-by-one)
+        self.sent = self.received = self.held = self._fresh = None
+        self._requests = []         # the exchange in flight
         self._final_local = None    # this rank's own model before the final average
 
     def partner(self, iteration: int):

@@ -165,20 +165,23 @@ def rotate_checkpoints(path, keep: int) -> None:
     step = int(named.group(1))
     older, unreadable, doomed = [], [], []
     for progress, found_step, found_path in found:
-        if progress is None or written is None:
+        if written is None:
+            # (the file just written cannot be read back: go by the steps alone)
+            (doomed if found_step > step else older).append((found_step, found_path))
+        elif progress is None:
             if found_step > step:
-                doomed.append(found_path)
+                doomed.append((found_step, found_path))
             else:
                 unreadable.append((found_step, found_path))
         elif progress > written:
-            doomed.append(found_path)
+            doomed.append((found_step, found_path))
         else:
             older.append((found_step, found_path))
     cut = max(len(older) - (keep - 1), 0)
-    doomed += [p for _, p in older[:cut]]
+    doomed += older[:cut]
     kept_steps = [s for s, _ in older[cut:]] + [step]
-    doomed += [p for s, p in unreadable if s < min(kept_steps)]
-    for old in doomed:
+    doomed += [(s, p) for s, p in unreadable if s < min(kept_steps)]
+    for _, old in doomed:
         os.remove(old)
 
 

@@ -453,3 +453,14 @@ def test_a_damaged_old_checkpoint_goes_once_it_is_older_than_every_one_kept(tmp_
     _write_at(tmp_path, 300, 3000, keep=2)
     assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
         ["ckpt-00000200.h5", "ckpt-00000300.h5"]
+
+
+def test_rotation_goes_by_the_steps_when_the_new_file_cannot_be_read_back(tmp_path, monkeypatch):
+    from mpitrain.train import checkpoint
+    _two_rank_timeline(tmp_path)
+    real = checkpoint._progress
+    monkeypatch.setattr(checkpoint, "_progress",
+                        lambda path: None if "00000250" in str(path) else real(path))
+    _write_at(tmp_path, 250, 2500, keep=3)
+    assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
+        ["ckpt-00000100.h5", "ckpt-00000200.h5", "ckpt-00000250.h5"]
