@@ -122,6 +122,18 @@ def test_mixing_keeps_the_mean_on_real_ranks(nranks):
                       "each rank steps by its own gradient"], mpi_output(result)
 
 
+@pytest.mark.mpi
+def test_the_exchange_waits_for_device_writes_on_every_route():
+    """A stand-in device whose writes run only at a stream synchronisation: the
+    weights sent, received and mixed must be the NumPy run's, bit for bit, over
+    host staging and over CUDA-aware MPI (which reads device memory directly)."""
+    result = run_mpi(2, [str(WORKERS / "adpsgd_lazy_device_worker.py")], timeout=120)
+    assert result.returncode == 0, mpi_output(result)
+    passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
+    assert passed == ["host-staged", "cuda-aware-mpi", "host-staged delay_by_one",
+                      "cuda-aware-mpi delay_by_one"], mpi_output(result)
+
+
 def _train(nranks, run_dir, corpus, settings, *, timeout=120):
     return train_on_ranks(nranks, run_dir, corpus, ["parallel.method=adpsgd", *settings],
                           timeout=timeout)
