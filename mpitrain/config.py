@@ -89,6 +89,11 @@ class OptimizerConfig:
     max_change_per_layer: float = _opt(0.75, min=0.0, help="0 disables")
     max_change_output: float = _opt(1.5, min=0.0, help="output layer's max-change; 0 disables")
     max_change: float = _opt(2.0, min=0.0, help="whole-model max-change; 0 disables")
+    max_change_per_sample: float = _opt(
+        0.0, min=0.0, help="nnet2's max-change-per-sample (Su & Chen's recipes: 0.075): each "
+                           "affine layer's step is scaled so that lr sum_i |x_i| |g_i| <= "
+                           "this x minibatch; 0 disables (set the max_change options to 0 for "
+                           "nnet2's rule alone)")
     schedule: str = _opt("exponential", choices=("exponential", "hand", "adapt", "search",
                                                  "newbob"),
                          help="learning-rate schedule (docs/user-guide.md, Learning-rate "
@@ -397,6 +402,10 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
         if m.pnorm_output_dim < 1 or m.hidden_dim % m.pnorm_output_dim:
             raise ConfigError(f"{where}model.pnorm_output_dim: expected a positive divisor of "
                               f"model.hidden_dim ({m.hidden_dim}), got {m.pnorm_output_dim}")
+    if cfg.optimizer.max_change_per_sample and cfg.parallel.method == "param_server":
+        raise ConfigError(f"{where}optimizer.max_change_per_sample: not available with "
+                          "parallel.method param_server (the server applies gradients "
+                          "without the rows that bound them)")
     if cfg.optimizer.final_learning_rate > cfg.optimizer.initial_learning_rate * 1e6:
         raise ConfigError(f"{where}optimizer.final_learning_rate: implausibly larger than "
                           "optimizer.initial_learning_rate")

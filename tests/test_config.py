@@ -195,3 +195,10 @@ def test_ngsgd_settings_the_preconditioners_refuse_name_the_key(tmp_path):
     path = tmp_path / "ok.yaml"
     path.write_text("optimizer:\n  name: ngsgd\n  ngsgd:\n    alpha: 0\n")
     assert load_config(str(path)).optimizer.ngsgd.alpha == 0.0   # online: alpha >= 0
+
+
+def test_max_change_per_sample_is_refused_with_a_parameter_server(tmp_path):
+    message = _error(tmp_path, "optimizer:\n  max_change_per_sample: 0.075\n"
+                               "parallel:\n  method: param_server\n")
+    assert "optimizer.max_change_per_sample: not available with parallel.method " \
+        "param_server" in message

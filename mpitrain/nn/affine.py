@@ -39,6 +39,10 @@ class Affine(Component):
         self.in_dim, self.out_dim = int(in_dim), int(out_dim)
         self.init_scale = float(init_scale)
         self.zero_init = bool(zero_init)
+        # nnet2's max-change-per-sample: backward also sums ||x_i|| ||g_i|| over the
+        # rows (preconditioned, times the gammas) into ``step_bound``
+        self.track_step_bound = False
+        self.step_bound = None
         self.block = None        # (out, in+1) view of the flat parameters
         self.grad_block = None   # same shape, view of the flat gradients
         self.preconditioner_in = None
@@ -106,6 +110,8 @@ class Affine(Component):
             backend.gemm(dy, self.weight, dx)
         if self.preconditioner_in is None:
             backend.gemm(dy, self._xt, self.grad_block, trans_a=True)
+            if self.track_step_bound:
+                self.step_bound = _row_norm_products(self._xt, dy, xp)
         else:
             self._natural_gradient(dy, xp)
         return dx
@@ -123,13 +129,24 @@ class Affine(Component):
             alpha = self._buffers.get("gamma", (), xp, dy_hat.dtype)
             xp.multiply(gamma_in, gamma_out, out=alpha)
             backend.gemm(dy_hat, rows_hat, self.grad_block, trans_a=True, alpha=alpha)
+            if self.track_step_bound:
+                self.step_bound = _row_norm_products(rows_hat, dy_hat, xp) * alpha
             return
         dy_hat *= gamma_in * gamma_out
         backend.gemm(dy_hat, rows_hat, self.grad_block, trans_a=True)
+        if self.track_step_bound:
+            self.step_bound = _row_norm_products(rows_hat, dy_hat, xp)
 
     def spec(self) -> dict:
         return {"kind": self.kind, "in_dim": self.in_dim, "out_dim": self.out_dim,
                 "init_scale": self.init_scale, "zero_init": self.zero_init}
+
+
+def _row_norm_products(rows, dy, xp):
+    """sum_i ||rows_i|| ||dy_i||: nnet2's bound on ||dy^T rows|| (a 0-d array on a
+    device: nothing is read back)."""
+    return xp.dot(xp.sqrt(xp.einsum("ij,ij->i", rows, rows)),
+                  xp.sqrt(xp.einsum("ij,ij->i", dy, dy)))
 
 
 def _same_view(a, b) -> bool:

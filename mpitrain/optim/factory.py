@@ -16,7 +16,8 @@ def build_optimizer(opt_cfg, net, *, minibatch: int = 0):
     options = dict(momentum=opt_cfg.momentum, max_change_per_layer=opt_cfg.max_change_per_layer,
                    max_change_output=opt_cfg.max_change_output, max_change=opt_cfg.max_change,
                    l2_regularize=opt_cfg.l2_regularize,
-                   l2_regularize_output=opt_cfg.l2_regularize_output, minibatch=minibatch)
+                   l2_regularize_output=opt_cfg.l2_regularize_output, minibatch=minibatch,
+                   max_change_per_sample=opt_cfg.max_change_per_sample)
     if opt_cfg.schedule == "adapt":
         from .adapt import LimitedMemoryAdagrad
         options["gradient_scaling"] = LimitedMemoryAdagrad(net.params, k=opt_cfg.adapt_k,

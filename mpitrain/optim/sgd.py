@@ -15,6 +15,13 @@ nothing is read back, so the host never waits for the GPU during a step.
 With ``gradient_scaling`` (``optimizer.schedule: adapt``, ``adapt.py``) the
 gradient is first scaled per parameter, and ``g`` above is the scaled one.
 
+nnet2's max-change-per-sample (``max_change_per_sample`` m, Su & Chen's
+recipes: 0.075), before everything else: each affine layer's backward sums
+``tau_c = g_in g_out sum_i ||x_i|| ||g_i||`` over its (preconditioned) rows, an
+upper bound on its step's norm per unit rate; where ``lr tau_c > m B`` (B the
+frames of the minibatch) the layer's gradient is scaled by ``m B / (lr tau_c)``.
+On a device the scales stay on the device.
+
 L2 regularization (Kaldi nnet3's ``l2-regularize``): the objective adds
 ``l2_c ||w_c||^2`` per frame for each layer c, so a gradient summed over B
 frames gains ``2 l2_c B w_c`` before everything above (after the natural
@@ -54,7 +61,8 @@ class SGD(ReplayableOptimizer):
     def __init__(self, net, *, momentum: float = 0.0, max_change_per_layer: float = 0.75,
                  max_change_output: float = 1.5, max_change: float = 2.0,
                  gradient_scaling=None, l2_regularize: float = 0.0,
-                 l2_regularize_output: float = 0.0, minibatch: int = 0):
+                 l2_regularize_output: float = 0.0, minibatch: int = 0,
+                 max_change_per_sample: float = 0.0):
         if not 0.0 <= momentum < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         if min(max_change_per_layer, max_change_output, max_change) < 0:
@@ -79,6 +87,19 @@ class SGD(ReplayableOptimizer):
             slices, [l2_regularize_output if i == last else l2_regularize
                      for i in range(len(slices))]) if l2 > 0]
         self._l2_scratch = xp.empty_like(net.params) if self.l2_terms else None
+        if max_change_per_sample < 0:
+            raise ValueError("max_change_per_sample must be >= 0 (0 disables)")
+        if max_change_per_sample and minibatch < 1:
+            raise ValueError("max-change-per-sample needs the minibatch size (frames per "
+                             "gradient)")
+        self.max_change_per_sample = float(max_change_per_sample)
+        self.minibatch = int(minibatch)
+        # the affine layers whose steps it limits: (index into slices, layer)
+        affine = [(i, layer) for i, (layer, _) in enumerate(net.param_slices)
+                  if getattr(layer, "kind", "") == "affine"]
+        self._bounded = affine if self.max_change_per_sample else []
+        for _, layer in affine:
+            layer.track_step_bound = bool(self.max_change_per_sample)
         self.delta = xp.zeros_like(net.params) if self.momentum > 0 else None
         self._calls = 0
         # On the host: plain numbers.  On a device: buffers the kernels update.
@@ -119,6 +140,8 @@ class SGD(ReplayableOptimizer):
         """One update at rate ``lr`` (on a device, None: the rate given to
         :meth:`load_learning_rate`, as a captured CUDA graph needs)."""
         self._calls += 1
+        if self._bounded:
+            self._limit_per_sample(lr)
         if self.l2_terms:
             self._add_l2_gradient()
         if self.gradient_scaling is not None:
@@ -163,6 +186,26 @@ class SGD(ReplayableOptimizer):
                 xp.multiply(delta[sl], scales[i], out=grads[sl])
                 params[sl] += grads[sl]
             self.delta[span] *= self.momentum
+
+    def _limit_per_sample(self, lr) -> None:
+        """nnet2's max-change-per-sample: layer c's gradient times
+        min(1, m B / (lr tau_c)), tau_c from its backward (module docstring)."""
+        grads, xp = self.net.grads, self.net.xp
+        limit = self.max_change_per_sample * self.minibatch
+        active = set(self.active)
+        for i, layer in self._bounded:
+            bound = layer.step_bound
+            if i not in active or bound is None:
+                continue
+            block = grads[self.slices[i]]
+            if xp is np:
+                tau = lr * float(bound)
+                if tau > limit:                 # (NaN: left to max-change's check)
+                    block *= limit / tau
+            else:
+                # on the device, read nothing back (a bound of 0, a layer whose
+                # gradient is 0, is floored so that it scales by 1; NaN stays NaN)
+                block *= xp.minimum(1.0, limit / xp.maximum(lr * bound, limit * 1e-30))
 
     def _add_l2_gradient(self) -> None:
         """g_c += 2 l2_c B w_c (times :attr:`l2_factor`), without temporaries (a
@@ -222,9 +265,10 @@ class SGD(ReplayableOptimizer):
     def static_step_ahead(self) -> bool:
         """Whether the next :meth:`step` (with the backward pass before it) is fixed
         device work with fixed buffers, which a captured CUDA graph may replay."""
-        # adapt's array expressions allocate temporaries: not captured in a graph
+        # adapt's and max-change-per-sample's array expressions allocate
+        # temporaries: not captured in a graph
         return self._device is not None and backend.fused_kernels(self.net.xp) \
-            and self.gradient_scaling is None
+            and self.gradient_scaling is None and not self._bounded
 
     def load_learning_rate(self, lr: float) -> None:
         """Put ``lr`` where the device step reads it (before a graph replay)."""

@@ -165,3 +165,90 @@ def test_restrict_to_refuses_a_slice_that_cuts_a_layer():
         opt.restrict_to(first.start + 1, second.stop)
     opt.restrict_to(second.start, second.stop)
     assert opt.active == [1]
+
+
+def _bounded_run(xp, optimizer_cls=SGD, **options):
+    """One backward and step of a small net with nnet2's max-change-per-sample:
+    (net, params before, the layers' tau from float64 rows, the gradients)."""
+    from mpitrain import backend
+    net = build_network(feat_dim=3, num_classes=5, left_context=1, right_context=1,
+                        hidden_layers=2, hidden_dim=16, xp=xp)
+    net.init_params(seed=2)
+    rng = np.random.default_rng(3)
+    # every layer random (the output layer starts at zero: no hidden gradient)
+    net.params[...] = backend.to_device(
+        rng.standard_normal(net.num_params).astype(np.float32) * 0.3, xp)
+    x = rng.standard_normal((32, net.input_dim)).astype(np.float32) * 3
+    labels = rng.integers(0, 5, 32)
+    opt = optimizer_cls(net, max_change_per_layer=0, max_change_output=0, max_change=0,
+                        minibatch=32, **options)
+    net.forward_backward(backend.to_device(x, xp), backend.to_device(labels, xp))
+    return net, opt
+
+
+@pytest.mark.parametrize("device", ["host", "standin"])
+def test_max_change_per_sample_bounds_each_layers_step_as_nnet2(device):
+    """tau_c = sum_i ||[x_i, 1]|| ||g_i|| (the layer's rows and output derivative);
+    where lr tau_c > m B the layer's step is scaled by m B / (lr tau_c), else left
+    alone; so no layer moves more than m B.  On a device nothing is read back."""
+    import contextlib
+
+    from mpitrain import backend
+    from mpitrain.testing import standin_cupy
+    context = standin_cupy.installed() if device == "standin" else contextlib.nullcontext(np)
+    with context as xp:
+        net, opt = _bounded_run(xp, max_change_per_sample=0.07)
+        affines = [layer for layer, _ in net.param_slices if layer.kind == "affine"]
+        # (the bound itself is checked against float64 in the test below)
+        taus = [float(backend.to_host(layer.step_bound)) for layer in affines]
+        grads = np.float64(backend.to_host(net.grads)).copy()
+        before = np.float64(backend.to_host(net.params)).copy()
+        lr = 0.01
+        if device == "standin":
+            standin_cupy.reset_counts()
+        opt.step(lr)
+        if device == "standin":
+            assert standin_cupy.READS == {"implicit": 0, "asnumpy": 0}
+        change = np.float64(backend.to_host(net.params)) - before
+        limit = 0.07 * 32
+        clipped = 0
+        for (layer, sl), tau in zip(net.param_slices, taus):
+            scale = min(1.0, limit / (lr * tau))
+            clipped += scale < 1
+            np.testing.assert_allclose(change[sl], -lr * scale * grads[sl], rtol=2e-5,
+                                       atol=1e-7)
+            assert np.linalg.norm(change[sl]) <= limit * (1 + 1e-5)
+        assert 0 < clipped < len(taus)          # both branches taken
+
+
+def test_the_bound_is_the_sum_of_row_norm_products():
+    net = build_network(feat_dim=3, num_classes=5, left_context=0, right_context=0,
+                        hidden_layers=0, hidden_dim=4)
+    net.init_params(seed=1)
+    SGD(net, minibatch=8, max_change_per_sample=0.1)
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((8, 3)).astype(np.float32)
+    labels = rng.integers(0, 5, 8)
+    net.forward_backward(x, labels)
+    layer = net.param_slices[0][0]
+    rows = np.float64(np.hstack([x, np.ones((8, 1), np.float32)]))
+    # the summed cross-entropy's derivative at the logits: softmax - one-hot
+    logits = rows @ np.float64(layer.block).T
+    dy = np.exp(logits - logits.max(axis=1, keepdims=True))
+    dy /= dy.sum(axis=1, keepdims=True)
+    dy[np.arange(8), labels] -= 1
+    expected = float(np.linalg.norm(rows, axis=1) @ np.linalg.norm(dy, axis=1))
+    assert float(layer.step_bound) == pytest.approx(expected, rel=1e-5)
+    # its bound holds: ||dy^T rows|| <= sum_i ||rows_i|| ||dy_i||
+    assert np.linalg.norm(np.float64(net.grads)) <= expected * (1 + 1e-6)
+
+
+def test_max_change_per_sample_with_natural_gradient_keeps_every_layer_within_it():
+    from mpitrain.optim.ngsgd import NaturalGradientSGD
+    net, opt = _bounded_run(np, NaturalGradientSGD, rank_in=4, rank_out=4,
+                            max_change_per_sample=0.02)
+    before = net.params.copy()
+    opt.step(0.05)
+    for layer, sl in net.param_slices:
+        assert np.linalg.norm(np.float64(net.params[sl]) - before[sl]) <= 0.02 * 32 * 1.0001
+    assert not opt.static_step_ahead()

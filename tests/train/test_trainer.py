@@ -514,3 +514,21 @@ def test_a_run_directory_moved_or_removed_mid_run_stops_the_run(small_corpus, tm
     assert len(err) == 1 and err[0].startswith(f"mpitrain train: error: {run}: the run "
                                                "directory (or its .lock) was removed"), err
     assert not run.exists()
+
+
+def test_nnet2s_max_change_per_sample_alone_trains_and_learns(small_corpus, tmp_path):
+    """Su & Chen's clipping (nnet2's max-change-per-sample, nnet3's max-change off),
+    end to end: the run learns (slowly at this rate: the bound clips most steps of
+    a ReLU network, docs/benchmarks.md)."""
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, ["training.epochs=1", "model.hidden_dim=64",
+                                         "optimizer.max_change_per_sample=0.075",
+                                         "optimizer.max_change_per_layer=0",
+                                         "optimizer.max_change_output=0",
+                                         "optimizer.max_change=0"])
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    counts = np.array(dev.class_counts)
+    final = records(run, "eval")[-1]
+    assert final["dev_acc"] > counts.max() / counts.sum(), final
+    train = records(run, "train")
+    assert train[-1]["xent"] < train[0]["xent"] - 0.5, (train[0], train[-1])
