@@ -16,8 +16,9 @@ is read and checked here first, anything but a Kaldi matrix (features) or
 int32 vector (alignments) is refused by key, and the declared size is
 checked before its payload is read: against the bytes left in a file, and
 for a pipe by reading the payload in bounded blocks, so memory follows the
-bytes that arrive, never the header.  Only then is a binary record decoded,
-by kaldiio's ``read_matrix_or_vector`` from those bytes.
+bytes that arrive, never the header.  Only then is a binary record decoded:
+a compressed matrix by :func:`decompress`, as Kaldi decodes it, the others by
+kaldiio's ``read_matrix_or_vector`` from those bytes.
 
 CMVN stats (:func:`read_cmvn_stats`) are read as features are, text kept in
 float64, and must be 2 x (D+1) (or 1 x (D+1) without variances); utt2spk
@@ -361,12 +362,53 @@ def _read_binary_matrix(src: Input, key: str, kind: str, head: bytes) -> np.ndar
         need = rows * cols * _FLOAT_SIZES[kind]
     shape = f"{rows} x {cols}" if kind.endswith(("M", "M2", "M3")) else f"{rows}"
     body = _payload(src, key, kind, shape, max(need, 0), rows, cols)
+    if kind in _COMPRESSED:
+        return decompress(kind, header, body)
     import kaldiio.matio
     try:
         return kaldiio.matio.read_matrix_or_vector(io.BytesIO(head + header + body))
     except Exception as exc:
         raise CorpusError(f"{src.name}: entry {key!r} cannot be decoded as a Kaldi {kind} "
                           f"({type(exc).__name__}: {exc})") from exc
+
+
+#: Kaldi's 1/65535 as the float constant of its Uint16ToFloat.
+_UINT16_STEP = np.float32(1.52590218966964e-05)
+
+
+def decompress(kind: str, header: bytes, body: bytes) -> np.ndarray:
+    """A Kaldi compressed matrix (``CM``, ``CM2``, ``CM3``) as Kaldi's CopyToMat
+    decodes it, operation for operation in float32 and float64 as its C++ does
+    (kaldiio rounds otherwise: values an ulp or a few apart).  ``header``: the 16
+    bytes after the token (min, range as float32; rows, cols as int32); ``body``:
+    the data, its size already checked.
+
+    Example::
+
+        decompress("CM2", header, body).shape      # (rows, cols), float32
+    """
+    f32 = np.float32
+    low, span = (f32(v) for v in np.frombuffer(header[:8], dtype="<f4"))
+    rows, cols = (int(v) for v in np.frombuffer(header[8:16], dtype="<i4"))
+    if rows * cols == 0:
+        return np.zeros((0, 0), dtype=f32)
+    if kind in ("CM2", "CM3"):
+        # increment = range * (1.0 / 65535.0): a double product stored in a float
+        step = f32(np.float64(span) * (1.0 / (65535.0 if kind == "CM2" else 255.0)))
+        codes = np.frombuffer(body, dtype="<u2" if kind == "CM2" else "u1",
+                              count=rows * cols).reshape(rows, cols)
+        return low + codes.astype(f32) * step           # row-major, all in float
+    # CM: per column four percentiles (uint16 codes), then the bytes column by column
+    quantiles = np.frombuffer(body, dtype="<u2", count=4 * cols).reshape(cols, 4)
+    p0, p25, p75, p100 = (low + (span * _UINT16_STEP) * quantiles[:, k].astype(f32)
+                          for k in range(4))
+    codes = np.frombuffer(body, dtype="u1", count=rows * cols,
+                          offset=8 * cols).reshape(cols, rows).T.astype(f32)
+    # p + (q - p) * code * (1 / n): the float product, then double arithmetic
+    lower = np.float64(p0) + np.float64((p25 - p0) * codes) * (1 / 64.0)
+    middle = np.float64(p25) + np.float64((p75 - p25) * (codes - f32(64))) * (1 / 128.0)
+    upper = np.float64(p75) + np.float64((p100 - p75) * (codes - f32(192))) * (1 / 63.0)
+    return np.where(codes <= 64, lower, np.where(codes <= 192, middle, upper)).astype(f32)
 
 
 def _read_text_matrix(src: Input, key: str, dtype=np.float32) -> np.ndarray:
