@@ -45,19 +45,25 @@ def accumulate_stats(feats: np.ndarray, stats: np.ndarray | None = None) -> np.n
 
 
 def apply_cmvn(feats: np.ndarray, stats: np.ndarray, *, norm_vars: bool = False) -> np.ndarray:
-    """``apply-cmvn``: (feats - mean) [/ std] with mean and var from ``stats``.
+    """``apply-cmvn``: (feats - mean) [/ std] with mean and var from ``stats``,
+    computed as Kaldi's ApplyCmvn computes it: the offset -mean (and the scale
+    1/std, the offset -mean/std) in float64, then stored as float32 and applied to
+    the float32 features, a multiply and an add, so the result is Kaldi's bit for
+    bit.
 
     Example::
 
         apply_cmvn(feats, stats, norm_vars=True)    # float32, zero mean, unit variance
     """
+    f32 = np.float32
     count = stats[0, -1]
     mean = stats[0, :-1] / count
-    out = np.asarray(feats, dtype=np.float64) - mean
-    if norm_vars:
-        var = np.maximum(stats[1, :-1] / count - mean * mean, VAR_FLOOR)
-        out /= np.sqrt(var)
-    return out.astype(np.float32)
+    feats = np.asarray(feats, dtype=f32)
+    if not norm_vars:
+        return feats + (-mean).astype(f32)
+    var = np.maximum(stats[1, :-1] / count - mean * mean, VAR_FLOOR)
+    scale = 1.0 / np.sqrt(var)
+    return feats * scale.astype(f32) + (-(mean * scale)).astype(f32)
 
 
 class SpeakerCmvn:

@@ -53,8 +53,29 @@ def test_stats_and_application_match_the_definition():
     stats = accumulate_stats(FEATS["a2"], accumulate_stats(FEATS["a1"]))
     np.testing.assert_allclose(stats, STATS["a"])
     for norm_vars in (False, True):
+        # float32 arithmetic, as Kaldi's: a value that cancels to 0 comes out near it
         np.testing.assert_allclose(apply_cmvn(FEATS["a1"], STATS["a"], norm_vars=norm_vars),
-                                   _expected("a1", norm_vars), rtol=1e-6)
+                                   _expected("a1", norm_vars), rtol=1e-6, atol=1e-6)
+
+
+def test_application_is_kaldis_arithmetic_bit_for_bit():
+    """ApplyCmvn: offset (and scale) from the double stats, stored as float, then
+    the float features times the scale plus the offset, element by element."""
+    f32 = np.float32
+    rng = np.random.default_rng(4)
+    feats = (rng.standard_normal((50, 6)) * 3 + 7).astype(f32)
+    stats = accumulate_stats(feats)
+    count = stats[0, -1]
+    for norm_vars in (False, True):
+        got = apply_cmvn(feats, stats, norm_vars=norm_vars)
+        for d in range(6):
+            mean = stats[0, d] / count
+            if norm_vars:
+                scale = 1.0 / np.sqrt(max(stats[1, d] / count - mean * mean, 1e-20))
+                want = [f32(f32(x) * f32(scale)) + f32(-(mean * scale)) for x in feats[:, d]]
+            else:
+                want = [f32(x) + f32(-mean) for x in feats[:, d]]
+            assert np.array_equal(got[:, d], np.array(want, dtype=f32)), (norm_vars, d)
 
 
 @pytest.mark.parametrize("norm_vars", [False, True])
