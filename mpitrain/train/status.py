@@ -41,6 +41,10 @@ def run_status(run_dir, *, now: float | None = None) -> list:
     starts = records["start"]
     end, stop, error = _how_the_latest_start_ended(metrics_path(run_dir))
     pretraining = bool(starts) and starts[-1].get("mode") == "pretrain"
+    if end is not None and records.get("end"):
+        # the end record on the run's whole clock (read_metrics adds up the clocks
+        # of its resumed parts): the time of the whole run, not of its last part
+        end = dict(end, seconds=records["end"][-1].get("seconds", end.get("seconds")))
     lines = [f"{run_dir}: " + (_failure(error) if error is not None and end is None
                                and stop is None
                                else _state(run_dir, end, stop, now, pretraining))]
@@ -151,7 +155,12 @@ def _progress(records, start, pretraining) -> list:
         f" of {total} ({step / total:.0%})" if known and total > 0 else "")
     left = ""
     if known and total > 0 and step > first_step and _is_number(last.get("seconds")):
-        per_step = last["seconds"] / (step - first_step)
+        # the clock adds up the resumed parts (read_metrics): this part's time is
+        # what the records before its start had not counted
+        before = max((r["seconds"] for key in ("train", "eval") for r in records[key]
+                      if _is_number(r.get("step")) and r["step"] <= first_step
+                      and _is_number(r.get("seconds"))), default=0.0)
+        per_step = (last["seconds"] - before) / (step - first_step)
         left = f", about {format_duration(per_step * max(total - step, 0))} left"
     return [f"  {done}, epoch {_num(last, 'epoch', 'd')}: xent {_num(last, 'xent', '.4f')} "
             f"acc {_num(last, 'acc', '.4f')}, {_num(last, 'frames_per_sec', ',.0f')} "

@@ -125,3 +125,21 @@ def test_the_best_is_named_by_the_figure_that_selects_it(tmp_path, select_by, va
     _write(run, [START, TRAIN, EVAL, dict(SELECTION, best_value=value, select_by=select_by)])
     lines = run_status(run)
     assert lines[2].startswith(f"  held-out acc 0.5000 at step 100; {shown} at step 100"), lines
+
+
+def test_a_resumed_runs_time_left_and_time_taken_count_every_part(tmp_path):
+    """The clocks of a resumed run's parts add up (read_metrics): the time left was
+    that sum divided by this part's steps (five times too long), and the time an
+    ended run took was its last part's."""
+    run = tmp_path / "run"
+    stop = {"type": "stop", "time": 52.0, "step": 100, "signal": "SIGTERM", "ranks": 1,
+            "checkpoint": None}
+    resumed = dict(START, time=0.0, step=100)
+    later = dict(TRAIN, time=25.0, step=200, seconds=25.0)
+    _write(run, [START, TRAIN, stop, resumed, later])
+    # 50 s for steps 0-100, 25 s for 100-200: 0.25 s a step now, 200 steps left
+    assert run_status(run)[1].endswith("about 0m50s left"), run_status(run)
+    ended = {"type": "end", "time": 60.0, "steps": 400, "seconds": 60.0}
+    _write(run, [START, TRAIN, stop, resumed, later, ended])
+    assert run_status(run)[0].startswith(f"{run}: ended: 400 steps in 1m50s;"), \
+        run_status(run)
