@@ -391,6 +391,8 @@ class Pretrainer:
         if self._resume_state is not None:
             self._restore(self._resume_state)
             self._resume_state = None
+            if self.layer >= len(self.layer_steps):
+                return self._leave_complete_run()
         self.log.say(self._banner())
         self.log.write("start", mode="pretrain", ranks=comm.size, layers=self.dims,
                        layer_steps=self.layer_steps, layer=self.layer + 1,
@@ -420,6 +422,22 @@ class Pretrainer:
                      f"{format_duration(result['seconds'])}; stack "
                      f"{os.path.join(self.run_dir, RESULT_NAME)}")
         return result
+
+    def _leave_complete_run(self) -> dict:
+        """``--resume`` of a pretraining that had ended, with no layer to add: the
+        stack stands (written from the last checkpoint if it is missing), as
+        ``train`` leaves an ended run's final model."""
+        path = os.path.join(self.run_dir, RESULT_NAME)
+        if self.is_root and not os.path.exists(path):
+            self._check_run_dir(RESULT_NAME)
+            save_rbm_stack(path, self.stack)
+            self.log.say(f"resume: wrote {path} from the last checkpoint")
+            self.log.write("end", layers=len(self.stack.rbms), frames=self.frames_seen,
+                           stack_written_on_resume=True)
+        self.log.say(f"resume: the pretraining had ended ({len(self.stack.rbms)} RBMs); "
+                     "nothing to pretrain (raise model.hidden_layers to add layers)")
+        return {"layers": len(self.stack.rbms), "frames": self.frames_seen, "seconds": 0.0,
+                "complete": True}
 
     def _end_on_signal(self, started: float, *, written: bool) -> dict:
         """A signal stopped the run at a checkpoint (``written``: just written at a

@@ -95,6 +95,25 @@ def test_pretraining_resumes_from_a_checkpoint_bit_exactly(small_corpus, tmp_pat
         np.testing.assert_array_equal(x.params, y.params)
 
 
+def test_a_resume_of_an_ended_pretraining_leaves_its_stack(small_corpus, tmp_path, capsys):
+    """As train leaves an ended run's model: it retrained nothing but rewrote
+    pretrain.h5 and wrote an end record of NaN reconstruction error."""
+    run = tmp_path / "run"
+    assert main(_argv("pretrain", run, small_corpus)) == 0
+    stack = run / "pretrain.h5"
+    before = (stack.read_bytes(), os.stat(stack).st_mtime_ns, len(_records(run, "end")))
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus) + ["--resume"]) == 0
+    assert "resume: the pretraining had ended" in capsys.readouterr().out
+    assert (stack.read_bytes(), os.stat(stack).st_mtime_ns, len(_records(run, "end"))) \
+        == before
+    # a lost stack is written again from the last checkpoint, and its end recorded
+    os.remove(stack)
+    assert main(_argv("pretrain", run, small_corpus) + ["--resume"]) == 0
+    assert stack.read_bytes() == before[0]
+    assert _records(run, "end")[-1]["stack_written_on_resume"] is True
+
+
 def test_pretraining_resumes_bit_exactly_from_its_corpus_moved_but_not_from_another(
         small_corpus, tmp_path, capsys):
     from mpitrain.data.synthetic import synthesize
