@@ -77,7 +77,7 @@ class CheckpointResume:
     def _leave_complete_run(self) -> dict:
         """``--resume`` of a run that had ended, with nothing that asks for more: the
         final model stands (written from the final checkpoint if it is missing)."""
-        ckpt_step, best = self._complete
+        ckpt_step, best, old_planned = self._complete
         final = os.path.join(self.run_dir, "final.h5")
         if self.is_root and not os.path.exists(final):
             save_model(final, self.net, class_priors=self.manifest.class_priors())
@@ -86,8 +86,15 @@ class CheckpointResume:
             # `status` reads it from here on
             self._record("end", steps=ckpt_step, frames=self.frames_seen,
                          final_written_on_resume=True, **best)
-        self._say(f"resume: the run had ended at step {ckpt_step}; nothing to train (raise "
-                  "training.epochs or training.max_steps to go on)")
+        where = ""
+        if old_planned and old_planned != self.planned_steps:
+            # another number of ranks or minibatch: say where that end lies on this
+            # job's plan, which settings must pass for anything to be trained
+            where = (f" of {old_planned} planned, which is step "
+                     f"{int(round(ckpt_step * self.planned_steps / old_planned))} of this "
+                     f"job's {self.planned_steps} (it would end at step {self.total_steps})")
+        self._say(f"resume: the run had ended at step {ckpt_step}{where}; nothing to train "
+                  "(raise training.epochs or training.max_steps to go on)")
         return {"steps": ckpt_step, "frames": self.frames_seen, "seconds": 0.0,
                 "complete": True, **best}
 
@@ -165,7 +172,7 @@ class CheckpointResume:
                                             if k.startswith(SELECTION_PREFIX)})
             best = {} if self.selection.best_step < 0 else {
                 "best_step": self.selection.best_step, "best_value": self.selection.best_value}
-            self._complete = (ckpt.step, best)
+            self._complete = (ckpt.step, best, old_planned)
             return
         self._restore(ckpt, settings_changed=bool(changes))
         # (a roll back restores a checkpoint too, but keeps the best model found since)

@@ -217,6 +217,13 @@ def test_a_run_that_had_ended_is_judged_by_the_fraction_of_its_plan(small_corpus
     assert "the run had ended" not in capsys.readouterr().out
     change, = records(run, "rank_change")
     assert change["to_step"] < 20 and records(run, "end")[-1]["steps"] == 20
+    # back on one rank the same max_steps lies before that end on the longer plan:
+    # nothing to train, and the message says where the end lies on this plan
+    capsys.readouterr()
+    assert train(1, "--resume") == 0
+    out = capsys.readouterr().out
+    said = [line for line in out.splitlines() if "the run had ended at step 20 of" in line]
+    assert said and "of this job's" in said[0] and "(it would end at step 20)" in said[0], out
 
 
 def test_the_share_of_frames_left_out_of_each_epoch_is_said(tmp_path, capsys):
