@@ -32,6 +32,9 @@ class Optimizer(ABC):
     #: the parallel method's scale on an L2 term (1/J where J jobs' models are
     #: averaged at J times the rate), set by :meth:`set_l2_factor`
     l2_factor = 1.0
+    #: What the whole-model max-change is scaled by (Kaldi's first iteration takes
+    #: it over sqrt(2)), set by :meth:`set_max_change_factor`
+    max_change_factor = 1.0
 
     @abstractmethod
     def step(self, lr) -> None:
@@ -72,6 +75,10 @@ class Optimizer(ABC):
     def set_l2_factor(self, factor: float) -> None:
         """Scale the L2 term (if any) by ``factor`` from the next step on."""
         self.l2_factor = float(factor)
+
+    def set_max_change_factor(self, factor: float) -> None:
+        """Scale the whole-model max-change (if any) by ``factor`` from the next step on."""
+        self.max_change_factor = float(factor)
 
 
 class ReplayableOptimizer(Optimizer):

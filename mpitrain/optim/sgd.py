@@ -148,7 +148,8 @@ class SGD(ReplayableOptimizer):
             self.gradient_scaling.scale_(self.net.grads, self.span)
         if self._device is not None:
             kernels.max_change_step_(self.net.params, self.net.grads, self.delta, lr=lr,
-                                     momentum=self.momentum, max_change=self.max_change,
+                                     momentum=self.momentum,
+                                     max_change=self.max_change * self.max_change_factor,
                                      state=self._device)
             return
         net, xp, span = self.net, self.net.xp, self.span
@@ -235,8 +236,9 @@ class SGD(ReplayableOptimizer):
             if m > 0 and n * q > m:
                 k[i] = m / (n * q)
         total = q * math.sqrt(float(np.sum((k * norms) ** 2)))
-        if self.max_change > 0 and total > self.max_change:
-            q = q * self.max_change / total
+        limit = self.max_change * self.max_change_factor
+        if limit > 0 and total > limit:
+            q = q * limit / total
         return [float(q * ki) for ki in k]
 
     def momentum_buffer(self):

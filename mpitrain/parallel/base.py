@@ -19,7 +19,8 @@ class Strategy:
       ``resume(net)`` (which sets the parameters training continues from).
     - ``is_active(step)``: whether this rank trains at 0-based ``step``.
     - ``learning_rate(lr, step)``: the rate to use, given the schedule's;
-      ``l2_factor(step)``: what the L2 term is scaled by at that rate.
+      ``l2_factor(step)``: what the L2 term is scaled by at that rate;
+      ``max_change_factor(step)``: what the whole-model max-change is scaled by.
     - ``data_fraction(step)``: how far through the planned data the run is, when
       that is not in proportion to the steps (None: it is); ``rate_fraction(step)``
       where the rate schedule stands (the same, unless the method says otherwise).
@@ -70,6 +71,10 @@ class Strategy:
         return lr
 
     def l2_factor(self, step: int = 0) -> float:
+        return 1.0
+
+    def max_change_factor(self, step: int = 0) -> float:
+        """What the whole-model max-change is scaled by at 0-based ``step``."""
         return 1.0
 
     def data_fraction(self, step: int):

@@ -18,6 +18,8 @@ lr_eff(i) = lr0 exp((p_i / A) ln(lr1 / lr0)) with p_i the job-minibatches of
 the iterations before i and A those of the plan, and the last iteration
 trains at lr1 (:meth:`KaldiAveraging.rate_fraction`); not over the steps.
 The dropout schedule reads p_i / A (:meth:`KaldiAveraging.data_fraction`).
+The first iteration's whole-model max-change is divided by sqrt(2), as
+Kaldi's (its halved minibatch and best-job pick are not done).
 Idle ranks (rank >= J_i) skip their training steps and take part in the
 average with a zero contribution, so each iteration needs one Allreduce
 whatever J_i is, and no communicator has to be split.
@@ -121,6 +123,11 @@ class KaldiAveraging(Strategy):
 
     def l2_factor(self, step: int = 0) -> float:
         return 1.0 / self.num_jobs(step)
+
+    def max_change_factor(self, step: int = 0) -> float:
+        """1/sqrt(2) in the first iteration, as Kaldi's train_dnn.py divides its
+        max-param-change there (the model changes fastest then)."""
+        return 2 ** -0.5 if self._iteration(step) == 0 and len(self.jobs) > 1 else 1.0
 
     def after_update(self, net, optimizer, step: int) -> None:
         if step % self.every_steps == 0:

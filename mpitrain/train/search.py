@@ -31,19 +31,24 @@ from .step import TrainingStep
 
 class _Alone:
     """The strategy of a trial step: this rank trains alone, nothing is exchanged;
-    the L2 term is scaled as the run's strategy scales it at the trial's rate."""
+    the L2 term and the max-change are scaled as the run's strategy scales them at
+    the trial's steps."""
 
     reduces_gradients = False
     straggler = None
 
     def __init__(self):
         self.l2 = 1.0
+        self.max_change = 1.0
 
     def learning_rate(self, lr: float, step: int = 0) -> float:
         return lr
 
     def l2_factor(self, step: int = 0) -> float:
         return self.l2
+
+    def max_change_factor(self, step: int = 0) -> float:
+        return self.max_change
 
     def is_active(self, step: int) -> bool:
         return True
@@ -77,6 +82,7 @@ class RateTrials:
         lr = self.strategy.learning_rate(rate, step)
         # and the L2 term as scaled there (kaldi: by 1/its number of jobs)
         self._alone.l2 = self.strategy.l2_factor(step)
+        self._alone.max_change = self.strategy.max_change_factor(step)
         self.step.take_sums()                     # start from empty sums
         # the run's strategy may reduce gradients during backward (allreduce with
         # overlap): a trial exchanges nothing, so its backward must not start any

@@ -65,6 +65,7 @@ class TrainingStep:
         net, strategy = self.net, self.strategy
         lr = strategy.learning_rate(lr, step)
         self.optimizer.set_l2_factor(strategy.l2_factor(step))
+        self.optimizer.set_max_change_factor(strategy.max_change_factor(step))
         if strategy.is_active(step):
             # parallel.straggler: a rank made slow on purpose sleeps after its step
             slow = strategy.straggler
@@ -193,7 +194,7 @@ class _StepGraph:
         optimizer.load_learning_rate(lr)
         key = tuple((a.data.ptr, a.shape) for a in
                     (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end))
-        key += (optimizer.l2_factor,)      # the L2 coefficient is in the graph
+        key += (optimizer.l2_factor, optimizer.max_change_factor)   # in the graph
         key += optimizer.graph_key()        # and the optimizer's buffers where they are
         if self.graph is not None and key == self.key:
             self.graph.launch()

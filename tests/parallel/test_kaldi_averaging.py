@@ -14,6 +14,8 @@ import math
 import os
 import warnings
 
+import pytest
+
 from mpitrain.comm.virtual import VirtualCluster
 from mpitrain.config import load_config
 from mpitrain.parallel.kaldi_averaging import KaldiAveraging
@@ -155,3 +157,39 @@ def test_every_average_starts_each_ranks_momentum_afresh():
 
     for seen in VirtualCluster(2).run(work):
         assert seen == [True, False, True, False]      # zero right after each average
+
+
+def test_the_first_iteration_takes_the_whole_model_max_change_over_sqrt_2():
+    """Kaldi's train_dnn.py divides max-param-change by sqrt(2) on iteration 0; the
+    training step hands the factor to the optimizer, whose global clip follows."""
+    import numpy as np
+    from mpitrain.comm.single import SingleCommunicator
+    from mpitrain.nn.network import build_network
+    from mpitrain.optim.sgd import SGD
+    from mpitrain.train.step import TrainingStep
+    kaldi = _strategies(2, every_steps=4, total_steps=12)[0]
+    assert [kaldi.max_change_factor(s) for s in range(12)] == \
+        [2 ** -0.5] * 4 + [1.0] * 8
+    assert KaldiAveraging(SingleCommunicator(), every_steps=4,
+                          total_steps=4).max_change_factor(0) == 1.0    # one iteration only
+    net = build_network(feat_dim=3, num_classes=4, left_context=0, right_context=0,
+                        hidden_layers=1, hidden_dim=8)
+    net.init_params(seed=1)
+    opt = SGD(net, max_change_per_layer=0, max_change_output=0, max_change=0.01)
+    one = KaldiAveraging(SingleCommunicator(), every_steps=1, total_steps=3)
+    step = TrainingStep(net, opt, one, minibatch=8, left_context=0, right_context=0)
+    rng = np.random.default_rng(0)
+
+    class Chunk:
+        feats = rng.standard_normal((8, 3)).astype(np.float32) * 5
+        labels = rng.integers(0, 4, 8)
+        utt_start = np.zeros(8, dtype=np.int64)
+        utt_end = np.full(8, 8, dtype=np.int64)
+
+    moved = []
+    for n in range(2):
+        before = net.params.copy()
+        step.run(n, 10.0, lambda: (Chunk, np.arange(8)))
+        moved.append(float(np.linalg.norm(np.float64(net.params) - before)))
+    assert moved[0] == pytest.approx(0.01 / 2 ** 0.5, rel=1e-4)
+    assert moved[1] == pytest.approx(0.01, rel=1e-4)

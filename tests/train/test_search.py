@@ -124,6 +124,9 @@ class _JobsAveraging:
     def l2_factor(self, step=0):
         return 0.25
 
+    def max_change_factor(self, step=0):
+        return 1.0
+
 
 def test_a_trial_scales_the_l2_term_as_the_real_steps_at_its_rate(small_corpus, tmp_path):
     # a trial at the strategy's rate (J lr) must shrink the weights as real steps
