@@ -402,10 +402,19 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
         if m.pnorm_output_dim < 1 or m.hidden_dim % m.pnorm_output_dim:
             raise ConfigError(f"{where}model.pnorm_output_dim: expected a positive divisor of "
                               f"model.hidden_dim ({m.hidden_dim}), got {m.pnorm_output_dim}")
-    if cfg.optimizer.max_change_per_sample and cfg.parallel.method == "param_server":
+    par = cfg.parallel
+    if cfg.optimizer.max_change_per_sample and par.method == "param_server":
         raise ConfigError(f"{where}optimizer.max_change_per_sample: not available with "
                           "parallel.method param_server (the server applies gradients "
                           "without the rows that bound them)")
+    if cfg.optimizer.max_change_per_sample and (
+            par.method == "allreduce" or (par.method == "adpsgd" and par.hierarchical)):
+        # each rank's bound is its own minibatch's: ranks that share one gradient
+        # would scale it differently and drift apart
+        raise ConfigError(f"{where}optimizer.max_change_per_sample: not available where "
+                          "ranks share an averaged gradient (parallel.method allreduce, "
+                          "hierarchical adpsgd); nnet2's rule bounds each job's own step: "
+                          "use model_averaging, kaldi, bmuf or adpsgd")
     if cfg.optimizer.final_learning_rate > cfg.optimizer.initial_learning_rate * 1e6:
         raise ConfigError(f"{where}optimizer.final_learning_rate: implausibly larger than "
                           "optimizer.initial_learning_rate")

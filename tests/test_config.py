@@ -202,3 +202,10 @@ def test_max_change_per_sample_is_refused_with_a_parameter_server(tmp_path):
                                "parallel:\n  method: param_server\n")
     assert "optimizer.max_change_per_sample: not available with parallel.method " \
         "param_server" in message
+    # ranks sharing an averaged gradient would scale it each by its own bound and
+    # drift apart
+    for parallel in ("  method: allreduce\n",
+                     "  method: adpsgd\n  hierarchical: true\n  ranks_per_node: 2\n"):
+        message = _error(tmp_path, "optimizer:\n  max_change_per_sample: 0.075\n"
+                                   "parallel:\n" + parallel)
+        assert "not available where ranks share an averaged gradient" in message, message

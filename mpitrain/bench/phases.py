@@ -112,6 +112,13 @@ def check_groups(cfg, methods, sizes) -> None:
     of the benchmark cannot take (a setting of one method, as
     ``parallel.straggler_policy: adapt`` with ``allreduce``): BenchSettingsError
     naming the methods that take it at every size."""
+    outside = [r for r in cfg.parallel.straggler.ranks if r >= max(sizes)]
+    if outside:
+        # a slow rank is slow in the groups that have it; one that none has would
+        # be dropped without a word
+        raise BenchSettingsError(f"parallel.straggler.ranks: rank {outside[0]} is in none of "
+                                 f"the benchmark's groups (the largest has {max(sizes)} "
+                                 f"rank(s): ranks 0..{max(sizes) - 1})")
     problems = {}
     for method in methods:
         for ranks in sizes:

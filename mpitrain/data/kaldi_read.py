@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -535,7 +536,7 @@ def parse_scp(target: str, *, commands: bool = False) -> list[tuple]:
     ``location`` is an ark path (relative paths as written, like Kaldi) or a
     pipe command; ``offset`` is None for a whole file or a pipe; ``ranges`` is
     the text of a trailing Kaldi range (``file.ark:12[0:99]``,
-    ``[0:99,0:12]``; see :func:`matrix_range`) or "".  An entry that is a
+    ``[0:99,0:12]``; see :func:`matrix_range`) or None.  An entry that is a
     command (``utt cmd |``) is refused unless ``commands``: an scp file is
     data, and one written elsewhere must not run anything here.
     """
@@ -555,7 +556,7 @@ def parse_scp(target: str, *, commands: bool = False) -> list[tuple]:
                 raise CorpusError(f"{name}:{lineno}: expected 'uttid ark_path:offset', "
                                   f"got {line.strip()!r}")
             key, location = parts[0], parts[1].strip()
-            ranges = ""
+            ranges = None
             if location.endswith("]") and "[" in location:
                 location, ranges = location[:-1].rsplit("[", 1)
                 location = location.rstrip()
@@ -576,6 +577,7 @@ def parse_scp(target: str, *, commands: bool = False) -> list[tuple]:
     return entries
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]+")
 #: Rows a Kaldi range may reach past a matrix's end (segments rounded to 10 ms
 #: against frames of 25 ms): Kaldi warns and reads up to the last row.
 _RANGE_ROW_SLACK = 3
@@ -602,12 +604,15 @@ def matrix_range(matrix: np.ndarray, ranges: str, where: str) -> np.ndarray:
                 bounds.append((0, size - 1))
                 continue
             first, last = part.split(":")
+            if not (_INTEGER.fullmatch(first) and _INTEGER.fullmatch(last)):
+                raise ValueError       # (plain ASCII digits only, as Kaldi reads them)
             bounds.append((int(first), int(last)))
     except ValueError:
         raise CorpusError(f"{where}: range [{ranges}] is not Kaldi's 'r1:r2' or "
                           "'r1:r2,c1:c2' (':' for all)") from None
     (r1, r2), (c1, c2) = bounds
-    if not (0 <= r1 <= r2 < rows + _RANGE_ROW_SLACK and 0 <= c1 <= c2 < cols):
+    # (the first row must exist: Kaldi fails on a range that cuts no row)
+    if not (0 <= r1 <= r2 < rows + _RANGE_ROW_SLACK and r1 < rows and 0 <= c1 <= c2 < cols):
         raise CorpusError(f"{where}: range [{ranges}] lies outside its {rows} x {cols} "
                           "matrix")
     return np.ascontiguousarray(matrix[r1:min(r2, rows - 1) + 1, c1:c2 + 1])
@@ -620,7 +625,7 @@ def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix",
     handles: OrderedDict[str, Input] = OrderedDict()
     try:
         for key, location, offset, ranges in parse_scp(target, commands=commands):
-            if ranges and expect == "ints":
+            if ranges is not None and expect == "ints":
                 raise CorpusError(f"{target}: utterance {key!r}: a range ([{ranges}]) on an "
                                   "alignment; ranges cut matrices only")
             if is_pipe(location):
@@ -652,9 +657,9 @@ def iter_scp(target: str, *, max_open: int = 16, expect: str = "matrix",
             src.abandon()
 
 
-def _ranged(value, ranges: str, target: str, key: str):
-    """A record cut to its scp entry's range (none: as it is)."""
-    if not ranges:
+def _ranged(value, ranges, target: str, key: str):
+    """A record cut to its scp entry's range (None: as it is; "" is refused)."""
+    if ranges is None:
         return value
     return matrix_range(value, ranges, f"{target}: utterance {key!r}")
 

@@ -45,7 +45,7 @@ from ..h5io import (atomic_h5_file, open_h5_for_reading, read_state, reading_err
                     verify_file, write_state)
 from ..nn.network import floored_variance
 from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack
-from ..nn.rbm_file import read_stack_group, save_rbm_stack, write_stack_group
+from ..nn.rbm_file import load_rbm_stack, read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import (MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints,
                          rotate_checkpoints)
@@ -428,10 +428,16 @@ class Pretrainer:
         stack stands (written from the last checkpoint if it is missing), as
         ``train`` leaves an ended run's final model."""
         path = os.path.join(self.run_dir, RESULT_NAME)
-        if self.is_root and not os.path.exists(path):
+        problem = None
+        if self.is_root:
+            try:
+                load_rbm_stack(path)
+            except (OSError, ValueError) as exc:   # lost, or damaged (its checksum)
+                problem = " ".join(str(exc).split())
+        if problem is not None:
             self._check_run_dir(RESULT_NAME)
             save_rbm_stack(path, self.stack)
-            self.log.say(f"resume: wrote {path} from the last checkpoint")
+            self.log.say(f"resume: wrote {path} from the last checkpoint ({problem})")
             self.log.write("end", layers=len(self.stack.rbms), frames=self.frames_seen,
                            stack_written_on_resume=True)
         self.log.say(f"resume: the pretraining had ended ({len(self.stack.rbms)} RBMs); "

@@ -122,6 +122,11 @@ def test_a_slow_rank_is_slow_in_the_groups_that_have_it():
     assert straggler_within(cfg, 4) == {}
     assert _with(cfg, **group_settings(cfg, "allreduce", 2)).parallel.straggler.ranks == (1,)
     check_groups(cfg, ("model_averaging", "allreduce"), (1, 2, 4))
+    # a rank that no group has is refused (it was dropped without a word)
+    from mpitrain.bench.options import BenchSettingsError
+    with pytest.raises(BenchSettingsError, match=r"rank 3 is in none of the benchmark's "
+                                                 r"groups \(the largest has 2 rank"):
+        check_groups(cfg, ("model_averaging",), (1, 2))
 
 
 @pytest.mark.mpi

@@ -312,7 +312,9 @@ def test_scp_ranges_cut_rows_and_columns_as_kaldi_does(tmp_path):
     for bad, says in (("[2:13]", "lies outside its 10 x 6 matrix"),
                       ("[5:2]", "lies outside"), ("[0:1,0:6]", "lies outside"),
                       ("[a:b]", "is not Kaldi's 'r1:r2'"), ("[1:2,]", "is not Kaldi's"),
-                      ("[3]", "is not Kaldi's")):
+                      ("[3]", "is not Kaldi's"), ("[]", "is not Kaldi's"),
+                      ("[0:1_0]", "is not Kaldi's"), ("[0:\u0669]", "is not Kaldi's"),
+                      ("[10:11]", "lies outside")):
         (tmp_path / "bad.scp").write_text(f"s {location}{bad}\n")
         with pytest.raises(CorpusError) as err:
             list(read_feature_matrices(f"scp:{tmp_path}/bad.scp"))

@@ -107,11 +107,19 @@ def test_a_resume_of_an_ended_pretraining_leaves_its_stack(small_corpus, tmp_pat
     assert "resume: the pretraining had ended" in capsys.readouterr().out
     assert (stack.read_bytes(), os.stat(stack).st_mtime_ns, len(_records(run, "end"))) \
         == before
-    # a lost stack is written again from the last checkpoint, and its end recorded
+    # a lost or damaged stack is written again from the last checkpoint, and its end
+    # recorded (a damaged one was left in place)
     os.remove(stack)
     assert main(_argv("pretrain", run, small_corpus) + ["--resume"]) == 0
     assert stack.read_bytes() == before[0]
     assert _records(run, "end")[-1]["stack_written_on_resume"] is True
+    damaged = bytearray(before[0])
+    damaged[len(damaged) // 2:len(damaged) // 2 + 64] = b"\xff" * 64
+    stack.write_bytes(bytes(damaged))
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus) + ["--resume"]) == 0
+    assert "resume: wrote" in capsys.readouterr().out
+    assert stack.read_bytes() == before[0]
 
 
 def test_pretraining_resumes_bit_exactly_from_its_corpus_moved_but_not_from_another(
