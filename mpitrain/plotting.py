@@ -157,11 +157,15 @@ class _Timeline:
 
     def place(self, record: dict, records: dict) -> dict:
         kind, step = record["type"], record.get("step")
-        if kind in ("start", "rollback") and isinstance(step, (int, float)):
+        # a start records the frames it continues from: a resume on more ranks numbers
+        # its steps lower than the training it continues, so frames decide there
+        by, mark = ("frames", record.get("frames")) if kind == "start" and \
+            isinstance(record.get("frames"), (int, float)) else ("step", step)
+        if kind in ("start", "rollback") and isinstance(mark, (int, float)):
             for key in ("train", "eval"):
                 records[key] = [r for r in records.get(key, [])
-                                if not isinstance(r.get("step"), (int, float))
-                                or r["step"] <= step]
+                                if not isinstance(r.get(by), (int, float))
+                                or r[by] <= mark]
             if kind == "start" and any(records.values()):
                 # the new process's clocks start at 0: go on from the kept records
                 for clock in self.CLOCKS:

@@ -180,6 +180,26 @@ def test_a_resumed_or_rolled_back_run_reads_as_one_timeline(tmp_path):
     assert records["eval"] == []              # the abandoned stretch's evaluation
 
 
+def test_a_run_resumed_on_more_ranks_keeps_the_training_it_continues(tmp_path):
+    """Resumed on 2 ranks from step 40 of 1, the run goes on at step 20: its start
+    records the frames it continues from, and only what came after those is an
+    abandoned stretch (steps 20-40 of the one-rank part were dropped, and the
+    clock went on from step 20's)."""
+    lines = [
+        {"type": "start", "time": 0.0, "step": 0, "frames": 0},
+        {"type": "train", "time": 1.0, "step": 20, "seconds": 1.0, "frames": 20},
+        {"type": "train", "time": 2.0, "step": 40, "seconds": 2.0, "frames": 40},
+        {"type": "train", "time": 3.0, "step": 60, "seconds": 3.0, "frames": 60},
+        # killed; resumed on two ranks from the checkpoint at step 40 (40 frames)
+        {"type": "start", "time": 0.0, "step": 20, "frames": 40},
+        {"type": "train", "time": 0.5, "step": 30, "seconds": 0.5, "frames": 60},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    records = read_metrics(str(tmp_path))
+    assert [r["frames"] for r in records["train"]] == [20, 40, 60]
+    assert [r["seconds"] for r in records["train"]] == [1.0, 2.0, 2.5]
+
+
 def test_without_matplotlib_plotting_is_one_clear_error(tmp_path, monkeypatch):
     from .helpers import without_module
     write_run(tmp_path / "run", acc_at_end=0.8)

@@ -545,8 +545,8 @@ class Trainer(CheckpointResume):
             self._ran = True
             return result
         self.log.say(self._banner())
-        self.log.write("start", step=self.step, total_steps=self.total_steps,
-                       planned_steps=self.planned_steps,
+        self.log.write("start", step=self.step, frames=self.frames_seen,
+                       total_steps=self.total_steps, planned_steps=self.planned_steps,
                        ranks=comm.size, device=backend.device_name(xp),
                        hosts=self._hosts(), gpus=self._gpus(),
                        transport=self.transport, transport_reason=self._transport_reason(),
