@@ -178,6 +178,9 @@ class _Timeline:
             if isinstance(record.get(clock), (int, float)):
                 shifted[clock] = record[clock] + self.offset[clock]
                 self.latest[clock] = max(self.latest[clock], shifted[clock])
+            elif kind == "start":
+                # where this part begins on the run's clock (what came before it)
+                shifted[clock] = self.offset[clock]
         return shifted
 
 

@@ -198,6 +198,8 @@ def test_a_run_resumed_on_more_ranks_keeps_the_training_it_continues(tmp_path):
     records = read_metrics(str(tmp_path))
     assert [r["frames"] for r in records["train"]] == [20, 40, 60]
     assert [r["seconds"] for r in records["train"]] == [1.0, 2.0, 2.5]
+    # each start stands where its part begins on the run's clock
+    assert [r["seconds"] for r in records["start"]] == [0.0, 2.0]
 
 
 def test_without_matplotlib_plotting_is_one_clear_error(tmp_path, monkeypatch):

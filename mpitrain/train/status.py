@@ -155,15 +155,9 @@ def _progress(records, start, pretraining) -> list:
         f" of {total} ({step / total:.0%})" if known and total > 0 else "")
     left = ""
     if known and total > 0 and step > first_step and _is_number(last.get("seconds")):
-        # the clock adds up the resumed parts (read_metrics): this part's time is
-        # what the records before its start had not counted
-        # (by frames where the start records them: a resume on more ranks numbers
-        # its steps lower than the training it continues)
-        by, mark = ("frames", start["frames"]) if _is_number(start.get("frames")) \
-            else ("step", first_step)
-        before = max((r["seconds"] for key in ("train", "eval") for r in records[key]
-                      if _is_number(r.get(by)) and r[by] <= mark
-                      and _is_number(r.get("seconds"))), default=0.0)
+        # the clock adds up the resumed parts (read_metrics), and the start record
+        # stands where this part began on it
+        before = start.get("seconds") if _is_number(start.get("seconds")) else 0.0
         per_step = (last["seconds"] - before) / (step - first_step)
         left = f", about {format_duration(per_step * max(total - step, 0))} left"
     return [f"  {done}, epoch {_num(last, 'epoch', 'd')}: xent {_num(last, 'xent', '.4f')} "
