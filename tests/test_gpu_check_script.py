@@ -22,10 +22,11 @@ exit 0
     return str(path)
 
 
-def _run(tmp_path, fail_on=""):
+def _run(tmp_path, fail_on="", launch_fails_on=""):
     log = tmp_path / "calls.log"
     env = dict(os.environ, PYTHON=_stand_in(tmp_path / "python", log, fail_on),
-               MPIEXEC=_stand_in(tmp_path / "mpiexec", log), OUT=str(tmp_path / "out"),
+               MPIEXEC=_stand_in(tmp_path / "mpiexec", log, launch_fails_on),
+               OUT=str(tmp_path / "out"),
                TESTS="0")
     result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu-check.sh")], env=env,
                             capture_output=True, text=True, timeout=60)
@@ -36,9 +37,17 @@ def test_every_method_then_the_benchmarks_are_run(tmp_path):
     result, calls = _run(tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
     trains = [c for c in calls if c.startswith("mpiexec") and " train " in c]
+    assert all("--set device=gpu" in c for c in trains)
     assert [c.split("parallel.method=")[1].split()[0] for c in trains] == \
-        ["model_averaging", "kaldi", "allreduce", "bmuf", "model_averaging"]
-    assert [c.split("precision=")[1].split()[0] for c in trains] == ["fp32"] * 4 + ["bf16"]
+        ["model_averaging", "kaldi", "allreduce", "bmuf", "adpsgd", "adpsgd", "param_server"] \
+        + ["model_averaging"] * 3
+    extras = [" ".join(w for w in c.split() if "=" in w and not w.startswith(
+        ("device=", "parallel.method=", "data.", "training.epochs="))) for c in trains]
+    assert extras == [""] * 5 + ["parallel.asynchronous=true", "", "optimizer.name=ngsgd",
+                                 "cuda_graph=true", "precision=bf16"]
+    bench = [c for c in calls if c.startswith("mpiexec") and " bench " in c]
+    assert len(bench) == 1 and "--set device=gpu" in bench[0] \
+        and "--methods model_averaging --phases throughput" in bench[0]
     ngsgd = [c for c in calls if "mpitrain.bench.ngsgd_overhead" in c]
     assert len(ngsgd) == 2 and all("--delayed-updates --plan-threads 0,4" in c for c in ngsgd)
     assert "--cuda-graph" in ngsgd[1] and "--cuda-graph" not in ngsgd[0]
@@ -49,3 +58,11 @@ def test_a_failing_benchmark_fails_the_check_and_is_named(tmp_path):
     result, _ = _run(tmp_path, fail_on="--cuda-graph")
     assert result.returncode == 1
     assert "NG-SGD overhead benchmark with CUDA graphs" in result.stdout
+
+
+def test_a_method_that_fails_fails_the_check_and_is_named(tmp_path):
+    result, calls = _run(tmp_path, launch_fails_on="parallel.asynchronous=true")
+    assert result.returncode == 1
+    assert "  - adpsgd-asynchronous failed" in result.stdout.splitlines()
+    # the methods after it still run
+    assert any("optimizer.name=ngsgd" in c for c in calls)
