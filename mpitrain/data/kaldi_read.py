@@ -779,6 +779,9 @@ def as_pdf_ids(name: str, key: str, labels: np.ndarray) -> np.ndarray:
     return labels.astype(np.int32)
 
 
+_INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+
 def _is_int_token(token: str) -> bool:
     try:
         int(token)
@@ -796,11 +799,18 @@ def _text_alignments(src: Input, alignments: dict) -> None:
         # Kaldi writes "utt 3 3 5"; kaldiio's text mode brackets it: "utt [ 3 3 5 ]".
         key, values = parts[0], [v for v in parts[1:] if v not in ("[", "]")]
         try:
-            labels = np.array([int(v) for v in values], dtype=np.int64)
+            numbers = [int(v) for v in values]
         except ValueError:
             bad = next(v for v in values if not _is_int_token(v))
             raise CorpusError(f"{src.name}:{lineno}: utterance {key!r}: expected integer pdf "
                               f"ids, got {bad[:40]!r}") from None
+        # a number beyond int64 (a damaged file) would overflow the array below
+        huge = next((n for n in numbers if not _INT64_MIN <= n <= _INT64_MAX), None)
+        if huge is not None:
+            shown = str(huge) if len(str(huge)) <= 40 else str(huge)[:37] + "..."
+            raise CorpusError(f"{src.name}:{lineno}: utterance {key!r}: pdf id {shown} is "
+                              "not a valid class index")
+        labels = np.array(numbers, dtype=np.int64)
         if key in alignments:
             raise CorpusError(f"{src.name}:{lineno}: utterance {key!r} appears twice")
         alignments[key] = as_pdf_ids(src.name, key, labels)

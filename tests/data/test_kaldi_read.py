@@ -248,6 +248,15 @@ def test_ids_that_are_not_utf8_say_how_to_convert_them(tmp_path):
         read_utt2spk(str(tmp_path / "utt2spk"))
 
 
+@pytest.mark.parametrize("label", ["99999999999999999999", "-99999999999999999999"])
+def test_a_text_label_beyond_int64_is_one_line_naming_the_utterance(tmp_path, label):
+    # a damaged text alignment: the number overflowed numpy's int64 (a traceback)
+    (tmp_path / "ali.txt").write_text(f"u1 0 1\nu2 1 {label} 0\n")
+    with pytest.raises(CorpusError, match=r"ali.txt:2: utterance 'u2': pdf id -?9{20} is not "
+                                          r"a valid class index"):
+        read_alignments(f"ark,t:{tmp_path}/ali.txt")
+
+
 def test_doubles_beyond_float32_are_named_not_called_nan(tmp_path, capsys):
     # a finite DM value beyond float32 became inf when stored, and prepare said
     # the utterance 'contains NaN or inf', which the archive did not
