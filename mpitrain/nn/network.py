@@ -34,24 +34,46 @@ def build_component(spec: dict) -> Component:
     return cls(spec.pop("in_dim"), **spec)
 
 
-#: Variances below this share of a corpus's largest are floored to it: such a
-#: dimension is constant but for rounding, whose noise normalising would blow up.
-#: Relative, so that features of any scale (even 1e-20) are normalised alike.
+#: A dimension whose variance is below this share of its mean square is constant
+#: but for rounding (float32 holds about 7 digits), and normalising would blow up
+#: that noise.  Each dimension is judged by its own values, so that features of
+#: any scale (even 1e-20) are normalised, and one dimension of a huge scale (an
+#: outlier such as 1e30 in one frame) leaves the others as they are.
 RELATIVE_VARIANCE_FLOOR = 1e-12
-#: ... and never below this, so that 1 / sqrt(var) stays a float32 (constant data).
+#: ... and no variance is taken below this, so that 1 / sqrt(var) stays a float32.
 ABSOLUTE_VARIANCE_FLOOR = 1e-60
 
 
-def floored_variance(var) -> np.ndarray:
-    """Per-dimension variances (float64) floored for normalisation.
+def constant_dimensions(mean, var) -> np.ndarray:
+    """Which feature dimensions are constant (bool per dimension).
 
     Example::
 
-        floored_variance([4.0, 0.0])       # [4.0, 4e-12]
+        constant_dimensions([5.0, 0.0, 1.0], [0.0, 0.0, 4.0])     # [True, True, False]
+    """
+    mean = np.asarray(mean, dtype=np.float64)
+    var = np.asarray(var, dtype=np.float64)
+    return var <= RELATIVE_VARIANCE_FLOOR * (mean * mean + var)
+
+
+def floored_variance(mean, var) -> np.ndarray:
+    """Per-dimension variances (float64) floored for normalisation.
+
+    A constant dimension (:func:`constant_dimensions`) gets the median variance
+    of the others (1 when all are constant): it carries nothing in training,
+    and where it varies elsewhere (held-out data, export) it is then scaled like
+    a typical dimension instead of by a huge factor.
+
+    Example::
+
+        floored_variance([5.0, 0.0, 1.0], [0.0, 4.0, 9.0])       # [6.5, 4.0, 9.0]
     """
     var = np.asarray(var, dtype=np.float64)
-    largest = float(var.max()) if var.size else 0.0
-    return np.maximum(var, max(RELATIVE_VARIANCE_FLOOR * largest, ABSOLUTE_VARIANCE_FLOOR))
+    constant = constant_dimensions(mean, var)
+    if constant.any():
+        typical = float(np.median(var[~constant])) if not constant.all() else 1.0
+        var = np.where(constant, typical, var)
+    return np.maximum(var, ABSOLUTE_VARIANCE_FLOOR)
 
 
 class Network:
@@ -141,7 +163,7 @@ class Network:
         variance floored by :func:`floored_variance`)."""
         xp = self.xp
         mean = np.asarray(mean, dtype=np.float64)
-        var = floored_variance(var)
+        var = floored_variance(mean, var)
         self.cmvn_mean[...] = xp.asarray(mean.astype(np.float32))
         self.cmvn_scale[...] = xp.asarray((1.0 / np.sqrt(var)).astype(np.float32))
 

@@ -109,7 +109,7 @@ class Pretrainer:
                                 "layer, got 0", agreed=True)      # (every rank's config)
         self.manifest, _ = load_manifests(comm, cfg.data.train)
         m = self.manifest
-        var = floored_variance(m.cmvn_var)
+        var = floored_variance(m.cmvn_mean, m.cmvn_var)
         self.cmvn = (np.asarray(m.cmvn_mean, dtype=np.float32),
                      (1.0 / np.sqrt(var)).astype(np.float32))
         self._build_data()

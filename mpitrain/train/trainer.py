@@ -25,7 +25,7 @@ from ..data.validate import validate_corpus, validate_slices
 from ..files import remove_stale_temporaries
 from ..nn.dropout import DropoutMasks, DropoutSchedule
 from ..nn.model_file import save_model
-from ..nn.network import RELATIVE_VARIANCE_FLOOR, build_network, floored_variance
+from ..nn.network import RELATIVE_VARIANCE_FLOOR, build_network, constant_dimensions
 from ..optim.factory import build_optimizer, build_schedule
 from ..parallel.registry import build_strategy, data_share, takes_own_steps
 from ..threads import current_blas_threads
@@ -207,11 +207,11 @@ class Trainer(CheckpointResume):
             pnorm_p=cfg.model.pnorm_p, normalize=cfg.model.normalize, xp=self.xp)
         self.net.init_params(seed=cfg.training.seed)
         self.net.set_cmvn(m.cmvn_mean, m.cmvn_var)
-        constant = int(np.sum(floored_variance(m.cmvn_var) > np.asarray(m.cmvn_var)))
+        constant = int(np.sum(constant_dimensions(m.cmvn_mean, m.cmvn_var)))
         if constant:
             self._say(f"data: {constant} of {m.feat_dim} feature dimension(s) of "
                       f"{cfg.data.train} are constant (variance below "
-                      f"{RELATIVE_VARIANCE_FLOOR:g} of the largest): they carry nothing")
+                      f"{RELATIVE_VARIANCE_FLOOR:g} of the mean square): they carry nothing")
         self.net.speaker_cmvn = m.speaker_cmvn      # written into the model for export
         # hidden layers from `mpitrain pretrain` (RBMs); a resumed run's come from
         # its checkpoint, so the pretrained file is not needed then

@@ -100,6 +100,37 @@ def test_features_of_any_scale_are_normalised_and_constant_ones_stay_finite():
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out[:, :2].std(0), 1.0, rtol=1e-3)
     np.testing.assert_array_equal(out[:, 2], 0.0)            # constant: nothing to scale
-    # the floor follows the largest variance; constant data stays finite in float32
-    np.testing.assert_array_equal(floored_variance([4.0, 0.0]), [4.0, 4e-12])
-    assert np.isfinite(np.float32(1 / np.sqrt(floored_variance([0.0, 0.0])))).all()
+    # a constant dimension takes a typical variance; constant data stays finite in float32
+    np.testing.assert_array_equal(floored_variance([1.0, 7.0], [4.0, 0.0]), [4.0, 4.0])
+    assert np.isfinite(np.float32(1 / np.sqrt(floored_variance([0.0, 0.0], [0.0, 0.0])))).all()
+
+
+def test_one_dimension_of_a_huge_scale_leaves_the_others_normalised():
+    # the floor was 1e-12 of the largest variance of all dimensions: one finite
+    # outlier (1e30 in one frame) or one dimension of a far larger scale floored
+    # every other dimension to it, scaling them to nothing (a corpus of such data
+    # trained to chance, the log saying 7 of 8 dimensions were constant)
+    from mpitrain.nn.network import constant_dimensions
+    rng = np.random.default_rng(0)
+    feats = rng.normal(size=(4000, 3)).astype(np.float32) + [1.0, 2.0, 0.0]
+    feats[17, 2] = 1e30
+    mean, var = feats.mean(0, dtype=np.float64), feats.var(0, dtype=np.float64)
+    assert not constant_dimensions(mean, var).any()
+    net = build_network(feat_dim=3, num_classes=3, left_context=0, right_context=0,
+                        hidden_layers=1, hidden_dim=4)
+    net.set_cmvn(mean, var)
+    out = net.normalize_frames(feats.copy())
+    np.testing.assert_allclose(out[:, :2].std(0), 1.0, rtol=1e-3)
+
+
+def test_a_constant_dimension_that_varies_elsewhere_is_scaled_like_a_typical_one():
+    # it was scaled by 1e6 / sqrt(largest variance): held-out or exported frames
+    # where it varies by 1 reached the first layer as 5e5
+    rng = np.random.default_rng(0)
+    feats = rng.normal(size=(4000, 3)).astype(np.float32) * [1.0, 2.0, 0.0] + [0.0, 0.0, 5.0]
+    net = build_network(feat_dim=3, num_classes=3, left_context=0, right_context=0,
+                        hidden_layers=1, hidden_dim=4)
+    net.set_cmvn(feats.mean(0, dtype=np.float64), feats.var(0, dtype=np.float64))
+    np.testing.assert_array_equal(net.normalize_frames(feats.copy())[:, 2], 0.0)
+    elsewhere = net.normalize_frames(np.array([[0.0, 0.0, 6.0]], dtype=np.float32))
+    assert 0.2 < elsewhere[0, 2] < 1.0
