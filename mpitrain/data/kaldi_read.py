@@ -171,10 +171,12 @@ class Input:
         return b"".join(parts)
 
     def read_until(self, byte: bytes) -> bytes | None:
-        """The bytes up to and including ``byte``; None if the input ends first."""
+        """The bytes up to and including ``byte``; None if the input ends first (the
+        bytes read stay unread: a last line without a line break is still a line)."""
         out = bytearray()
         while True:
             if not self._buffer and not self.peek(1):
+                self._buffer = bytes(out)
                 return None
             i = self._buffer.find(byte)
             if i >= 0:

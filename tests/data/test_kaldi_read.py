@@ -234,6 +234,22 @@ def test_utt2spk_as_a_path_or_a_kaldi_rspecifier(tmp_path, spec):
         read_utt2spk(f"scp:{tmp_path}/utt2spk")
 
 
+@pytest.mark.parametrize("through", ["{f}", "cat {f} |"])
+def test_a_last_line_without_a_line_break_is_read(arks, through):
+    # the bytes of a last line with no line break were dropped: the last utterance
+    # of an scp or a text alignment went missing without a word (Kaldi reads it)
+    from mpitrain.data.kaldi_read import read_utt2spk
+    d, feats, ali = arks
+    for name in ("feats.scp", "ali.txt"):
+        (d / ("cut-" + name)).write_bytes((d / name).read_bytes().rstrip(b"\n"))
+    (d / "cut-utt2spk").write_text("utt0 s1\nutt3 s2")
+    cut = {name: through.format(f=d / ("cut-" + name)) for name in ("feats.scp", "ali.txt",
+                                                                     "utt2spk")}
+    _same(dict(read_feature_matrices("scp:" + cut["feats.scp"])), feats)
+    _same(read_alignments("ark,t:" + cut["ali.txt"]), ali)
+    assert read_utt2spk("ark:" + cut["utt2spk"]) == {"utt0": "s1", "utt3": "s2"}
+
+
 def test_ids_that_are_not_utf8_say_how_to_convert_them(tmp_path):
     # a Latin-1 corpus: Kaldi takes any bytes as ids, the corpus stores text
     latin = "spk\xdc-utt1".encode("latin-1")
