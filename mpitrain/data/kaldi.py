@@ -253,12 +253,18 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
 def _nothing_imported(report, feats_path, ali_path) -> str:
     """Why no utterance could be imported, the commonest cause first."""
     if report.length_mismatch:
-        key, frames, labels = report.length_mismatch[0]
+        # an empty alignment is no utterance whatever the tolerance: no tolerance to offer
+        cuttable = [m for m in report.length_mismatch if m[2]]
+        if cuttable:
+            key, frames, labels = cuttable[0]
+            why = (f"a frame shift or subsampling? --length-tolerance {abs(frames - labels)} "
+                   "would cut them to the shorter")
+        else:
+            key, frames, labels = report.length_mismatch[0]
+            why = "every such alignment is empty: align these utterances"
         return (f"{feats_path}: {len(report.length_mismatch)} utterance(s) have alignments "
                 f"in {ali_path} of another length than their features (e.g. {key}: "
-                f"{frames} frames, {labels} labels; a frame shift or subsampling? "
-                f"--length-tolerance {abs(frames - labels)} would cut them to the shorter) and none "
-                "match; nothing to import")
+                f"{frames} frames, {labels} labels; {why}) and none match; nothing to import")
     if report.empty_features and not report.missing_alignment:
         return f"{feats_path}: every utterance with an alignment has no frames; nothing to import"
     return (f"{feats_path}: no utterance has an alignment in {ali_path} (ids differ?); "

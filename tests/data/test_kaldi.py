@@ -230,6 +230,25 @@ def test_nothing_to_import_says_why(tmp_path):
                      str(tmp_path / "c2"))
 
 
+def test_nothing_to_import_of_empty_alignments_offers_no_tolerance(tmp_path):
+    # it offered --length-tolerance 50, which imports nothing either: an empty
+    # alignment is skipped whatever the tolerance
+    rng = np.random.default_rng(3)
+    feats = {f"u{i}": rng.standard_normal((50, 4)).astype(np.float32) for i in range(3)}
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
+    (tmp_path / "ali.txt").write_text("".join(f"{k}\n" for k in feats))
+    with pytest.raises(CorpusError, match=r"u0: 50 frames, 0 labels; every such alignment is "
+                                          r"empty: align these utterances\) and none match") as e:
+        import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark,t:{tmp_path}/ali.txt",
+                     str(tmp_path / "c"))
+    assert "--length-tolerance" not in str(e.value)
+    # one alignment that a tolerance would cut is the example given
+    (tmp_path / "ali.txt").write_text("u0\nu1\nu2" + " 0" * 49 + "\n")
+    with pytest.raises(CorpusError, match=r"u2: 50 frames, 49 labels.*--length-tolerance 1"):
+        import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark,t:{tmp_path}/ali.txt",
+                     str(tmp_path / "c"))
+
+
 def test_a_one_line_text_matrix_is_one_frame(tmp_path):
     (tmp_path / "feats.txt").write_text("a [ 1 2 3 ]\nb [\n 1 2 3\n 4 5 6 ]\n")
     (tmp_path / "ali.txt").write_text("a 0\nb 1 0\n")
