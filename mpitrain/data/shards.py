@@ -385,6 +385,12 @@ def _is_format_version(value) -> bool:
             and not isinstance(value, (bool, np.bool_)) and int(value) == FORMAT_VERSION)
 
 
+def _native(dtype) -> np.dtype:
+    """``dtype`` in this machine's byte order: a big-endian float32 written by another
+    program is float32 all the same (reads convert it into native buffers)."""
+    return dtype.newbyteorder("=") if dtype.kind in "iuf" else dtype
+
+
 def shard_layout_problems(h5file, path: str) -> list[str]:
     """Problems with the datasets of an open shard: storage, presence, dtype, shape, offsets.
 
@@ -428,10 +434,10 @@ def shard_layout_problems(h5file, path: str) -> list[str]:
                             "expected 2-D (frames, feat_dim)")
         else:
             num_frames = feats.shape[0]
-        if feats.dtype != np.float32:
+        if _native(feats.dtype) != np.float32:
             problems.append(f"{path}: dataset '{FEATS}' has dtype {feats.dtype}; expected float32")
     if labels is not None:
-        if labels.dtype != np.int32:
+        if _native(labels.dtype) != np.int32:
             problems.append(f"{path}: dataset '{LABELS}' has dtype {labels.dtype}; expected int32")
         if labels.ndim != 1:
             problems.append(f"{path}: dataset '{LABELS}' has shape {labels.shape}; expected 1-D")
@@ -440,7 +446,7 @@ def shard_layout_problems(h5file, path: str) -> list[str]:
                             f"expected {num_frames} (rows of '{FEATS}')")
     num_utts = None
     if offsets_ds is not None:
-        if offsets_ds.dtype != np.int64:
+        if _native(offsets_ds.dtype) != np.int64:
             problems.append(f"{path}: dataset '{UTT_OFFSETS}' has dtype {offsets_ds.dtype}; "
                             "expected int64")
         if offsets_ds.ndim != 1 or offsets_ds.shape[0] < 1:

@@ -66,6 +66,27 @@ def test_reader_names_dataset_of_wrong_dtype(tmp_path):
         ShardReader(str(tmp_path / "absent.h5"))
 
 
+def test_a_shard_of_big_endian_datasets_reads_as_any_other(tmp_path):
+    # another program's float32 '>f4' (int32 '>i4', int64 '>i8') was refused as
+    # "dtype >f4; expected float32"
+    from mpitrain.data.check import check_corpus
+    from .corpora import shard, write_corpus
+    corpus = write_corpus(tmp_path / "c", num_shards=1)
+    with ShardReader(shard(corpus)) as reader:
+        before = reader.read(0, reader.num_utterances)
+    with h5py.File(shard(corpus), "a") as f:
+        for name in ("feats", "labels", "utt_offsets"):
+            data = f[name][()]
+            del f[name]
+            f[name] = data.astype(data.dtype.newbyteorder(">"))
+    assert check_corpus(corpus) == []
+    with ShardReader(shard(corpus)) as reader:
+        after = reader.read(0, reader.num_utterances)
+    for old, new in zip(before, after):
+        assert new.dtype == old.dtype
+        np.testing.assert_array_equal(new, old)
+
+
 @pytest.mark.parametrize("version,shown", [
     ("abc", "'abc'"), (float("nan"), "nan"), (1.5, "1.5"), (True, "True"), ([1, 1], "[1, 1]"),
 ], ids=["text", "nan", "float", "bool", "array"])
