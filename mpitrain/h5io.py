@@ -181,10 +181,29 @@ def dataset_problem(group, name: str, path, *, what: str) -> str | None:
     stored = int(obj.id.get_storage_size())
     size = os.path.getsize(obj.file.filename)
     if declared > stored or stored > size:
+        squeezed = _compression(plist)
+        if squeezed and stored <= size:
+            return (f"{path}: dataset '{where}' is stored compressed ({squeezed}; "
+                    f"{stored} bytes for a declared {declared}), which is not accepted: a "
+                    "declared size can be checked only against the bytes stored; write it "
+                    "again without compression")
         return (f"{path}: dataset '{where}' declares shape {obj.shape} ({declared} bytes) but "
                 f"the file stores {min(stored, size)} bytes of it (unwritten or compressed "
                 "data is not accepted)")
     return None
+
+
+def _compression(plist) -> str:
+    """The compression filters of a dataset's creation list, in words ('' if none):
+    shuffle and fletcher32 change no size."""
+    h5z = h5py_module().h5z
+    names = {h5z.FILTER_DEFLATE: "gzip", h5z.FILTER_LZF: "lzf", h5z.FILTER_SZIP: "szip"}
+    found = []
+    for i in range(plist.get_nfilters()):
+        code, _, _, name = plist.get_filter(i)
+        if code not in (h5z.FILTER_SHUFFLE, h5z.FILTER_FLETCHER32):
+            found.append(names.get(code) or name.decode("ascii", "replace") or f"filter {code}")
+    return ", ".join(found)
 
 
 def require_dataset(f, name: str, path, *, what: str):

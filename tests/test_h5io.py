@@ -1,0 +1,25 @@
+"""HDF5 reads that trust nothing in the file: what a dataset's storage must be."""
+
+import h5py
+import numpy as np
+
+from mpitrain.h5io import dataset_problem
+
+
+def test_a_compressed_dataset_is_named_as_compressed(tmp_path):
+    # it was "declares shape (4000, 8) ... but the file stores N bytes of it", read
+    # as a damaged or crafted file by whoever had only asked h5py for gzip
+    path = str(tmp_path / "s.h5")
+    data = np.zeros((4000, 8), dtype=np.float32)
+    with h5py.File(path, "w") as f:
+        f.create_dataset("gz", data=data, compression="gzip")
+        f.create_dataset("lzf", data=data, compression="lzf")
+        f.create_dataset("checked", data=data, shuffle=True, fletcher32=True)
+        f.create_dataset("unwritten", shape=(4000, 8), dtype=np.float32, chunks=(100, 8))
+    with h5py.File(path, "r") as f:
+        for name, kind in (("gz", "gzip"), ("lzf", "lzf")):
+            problem = dataset_problem(f, name, path, what="shard")
+            assert problem.startswith(f"{path}: dataset '{name}' is stored compressed ({kind}; ")
+            assert "write it again without compression" in problem and "\n" not in problem
+        assert dataset_problem(f, "checked", path, what="shard") is None
+        assert "declares shape (4000, 8)" in dataset_problem(f, "unwritten", path, what="shard")
