@@ -148,8 +148,12 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
         raise ValueError(f"length tolerance must be a whole number of frames >= 0, "
                          f"got {length_tolerance!r}")
     _, feats_path = split_rspecifier(feats, "feats")
-    alignments = read_alignments(ali, scp_commands=scp_commands)
     _, ali_path = split_rspecifier(ali, "ali")
+    if feats_path.strip() == "-" and ali_path.strip() == "-":
+        # the alignments would read the features' bytes (and refuse them as no alignment)
+        raise ValueError("--feats and --ali both read standard input ('-'); one stream "
+                         "holds one of them: give the other as a file or a pipe")
+    alignments = read_alignments(ali, scp_commands=scp_commands)
     if not alignments:
         raise CorpusError(f"{ali_path}: no alignments found")
     largest = max((int(labels.max()) for labels in alignments.values() if labels.size),

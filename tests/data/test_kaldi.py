@@ -249,6 +249,16 @@ def test_nothing_to_import_of_empty_alignments_offers_no_tolerance(tmp_path):
                      str(tmp_path / "c"))
 
 
+@pytest.mark.parametrize("feats,ali", [("ark:-", "ark:-"), ("-", "ark,t:-")])
+def test_features_and_alignments_both_from_stdin_are_refused_before_reading(tmp_path, feats,
+                                                                              ali):
+    # the alignments read the features' bytes and were refused as "holds a Kaldi FM
+    # matrix or vector; expected a binary int32 vector"
+    with pytest.raises(ValueError, match=r"--feats and --ali both read standard input"):
+        import_kaldi(feats, ali, str(tmp_path / "c"))
+    assert not (tmp_path / "c").exists()
+
+
 def test_a_one_line_text_matrix_is_one_frame(tmp_path):
     (tmp_path / "feats.txt").write_text("a [ 1 2 3 ]\nb [\n 1 2 3\n 4 5 6 ]\n")
     (tmp_path / "ali.txt").write_text("a 0\nb 1 0\n")
