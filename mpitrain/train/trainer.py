@@ -96,6 +96,10 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
                          agreed=True)
 
 
+# Problems each rank sends to rank 0 to be counted without repeats (the rest are
+# counted as they are).
+_PROBLEMS_GATHERED = 1000
+
 class Trainer(CheckpointResume):
     """Example::
 
@@ -338,16 +342,19 @@ class Trainer(CheckpointResume):
             raise TrainingError(f"{self.manifest.directory}: {exc}", agreed=True) from None
 
     def _stop_on_data_problems(self, problems: list) -> None:
-        """All ranks stop together when any rank found bad data; rank 0 names the first."""
-        total = int(self.comm.allreduce_scalar(len(problems), op="sum"))
-        if not total:
+        """All ranks stop together when any rank found bad data; rank 0 names the first.
+
+        A problem of a whole file (a compressed dataset, a bad attribute) is found
+        by every rank that reads part of it: it is counted once."""
+        if not int(self.comm.allreduce_scalar(len(problems), op="sum")):
             return
-        firsts = self.comm.gather_obj(problems[:1], root=0)
+        found = self.comm.gather_obj((problems[:_PROBLEMS_GATHERED], len(problems)), root=0)
         if self.is_root:
-            first = next(p for found in firsts for p in found)
+            distinct = list(dict.fromkeys(p for listed, _ in found for p in listed))
+            total = len(distinct) + sum(max(0, n - _PROBLEMS_GATHERED) for _, n in found)
             more = f" ({total - 1} more problem(s): run `mpitrain check` on the corpus)" \
                 if total > 1 else ""
-            raise TrainingError(first + more, agreed=True)
+            raise TrainingError(distinct[0] + more, agreed=True)
         raise TrainingError("bad training data (reported by rank 0)", agreed=True)
 
     # -- the run directory ------------------------------------------------------------

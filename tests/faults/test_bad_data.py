@@ -290,3 +290,18 @@ def test_a_final_model_written_on_resume_ends_the_run_for_status(corpus, tmp_pat
     assert (run / "final.h5").exists()
     assert run_status(str(run))[0].startswith(f"{run}: ended: 8 steps in ?; "), \
         run_status(str(run))
+
+
+def test_a_problem_of_a_file_several_ranks_read_is_counted_once(corpus, tmp_path, capsys):
+    # the held-out shard is shared out over both ranks: each finds its dtype
+    path = _shard(corpus, split="dev")
+    with h5py.File(path, "r+") as f:
+        feats = f["feats"][()]
+        del f["feats"]
+        f.create_dataset("feats", data=feats.astype(np.int16))
+    assert len(load_manifest(str(corpus / "dev")).shards) == 1
+    run = tmp_path / "run"
+    assert _train(corpus, run, flags=["--virtual", "2", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and path in err and "int16" in err, err
+    assert "more problem" not in err, err
