@@ -12,7 +12,10 @@ ranks (so every rank takes the same decision at the same step)::
     if events > E:                      roll back
 
 ``m`` is a running mean of the good windows (a = 0.3 follows the falling
-objective of early training without letting one window move it far), ``f``
+objective of early training without letting one window move it far), seeded
+with the initial model's cross-entropy ``x_0`` (ln C: the output layer starts
+at zero, so every class gets 1/C), so that a model that blows up within its
+first window is judged too instead of becoming the reference; ``f``
 is ``training.divergence_factor`` and ``E`` ``training.max_divergence_events``.
 The event count restarts at each checkpoint written, so rare bad minibatches
 are only skipped.  A roll back reloads the newest good checkpoint (or the
@@ -20,11 +23,14 @@ initial model if none was written yet) and multiplies the learning rate by
 ``training.rollback_lr_factor``; after ``training.max_rollbacks`` of them the
 run stops with :class:`Diverged`.  A checkpoint is written only when the
 parameters are finite on every rank and the last window was good, so a roll
-back never returns to a model that was already diverging.
+back never returns to a model that was already diverging, and the windows
+after it are judged against the running mean of the model it returns to
+(``x_0`` for the initial model).
 
 Example::
 
-    guard = DivergenceGuard(factor=3.0, max_events=10, max_rollbacks=3)
+    guard = DivergenceGuard(factor=3.0, max_events=10, max_rollbacks=3,
+                            initial_xent=math.log(120))
     verdict = guard.observe(xent=2.1, skipped=0)     # "ok", "event" or "roll back"
 """
 
@@ -48,13 +54,15 @@ class DivergenceGuard:
     """Counts divergence events between checkpoints and decides on roll backs.
 
     ``factor`` 0 turns the explosion test off (non-finite windows still count).
+    ``initial_xent`` seeds the running mean (None: the first good window does).
     """
 
     def __init__(self, *, factor: float, max_events: int, max_rollbacks: int,
-                 lr_factor: float = 0.5):
+                 lr_factor: float = 0.5, initial_xent: float | None = None):
         self.factor, self.max_events = float(factor), int(max_events)
         self.max_rollbacks, self.lr_factor = int(max_rollbacks), float(lr_factor)
-        self.running_mean = None
+        self.initial_xent = None if initial_xent is None else float(initial_xent)
+        self.running_mean = self.initial_xent
         self.events = 0              # since the last checkpoint or roll back
         self.last_window_good = True
         # kept in checkpoints: the run continues with what it learned
@@ -102,7 +110,7 @@ class DivergenceGuard:
         self.rollbacks += 1
         self.lr_scale *= self.lr_factor
         self.events = 0
-        self.running_mean = None
+        self.running_mean = self.initial_xent   # the trainer sets the checkpoint's
         self.last_window_good = True
 
     # -- checkpointed part ------------------------------------------------------------
@@ -120,7 +128,7 @@ class DivergenceGuard:
         self.skipped_total = int(state.get("skipped_total", 0))
         self.exploded_total = int(state.get("exploded_total", 0))
         mean = state.get("running_mean")       # absent: written before any good window
-        self.running_mean = None if mean is None else float(mean)
+        self.running_mean = self.initial_xent if mean is None else float(mean)
         if not (math.isfinite(self.lr_scale) and 0.0 < self.lr_scale <= 1.0) \
                 or self.rollbacks < 0 or self.skipped_total < 0 or self.exploded_total < 0 \
                 or not (self.running_mean is None

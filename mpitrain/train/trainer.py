@@ -10,6 +10,7 @@ per frame over all ranks' frames, frames/s summed, the comm fraction averaged.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import time
@@ -163,9 +164,12 @@ class Trainer(CheckpointResume):
         self.step = 0
         self.frames_seen = 0      # summed over all ranks
         t = cfg.training
+        # the initial model's cross-entropy is ln C (its output layer is zero): the
+        # first window is judged against it rather than taken as the reference
         self.guard = DivergenceGuard(factor=t.divergence_factor,
                                      max_events=t.max_divergence_events,
-                                     max_rollbacks=t.max_rollbacks, lr_factor=t.rollback_lr_factor)
+                                     max_rollbacks=t.max_rollbacks, lr_factor=t.rollback_lr_factor,
+                                     initial_xent=math.log(self.manifest.num_classes))
         # held-out figures dip while dropout rises: early stopping counts from its end
         # (measured: counting through the dip stopped a 20-epoch run 2.3 points short)
         rise_end = self.dropout_schedule.last_rise_end if self.dropout_schedule else 0.0
@@ -414,6 +418,7 @@ class Trainer(CheckpointResume):
             ckpt, _, _ = self._choose_checkpoint(judge_settings=False)
             self._restore(ckpt)
             where = os.path.basename(ckpt.path)
+            reference = self.guard.running_mean      # the checkpoint's
         else:
             init = self._initial
             self.net.params[...] = backend.to_device(init["params"], self.xp)
@@ -424,8 +429,11 @@ class Trainer(CheckpointResume):
             self.step, self.frames_seen = init["step"], init["frames_seen"]
             self.schedule.load_state_dict(init["schedule"])
             where = "the initial model"
+            reference = self.guard.initial_xent
         self.guard.load_state_dict(counts)
-        self.guard.events, self.guard.running_mean = 0, None
+        # judged against the model returned to (None left the first window after a
+        # roll back unjudged: a rate that blew up at once became the reference)
+        self.guard.events, self.guard.running_mean = 0, reference
         self._checkpointed_at = None     # (the counts differ from the file's now)
         self.schedule.after_roll_back()
         lr_scale, rollbacks = self.guard.lr_scale, self.guard.rollbacks
@@ -612,9 +620,12 @@ class Trainer(CheckpointResume):
             png = plot_runs([self.run_dir], os.path.join(self.run_dir, "curves.png"))
             self.log.say(f"curves: {png}")
         trouble = ""
-        if self.guard.skipped_total or self.guard.rollbacks:
-            trouble = (f"; {self.guard.skipped_total} minibatch(es) skipped as non-finite, "
-                       f"{self.guard.rollbacks} roll back(s)")
+        g = self.guard
+        if g.skipped_total or g.rollbacks or g.exploded_total:
+            # exploded windows too: a run that blew up but never reached a roll back
+            exploded = f"{g.exploded_total} exploding window(s), " if g.exploded_total else ""
+            trouble = (f"; {g.skipped_total} minibatch(es) skipped as non-finite, "
+                       f"{exploded}{g.rollbacks} roll back(s)")
         best = f", best {self.run_dir}/best.h5 ({self.selection.describe()})" \
             if self.selection.best_step >= 0 else ""
         self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "

@@ -10,6 +10,7 @@ same step.  Non-finite inputs are injected by tests/workers/nan_burst_worker.py.
 
 import importlib.util
 import json
+import math
 import os
 
 import numpy as np
@@ -112,6 +113,22 @@ def test_a_few_bad_minibatches_are_skipped_and_counted_only(small_corpus, tmp_pa
     assert [r["skipped"] for r in _records(run, "train")][:3] == [0, 2, 0]
     end, = _records(run, "end")
     assert end["skipped_minibatches"] == 2 and end["rollbacks"] == 0
+
+
+def test_a_model_that_blows_up_within_its_first_window_is_judged(small_corpus, tmp_path,
+                                                                   capsys):
+    # BMUF's block step x 1e6 makes the objective explode (finite: about 42, then 68,
+    # against ln 120 = 4.8) within the first log window; that window was the
+    # reference of the running mean, so nothing counted and the run saved the model
+    run = tmp_path / "run"
+    code = _train(run, small_corpus, [
+        "parallel.method=bmuf", "parallel.block_lr=1e6", "training.log_interval=20",
+        "training.max_divergence_events=1", "training.max_rollbacks=1"])
+    err = capsys.readouterr().err
+    first = _records(run, "train")[0]
+    assert first["skipped"] == 0 and first["xent"] > 3 * math.log(120)
+    assert code == 2 and "training diverged" in err and err.count("\n") == 1, err
+    assert not (run / "final.h5").exists()
 
 
 @pytest.mark.mpi

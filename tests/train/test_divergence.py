@@ -110,3 +110,19 @@ def test_the_advice_after_an_asynchronous_divergence_fits_the_run_directory(tmp_
     assert "no checkpoint was written yet: start again" in restart_advice(str(tmp_path))
     (tmp_path / "ckpt-00000010.h5").write_bytes(b"")
     assert "resume from the last checkpoint" in restart_advice(str(tmp_path))
+
+
+def test_the_first_window_and_the_first_after_a_roll_back_are_judged_too():
+    # seeded with the initial model's cross-entropy (ln C), a model that blows up
+    # within its first window is an event instead of the reference for the rest
+    guard = _guard(initial_xent=math.log(120))
+    assert guard.running_mean == math.log(120)
+    assert guard.observe(xent=60.0, skipped=0) == EVENT
+    assert guard.observe(xent=4.0, skipped=0) == OK
+    guard.roll_back()
+    assert guard.running_mean == math.log(120)
+    # a checkpoint written before any good window holds no running mean
+    restored = _guard(initial_xent=math.log(120))
+    restored.load_state_dict({"rollbacks": 0, "lr_scale": 1.0})
+    assert restored.running_mean == math.log(120)
+    assert _guard().running_mean is None           # without a seed: the first window
