@@ -17,6 +17,10 @@ from .files import parse_yaml, read_yaml, write_yaml, yaml_text
 from .parallel.registry import METHODS as STRATEGY_METHODS, takes_own_steps
 
 
+# float32's smallest normal number: the least value a float32 setting keeps
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
 class ConfigError(ValueError):
     """A bad configuration value; the message is one line naming the key."""
 
@@ -101,7 +105,9 @@ class OptimizerConfig:
                               "initial_learning_rate and ignore final_learning_rate")
     hand_factor: float = _opt(0.999, min=0.0, max=1.0, min_exclusive=True,
                               help="hand: the rate is multiplied by this after every minibatch")
-    adapt_k: float = _opt(1.0, min=0.0, min_exclusive=True,
+    # (a K below float32's smallest normal number is 0 in the update, and a
+    # parameter without gradient got 0 / 0)
+    adapt_k: float = _opt(1.0, min=FLOAT32_TINY,
                           help="adapt: K in gamma / sqrt(K + G) per parameter")
     adapt_decay: float = _opt(0.0, min=0.0, max=1.0, max_exclusive=True,
                               help="adapt: memory of G, G <- decay G + g^2; 0: the current "
@@ -109,7 +115,8 @@ class OptimizerConfig:
     search_chunk_frames: int = _opt(360_000, min=1, help="search: frames (summed over ranks) "
                                                          "trained between rate searches")
     search_factors: tuple = _opt((0.5, 1.0, 2.0), min=0.0, min_exclusive=True, items=float,
-                                 help="search: the current rate times each of these is tried")
+                                 help="search: the current rate times each of these is tried "
+                                      "(one at least must be <= 1)")
     search_trial_fraction: float = _opt(0.03, min=0.0, max=1.0, min_exclusive=True,
                                         help="search: share of a chunk each trial trains on")
     newbob_start_halving: float = _opt(0.005, min=0.0, help="newbob: halve the rate every "
@@ -450,6 +457,12 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
     if cfg.optimizer.name == "ngsgd" and ng.variant == "simple" and not ng.alpha > 0:
         raise ConfigError(f"{where}optimizer.ngsgd.alpha: the simple variant needs alpha > 0 "
                           f"(its smoothing is what makes the scatter invertible), got {ng.alpha}")
+    opt = cfg.optimizer
+    if opt.schedule == "search" and min(opt.search_factors) > 1:
+        # the rate would rise at every chunk, and a roll back could not lower it
+        raise ConfigError(f"{where}optimizer.search_factors: needs a factor of at most 1 "
+                          f"(with only larger ones the rate rises at every chunk until the "
+                          f"run diverges), got {list(opt.search_factors)}")
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
         raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
                           "set data.dev")

@@ -37,8 +37,11 @@ class LimitedMemoryAdagrad:
     """Per-parameter scaling of the gradient buffer (see the module docstring)."""
 
     def __init__(self, like, *, k: float = 1.0, decay: float = 0.0):
-        if k <= 0 or not 0.0 <= decay < 1.0:
-            raise ValueError(f"adapt: need k > 0 and decay in [0, 1), got {k}, {decay}")
+        # K is added in float32: below its smallest normal number it is 0, and a
+        # parameter without gradient would get 0 / 0
+        if not k >= np.finfo(np.float32).tiny or not 0.0 <= decay < 1.0:
+            raise ValueError(f"adapt: need k >= {np.finfo(np.float32).tiny:g} (float32's "
+                             f"smallest normal number) and decay in [0, 1), got {k}, {decay}")
         self.k, self.decay = float(k), float(decay)
         xp = backend.get_array_module(like)
         self.xp = xp

@@ -133,3 +133,15 @@ def test_device_steps_read_nothing_back(decay):
         assert standin_cupy.READS == {"implicit": 0, "asnumpy": 0}
         assert backend.host_read_counts()["blocking"] == before
         assert not opt.static_step_ahead()       # no CUDA-graph capture of adapt steps
+
+
+def test_a_k_that_float32_cannot_hold_is_refused():
+    # added in float32, 1e-300 is 0: a parameter without gradient got 0 / 0
+    from mpitrain.optim.adapt import LimitedMemoryAdagrad
+    like = np.zeros(3, dtype=np.float32)
+    with pytest.raises(ValueError, match="smallest normal"):
+        LimitedMemoryAdagrad(like, k=1e-300)
+    scaling = LimitedMemoryAdagrad(like, k=float(np.finfo(np.float32).tiny))
+    grads = np.array([0.0, 1e-30, 2.0], dtype=np.float32)
+    scaling.scale_(grads)
+    assert np.all(np.isfinite(grads))

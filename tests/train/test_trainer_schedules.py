@@ -90,11 +90,23 @@ def test_newbob_halves_and_stops_the_run(small_corpus, tmp_path):
     ("optimizer.search_factors=[0.5, -1]", "optimizer.search_factors"),
     ("optimizer.search_trial_fraction=0", "optimizer.search_trial_fraction"),
     ("optimizer.newbob_stop=-0.1", "optimizer.newbob_stop"),
+    # 0 in float32: a parameter without gradient got 0 / 0 and every step was skipped
+    ("optimizer.adapt_k=1e-300", "optimizer.adapt_k"),
 ])
 def test_config_errors_are_one_line_naming_the_key(setting, key):
     with pytest.raises(ConfigError) as info:
         load_config(QUICKSTART, [setting])
     assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_search_factors_that_all_raise_the_rate_are_refused():
+    # the rate rose at every chunk until the run diverged, roll backs or not
+    with pytest.raises(ConfigError, match="optimizer.search_factors: needs a factor of at "
+                                          "most 1") as info:
+        load_config(QUICKSTART, ["optimizer.schedule=search", "optimizer.search_factors=[4]"])
+    assert "\n" not in str(info.value)
+    load_config(QUICKSTART, ["optimizer.schedule=search", "optimizer.search_factors=[0.5]"])
+    load_config(QUICKSTART, ["optimizer.search_factors=[4]"])        # unused by exponential
 
 
 def test_newbob_without_held_out_data_is_refused():
