@@ -39,6 +39,7 @@ from __future__ import annotations
 import glob
 import math
 import os
+import sys
 
 #: Weight of a new window in the running mean of the objective.
 MEAN_WEIGHT = 0.3
@@ -108,7 +109,9 @@ class DivergenceGuard:
                 f"(learning rate now x{self.lr_scale:g}); lower "
                 "optimizer.initial_learning_rate or the max-change values")
         self.rollbacks += 1
-        self.lr_scale *= self.lr_factor
+        # kept above 0 (a rate scale of 1e-300 squared is 0, which no state accepts):
+        # the smallest positive double is no step at all in float32
+        self.lr_scale = max(self.lr_scale * self.lr_factor, sys.float_info.min)
         self.events = 0
         self.running_mean = self.initial_xent   # the trainer sets the checkpoint's
         self.last_window_good = True

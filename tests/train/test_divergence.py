@@ -126,3 +126,15 @@ def test_the_first_window_and_the_first_after_a_roll_back_are_judged_too():
     restored.load_state_dict({"rollbacks": 0, "lr_scale": 1.0})
     assert restored.running_mean == math.log(120)
     assert _guard().running_mean is None           # without a seed: the first window
+
+
+def test_a_rate_scale_that_would_underflow_stays_positive():
+    # rollback_lr_factor 1e-300: the second roll back made the scale 0, which the
+    # guard's own state refused ("checkpoint group 'trainer': expected lr_scale in
+    # (0, 1]") and the run stopped naming no setting
+    guard = _guard(lr_factor=1e-300, max_rollbacks=3)
+    for _ in range(3):
+        guard.roll_back()
+        restored = _guard(lr_factor=1e-300, max_rollbacks=3)
+        restored.load_state_dict(guard.state_dict())
+        assert 0.0 < restored.lr_scale == guard.lr_scale <= 1e-300
