@@ -454,9 +454,12 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}parallel.{which}: hierarchical ADPSGD mixes lock-step "
                           f"without delay; set parallel.{which}: false")
     ng = cfg.optimizer.ngsgd
-    if cfg.optimizer.name == "ngsgd" and ng.variant == "simple" and not ng.alpha > 0:
-        raise ConfigError(f"{where}optimizer.ngsgd.alpha: the simple variant needs alpha > 0 "
-                          f"(its smoothing is what makes the scatter invertible), got {ng.alpha}")
+    # (optim/natural_gradient.py's SIMPLE_MIN_ALPHA: smaller ones leave the scatter
+    # too close to singular even in float64)
+    if cfg.optimizer.name == "ngsgd" and ng.variant == "simple" and not ng.alpha >= 1e-8:
+        raise ConfigError(f"{where}optimizer.ngsgd.alpha: the simple variant needs alpha >= "
+                          f"1e-08 (its smoothing is what makes the scatter invertible), got "
+                          f"{ng.alpha}")
     opt = cfg.optimizer
     if opt.schedule == "search" and min(opt.search_factors) > 1:
         # the rate would rise at every chunk, and a roll back could not lower it

@@ -191,7 +191,7 @@ def test_ngsgd_settings_the_preconditioners_refuse_name_the_key(tmp_path):
     assert "optimizer.ngsgd.num_samples_history: expected a number in (0, 1e+06]" in msg
     msg = _error(tmp_path, "optimizer:\n  name: ngsgd\n  ngsgd:\n    variant: simple\n"
                            "    alpha: 0\n")
-    assert "optimizer.ngsgd.alpha: the simple variant needs alpha > 0" in msg
+    assert "optimizer.ngsgd.alpha: the simple variant needs alpha >= 1e-08" in msg
     path = tmp_path / "ok.yaml"
     path.write_text("optimizer:\n  name: ngsgd\n  ngsgd:\n    alpha: 0\n")
     assert load_config(str(path)).optimizer.ngsgd.alpha == 0.0   # online: alpha >= 0

@@ -717,6 +717,22 @@ def test_simple_edge_cases():
     assert np.linalg.norm(Xhat) == pytest.approx(np.linalg.norm(X32), rel=1e-5)
 
 
+@pytest.mark.parametrize("alpha,rows,dim,scale", [
+    (1e-6, 2, 201, 1.0),      # FloatingPointError: leave-one-out values past N - 1
+    (1e-8, 3, 1000, 1.0),
+    (1e4, 3, 5, 1e18),        # ZeroDivisionError: ||Q||^2 vanished in float32
+    (1e30, 64, 5, 1.0),
+])
+def test_simple_at_extreme_alphas_gives_finite_rows_of_the_norm_of_x(alpha, rows, dim, scale):
+    X = (np.random.default_rng(22).standard_normal((rows, dim)) * scale).astype(np.float32)
+    Xhat, gamma = SimpleNaturalGradient(alpha=alpha).precondition(X.copy())
+    assert gamma == 1.0 and Xhat.dtype == np.float32 and np.all(np.isfinite(Xhat))
+    assert np.linalg.norm(Xhat.astype(np.float64)) == pytest.approx(
+        np.linalg.norm(X.astype(np.float64)), rel=1e-5)
+    with pytest.raises(ValueError, match="alpha must be >= 1e-08"):
+        SimpleNaturalGradient(alpha=1e-9)
+
+
 # -- downhill ------------------------------------------------------------------------
 def softmax_regression(rng, n=200, dim=12, classes=5):
     X = rng.standard_normal((n, dim)) * np.linspace(0.1, 5.0, dim) + 1.0
