@@ -859,6 +859,12 @@ class Trainer(CheckpointResume):
     def _combine(self) -> None:
         """training.combine: the model becomes the best combination of the last ones."""
         found = self._combination.combine(self.net, self.dev_manifest or self.manifest)
+        # a method whose model is not the one the ranks train on (BMUF's w_g) takes the
+        # combination as its model: the evaluation, best.h5 and the final checkpoint
+        # read that one (they held the model before the combination)
+        result = self.strategy.result_params()
+        if result is not None:
+            result[...] = self.net.params
         self._record("combine", step=self.step, **found)
         weights = ", ".join(f"{m} {w:.3f}" for m, w in zip(found["models"], found["weights"]))
         self._say(f"combine: {len(found['models'])} models on {found['frames']} held-out "

@@ -77,6 +77,26 @@ def test_combination_is_never_worse_than_the_best_single_model(combined_run, sma
     assert found["combined_xent"] <= found["best_single_xent"]
 
 
+def test_with_bmuf_the_combination_is_evaluated_kept_and_checkpointed(small_corpus, tmp_path):
+    """BMUF's model is w_g, not the point the ranks train from: the combination went
+    to final.h5 only, while the last evaluation, best.h5 and the final checkpoint
+    held w_g from before it (eval RUN_DIR read that one)."""
+    from mpitrain.train.checkpoint import list_checkpoints, load_checkpoint
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, TINY + [
+        "parallel.method=bmuf", "parallel.block_momentum=0.9", "training.combine_every=0",
+        "training.combine_frames=100000", "training.max_steps=60"])
+    found, = _records(run, "combine")
+    assert found["weights"][-1] < 0.999          # the combination is not w_g itself
+    final, _ = load_model(str(run / "final.h5"))
+    best, _ = load_model(str(run / "best.h5"))
+    last = load_checkpoint(list_checkpoints(str(run))[-1])
+    assert np.array_equal(final.params, best.params)
+    assert np.array_equal(final.params, last.net.params)
+    assert _records(run, "eval")[-1]["dev_xent"] == pytest.approx(found["combined_xent"],
+                                                                   rel=1e-6)
+
+
 @pytest.mark.mpi
 def test_combine_on_two_ranks_with_models_that_differ(mpiexec, small_corpus, tmp_path):
     run = tmp_path / "run"
