@@ -453,6 +453,9 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
         which = "asynchronous" if par.asynchronous else "delay_by_one"
         raise ConfigError(f"{where}parallel.{which}: hierarchical ADPSGD mixes lock-step "
                           f"without delay; set parallel.{which}: false")
+    if cfg.precision == "tf32" and cfg.device == "cpu":
+        raise ConfigError(f"{where}precision: tf32 needs device: gpu (the CPU computes in "
+                          "fp32; bf16 is emulated there)")
     ng = cfg.optimizer.ngsgd
     # (optim/natural_gradient.py's SIMPLE_MIN_ALPHA: smaller ones leave the scatter
     # too close to singular even in float64)

@@ -197,6 +197,14 @@ def test_ngsgd_settings_the_preconditioners_refuse_name_the_key(tmp_path):
     assert load_config(str(path)).optimizer.ngsgd.alpha == 0.0   # online: alpha >= 0
 
 
+
+def test_tf32_on_the_cpu_is_refused_naming_the_file(tmp_path):
+    msg = _error(tmp_path, "precision: tf32\n")
+    assert "precision: tf32 needs device: gpu" in msg
+    path = tmp_path / "ok.yaml"
+    path.write_text("precision: tf32\ndevice: gpu\n")
+    assert load_config(str(path)).precision == "tf32"
+
 def test_max_change_per_sample_is_refused_with_a_parameter_server(tmp_path):
     message = _error(tmp_path, "optimizer:\n  max_change_per_sample: 0.075\n"
                                "parallel:\n  method: param_server\n")
