@@ -271,11 +271,40 @@ def _loader():
     import yaml
 
     class Loader(yaml.SafeLoader):
-        """PyYAML's safe loader, with YAML 1.2's exponent floats (1e-3)."""
+        """PyYAML's safe loader, with YAML 1.2's exponent floats (1e-3), refusing a
+        key given twice in one mapping (PyYAML keeps the last silently: a section
+        written twice lost every key of the first)."""
+
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                _refuse_repeated_keys(self, node)
+            return super().construct_mapping(node, deep=deep)
 
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2,
                                  list("-+0123456789."))
     return Loader
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _refuse_repeated_keys(loader, node) -> None:
+    """ConstructorError at the second place a key of ``node`` is written.  Keys a
+    merge (``<<: *defaults``) brings in may be overridden, as YAML intends."""
+    import yaml
+    first_seen = {}
+    for key_node, _ in node.value:
+        if key_node.tag == _MERGE_TAG or not isinstance(key_node, yaml.ScalarNode):
+            continue
+        key = loader.construct_object(key_node)
+        try:
+            earlier = first_seen.setdefault(key, key_node)
+        except TypeError:           # unhashable: PyYAML says so itself
+            continue
+        if earlier is not key_node:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"key {key_node.value!r} given twice (first at line "
+                            f"{earlier.start_mark.line + 1})", key_node.start_mark)
 
 
 _LOADER = None
@@ -303,7 +332,14 @@ def parse_yaml(text: str, *, where: str = "YAML text"):
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark else ""
-        raise ValueError(f"{where}: not valid YAML{line}") from None
+        # PyYAML's own words for it ("found character '\t' that cannot start any
+        # token", a tag it will not build, a key given twice), on the same line
+        problem = " ".join(str(getattr(exc, "problem", "") or "").split())
+        context = getattr(exc, "context", None)
+        if problem.startswith("but ") and context:     # "expected ... but found ..."
+            problem = f"{context} {problem}"
+        raise ValueError(f"{where}: not valid YAML{line}"
+                         + (f": {problem}" if problem else "")) from None
     finally:
         loader.dispose()
 

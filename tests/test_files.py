@@ -44,6 +44,36 @@ def test_yaml_never_builds_python_objects():
         parse_yaml("!!python/object/apply:os.system ['echo unsafe']")
 
 
+def test_a_key_given_twice_is_refused_naming_both_lines():
+    # PyYAML kept the last silently: a section written twice lost the first's keys
+    with pytest.raises(ValueError) as info:
+        parse_yaml("training:\n  epochs: 1\nmodel: {}\ntraining:\n  minibatch: 64\n",
+                   where="run.yaml")
+    assert str(info.value) == ("run.yaml: not valid YAML at line 4: key 'training' given "
+                               "twice (first at line 1)")
+    with pytest.raises(ValueError, match="at line 3: key 'epochs' given twice"):
+        parse_yaml("training:\n  epochs: 1\n  epochs: 2\n")
+    # keys that read alike are the same key (a dict keeps one of them)
+    with pytest.raises(ValueError, match="key 'on' given twice"):
+        parse_yaml("a: {yes: 1, on: 2}")
+    # a merge's keys may be overridden, as YAML intends
+    assert parse_yaml("base: &b {epochs: 1, minibatch: 64}\n"
+                      "training:\n  <<: *b\n  minibatch: 32\n")["training"] == \
+        {"epochs": 1, "minibatch": 32}
+
+
+def test_yaml_errors_say_what_is_wrong_on_one_line():
+    for text, problem in (("data:\n\ttrain: x\n", "found character '\\t' that cannot "
+                                                   "start any token"),
+                          ("a: 1\n---\nb: 2\n", "expected a single document in the "
+                                                 "stream but found another document"),
+                          ("a: !!python/name:os.system x\n", "could not determine a "
+                                                             "constructor for the tag")):
+        with pytest.raises(ValueError) as info:
+            parse_yaml(text, where="run.yaml")
+        assert problem in str(info.value) and "\n" not in str(info.value)
+
+
 @pytest.mark.parametrize("content,message", [
     (None, "config not found"),
     ("directory", "is a directory"),
