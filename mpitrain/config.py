@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-from .files import parse_yaml, read_yaml, write_yaml, yaml_text
+from .files import Written, parse_yaml, read_yaml, write_yaml, yaml_text
 from .parallel.registry import METHODS as STRATEGY_METHODS, takes_own_steps
 
 
@@ -319,21 +320,81 @@ def _expected_type(tp, meta) -> str:
     return _type_name(tp)
 
 
-def _check_value(key: str, tp, meta, value, where: str):
+#: The largest integer a setting may hold: checkpoints and metrics store them as int64.
+LARGEST_INTEGER = 2 ** 63 - 1
+#: YAML 1.1 numbers that read as other than they look: a leading zero is octal
+#: (010 is 8) and colons count in base 60 (1:30 is 90).
+_MISREAD_NUMBER = re.compile(r"[-+]?(0[0-9_]+|[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?)")
+
+
+def _unwrap(value):
+    """(the value, the text it was written as, or None when not known)."""
+    if isinstance(value, Written):
+        return value.value, value.text
+    return value, None
+
+
+def _shown(value, depth: int = 0) -> str:
+    """A value in an error message, as the user wrote it where that is known
+    (``yes``, not True; ``2024-01-01``, not datetime.date(2024, 1, 1))."""
+    if isinstance(value, Written):
+        plain, text = value.value, value.text
+        if not text:
+            return "nothing (an empty value)"
+        if isinstance(plain, bool) and text.lower() != str(plain).lower():
+            return f"{text} (which YAML reads as {str(plain).lower()})"
+        return text
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, bytes):
+        return "binary data"
+    if isinstance(value, dict):
+        if depth >= 2:          # (a mapping may hold itself through an alias)
+            return "{...}"
+        parts = [f"{_key_text(k)}: {_shown(v, depth + 1)}" for k, v in value.items()]
+        return "{" + ", ".join(parts[:10]) + (", ..." if len(parts) > 10 else "") + "}"
+    if isinstance(value, (list, tuple)):
+        if depth >= 2:
+            return "[...]"
+        parts = [_shown(v, depth + 1) for v in value[:11]]
+        return "[" + ", ".join(parts[:10]) + (", ..." if len(parts) > 10 else "") + "]"
+    return repr(value)
+
+
+def _key_text(key) -> str:
+    """A mapping key as written (``1``, ``true``: keys YAML reads as other than text)."""
+    if isinstance(key, Written):
+        return key.text
+    return key if isinstance(key, str) else _shown(key)
+
+
+def _check_value(key: str, tp, meta, raw, where: str):
+    value, text = _unwrap(raw)
     expected = _expected_type(tp, meta) + _range_text(meta)
     if meta.get("choices"):
         expected = "one of " + ", ".join(repr(c) for c in meta["choices"])
-    bad = ConfigError(f"{where}{key}: expected {expected}, got {value!r}")
+    bad = ConfigError(f"{where}{key}: expected {expected}, got {_shown(raw)}")
+    if tp in (int, float) and text is not None and _MISREAD_NUMBER.fullmatch(text):
+        raise ConfigError(f"{where}{key}: expected {expected}, got {text}, which YAML "
+                          f"reads as {value} (a leading 0 is octal, colons count in base "
+                          "60); write the number without them")
     if tp is bool:
         if not isinstance(value, bool):
             raise bad
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
+            # 256.0 is 256; a float beyond 2^53 is no longer an exact integer
+            if isinstance(value, float) and value.is_integer() and abs(value) <= 2 ** 53:
                 value = int(value)
             else:
                 raise bad
+        if abs(value) > LARGEST_INTEGER:
+            raise ConfigError(f"{where}{key}: expected {expected}, got {_shown(raw)}, "
+                              f"beyond the largest integer stored ({LARGEST_INTEGER})")
+        value = int(value)
     elif tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
@@ -341,8 +402,12 @@ def _check_value(key: str, tp, meta, value, where: str):
         if not math.isfinite(value):
             raise bad
     elif tp is str:
-        # YAML reads `0.3` (a constant dropout schedule) or `2024` as a number
-        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        if text is not None and value is not None:
+            # a path or a schedule as typed: YAML reads `0.3`, `2024`, `010`, `yes`
+            # or `2024-01-01` as other things
+            value = text
+            bad = ConfigError(f"{where}{key}: expected {expected}, got {value!r}")
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and math.isfinite(value):
             value = str(value)
         if not isinstance(value, str):
@@ -351,9 +416,12 @@ def _check_value(key: str, tp, meta, value, where: str):
         # a list of integers (or numbers); the field's range applies to each
         items = meta.get("items") or int
         kinds = (int, float) if items is float else (int,)
-        if not isinstance(value, (list, tuple)) or not value and items is float or any(
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        value = [_unwrap(v)[0] for v in value]
+        if not value and items is float or any(
                 isinstance(v, bool) or not isinstance(v, kinds) or not math.isfinite(v)
-                for v in value):
+                or abs(v) > LARGEST_INTEGER for v in value):
             raise bad
         lo, hi = meta.get("min"), meta.get("max")
         if any((lo is not None and (v < lo or (meta.get("min_exclusive") and v == lo)))
@@ -373,17 +441,18 @@ def _check_value(key: str, tp, meta, value, where: str):
 
 def from_dict(cls, data: Any, *, prefix: str = "", where: str = ""):
     """Build dataclass ``cls`` from a mapping, validating every key."""
-    if data is None:
+    if _unwrap(data)[0] is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where}{prefix.rstrip('.') or 'config'}: expected a mapping, "
-                          f"got {data!r}")
+                          f"got {_shown(data)}")
     hints = get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
+    # (keys YAML reads as numbers or booleans, `1:` or `yes:`, sort as written)
+    unknown = sorted((key for key in data if key not in fields), key=_key_text)
     if unknown:
-        raise ConfigError(f"{where}{prefix}{unknown[0]}: unknown key; expected one of "
-                          f"{', '.join(sorted(fields))}")
+        raise ConfigError(f"{where}{prefix}{_key_text(unknown[0])}: unknown key; expected "
+                          f"one of {', '.join(sorted(fields))}")
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
@@ -536,7 +605,8 @@ def parse_overrides(overrides) -> dict:
             value = text.strip()
         else:
             try:
-                value = parse_yaml(text, where=f"--set {key}") if text.strip() else ""
+                value = parse_yaml(text, where=f"--set {key}", as_written=True) \
+                    if text.strip() else Written("", "")
             except ValueError:
                 raise ConfigError(f"--set {key}: value {text!r} is not a YAML scalar") \
                     from None
@@ -572,14 +642,16 @@ def load_config(path=None, overrides=()) -> RunConfig:
     where = f"{path}: " if path else ""
     if path is not None:
         try:
-            data = read_yaml(path, what="config file")
+            data = read_yaml(path, what="config file", as_written=True)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        data = {} if data is None else data
+        data = {} if _unwrap(data)[0] is None else data
         if not isinstance(data, dict):
+            plain = _unwrap(data)[0]
+            kind = "a list" if isinstance(plain, list) else "text" if isinstance(
+                plain, str) else f"the value {_shown(data)}"
             raise ConfigError(f"{path}: expected a mapping of sections (data, model, "
-                              f"optimizer, ...) at the top level, got a "
-                              f"{type(data).__name__}")
+                              f"optimizer, ...) at the top level, got {kind}")
     data = _merge(data, parse_overrides(overrides))
     cfg = from_dict(RunConfig, data, where=where)
     _cross_checks(cfg, where)

@@ -307,24 +307,65 @@ def _refuse_repeated_keys(loader, node) -> None:
                             f"{earlier.start_mark.line + 1})", key_node.start_mark)
 
 
+class Written:
+    """A plain YAML scalar that is not text (a number, boolean, null or date) with
+    the text it was written as: a setting that takes text keeps ``010`` or
+    ``2024-01-01`` as typed, and an error echoes ``yes`` rather than ``True``.
+
+    Example::
+
+        parse_yaml("a: yes", as_written=True)["a"]      # Written(True, 'yes')
+    """
+
+    __slots__ = ("value", "text")
+
+    def __init__(self, value, text: str):
+        self.value, self.text = value, text
+
+    def __eq__(self, other):
+        return self.value == (other.value if isinstance(other, Written) else other)
+
+    def __hash__(self):
+        return hash(self.value)
+
+    def __repr__(self):
+        return f"Written({self.value!r}, {self.text!r})"
+
+
+def _as_written_loader(base):
+    """``base`` whose non-text scalars come as :class:`Written`."""
+    class AsWritten(base):
+        pass
+
+    for tag in ("bool", "int", "float", "null", "timestamp"):
+        full = f"tag:yaml.org,2002:{tag}"
+        build = base.yaml_constructors[full]
+        AsWritten.add_constructor(
+            full, lambda loader, node, build=build: Written(build(loader, node), node.value))
+    return AsWritten
+
+
 _LOADER = None
+_WRITTEN_LOADER = None
 
 
-def parse_yaml(text: str, *, where: str = "YAML text"):
+def parse_yaml(text: str, *, where: str = "YAML text", as_written: bool = False):
     """The data of a YAML document; ValueError naming ``where`` (and the line) if bad.
+    ``as_written``: numbers, booleans, nulls and dates come as :class:`Written`.
 
     Example::
 
         parse_yaml("lr: 1e-3")      # {'lr': 0.001}
     """
     import yaml
-    global _LOADER
+    global _LOADER, _WRITTEN_LOADER
     if _LOADER is None:
         _LOADER = _loader()
+        _WRITTEN_LOADER = _as_written_loader(_LOADER)
     try:
         # the safe loader above: builds no Python objects; its reader already
         # refuses control characters, so the constructor is inside the try too
-        loader = _LOADER(text)
+        loader = (_WRITTEN_LOADER if as_written else _LOADER)(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"{where}: not valid YAML ({_yaml_problem(exc)})") from None
     try:
@@ -355,8 +396,9 @@ def _yaml_problem(exc) -> str:
     return type(exc).__name__
 
 
-def read_yaml(path, *, what: str = "YAML file"):
-    """Parse a YAML file; one-line ValueError naming the file for every way it can fail.
+def read_yaml(path, *, what: str = "YAML file", as_written: bool = False):
+    """Parse a YAML file; one-line ValueError naming the file for every way it can fail
+    (``as_written``: as :func:`parse_yaml` says).
 
     Example::
 
@@ -376,7 +418,7 @@ def read_yaml(path, *, what: str = "YAML file"):
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: the {what} is not UTF-8 text (byte {exc.start})") from None
-    return parse_yaml(text, where=path)
+    return parse_yaml(text, where=path, as_written=as_written)
 
 
 def dotted_keys(data: dict, prefix: str = "") -> dict:

@@ -162,7 +162,7 @@ def test_exponent_numbers_are_numbers(tmp_path):
 
 def test_an_unbounded_range_is_written_open_and_infinity_is_refused(tmp_path):
     msg = _error(tmp_path, "training:\n  epochs: .inf\n")
-    assert "training.epochs: expected a number in (0, inf), got inf" in msg
+    assert "training.epochs: expected a number in (0, inf), got .inf" in msg
 
 
 def test_a_number_where_text_is_expected_is_taken_as_its_text(tmp_path):
@@ -217,3 +217,65 @@ def test_max_change_per_sample_is_refused_with_a_parameter_server(tmp_path):
         message = _error(tmp_path, "optimizer:\n  max_change_per_sample: 0.075\n"
                                    "parallel:\n" + parallel)
         assert "not available where ranks share an averaged gradient" in message, message
+
+
+def test_a_value_is_named_as_it_was_written(tmp_path):
+    """A boolean where a number belongs said "got True"; a date, a null or an empty
+    value were Python's words too."""
+    msg = _error(tmp_path, "optimizer:\n  max_change_per_sample: on\n")
+    assert msg.endswith("optimizer.max_change_per_sample: expected a number in [0, inf), "
+                        "got on (which YAML reads as true)")
+    msg = _error(tmp_path, "{}\n", ["optimizer.max_change_per_sample=yes"])
+    assert msg.endswith("got yes (which YAML reads as true)")
+    assert _error(tmp_path, "model:\n  hidden_dim: true\n").endswith("got true")
+    assert _error(tmp_path, "training:\n  epochs: 2024-01-01\n").endswith("got 2024-01-01")
+    assert _error(tmp_path, "training:\n  epochs:\n").endswith("got nothing (an empty value)")
+    assert _error(tmp_path, "training:\n  epochs: ~\n").endswith("got ~")
+    msg = _error(tmp_path, "optimizer:\n  search_factors: [1, no]\n")
+    assert msg.endswith("got [1, no (which YAML reads as false)]")
+    assert _error(tmp_path, "model: {x: [1, off]}\n").endswith(
+        "model.x: unknown key; expected one of " + ", ".join(sorted(
+            ("hidden_layers", "hidden_dim", "nonlinearity", "pnorm_output_dim", "pnorm_p",
+             "normalize", "init_from", "dropout", "dropout_schedule"))))
+
+
+def test_numbers_yaml_reads_as_other_numbers_are_refused(tmp_path):
+    # YAML 1.1 reads 010 as octal 8 and 1:30 in base 60 as 90: the run took them
+    msg = _error(tmp_path, "training:\n  minibatch: 010\n")
+    assert "training.minibatch: expected an integer in [1, inf), got 010, which YAML reads " \
+           "as 8" in msg
+    assert "got 1:30, which YAML reads as 90" in _error(tmp_path, "training:\n  epochs: 1:30\n")
+    path = tmp_path / "ok.yaml"
+    path.write_text("training:\n  minibatch: 256.0\n  seed: 0x10\n  epochs: 1_000\n")
+    cfg = load_config(str(path))
+    assert (cfg.training.minibatch, cfg.training.seed, cfg.training.epochs) == (256, 16, 1000.0)
+
+
+def test_a_text_setting_keeps_the_text_as_written(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  train: 010\n  dev: 2024-01-01\nmodel:\n  dropout_schedule: 0.30\n")
+    cfg = load_config(str(path))
+    # (they were '8', a refused datetime.date, and '0.3')
+    assert (cfg.data.train, cfg.data.dev, cfg.model.dropout_schedule) == \
+        ("010", "2024-01-01", "0.30")
+    assert load_config(str(path), ["data.train=1e3"]).data.train == "1e3"
+    assert "device: expected one of 'cpu', 'gpu', got 'on'" in _error(tmp_path, "device: on\n")
+
+
+def test_keys_yaml_reads_as_numbers_or_booleans_are_named_as_written(tmp_path):
+    # keys of two types could not be sorted: a TypeError traceback
+    assert "run.yaml: 1: unknown key; expected one of blas_threads" in _error(
+        tmp_path, "1: 2\nzz: 3\n")
+    assert "training.yes: unknown key" in _error(tmp_path, "training:\n  yes: 2\n")
+
+
+def test_an_integer_too_large_to_store_is_refused(tmp_path):
+    msg = _error(tmp_path, "training:\n  seed: 99999999999999999999\n")
+    assert msg.endswith("training.seed: expected an integer in [0, inf), got "
+                        "99999999999999999999, beyond the largest integer stored "
+                        "(9223372036854775807)")
+    # a float past 2^53 is no exact integer (it was taken as one of 301 digits)
+    assert _error(tmp_path, "training:\n  minibatch: 1e300\n").endswith(
+        "training.minibatch: expected an integer in [1, inf), got 1e300")
+    # blas_threads of that size ended in a ctypes OverflowError traceback
+    assert "blas_threads" in _error(tmp_path, "blas_threads: 99999999999999999999999\n")
