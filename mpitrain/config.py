@@ -48,9 +48,10 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     hidden_layers: int = _opt(4, min=0, max=50, help="affine + nonlinearity blocks")
-    hidden_dim: int = _opt(1024, min=1, help="output dim of each hidden affine layer")
+    hidden_dim: int = _opt(1024, min=1, max=65_536, help="output dim of each hidden affine layer")
     nonlinearity: str = _opt("relu", choices=("relu", "sigmoid", "pnorm"), help="hidden nonlinearity")
-    pnorm_output_dim: int = _opt(0, min=0, help="p-norm output dim; hidden_dim must be a multiple")
+    pnorm_output_dim: int = _opt(0, min=0, max=65_536,
+                                 help="p-norm output dim; hidden_dim must be a multiple")
     pnorm_p: float = _opt(2.0, min=1.0, help="p of the p-norm")
     normalize: bool = _opt(False, help="Kaldi normalize layer after each nonlinearity")
     init_from: str = _opt("", help="RBM stack from `mpitrain pretrain` (its pretrain.h5) that "
@@ -144,7 +145,8 @@ class EarlyStopConfig:
 
 @dataclass
 class TrainingConfig:
-    epochs: float = _opt(3.0, min=0.0, min_exclusive=True, help="passes over each rank's data (may be fractional)")
+    epochs: float = _opt(3.0, min=0.0, min_exclusive=True, max=1e6,
+                         help="passes over each rank's data (may be fractional)")
     minibatch: int = _opt(256, min=1, help="frames per minibatch per rank")
     seed: int = _opt(1, min=0, help="initialisation and shuffling seed")
     max_steps: int = _opt(0, min=0, help="stop after this many steps; 0: no limit")
@@ -243,9 +245,9 @@ class ParallelConfig:
 
 @dataclass
 class PretrainConfig:
-    epochs_gaussian: float = _opt(2.0, min=0.0, min_exclusive=True,
+    epochs_gaussian: float = _opt(2.0, min=0.0, min_exclusive=True, max=1e6,
                                   help="pretrain: epochs of the first (Gaussian-Bernoulli) RBM")
-    epochs_per_layer: float = _opt(1.0, min=0.0, min_exclusive=True,
+    epochs_per_layer: float = _opt(1.0, min=0.0, min_exclusive=True, max=1e6,
                                    help="pretrain: epochs of each Bernoulli-Bernoulli RBM")
     minibatch: int = _opt(100, min=1, help="pretrain: frames per minibatch per rank")
     learning_rate_gaussian: float = _opt(0.01, min=0.0, min_exclusive=True,
@@ -288,9 +290,9 @@ class RunConfig:
                                           "a step; false: plain CuPy array expressions")
     cuda_graph: bool = _opt(False, help="GPU: replay steps whose work is fixed from a captured "
                                         "CUDA graph (not with the allreduce method)")
-    blas_threads: int = _opt(0, min=0, help="BLAS threads per rank; 0: the cores this rank may "
-                                              "use / the ranks using them too "
-                                              "(1 with device: gpu)")
+    blas_threads: int = _opt(0, min=0, max=1024,
+                             help="BLAS threads per rank; 0: the cores this rank may "
+                                  "use / the ranks using them too (1 with device: gpu)")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -161,8 +161,8 @@ def test_exponent_numbers_are_numbers(tmp_path):
 
 
 def test_an_unbounded_range_is_written_open_and_infinity_is_refused(tmp_path):
-    msg = _error(tmp_path, "training:\n  epochs: .inf\n")
-    assert "training.epochs: expected a number in (0, inf), got .inf" in msg
+    msg = _error(tmp_path, "optimizer:\n  initial_learning_rate: .inf\n")
+    assert "optimizer.initial_learning_rate: expected a number in (0, inf), got .inf" in msg
 
 
 def test_a_number_where_text_is_expected_is_taken_as_its_text(tmp_path):
@@ -279,3 +279,18 @@ def test_an_integer_too_large_to_store_is_refused(tmp_path):
         "training.minibatch: expected an integer in [1, inf), got 1e300")
     # blas_threads of that size ended in a ctypes OverflowError traceback
     assert "blas_threads" in _error(tmp_path, "blas_threads: 99999999999999999999999\n")
+
+
+def test_sizes_no_run_can_take_are_refused_naming_the_key(tmp_path):
+    # training.epochs: 1e19 trained, then failed writing its first checkpoint with an
+    # h5py TypeError traceback (the planned steps overflowed int64); hidden_dim: 1e11
+    # said only NumPy's "Maximum allowed dimension exceeded"; blas_threads: 1e11 was
+    # handed to the BLAS library
+    assert _error(tmp_path, "training:\n  epochs: 1e19\n").endswith(
+        "training.epochs: expected a number in (0, 1e+06], got 1e19")
+    assert "pretrain.epochs_per_layer: expected a number in (0, 1e+06]" in _error(
+        tmp_path, "pretrain:\n  epochs_per_layer: 1e7\n")
+    assert _error(tmp_path, "model:\n  hidden_dim: 100000000000\n").endswith(
+        "model.hidden_dim: expected an integer in [1, 65536], got 100000000000")
+    assert "blas_threads: expected an integer in [0, 1024]" in _error(
+        tmp_path, "blas_threads: 100000000000\n")
