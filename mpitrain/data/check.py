@@ -17,14 +17,17 @@ import os
 
 import numpy as np
 
-from .corpus import (CorpusError, MomentAccumulator, manifest_path, manifest_problems,
-                     read_manifest_data)
-from .shards import UTT_IDS
+from .corpus import (MAX_CLASSES, CorpusError, MomentAccumulator, manifest_path,
+                     manifest_problems, read_manifest_data)
+from .shards import MAX_FEAT_DIM, UTT_IDS
 from .validate import ShardCheck, empty_corpus_problems
 
 
-def _positive_int(value):
-    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+def _positive_int(value, limit: int):
+    """``value`` when it is an int in [1, limit], else None: a size the manifest
+    declares is used to allocate only within the limit its check enforces."""
+    return value if isinstance(value, int) and not isinstance(value, bool) \
+        and 0 < value <= limit else None
 
 
 def _shard_entries(data) -> list[tuple[int, str, int | None, int | None]]:
@@ -128,8 +131,12 @@ def check_corpus(corpus_dir: str) -> list[str]:
     manifest, problems = manifest_problems(data, path)
     if manifest is not None:
         problems += empty_corpus_problems(manifest)
-    feat_dim = _positive_int(data.get("feat_dim")) if isinstance(data, dict) else None
-    num_classes = _positive_int(data.get("num_classes")) if isinstance(data, dict) else None
+    # (a declared size over its limit is a problem reported above; the shards are
+    # still checked, without the totals that would need it)
+    feat_dim = _positive_int(data.get("feat_dim"), MAX_FEAT_DIM) \
+        if isinstance(data, dict) else None
+    num_classes = _positive_int(data.get("num_classes"), MAX_CLASSES) \
+        if isinstance(data, dict) else None
 
     totals = _Totals(feat_dim, num_classes)
     for index, rel, frames, utts in _shard_entries(data):

@@ -163,7 +163,8 @@ def manifest_problems(data, path: str) -> tuple[CorpusManifest | None, list[str]
     problems: list[str] = []
 
     def bad(field_name, expected, value):
-        shown = repr(value)
+        # YAML's own words for a boolean (`yes`, `on` and `true` read as one)
+        shown = f"{str(value).lower()} (a boolean)" if isinstance(value, bool) else repr(value)
         if len(shown) > 60:
             shown = shown[:57] + "..."
         problems.append(f"{path}: field '{field_name}': expected {expected}, got {shown}")
@@ -179,7 +180,7 @@ def manifest_problems(data, path: str) -> tuple[CorpusManifest | None, list[str]
     if problems:
         return None, problems
 
-    if data["format_version"] != FORMAT_VERSION:
+    if not _is_int(data["format_version"]) or data["format_version"] != FORMAT_VERSION:
         bad("format_version", str(FORMAT_VERSION), data["format_version"])
     for name in ("feat_dim", "num_classes"):
         if not _is_int(data[name]) or data[name] <= 0:

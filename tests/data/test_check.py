@@ -99,6 +99,26 @@ def test_garbled_manifest_field(corpus, field, value, expected):
     one_problem_naming(check_corpus(corpus), path, expected)
 
 
+def test_declared_sizes_past_their_limits_are_reported_without_allocating(corpus):
+    # num_classes: 1e9 allocated 8 GB of class counts (a minute, on a shared node)
+    # and 1e23 ended in NumPy's "Maximum allowed dimension exceeded" naming no file
+    for num_classes in (10 ** 23, 10 ** 9):
+        path = edit_manifest(corpus, lambda data: data.update(num_classes=num_classes))
+        one_problem_naming(check_corpus(corpus), path,
+                           "field 'num_classes': expected at most 1048576")
+
+
+def test_a_boolean_in_the_manifest_is_named_as_yaml_reads_it(corpus):
+    # it said "got True"; format_version: on was taken for 1
+    path = edit_manifest(corpus, lambda data: data.update(feat_dim=True))
+    one_problem_naming(check_corpus(corpus), path,
+                       "field 'feat_dim': expected a positive int, got true (a boolean)")
+    path = edit_manifest(corpus, lambda data: data.update(feat_dim=FEAT_DIM,
+                                                          format_version=True))
+    one_problem_naming(check_corpus(corpus), path,
+                       "field 'format_version': expected 1, got true (a boolean)")
+
+
 def test_manifest_frames_disagree_with_shard(corpus):
     def change(data):
         data["shards"][0]["frames"] += 1
