@@ -33,7 +33,7 @@ import os
 import numpy as np
 
 from .export import UNSEEN_PRIOR, UNSEEN_SCORE, prior_offsets
-from .files import atomic_path, commit, discard, temporary_path
+from .files import atomic_path, commit, discard, output_file_problem, temporary_path
 from .nn.model_file import load_model
 
 FORMATS = ("onnx", "torch")
@@ -53,6 +53,8 @@ def convert_model(model_path, fmt: str, out: str) -> str:
     """
     if fmt not in FORMATS:
         raise ValueError(f"--to: expected one of {', '.join(FORMATS)}, got {fmt!r}")
+    if not str(out).strip():
+        raise ValueError("OUT is empty; name the file (onnx) or directory (torch) to write")
     if fmt == "onnx" and os.path.isdir(out):
         raise ValueError(f"{out}: is a directory; --to onnx writes one file (name it, "
                          f"e.g. {os.path.join(out, 'model.onnx')})")
@@ -283,7 +285,12 @@ def _write_torch(model: _Parts, out: str) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out}: exists and is not a directory (convert --to torch writes "
                          "a directory: model.py and weights.npz)")
-    os.makedirs(out, exist_ok=True)
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as exc:
+        # (makedirs names no more than the path, e.g. "[Errno 20] Not a directory")
+        problem = output_file_problem(os.path.join(out, "weights.npz")) or exc.strerror
+        raise ValueError(f"{out}: cannot make the directory: {problem}") from None
     arrays = {"cmvn_mean": model.cmvn_mean, "cmvn_scale": model.cmvn_scale}
     for i, (w, b) in enumerate(model.affine):
         arrays[f"affine{i}_weight"], arrays[f"affine{i}_bias"] = w, b

@@ -194,6 +194,18 @@ def discard(tmp: str) -> None:
         os.remove(tmp)
 
 
+def make_parent_directories(path) -> None:
+    """Make the missing directories above ``path``; a WriteError naming ``path`` when
+    they cannot be made (a file stands where one belongs: makedirs said only
+    "File exists" of that file)."""
+    path = os.fspath(path)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    except OSError as exc:
+        problem = output_file_problem(path) or exc.strerror or str(exc)
+        raise WriteError(exc.errno, f"cannot write {path}: {problem}") from None
+
+
 @contextlib.contextmanager
 def atomic_path(path):
     """Yield a temporary name to write ``path`` under; it becomes ``path`` on success.
@@ -204,7 +216,7 @@ def atomic_path(path):
             fig.savefig(tmp, format="png")
     """
     path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    make_parent_directories(path)
     tmp = temporary_path(path)
     try:
         yield tmp

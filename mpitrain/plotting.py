@@ -361,9 +361,6 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
     fig.suptitle(f"{title}  ({note})" if title else note, fontsize="medium")
     place_legend(fig, ax_acc)
     out_png = os.fspath(out_png)
-    parent = os.path.dirname(out_png)
-    if parent:
-        os.makedirs(parent, exist_ok=True)
-    with atomic_path(out_png) as tmp:
+    with atomic_path(out_png) as tmp:          # (it makes the missing directories)
         fig.savefig(tmp, dpi=dpi, format="png")
     return out_png

@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from .files import atomic_open
+from .files import atomic_open, output_file_problem
 
 DEFAULT_CONFIG = "mpitrain.yaml"
 DEFAULT_EXAMPLE = "quickstart"
@@ -67,7 +67,14 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
     dev = dev or (os.path.join(corpus, "dev") if corpus else None)
     if not train or not dev:
         raise ValueError("init: give --corpus DIR, or both --train and --dev")
+    if not str(out_dir).strip():
+        raise ValueError("init: DIR is empty; name the directory to write "
+                         f"{DEFAULT_CONFIG} into (. for this one)")
     target = Path(out_dir) / DEFAULT_CONFIG
+    # said before the corpus warnings, and instead of makedirs' "File exists"
+    problem = output_file_problem(target)
+    if problem:
+        raise ValueError(f"{target}: cannot be written: {problem}")
     if target.exists() and not overwrite:
         raise ValueError(f"{target}: already exists; pass --overwrite to replace it")
     text = examples[example].read_text(encoding="utf-8")

@@ -213,6 +213,19 @@ def test_init_writes_a_starter_config_that_trains(small_corpus, tmp_path, capsys
     assert "--example: no example configuration 'nope'" in capsys.readouterr().err
 
 
+def test_init_into_a_file_or_no_directory_is_one_line(small_corpus, tmp_path, capsys):
+    # "[Errno 17] File exists: ..." after the corpus warnings, and "[Errno 2] ... ''"
+    (tmp_path / "notes").write_text("x")
+    assert main(["init", str(tmp_path / "notes"), "--corpus", small_corpus]) == 2
+    assert capsys.readouterr().err == (
+        f"mpitrain init: error: {tmp_path / 'notes' / 'mpitrain.yaml'}: cannot be written: "
+        f"{tmp_path / 'notes'} is not a directory\n")
+    assert main(["init", "", "--corpus", small_corpus]) == 2
+    assert capsys.readouterr().err == ("mpitrain init: error: init: DIR is empty; name the "
+                                       "directory to write mpitrain.yaml into (. for this "
+                                       "one)\n")
+
+
 def test_init_warns_of_a_corpus_not_written_yet(tmp_path, capsys):
     assert main(["init", str(tmp_path), "--train", str(tmp_path / "t"),
                  "--dev", str(tmp_path / "d")]) == 0

@@ -115,6 +115,19 @@ def test_torch_target_that_is_a_file_is_one_line(tmp_path, capsys):
     assert "file: exists and is not a directory" in capsys.readouterr().err
 
 
+def test_torch_target_under_a_file_or_empty_is_one_line_naming_it(tmp_path, capsys):
+    # "[Errno 20] Not a directory: ..." and "[Errno 2] No such file or directory: ''"
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+    (tmp_path / "file").write_text("x")
+    out = tmp_path / "file" / "torch"
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 2
+    assert capsys.readouterr().err == (f"mpitrain convert: error: {out}: cannot make the "
+                                       f"directory: {tmp_path / 'file'} is not a directory\n")
+    assert main(["convert", str(model), "--to", "torch", ""]) == 2
+    assert "error: OUT is empty; name the file (onnx) or directory (torch) to write" in \
+        capsys.readouterr().err
+
+
 def test_onnx_target_that_is_a_directory_is_one_line(tmp_path, capsys):
     # it failed at the end with the raw rename error, naming our temporary file
     model = _model(tmp_path / "m.h5", _layers("relu"))

@@ -245,3 +245,17 @@ def test_output_file_problem_names_what_stands_in_the_way(tmp_path):
     assert output_file_problem(tmp_path / "file" / "x") == f"{tmp_path / 'file'} is not a directory"
     assert output_file_problem(tmp_path / "new" / "deeper" / "x.json") is None
     assert output_file_problem(tmp_path / "x.json") is None
+
+
+def test_a_file_standing_where_a_parent_directory_belongs_is_named():
+    # makedirs said "[Errno 17] File exists: 'notes'" of the file in the way
+    import tempfile
+    with tempfile.TemporaryDirectory() as top:
+        blocker = os.path.join(top, "notes")
+        with open(blocker, "w") as fh:
+            fh.write("x")
+        target = os.path.join(blocker, "sub", "curves.png")
+        with pytest.raises(OSError) as info:
+            with atomic_open(target) as fh:
+                fh.write("never")
+        assert str(info.value) == f"cannot write {target}: {blocker} is not a directory"

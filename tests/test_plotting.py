@@ -315,3 +315,14 @@ def test_long_labels_go_under_the_panels_and_tell_the_runs_apart_first(tmp_path)
     ax.plot([0, 1], [0, 1], label="sgd")
     assert place_legend(short, ax) == "inside"
     assert tuple(short.get_size_inches()) == (11, 4.2)
+
+
+def test_plot_under_a_file_is_one_line_naming_it(tmp_path, capsys):
+    write_run(tmp_path / "r1", acc_at_end=0.6)
+    (tmp_path / "notes").write_text("x")
+    out = tmp_path / "notes" / "curves.png"
+    assert cli_main(["plot", str(tmp_path / "r1"), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    # (it said "[Errno 17] File exists: '.../notes'")
+    assert err == f"mpitrain plot: error: cannot write {out}: {tmp_path / 'notes'} is not " \
+                  "a directory\n"
