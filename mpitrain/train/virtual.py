@@ -46,6 +46,10 @@ from .metrics import MetricsLog
 from .trainer import Trainer
 
 
+#: The largest --jitter: the sigma of the log of a step time's factor.
+MAX_JITTER = 10.0
+
+
 @dataclass(frozen=True)
 class ComputeModel:
     """Seconds of computing per training step, per rank.
@@ -70,11 +74,14 @@ class ComputeModel:
             raise ValueError(f"compute: step time must be a finite number >= 0 seconds, "
                              f"got {self.step_seconds!r}")
         for rank, factor in self.slowdown.items():
-            if int(rank) != rank or rank < 0 or not factor > 0:
+            if int(rank) != rank or rank < 0 or not 0 < factor < math.inf:
                 raise ValueError(f"slowdown: expected rank=factor with rank >= 0 and "
-                                 f"factor > 0, got {rank}={factor}")
-        if not self.jitter >= 0:
-            raise ValueError(f"jitter: expected a number >= 0, got {self.jitter!r}")
+                                 f"a finite factor > 0, got {rank}={factor}")
+        # exp(jitter z - jitter^2 / 2) overflows past about 37 (an OverflowError
+        # traceback mid-run); a spread of e^10 is already far beyond any machine's
+        if not 0 <= self.jitter <= MAX_JITTER:
+            raise ValueError(f"jitter: expected a number in [0, {MAX_JITTER:g}], "
+                             f"got {self.jitter!r}")
 
     def step_times(self, rank: int):
         """An endless iterator of this rank's step times, in seconds."""
@@ -194,6 +201,10 @@ def compute_model(cfg, *, step_ms: float = 0.0, slowdown: Optional[dict] = None,
 
         compute_model(cfg, step_ms=2.0, slowdown={0: 1.5})     # a GPU-class step
     """
+    if not 0 <= step_ms < math.inf:
+        # (a negative time was taken for 0: measured, without a word)
+        raise ValueError(f"--compute-ms: expected a step time in ms >= 0 (0: measured "
+                         f"here), got {step_ms!r}")
     seconds = step_ms * 1e-3
     if seconds <= 0:
         from threadpoolctl import threadpool_limits

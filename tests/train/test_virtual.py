@@ -145,6 +145,24 @@ def test_compute_model_jitter_is_seeded_and_keeps_the_mean():
         ComputeModel(step_seconds=0.01, slowdown={2: 0.0})
 
 
+def test_step_time_options_out_of_range_are_refused_before_anything_runs(small_corpus,
+                                                                           tmp_path, capsys):
+    from mpitrain.cli import main
+    base = ["train", QUICKSTART, "--virtual", "2", "--run-dir", str(tmp_path / "run")] + [
+        arg for key in small_overrides(small_corpus) for arg in ("--set", key)]
+    # --jitter 1e300 ended mid-run in an OverflowError traceback; --compute-ms -1 was
+    # taken for 0 (measured) and --slowdown 1=inf for a factor
+    for option, message in ((["--jitter", "1e300"], "jitter: expected a number in [0, 10]"),
+                            (["--compute-ms", "-1"], "--compute-ms: expected a step time"),
+                            (["--slowdown", "1=inf"], "a finite factor > 0, got 1=inf")):
+        assert main(base + option) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not (tmp_path / "run").exists()
+    with pytest.raises(ValueError, match="jitter"):
+        ComputeModel(step_seconds=0.01, jitter=38.0)
+
+
 def test_records_carry_the_simulated_training_seconds(small_corpus, tmp_path):
     """train and eval records hold `seconds`, the communicator's clock since training
     began: on virtual ranks the simulated one, which `plot --x seconds` draws."""
