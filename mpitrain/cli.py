@@ -303,9 +303,11 @@ def _end_every_rank(comm, command: str, exc: BaseException) -> None:
 def _train_virtual(args, cfg) -> int:
     """``train --virtual N``: N virtual ranks in this process, on a simulated clock."""
     from .train.run_dir import run_dir_problem
-    from .train.virtual import plan_virtual, train_virtual
-    if args.virtual < 1:
-        raise UsageError(f"--virtual: expected a number of ranks >= 1, got {args.virtual}")
+    from .train.virtual import MAX_VIRTUAL_RANKS, plan_virtual, train_virtual
+    if not 1 <= args.virtual <= MAX_VIRTUAL_RANKS:
+        raise UsageError(f"--virtual: expected a number of ranks in [1, {MAX_VIRTUAL_RANKS}] "
+                         f"(each is a thread of this process with its own model), got "
+                         f"{args.virtual}")
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0])
     problem = run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite)
@@ -466,6 +468,11 @@ def cmd_bench(args) -> int:
             raise UsageError(str(exc).replace("--sizes", "--virtual", 1) if virtual_sizes
                              else str(exc)) from None
         if virtual_sizes:
+            from .train.virtual import MAX_VIRTUAL_RANKS
+            if max(virtual_sizes) > MAX_VIRTUAL_RANKS:
+                raise UsageError(f"--virtual: at most {MAX_VIRTUAL_RANKS} ranks (each is a "
+                                 f"thread of this process with its own model), got "
+                                 f"{max(virtual_sizes)}")
             _refuse_virtual_under_a_launcher()
         else:
             _refuse_virtual_only_options(args)

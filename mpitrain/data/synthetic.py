@@ -316,6 +316,14 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
             raise ValueError(f"{name} {count}: {hours_name} {amount:g} gives "
                              f"{int(frames)} frames, under {MIN_FRAMES_PER_SPEAKER} a "
                              f"speaker; give more {hours_name} or fewer {name}")
+    # an utterance has at least units_per_utterance[0] units of STATES_PER_UNIT frames:
+    # more shards than utterances would be written empty
+    most_utterances = int(hours * 3600 * FRAMES_PER_SECOND) // (
+        params.units_per_utterance[0] * STATES_PER_UNIT)
+    if shards > max(1, most_utterances):
+        raise ValueError(f"shards {shards}: hours {hours:g} gives at most {max(1, most_utterances)} "
+                         f"utterance(s), and a shard holds whole utterances; give fewer "
+                         f"shards or more hours")
     started = time.perf_counter()
     root = np.random.SeedSequence(seed)
     world_seq, train_seq, dev_seq = root.spawn(3)

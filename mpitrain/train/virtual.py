@@ -48,6 +48,8 @@ from .trainer import Trainer
 
 #: The largest --jitter: the sigma of the log of a step time's factor.
 MAX_JITTER = 10.0
+#: The most virtual ranks: each is a thread of this process holding its own model.
+MAX_VIRTUAL_RANKS = 4096
 
 
 @dataclass(frozen=True)

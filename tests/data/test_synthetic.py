@@ -158,6 +158,8 @@ def test_params_are_validated():
     ({"seen_dev_hours": -1.0}, "seen_dev_hours must be"),
     ({"seed": -1}, "seed must be an integer >= 0"),
     ({"speakers": 100_000, "hours": 0.01}, "speakers 100000: hours 0.01 gives 3600 frames"),
+    # (each written empty, minutes of it with 100,000)
+    ({"shards": 500, "hours": 0.01}, "shards 500: hours 0.01 gives at most 120 utterance"),
 ])
 def test_impossible_amounts_are_refused_before_anything_is_written(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):

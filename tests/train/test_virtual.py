@@ -163,6 +163,22 @@ def test_step_time_options_out_of_range_are_refused_before_anything_runs(small_c
         ComputeModel(step_seconds=0.01, jitter=38.0)
 
 
+def test_more_virtual_ranks_than_threads_can_hold_are_refused_at_once(small_corpus, tmp_path,
+                                                                      capsys):
+    from mpitrain.cli import main
+    overrides = [arg for key in small_overrides(small_corpus) for arg in ("--set", key)]
+    # (a thread per rank was started before any check: 99999999 ranks hung)
+    assert main(["train", QUICKSTART, "--virtual", "99999999", "--dry-run", "--run-dir",
+                 str(tmp_path / "run")] + overrides) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--virtual: expected a number of ranks in [1, 4096]" in err
+    assert main(["bench", QUICKSTART, "--virtual", "1,99999999", "--out",
+                 str(tmp_path / "bench")] + overrides) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--virtual: at most 4096 ranks" in err, err
+    assert not (tmp_path / "run").exists() and not (tmp_path / "bench").exists()
+
+
 def test_records_carry_the_simulated_training_seconds(small_corpus, tmp_path):
     """train and eval records hold `seconds`, the communicator's clock since training
     began: on virtual ranks the simulated one, which `plot --x seconds` draws."""
