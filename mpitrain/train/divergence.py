@@ -51,18 +51,49 @@ class Diverged(RuntimeError):
     """Training diverged more often than the configured roll backs allow."""
 
 
+def divergence_advice(cfg) -> str:
+    """What to change when a run keeps diverging: the rate and max-change, and the
+    settings of ``cfg`` that enlarge or push the step beyond plain SGD's.
+
+    Example::
+
+        divergence_advice(cfg)   # 'lower optimizer.initial_learning_rate or the
+                                 #  max-change values, or optimizer.l2_regularize (1e+30)'
+    """
+    opt, par, t = cfg.optimizer, cfg.parallel, cfg.training
+    suspects = [(f"optimizer.{key}", getattr(opt, key))
+                for key in ("l2_regularize", "l2_regularize_output", "momentum")
+                if getattr(opt, key) > 0]
+    if par.method == "bmuf":
+        suspects += [("parallel.block_lr", par.block_lr)] if par.block_lr > 1 else []
+        suspects += [("parallel.block_momentum", par.block_momentum)] \
+            if par.block_momentum >= 0 else []
+    advice = "lower optimizer.initial_learning_rate or the max-change values"
+    if suspects:
+        advice += ", or " + ", ".join(f"{key} ({value:g})" for key, value in suspects)
+    if 0 < t.divergence_factor < 1.5:
+        # a window only a little above the running mean counts as exploding
+        advice += (f"; or raise training.divergence_factor ({t.divergence_factor:g}: a "
+                   "window above that many times the running mean counts as exploding)")
+    return advice
+
+
 class DivergenceGuard:
     """Counts divergence events between checkpoints and decides on roll backs.
 
     ``factor`` 0 turns the explosion test off (non-finite windows still count).
-    ``initial_xent`` seeds the running mean (None: the first good window does).
+    ``initial_xent`` seeds the running mean (None: the first good window does);
+    ``advice`` ends the message of :class:`Diverged` (what to change).
     """
 
     def __init__(self, *, factor: float, max_events: int, max_rollbacks: int,
-                 lr_factor: float = 0.5, initial_xent: float | None = None):
+                 lr_factor: float = 0.5, initial_xent: float | None = None,
+                 advice: str = "lower optimizer.initial_learning_rate or the max-change "
+                               "values"):
         self.factor, self.max_events = float(factor), int(max_events)
         self.max_rollbacks, self.lr_factor = int(max_rollbacks), float(lr_factor)
         self.initial_xent = None if initial_xent is None else float(initial_xent)
+        self.advice = advice          # the last words of :class:`Diverged`
         self.running_mean = self.initial_xent
         self.events = 0              # since the last checkpoint or roll back
         self.last_window_good = True
@@ -106,8 +137,7 @@ class DivergenceGuard:
             raise Diverged(
                 f"training diverged: {self.events} non-finite or exploding minibatches/"
                 f"windows since the last checkpoint after {self.rollbacks} roll back(s) "
-                f"(learning rate now x{self.lr_scale:g}); lower "
-                "optimizer.initial_learning_rate or the max-change values")
+                f"(learning rate now x{self.lr_scale:g}); {self.advice}")
         self.rollbacks += 1
         # kept above 0 (a rate scale of 1e-300 squared is 0, which no state accepts):
         # the smallest positive double is no step at all in float32

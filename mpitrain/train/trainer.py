@@ -32,7 +32,7 @@ from ..parallel.registry import build_strategy, data_share, takes_own_steps
 from ..threads import current_blas_threads
 from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, save_checkpoint
 from .checkpoint_clock import CheckpointClock
-from .divergence import ROLL_BACK, DivergenceGuard, Diverged
+from .divergence import ROLL_BACK, DivergenceGuard, Diverged, divergence_advice
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .errors import TrainingError
 from .metrics import MetricsLog, format_duration, resident_mb
@@ -169,7 +169,8 @@ class Trainer(CheckpointResume):
         self.guard = DivergenceGuard(factor=t.divergence_factor,
                                      max_events=t.max_divergence_events,
                                      max_rollbacks=t.max_rollbacks, lr_factor=t.rollback_lr_factor,
-                                     initial_xent=math.log(self.manifest.num_classes))
+                                     initial_xent=math.log(self.manifest.num_classes),
+                                     advice=divergence_advice(cfg))
         # held-out figures dip while dropout rises: early stopping counts from its end
         # (measured: counting through the dip stopped a 20-epoch run 2.3 points short)
         rise_end = self.dropout_schedule.last_rise_end if self.dropout_schedule else 0.0

@@ -138,3 +138,19 @@ def test_a_rate_scale_that_would_underflow_stays_positive():
         restored = _guard(lr_factor=1e-300, max_rollbacks=3)
         restored.load_state_dict(guard.state_dict())
         assert 0.0 < restored.lr_scale == guard.lr_scale <= 1e-300
+
+
+def test_the_last_words_name_the_settings_that_enlarge_the_step():
+    from mpitrain.config import load_config
+    from mpitrain.train.divergence import divergence_advice
+    plain = divergence_advice(load_config(None, []))
+    assert plain == "lower optimizer.initial_learning_rate or the max-change values"
+    advice = divergence_advice(load_config(None, [
+        "optimizer.l2_regularize=1e30", "parallel.method=bmuf", "parallel.block_lr=1e6",
+        "training.divergence_factor=1.1"]))
+    # (it said to lower the rate whatever had blown the step up)
+    assert "optimizer.l2_regularize (1e+30)" in advice and "parallel.block_lr (1e+06)" in advice
+    assert "raise training.divergence_factor (1.1" in advice
+    guard = DivergenceGuard(factor=3.0, max_events=0, max_rollbacks=0, advice=advice)
+    with pytest.raises(Diverged, match=r"optimizer\.l2_regularize \(1e\+30\)"):
+        guard.roll_back()
