@@ -231,7 +231,10 @@ def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> i
     """
     from .comm.abort import install_abort_hook
     from .train.run_dir import run_dir_problem
-    comm, cfg = _start_ranks(args, lambda: _refuse_virtual_only_options(args))
+    def checks():
+        _refuse_virtual_only_options(args)
+        _refuse_empty_run_dir(args)
+    comm, cfg = _start_ranks(args, checks)
     install_abort_hook(comm)
     _limit_blas_threads(cfg, comm)
     run_dir = args.run_dir or os.path.join(
@@ -308,6 +311,7 @@ def _train_virtual(args, cfg) -> int:
         raise UsageError(f"--virtual: expected a number of ranks in [1, {MAX_VIRTUAL_RANKS}] "
                          f"(each is a thread of this process with its own model), got "
                          f"{args.virtual}")
+    _refuse_empty_run_dir(args)
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0])
     problem = run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite)
@@ -329,6 +333,13 @@ def _network_model(args):
     return NetworkModel(latency_s=args.latency_us * 1e-6,
                         bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8,
                         allreduce_algorithm=args.allreduce_algorithm)
+
+
+def _refuse_empty_run_dir(args) -> None:
+    """``--run-dir ''`` (a variable left unset in a batch script) is not the default."""
+    if args.run_dir is not None and not args.run_dir.strip():
+        raise UsageError("--run-dir is empty; name a directory, or leave the option out "
+                         "for runs/<config name>")
 
 
 def _refuse_virtual_only_options(args) -> None:

@@ -602,6 +602,9 @@ def parse_overrides(overrides) -> dict:
         if "=" not in item:
             raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. optimizer.momentum=0.9")
         key, text = item.split("=", 1)
+        if not all(part.strip() for part in key.split(".")):
+            raise ConfigError(f"--set {item}: expected KEY=VALUE with a key such as "
+                              "optimizer.momentum, got no key or an empty part of one")
         if _names_text(key.strip()) and text.strip()[:1] not in ("'", '"'):
             # a path or a name as typed: YAML would cut it at ' #' or refuse ': '
             value = text.strip()

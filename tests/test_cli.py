@@ -9,6 +9,8 @@ import pytest
 
 from mpitrain.cli import build_parser, main
 
+from .helpers import QUICKSTART
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMANDS = ["synth", "prepare", "check", "train", "eval", "export"]
 
@@ -225,6 +227,23 @@ def test_init_into_a_file_or_no_directory_is_one_line(small_corpus, tmp_path, ca
                                        "directory to write mpitrain.yaml into (. for this "
                                        "one)\n")
 
+
+def test_an_empty_run_dir_or_set_key_is_one_line(tmp_path, capsys, monkeypatch):
+    # --run-dir '' (an unset variable in a batch script) trained into runs/<config>;
+    # --set =3 said ": unknown key"
+    monkeypatch.chdir(tmp_path)
+    for argv in (["train", QUICKSTART, "--run-dir", ""],
+                 ["train", QUICKSTART, "--run-dir", " ", "--virtual", "2"],
+                 ["pretrain", QUICKSTART, "--run-dir", ""]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--run-dir is empty" in err, err
+    assert main(["train", QUICKSTART, "--set", "=3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--set =3: expected KEY=VALUE with a key" in err, err
+    assert main(["train", QUICKSTART, "--set", "optimizer..momentum=0.5"]) == 2
+    assert "empty part" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
 
 def test_init_warns_of_a_corpus_not_written_yet(tmp_path, capsys):
     assert main(["init", str(tmp_path), "--train", str(tmp_path / "t"),
