@@ -1051,6 +1051,10 @@ def main(argv=None) -> int:
     _fill_closed_standard_descriptors()
     from .plotting import keep_matplotlib_quiet
     keep_matplotlib_quiet()     # (a compute node's HOME may be read-only)
+    # the plots are drawn off screen (Agg), whatever backend MPLBACKEND asks pyplot
+    # for; a name matplotlib does not know would fail its import, after a bench's
+    # measurements or at the start of a run with training.plot
+    os.environ.pop("MPLBACKEND", None)
     usage_on_error = False
     if not argv:
         # `mpirun -np 32 python -m mpitrain`: the config of the current directory

@@ -1,6 +1,7 @@
 """Training-curve plots: reading metrics files and drawing PNGs from them."""
 
 import json
+import os
 import math
 import re
 
@@ -326,3 +327,18 @@ def test_plot_under_a_file_is_one_line_naming_it(tmp_path, capsys):
     # (it said "[Errno 17] File exists: '.../notes'")
     assert err == f"mpitrain plot: error: cannot write {out}: {tmp_path / 'notes'} is not " \
                   "a directory\n"
+
+
+def test_a_backend_matplotlib_does_not_know_leaves_plot_drawing(tmp_path):
+    # (MPLBACKEND=nonsense failed matplotlib's import: plot ended on its long list
+    # of backends, a bench lost its pictures after measuring)
+    import subprocess
+    import sys
+    write_run(tmp_path / "r1", acc_at_end=0.6)
+    out = tmp_path / "curves.png"
+    env = dict(os.environ, MPLBACKEND="nonsense")
+    result = subprocess.run([sys.executable, "-m", "mpitrain", "plot", str(tmp_path / "r1"),
+                             "--out", str(out)], env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -252,12 +252,15 @@ def write_report(report: dict, out_dir: str, *, dpi: int = 100, plots: bool = Tr
         del paths["speedup_png"]
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
-        # the measurements are kept whatever happens to the pictures
+    except (ImportError, ValueError) as exc:
+        # the measurements are kept whatever happens to the pictures (ValueError: an
+        # MPLBACKEND that matplotlib does not know fails its import)
         for key in [k for k in paths if k.endswith("_png")]:
             del paths[key]
+        why = "matplotlib is not installed (pip install matplotlib)" \
+            if isinstance(exc, ImportError) else f"matplotlib could not start ({exc})"
         report = dict(report, notes=list(report.get("notes", [])) + [
-            "Plots not drawn: matplotlib is not installed (pip install matplotlib)."])
+            f"Plots not drawn: {why}."])
     report = dict(report, outputs={k: os.path.basename(v) for k, v in paths.items()})
     with atomic_open(paths["json"]) as fh:
         json.dump(report, fh, indent=1, default=_json_default, allow_nan=False)
