@@ -1112,6 +1112,13 @@ def main(argv=None) -> int:
               flush=True)
         return 2
     except KeyboardInterrupt:
+        if args.command in MPI_COMMANDS and several_ranks():
+            # (an interrupt before the run's own guard, e.g. while the ranks start:
+            # the others would wait for this rank in MPI forever)
+            print(f"mpitrain {args.command}: rank {_launcher_rank()}: interrupted",
+                  file=sys.stderr, flush=True)
+            from .comm import abort_job_interrupted
+            abort_job_interrupted()
         print(f"mpitrain {args.command}: interrupted", file=sys.stderr, flush=True)
         return 130
     except Exception:

@@ -461,6 +461,30 @@ def test_an_error_before_mpi_starts_is_said_once_and_every_rank_exits_2(mpiexec,
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("where,interrupted", [("config", 1), ("settings", 1), ("synth", 0)])
+def test_an_interrupt_on_one_rank_while_the_ranks_start_ends_the_job(mpiexec, small_corpus,
+                                                                      tmp_path, where,
+                                                                      interrupted):
+    # rank 1 interrupted before MPI starts, or after it but before the run's own
+    # guard; rank 0 interrupted while `synth` writes: it returned 130 and the
+    # others waited for it in MPI forever
+    from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+    from .helpers import WORKERS
+    try:
+        result = run_mpi(2, [str(WORKERS / "start_interrupt_worker.py"), where, small_corpus,
+                             str(tmp_path / "run")], timeout=60)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"the job hung instead of ending: {exc}")
+    assert result.returncode != 0, result.stderr
+    command = "synth" if where == "synth" else "train"
+    assert f"mpitrain {command}: rank {interrupted}: interrupted" in result.stderr, \
+        result.stderr
+    assert "MPI_Abort(MPI_COMM_WORLD, 130)" in result.stderr or result.returncode == 130, \
+        result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.mpi
 def test_no_command_without_a_config_under_mpiexec_prints_the_usage_once(mpiexec, tmp_path):
     from mpitrain.testing.mpirun import run_mpi
     result = run_mpi(2, ["-m", "mpitrain"], cwd=str(tmp_path), timeout=60)

@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import os
+import signal
 from typing import Mapping, Optional
 
 from .base import ANY_SOURCE, ANY_TAG, REDUCE_OPS, Communicator, Request
@@ -23,7 +24,7 @@ from .single import SingleCommunicator
 __all__ = [
     "ANY_SOURCE", "ANY_TAG", "REDUCE_OPS", "Communicator", "Request", "SingleCommunicator",
     "create_communicator", "launched_by_mpi", "world_size_from_env", "local_rank_from_env",
-    "rank_from_env",
+    "rank_from_env", "abort_job_interrupted",
 ]
 
 KINDS = ("auto", "mpi", "single")
@@ -168,3 +169,32 @@ def create_communicator(kind: str = "auto", *, device_transport: str = "auto") -
     if kind == "auto" and comm.size == 1:
         return SingleCommunicator()
     return comm
+
+
+def abort_job_interrupted() -> None:
+    """End every process of a job that an MPI launcher started with several ranks
+    after an interrupt (SIGINT) on this rank, whether it has started MPI or not;
+    without such a launcher it does nothing.
+
+    The other ranks may be waiting for this one inside MPI (in its start, or in
+    the ranks' first exchange), where only an abort of the whole job reaches
+    them: a rank that just exits with status 130 leaves them waiting (MPICH's
+    launcher waits on).  MPI is started first where it was not (the others'
+    start waits for this rank anyway), then the job aborts with status 130;
+    where even that fails, this process ends itself by SIGINT, which launchers
+    take as a failed rank.
+
+    Example::
+
+        except KeyboardInterrupt:
+            abort_job_interrupted()     # every rank ends, none waits for this one
+    """
+    if not launched_by_mpi() or (world_size_from_env() or 2) <= 1:
+        return
+    try:
+        from .mpi import abort_world
+        abort_world(130)
+    except Exception:
+        pass
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)

@@ -446,6 +446,16 @@ class MpiCommunicator(Communicator):
         MPI.COMM_WORLD.Abort(int(code))
 
 
+def abort_world(code: int) -> None:
+    """MPI_Abort of the whole job from a rank that holds no communicator (MPI
+    started by importing this module, if it had not been)."""
+    if sys.stdout is not None:      # (None: started with it closed)
+        sys.stdout.flush()
+    sys.stderr.flush()
+    time.sleep(ABORT_FLUSH_S)       # (see MpiCommunicator.abort)
+    MPI.COMM_WORLD.Abort(int(code))
+
+
 def bare_allreduce_sum_(comm: MpiCommunicator, buf):
     """The bare mpi4py call ``Allreduce(IN_PLACE, buf, SUM)`` with no checks or timing.
 
