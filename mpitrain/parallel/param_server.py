@@ -57,7 +57,9 @@ Server 0 still logs, evaluates and checkpoints: before it does, it asks every
 other server for its slices of theta and theta_bar (``CONTROL_TAG``, kind
 ``SNAPSHOT``), tells them when the average turns uniform (``SWITCH``) or
 starts again (``RESTART``), and,
-once its own serving is done, lets them go (``END``).
+once its own serving is done, lets them go (``END``).  Another server that a
+signal asked to stop tells server 0 once (``STOP_TAG``, the signal's code),
+since only server 0 can write the checkpoint and end the job.
 
 Symbols in the code: theta is ``net.params`` on the server, theta_bar is
 :attr:`ModelAverage.average`, t is ``ParameterServer.updates``, t0 is
@@ -76,6 +78,8 @@ from .base import Strategy
 HEADER_TAG, GRADIENT_TAG, WEIGHTS_TAG = 7500, 7501, 7502
 #: Server 0's requests to the other servers, and their slices back.
 CONTROL_TAG, SLICE_TAG = 7503, 7504
+#: Another server's word to server 0 that a signal asked it to stop.
+STOP_TAG = 7505
 #: Header kinds: a gradient (weights wanted back), the client's last gradient, no data.
 GRADIENT, LAST, DONE = 1, 2, 3
 #: Control kinds: send your slices; the average turns uniform; serving is over;
@@ -292,6 +296,8 @@ class ParameterServer(Strategy):
         self.current = None      # theta once finalize put theta_bar into the network
         self._saved_client_steps = None
         self._header = np.zeros(HEADER_SIZE, dtype=np.float64)
+        self._stop_told = False     # this server (not 0) has told server 0 of a signal
+        self._stop_word = np.zeros(1, dtype=np.float64)
 
     # -- life cycle ----------------------------------------------------------------
     def setup(self, net, optimizer) -> None:
@@ -403,6 +409,27 @@ class ParameterServer(Strategy):
         else:
             raise RuntimeError(f"param_server: server 0 sent an unknown control kind {kind}")
         return True
+
+    def tell_stop(self, code: int) -> None:
+        """A server other than 0 that a signal asked to stop (``code``: its
+        :meth:`~mpitrain.train.stop.StopRequest.code`): tell server 0, once."""
+        if self.comm.rank == 0 or self._stop_told or not code:
+            return
+        self._stop_told = True
+        self.comm.send(np.array([code], dtype=np.float64), 0, tag=STOP_TAG)
+
+    def stops_told(self) -> dict:
+        """Server 0: {server rank: signal code} of the other servers' words that a
+        signal asked them to stop, taken as they come (empty when none came)."""
+        told = {}
+        if self.comm.rank != 0 or not self.split:
+            return told
+        while True:
+            found = self.comm.iprobe(tag=STOP_TAG)
+            if found is None:
+                return told
+            self.comm.recv(self._stop_word, found[0], tag=STOP_TAG)
+            told[found[0]] = int(self._stop_word[0])
 
     def serve_until_released(self, net) -> None:
         """A server other than 0, its own serving done: answer server 0 until END (which

@@ -12,10 +12,11 @@ the start and the end.  Instead:
 - each client pulls the weights, computes the gradient of its next
   minibatch, pushes it, until its own data is done.
 
-A signal that asks the run to stop (train/stop.py), on the server or in a
-client's next push, has the server write its checkpoint after the update it
-is applying and end the whole job with exit status 75 (no point comes where
-every rank waits for the others before the end).
+A signal that asks the run to stop (train/stop.py), on the server, in a
+client's next push or in another server's word to server 0, has the server
+write its checkpoint after the update it is applying and end the whole job
+with exit status 75 (no point comes where every rank waits for the others
+before the end).
 
 Both then return to :meth:`Trainer.run`, whose end (``finalize``: every rank
 gets the averaged model; the final checkpoint, evaluation and ``final.h5``)
@@ -108,6 +109,8 @@ def serve_slice(trainer) -> None:
     left = set(ps.clients)
     while left:
         serve_next_push(trainer, left)
+        # only server 0 can write the checkpoint and end the job
+        ps.tell_stop(requested.code())
     ps.serve_until_released(net)
 
 
@@ -222,6 +225,8 @@ class Server:
             push, rate = serve_next_push(t, left, rate)
             if push is not None and push.stop:
                 signalled.setdefault(push.source, push.stop)
+            for server, code in ps.stops_told().items():
+                signalled.setdefault(server, code)
             if requested.code() or signalled:
                 self.stop_on_signal(requested.code() or min(signalled.values()),
                                     len(signalled) + bool(requested.code()))

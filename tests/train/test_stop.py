@@ -164,7 +164,10 @@ def test_one_bmuf_rank_stops_at_its_block_end_and_resumes_exactly(small_corpus, 
 @pytest.mark.parametrize("nranks,method", [
     (2, ["parallel.method=adpsgd", "parallel.asynchronous=true"]),
     (3, ["parallel.method=param_server"]),
-], ids=["async-adpsgd", "param_server"])
+    # rank 1 is the second server: only server 0 writes checkpoints and ends the
+    # job, and the signal was ignored (the run went on to its end)
+    (3, ["parallel.method=param_server", "parallel.servers=2"]),
+], ids=["async-adpsgd", "param_server", "param_server-second-server"])
 def test_an_asynchronous_run_stops_with_a_checkpoint_to_resume(small_corpus, tmp_path, nranks,
                                                                method):
     run = tmp_path / "run"

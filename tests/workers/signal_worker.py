@@ -5,8 +5,9 @@ Usage: signal_worker.py SIGNAL RANKS AFTER_BATCHES [POLL_SECONDS] -- train|pretr
 Runs ``mpitrain train`` (or ``pretrain``) through the command-line entry
 point, exactly as ``python -m mpitrain train`` does.  RANKS ("1", "0,1" or
 "all") send themselves SIGNAL (e.g. SIGTERM) while they read their
-AFTER_BATCHES-th minibatch, so the signal comes at a known step of each of
-those ranks and the stop step is known.  The ranks tell each other about
+AFTER_BATCHES-th minibatch (a parameter server, which reads none: while it
+applies its AFTER_BATCHES-th gradient), so the signal comes at a known step
+of each of those ranks and the stop step is known.  The ranks tell each other about
 signals at log lines only, unless POLL_SECONDS is given: then also about that
 often in between (0: after every step; train/stop.py's StopPoll), so that the
 stop step does not hang on this machine's speed.  Exits with the command's
@@ -19,6 +20,7 @@ import sys
 
 from mpitrain.cli import main
 from mpitrain.data.batcher import MinibatchStream
+from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.train import stop
 
 signum = signal.Signals[sys.argv[1]]
@@ -43,4 +45,15 @@ def next_batch_with_signal(self):
 
 
 MinibatchStream.next_batch = next_batch_with_signal
+original_apply = ParameterServer.apply
+
+
+def apply_with_signal(self, *args, **kwargs):
+    taken["batches"] += 1
+    if signalled and taken["batches"] == after_batches:
+        os.kill(os.getpid(), signum)
+    return original_apply(self, *args, **kwargs)
+
+
+ParameterServer.apply = apply_with_signal
 sys.exit(main(cli_args))
