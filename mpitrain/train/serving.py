@@ -372,6 +372,9 @@ class Server:
             return None
         own = {"optimizer": ps.whole_optimizer_state(t.optimizer, net),
                "reader": t.stream.state_dict()}
+        # a run directory moved or removed meanwhile: writing would make a new one
+        # of that name holding checkpoints alone
+        t._check_run_dir("a checkpoint")
         started = time.perf_counter()
         save_checkpoint(checkpoint_path(t.run_dir, t.step), net=net, step=t.step,
                         frames_seen=t.frames_seen, config_yaml=config_to_yaml(t.cfg),

@@ -516,6 +516,35 @@ def test_a_run_directory_moved_or_removed_mid_run_stops_the_run(small_corpus, tm
     assert not run.exists()
 
 
+def test_a_run_directory_moved_mid_run_stops_a_parameter_server_run(small_corpus, tmp_path,
+                                                                     monkeypatch, capsys):
+    # the server writes its checkpoints by itself, and did not look: it went on
+    # to the end making a new directory of the old name holding checkpoints alone,
+    # and failed only at best.h5 or final.h5
+    from mpitrain.train import serving
+    run = tmp_path / "run"
+    real_save = serving.save_checkpoint
+
+    def save_then_move_the_directory(*args, **kwargs):
+        real_save(*args, **kwargs)
+        if run.exists():
+            run.rename(tmp_path / "moved")
+
+    monkeypatch.setattr(serving, "save_checkpoint", save_then_move_the_directory)
+    argv = ["train", QUICKSTART, "--run-dir", str(run), "--virtual", "2"]
+    for item in TINY + ["parallel.method=param_server", "training.max_steps=12",
+                        "training.checkpoint_interval=4", "training.eval_interval=1000000",
+                        f"data.train={small_corpus}/train", f"data.dev={small_corpus}/dev",
+                        "data.chunk_frames=20000"]:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"mpitrain train: error: {run}: the run "
+                                               "directory (or its .lock) was removed"), err
+    assert not run.exists()
+    assert [p.name for p in (tmp_path / "moved").glob("ckpt-*.h5")] == ["ckpt-00000004.h5"]
+
+
 def test_nnet2s_max_change_per_sample_alone_trains_and_learns(small_corpus, tmp_path):
     """Su & Chen's clipping (nnet2's max-change-per-sample, nnet3's max-change off),
     end to end: the run learns (slowly at this rate: the bound clips most steps of
