@@ -14,6 +14,7 @@ that does this.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 from .. import backend
@@ -167,18 +168,16 @@ class CheckpointResume:
         if complete_at and not changes and not asks_more:
             # a requeued job's --resume of a run that had ended: leave its results alone
             self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
-            self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in
-                                            ckpt.trainer_state.items()
-                                            if k.startswith(SELECTION_PREFIX)})
+            self._load_selection_state(ckpt)
             best = {} if self.selection.best_step < 0 else {
                 "best_step": self.selection.best_step, "best_value": self.selection.best_value}
             self._complete = (ckpt.step, best, old_planned)
             return
         self._restore(ckpt, settings_changed=bool(changes))
         # (a roll back restores a checkpoint too, but keeps the best model found since)
-        self.selection.load_state_dict({k[len(SELECTION_PREFIX):]: v for k, v in
-                                        ckpt.trainer_state.items()
-                                        if k.startswith(SELECTION_PREFIX)})
+        # (another training.select_by: its best value is not one of the new figure's)
+        self._load_part(ckpt, "the model selection (best.h5, early stopping)",
+                        self._load_selection_state, bool(changes))
         self._say(f"resumed from {ckpt.path} at step {self.step}")
 
     def _restore(self, ckpt, *, settings_changed: bool = False) -> None:
@@ -290,6 +289,15 @@ class CheckpointResume:
             self._say(f"resume: {what} starts afresh: the checkpoint's does not fit the "
                       f"changed settings ({' '.join(str(exc).split())})")
             return False
+
+    def _load_selection_state(self, ckpt) -> None:
+        state = {k[len(SELECTION_PREFIX):]: v for k, v in ckpt.trainer_state.items()
+                 if k.startswith(SELECTION_PREFIX)}
+        if "by_xent" not in state:      # a checkpoint from before it was stored
+            with contextlib.suppress(ValueError):
+                saved = config_from_yaml(ckpt.config_yaml).training.select_by
+                state["by_xent"] = int(saved == "xent")
+        self.selection.load_state_dict(state)
 
     def _load_schedule_state(self, ckpt) -> None:
         saved = {k[len(SCHEDULE_PREFIX):]: v for k, v in ckpt.trainer_state.items()

@@ -12,6 +12,13 @@ the best so far:
   one restarts; otherwise the count grows, and reaching
   ``training.early_stop.patience`` (when > 0) stops training.
 
+Figures are compared only with figures over as many held-out frames: an
+evaluation over another number (``data.dev`` or ``training.eval_max_frames``
+changed on resume) starts the selection afresh, and that evaluation becomes the
+best (``Verdict.restarted``); so does a checkpoint's selection made by the
+other figure (``training.select_by`` changed with ``--accept-changes``), which
+:meth:`ModelSelection.load_state_dict` refuses.
+
 While a dropout schedule raises the proportion, held-out figures dip and
 recover (measured in docs/benchmarks.md); evaluations before
 ``patience_from_step`` (the end of the schedule's last rise) keep the best
@@ -44,6 +51,8 @@ class Verdict:
     gained: bool          # a gain of more than min_delta (the patience count restarts)
     stop: bool            # patience exhausted: stop training
     since_gain: int       # evaluations in a row without a gain
+    # the figures so far were over another number of held-out frames: forgotten
+    restarted_from_frames: int = 0
 
 
 class ModelSelection:
@@ -61,6 +70,7 @@ class ModelSelection:
         self.best_step = -1
         self.reference = math.nan       # the figure at the last gain
         self.since_gain = 0
+        self.held_out_frames = 0        # the frames the figures so far were over; 0: none
 
     def _better(self, value: float, than: float, margin: float = 0.0) -> bool:
         if math.isnan(than):
@@ -70,23 +80,32 @@ class ModelSelection:
     def observe(self, result: dict, *, step: int) -> Verdict:
         """Take one evaluation's ``result`` (``dev_acc``, ``dev_xent``) at ``step``."""
         value = float(result[_KEYS[self.select_by]])
+        frames = int(result.get("dev_frames", 0))
+        restarted_from = 0
+        if frames and self.held_out_frames and frames != self.held_out_frames:
+            # figures of another held-out set (or another cap on it) do not compare
+            restarted_from = self.held_out_frames
+            self.best_value, self.best_step = math.nan, -1
+            self.reference, self.since_gain = math.nan, 0
+        if frames:
+            self.held_out_frames = frames
         # a diverged model is never the best, nor one whose other figure is not
         # finite (a held-out set that overflows it: its file could not be written)
         if not all(math.isfinite(float(result.get(key, 0.0))) for key in _KEYS.values()):
             self.since_gain += 1
-            return Verdict(False, False, self._exhausted(), self.since_gain)
+            return Verdict(False, False, self._exhausted(), self.since_gain, restarted_from)
         improved = self._better(value, self.best_value)
         if improved:
             self.best_value, self.best_step = value, int(step)
         if step < self.patience_from_step:         # not counted: the next one starts afresh
             self.reference, self.since_gain = math.nan, 0
-            return Verdict(improved, False, False, 0)
+            return Verdict(improved, False, False, 0, restarted_from)
         gained = self._better(value, self.reference, self.min_delta)
         if gained:
             self.reference, self.since_gain = value, 0
         else:
             self.since_gain += 1
-        return Verdict(improved, gained, self._exhausted(), self.since_gain)
+        return Verdict(improved, gained, self._exhausted(), self.since_gain, restarted_from)
 
     def _exhausted(self) -> bool:
         return self.patience > 0 and self.since_gain >= self.patience
@@ -104,15 +123,25 @@ class ModelSelection:
         return {"best_value": self.best_value if started else 0.0,
                 "best_step": self.best_step,
                 "reference": self.reference if counting else 0.0,
-                "counting": int(counting), "since_gain": self.since_gain}
+                "counting": int(counting), "since_gain": self.since_gain,
+                "by_xent": int(self.select_by == "xent"),
+                "held_out_frames": self.held_out_frames}
 
     def load_state_dict(self, state: dict) -> None:
+        """ValueError (nothing loaded) for a selection made by the other figure: its
+        best value is not one of ``select_by``'s."""
+        if "by_xent" in state:          # (checkpoints from before it was stored: alike)
+            saved = "xent" if int(state["by_xent"]) else "acc"
+            if saved != self.select_by:
+                raise ValueError(f"it selected the best model by {saved}, now by "
+                                 f"{self.select_by}")
         self.best_step = int(state.get("best_step", -1))
         started = self.best_step >= 0
         self.best_value = float(state["best_value"]) if started else math.nan
         self.reference = float(state["reference"]) if started and state.get(
             "counting", 1) else math.nan
         self.since_gain = int(state.get("since_gain", 0))
+        self.held_out_frames = int(state.get("held_out_frames", 0))
 
 
 def save_best_model(run_dir, net, *, class_priors, result: dict, step: int,

@@ -929,6 +929,11 @@ class Trainer(CheckpointResume):
     def _keep_best(self, result: dict) -> None:
         """Model selection on a held-out result (identical on every rank)."""
         verdict = self._verdict = self.selection.observe(result, step=self.step)
+        if verdict.restarted_from_frames:
+            self._say(f"model selection starts afresh at step {self.step}: the held-out "
+                      f"figures are over {result.get('dev_frames')} frames, those before over "
+                      f"{verdict.restarted_from_frames} (data.dev or training.eval_max_frames "
+                      "changed), which do not compare")
         if not np.isfinite(result.get("dev_xent", 0.0)) and not self._said_nonfinite_held_out:
             # the model's weights are finite (the divergence guard watches them), so
             # some held-out frames overflow it: said once, as the run goes on
@@ -940,9 +945,12 @@ class Trainer(CheckpointResume):
             self._check_run_dir("best.h5")
             save_best_model(self.run_dir, self.net, class_priors=self.manifest.class_priors(),
                             result=result, step=self.step, select_by=self.selection.select_by)
+        restarted = {"restarted_from_frames": verdict.restarted_from_frames} \
+            if verdict.restarted_from_frames else {}
         self._record("selection", step=self.step, best=verdict.improved,
                      since_gain=verdict.since_gain, best_step=self.selection.best_step,
-                     best_value=self.selection.best_value, select_by=self.selection.select_by)
+                     best_value=self.selection.best_value, select_by=self.selection.select_by,
+                     **restarted)
 
     def _stops_early(self) -> bool:
         """training.early_stop: True (with a line) when patience has run out."""

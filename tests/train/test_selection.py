@@ -70,6 +70,50 @@ def test_state_round_trips_with_finite_numbers_only():
     assert (again.best_value, again.best_step, again.since_gain) == (0.1, 5, 1)
 
 
+def test_figures_over_another_number_of_held_out_frames_start_the_selection_afresh():
+    selection = ModelSelection(select_by="acc", patience=2)
+    selection.observe({"dev_acc": 0.9, "dev_frames": 1000}, step=1)     # a small subset
+    restored = ModelSelection(select_by="acc", patience=2)
+    restored.load_state_dict(selection.state_dict())
+    # the whole held-out set: 0.6 is not worse than 0.9 over other frames
+    verdict = restored.observe({"dev_acc": 0.6, "dev_frames": 5000}, step=2)
+    assert verdict.improved and verdict.restarted_from_frames == 1000
+    assert (restored.best_step, restored.since_gain) == (2, 0)
+    assert not restored.observe({"dev_acc": 0.6, "dev_frames": 5000}, step=3)\
+        .restarted_from_frames
+
+
+def test_a_selection_by_the_other_figure_is_refused_on_loading():
+    by_acc = ModelSelection(select_by="acc")
+    by_acc.observe({"dev_acc": 0.62, "dev_xent": 1.2}, step=1)
+    with pytest.raises(ValueError, match="by acc, now by xent"):
+        ModelSelection(select_by="xent").load_state_dict(by_acc.state_dict())
+
+
+def test_resume_with_another_select_by_selects_afresh_by_the_new_figure(small_corpus,
+                                                                         tmp_path, capsys):
+    # an accuracy kept as the best cross-entropy (0.2 nats) let no later model be the
+    # best: best.h5 stayed the model selected by accuracy
+    run = tmp_path / "run"
+    settings = TINY + ["training.eval_interval=2560", "training.checkpoint_interval=20",
+                       "training.log_interval=20"]
+    train_in_process(run, small_corpus, settings + ["training.max_steps=40"])
+    capsys.readouterr()
+    assert main(["train", QUICKSTART, "--run-dir", str(run), "--resume", "--accept-changes"]
+                + [a for item in [f"data.train={small_corpus}/train",
+                                  f"data.dev={small_corpus}/dev", "data.chunk_frames=20000",
+                                  "training.select_by=xent", "training.max_steps=80"]
+                   + settings for a in ("--set", item)]) == 0
+    assert "the model selection (best.h5, early stopping) starts afresh" in \
+        capsys.readouterr().out
+    after = [r for r in records(run, "eval") if r["step"] > 40]
+    best = min(after, key=lambda r: r["dev_xent"])
+    with open_h5_for_reading(str(run / "best.h5"), "model") as f:
+        assert f.attrs["selected_by"] == "xent"
+        assert int(f.attrs["selected_at_step"]) == best["step"]
+    assert records(run, "end")[-1]["best_value"] == pytest.approx(best["dev_xent"])
+
+
 def test_config_mistakes_are_one_line_naming_the_key():
     with pytest.raises(ConfigError, match="training.early_stop.patience: .*data.dev"):
         load_config(QUICKSTART, ["data.dev=", "training.early_stop.patience=2"])
