@@ -97,6 +97,10 @@ def _state(run_dir, end, stop, now, pretraining) -> str:
         where = (f"layer {_num(stop, 'layer', 'd')}, step {_num(stop, 'step', 'd')}"
                  if pretraining else f"step {_num(stop, 'step', 'd')}")
         written = stop.get("checkpoint")
+        if isinstance(written, str) and written:
+            # the record holds the path the run used: a run directory moved since (to
+            # other storage, for a job elsewhere) holds that checkpoint under its new path
+            written = os.path.join(run_dir, os.path.basename(written))
         return (f"stopped at {where} on {stop.get('signal')}: "
                 + (f"checkpoint {written}; --resume continues from it" if written
                    else "no checkpoint written then"))

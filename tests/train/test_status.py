@@ -58,6 +58,15 @@ def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
                         "1,234 fr/s, about 2m30s left")
 
 
+def test_a_stopped_run_moved_elsewhere_names_the_checkpoint_where_it_is_now(tmp_path):
+    # the stop record names the path the run used; the directory was moved since
+    run = tmp_path / "moved"
+    _write(run, [START, TRAIN, {"type": "stop", "time": 52.0, "step": 104, "signal": "SIGTERM",
+                                "ranks": 1, "checkpoint": "/scratch/old/ckpt-00000104.h5"}])
+    assert run_status(run)[0] == (f"{run}: stopped at step 104 on SIGTERM: checkpoint "
+                                  f"{run}/ckpt-00000104.h5; --resume continues from it")
+
+
 def test_a_run_without_an_end_is_running_or_cut_off_as_its_rank_0_is(tmp_path):
     host = os.uname().nodename
     run = tmp_path / "run"
