@@ -866,10 +866,13 @@ class Trainer(CheckpointResume):
         result = self.strategy.result_params()
         if result is not None:
             result[...] = self.net.params
-        self._record("combine", step=self.step, **found)
+        # without data.dev the weights are fit on training frames: not held out
+        held_out = self.dev_manifest is not None
+        self._record("combine", step=self.step, frames_from="data.dev" if held_out
+                     else "data.train", **found)
         weights = ", ".join(f"{m} {w:.3f}" for m, w in zip(found["models"], found["weights"]))
-        self._say(f"combine: {len(found['models'])} models on {found['frames']} held-out "
-                  f"frames: xent {found['combined_xent']:.4f} acc {found['combined_acc']:.4f}, "
+        self._say(f"combine: {len(found['models'])} models on {found['frames']} "
+                  f"{'held-out' if held_out else 'training (no data.dev)'} frames: xent {found['combined_xent']:.4f} acc {found['combined_acc']:.4f}, "
                   f"best single ({found['best_single']}) xent "
                   f"{found['best_single_xent']:.4f}, gain {found['gain_xent']:.4f}; "
                   f"weights {weights}")

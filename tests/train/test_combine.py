@@ -48,6 +48,17 @@ def test_training_with_combine_logs_a_combine_record_and_never_loses(combined_ru
     assert min(found["weights"]) >= 0 and sum(found["weights"]) == pytest.approx(1, abs=1e-5)
     assert found["combined_xent"] <= found["best_single_xent"]
     assert found["gain_xent"] >= 0 and found["frames"] == 5000
+    assert found["frames_from"] == "data.dev"
+
+
+def test_without_a_held_out_set_the_combination_names_its_training_frames(small_corpus,
+                                                                          tmp_path, capsys):
+    # the weights are fit on training frames then: the line called them held-out
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, TINY + ["data.dev=", "training.max_steps=40"])
+    line, = [x for x in capsys.readouterr().out.splitlines() if x.startswith("combine:")]
+    assert "5000 training (no data.dev) frames" in line and "held-out" not in line
+    assert _records(run, "combine")[0]["frames_from"] == "data.train"
 
 
 def test_combination_is_never_worse_than_the_best_single_model(combined_run, small_corpus):
