@@ -350,7 +350,11 @@ def model_in_run_dir(path) -> tuple:
                 attrs = dict(f.attrs)
             by = str(attrs.get("selected_by", "?"))
             figure = attrs.get(f"selected_dev_{by}")
-            detail = f" (best held-out {by} {float(figure):.4f} at step " \
+            frames = attrs.get("selected_dev_frames")
+            # a figure over part of a held-out set (training.eval_max_frames) is not what
+            # scoring the whole set gives: say over how many frames it was
+            over = f" over {int(frames)} frames" if frames is not None else ""
+            detail = f" (best held-out {by} {float(figure):.4f}{over} at step " \
                       f"{int(attrs.get('selected_at_step', -1))})" if figure is not None else ""
         except (OSError, ValueError):
             detail = ""       # the model loader names the damage

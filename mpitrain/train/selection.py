@@ -155,4 +155,6 @@ def save_best_model(run_dir, net, *, class_priors, result: dict, step: int,
         for key in ("dev_acc", "dev_xent"):
             if key in result:
                 f.attrs[f"selected_{key}"] = float(result[key])
+        if "dev_frames" in result:   # the figures' frames (training.eval_max_frames caps them)
+            f.attrs["selected_dev_frames"] = int(result["dev_frames"])
     return path

@@ -114,6 +114,21 @@ def test_resume_with_another_select_by_selects_afresh_by_the_new_figure(small_co
     assert records(run, "end")[-1]["best_value"] == pytest.approx(best["dev_xent"])
 
 
+def test_eval_of_a_run_names_the_held_out_frames_its_best_figure_was_over(small_corpus,
+                                                                        tmp_path, capsys):
+    # with training.eval_max_frames the logged figure is over part of the set, and eval
+    # scores all of it: the two differed without a word on why
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, TINY + ["training.eval_max_frames=700",
+                                                "training.max_steps=20"])
+    capsys.readouterr()
+    assert main(["eval", str(run), os.path.join(small_corpus, "dev")]) == 0
+    out = capsys.readouterr()
+    best = records(run, "end")[0]
+    assert f"(best held-out acc {best['best_value']:.4f} over 700 frames at step 20)" in out.out + out.err
+    assert "frames 700 " not in out.out       # the whole set scored
+
+
 def test_config_mistakes_are_one_line_naming_the_key():
     with pytest.raises(ConfigError, match="training.early_stop.patience: .*data.dev"):
         load_config(QUICKSTART, ["data.dev=", "training.early_stop.patience=2"])
