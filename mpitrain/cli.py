@@ -272,6 +272,8 @@ def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> i
         if getattr(exc, "agreed", False) or comm.size == 1:
             if comm.rank != 0:        # every rank stopped here: rank 0 says why
                 return 2
+            if getattr(exc, "setting", False) and args.config:
+                raise UsageError(f"{args.config}: {exc}") from None
             raise
         print(f"mpitrain {command}: rank {comm.rank}: error: {_one_line(exc)}",
               file=sys.stderr, flush=True)

@@ -526,3 +526,18 @@ def test_closed_standard_streams_are_no_bug(tmp_path, small_corpus):
     assert done.returncode == 2 and done.stderr.splitlines()[-1] == (
         "mpitrain export: error: --out -: standard output is closed; nothing can be "
         "written to it"), done.stderr
+
+
+def test_a_setting_this_job_cannot_run_names_the_config_file(small_corpus, tmp_path, capsys):
+    # (the key alone was named: "parallel.num_jobs_initial/final must be in [1, 1] ...")
+    data = ["--set", f"data.train={small_corpus}/train", "--set", f"data.dev={small_corpus}/dev"]
+    for settings, words in ((["parallel.method=kaldi", "parallel.num_jobs_final=2"],
+                             "parallel.num_jobs_initial/final must be in [1, 1]"),
+                            (["parallel.method=param_server"], "needs at least 2 ranks")):
+        argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--dry-run"] + data
+        for setting in settings:
+            argv += ["--set", setting]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mpitrain train: error: {QUICKSTART}: ") and words in err, err
+        assert err.count("\n") == 1

@@ -8,9 +8,12 @@ class TrainingError(RuntimeError):
 
     ``agreed``: every rank raises it at the same point (a decision taken from
     collective results), so the job can end without an abort and one rank
-    alone needs to print it.
+    alone needs to print it.  ``setting``: a setting of the configuration that
+    this job cannot run (with its number of ranks, say); the command line puts
+    the configuration file's name in front.
     """
 
-    def __init__(self, message: str, *, agreed: bool = False):
+    def __init__(self, message: str, *, agreed: bool = False, setting: bool = False):
         super().__init__(message)
         self.agreed = agreed
+        self.setting = setting

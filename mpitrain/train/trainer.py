@@ -156,7 +156,7 @@ class Trainer(CheckpointResume):
         try:
             self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
         except ValueError as exc:        # from the settings and the rank count: every rank's
-            raise TrainingError(str(exc), agreed=True) from None
+            raise TrainingError(str(exc), agreed=True, setting=True) from None
         self.schedule = build_schedule(cfg.optimizer, planned_steps=self.planned_steps,
                                        frames_per_step=cfg.training.minibatch * comm.size,
                                        progress=self.rate_progress)
@@ -254,7 +254,7 @@ class Trainer(CheckpointResume):
         try:
             share, shares = data_share(cfg, rank=comm.rank, size=comm.size)
         except ValueError as exc:        # from the settings and the rank count: every rank's
-            raise TrainingError(str(exc), agreed=True) from None
+            raise TrainingError(str(exc), agreed=True, setting=True) from None
         try:
             # every rank plans, a parameter server too (it trains on no share): planning
             # reads the same files on every rank, so every rank fails alike

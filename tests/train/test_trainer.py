@@ -329,9 +329,10 @@ def test_too_few_ranks_for_the_parameter_servers_is_one_line_from_rank_0(small_c
                             timeout=90)
     assert result.returncode == 2, mpi_output(result)
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("mpitrain train: error: parallel.method: "
-                                                   "param_server with 2 server rank(s) needs "
-                                                   "at least 3 ranks"), mpi_output(result)
+    assert len(lines) == 1 and lines[0].startswith(f"mpitrain train: error: {QUICKSTART}: "
+                                                   "parallel.method: param_server with 2 "
+                                                   "server rank(s) needs at least 3 ranks"), \
+        mpi_output(result)
     assert not (tmp_path / "run").exists()
 
 @pytest.mark.mpi
