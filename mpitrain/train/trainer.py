@@ -831,8 +831,12 @@ class Trainer(CheckpointResume):
         found = self.schedule.search(
             step, lambda rate: self._trials.run(scale * rate, steps=steps, step=step))
         self._record("search", step=step, trial_steps=steps, **found)
-        tried = ", ".join(f"{r:.3g}: {o:.4f}" for r, o in zip(found["rates"], found["objectives"]))
-        self._say(f"search at step {step}: rate {found['chosen']:.3g} (trial xent {tried})")
+        # the rates as the steps take them: a roll back's scale applies to each
+        tried = ", ".join(f"{scale * r:.3g}: {o:.4f}"
+                          for r, o in zip(found["rates"], found["objectives"]))
+        after = f", the schedule's x{scale:g} after roll backs" if scale != 1.0 else ""
+        self._say(f"search at step {step}: rate {scale * found['chosen']:.3g} (trial xent "
+                  f"{tried}{after})")
 
     def _end_schedule_epoch(self, result: dict) -> bool:
         """newbob: the epoch's held-out result decides the rate; True to stop."""

@@ -174,3 +174,22 @@ def test_a_log_window_cut_by_a_checkpoint_reads_the_same_after_resume(small_corp
     expected = [{k: r[k] for k in fields} for r in records(straight, "train") if r["step"] > 5]
     resumed = [{k: r[k] for k in fields} for r in records(split, "train")][-len(expected):]
     assert resumed == expected
+
+
+def test_the_search_line_after_a_roll_back_gives_the_rates_the_steps_take(small_corpus,
+                                                                          tmp_path):
+    # (it gave the rates before the roll back's scale: 0.025 where the steps took 0.0125)
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "optimizer.schedule=search",
+        "training.max_steps=10", "training.checkpoint_interval=0", "training.eval_interval=0"])
+    trainer = Trainer(cfg, comm=SingleCommunicator(), run_dir=str(tmp_path / "run"),
+                      stream=io.StringIO())
+    trainer._roll_back("a test")
+    trainer._search_rate()
+    # (the log opens when the run starts: its lines wait until then)
+    line = next(x for x in trainer._pending_lines if x.startswith("search at step"))
+    chosen = trainer.schedule.rate(trainer.step) * trainer.guard.lr_scale
+    assert f"rate {chosen:.3g} " in line and "x0.5 after roll backs" in line, line
+    base = cfg.optimizer.initial_learning_rate
+    assert f"{0.5 * base:.3g}: " in line and f"{0.25 * base:.3g}: " in line, line
+    trainer.close()
