@@ -1048,6 +1048,15 @@ USAGE = """usage: mpiexec -n N python -m mpitrain train CONFIG.yaml [--set key=v
    or: python -m mpitrain --help            (every command)"""
 
 
+def _stop_signals_kept(command: str):
+    """For train and pretrain: a stop signal from the start is kept for the run
+    (train/stop.py), not only once the run's loop is there."""
+    if command not in ("train", "pretrain"):
+        return contextlib.nullcontext()
+    from .train.stop import keep_stop_signals
+    return keep_stop_signals()
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _fill_closed_standard_descriptors()
@@ -1085,7 +1094,8 @@ def main(argv=None) -> int:
     try:
         if args.command not in MPI_COMMANDS:
             _one_process_only(args.command)
-        status = args.func(args)
+        with _stop_signals_kept(args.command):
+            status = args.func(args)
         if sys.stdout is not None:      # (None: started with standard output closed)
             sys.stdout.flush()  # a closed reader shows here, not at interpreter exit
         return status

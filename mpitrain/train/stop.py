@@ -42,8 +42,6 @@ import contextlib
 import signal
 import threading
 
-import numpy as np
-
 #: The signals that ask a run to stop at its next checkpoint.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 #: Exit status of a run that a signal stopped after writing its checkpoint
@@ -112,15 +110,46 @@ def stop_requested() -> bool:
     return bool(requested.signum)
 
 
+_caught_early = False
+
+
+@contextlib.contextmanager
+def keep_stop_signals():
+    """Within the block, :data:`STOP_SIGNALS` set :data:`requested`, before and
+    around the run's own :func:`stop_on_signals`: a signal while the program
+    loads, MPI starts or the ranks agree (a job preempted as it starts) is kept
+    for the run, which stops at its first checkpoint with :data:`EXIT_STOPPED`,
+    instead of ending the process with the signal's status, which a batch
+    script does not take for a stop to requeue.  In the main thread only (else
+    it changes nothing)."""
+    global _caught_early
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {number: signal.signal(number, requested) for number in STOP_SIGNALS}
+    for number in STOP_SIGNALS:
+        signal.siginterrupt(number, False)
+    _caught_early = True
+    try:
+        yield
+    finally:
+        _caught_early = False
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        requested.clear()
+
+
 @contextlib.contextmanager
 def stop_on_signals():
     """Within the block, :data:`STOP_SIGNALS` set :data:`requested` instead of
     ending the process; the previous handlers come back after it.  Outside the
-    main thread (where Python allows no handler) it changes nothing."""
+    main thread (where Python allows no handler) it changes nothing.  A signal
+    caught before the block (:func:`keep_stop_signals`) counts in it."""
     if threading.current_thread() is not threading.main_thread():
         yield requested
         return
-    requested.clear()
+    if not _caught_early:
+        requested.clear()
     previous = {}
     try:
         for number in STOP_SIGNALS:
@@ -178,6 +207,7 @@ class StopPoll:
         signal of :data:`STOP_SIGNALS`), and rank 0's ``rank0_flag`` on every
         rank (a checkpoint its clock says is due); sets the steps to the next
         exchange."""
+        import numpy as np      # (imported here: the command line imports this module early)
         buf = np.zeros(len(STOP_SIGNALS) + 2, dtype=np.float64)
         if requested.code():
             buf[requested.code() - 1] = 1

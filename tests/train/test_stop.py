@@ -117,6 +117,22 @@ def test_log_lines_far_apart_do_not_delay_the_stop(small_corpus, tmp_path):
     _resumed_is_straight(2, straight, split, small_corpus, common)
 
 
+@pytest.mark.mpi
+def test_a_signal_as_the_job_starts_stops_the_run_at_its_first_checkpoint(small_corpus,
+                                                                          tmp_path):
+    # SIGTERM while a rank reads the configuration, before MPI starts (a job preempted
+    # as it starts): the process ended with the signal's status (143), which the batch
+    # script does not requeue; now the run stops at its first averaging point
+    common = TINY + ["parallel.method=model_averaging", "parallel.average_every=8",
+                     "training.checkpoint_interval=1000", "training.max_steps=48",
+                     "training.log_interval=4"]
+    straight, split, result = _straight_and_stopped(2, tmp_path, small_corpus, common,
+                                                    sig="SIGTERM", ranks="1", after=0)
+    assert "stopped at step 8 of 48 on SIGTERM (received by 1 of 2 rank(s))" \
+        in result.stdout, mpi_output(result)
+    assert _checkpoint_steps(split) == [8]
+    _resumed_is_straight(2, straight, split, small_corpus, common)
+
 def test_the_poll_comes_about_every_poll_seconds_and_never_after_the_log_line():
     # rank 0 sets the steps between polls from its own step time at each poll
     from mpitrain.train.stop import StopPoll

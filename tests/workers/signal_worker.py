@@ -7,7 +7,9 @@ point, exactly as ``python -m mpitrain train`` does.  RANKS ("1", "0,1" or
 "all") send themselves SIGNAL (e.g. SIGTERM) while they read their
 AFTER_BATCHES-th minibatch (a parameter server, which reads none: while it
 applies its AFTER_BATCHES-th gradient), so the signal comes at a known step
-of each of those ranks and the stop step is known.  The ranks tell each other about
+of each of those ranks and the stop step is known; AFTER_BATCHES 0: while they
+read the configuration, before MPI starts (a job preempted as it starts).  The
+ranks tell each other about
 signals at log lines only, unless POLL_SECONDS is given: then also about that
 often in between (0: after every step; train/stop.py's StopPoll), so that the
 stop step does not hang on this machine's speed.  Exits with the command's
@@ -18,6 +20,7 @@ import os
 import signal
 import sys
 
+from mpitrain import config
 from mpitrain.cli import main
 from mpitrain.data.batcher import MinibatchStream
 from mpitrain.parallel.param_server import ParameterServer
@@ -56,4 +59,14 @@ def apply_with_signal(self, *args, **kwargs):
 
 
 ParameterServer.apply = apply_with_signal
+original_load_config = config.load_config
+
+
+def load_config_with_signal(*args, **kwargs):
+    if signalled and after_batches == 0:
+        os.kill(os.getpid(), signum)
+    return original_load_config(*args, **kwargs)
+
+
+config.load_config = load_config_with_signal
 sys.exit(main(cli_args))
