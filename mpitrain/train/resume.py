@@ -107,6 +107,8 @@ class CheckpointResume:
         chosen, num_ranks, notes, problem, changes = None, 0, [], None, []
         if self.is_root:
             found = list_checkpoints(self.run_dir)
+            # (a job that still wrote here until the lock was ours: _open_run_dir)
+            self.checkpoints_seen = {os.path.basename(path) for path in found}
             if not found:
                 problem = f"{self.run_dir}: no checkpoint (ckpt-*.h5) to continue from"
             for path in reversed(found):

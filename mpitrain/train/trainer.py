@@ -115,6 +115,7 @@ class Trainer(CheckpointResume):
         self.is_root = comm.rank == 0
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._lock = None            # rank 0's lock on the run directory, while it runs
+        self.checkpoints_seen = None  # rank 0, resuming: the checkpoints there when it chose
         self._ran = False            # run() returned (on every rank)
         self._stopped_together = False   # every rank stopped at the same step (diverged)
         self._graph_said = False     # cuda_graph asked for and not used: said once
@@ -375,6 +376,19 @@ class Trainer(CheckpointResume):
         else:
             self._pending_records.append((kind, fields))
 
+    def _refuse_checkpoints_written_since_chosen(self) -> None:
+        """A resume chose its checkpoint before the run directory's lock was its own: a
+        job that was still running there may have written newer ones meanwhile, which
+        this run would train past again and rotate away."""
+        if not self.resuming or self.checkpoints_seen is None:
+            return
+        newer = sorted({os.path.basename(p) for p in list_checkpoints(self.run_dir)}
+                       - self.checkpoints_seen)
+        if newer:
+            raise TrainingError(f"{self.run_dir}: {', '.join(newer)} was written by another "
+                                "job after this one chose the checkpoint to continue from; "
+                                "start it again (--resume) to continue from the newest")
+
     def _open_run_dir(self) -> None:
         """Rank 0 writes the run directory once the run has been validated."""
         if self.is_root:
@@ -385,6 +399,7 @@ class Trainer(CheckpointResume):
                 raise TrainingError(problem)
             if self._lock.unguarded:
                 self._pending_lines.insert(0, self._lock.unguarded)
+            self._refuse_checkpoints_written_since_chosen()
             stale = remove_stale_temporaries(self.run_dir)
             if stale:
                 self._pending_lines.insert(0, f"removed {len(stale)} temporary file(s) left by "

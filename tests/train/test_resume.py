@@ -193,3 +193,29 @@ def test_the_search_line_after_a_roll_back_gives_the_rates_the_steps_take(small_
     base = cfg.optimizer.initial_learning_rate
     assert f"{0.5 * base:.3g}: " in line and f"{0.25 * base:.3g}: " in line, line
     trainer.close()
+
+
+def test_a_checkpoint_written_after_the_resume_chose_its_own_is_not_trained_past(small_corpus,
+                                                                                 tmp_path):
+    # the checkpoint is chosen before the run directory's lock is this run's: a job
+    # still running there could write newer ones meanwhile, which this run trained
+    # past again from the older one and then rotated away
+    import shutil
+    from mpitrain.train.errors import TrainingError
+    tiny = small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "training.checkpoint_interval=4",
+        "training.eval_interval=0"]
+    run = tmp_path / "run"
+    first = Trainer(load_config(QUICKSTART, tiny + ["training.max_steps=8"]),
+                    comm=SingleCommunicator(), run_dir=str(run), stream=io.StringIO())
+    first.run()
+    first.close()
+    trainer = Trainer(load_config(QUICKSTART, tiny + ["training.max_steps=16"]),
+                      comm=SingleCommunicator(), run_dir=str(run), resume=True,
+                      stream=io.StringIO())
+    newest = sorted(name for name in os.listdir(run) if name.startswith("ckpt-"))[-1]
+    shutil.copy(run / newest, run / "ckpt-00000012.h5")        # the other job's
+    with pytest.raises(TrainingError, match="ckpt-00000012.h5 was written by another job"):
+        trainer.run()
+    trainer.close()
+    assert (run / "ckpt-00000012.h5").exists()
