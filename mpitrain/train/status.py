@@ -59,8 +59,10 @@ def run_status(run_dir, *, now: float | None = None) -> list:
 
 def _failure(error: dict) -> str:
     message = error.get("message")
-    return (f"failed at step {_num(error, 'step', 'd')}: "
-            + (message if isinstance(message, str) else "?"))
+    message = message if isinstance(message, str) else "?"
+    if error.get("error") == "KeyboardInterrupt":        # (not a failure of the run's)
+        return f"{message} at step {_num(error, 'step', 'd')}"
+    return f"failed at step {_num(error, 'step', 'd')}: {message}"
 
 
 def _how_the_latest_start_ended(path) -> tuple:

@@ -585,11 +585,13 @@ class Trainer(CheckpointResume):
                        optimizer=self.optimizer.name, blas_threads=current_blas_threads())
         try:
             return self._run_from_start()
-        except Exception as exc:
+        except (Exception, KeyboardInterrupt) as exc:
             # `status` then says how the run ended, not that it was cut off
+            message = "interrupted (SIGINT, Ctrl-C)" if isinstance(exc, KeyboardInterrupt) \
+                else str(exc)
             with contextlib.suppress(Exception):
                 self._record("error", step=self.step, error=type(exc).__name__,
-                             message=" ".join(str(exc).split())[:1000])
+                             message=" ".join(message.split())[:1000])
             raise
 
     def _run_from_start(self) -> dict:

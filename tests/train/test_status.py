@@ -152,3 +152,28 @@ def test_a_resumed_runs_time_left_and_time_taken_count_every_part(tmp_path):
     _write(run, [START, TRAIN, stop, resumed, later, ended])
     assert run_status(run)[0].startswith(f"{run}: ended: 400 steps in 1m50s;"), \
         run_status(run)
+
+
+def test_a_run_interrupted_by_ctrl_c_says_so(small_corpus, tmp_path, monkeypatch):
+    # (it said "cut off: rank 0 (pid ...) is gone without an end record", as for a
+    # lost node: nothing recorded the interrupt)
+    from mpitrain.train.step import TrainingStep
+    real = TrainingStep.run
+    steps = {"n": 0}
+
+    def interrupted_at_the_sixth(self, *args, **kwargs):
+        steps["n"] += 1
+        if steps["n"] == 6:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(TrainingStep, "run", interrupted_at_the_sixth)
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16",
+                                                 "model.hidden_layers=1",
+                                                 "training.checkpoint_interval=4"]:
+        argv += ["--set", item]
+    assert main(argv) == 130
+    lines = run_status(run)
+    assert lines[0] == f"{run}: interrupted (SIGINT, Ctrl-C) at step 5", lines
+    assert any("newest checkpoint: ckpt-00000004.h5" in line for line in lines), lines
