@@ -107,6 +107,10 @@ class OwnPaceLoop:
         self.signalled = {}          # rank 0: rank -> the stop signal's code it reported
         self._new_window()
         self._dev = None
+        # rank 0: when its last turn ended, the others' steps then, and how long its
+        # last evaluation took (the end is foreseen from them: _end_is_near)
+        self._turn_end, self._others_then = self.comm.wtime(), self._others()
+        self._eval_seconds = 0.0
 
     # -- every rank ------------------------------------------------------------------
     def run(self):
@@ -252,6 +256,13 @@ class OwnPaceLoop:
         t, comm = self.t, self.comm
         self._send_report(PROGRESS)
         self._drain_reports()
+        # the others step on while rank 0 steps or evaluates: when they would reach
+        # the budget meanwhile, rank 0 waits for it instead, else it saw the end one
+        # slow step (a slow or oversubscribed rank 0) or one evaluation late, and the
+        # job trained up to a third more than its budget
+        step_seconds = comm.wtime() - self._turn_end
+        if self._end_is_near(step_seconds):
+            self._wait_for_the_end()
         total = sum(self.steps_of)
         per_rank = total // comm.size
         halt = None
@@ -264,9 +275,16 @@ class OwnPaceLoop:
         frames_per_rank = sum(self.frames_of) // comm.size
         mark = frames_per_rank if self.eval_every else per_rank
         if halt is None and mark >= self.next_eval and t.dev_manifest is not None:
-            self._evaluate(per_rank)
             step = self.eval_every or t.steps_per_epoch
             self.next_eval = (mark // step + 1) * step
+            if self._end_is_near(self._eval_seconds):
+                # the end's evaluation of the averaged model comes first
+                self._wait_for_the_end()
+                halt = STOP if sum(self.steps_of) >= t.budget else None
+            else:
+                started = comm.wtime()
+                self._evaluate(per_rank)
+                self._eval_seconds = comm.wtime() - started
         if halt is None and self.signalled:
             halt = SIGNALLED        # (its checkpoint stands for one due now)
         steps_due = self.next_checkpoint and per_rank >= self.next_checkpoint
@@ -280,7 +298,32 @@ class OwnPaceLoop:
             self._halt[0] = halt
             comm.waitall([comm.isend(self._halt, r, tag=HALT_TAG)
                           for r in range(1, comm.size)])
+        self._turn_end, self._others_then = comm.wtime(), self._others()
         return halt
+
+    def _others(self) -> int:
+        return sum(self.steps_of) - self.steps_of[0]
+
+    def _end_is_near(self, seconds: float) -> bool:
+        """Rank 0: would the other ranks, at their pace since its last turn, reach
+        the budget within ``seconds``?"""
+        left = self.t.budget - sum(self.steps_of)
+        elapsed = self.comm.wtime() - self._turn_end
+        done = self._others() - self._others_then
+        if left <= 0 or done <= 0 or elapsed <= 0:
+            return False
+        return done / elapsed * seconds >= left
+
+    def _wait_for_the_end(self) -> None:
+        """Rank 0: take reports, not stepping, until the budget is reached (or a rank
+        reports a stop signal).  Nobody waits for rank 0 meanwhile: it is an
+        active rank, which only asks."""
+        while sum(self.steps_of) < self.t.budget and not self.signalled:
+            found = self.comm.iprobe(ANY_SOURCE, REPORT_TAG)
+            if found is None:
+                self.comm.idle()
+                continue
+            self._receive_report(found[0])
 
     def _log(self) -> None:
         t, comm = self.t, self.comm
