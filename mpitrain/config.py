@@ -236,6 +236,9 @@ class ParallelConfig:
                               help="param_server: weight of the newest model in the "
                                    "server's running average, until the uniform average "
                                    "takes over")
+    damp_staleness: bool = _opt(True, help="param_server: apply each gradient at the rate "
+                                           "/ (1 + its staleness), the updates it is late "
+                                           "by; false: at the rate as scheduled")
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     straggler_policy: str = _opt("none", choices=("none", "adapt"),
                                  help="model_averaging: adapt lets a slow rank train fewer "

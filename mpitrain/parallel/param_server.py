@@ -9,15 +9,20 @@ Rank 0 (the server) holds the model theta and its average theta_bar; ranks
                push(g)
 
     server:    on a push from any client c (whichever arrives first):
-               theta <- theta - lr_t g            the optimizer's step (max-change too)
+               theta <- theta - lr_t / (1 + tau) g    the optimizer's step (max-change too)
                t <- t + 1
                theta_bar <- (1 - eta) theta_bar + eta theta          exponential, or
                theta_bar <- theta_bar + (theta - theta_bar) / (t - t0 + 1)   uniform
                send theta to c (unless that was c's last minibatch)
 
 The gradient from c was taken at the version the server sent c last, so it is
-``staleness`` = t - version_sent[c] updates old (0 with one client, about
-N - 2 with N - 1 clients taking turns).  The average is exponential
+``staleness`` tau = t - version_sent[c] updates old (0 with one client, about
+N - 2 with N - 1 clients taking turns).  Its rate is divided by 1 + tau
+(``parallel.damp_staleness``; Zhang, Gupta, Lian & Liu's staleness-aware rate,
+arXiv 1511.05950, divides by tau): C clients taking turns then move the model
+about as far per round as one client does per step, where the undamped rate
+made the model hover near chance at the one-rank rate (docs/benchmarks.md).
+The average is exponential
 (eta = ``parallel.average_eta``, 0.01 in the paper) until, at a held-out
 evaluation, theta_bar scores a lower cross-entropy than theta; from that
 update t0 on it is the uniform (Polyak) average, theta_bar at t0 counting as
@@ -93,7 +98,8 @@ EXPONENTIAL, UNIFORM = "exponential", "uniform"
 def build(cfg, comm, *, total_steps: int = 0):
     """The strategy for ``parallel.method: param_server``."""
     return ParameterServer(comm, average_eta=cfg.parallel.average_eta,
-                           servers=cfg.parallel.servers)
+                           servers=cfg.parallel.servers,
+                           damp_staleness=cfg.parallel.damp_staleness)
 
 
 def data_share(rank: int, size: int, *, servers: int = 1):
@@ -274,8 +280,10 @@ class ParameterServer(Strategy):
 
     name = "param_server"
 
-    def __init__(self, comm, *, average_eta: float = 0.01, servers: int = 1):
+    def __init__(self, comm, *, average_eta: float = 0.01, servers: int = 1,
+                 damp_staleness: bool = True):
         super().__init__(comm)
+        self.damp_staleness = bool(damp_staleness)
         data_share(comm.rank, comm.size, servers=servers)    # refuses a job without clients
         if not 0.0 < average_eta <= 1.0:
             raise ValueError(f"average_eta must be in (0, 1], got {average_eta}")
@@ -374,12 +382,13 @@ class ParameterServer(Strategy):
                     staleness=self.updates - self.sent_version[source], stop=int(stop))
 
     def apply(self, net, optimizer, lr: float, push: Push) -> None:
-        """theta <- theta - lr g (the optimizer's step), t += 1, the average follows;
-        of a split model, this server's slice only."""
+        """theta <- theta - lr / (1 + tau) g (the optimizer's step; ``lr`` undamped
+        without ``damp_staleness``), t += 1, the average follows; of a split model,
+        this server's slice only."""
         if self.split and self._stepping is not optimizer:
             optimizer.restrict_to(self.own.start, self.own.stop)
             self._stepping = optimizer
-        optimizer.step(lr)
+        optimizer.step(lr / (1 + push.staleness) if self.damp_staleness else lr)
         self.updates += 1
         self.client_steps[push.source - len(self.servers)] = push.position + 1
         self.average.update(net.params)

@@ -87,7 +87,8 @@ def serve(ps, net, opt, record):
     while left:
         push = ps.receive_push(net)
         lr = rate(ps.updates)
-        record.append((ps.updates, lr, np.array(net.grads[ps.own])))
+        # (replayed at the rate the rule applies: divided by 1 + the push's staleness)
+        record.append((ps.updates, lr / (1 + push.staleness), np.array(net.grads[ps.own])))
         ps.apply(net, opt, lr, push)
         clipped[0] |= min(opt.last_scales[i] for i in opt.active) < 1.0 - opt.momentum
         if rank == 0 and ps.updates == 5:
