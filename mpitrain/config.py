@@ -375,7 +375,12 @@ def _key_text(key) -> str:
     return key if isinstance(key, str) else _shown(key)
 
 
-def _check_value(key: str, tp, meta, raw, where: str):
+def _check_value(key: str, tp, meta, raw, where: str, *, limits: bool = True):
+    """``raw`` as a value of type ``tp``; ConfigError naming ``key`` otherwise.
+    ``limits``: its range too (a stored config is read without: see
+    :func:`config_from_yaml`)."""
+    if not limits:
+        meta = {k: v for k, v in meta.items() if k not in ("min", "max")}
     value, text = _unwrap(raw)
     expected = _expected_type(tp, meta) + _range_text(meta)
     if meta.get("choices"):
@@ -444,8 +449,9 @@ def _check_value(key: str, tp, meta, raw, where: str):
     return value
 
 
-def from_dict(cls, data: Any, *, prefix: str = "", where: str = ""):
-    """Build dataclass ``cls`` from a mapping, validating every key."""
+def from_dict(cls, data: Any, *, prefix: str = "", where: str = "", limits: bool = True):
+    """Build dataclass ``cls`` from a mapping, validating every key (``limits``: its
+    range too)."""
     if _unwrap(data)[0] is None:
         data = {}
     if not isinstance(data, dict):
@@ -464,9 +470,11 @@ def from_dict(cls, data: Any, *, prefix: str = "", where: str = ""):
             continue
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = from_dict(tp, data[name], prefix=f"{prefix}{name}.", where=where)
+            kwargs[name] = from_dict(tp, data[name], prefix=f"{prefix}{name}.", where=where,
+                                     limits=limits)
         else:
-            kwargs[name] = _check_value(prefix + name, tp, f.metadata, data[name], where)
+            kwargs[name] = _check_value(prefix + name, tp, f.metadata, data[name], where,
+                                        limits=limits)
     return cls(**kwargs)
 
 
@@ -682,7 +690,10 @@ def config_to_yaml(cfg: RunConfig) -> str:
 
 
 def config_from_yaml(text: str) -> RunConfig:
-    return config_from_dict(parse_yaml(text, where="stored config"))
+    """The configuration stored in a checkpoint: types checked, not ranges nor the
+    settings' cross-checks, which a later version may have tightened (a run started
+    with `training.epochs: 2e6` resumes, its settings compared with the config's)."""
+    return from_dict(RunConfig, parse_yaml(text, where="stored config"), limits=False)
 
 
 def reference_markdown() -> str:

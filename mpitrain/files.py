@@ -449,12 +449,32 @@ def dotted_keys(data: dict, prefix: str = "") -> dict:
     return out
 
 
+_DUMPER = None
+
+
+def _dumper():
+    """PyYAML's safe dumper, quoting the text that :func:`_loader` reads as a number
+    (``1e-1``: a float in YAML 1.2, text to PyYAML's YAML 1.1), so that text
+    written comes back as text."""
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2,
+                                 list("-+0123456789."))
+    return Dumper
+
+
 def yaml_text(data, *, flow_leaves: bool = False) -> str:
     """YAML for plain data, keys in their order (``flow_leaves``: short lists on one line);
     text outside ASCII (utterance ids, paths) as it is, so that grep finds it."""
     import yaml
-    return yaml.safe_dump(data, sort_keys=False, width=100, allow_unicode=True,
-                          default_flow_style=None if flow_leaves else False)
+    global _DUMPER
+    if _DUMPER is None:
+        _DUMPER = _dumper()
+    return yaml.dump(data, Dumper=_DUMPER, sort_keys=False, width=100, allow_unicode=True,
+                     default_flow_style=None if flow_leaves else False)
 
 
 def write_yaml(path, data, *, flow_leaves: bool = False) -> str:

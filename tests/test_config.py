@@ -294,3 +294,19 @@ def test_sizes_no_run_can_take_are_refused_naming_the_key(tmp_path):
         "model.hidden_dim: expected an integer in [1, 65536], got 100000000000")
     assert "blas_threads: expected an integer in [0, 1024]" in _error(
         tmp_path, "blas_threads: 100000000000\n")
+
+
+def test_a_stored_config_reads_back_as_written_and_beyond_todays_limits():
+    # text YAML 1.2 reads as a number was written unquoted and came back as 0.1: a
+    # resume then saw a changed setting
+    cfg = load_config(None, ["model.dropout_schedule=1e-1", "data.train=+2E-3",
+                             "data.dev=010"])
+    assert config_from_yaml(config_to_yaml(cfg)) == cfg
+    assert cfg.model.dropout_schedule == "1e-1"
+    # a checkpoint of a run started before a limit existed still resumes
+    # (the settings are then compared with the config's, not refused)
+    stored = config_to_yaml(cfg).replace("epochs: 3.0", "epochs: 2000000.0")
+    assert "epochs: 2000000.0" in stored
+    assert config_from_yaml(stored).training.epochs == 2e6
+    with pytest.raises(ConfigError, match="training.epochs"):
+        config_from_yaml(stored.replace("epochs: 2000000.0", "epochs: many"))
