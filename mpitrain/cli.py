@@ -228,9 +228,18 @@ def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> i
     The run directory is judged by rank 0 and every rank hears the verdict, so
     all stop together or none; an error every rank reached together is one line
     from rank 0, an error on one rank aborts the job so the others do not wait.
+    A stop signal from the start on (MPI's start, the ranks' agreement, the
+    checks) is kept for the run (train/stop.py).
     """
+    from .train.stop import keep_stop_signals
+    with keep_stop_signals():
+        return _start_and_run(command, runner_class, args, default_suffix=default_suffix)
+
+
+def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> int:
     from .comm.abort import install_abort_hook
     from .train.run_dir import run_dir_problem
+
     def checks():
         _refuse_virtual_only_options(args)
         _refuse_empty_run_dir(args)
@@ -1048,15 +1057,6 @@ USAGE = """usage: mpiexec -n N python -m mpitrain train CONFIG.yaml [--set key=v
    or: python -m mpitrain --help            (every command)"""
 
 
-def _stop_signals_kept(command: str):
-    """For train and pretrain: a stop signal from the start is kept for the run
-    (train/stop.py), not only once the run's loop is there."""
-    if command not in ("train", "pretrain"):
-        return contextlib.nullcontext()
-    from .train.stop import keep_stop_signals
-    return keep_stop_signals()
-
-
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _fill_closed_standard_descriptors()
@@ -1094,8 +1094,7 @@ def main(argv=None) -> int:
     try:
         if args.command not in MPI_COMMANDS:
             _one_process_only(args.command)
-        with _stop_signals_kept(args.command):
-            status = args.func(args)
+        status = args.func(args)
         if sys.stdout is not None:      # (None: started with standard output closed)
             sys.stdout.flush()  # a closed reader shows here, not at interpreter exit
         return status

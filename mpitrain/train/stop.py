@@ -116,12 +116,12 @@ _caught_early = False
 @contextlib.contextmanager
 def keep_stop_signals():
     """Within the block, :data:`STOP_SIGNALS` set :data:`requested`, before and
-    around the run's own :func:`stop_on_signals`: a signal while the program
-    loads, MPI starts or the ranks agree (a job preempted as it starts) is kept
-    for the run, which stops at its first checkpoint with :data:`EXIT_STOPPED`,
-    instead of ending the process with the signal's status, which a batch
-    script does not take for a stop to requeue.  In the main thread only (else
-    it changes nothing)."""
+    around the run's own :func:`stop_on_signals`: a signal while the job starts
+    (the configuration read, MPI started, the ranks' agreement; a job preempted
+    as it starts) is kept for the run, which stops at its first checkpoint with
+    :data:`EXIT_STOPPED`, instead of ending the process with the signal's status,
+    which a batch script does not take for a stop to requeue.  In the main
+    thread only (else it changes nothing)."""
     global _caught_early
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -296,3 +296,28 @@ def test_a_share_left_out_that_rounds_to_all_does_not_say_100_percent(tmp_path, 
     assert len(said) == 1 and said[0].startswith(
         "data: 99% of the training frames are left out of each epoch (only 224 of 60,120 "
         "are trained on)"), said
+
+
+def test_a_stop_signal_ends_a_virtual_run_as_before(small_corpus, tmp_path):
+    # virtual ranks take no stop signal: SIGTERM ends the process at once (it was
+    # kept for a stop the virtual loop never makes, and the run trained to its end)
+    import signal
+    import subprocess
+    import sys
+    import time
+    run = tmp_path / "run"
+    argv = [sys.executable, "-m", "mpitrain", "train", QUICKSTART, "--virtual", "2",
+            "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + ["training.epochs=200"]:
+        argv += ["--set", item]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (run / "metrics.jsonl").exists()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        process.kill()
+        process.wait()
