@@ -320,8 +320,9 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
     # more shards than utterances would be written empty
     most_utterances = int(hours * 3600 * FRAMES_PER_SECOND) // (
         params.units_per_utterance[0] * STATES_PER_UNIT)
-    if shards > max(1, most_utterances):
-        raise ValueError(f"shards {shards}: hours {hours:g} gives at most {max(1, most_utterances)} "
+    most_utterances = max(1, most_utterances)
+    if shards > most_utterances:
+        raise ValueError(f"shards {shards}: hours {hours:g} gives at most {most_utterances} "
                          f"utterance(s), and a shard holds whole utterances; give fewer "
                          f"shards or more hours")
     started = time.perf_counter()

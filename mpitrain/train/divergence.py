@@ -53,7 +53,7 @@ class Diverged(RuntimeError):
 
 def divergence_advice(cfg) -> str:
     """What to change when a run keeps diverging: the rate and max-change, and the
-    settings of ``cfg`` that enlarge or push the step beyond plain SGD's.
+    settings of ``cfg`` that enlarge the step beyond plain SGD's.
 
     Example::
 
@@ -61,16 +61,21 @@ def divergence_advice(cfg) -> str:
                                  #  max-change values, or optimizer.l2_regularize (1e+30)'
     """
     opt, par, t = cfg.optimizer, cfg.parallel, cfg.training
-    suspects = [(f"optimizer.{key}", getattr(opt, key))
-                for key in ("l2_regularize", "l2_regularize_output", "momentum")
-                if getattr(opt, key) > 0]
+    # L2 shrinks the weights by 2 lr l2 B a step (optim/sgd.py): past a tenth of them
+    # a step, it is what blows up (Kaldi's values shrink them by well under 1e-3)
+    shrink = 2 * opt.initial_learning_rate * t.minibatch
+    suspects = [(f"optimizer.{key}", f"{getattr(opt, key):g}")
+                for key in ("l2_regularize", "l2_regularize_output")
+                if shrink * getattr(opt, key) >= 0.1]
     if par.method == "bmuf":
-        suspects += [("parallel.block_lr", par.block_lr)] if par.block_lr > 1 else []
-        suspects += [("parallel.block_momentum", par.block_momentum)] \
-            if par.block_momentum >= 0 else []
+        # its block step is block_lr times the averaged change, carried on by its momentum
+        if par.block_lr > 1:
+            suspects.append(("parallel.block_lr", f"{par.block_lr:g}"))
+        suspects.append(("parallel.block_momentum", f"{par.block_momentum:g}"
+                         if par.block_momentum >= 0 else "1 - 1/ranks"))
     advice = "lower optimizer.initial_learning_rate or the max-change values"
     if suspects:
-        advice += ", or " + ", ".join(f"{key} ({value:g})" for key, value in suspects)
+        advice += ", or " + ", ".join(f"{key} ({value})" for key, value in suspects)
     if 0 < t.divergence_factor < 1.5:
         # a window only a little above the running mean counts as exploding
         advice += (f"; or raise training.divergence_factor ({t.divergence_factor:g}: a "

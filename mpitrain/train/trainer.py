@@ -101,6 +101,7 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
 # counted as they are).
 _PROBLEMS_GATHERED = 1000
 
+
 class Trainer(CheckpointResume):
     """Example::
 
@@ -892,8 +893,9 @@ class Trainer(CheckpointResume):
         self._record("combine", step=self.step, frames_from="data.dev" if held_out
                      else "data.train", **found)
         weights = ", ".join(f"{m} {w:.3f}" for m, w in zip(found["models"], found["weights"]))
-        self._say(f"combine: {len(found['models'])} models on {found['frames']} "
-                  f"{'held-out' if held_out else 'training (no data.dev)'} frames: xent {found['combined_xent']:.4f} acc {found['combined_acc']:.4f}, "
+        frames = "held-out" if held_out else "training (no data.dev)"
+        self._say(f"combine: {len(found['models'])} models on {found['frames']} {frames} "
+                  f"frames: xent {found['combined_xent']:.4f} acc {found['combined_acc']:.4f}, "
                   f"best single ({found['best_single']}) xent "
                   f"{found['best_single_xent']:.4f}, gain {found['gain_xent']:.4f}; "
                   f"weights {weights}")

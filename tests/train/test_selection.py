@@ -125,7 +125,8 @@ def test_eval_of_a_run_names_the_held_out_frames_its_best_figure_was_over(small_
     assert main(["eval", str(run), os.path.join(small_corpus, "dev")]) == 0
     out = capsys.readouterr()
     best = records(run, "end")[0]
-    assert f"(best held-out acc {best['best_value']:.4f} over 700 frames at step 20)" in out.out + out.err
+    assert f"(best held-out acc {best['best_value']:.4f} over 700 frames at step 20)" \
+        in out.out + out.err
     assert "frames 700 " not in out.out       # the whole set scored
 
 

@@ -133,6 +133,7 @@ def test_a_signal_as_the_job_starts_stops_the_run_at_its_first_checkpoint(small_
     assert _checkpoint_steps(split) == [8]
     _resumed_is_straight(2, straight, split, small_corpus, common)
 
+
 def test_the_poll_comes_about_every_poll_seconds_and_never_after_the_log_line():
     # rank 0 sets the steps between polls from its own step time at each poll
     from mpitrain.train.stop import StopPoll
