@@ -689,11 +689,22 @@ def config_to_yaml(cfg: RunConfig) -> str:
     return yaml_text(cfg.to_dict())
 
 
+#: Settings added with a default that changes what an older run did, and the value
+#: that gives the older behaviour: a checkpoint written before the setting existed
+#: holds none, and its run is compared with the config as having had this one.
+_BEFORE_ADDED = {("parallel", "damp_staleness"): False}
+
+
 def config_from_yaml(text: str) -> RunConfig:
     """The configuration stored in a checkpoint: types checked, not ranges nor the
     settings' cross-checks, which a later version may have tightened (a run started
     with `training.epochs: 2e6` resumes, its settings compared with the config's)."""
-    return from_dict(RunConfig, parse_yaml(text, where="stored config"), limits=False)
+    data = parse_yaml(text, where="stored config")
+    if isinstance(data, dict):
+        for (section, key), value in _BEFORE_ADDED.items():
+            if isinstance(data.get(section), dict) and key not in data[section]:
+                data[section][key] = value
+    return from_dict(RunConfig, data, limits=False)
 
 
 def reference_markdown() -> str:

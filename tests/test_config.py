@@ -310,3 +310,20 @@ def test_a_stored_config_reads_back_as_written_and_beyond_todays_limits():
     assert config_from_yaml(stored).training.epochs == 2e6
     with pytest.raises(ConfigError, match="training.epochs"):
         config_from_yaml(stored.replace("epochs: 2000000.0", "epochs: many"))
+
+
+def test_a_stored_config_from_before_a_setting_existed_has_the_old_behaviour():
+    # a parameter server's checkpoint written before its rate was damped by staleness
+    # resumes as a change of that setting, not silently damped
+    cfg = load_config(None, ["parallel.method=param_server"])
+    stored = config_to_yaml(cfg).replace("  damp_staleness: true\n", "")
+    assert "damp_staleness" not in stored
+    assert config_from_yaml(stored).parallel.damp_staleness is False
+    assert config_from_yaml(config_to_yaml(cfg)).parallel.damp_staleness is True
+    from mpitrain.train.run_dir import changed_settings
+    assert changed_settings(config_from_yaml(stored), cfg) == [
+        "parallel.damp_staleness: False -> True"]
+    # another method's run does not use it: nothing changed
+    other = load_config(None, [])
+    older = config_to_yaml(other).replace("  damp_staleness: true\n", "")
+    assert changed_settings(config_from_yaml(older), other) == []

@@ -44,13 +44,17 @@ NEUTRAL_SETTINGS = (
 
 def unused_settings(settings: dict) -> tuple:
     """Prefixes of the settings that a run with these dotted ``settings`` does not
-    use: those of NG-SGD in a run that trains with another optimizer.
+    use: those of NG-SGD in a run that trains with another optimizer, the parameter
+    server's damped rate in a run of another method.
 
     Example::
 
-        unused_settings({"optimizer.name": "sgd"})    # ("optimizer.ngsgd.",)
+        unused_settings({"optimizer.name": "sgd"})    # ("optimizer.ngsgd.", ...)
     """
-    return () if settings.get("optimizer.name") == "ngsgd" else ("optimizer.ngsgd.",)
+    unused = () if settings.get("optimizer.name") == "ngsgd" else ("optimizer.ngsgd.",)
+    if settings.get("parallel.method") != "param_server":
+        unused += ("parallel.damp_staleness",)
+    return unused
 
 
 def run_files(run_dir) -> list:
