@@ -43,14 +43,20 @@ def test_a_roll_back_before_any_checkpoint_restores_the_start_exactly(small_corp
         assert np.array_equal(value, start[key]), key
 
 
-def test_a_roll_back_holds_the_search_back_from_a_higher_rate(small_corpus, tmp_path):
-    # the roll back halves the rate scale; the next search must not double it back
-    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+def _rolled_back_search(corpus, tmp_path):
+    """(config, trainer) of a search-schedule run just rolled back once."""
+    cfg = load_config(QUICKSTART, small_overrides(corpus) + [
         "model.hidden_dim=16", "model.hidden_layers=1", "optimizer.schedule=search",
         "training.max_steps=10", "training.checkpoint_interval=0", "training.eval_interval=0"])
     trainer = Trainer(cfg, comm=SingleCommunicator(), run_dir=str(tmp_path / "run"),
                       stream=io.StringIO())
     trainer._roll_back("a test")
+    return cfg, trainer
+
+
+def test_a_roll_back_holds_the_search_back_from_a_higher_rate(small_corpus, tmp_path):
+    # the roll back halves the rate scale; the next search must not double it back
+    cfg, trainer = _rolled_back_search(small_corpus, tmp_path)
     assert trainer.guard.lr_scale == 0.5 and trainer.schedule.held_back
     tried = []
     trainer.schedule.search(0, lambda rate: tried.append(rate) or (1.0, 128))
@@ -179,12 +185,7 @@ def test_a_log_window_cut_by_a_checkpoint_reads_the_same_after_resume(small_corp
 def test_the_search_line_after_a_roll_back_gives_the_rates_the_steps_take(small_corpus,
                                                                           tmp_path):
     # (it gave the rates before the roll back's scale: 0.025 where the steps took 0.0125)
-    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
-        "model.hidden_dim=16", "model.hidden_layers=1", "optimizer.schedule=search",
-        "training.max_steps=10", "training.checkpoint_interval=0", "training.eval_interval=0"])
-    trainer = Trainer(cfg, comm=SingleCommunicator(), run_dir=str(tmp_path / "run"),
-                      stream=io.StringIO())
-    trainer._roll_back("a test")
+    cfg, trainer = _rolled_back_search(small_corpus, tmp_path)
     trainer._search_rate()
     # (the log opens when the run starts: its lines wait until then)
     line = next(x for x in trainer._pending_lines if x.startswith("search at step"))
