@@ -45,6 +45,8 @@ UNSEEN_PRIOR = 2e-8
 # Kaldi's score for such pdfs (nnet1's PdfPrior): log p(s) := sqrt(FLT_MAX),
 # far below any real log-likelihood yet finite in float32.
 UNSEEN_SCORE = -float(np.sqrt(np.finfo(np.float32).max))
+# What Kaldi's MatrixBase::Write puts after the key for a 0 x 0 matrix in text mode.
+EMPTY_TEXT_MATRIX = b" [ ]\n"
 
 
 def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
@@ -323,6 +325,12 @@ class ArkWriter:
         self._position += len(head)
         if self._fscp is not None:
             self._fscp.write(f"{key} {self.ark}:{self._position}\n")
+        if self.text and matrix.size == 0:
+            # Kaldi's text form of an empty matrix; kaldiio writes "[]", which its
+            # own reader cannot read back
+            self._fark.write(EMPTY_TEXT_MATRIX)
+            self._position += len(EMPTY_TEXT_MATRIX)
+            return
         self._position += (write_array_ascii(self._fark, matrix) if self.text
                            else write_array(self._fark, matrix))
 

@@ -328,6 +328,21 @@ def test_export_applies_the_per_speaker_cmvn_the_model_was_trained_with(tiny, ca
     assert not (d / "x.ark").exists()
 
 
+def test_an_empty_utterance_in_a_text_archive_is_written_as_kaldi_writes_it(tiny):
+    import kaldiio
+    d, model, feats = tiny
+    kaldiio.save_ark(str(d / "feats.ark"), {"empty": np.zeros((0, 0), np.float32), **feats})
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark,t,scp:{d}/ll.txt,{d}/ll.scp"]) == 0
+    # Kaldi's text form of a 0 x 0 matrix is " [ ]" ("[]" stopped kaldiio's reader)
+    assert (d / "ll.txt").read_bytes().startswith(b"empty  [ ]\nutt0  [\n")
+    with pytest.warns(UserWarning):             # numpy's loadtxt on no numbers
+        text = dict(kaldiio.load_ark(str(d / "ll.txt")))
+    assert text["empty"].size == 0 and text["utt0"].shape == (5, 3)
+    scp = kaldiio.load_scp(str(d / "ll.scp"))
+    assert np.allclose(scp["utt2"], text["utt2"])
+
+
 def test_kaldi_write_flags_that_change_nothing_are_accepted(tiny):
     d, model, _ = tiny
     plain = _export(tiny)
