@@ -31,7 +31,8 @@ import sys
 import numpy as np
 
 from . import backend
-from .files import commit, discard, disk_full_error, remove_stale_temporaries, temporary_path
+from .files import (commit, discard, disk_full_error, remove_stale_temporaries, rename_target,
+                    temporary_path, written_in_place)
 from .data.cmvn import SpeakerCmvn
 from .data.kaldi_read import is_pipe, parse_scp, read_feature_matrices, split_rspecifier
 from .data.splice import frame_utterance_bounds, splice, splice_indices
@@ -251,9 +252,13 @@ class ArkWriter:
 
     def __init__(self, wspec: str):
         self.text, self.ark, self.scp = parse_wspecifier(wspec)
-        self._targets = [p for p in (self.ark, self.scp) if p is not None and not _is_stream(p)]
-        self._tmp = {p: temporary_path(p) for p in self._targets}
-        for target in self._targets:
+        files = [p for p in (self.ark, self.scp) if p is not None and not _is_stream(p)]
+        # ark:/dev/null or a named pipe is written as it is, like a stream
+        self._in_place = {p for p in files if written_in_place(p)}
+        self._targets = [p for p in files if p not in self._in_place]
+        self._final = {p: rename_target(p) for p in self._targets}
+        self._tmp = {p: temporary_path(self._final[p]) for p in self._targets}
+        for target in self._final.values():
             # an export of this file killed before left its partial copy (only this
             # file's: other jobs may write beside it)
             with contextlib.suppress(OSError):
@@ -275,6 +280,11 @@ class ArkWriter:
                               "written to it")
             from kaldiio.utils import open_like_kaldi
             handle = open_like_kaldi(name, mode)
+        elif name in self._in_place:
+            try:
+                handle = open(name, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+            except OSError as exc:
+                raise OSError(f"cannot write {name}: {exc.strerror}") from None
         else:
             try:
                 handle = open(self._tmp[name], mode,
@@ -312,6 +322,8 @@ class ArkWriter:
         target = self.ark.strip()
         if status:
             return f"--out {target}: the command failed with exit status {status}"
+        if self.ark in self._in_place:
+            return f"--out {target}: the pipe's reader stopped reading before the archive ended"
         return f"--out {target}: the command stopped reading before the archive ended"
 
     def _write(self, key: str, matrix: np.ndarray) -> None:
@@ -345,7 +357,7 @@ class ArkWriter:
                               "same time (the partial copy is gone); give each export an "
                               "--out of its own")
         for name in self._targets:
-            commit(self._tmp[name], name)
+            commit(self._tmp[name], self._final[name])
 
     def abort(self) -> None:
         """Close and delete whatever was written to files."""

@@ -44,6 +44,25 @@ def temporary_path(path) -> str:
     return os.path.join(directory, f".{name}.tmp-{os.getpid()}")
 
 
+def written_in_place(path) -> bool:
+    """True for a character device or a named pipe (``/dev/null``, a FIFO from
+    ``mkfifo``): such a target is written as it is, as a stream, since a file
+    renamed over it would take its place (for root, /dev/null itself)."""
+    try:
+        mode = os.stat(os.fspath(path)).st_mode
+    except OSError:
+        return False
+    return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
+
+
+def rename_target(path) -> str:
+    """Where a file written for ``path`` is renamed to: a symbolic link's target, so
+    that the link stays and names the new file, as when a program writes through it
+    (renaming over the link itself replaced it and left its target as it was)."""
+    path = os.fspath(path)
+    return os.path.realpath(path) if os.path.islink(path) else path
+
+
 #: The names :func:`temporary_path` makes, and no others.
 TEMPORARY_NAME = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)")
 
@@ -216,11 +235,15 @@ def atomic_path(path):
             fig.savefig(tmp, format="png")
     """
     path = os.fspath(path)
-    make_parent_directories(path)
-    tmp = temporary_path(path)
+    if written_in_place(path):
+        yield path
+        return
+    target = rename_target(path)
+    make_parent_directories(target)
+    tmp = temporary_path(target)
     try:
         yield tmp
-        commit(tmp, path)
+        commit(tmp, target)
     except BaseException as exc:
         discard(tmp)
         full = disk_full_error(exc, path)

@@ -343,6 +343,37 @@ def test_an_empty_utterance_in_a_text_archive_is_written_as_kaldi_writes_it(tiny
     assert np.allclose(scp["utt2"], text["utt2"])
 
 
+def test_an_out_that_is_a_named_pipe_or_a_link_is_written_through(tiny):
+    import stat
+    import subprocess
+    import kaldiio
+    d, model, _ = tiny
+    plain = _export(tiny)
+    # ark:/dev/null, or a pipe made with mkfifo: renamed over, /dev/null itself was
+    # replaced by a file (as root) and a pipe's reader never saw a byte
+    fifo = d / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    try:
+        assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                     "--out", f"ark:{fifo}"]) == 0
+        archive, _ = reader.communicate(timeout=30)
+    finally:
+        reader.kill()
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+    (d / "piped.ark").write_bytes(archive)
+    assert list(dict(kaldiio.load_ark(str(d / "piped.ark")))) == list(plain)
+    # a link is written through: it stays, and its target holds the archive
+    (d / "real").mkdir()
+    (d / "real" / "ll.ark").write_text("old")
+    (d / "link.ark").symlink_to(d / "real" / "ll.ark")
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark,scp:{d}/link.ark,{d}/link.scp"]) == 0
+    assert (d / "link.ark").is_symlink() and os.listdir(d / "real") == ["ll.ark"]
+    got = kaldiio.load_scp(str(d / "link.scp"))
+    assert all(np.array_equal(got[key], plain[key]) for key in plain)
+
+
 def test_kaldi_write_flags_that_change_nothing_are_accepted(tiny):
     d, model, _ = tiny
     plain = _export(tiny)

@@ -259,3 +259,28 @@ def test_a_file_standing_where_a_parent_directory_belongs_is_named():
             with atomic_open(target) as fh:
                 fh.write("never")
         assert str(info.value) == f"cannot write {target}: {blocker} is not a directory"
+
+
+def test_a_named_pipe_is_written_in_place_and_a_link_through_to_its_target(tmp_path):
+    import subprocess
+    import stat
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    reader = subprocess.Popen(["cat", str(fifo)], stdout=subprocess.PIPE)
+    try:
+        with atomic_open(fifo, "wb") as fh:
+            fh.write(b"data")
+        got, _ = reader.communicate(timeout=10)
+    finally:
+        reader.kill()
+    # renamed over, the pipe became a file and its reader waited for ever
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and got == b"data"
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "x.txt").write_text("old")
+    (tmp_path / "link.txt").symlink_to(tmp_path / "real" / "x.txt")
+    with atomic_open(tmp_path / "link.txt") as fh:
+        fh.write("new")
+    # the link stays and names the new contents, as when written through it
+    assert (tmp_path / "link.txt").is_symlink()
+    assert (tmp_path / "real" / "x.txt").read_text() == "new"
+    assert sorted(os.listdir(tmp_path / "real")) == ["x.txt"]
