@@ -466,6 +466,18 @@ def _unknown_option(f):
                          "init_scale": "__import__('os')"}])
 
 
+def _elementwise_of_another_width(f):
+    specs = json.loads(f.attrs["components"])
+    specs[1]["out_dim"] = specs[1]["in_dim"] // 2
+    _set_components(f, specs)
+
+
+def _option_of_another_kind(f):
+    specs = json.loads(f.attrs["components"])
+    specs[1]["p"] = 2.0
+    _set_components(f, specs)
+
+
 def _version_newer(f):
     f.attrs["version"] = 99
 
@@ -490,6 +502,8 @@ def _version_not_int(f):
     (_params_external, ["'params' is a link (ExternalLink)"]),
     (_components_nested, ["model attribute 'components' is not JSON"]),
     (_unknown_option, ["component 0 (affine): field 'init_scale': expected a finite number"]),
+    (_elementwise_of_another_width, ["component 1: field 'out_dim' is 4, but relu keeps"]),
+    (_option_of_another_kind, ["component 1: field 'p' is not an option of relu"]),
 ])
 def test_crafted_model_is_refused_naming_file_and_field(model, craft, parts):
     with h5py.File(model, "a") as f:

@@ -11,6 +11,8 @@ raw features (``export``) without the training corpus.
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 from .affine import Affine
@@ -28,10 +30,20 @@ def build_component(spec: dict) -> Component:
     cls = _KINDS.get(kind)
     if cls is None:
         raise ValueError(f"unknown component kind {kind!r}; expected one of {sorted(_KINDS)}")
+    in_dim, out_dim = spec.pop("in_dim"), spec.pop("out_dim", None)
+    options = [name for name, param in inspect.signature(cls).parameters.items()
+               if param.kind is param.KEYWORD_ONLY]
+    unknown = sorted(set(spec) - set(options))
+    if unknown:
+        raise ValueError(f"field {unknown[0]!r} is not an option of {kind} (its options: "
+                         f"{', '.join(options) or 'none'})")
     if cls in (Affine, PNorm):
-        return cls(spec.pop("in_dim"), spec.pop("out_dim"), **spec)
-    spec.pop("out_dim", None)
-    return cls(spec.pop("in_dim"), **spec)
+        return cls(in_dim, out_dim, **spec)
+    if out_dim is not None and out_dim != in_dim:
+        # the stored width would be ignored: the file is not what was written
+        raise ValueError(f"field 'out_dim' is {out_dim}, but {kind} keeps the width of its "
+                         f"input (in_dim {in_dim})")
+    return cls(in_dim, **spec)
 
 
 #: A dimension whose variance is below this share of its mean square is constant
