@@ -11,8 +11,8 @@ import pytest
 from mpitrain.files import DiskFullError
 from mpitrain.h5io import CHECKSUM_ATTR, DIGEST_ATTR
 from mpitrain.nn.affine import Affine
-from mpitrain.nn.model_file import (ModelMismatchError, load_model, read_model_group,
-                                    save_model, write_model_group)
+from mpitrain.nn.model_file import (ModelMismatchError, load_model, model_in_run_dir,
+                                    read_model_group, save_model, write_model_group)
 from mpitrain.nn.network import Network
 from mpitrain.nn.nonlinear import ReLU
 
@@ -163,3 +163,16 @@ def test_a_mismatch_names_what_differs(tmp_path, change, shown):
     message = str(err.value)
     stored, built = message.split(") is not the one the config builds (")
     assert shown[0] in stored and shown[1] in built, message
+
+
+@pytest.mark.parametrize("name,value", [("selected_dev_frames", np.array([1, 2])),
+                                        ("selected_at_step", np.inf),
+                                        ("selected_dev_acc", np.array([0.5, 0.6]))])
+def test_a_run_directory_with_a_damaged_selection_record_names_no_figure(tmp_path, name, value):
+    with h5py.File(tmp_path / "best.h5", "w") as f:
+        f.attrs.update({"selected_by": "acc", "selected_dev_acc": 0.5,
+                        "selected_at_step": 7, "selected_dev_frames": 100})
+        f.attrs[name] = value
+    # the model loader names the damage; choosing the file raised TypeError (a traceback)
+    assert model_in_run_dir(str(tmp_path)) == (str(tmp_path / "best.h5"),
+                                               f"using {tmp_path / 'best.h5'}")
