@@ -478,6 +478,10 @@ def _option_of_another_kind(f):
     _set_components(f, specs)
 
 
+def _priors_negative(f):
+    f["class_priors"][...] = -np.abs(f["class_priors"][...]) - 0.01
+
+
 def _version_newer(f):
     f.attrs["version"] = 99
 
@@ -504,6 +508,8 @@ def _version_not_int(f):
     (_unknown_option, ["component 0 (affine): field 'init_scale': expected a finite number"]),
     (_elementwise_of_another_width, ["component 1: field 'out_dim' is 4, but relu keeps"]),
     (_option_of_another_kind, ["component 1: field 'p' is not an option of relu"]),
+    # (export scored every class as never seen, -1.8e19, and exited 0)
+    (_priors_negative, ["dataset 'class_priors' holds a negative value"]),
 ])
 def test_crafted_model_is_refused_naming_file_and_field(model, craft, parts):
     with h5py.File(model, "a") as f:

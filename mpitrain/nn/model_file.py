@@ -234,6 +234,13 @@ def read_stored_model(group, path) -> StoredModel:
     if "class_priors" in group:
         priors = _float_vector(group, "class_priors", path, num_classes,
                                what="one per output class")
+        # shares of the training frames: a negative or an all-zero set is damage
+        # (export would score every class as never seen)
+        # (a non-finite value is named as such further on)
+        if np.isfinite(priors).all() and (np.any(priors < 0) or not np.sum(priors) > 0):
+            raise ValueError(f"{path}: dataset 'class_priors' holds "
+                             + ("a negative value" if np.any(priors < 0) else "only zeros")
+                             + "; priors are the classes' shares of the training frames")
     arrays = {"params": params[...], "cmvn_mean": cmvn_mean, "cmvn_scale": cmvn_scale}
     return StoredModel(path, components, feat_dim, left, right, arrays, priors,
                        _speaker_cmvn(group, path))
