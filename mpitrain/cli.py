@@ -340,7 +340,16 @@ def _train_virtual(args, cfg) -> int:
 
 
 def _network_model(args):
+    """The network model of --latency-us, --bandwidth-gbit and --allreduce-algorithm,
+    a bad value named by its flag (the model itself names its fields in seconds and
+    bytes, not what was typed)."""
     from .comm.netmodel import NetworkModel
+    if not 0 <= args.latency_us < math.inf:
+        raise UsageError(f"--latency-us: expected a latency in microseconds >= 0, "
+                         f"got {args.latency_us:g}")
+    if not 0 < args.bandwidth_gbit < math.inf:
+        raise UsageError(f"--bandwidth-gbit: expected a bandwidth in Gbit/s > 0, "
+                         f"got {args.bandwidth_gbit:g}")
     return NetworkModel(latency_s=args.latency_us * 1e-6,
                         bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8,
                         allreduce_algorithm=args.allreduce_algorithm)
@@ -413,7 +422,6 @@ def _number_list(text: str, flag: str, kind=int) -> tuple:
 
 def _bench_options(args, virtual_sizes):
     from .bench.options import BenchOptions
-    from .bench.projection import NetworkModel
     return BenchOptions(
         sizes=virtual_sizes or _number_list(args.sizes, "--sizes"),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
@@ -422,9 +430,7 @@ def _bench_options(args, virtual_sizes):
         throughput_steps=args.steps, warmup_steps=args.warmup_steps, repeats=args.repeats,
         eval_frames=args.eval_frames, max_steps=args.max_steps, max_frames=args.max_frames,
         max_seconds=args.max_seconds, project_to=_number_list(args.project_to, "--project-to"),
-        network=NetworkModel(latency_s=args.latency_us * 1e-6,
-                             bandwidth_bytes_per_s=args.bandwidth_gbit * 1e9 / 8,
-                             allreduce_algorithm=args.allreduce_algorithm),
+        network=_network_model(args),
         compute_seconds=args.compute_ms * 1e-3, lr_scale=args.lr_scale)
 
 

@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -117,13 +118,20 @@ class BenchOptions:
         if self.target_accuracy is not None and not 0 < self.target_accuracy < 1:
             raise ValueError(f"--target-accuracy: expected a frame accuracy in (0, 1), "
                              f"got {self.target_accuracy}")
-        for name in ("throughput_steps", "warmup_steps", "repeats"):
+        for name, flag in (("throughput_steps", "--steps"), ("warmup_steps", "--warmup-steps"),
+                           ("repeats", "--repeats")):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected an integer >= 1, got {getattr(self, name)}")
-        for name in ("eval_frames", "max_steps", "max_frames", "max_seconds",
-                     "compute_seconds"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}: expected a number >= 0, got {getattr(self, name)}")
+                raise ValueError(f"{flag}: expected an integer >= 1, got {getattr(self, name)}")
+        for name, flag in (("eval_frames", "--eval-frames"), ("max_steps", "--max-steps"),
+                           ("max_frames", "--max-frames"), ("max_seconds", "--max-seconds")):
+            # (not nan: it passes every comparison, and a nan or inf budget reaches
+            # bench.json, which cannot hold it, only after the whole benchmark ran)
+            if not (0 <= getattr(self, name) < math.inf):
+                raise ValueError(f"{flag}: expected a number >= 0 (0: no cap), "
+                                 f"got {getattr(self, name)}")
+        if not 0 <= self.compute_seconds < math.inf:
+            raise ValueError(f"--compute-ms: expected a step time in ms >= 0 (0: measured), "
+                             f"got {self.compute_seconds * 1e3:g}")
         if self.lr_scale not in LR_SCALES:
             raise ValueError(f"--lr-scale: expected one of {', '.join(LR_SCALES)}, "
                              f"got {self.lr_scale!r}")

@@ -156,3 +156,33 @@ def test_settings_refused_before_measuring_are_one_line_from_rank_0(small_corpus
     result = run_mpi(2, args, timeout=120)
     assert result.returncode == 2 and "leave the setting out" in result.stderr, result.stderr
     assert (earlier / "bench.json").exists() and "removed" not in result.stdout
+
+
+@pytest.mark.parametrize("flag,value,said", [
+    ("--compute-ms", "nan", "--compute-ms: expected a step time in ms >= 0"),
+    ("--compute-ms", "inf", "--compute-ms: expected a step time in ms >= 0"),
+    ("--compute-ms", "-2", "got -2"),
+    ("--max-seconds", "nan", "--max-seconds: expected a number >= 0"),
+    ("--max-frames", "-1", "--max-frames: expected a number >= 0"),
+    ("--steps", "0", "--steps: expected an integer >= 1"),
+    ("--warmup-steps", "0", "--warmup-steps: expected an integer >= 1"),
+    ("--repeats", "0", "--repeats: expected an integer >= 1"),
+    ("--latency-us", "-1", "--latency-us: expected a latency in microseconds >= 0"),
+    ("--bandwidth-gbit", "inf", "--bandwidth-gbit: expected a bandwidth in Gbit/s > 0"),
+])
+@pytest.mark.parametrize("virtual", [False, True], ids=["ranks", "virtual"])
+def test_a_bad_number_is_refused_naming_its_flag_before_anything_runs(
+        small_corpus, tmp_path, capsys, flag, value, said, virtual):
+    # a nan or inf budget passed every check, and bench.json (which cannot hold
+    # it) refused the report only after the whole benchmark had run
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART
+    out = tmp_path / "out"
+    argv = ["bench", QUICKSTART, "--out", str(out), "--set", f"data.train={small_corpus}/train",
+            "--set", f"data.dev={small_corpus}/dev", f"{flag}={value}",
+            *(["--virtual", "1,2"] if virtual else [])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpitrain bench: error: ") and err.count("\n") == 1, err
+    assert said in err, err
+    assert not out.exists()
