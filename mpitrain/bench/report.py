@@ -261,16 +261,26 @@ def write_report(report: dict, out_dir: str, *, dpi: int = 100, plots: bool = Tr
             if isinstance(exc, ImportError) else f"matplotlib could not start ({exc})"
         report = dict(report, notes=list(report.get("notes", [])) + [
             f"Plots not drawn: {why}."])
-    report = dict(report, outputs={k: os.path.basename(v) for k, v in paths.items()})
-    with atomic_open(paths["json"]) as fh:
-        json.dump(report, fh, indent=1, default=_json_default, allow_nan=False)
+    # bench.json first lists only the tables, and again each plot once it is drawn: a
+    # benchmark stopped while plotting keeps its measurements, and what bench.json
+    # lists is there
+    tables = {k: v for k, v in paths.items() if not k.endswith("_png")}
+    _write_json(report, paths["json"], tables)
     with atomic_open(paths["markdown"]) as fh:
         fh.write(summary_markdown(report))
-    if "speedup_png" in paths:
-        plot_speedup(report, paths["speedup_png"], dpi=dpi)
-    if "accuracy_png" in paths:
-        plot_accuracy(report, paths["accuracy_png"], dpi=dpi)
+    drawn = dict(tables)
+    for key, draw in (("speedup_png", plot_speedup), ("accuracy_png", plot_accuracy)):
+        if key in paths:
+            draw(report, paths[key], dpi=dpi)
+            drawn[key] = paths[key]
+            _write_json(report, paths["json"], drawn)
     return paths
+
+
+def _write_json(report: dict, path: str, outputs: dict) -> None:
+    with atomic_open(path) as fh:
+        json.dump(dict(report, outputs={k: os.path.basename(v) for k, v in outputs.items()}),
+                  fh, indent=1, default=_json_default, allow_nan=False)
 
 
 def _fmt(value, spec: str, none: str = "—") -> str:

@@ -1,6 +1,7 @@
 """The bench report's files: the measurements are written whatever the plots do."""
 
 import json
+import os
 
 from ..helpers import REPO, without_module
 
@@ -125,3 +126,30 @@ def test_a_simulated_report_does_not_read_as_measured_on_the_machine():
     notes = " ".join(_notes(report["environment"], None))
     assert "simulated clock" in notes
     assert "Busy machine" not in notes and "Idle ranks sleep" not in notes
+
+
+def test_a_benchmark_stopped_while_plotting_keeps_a_report_listing_only_what_is_there(
+        tmp_path, monkeypatch):
+    # bench.json was written first, listing both plots, so a benchmark stopped while
+    # drawing them left a complete-looking report naming files that were never written
+    import pytest
+    from mpitrain.bench import report as bench_report
+    report = json.loads(REPORT.read_text())
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(bench_report, "plot_accuracy", stopped)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        bench_report.write_report(report, str(out))
+    written = json.loads((out / "bench.json").read_text())
+    assert written["accuracy"] == report["accuracy"] and (out / "bench.md").exists()
+    assert written["outputs"] == {"json": "bench.json", "markdown": "bench.md",
+                                  "speedup_png": "bench-speedup.png"}
+    assert all((out / name).exists() for name in written["outputs"].values())
+    assert not (out / "bench-accuracy.png").exists()
+    monkeypatch.undo()
+    paths = bench_report.write_report(report, str(out))
+    assert json.loads((out / "bench.json").read_text())["outputs"] == {
+        k: os.path.basename(v) for k, v in paths.items()}
+    assert "accuracy_png" in paths
