@@ -112,7 +112,9 @@ class BenchOptions:
         if bad_phases or not self.phases:
             raise ValueError(f"--phases: expected some of {', '.join(PHASES)}, "
                              f"got {list(self.phases)}")
-        if tuple(self.phases) == ("accuracy",) and self.target_accuracy is None:
+        # a phase named twice runs once (and is recorded once)
+        object.__setattr__(self, "phases", tuple(dict.fromkeys(self.phases)))
+        if "throughput" not in self.phases and self.target_accuracy is None:
             raise ValueError("--phases accuracy: the time-to-accuracy phase needs "
                              "--target-accuracy (a held-out frame accuracy to reach)")
         if self.target_accuracy is not None and not 0 < self.target_accuracy < 1:

@@ -66,6 +66,12 @@ def test_the_accuracy_phase_alone_needs_a_target():
     assert BenchOptions(sizes=(1, 2), phases=("accuracy",), target_accuracy=0.5).phases
     # with the throughput phase as well, the accuracy phase is skipped with a notice
     assert BenchOptions(sizes=(1, 2), phases=("throughput", "accuracy")).phases
+    # named twice it is still alone: a benchmark that would measure nothing, and
+    # wrote an empty report with status 0
+    with pytest.raises(ValueError, match="--phases accuracy: .* needs --target-accuracy"):
+        BenchOptions(sizes=(1, 2), phases=("accuracy", "accuracy"))
+    assert BenchOptions(phases=("throughput", "throughput")).to_dict()["phases"] == \
+        ["throughput"]
 
 
 def test_hierarchical_adpsgd_without_ranks_per_node_is_refused_in_one_line():
