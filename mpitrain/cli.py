@@ -486,6 +486,10 @@ def cmd_bench(args) -> int:
         if args.dpi < 1:
             # the plots are drawn at the end: a bad resolution would waste the run
             raise UsageError(f"--dpi must be a positive resolution, got {args.dpi}")
+        if args.out is not None and not args.out.strip():
+            # (a variable left unset in a batch script) not the default directory
+            raise UsageError("--out is empty; name a directory, or leave the option out "
+                             "for runs/bench-<config name>")
         if virtual_sizes and args.sizes.strip():
             raise UsageError("--sizes and --virtual both give the group sizes; with virtual "
                              "ranks give them as --virtual 1,2,4,...")

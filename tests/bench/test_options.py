@@ -192,3 +192,20 @@ def test_a_bad_number_is_refused_naming_its_flag_before_anything_runs(
     assert err.startswith("mpitrain bench: error: ") and err.count("\n") == 1, err
     assert said in err, err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("virtual", [False, True], ids=["ranks", "virtual"])
+def test_an_empty_out_is_one_line_not_the_default_directory(small_corpus, tmp_path, capsys,
+                                                            monkeypatch, virtual):
+    # --out '' (a variable left unset in a batch script) benchmarked into
+    # runs/bench-<config name>
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART
+    monkeypatch.chdir(tmp_path)
+    argv = ["bench", QUICKSTART, "--out", "", "--set", f"data.train={small_corpus}/train",
+            "--phases", "throughput", "--steps", "1", "--warmup-steps", "1",
+            "--methods", "bmuf", *(["--virtual", "1"] if virtual else [])]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--out is empty" in err, err
+    assert not (tmp_path / "runs").exists()
