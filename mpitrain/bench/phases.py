@@ -203,7 +203,7 @@ class BenchTrainer(Trainer):
         # clocks differ between ranks: agree, or some ranks would train on alone
         flags = self.comm.allreduce_scalar(int(reached) * 2 + int(late), op="max")
         if flags:
-            self.stop_reason = "target" if flags >= 2 else "max_seconds"
+            self.stop_reason = "target" if flags >= 2 else "--max-seconds"
         return bool(flags)
 
 

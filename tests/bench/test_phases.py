@@ -132,3 +132,21 @@ def test_a_config_that_decides_on_held_out_results_is_benchmarked(small_corpus, 
     assert main(argv) == 0
     report = json.loads((out / "bench.json").read_text())
     assert sorted(r["ranks"] for r in report["throughput"]) == [1, 2]
+
+
+def test_a_run_ended_by_max_seconds_is_named_by_its_flag_as_the_other_budgets(small_corpus,
+                                                                              tmp_path):
+    # it said "max_seconds" where the other budgets say "--max-steps", "--max-frames"
+    import json
+    from mpitrain.cli import main
+    from ..helpers import small_overrides
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "bmuf", "--phases", "accuracy",
+            "--target-accuracy", "0.95", "--max-seconds", "0.001", "--eval-frames", "1024",
+            "--compute-ms", "1", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    (row,) = json.loads((out / "bench.json").read_text())["accuracy"]
+    assert not row["reached"] and row["stopped_by"] == "--max-seconds"
+    assert "not reached (--max-seconds)" in (out / "bench.md").read_text()
