@@ -125,8 +125,10 @@ def _throughput_line(row: dict) -> str:
 
 def _accuracy_line(row: dict) -> str:
     if not row["reached"]:
+        final = row["final_dev_acc"]
+        final = "none" if final is None else f"{final:.4f}"      # (None: it diverged)
         return (f"  n={row['ranks']} {row['method']:<16} target {row['target_accuracy']} not "
-                f"reached (stopped by {row['stopped_by']}; final acc {row['final_dev_acc']:.4f})")
+                f"reached (stopped by {row['stopped_by']}; final acc {final})")
     if row.get("interpolated") is False:
         return (f"  n={row['ranks']} {row['method']:<16} target {row['target_accuracy']} "
                 f"already at the first evaluation: <= {row['frames_to_target']:,.0f} frames, "

@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 from ..config import config_from_dict
 from ..parallel.registry import build_strategy
+from ..train.errors import TrainingError
 from ..train.trainer import Trainer
 from .options import BenchOptions, BenchSettingsError, check_benchable
 
@@ -207,8 +208,10 @@ class BenchTrainer(Trainer):
         return bool(flags)
 
 
-def _run_trainer(cfg, group, run_dir: str, **kwargs):
-    """Build, run and close one trainer; rank 0 of the group logs into ``run_dir``."""
+def _run_trainer(cfg, group, run_dir: str, *, diverged_ends_it: bool = False, **kwargs):
+    """Build, run and close one trainer; rank 0 of the group logs into ``run_dir``.
+    ``diverged_ends_it``: a run that diverged (every rank of the group alike) returns
+    its steps and frames so far and ``diverged`` (the reason) instead of raising."""
     log = None
     if group.rank == 0:
         os.makedirs(run_dir, exist_ok=True)
@@ -217,6 +220,11 @@ def _run_trainer(cfg, group, run_dir: str, **kwargs):
         trainer = BenchTrainer(cfg, run_dir=run_dir, comm=group, stream=log, **kwargs)
         try:
             result = trainer.run()
+        except TrainingError as exc:
+            if not (diverged_ends_it and trainer.diverged):
+                raise
+            result = {"steps": trainer.step, "frames": trainer.frames_seen,
+                      "diverged": " ".join(str(exc).split())}
         finally:
             trainer.close()
     finally:
@@ -377,13 +385,16 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
                     training__eval_interval=interval,
                     training__max_steps=min(caps.values()) if caps else 0,
                     training__checkpoint_interval=0)
+    # a method that diverges at this size is a result, not the end of the benchmark
     trainer, result = _run_trainer(run_cfg, group, run_dir, target=options.target_accuracy,
-                                   max_seconds=options.max_seconds, compute=compute)
+                                   max_seconds=options.max_seconds, compute=compute,
+                                   diverged_ends_it=True)
     points = trainer.points
-    if points:
+    if points and "diverged" not in result:
         points[-1]["final"] = True      # after the strategy's finalize (e.g. a last average)
     crossing = first_crossing(points, options.target_accuracy)
-    stopped = trainer.stop_reason or budget_reason(int(result["steps"]), caps)
+    stopped = "divergence" if "diverged" in result else \
+        trainer.stop_reason or budget_reason(int(result["steps"]), caps)
     return {"method": method, "ranks": n, "target_accuracy": options.target_accuracy,
             "initial_learning_rate": run_cfg.optimizer.initial_learning_rate,
             "reached": crossing is not None, "stopped_by": stopped,

@@ -119,6 +119,7 @@ class Trainer(CheckpointResume):
         self.checkpoints_seen = None  # rank 0, resuming: the checkpoints there when it chose
         self._ran = False            # run() returned (on every rank)
         self._stopped_together = False   # every rank stopped at the same step (diverged)
+        self.diverged = False        # the run stopped past its last roll back (every rank)
         self._graph_said = False     # cuda_graph asked for and not used: said once
         # Nothing is written before the run is validated: lines wait for the log.
         self._stream_out = stream
@@ -426,7 +427,7 @@ class Trainer(CheckpointResume):
         try:
             self.guard.roll_back()
         except Diverged as exc:
-            self._stopped_together = True
+            self._stopped_together = self.diverged = True
             raise TrainingError(f"{self.run_dir}: {exc}", agreed=True) from None
         counts = self.guard.state_dict()     # the checkpoint's counts are older
         found = self.comm.bcast_obj(bool(list_checkpoints(self.run_dir)) if self.is_root

@@ -150,3 +150,26 @@ def test_a_run_ended_by_max_seconds_is_named_by_its_flag_as_the_other_budgets(sm
     (row,) = json.loads((out / "bench.json").read_text())["accuracy"]
     assert not row["reached"] and row["stopped_by"] == "--max-seconds"
     assert "not reached (--max-seconds)" in (out / "bench.md").read_text()
+
+
+def test_a_method_that_diverges_is_a_result_and_the_others_are_measured(small_corpus,
+                                                                         tmp_path, capsys):
+    # (the divergence ended the whole benchmark: the methods after it and the report
+    # of the size were lost)
+    import json
+    from mpitrain.cli import main
+    from ..helpers import small_overrides
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "bmuf,model_averaging",
+            "--phases", "accuracy", "--target-accuracy", "0.95", "--max-frames", "6000",
+            "--eval-frames", "1024", "--compute-ms", "1", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "parallel.block_lr=1e6",
+            "training.log_interval=4", "training.max_divergence_events=0",
+            "training.max_rollbacks=0"]:
+        argv += ["--set", item]
+    assert main(argv) == 0, capsys.readouterr().err
+    rows = {row["method"]: row for row in json.loads((out / "bench.json").read_text())["accuracy"]}
+    assert rows["bmuf"]["stopped_by"] == "divergence" and not rows["bmuf"]["reached"]
+    assert rows["model_averaging"]["stopped_by"] == "--max-frames"
+    assert "bmuf" in capsys.readouterr().out
