@@ -201,6 +201,12 @@ def out_dir_problem(out_dir: str, *, overwrite: bool):
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         return f"{out_dir}: --out exists and is not a directory"
+    above = os.path.dirname(os.path.abspath(out_dir))
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        # (found before measuring: a bare "Not a directory" came after the first size)
+        return f"{out_dir}: --out cannot be made ({above} is not a directory)"
     if os.path.exists(os.path.join(out_dir, "runs")) and \
             not os.path.isdir(os.path.join(out_dir, "runs")):
         return f"{os.path.join(out_dir, 'runs')}: exists and is not a directory"

@@ -112,6 +112,9 @@ def test_an_out_that_is_a_file_is_refused(tmp_path):
     (tmp_path / "f").write_text("")
     assert out_dir_problem(str(tmp_path / "f"), overwrite=True) == \
         f"{tmp_path / 'f'}: --out exists and is not a directory"
+    # under a file: refused before measuring (a bare "Not a directory" came after it)
+    assert out_dir_problem(str(tmp_path / "f" / "x" / "y"), overwrite=True) == \
+        f"{tmp_path / 'f' / 'x' / 'y'}: --out cannot be made ({tmp_path / 'f'} is not a directory)"
 
 
 def test_a_simulated_report_does_not_read_as_measured_on_the_machine():
