@@ -209,7 +209,14 @@ def manifest_problems(data, path: str) -> tuple[CorpusManifest | None, list[str]
         cmvn = {}
     for key in ("mean", "var"):
         values = cmvn.get(key)
-        if (not isinstance(values, list) or len(values) != feat_dim
+        if isinstance(values, list) and len(values) == feat_dim and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) for v in values) \
+                and not all(_is_number(v) for v in values):
+            # moments of features that hold a NaN or inf (a shard written by hand)
+            problems.append(f"{path}: field 'cmvn.{key}': holds a NaN or inf, as features "
+                            "that hold one give; `mpitrain check` names the shard, "
+                            "utterance and frame")
+        elif (not isinstance(values, list) or len(values) != feat_dim
                 or not all(_is_number(v) for v in values)):
             bad(f"cmvn.{key}", f"a list of {feat_dim} finite numbers", values)
         elif key == "var" and min(values) < 0:

@@ -91,6 +91,9 @@ def test_not_an_hdf5_file(corpus):
 @pytest.mark.parametrize("field,value,expected", [
     ("num_classes", -3, "field 'num_classes': expected a positive int"),
     ("cmvn", {"mean": [0.0] * 4}, "field 'cmvn.var': expected a list of 4 finite numbers"),
+    # (the moments of features holding a NaN, written by hand: said what it comes from)
+    ("cmvn", {"mean": [float("nan")] * 4, "var": [1.0] * 4},
+     "field 'cmvn.mean': holds a NaN or inf, as features that hold one give; `mpitrain check`"),
     ("shards", [{"path": "/abs/shard.h5", "frames": 1, "utterances": 1}],
      "field 'shards[0].path': expected a relative file name"),
 ])
