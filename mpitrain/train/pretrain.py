@@ -29,6 +29,7 @@ result is ``RUN_DIR/pretrain.h5`` (:mod:`mpitrain.nn.rbm_file`), which
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -397,6 +398,21 @@ class Pretrainer:
         self.log.write("start", mode="pretrain", ranks=comm.size, layers=self.dims,
                        layer_steps=self.layer_steps, layer=self.layer + 1,
                        step=self.layer_step)
+        try:
+            return self._run_layers()
+        except (Exception, KeyboardInterrupt) as exc:
+            # `status` then says how the run ended (a divergence, Ctrl-C), not that it
+            # was cut off with a checkpoint to --resume from
+            message = "interrupted (SIGINT, Ctrl-C)" if isinstance(exc, KeyboardInterrupt) \
+                else str(exc)
+            with contextlib.suppress(Exception):
+                self.log.write("error", layer=self.layer + 1, step=self.layer_step,
+                               error=type(exc).__name__,
+                               message=" ".join(message.split())[:1000])
+            raise
+
+    def _run_layers(self) -> dict:
+        comm = self.comm
         started = comm.wtime()
         recon = float("nan")
         while self.layer < len(self.layer_steps):

@@ -60,9 +60,12 @@ def run_status(run_dir, *, now: float | None = None) -> list:
 def _failure(error: dict) -> str:
     message = error.get("message")
     message = message if isinstance(message, str) else "?"
+    where = f"step {_num(error, 'step', 'd')}"
+    if "layer" in error:                                  # a pretraining's layer
+        where = f"layer {_num(error, 'layer', 'd')}, {where}"
     if error.get("error") == "KeyboardInterrupt":        # (not a failure of the run's)
-        return f"{message} at step {_num(error, 'step', 'd')}"
-    return f"failed at step {_num(error, 'step', 'd')}: {message}"
+        return f"{message} at {where}"
+    return f"failed at {where}: {message}"
 
 
 def _how_the_latest_start_ended(path) -> tuple:

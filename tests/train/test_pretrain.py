@@ -168,6 +168,18 @@ def test_a_diverging_gaussian_layer_stops_naming_its_rate(small_corpus, tmp_path
     assert not (tmp_path / "run" / "pretrain.h5").exists()
 
 
+def test_status_of_a_diverged_pretraining_says_it_failed(small_corpus, tmp_path, capsys):
+    """Without an error record `status` said the run was cut off (a lost node) and
+    that --resume continued it, as if it had not stopped on its own."""
+    from mpitrain.train.status import run_status
+    run = tmp_path / "run"
+    code = main(_argv("pretrain", run, small_corpus, ["pretrain.learning_rate=1e8"]))
+    assert code == 2 and "layer 2 (Bernoulli-Bernoulli) diverged" in capsys.readouterr().err
+    first = run_status(run)[0]
+    assert first.startswith(f"{run}: failed at layer 2, step "), first
+    assert "lower pretrain.learning_rate (now 1e+08)" in first, first
+
+
 @pytest.mark.parametrize("setting,named", [
     ("pretrain.learning_rate_gaussian=10", "lower pretrain.learning_rate_gaussian (now 10)"),
     ("pretrain.weight_decay=300", "or pretrain.weight_decay (now 300)"),
