@@ -343,11 +343,36 @@ class Pretrainer:
             raise TrainingError(f"{chosen}: --resume with settings that change the result: "
                                 + "; ".join(changes) + " (restore them, or pass "
                                 "--accept-changes)", agreed=True)
+        # --accept-changes takes a new rate or length, but the RBMs trained so far
+        # cannot take another shape (they failed later inside numpy on every rank)
+        shape = self._shape_changes(ckpt["stack"])
+        if shape:
+            raise TrainingError(f"{chosen}: --resume cannot change the shape of the RBMs "
+                                "trained so far: " + "; ".join(shape) + " (restore it, or "
+                                "pretrain afresh with --overwrite)", agreed=True)
         for line in notes:
             self._say(f"resume: {line}")
         self._resume_state = ckpt
         self._say(f"resumed from {chosen} at layer {ckpt['layer'] + 1}, step "
                   f"{ckpt['layer_step']}")
+
+    def _shape_changes(self, stored) -> list:
+        """How this config's stack differs in shape from a checkpoint's ``stored``
+        one, over the layers both have (fewer or more layers are fine)."""
+        cfg, found = self.cfg, []
+        for key, was, now in (("data.left_context", stored.left_context, cfg.data.left_context),
+                              ("data.right_context", stored.right_context,
+                               cfg.data.right_context),
+                              ("data.train's feat_dim", stored.feat_dim, self.manifest.feat_dim)):
+            if was != now:
+                found.append(f"{key} was {was}, now {now}")
+        if not found:
+            for i, rbm in enumerate(stored.rbms[:len(self.dims) - 1]):
+                if rbm.hidden_dim != self.dims[i + 1]:
+                    found.append(f"model.hidden_dim was {rbm.hidden_dim}, now "
+                                 f"{self.dims[i + 1]}")
+                    break
+        return found
 
     def _restore(self, ckpt) -> None:
         """Continue from a read checkpoint (called once the run directory is open)."""
