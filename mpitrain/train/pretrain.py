@@ -212,12 +212,17 @@ class Pretrainer:
             self._pending.append(text)
 
     def _open_run_dir(self) -> None:
+        problem = None
         if self.is_root:
             os.makedirs(self.run_dir, exist_ok=True)
             self._lock = RunDirLock(self.run_dir)
             problem = self._lock.acquire()
-            if problem:
-                raise TrainingError(problem)
+        # every rank hears whether rank 0 got the directory: a job started on one in
+        # use ends in rank 0's line alone, not in its error and MPI's abort
+        problem = self.comm.bcast_obj(problem, root=0)
+        if problem:
+            raise TrainingError(problem, agreed=True)
+        if self.is_root:
             if self._lock.unguarded:
                 self._pending.insert(0, self._lock.unguarded)
             stale = remove_stale_temporaries(self.run_dir)

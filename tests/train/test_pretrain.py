@@ -295,6 +295,26 @@ def test_pretraining_refuses_a_directory_in_use(small_corpus, tmp_path, capsys):
         holder.release()
 
 
+@pytest.mark.mpi
+def test_a_directory_in_use_is_one_line_from_rank_0_on_two_ranks(mpiexec, small_corpus,
+                                                                 tmp_path):
+    """Rank 0 alone found the lock taken: it printed 'rank 0: error' and aborted the
+    job (MPI's abort line after it) while the other rank went on to train."""
+    from mpitrain.train.run_dir import RunDirLock
+    run = tmp_path / "pre"
+    run.mkdir()
+    holder = RunDirLock(str(run))
+    assert holder.acquire() is None
+    try:
+        result = run_mpi(2, ["-m", "mpitrain"] + _argv("pretrain", run, small_corpus),
+                         timeout=180)
+    finally:
+        holder.release()
+    err = result.stderr.strip()
+    assert result.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("mpitrain pretrain: error: ") and "another run is using" in err, err
+
+
 def test_a_run_directory_moved_away_stops_pretraining(small_corpus, tmp_path, monkeypatch,
                                                        capsys):
     # the next checkpoint made a new directory of the old name, without the config,
