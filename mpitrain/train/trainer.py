@@ -378,30 +378,35 @@ class Trainer(CheckpointResume):
         else:
             self._pending_records.append((kind, fields))
 
-    def _refuse_checkpoints_written_since_chosen(self) -> None:
+    def _checkpoints_written_since_chosen(self):
         """A resume chose its checkpoint before the run directory's lock was its own: a
         job that was still running there may have written newer ones meanwhile, which
-        this run would train past again and rotate away."""
+        this run would train past again and rotate away.  The problem, or None."""
         if not self.resuming or self.checkpoints_seen is None:
-            return
+            return None
         newer = sorted({os.path.basename(p) for p in list_checkpoints(self.run_dir)}
                        - self.checkpoints_seen)
-        if newer:
-            raise TrainingError(f"{self.run_dir}: {', '.join(newer)} was written by another "
-                                "job after this one chose the checkpoint to continue from; "
-                                "start it again (--resume) to continue from the newest")
+        if not newer:
+            return None
+        return (f"{self.run_dir}: {', '.join(newer)} was written by another job after this "
+                "one chose the checkpoint to continue from; start it again (--resume) to "
+                "continue from the newest")
 
     def _open_run_dir(self) -> None:
         """Rank 0 writes the run directory once the run has been validated."""
+        problem = None
         if self.is_root:
             os.makedirs(self.run_dir, exist_ok=True)
             self._lock = RunDirLock(self.run_dir)
-            problem = self._lock.acquire()
-            if problem:
-                raise TrainingError(problem)
+            problem = self._lock.acquire() or self._checkpoints_written_since_chosen()
+        # every rank hears whether rank 0 may use the directory: a job started on one
+        # in use ends in rank 0's line alone, not in its error and an MPI abort
+        problem = self.comm.bcast_obj(problem, root=0)
+        if problem:
+            raise TrainingError(problem, agreed=True)
+        if self.is_root:
             if self._lock.unguarded:
                 self._pending_lines.insert(0, self._lock.unguarded)
-            self._refuse_checkpoints_written_since_chosen()
             stale = remove_stale_temporaries(self.run_dir)
             if stale:
                 self._pending_lines.insert(0, f"removed {len(stale)} temporary file(s) left by "

@@ -560,3 +560,22 @@ def test_nnet2s_max_change_per_sample_alone_trains_and_learns(small_corpus, tmp_
     assert final["dev_acc"] > counts.max() / counts.sum(), final
     train = records(run, "train")
     assert train[-1]["xent"] < train[0]["xent"] - 0.5, (train[0], train[-1])
+
+
+@pytest.mark.mpi
+def test_a_directory_in_use_is_one_line_from_rank_0_on_two_ranks(small_corpus, tmp_path):
+    # rank 0 alone found the lock taken: it printed "rank 0: error" and aborted the
+    # job, MPI's abort line after it
+    from mpitrain.train.run_dir import RunDirLock
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = RunDirLock(str(run))
+    assert holder.acquire() is None
+    try:
+        result = train_on_ranks(2, run, small_corpus, TINY + ["training.max_steps=4"],
+                                timeout=120)
+    finally:
+        holder.release()
+    err = result.stderr.strip()
+    assert result.returncode == 2 and len(err.splitlines()) == 1, mpi_output(result)
+    assert err.startswith("mpitrain train: error: ") and "another run is using" in err, err
