@@ -106,4 +106,11 @@ class NaturalGradientSGD(SGD):
             if w.size and (w.ndim != 2 or w.shape[1] != self._dims[key]):
                 raise ValueError(f"optimizer state: preconditioner '{key}' has W of shape "
                                  f"{w.shape}; its layer gives rows of {self._dims[key]} columns")
+            # a state of another rank would be taken as it is and keep that rank
+            # until the next reset: the configured rank would be ignored unsaid
+            rank = int(saved[key].get("rank", 0))
+            if w.size and isinstance(p, OnlineNaturalGradient) and rank != p.rank:
+                raise ValueError(f"optimizer state: preconditioner '{key}' has rank {rank}; "
+                                 f"the settings give it rank {p.rank} "
+                                 "(optimizer.ngsgd.rank_in, rank_out)")
             p.load_state_dict(saved[key])

@@ -38,6 +38,21 @@ def test_state_of_a_preconditioner_for_another_dimension_is_refused():
         fresh.load_state_dict(bad)
 
 
+def test_state_of_another_rank_is_refused():
+    """Saved estimates of another rank were taken as they were, so a changed
+    rank_in or rank_out (``--resume --accept-changes``) was ignored until the
+    next reset; now such a state is refused, naming the preconditioner."""
+    net, opt = _trained()
+    state = opt.state_dict()
+    smaller = NaturalGradientSGD(net, rank_in=4, rank_out=12, update_period=2)
+    with pytest.raises(ValueError, match="preconditioner 'layer0_in' has rank 8; the "
+                                         "settings give it rank 4"):
+        smaller.load_state_dict(state)
+    same = NaturalGradientSGD(net, rank_in=8, rank_out=12, update_period=2)
+    same.load_state_dict(state)
+    assert same.preconditioners["layer0_in"].W.shape[0] == 8
+
+
 @pytest.mark.parametrize("reset", [None, False, True])
 def test_estimates_are_kept_across_averages_unless_asked(reset):
     """By default the Fisher estimates survive a model average (averages a few

@@ -9,14 +9,16 @@ run.
 import io
 import os
 
+import h5py
 import numpy as np
 import pytest
 
+from mpitrain.cli import main
 from mpitrain.comm.single import SingleCommunicator
 from mpitrain.config import load_config
 from mpitrain.train.trainer import Trainer
 
-from ..helpers import QUICKSTART, small_overrides
+from ..helpers import QUICKSTART, small_overrides, train_in_process
 
 
 @pytest.mark.parametrize("method", ["model_averaging", "bmuf"])
@@ -220,3 +222,25 @@ def test_a_checkpoint_written_after_the_resume_chose_its_own_is_not_trained_past
         trainer.run()
     trainer.close()
     assert (run / "ckpt-00000012.h5").exists()
+
+
+def test_accepted_ngsgd_ranks_start_the_estimates_afresh(small_corpus, tmp_path, capsys):
+    """--resume --accept-changes of optimizer.ngsgd.rank_in/rank_out: the saved
+    estimates (of the old ranks) were loaded and kept their ranks while the log
+    said the change was applied; now the optimizer state starts afresh at the new
+    ranks, and the log says so."""
+    tiny = ["optimizer.name=ngsgd", "model.hidden_dim=16", "model.hidden_layers=1",
+            "training.checkpoint_interval=4", "training.eval_interval=0"]
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, tiny + ["training.max_steps=4"])
+    capsys.readouterr()
+    argv = ["train", QUICKSTART, "--run-dir", str(run), "--resume", "--accept-changes"]
+    for item in small_overrides(small_corpus) + tiny + [
+            "training.max_steps=8", "optimizer.ngsgd.rank_in=3", "optimizer.ngsgd.rank_out=5"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "resume: the optimizer state starts afresh" in out and "has rank 20" in out, out
+    with h5py.File(run / "ckpt-00000008.h5", "r") as f:
+        saved = f["ranks/00000/optimizer/preconditioners"]
+        assert saved["layer0_in/W"].shape[0] == 3 and saved["layer0_out/W"].shape[0] == 5
