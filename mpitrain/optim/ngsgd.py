@@ -97,8 +97,9 @@ class NaturalGradientSGD(SGD):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        super().load_state_dict(state)
         saved = state.get("preconditioners", {})
+        # every side is checked before any is loaded: a refused state (which the
+        # trainer may answer by starting afresh) must leave no side half loaded
         for key, p in self.preconditioners.items():
             if key not in saved:
                 raise ValueError(f"optimizer state has no preconditioner '{key}'")
@@ -113,4 +114,10 @@ class NaturalGradientSGD(SGD):
                 raise ValueError(f"optimizer state: preconditioner '{key}' has rank {rank}; "
                                  f"the settings give it rank {p.rank} "
                                  "(optimizer.ngsgd.rank_in, rank_out)")
-            p.load_state_dict(saved[key])
+        super().load_state_dict(state)
+        try:
+            for key, p in self.preconditioners.items():
+                p.load_state_dict(saved[key])
+        except ValueError:
+            self.reset_preconditioners()
+            raise

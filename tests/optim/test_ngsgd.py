@@ -48,6 +48,12 @@ def test_state_of_another_rank_is_refused():
     with pytest.raises(ValueError, match="preconditioner 'layer0_in' has rank 8; the "
                                          "settings give it rank 4"):
         smaller.load_state_dict(state)
+    # refused as a whole: no side is left loaded (layer0_in comes before the first
+    # side whose rank differs)
+    other_out = NaturalGradientSGD(net, rank_in=8, rank_out=6, update_period=2)
+    with pytest.raises(ValueError, match="'layer0_out' has rank 12"):
+        other_out.load_state_dict(state)
+    assert all(p.t == 0 and not p.initialized for p in other_out.preconditioners.values())
     same = NaturalGradientSGD(net, rank_in=8, rank_out=12, update_period=2)
     same.load_state_dict(state)
     assert same.preconditioners["layer0_in"].W.shape[0] == 8
