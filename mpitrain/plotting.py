@@ -323,6 +323,11 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
     runs = [(metrics_path(d), read_metrics(d)) for d in run_dirs]
     for path, records in runs:
         if not records["eval"] and not (train and records["train"]):
+            if any(r.get("mode") == "pretrain" for r in records["start"]):
+                # (its reconstruction error is a curve of another kind: not drawn here)
+                raise ValueError(f"{path}: a pretraining run (mpitrain pretrain): plot draws "
+                                 "the held-out and training curves of train runs; the RBMs' "
+                                 "reconstruction error is in its pretrain records")
             raise ValueError(f"{path}: no eval or train records to plot")
 
     keep_matplotlib_quiet()

@@ -342,3 +342,16 @@ def test_a_backend_matplotlib_does_not_know_leaves_plot_drawing(tmp_path):
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_of_a_pretraining_run_says_what_it_is(tmp_path, capsys):
+    # (it said only "no eval or train records to plot")
+    run = tmp_path / "pre"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"type": "start", "time": 0.0, "mode": "pretrain", "layers": [440, 64]})
+        + "\n" + json.dumps({"type": "pretrain", "time": 1.0, "layer": 1, "step": 10,
+                             "recon_mse": 0.5}) + "\n")
+    assert cli_main(["plot", str(run), "--out", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a pretraining run (mpitrain pretrain)" in err, err
