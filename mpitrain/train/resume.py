@@ -128,7 +128,13 @@ class CheckpointResume:
                 except ValueError as exc:
                     problem = f"{path}: the stored config: {' '.join(str(exc).split())}"
                 break
-            if found and chosen is None:
+            if found and chosen is None and all("mpitrain-pretrain-checkpoint" in note
+                                                for note in notes):
+                # (each checkpoint "not an mpitrain checkpoint": an RBM stack's)
+                problem = (f"{self.run_dir}: a pretraining run's directory (its checkpoints "
+                           "are RBM stacks'); train from it in a run directory of its own "
+                           f"with --set model.init_from={self.run_dir}/pretrain.h5")
+            elif found and chosen is None:
                 problem = (f"{self.run_dir}: no checkpoint verifies; tried "
                            + "; ".join(notes))
         chosen, num_ranks, notes, problem, changes = self.comm.bcast_obj(

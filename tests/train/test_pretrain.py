@@ -335,3 +335,17 @@ def test_a_run_directory_moved_away_stops_pretraining(small_corpus, tmp_path, mo
     assert len(err) == 1 and err[0].startswith(f"mpitrain pretrain: error: {run}: the run "
                                                "directory (or its .lock) was removed"), err
     assert not run.exists() and (tmp_path / "moved" / "config.yaml").exists()
+
+
+def test_train_resume_in_a_pretraining_directory_points_to_its_stack(small_corpus, tmp_path,
+                                                                     capsys):
+    # (each checkpoint was listed as "not an mpitrain checkpoint", with no word of what
+    # the directory holds)
+    pre = tmp_path / "pre"
+    assert main(_argv("pretrain", pre, small_corpus, ["training.checkpoint_interval=40"])) == 0
+    assert any(name.startswith("ckpt-") for name in os.listdir(pre))
+    capsys.readouterr()
+    assert main(_argv("train", pre, small_corpus) + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "a pretraining run's directory" in err, err
+    assert f"--set model.init_from={pre}/pretrain.h5" in err, err
