@@ -17,3 +17,16 @@ class TrainingError(RuntimeError):
         super().__init__(message)
         self.agreed = agreed
         self.setting = setting
+
+
+def error_record(exc: BaseException) -> dict:
+    """The fields of the ``error`` record a run writes as it ends on ``exc``, so that
+    ``status`` says how it ended (a failure, or Ctrl-C) rather than that it was cut off.
+
+    Example::
+
+        log.write("error", step=step, **error_record(exc))
+    """
+    message = "interrupted (SIGINT, Ctrl-C)" if isinstance(exc, KeyboardInterrupt) \
+        else str(exc)
+    return {"error": type(exc).__name__, "message": " ".join(message.split())[:1000]}

@@ -51,6 +51,7 @@ from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import (MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints,
                          rotate_checkpoints)
 from .checkpoint_clock import CheckpointClock
+from .errors import error_record
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import RunDirLock, clear_run, corpus_identity, corpus_places, resume_changes
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
@@ -431,14 +432,9 @@ class Pretrainer:
         try:
             return self._run_layers()
         except (Exception, KeyboardInterrupt) as exc:
-            # `status` then says how the run ended (a divergence, Ctrl-C), not that it
-            # was cut off with a checkpoint to --resume from
-            message = "interrupted (SIGINT, Ctrl-C)" if isinstance(exc, KeyboardInterrupt) \
-                else str(exc)
             with contextlib.suppress(Exception):
                 self.log.write("error", layer=self.layer + 1, step=self.layer_step,
-                               error=type(exc).__name__,
-                               message=" ".join(message.split())[:1000])
+                               **error_record(exc))
             raise
 
     def _run_layers(self) -> dict:

@@ -34,7 +34,7 @@ from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, s
 from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged, divergence_advice
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
-from .errors import TrainingError
+from .errors import TrainingError, error_record
 from .metrics import MetricsLog, format_duration, resident_mb
 from .resume import CheckpointResume
 from .run_dir import RunDirLock, clear_run
@@ -593,12 +593,8 @@ class Trainer(CheckpointResume):
         try:
             return self._run_from_start()
         except (Exception, KeyboardInterrupt) as exc:
-            # `status` then says how the run ended, not that it was cut off
-            message = "interrupted (SIGINT, Ctrl-C)" if isinstance(exc, KeyboardInterrupt) \
-                else str(exc)
             with contextlib.suppress(Exception):
-                self._record("error", step=self.step, error=type(exc).__name__,
-                             message=" ".join(message.split())[:1000])
+                self._record("error", step=self.step, **error_record(exc))
             raise
 
     def _run_from_start(self) -> dict:
