@@ -114,10 +114,12 @@ class NaturalGradientSGD(SGD):
                 raise ValueError(f"optimizer state: preconditioner '{key}' has rank {rank}; "
                                  f"the settings give it rank {p.rank} "
                                  "(optimizer.ngsgd.rank_in, rank_out)")
-        super().load_state_dict(state)
+        # the sides first: one that fails further on (a damaged pending update) leaves
+        # the momentum and counters as a fresh optimizer's, as the refusal says
         try:
             for key, p in self.preconditioners.items():
                 p.load_state_dict(saved[key])
+            super().load_state_dict(state)
         except ValueError:
             self.reset_preconditioners()
             raise

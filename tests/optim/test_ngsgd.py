@@ -59,6 +59,27 @@ def test_state_of_another_rank_is_refused():
     assert same.preconditioners["layer0_in"].W.shape[0] == 8
 
 
+
+def test_a_side_that_fails_to_load_leaves_the_momentum_fresh():
+    # (the momentum was loaded before the sides: a damaged side's refusal, which a
+    # resume with changed settings takes as "starts afresh", kept the old momentum)
+    net, _ = _trained(steps=0)
+    opt = NaturalGradientSGD(net, rank_in=8, rank_out=12, update_period=2, momentum=0.5)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        x = rng.standard_normal((32, net.input_dim)).astype(np.float32)
+        net.forward_backward(x, rng.integers(0, net.num_classes, 32))
+        opt.step(0.01)
+    state = opt.state_dict()
+    assert np.any(state["delta"] != 0)
+    side = dict(state["preconditioners"]["layer1_out"])
+    side["pending_gram"], side["pending_rows"] = np.zeros((3, 3)), 1     # damaged
+    state["preconditioners"] = dict(state["preconditioners"], layer1_out=side)
+    fresh = NaturalGradientSGD(net, rank_in=8, rank_out=12, update_period=2, momentum=0.5)
+    with pytest.raises(ValueError, match="pending_gram"):
+        fresh.load_state_dict(state)
+    assert not np.any(fresh.delta) and all(p.t == 0 for p in fresh.preconditioners.values())
+
 @pytest.mark.parametrize("reset", [None, False, True])
 def test_estimates_are_kept_across_averages_unless_asked(reset):
     """By default the Fisher estimates survive a model average (averages a few
