@@ -887,15 +887,15 @@ class SimpleNaturalGradient(Preconditioner):
             scatter.reshape(-1)[::num_rows + 1] += lam      # the diagonal, in place
             q = xp.linalg.solve(scatter, Xd)
         q = xp.ascontiguousarray(q)
-        h = backend.to_host(xp.einsum("ij,ij->i", Xd, q))
+        h = backend.to_host(kernels.row_dots(Xd, q))
         if not (np.all(h >= 0.0) and np.all(h < num_rows - 1)):
             raise FloatingPointError("SimpleNaturalGradient: bad leave-one-out values "
                                      f"x_i . q_i = {h.min()}..{h.max()} (need 0 <= . < N-1)")
-        # xhat_i = q_i (N-1)/(N-1-h_i); then one rescale to ||X||, per row.
+        # xhat_i = q_i (N-1)/(N-1-h_i); then one rescale to ||X||, fused per row.
         factors = (num_rows - 1) / (num_rows - 1 - h)
-        q_sq = backend.to_host(xp.einsum("ij,ij->i", q, q))
+        q_sq = backend.to_host(kernels.row_dots(q, q))
         factors *= math.sqrt(x_sq / float(np.sum(factors ** 2 * q_sq)))
-        q *= backend.to_device(factors[:, None], xp)
+        kernels.scale_rows_(q, backend.to_device(factors[:, None], xp))
         return q.astype(X.dtype), 1.0
 
 

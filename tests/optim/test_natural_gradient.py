@@ -1151,6 +1151,19 @@ def test_simple_on_gpu_matches_numpy(cp, n, dim):
     assert rel_err(backend.to_host(Yd), Y) < 1e-4
 
 
+@pytest.mark.parametrize("alpha,n,dim", [(4.0, 64, 16), (1e-6, 2, 32), (1e4, 8, 32)])
+def test_simple_on_a_stand_in_device_keeps_the_rows_there_and_matches_the_host(alpha, n,
+                                                                               dim):
+    """The float64 solve on a device: rows that stay device arrays of X's dtype, no
+    host array in a device call (the stand-in refuses one), the host's result."""
+    from mpitrain.testing import standin_cupy
+    X = batches(5, n, dim, 1)[0]
+    expected, _ = SimpleNaturalGradient(alpha=alpha).precondition(X.copy())
+    with standin_cupy.installed() as xp:
+        Y, gamma = SimpleNaturalGradient(alpha=alpha).precondition(backend.to_device(X, xp))
+        assert backend.get_array_module(Y) is xp and Y.dtype == np.float32 and gamma == 1.0
+        assert np.array_equal(backend.to_host(Y), expected)
+
 @pytest.mark.parametrize("device", ["host", "standin"])
 def test_a_restored_pending_update_that_needs_the_check_resumes_bit_for_bit(device):
     """Data of rank below r: the first updates take Kaldi's orthogonality check.  A
