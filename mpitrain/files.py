@@ -255,6 +255,20 @@ def atomic_path(path):
         raise
 
 
+def nearest_existing(path) -> str:
+    """The nearest ancestor of ``path`` that exists (absolute): where the missing
+    directories above ``path`` would be made, or fail to be.
+
+    Example::
+
+        nearest_existing("/tmp/a/b/c.txt")     # '/tmp' when a/ does not exist
+    """
+    above = os.path.dirname(os.path.abspath(os.fspath(path)))
+    while not os.path.exists(above) and os.path.dirname(above) != above:
+        above = os.path.dirname(above)
+    return above
+
+
 def output_file_problem(path) -> str | None:
     """Why ``path`` cannot become a written file (None when it can), checked before
     the work that produces it: a directory, or a parent that is a file or that
@@ -267,9 +281,7 @@ def output_file_problem(path) -> str | None:
     path = os.path.abspath(os.fspath(path))
     if os.path.isdir(path):
         return "is a directory"
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    parent = nearest_existing(path)
     if not os.path.isdir(parent):
         return f"{parent} is not a directory"
     if not os.access(parent, os.W_OK | os.X_OK):

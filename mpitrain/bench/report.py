@@ -27,7 +27,7 @@ import shutil
 
 import numpy as np
 
-from ..files import atomic_open, atomic_path
+from ..files import atomic_open, atomic_path, nearest_existing
 from .options import BenchOptions
 from .projection import active_ranks_of, assumptions, exchange_kind, project_method
 
@@ -201,9 +201,7 @@ def out_dir_problem(out_dir: str, *, overwrite: bool):
     """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         return f"{out_dir}: --out exists and is not a directory"
-    above = os.path.dirname(os.path.abspath(out_dir))
-    while not os.path.exists(above) and os.path.dirname(above) != above:
-        above = os.path.dirname(above)
+    above = nearest_existing(out_dir)
     if not os.path.isdir(above):
         # (found before measuring: a bare "Not a directory" came after the first size)
         return f"{out_dir}: --out cannot be made ({above} is not a directory)"

@@ -22,7 +22,7 @@ import json
 import os
 import zlib
 
-from ..files import dotted_keys
+from ..files import dotted_keys, nearest_existing
 
 #: Files a run writes (checkpoints are matched separately).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png",
@@ -75,9 +75,7 @@ def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
     if os.path.islink(run_dir) and not os.path.exists(run_dir):
         return f"{run_dir}: run directory is a symbolic link to {os.readlink(run_dir)}, " \
                "which does not exist"
-    above = os.path.dirname(os.path.abspath(run_dir))
-    while not os.path.exists(above) and os.path.dirname(above) != above:
-        above = os.path.dirname(above)
+    above = nearest_existing(run_dir)
     if not os.path.isdir(above):
         return f"{run_dir}: cannot create the run directory ({above} is not a directory)"
     room = _name_room_problem(run_dir, above)
