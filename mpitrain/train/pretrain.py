@@ -134,6 +134,7 @@ class Pretrainer:
         if resume:
             self._resume()
         self._window_first = None
+        self._first_step = 0         # the global step this process began at (its ETA)
 
     # -- construction --------------------------------------------------------------
     def _build_data(self) -> None:
@@ -439,7 +440,7 @@ class Pretrainer:
 
     def _run_layers(self) -> dict:
         comm = self.comm
-        started = comm.wtime()
+        started, self._first_step = comm.wtime(), self._global_step()
         recon = float("nan")
         while self.layer < len(self.layer_steps):
             if self.rbm is None:
@@ -590,7 +591,8 @@ class Pretrainer:
     def _log_window(self, index, steps, recon, lr, momentum, rate, started) -> None:
         step_total = self._global_step()
         left = sum(self.layer_steps) - step_total
-        per_step = (self.comm.wtime() - started) / max(step_total, 1)
+        # the steps of this process alone: a resumed run took those before elsewhen
+        per_step = (self.comm.wtime() - started) / max(step_total - self._first_step, 1)
         record = {"layer": index + 1, "step": self.layer_step, "frames": self.frames_seen,
                   "recon_mse": recon, "lr": lr, "momentum": momentum,
                   "frames_per_sec": rate, "rss_mb": resident_mb()}

@@ -146,14 +146,7 @@ def _alive(pid: int) -> bool:
 
 def _progress(records, start, pretraining) -> list:
     if pretraining:
-        last = (records.get("pretrain") or [None])[-1]
-        if last is None:
-            return ["  no progress line yet"]
-        layers = start.get("layers") or []
-        of = len(layers) - 1 if isinstance(layers, list) and layers else "?"
-        return [f"  layer {_num(last, 'layer', 'd')} of {of}, step {_num(last, 'step', 'd')}: "
-                f"recon mse {_num(last, 'recon_mse', '.4f')}, "
-                f"{_num(last, 'frames_per_sec', ',.0f')} fr/s"]
+        return _pretraining_progress(records, start)
     train = records["train"]
     if not train:
         return ["  no progress line yet"]
@@ -172,6 +165,33 @@ def _progress(records, start, pretraining) -> list:
     return [f"  {done}, epoch {_num(last, 'epoch', 'd')}: xent {_num(last, 'xent', '.4f')} "
             f"acc {_num(last, 'acc', '.4f')}, {_num(last, 'frames_per_sec', ',.0f')} "
             f"fr/s{left}"]
+
+
+def _pretraining_progress(records, start) -> list:
+    last = (records.get("pretrain") or [None])[-1]
+    if last is None:
+        return ["  no progress line yet"]
+    layers = start.get("layers") or []
+    of = len(layers) - 1 if isinstance(layers, list) and layers else "?"
+    steps, layer, step = start.get("layer_steps"), last.get("layer"), last.get("step")
+    known = isinstance(steps, list) and steps and all(_is_number(s) for s in steps) \
+        and isinstance(layer, int) and 1 <= layer <= len(steps) and _is_number(step)
+    where = f"layer {_num(last, 'layer', 'd')} of {of}, step {_num(last, 'step', 'd')}"
+    left = ""
+    if known:
+        where += f" of {steps[layer - 1]}"
+        done = sum(steps[:layer - 1]) + step
+        first_layer, first_step = start.get("layer"), start.get("step")
+        if isinstance(first_layer, int) and 1 <= first_layer <= len(steps) \
+                and _is_number(first_step) and _is_number(last.get("time")) \
+                and _is_number(start.get("time")):
+            # this process's pace: the start record stands where it began
+            begun = sum(steps[:first_layer - 1]) + first_step
+            if done > begun and last["time"] > start["time"]:
+                per_step = (last["time"] - start["time"]) / (done - begun)
+                left = f", about {format_duration(per_step * max(sum(steps) - done, 0))} left"
+    return [f"  {where}: recon mse {_num(last, 'recon_mse', '.4f')}, "
+            f"{_num(last, 'frames_per_sec', ',.0f')} fr/s{left}"]
 
 
 def _held_out(records, end) -> list:

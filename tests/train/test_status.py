@@ -177,3 +177,19 @@ def test_a_run_interrupted_by_ctrl_c_says_so(small_corpus, tmp_path, monkeypatch
     lines = run_status(run)
     assert lines[0] == f"{run}: interrupted (SIGINT, Ctrl-C) at step 5", lines
     assert any("newest checkpoint: ckpt-00000004.h5" in line for line in lines), lines
+
+
+def test_a_running_pretraining_gives_its_layer_steps_and_time_left(tmp_path):
+    """It gave the layer and step alone: no step total, no time left.  A resumed
+    pretraining's pace is this part's: from its start at layer 2, step 20."""
+    run = tmp_path / "run"
+    start = {"type": "start", "time": 0.0, "mode": "pretrain", "layers": [40, 64, 64, 64],
+             "layer_steps": [100, 50, 50], "layer": 2, "step": 20}
+    window = {"type": "pretrain", "time": 30.0, "layer": 2, "step": 40, "recon_mse": 0.25,
+              "frames_per_sec": 900.0}
+    _write(run, [start, window])
+    # 20 steps in 30 s: 1.5 s a step, 60 steps left (10 of layer 2, 50 of layer 3)
+    assert run_status(run)[1] == ("  layer 2 of 3, step 40 of 50: recon mse 0.2500, "
+                                  "900 fr/s, about 1m30s left"), run_status(run)
+    _write(run, [start, dict(window, layer="two")])
+    assert run_status(run)[1] == "  layer ? of 3, step 40: recon mse 0.2500, 900 fr/s"
