@@ -18,7 +18,8 @@ frames with the supervised model-averaging strategy
 
 Every ``training.log_interval`` steps the reconstruction error, summed over
 ranks, is logged; a non-finite error, or one over ``pretrain.divergence_factor``
-times the layer's first window, stops the run (every rank decides alike from
+times the layer's first window (the Gaussian layer's at most 1, the standardised
+features' variance), stops the run (every rank decides alike from
 the summed figures) naming the rate to lower.  Checkpoints
 (``ckpt-NNNNNNNN.h5``, format ``mpitrain-pretrain-checkpoint``) are written at
 averaging points after each ``training.checkpoint_interval`` steps and at the
@@ -608,13 +609,18 @@ class Pretrainer:
         factor = self.cfg.pretrain.divergence_factor
         if self._window_first is None and math.isfinite(recon):
             self._window_first = recon
-        exploded = factor and self._window_first is not None \
-            and recon > factor * self._window_first
+        first = self._window_first
+        # the features are standardised, so a Gaussian layer that gave every frame
+        # the mean would err by their variance, 1: a first window far above that has
+        # exploded already and must not become the yardstick
+        reference = first if first is None or index > 0 else min(first, 1.0)
+        exploded = factor and reference is not None and recon > factor * reference
         if math.isfinite(recon) and not exploded:
             return
         kind = "Gaussian-Bernoulli" if index == 0 else "Bernoulli-Bernoulli"
         what = "is not finite" if not math.isfinite(recon) else \
-            f"exploded to {recon:.4g} (first window {self._window_first:.4g})"
+            f"exploded to {recon:.4g} (first window {first:.4g}" + \
+            ("" if reference == first else "; the features' variance is 1") + ")"
         # a weight decay raised above the default can be the cause as well
         decay = self.cfg.pretrain.weight_decay
         also = f", or pretrain.weight_decay (now {decay:g})" \

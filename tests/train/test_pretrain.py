@@ -349,3 +349,14 @@ def test_train_resume_in_a_pretraining_directory_points_to_its_stack(small_corpu
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a pretraining run's directory" in err, err
     assert f"--set model.init_from={pre}/pretrain.h5" in err, err
+
+
+def test_a_gaussian_layer_exploded_in_its_first_window_stops_there(small_corpus, tmp_path,
+                                                                   capsys):
+    """The first window was the yardstick even when it had exploded already (10^10
+    here): the run went on until a later window grew tenfold beyond it."""
+    code = main(_argv("pretrain", tmp_path / "run", small_corpus,
+                      ["pretrain.learning_rate_gaussian=0.5", "training.log_interval=20"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "layer 1 (Gaussian-Bernoulli) diverged at step 20: " in err, err
+    assert "; the features' variance is 1)" in err, err
