@@ -22,7 +22,8 @@ are only skipped.  A roll back reloads the newest good checkpoint (or the
 initial model if none was written yet) and multiplies the learning rate by
 ``training.rollback_lr_factor``; after ``training.max_rollbacks`` of them the
 run stops with :class:`Diverged`.  A checkpoint is written only when the
-parameters are finite on every rank and the last window was good, so a roll
+parameters are finite on every rank, the last window was good and so is the
+part of the window under way (a checkpoint between log lines), so a roll
 back never returns to a model that was already diverging, and the windows
 after it are judged against the running mean of the model it returns to
 (``x_0`` for the initial model).
@@ -132,6 +133,20 @@ class DivergenceGuard:
         if self.events > self.max_events:
             return ROLL_BACK
         return OK if new_events == 0 else EVENT
+
+    def part_is_good(self, *, xent: float | None, skipped: int) -> bool:
+        """Whether the part of a log window run so far (``xent`` per frame, None when
+        it has no frames yet; ``skipped`` minibatches) would be judged good, counting
+        nothing: a checkpoint written inside a window that has begun to blow up
+        would be the model a roll back returns to."""
+        if skipped:
+            return False
+        if xent is None:
+            return True
+        if not math.isfinite(xent):
+            return False
+        return not (self.factor > 0 and self.running_mean is not None
+                    and xent > self.factor * self.running_mean)
 
     def checkpoint_written(self) -> None:
         self.events = 0

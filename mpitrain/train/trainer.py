@@ -472,6 +472,16 @@ class Trainer(CheckpointResume):
         local = int(bool(backend.to_host(xp.isfinite(self.net.params).all())))
         return bool(self.comm.allreduce_scalar(local, op="min"))
 
+    def _window_so_far_good(self) -> bool:
+        """Whether the log window under way, summed over the ranks, is good so far
+        (collective; True when the checkpoint comes right after a log line)."""
+        loss, _, frames, skipped = self._training_step.window_state()
+        sums = np.array([loss, frames, skipped], dtype=np.float64)
+        self.comm.allreduce_(sums, op="sum")
+        with np.errstate(all="ignore"):
+            xent = float(sums[0] / sums[1]) if sums[1] else None
+        return self.guard.part_is_good(xent=xent, skipped=int(sums[2]))
+
     def _check_run_dir(self, writing: str) -> None:
         """Rank 0, before it writes: stop if the run directory was removed or moved."""
         problem = self._lock.moved(writing) if self._lock is not None else None
@@ -825,7 +835,8 @@ class Trainer(CheckpointResume):
                 if steps_due:
                     next_checkpoint = (self.step // ck + 1) * ck
                 clock.written()
-                if self.guard.last_window_good and self._params_finite():
+                if self.guard.last_window_good and self._window_so_far_good() \
+                        and self._params_finite():
                     self.save_checkpoint()
                 else:
                     self.log.say(f"step {self.step}: checkpoint not written (the model is "

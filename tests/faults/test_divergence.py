@@ -147,3 +147,19 @@ def test_a_burst_on_one_rank_rolls_every_rank_back_at_the_same_step(mpiexec, sma
     assert rollback["step"] == 10 and rollback["lr_scale"] == 0.5
     end, = _records(run, "end")
     assert end["skipped_minibatches"] == 8 and end["rollbacks"] == 1
+
+
+def test_a_checkpoint_inside_a_window_that_went_bad_is_not_written(small_corpus, tmp_path,
+                                                                  capsys, nan_burst):
+    """A checkpoint between log lines looked at the last window alone: written at
+    step 15 after the trouble began at 12, it was the model the roll back went to."""
+    nan_burst(12, 8)
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, ["training.log_interval=10",
+                                      "training.checkpoint_interval=5",
+                                      "training.max_divergence_events=3"]) == 0
+    out = capsys.readouterr().out
+    assert "step 15: checkpoint not written (the model is diverging" in out, out
+    assert "rolled back to ckpt-00000010.h5" in out, out
+    rollback, = _records(run, "rollback")
+    assert rollback["step"] == 10

@@ -157,3 +157,14 @@ def test_the_last_words_name_the_settings_that_enlarge_the_step():
     guard = DivergenceGuard(factor=3.0, max_events=0, max_rollbacks=0, advice=advice)
     with pytest.raises(Diverged, match=r"optimizer\.l2_regularize \(1e\+30\)"):
         guard.roll_back()
+
+
+def test_part_of_a_window_is_judged_without_counting():
+    guard = _guard(initial_xent=4.8)
+    assert guard.part_is_good(xent=None, skipped=0)            # no frames yet
+    assert guard.part_is_good(xent=14.0, skipped=0)            # under 3 x 4.8
+    assert not guard.part_is_good(xent=15.0, skipped=0)
+    assert not guard.part_is_good(xent=math.nan, skipped=0)
+    assert not guard.part_is_good(xent=2.0, skipped=1)
+    assert guard.events == 0 and guard.exploded_total == 0 and guard.running_mean == 4.8
+    assert _guard(factor=0.0, initial_xent=4.8).part_is_good(xent=1e9, skipped=0)
