@@ -471,11 +471,18 @@ def _check_corpus_feeds(cfg, config: str, ranks: int, options) -> None:
                          "give smaller group sizes")
 
 
+def _print_projection(report) -> None:
+    """The projection on the console, labelled as such (real or virtual ranks alike)."""
+    from .bench.report import projection_lines
+    print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]
+                    + projection_lines(report)))
+
+
 def cmd_bench(args) -> int:
     from .bench.mode import run_bench
     from .bench.options import BenchSettingsError
     from .bench.phases import check_bench
-    from .bench.report import clear_earlier_bench, out_dir_problem, projection_lines, write_report
+    from .bench.report import clear_earlier_bench, out_dir_problem, write_report
     from .config import load_config
     with _before_mpi():
         virtual_sizes = _number_list(args.virtual, "--virtual")
@@ -529,6 +536,7 @@ def cmd_bench(args) -> int:
         report = run_virtual_bench(cfg, out_dir=out_dir, options=options, compute=compute,
                                    on_size_done=_partial_report_writer(out_dir, args.dpi))
         paths = write_report(report, out_dir, dpi=args.dpi)
+        _print_projection(report)
         print("wrote " + ", ".join(paths.values()))
         return 0
     from .comm.abort import install_abort_hook
@@ -566,8 +574,7 @@ def cmd_bench(args) -> int:
                            on_size_done=_partial_report_writer(out_dir, args.dpi))
         if comm.rank == 0:
             paths = write_report(report, out_dir, dpi=args.dpi)
-            print("\n".join(["projection model:"] + [f"  {a}" for a in report["assumptions"]]
-                            + projection_lines(report)))
+            _print_projection(report)
             print("wrote " + ", ".join(paths.values()))
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if comm.size == 1:

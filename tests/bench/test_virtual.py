@@ -16,7 +16,7 @@ from mpitrain.cli import main
 from ..helpers import QUICKSTART, small_overrides
 
 
-def test_bench_virtual_writes_the_report_with_simulated_points(small_corpus, tmp_path):
+def test_bench_virtual_writes_the_report_with_simulated_points(small_corpus, tmp_path, capsys):
     out = tmp_path / "bench"
     argv = ["bench", QUICKSTART, "--virtual", "1,2,4", "--methods", "model_averaging,allreduce",
             "--steps", "16", "--warmup-steps", "4", "--target-accuracy", "0.08",
@@ -26,6 +26,11 @@ def test_bench_virtual_writes_the_report_with_simulated_points(small_corpus, tmp
             "parallel.average_every=4"]:
         argv += ["--set", item]
     assert main(argv) == 0
+    # the console shows the projection, labelled, as a benchmark on real ranks does
+    printed = capsys.readouterr().out
+    assert printed.count("projection model:") == 1, printed
+    for method in ("model_averaging", "allreduce"):
+        assert f"projected (not measured), {method} at N=128:" in printed, printed
     report = json.loads((out / "bench.json").read_text())
     assert report["sizes"] == [1, 2, 4]
     rows = report["throughput"] + report["accuracy"]
