@@ -70,7 +70,7 @@ class NgsgdConfig:
     variant: str = _opt("online", choices=("online", "simple"), help="online low-rank Fisher (Kaldi nnet2/3) or per-minibatch leave-one-out")
     rank_in: int = _opt(20, min=1, help="rank of the input-side Fisher estimate (capped at (in+1)/2)")
     rank_out: int = _opt(80, min=1, help="rank of the output-side Fisher estimate (capped at (out+1)/2)")
-    update_period: int = _opt(4, min=1, help="minibatches between Fisher updates (after the first 10)")
+    update_period: int = _opt(4, min=1, help="minibatches between Fisher updates (after the first 11, which all update)")
     num_samples_history: float = _opt(2000.0, min=0.0, min_exclusive=True, max=1.0e6, help="frames of memory of the Fisher estimate")
     alpha: float = _opt(4.0, min=0.0, help="smoothing of the Fisher estimate towards the identity")
     reset_on_average: bool = _opt(False, help="fresh preconditioner state after each model "

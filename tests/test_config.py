@@ -138,6 +138,20 @@ def test_user_guide_documents_every_key():
     assert reference_markdown() in guide, "regenerate the table in docs/user-guide.md"
 
 
+def test_update_period_help_counts_the_initial_updates():
+    # the table says after how many minibatches the period starts: every call
+    # updates until then (natural-gradient.md: the first 11 calls)
+    import dataclasses
+    from mpitrain.config import NgsgdConfig
+    from mpitrain.optim.natural_gradient import OnlineNaturalGradient
+    pre = OnlineNaturalGradient(rank=2, update_period=4)
+    initial = 0
+    while pre.updating():
+        initial, pre.t = initial + 1, pre.t + 1
+    (field,) = [f for f in dataclasses.fields(NgsgdConfig) if f.name == "update_period"]
+    assert f"after the first {initial}," in field.metadata["help"]
+
+
 @pytest.mark.parametrize("content,message", [
     ("- a\n- b\n", "expected a mapping of sections"),
     (b"optimizer:\n  name: \xff\n", "not UTF-8"),
