@@ -790,7 +790,8 @@ def build_parser(*, quiet_errors: bool = False,
     p.add_argument("--hours", type=float, default=1.0, help="hours of training speech")
     p.add_argument("--speakers", type=int, default=40, help="training speakers")
     p.add_argument("--shards", type=int, default=4, help="HDF5 shards of the train split")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1,
+                   help="random seed: the same seed writes the same corpus")
     p.add_argument("--dev-hours", type=float, default=0.1, help="hours of held-out speech")
     p.add_argument("--dev-speakers", type=int, default=8, help="held-out (unseen) speakers")
     p.add_argument("--seen-dev-hours", type=float, default=0.0,
@@ -819,7 +820,8 @@ def build_parser(*, quiet_errors: bool = False,
     p.add_argument("--ali", required=True,
                    help="per-frame pdf ids, e.g. ark:ali.ark (ali-to-pdf output) or ark,t:ali.txt")
     p.add_argument("--out", required=True, help="corpus directory to write")
-    p.add_argument("--shards", type=int, default=1)
+    p.add_argument("--shards", type=int, default=1,
+                   help="HDF5 shards to write (a multiple of the training ranks balances best)")
     p.add_argument("--num-classes", type=int, default=None,
                    help="number of pdfs (default: largest label + 1)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing corpus")
@@ -851,7 +853,8 @@ def build_parser(*, quiet_errors: bool = False,
     p.set_defaults(func=cmd_merge)
 
     p = sub.add_parser("check", formatter_class=fmt, help="validate a corpus directory")
-    p.add_argument("corpus_dir")
+    p.add_argument("corpus_dir", help="a corpus directory, or synth's output directory "
+                                      "(each split is checked)")
     p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("train", formatter_class=fmt, help="train a model (under mpiexec for many ranks)")
@@ -989,7 +992,7 @@ def build_parser(*, quiet_errors: bool = False,
                        help="write a model as ONNX (needs the onnx package) or as a PyTorch "
                             "module with .npz weights (no pickle); docs/model-format.md")
     p.add_argument("model", help=MODEL_HELP)
-    p.add_argument("--to", required=True, choices=("onnx", "torch"))
+    p.add_argument("--to", required=True, choices=("onnx", "torch"), help="the format to write")
     p.add_argument("out", help="onnx: the .onnx file; torch: a directory for model.py and "
                                "weights.npz")
     p.set_defaults(func=cmd_convert)

@@ -172,6 +172,17 @@ def test_help_never_doubles_a_default():
     assert "(default: 1)" in sub.choices["bench"].format_help()
 
 
+def test_every_option_and_argument_is_explained_in_help():
+    # an option without help text shows no default either (prepare --shards: 1)
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.choices and "train" in a.choices)
+    for name, command in sub.choices.items():
+        for action in command._actions:
+            if action.dest != "help":
+                assert action.help, f"{name} {action.option_strings or action.dest}"
+    assert "(default: 1)" in sub.choices["prepare"].format_help()
+
+
 def test_version():
     import mpitrain
     result = _run("--version")
