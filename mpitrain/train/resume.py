@@ -230,8 +230,9 @@ class CheckpointResume:
                 f"{ckpt.path}: {replanned}, and the checkpoint predates re-planning the "
                 "data on resume; resume with the same number of ranks and settings",
                 agreed=True)
-        self.step = min(int(round(ckpt.step * self.planned_steps / old_planned)),
-                        self.total_steps)
+        # (not capped by training.max_steps: a step past it trains nothing here, and the
+        # checkpoint keeps the place a later resume with a higher limit goes on from)
+        self.step = int(round(ckpt.step * self.planned_steps / old_planned))
         if not self._takes_own_steps():
             self.stream.seek(self.step // self.steps_per_epoch,
                              self.step % self.steps_per_epoch)

@@ -321,3 +321,32 @@ def test_a_stop_signal_ends_a_virtual_run_as_before(small_corpus, tmp_path):
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_re_planned_resume_past_max_steps_keeps_its_place_in_the_schedule(small_corpus,
+                                                                            tmp_path, capsys):
+    """Step 24 at minibatch 256 is step 48 at 128; with max_steps 30 the resume set the
+    step to 30, and the checkpoint said 30: a later resume redid steps 30-48 at the
+    higher rates of that part of the schedule."""
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, records, small_overrides
+    run = tmp_path / "run"
+
+    def train(*settings, resume=False):
+        argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
+                "--run-dir", str(run)] + (["--resume", "--accept-changes"] if resume else [])
+        for item in small_overrides(small_corpus) + [
+                "model.hidden_dim=16", "training.checkpoint_interval=8",
+                "parallel.average_every=4", *settings]:
+            argv += ["--set", item]
+        return main(argv)
+
+    assert train("training.max_steps=24") == 0
+    assert train("training.max_steps=30", "training.minibatch=128", resume=True) == 0
+    change, = records(run, "rank_change")
+    assert change["to_step"] == 48, change
+    assert records(run, "checkpoint")[-1]["step"] == 48
+    capsys.readouterr()
+    assert train("training.max_steps=60", "training.minibatch=128", resume=True) == 0
+    assert records(run, "start")[-1]["step"] == 48
+    assert records(run, "end")[-1]["steps"] == 60
