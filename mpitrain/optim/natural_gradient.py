@@ -871,7 +871,8 @@ class SimpleNaturalGradient(Preconditioner):
         # N - 1 when lambda is small beside the scatter (a small alpha, N <= D),
         # and q's norm vanished when it is large (a large alpha or large rows)
         Xd = X.astype(np.float64)
-        x_sq = float(kernels.sqnorm(Xd))
+        # read through the backend, which counts every device-to-host read
+        x_sq = float(backend.to_host(kernels.sqnorm(Xd)))
         if num_rows == 1 or x_sq == 0.0 or not math.isfinite(x_sq):
             # non-finite rows go back as they are: the optimizer skips that step
             return X, 1.0

@@ -1160,7 +1160,13 @@ def test_simple_on_a_stand_in_device_keeps_the_rows_there_and_matches_the_host(a
     X = batches(5, n, dim, 1)[0]
     expected, _ = SimpleNaturalGradient(alpha=alpha).precondition(X.copy())
     with standin_cupy.installed() as xp:
-        Y, gamma = SimpleNaturalGradient(alpha=alpha).precondition(backend.to_device(X, xp))
+        rows = backend.to_device(X, xp)
+        before = backend.host_read_counts()["blocking"]
+        Y, gamma = SimpleNaturalGradient(alpha=alpha).precondition(rows)
+        # its reads (||X||^2, the leave-one-out values, the row norms) all go through
+        # the backend, which counts them: none is an implicit conversion
+        assert standin_cupy.READS["implicit"] == 0
+        assert backend.host_read_counts()["blocking"] - before == standin_cupy.READS["asnumpy"]
         assert backend.get_array_module(Y) is xp and Y.dtype == np.float32 and gamma == 1.0
         assert np.array_equal(backend.to_host(Y), expected)
 
