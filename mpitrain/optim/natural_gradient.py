@@ -429,6 +429,13 @@ class OnlineNaturalGradient(Preconditioner):
 
     # -- state -----------------------------------------------------------------
     def reset(self) -> None:
+        pending = getattr(self, "_pending", None)
+        if pending is not None:
+            # Its copies may still be on their way into the pinned buffers let go of
+            # here, and CuPy's pinned pool hands such a block to the next transfer
+            # at once: let them land first.
+            pending[0].result()
+            pending[1].result()
         self.t = 0
         self._rank = self.rank   # may drop to D - 1 at initialisation
         self._d = None           # float64 (rank,) on the host

@@ -7,7 +7,9 @@ implicit read of a value on the host -- ``float(a)``, ``int(a)``,
 ``bool(a)``, ``a.item()``, ``a.tolist()``, ``cupy.asnumpy(a)``, ``a.get()``
 -- is counted in :data:`READS`.  It has no kernel compiler (no
 ``RawModule``), so code that would launch a fused kernel takes its array
-expression path instead, on the same device-array discipline.
+expression path instead, on the same device-array discipline.  Within
+:func:`deferred_copies`, asynchronous device-to-host copies land only when
+they are waited for, as on a GPU.
 
 Example::
 
@@ -79,7 +81,16 @@ class _Pointer:
 
     def copy_to_host_async(self, dst_ptr: int, nbytes: int, stream=None) -> None:
         import ctypes
-        ctypes.memmove(dst_ptr, self.ptr, nbytes)
+        array, src = self._array, self.ptr       # (the array stays alive while queued)
+
+        def copy():
+            ctypes.memmove(dst_ptr, src, nbytes)
+            return array
+        if _deferred["on"]:
+            with _deferred["lock"]:
+                _deferred["queue"].append(copy)
+        else:
+            copy()
 
 
 class DeviceArray(np.ndarray):
@@ -136,6 +147,7 @@ class DeviceArray(np.ndarray):
 
     def get(self, stream=None, out=None):
         READS["asnumpy"] += 1
+        _land_copies()
         if out is None:
             return np.array(self.view(np.ndarray))
         out[...] = self.view(np.ndarray)
@@ -149,18 +161,58 @@ class DeviceArray(np.ndarray):
         return _Pointer(self)
 
 
+# Device-to-host copies in flight (``deferred_copies``): they land, in order, when
+# the stream or an event recorded on it is waited for, as a GPU's would.
+_deferred = {"on": False, "queue": [], "lock": threading.Lock()}
+
+
+def _land_copies() -> None:
+    with _deferred["lock"]:         # (worker threads wait for copies too)
+        queue = _deferred["queue"]
+        while queue:
+            queue.pop(0)()
+
+
+def copies_in_flight() -> int:
+    """How many device-to-host copies have not landed yet (``deferred_copies``)."""
+    return len(_deferred["queue"])
+
+
+@contextlib.contextmanager
+def deferred_copies():
+    """Within: ``copy_to_host_async`` writes its host buffer only when the stream, an
+    event recorded after it, or a blocking read waits for it, so code that reads
+    (or lets go of) such a buffer too early is caught.
+
+    Example::
+
+        with standin_cupy.installed(), standin_cupy.deferred_copies():
+            pending = backend.copy_to_host_async(x)
+            standin_cupy.copies_in_flight()       # 1
+            pending.result()                      # lands
+    """
+    _deferred["on"] = True
+    try:
+        yield
+    finally:
+        _deferred["on"] = False
+        _land_copies()
+
+
 class _Event:
-    done = True
+    @property
+    def done(self) -> bool:
+        return not _deferred["queue"]
 
     def synchronize(self) -> None:
-        pass
+        _land_copies()
 
 
 class _Stream:
     ptr = 0
 
     def synchronize(self) -> None:
-        pass
+        _land_copies()
 
     def record(self, event=None):
         return _Event()
@@ -168,6 +220,7 @@ class _Stream:
 
 def _asnumpy(array, stream=None, order="C", out=None):
     READS["asnumpy"] += 1
+    _land_copies()              # a blocking read waits for the stream
     host = np.array(_plain(array), order=order)
     if out is not None:
         out[...] = host
@@ -179,8 +232,16 @@ def _get_array_module(*arrays):
     return module if any(isinstance(a, DeviceArray) for a in arrays) else np
 
 
+# Pinned blocks stay allocated, as in CuPy's pinned pool (which hands a block
+# let go of to the next request instead of freeing it): a copy that lands late
+# writes into a live block, never into freed memory.
+_pinned_blocks: list = []
+
+
 def _alloc_pinned_memory(nbytes: int):
-    return bytearray(nbytes)
+    block = bytearray(nbytes)
+    _pinned_blocks.append(block)
+    return block
 
 
 _threads = threading.local()    # each host thread's current device, as CUDA keeps it
@@ -258,3 +319,5 @@ def installed():
         yield module
     finally:
         backend._cupy = saved
+        _land_copies()
+        _pinned_blocks.clear()

@@ -1201,6 +1201,29 @@ def test_a_restored_pending_update_that_needs_the_check_resumes_bit_for_bit(devi
         assert pending >= 3
 
 
+@pytest.mark.parametrize("delayed", [False, True])
+def test_a_reset_or_a_load_lets_no_copy_land_in_buffers_it_let_go(delayed):
+    """A started update copies its Gram matrix and ||X||^2 into pinned host buffers
+    without waiting.  A reset (or a load, which resets) drops those buffers, and
+    CuPy's pinned pool hands a dropped block to the next host-to-device transfer at
+    once; a copy still in flight would then overwrite that transfer's data.  So
+    the copies must have landed by then (the stand-in lands them only when waited
+    for)."""
+    from mpitrain.testing import standin_cupy
+    rows = batches(6, 32, 24, 3)
+    with standin_cupy.installed() as xp, standin_cupy.deferred_copies():
+        prec = OnlineNaturalGradient(rank=4, delayed_updates=delayed)
+        prec.precondition(backend.to_device(rows[0], xp))      # starts an update
+        assert prec._pending is not None and standin_cupy.copies_in_flight() == 2
+        prec.reset()
+        assert standin_cupy.copies_in_flight() == 0
+        prec.precondition(backend.to_device(rows[1], xp))
+        saved = OnlineNaturalGradient(rank=4).state_dict()
+        assert standin_cupy.copies_in_flight() == 2
+        prec.load_state_dict(saved)
+        assert standin_cupy.copies_in_flight() == 0
+
+
 def test_a_call_after_a_reset_or_a_load_is_not_replayable():
     """A captured call reads W and its scratch where the last call left them; a
     reset or a load makes new ones (W on the host after a load), so the next call
