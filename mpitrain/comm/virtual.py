@@ -11,7 +11,8 @@ then passes to the runnable rank with the earliest clock (ties: the next in
 cyclic rank order).  So everything happens in an order fixed by the program
 alone, in the order of simulated time as far as the ranks' clocks tell it,
 and module-level caches (scratch buffers, pinned cells) are never shared by
-two running ranks.  If no
+two running ranks (a rank on a GPU hands over once its queued device work is
+done, so that its stream's kernels do not run beside the next rank's).  If no
 rank can run while some still wait, the job would hang under MPI; here every
 rank raises :class:`VirtualClusterError` naming what each waits for.
 
@@ -173,6 +174,8 @@ class VirtualCluster:
         self._polling = [False] * self.size
         # messages sent to each rank so far (an idle rank waits for a new one)
         self.sent_to = [0] * self.size
+        # ranks whose arrays live on a GPU (setup_device_transport): see _hand_over
+        self._on_device = [False] * self.size
         self._failure: Optional[BaseException] = None
         self._failed_rank: Optional[int] = None
         self._groups = 0
@@ -218,6 +221,7 @@ class VirtualCluster:
         try:
             if self._failure is None:
                 results[rank] = target(self.communicator(rank))
+                self._hand_over(rank)
         except VirtualClusterError as exc:
             self._fail(rank, exc)
         except BaseException as exc:     # the job's first error ends every rank
@@ -273,8 +277,17 @@ class VirtualCluster:
             raise VirtualClusterError(f"virtual rank {rank}: stopped because rank "
                                       f"{self._failed_rank} failed: {self._failure}")
 
+    def _hand_over(self, rank: int) -> None:
+        """Before ``rank`` lets another rank run: its queued device work is done.
+        The ranks share module-level device scratch and read each other's buffers
+        in collectives, and with a stream of their own each (cuda_graph) the GPU
+        would otherwise run two ranks' work at once."""
+        if self._on_device[rank]:
+            backend.synchronize()
+
     def _wait(self, rank: int, what: str) -> None:
         """Block ``rank`` until another rank makes it runnable and the baton comes back."""
+        self._hand_over(rank)
         self._runnable[rank] = False
         self._waiting_for[rank] = what
         self._pass_baton(rank)
@@ -285,6 +298,7 @@ class VirtualCluster:
 
     def _yield(self, rank: int) -> None:
         """Let the other runnable ranks go first (a poll that found nothing)."""
+        self._hand_over(rank)
         self._polling[rank] = True
         try:
             self._pass_baton(rank, others_first=True)
@@ -387,6 +401,7 @@ class VirtualCommunicator(Communicator):
             comm.setup_device_transport(numpy)     # 'host'
         """
         self._transport = "host" if xp is np else "local"
+        self.cluster._on_device[self._world_rank] = xp is not np
         return self._transport
 
     # ---- the simulated clock

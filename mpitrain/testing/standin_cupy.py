@@ -182,7 +182,8 @@ def copies_in_flight() -> int:
 def deferred_copies():
     """Within: ``copy_to_host_async`` writes its host buffer only when the stream, an
     event recorded after it, or a blocking read waits for it, so code that reads
-    (or lets go of) such a buffer too early is caught.
+    (or lets go of) such a buffer too early is caught.  A host buffer given as
+    ``out`` must outlive its copy, as on a GPU (pinned blocks are kept).
 
     Example::
 

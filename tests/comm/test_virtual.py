@@ -271,3 +271,35 @@ def test_a_poll_never_sees_a_message_before_it_arrives_and_idle_waits_for_it():
     steps, first, second = VirtualCluster(2).run(work)[0]
     assert steps == 4 and first == pytest.approx(0.004)
     assert second == pytest.approx(0.010)
+
+
+def test_a_rank_on_a_device_hands_over_only_when_its_device_work_is_done():
+    """Virtual ranks share module-level device scratch and each other's buffers, and
+    with streams of their own (cuda_graph) a GPU would run two ranks' queued work
+    at once: a rank's device work must be done before another rank runs.  On the
+    CuPy stand-in a queued copy to the host stands for that work: it lands only
+    when the rank's stream is waited for."""
+    from mpitrain import backend
+    from mpitrain.testing import standin_cupy
+
+    seen, outs = [], []       # (outs: the host buffers stay alive until the copies land)
+
+    def work(comm):
+        xp = backend.select("gpu")
+        comm.setup_device_transport(xp)
+        mine = None
+        for _ in range(3):
+            # what other ranks left queued on the device while this one runs
+            own = 0 if mine is None or mine[0] == 7.0 else 1
+            seen.append((comm.rank, standin_cupy.copies_in_flight() - own))
+            mine = np.zeros(4, np.float32)
+            outs.append(mine)
+            backend.copy_to_host_async(xp.full(4, 7.0, dtype=xp.float32), out=mine)
+            x = xp.full(4, comm.rank + 1.0, dtype=xp.float32)
+            comm.allreduce_(x, op="sum")
+            assert backend.to_host(x)[0] == 6.0
+            comm.barrier()
+
+    with standin_cupy.installed(), standin_cupy.deferred_copies():
+        VirtualCluster(3).run(work)
+    assert len(seen) == 9 and all(in_flight == 0 for _, in_flight in seen), seen
