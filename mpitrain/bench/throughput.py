@@ -342,8 +342,8 @@ class GemmSteps:
             # The bound is the GPU's time for these GEMMs: replayed from a CUDA
             # graph, so that launching them from Python does not set it.
             previous = self.xp.cuda.get_current_stream()
-            self.stream = self.xp.cuda.Stream(non_blocking=True)
-            self.stream.use()
+            # (waits for the stream the operands were uploaded on)
+            self.stream = backend.use_own_stream(self.xp)
             try:
                 self._launch_all()                 # cuBLAS picks and loads its kernels
                 self.graph, _ = backend.capture_graph(self.xp, self._launch_all)

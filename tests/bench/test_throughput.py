@@ -1,6 +1,7 @@
 """The throughput benchmark's bookkeeping: FLOP counts, result rows, the table, options."""
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -200,3 +201,33 @@ def test_device_gpu_without_cupy_or_a_gpu_is_one_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("python -m mpitrain.bench.throughput: error: "
                                                "device: gpu"), err
+
+
+def test_the_gemm_bounds_own_stream_waits_for_the_operands_uploads(monkeypatch):
+    """On a GPU the bound's GEMMs move to a non-blocking stream of their own, which
+    does not wait for the stream their operands were uploaded on: it must wait
+    for that stream first (a GEMM could read operands not yet written)."""
+    from mpitrain import backend
+    said = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name = name
+
+        def synchronize(self):
+            said.append(f"{self.name} finished")
+
+        def use(self):
+            said.append(f"{self.name} current")
+
+    current = Stream("upload stream")
+    cuda = types.SimpleNamespace(get_current_stream=lambda: current,
+                                 Stream=lambda non_blocking: Stream("own stream"))
+    steps = GemmSteps(TINY)
+    steps.xp = types.SimpleNamespace(cuda=cuda)
+    monkeypatch.setattr(backend, "fused_kernels", lambda xp: True)
+    monkeypatch.setattr(backend, "gemm", lambda *args, **kwargs: said.append("gemm"))
+    monkeypatch.setattr(backend, "capture_graph", lambda xp, work: (None, "no graphs here"))
+    steps.step()
+    assert said.index("upload stream finished") < said.index("own stream current") \
+        < said.index("gemm"), said
