@@ -55,7 +55,7 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
         # one named, the other left to the built-in corpus: a pair that belongs to
         # no one corpus, taken without a word
         given, missing = ("--train", "--dev") if train else ("--dev", "--train")
-        raise ValueError(f"init: {given} is given but not {missing}; name {missing} too "
+        raise ValueError(f"{given} is given but not {missing}; name {missing} too "
                          "(or --corpus DIR holding both)")
     if corpus is None:
         corpus = DEFAULT_CORPUS
@@ -66,9 +66,9 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
     train = train or (os.path.join(corpus, "train") if corpus else None)
     dev = dev or (os.path.join(corpus, "dev") if corpus else None)
     if not train or not dev:
-        raise ValueError("init: give --corpus DIR, or both --train and --dev")
+        raise ValueError("give --corpus DIR, or both --train and --dev")
     if not str(out_dir).strip():
-        raise ValueError("init: DIR is empty; name the directory to write "
+        raise ValueError("DIR is empty; name the directory to write "
                          f"{DEFAULT_CONFIG} into (. for this one)")
     target = Path(out_dir) / DEFAULT_CONFIG
     # said before the corpus warnings, and instead of makedirs' "File exists"

@@ -234,7 +234,7 @@ def test_init_into_a_file_or_no_directory_is_one_line(small_corpus, tmp_path, ca
         f"mpitrain init: error: {tmp_path / 'notes' / 'mpitrain.yaml'}: cannot be written: "
         f"{tmp_path / 'notes'} is not a directory\n")
     assert main(["init", "", "--corpus", small_corpus]) == 2
-    assert capsys.readouterr().err == ("mpitrain init: error: init: DIR is empty; name the "
+    assert capsys.readouterr().err == ("mpitrain init: error: DIR is empty; name the "
                                        "directory to write mpitrain.yaml into (. for this "
                                        "one)\n")
 
