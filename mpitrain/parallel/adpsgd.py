@@ -24,7 +24,9 @@ that a step's computing and the exchange need not meet before its end::
     w_i^{k+1} = (w_i^k + w_j^k) / 2 - lr g_i(w_i^{k-1})
 
 the gradient of step k is held (``held``) and the optimizer applies the
-one held from step k-1 (none on the first step of a run).
+one held from step k-1 (none on the first step of a run).  With nnet2's
+max-change-per-sample the step applied is bounded by the rows that gave it:
+each affine layer's ``step_bound`` is held with the gradient.
 
 Pairs at iteration k (the k-th step, from 1): the ranks stand on a ring (in
 rank order for ``fixed_ring``; in an order drawn from ``seed`` and k for
@@ -54,6 +56,9 @@ TOPOLOGIES = ("fixed_ring", "random_ring")
 MIX_TAG = 7400
 # Kept apart from the other seeded streams (initialisation, shuffling).
 _RING_STREAM = 0x41D
+# The held gradient's step bounds were not saved (a checkpoint without them): the
+# step that applies it keeps the bounds of the minibatch it just computed
+_BOUNDS_UNKNOWN = "unknown"
 
 
 def build(cfg, comm, *, total_steps: int = 0):
@@ -136,6 +141,7 @@ class RingMixing(Strategy):
         self.num_mixes = 0          # mixes this rank took part in
         self.net = None
         self.sent = self.received = self.held = self._fresh = None
+        self._held_bounds = None    # the held gradient's per-layer step bounds (None: none)
         self._requests = []         # the exchange in flight
         self._final_local = None    # this rank's own model before the final average
 
@@ -157,6 +163,7 @@ class RingMixing(Strategy):
             self.sent = xp.empty_like(net.params)
             self.held = xp.zeros_like(net.grads) if self.delay_by_one else None
             self._fresh = xp.empty_like(net.grads) if self.delay_by_one else None
+            self._held_bounds = None
         self.net = net
 
     def reduce_gradients(self, net) -> None:
@@ -167,6 +174,21 @@ class RingMixing(Strategy):
             fresh[...] = grads
             grads[...] = held
             held[...] = fresh
+            self._hold_step_bounds(net)
+
+    def _hold_step_bounds(self, net) -> None:
+        """nnet2's max-change-per-sample bounds a layer's step by the rows that gave it
+        (the layer's ``step_bound``, from its backward): the step is the held
+        gradient's, so its bound is held with it."""
+        layers = bounded_layers(net)
+        if not layers:
+            return
+        fresh = [layer.step_bound for layer in layers]
+        if self._held_bounds != _BOUNDS_UNKNOWN:
+            held = self._held_bounds or [None] * len(layers)   # none held: no bound
+            for layer, bound in zip(layers, held):
+                layer.step_bound = bound
+        self._held_bounds = fresh
 
     def after_update(self, net, optimizer, step: int) -> None:
         self.iteration = step
@@ -231,6 +253,7 @@ class RingMixing(Strategy):
             # nothing held, as at the start, unless the rank's own state follows (a
             # roll back to the initial model restores no rank state)
             self.held[...] = 0
+            self._held_bounds = None
 
     def resume(self, net) -> None:
         self.restart_exchange()
@@ -245,6 +268,11 @@ class RingMixing(Strategy):
             held = to_host(self.held).copy()
             if np.isfinite(held).all():
                 state["held_gradient"] = held
+                bounds = self._held_bounds
+                if isinstance(bounds, list) and bounds and all(b is not None for b in bounds):
+                    bounds = np.array([float(to_host(b)) for b in bounds], dtype=np.float64)
+                    if np.isfinite(bounds).all():
+                        state["held_step_bounds"] = bounds
             else:
                 # a checkpoint holds finite floats only; the step that applies a
                 # non-finite gradient is skipped, as it will be after a resume
@@ -256,10 +284,12 @@ class RingMixing(Strategy):
         if self.delay_by_one:
             state = state if isinstance(state, dict) else {}
             held = state.get("held_gradient")
+            self._held_bounds = self._loaded_bounds(state.get("held_step_bounds"))
             if state.get("held_gradient_finite", 1) == 0:
                 self.held[...] = np.nan
             elif held is None:          # (a run that did not delay: nothing held)
                 self.held[...] = 0
+                self._held_bounds = None
             else:
                 held = np.asarray(held)
                 if held.shape != self.held.shape or held.dtype.kind != "f":
@@ -270,12 +300,34 @@ class RingMixing(Strategy):
         if restored:
             self.restart_exchange()
 
+    def _loaded_bounds(self, saved):
+        """The held step bounds from a checkpoint's ``held_step_bounds`` (unknown when
+        it has none: an older checkpoint, or nothing was bounded)."""
+        layers = bounded_layers(self.net)
+        if saved is None or not layers:
+            return _BOUNDS_UNKNOWN
+        saved = np.asarray(saved)
+        if saved.shape != (len(layers),) or saved.dtype.kind != "f":
+            raise ValueError(f"checkpoint rank state 'strategy/held_step_bounds' has shape "
+                             f"{saved.shape} and dtype {saved.dtype}; expected "
+                             f"({len(layers)},) floats, one per affine layer")
+        xp = self.net.xp
+        return [float(b) if xp is np else xp.asarray(b, dtype=self.net.params.dtype)
+                for b in saved]
+
     def restart_exchange(self) -> None:
         """The exchange that was in flight at the checkpoint, started again from the
         restored weights (or the first one, from the start)."""
         self.drain()
         self._final_local = None
         self._start_exchange(self.iteration + 1)
+
+
+def bounded_layers(net) -> list:
+    """The layers whose backward gives a ``step_bound`` (nnet2's max-change-per-sample
+    is on); none for a bare pair of buffers."""
+    return [layer for layer, _ in getattr(net, "param_slices", ())
+            if getattr(layer, "track_step_bound", False)]
 
 
 def restore_own_model(net, state) -> bool:

@@ -296,3 +296,70 @@ def test_delay_by_one_checkpoints_the_held_gradient_and_a_non_finite_one_as_a_sk
     net.grads[...] = 1
     fourth.reduce_gradients(net)
     assert not net.grads.any()
+
+
+def _affine_gradient_and_bound(block, x, labels):
+    """The summed cross-entropy's gradient [dW | db] of one affine layer (softmax
+    output) and nnet2's bound tau = sum_i ||[x_i, 1]|| ||dy_i||, in float64."""
+    rows = np.hstack([np.float64(x), np.ones((len(x), 1))])
+    logits = rows @ np.float64(block).T
+    dy = np.exp(logits - logits.max(axis=1, keepdims=True))
+    dy /= dy.sum(axis=1, keepdims=True)
+    dy[np.arange(len(x)), labels] -= 1
+    tau = float(np.linalg.norm(rows, axis=1) @ np.linalg.norm(dy, axis=1))
+    return (dy.T @ rows).reshape(-1), tau
+
+
+@pytest.mark.parametrize("device", ["host", "standin"])
+def test_delay_by_one_bounds_the_held_gradient_by_its_own_rows(device):
+    """nnet2's max-change-per-sample scales a layer's step by min(1, m B / (lr tau)),
+    tau from the rows that gave that step.  Delay-by-one applies at step k the
+    gradient of step k-1, so its tau is step k-1's (held with it, and checkpointed),
+    not that of the minibatch step k just computed."""
+    import contextlib
+
+    from mpitrain import backend
+    from mpitrain.testing import standin_cupy
+    batch, m, lr = 8, 0.05, 0.1
+    rng = np.random.default_rng(3)
+    x1 = rng.standard_normal((batch, 3)).astype(np.float32) * 20    # clipped
+    x2 = rng.standard_normal((batch, 3)).astype(np.float32) * 0.01  # would not be
+    l1, l2 = rng.integers(0, 5, batch), rng.integers(0, 5, batch)
+    start = rng.standard_normal(23).astype(np.float32) * 0.3
+
+    def ring(xp):
+        net = build_network(feat_dim=3, num_classes=5, left_context=0, right_context=0,
+                            hidden_layers=0, hidden_dim=4, xp=xp)
+        net.params[...] = backend.to_device(start[:net.num_params], xp)
+        opt = SGD(net, minibatch=batch, max_change_per_sample=m, max_change_per_layer=0,
+                  max_change_output=0, max_change=0)
+        strategy = RingMixing(SingleCommunicator(), delay_by_one=True)
+        strategy.setup(net, opt)
+        return net, opt, strategy
+
+    def step(net, opt, strategy, x, labels, k):
+        xp = net.xp
+        net.forward_backward(backend.to_device(x, xp), backend.to_device(labels, xp))
+        strategy.reduce_gradients(net)
+        opt.step(lr)
+        strategy.after_update(net, opt, k)
+
+    context = standin_cupy.installed() if device == "standin" else contextlib.nullcontext(np)
+    with context as xp:
+        net, opt, strategy = ring(xp)
+        block = backend.to_host(net.param_slices[0][0].block)
+        g1, tau1 = _affine_gradient_and_bound(block, x1, l1)
+        assert lr * tau1 > m * batch * 2        # the first minibatch's step is clipped
+        step(net, opt, strategy, x1, l1, 1)
+        first = np.float64(backend.to_host(net.params))
+        assert np.array_equal(first, np.float64(start[:net.num_params]))   # applies nothing
+        state = strategy.rank_state_dict()
+        step(net, opt, strategy, x2, l2, 2)
+        expected = first - lr * min(1.0, m * batch / (lr * tau1)) * g1
+        np.testing.assert_allclose(backend.to_host(net.params), expected, rtol=1e-5,
+                                   atol=1e-7)
+        # a run resumed after the first step bounds the held gradient alike
+        net2, opt2, strategy2 = ring(xp)
+        strategy2.load_rank_state_dict(state)
+        step(net2, opt2, strategy2, x2, l2, 2)
+        np.testing.assert_array_equal(backend.to_host(net2.params), backend.to_host(net.params))
