@@ -48,6 +48,8 @@ UNSEEN_PRIOR = 2e-8
 UNSEEN_SCORE = -float(np.sqrt(np.finfo(np.float32).max))
 # What Kaldi's MatrixBase::Write puts after the key for a 0 x 0 matrix in text mode.
 EMPTY_TEXT_MATRIX = b" [ ]\n"
+# An scp names the archive by the bytes of its path, which need not be UTF-8.
+_TEXT = {"encoding": "utf-8", "errors": "surrogateescape"}
 
 
 def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
@@ -282,13 +284,12 @@ class ArkWriter:
             handle = open_like_kaldi(name, mode)
         elif name in self._in_place:
             try:
-                handle = open(name, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
+                handle = open(name, mode, **({} if "b" in mode else _TEXT))
             except OSError as exc:
                 raise OSError(f"cannot write {name}: {exc.strerror}") from None
         else:
             try:
-                handle = open(self._tmp[name], mode,
-                              **({} if "b" in mode else {"encoding": "utf-8"}))
+                handle = open(self._tmp[name], mode, **({} if "b" in mode else _TEXT))
             except OSError as exc:
                 # the user named the target, not our temporary beside it
                 raise OSError(f"cannot write {name}: {exc.strerror}") from None

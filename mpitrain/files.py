@@ -44,6 +44,28 @@ def temporary_path(path) -> str:
     return os.path.join(directory, f".{name}.tmp-{os.getpid()}")
 
 
+def path_text(path) -> str:
+    """``path`` as text that UTF-8 can hold, for the places that take nothing else
+    (HDF5 attributes, Matplotlib's labels): the bytes of a name that are not UTF-8
+    (a directory named in Latin-1) become backslash escapes; any other path is
+    returned unchanged.
+
+    Example::
+
+        path_text(os.fsdecode(b"runs/caf\\xe9"))    # 'runs/caf\\xe9'
+    """
+    text = os.fspath(path)
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:    # (the raw bytes of the name, as Python's file functions hold them)
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def written_in_place(path) -> bool:
     """True for a character device or a named pipe (``/dev/null``, a FIFO from
     ``mkfifo``): such a target is written as it is, as a stream, since a file

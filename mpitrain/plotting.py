@@ -16,7 +16,7 @@ import math
 import os
 from typing import Optional, Sequence
 
-from .files import atomic_path
+from .files import atomic_path, path_text
 
 #: Record types the trainer writes; read_metrics always returns these keys.
 RECORD_TYPES = ("start", "train", "eval", "end")
@@ -320,6 +320,9 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
                          f"(one per run), got {len(labels)}")
     if dpi < 10:
         raise ValueError(f"plot_runs: dpi: expected at least 10, got {dpi}")
+    # (Matplotlib draws only text UTF-8 can hold, not a name's raw Latin-1 bytes)
+    labels = [path_text(label) for label in labels]
+    title = path_text(title) if title else title
     runs = [(metrics_path(d), read_metrics(d)) for d in run_dirs]
     for path, records in runs:
         if not records["eval"] and not (train and records["train"]):

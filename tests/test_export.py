@@ -148,6 +148,23 @@ def test_an_ark_and_scp_of_the_same_name_are_refused_and_nothing_changes(tiny, c
     assert not [p for p in os.listdir(d) if ".tmp" in p]
 
 
+def test_an_scp_names_an_archive_named_in_latin1_by_its_bytes(tiny):
+    # the scp is text, and the archive's name could not be written into it
+    from mpitrain.data.kaldi_read import read_feature_matrices
+    d, model, _ = tiny
+    ark = os.fsdecode(os.path.join(os.fsencode(str(d)), b"caf\xe9.ark"))
+    try:
+        open(ark, "wb").close()
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark,scp:{ark},{d}/out.scp"]) == 0
+    assert (d / "out.scp").read_bytes().split(b"\n")[0].split()[1].startswith(
+        os.fsencode(ark) + b":")
+    # and the scp reads back, as Kaldi's tools read it
+    assert len(dict(read_feature_matrices(f"scp:{d}/out.scp"))) == 3
+
+
 def test_an_out_that_is_a_directory_is_refused_before_any_work(tiny, capsys):
     d, model, _ = tiny
     (d / "outdir").mkdir()

@@ -118,6 +118,17 @@ def test_a_metrics_file_that_is_not_utf8_is_named(tmp_path, capsys):
     assert err.count("\n") == 1 and "metrics.jsonl: not UTF-8 text" in err, err
 
 
+def test_a_run_directory_named_in_latin1_is_plotted_under_its_escaped_name(tmp_path):
+    # the label held the name's raw bytes, which Matplotlib refused: an internal error
+    run = os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"run-\xe9"))
+    try:
+        write_run(run, acc_at_end=0.7, steps=2)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    assert cli_main(["plot", run, "--out", str(tmp_path / "p.png")]) == 0
+    assert plot_runs([run], tmp_path / "q.png", title=run, dpi=30)
+
+
 def test_a_measured_value_that_is_nan_is_kept(tmp_path):
     # a held-out loss can be NaN (a diverged model): it is data, not a broken file
     write_run(tmp_path / "run", acc_at_end=0.7, steps=2)

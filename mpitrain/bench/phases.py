@@ -215,7 +215,10 @@ def _run_trainer(cfg, group, run_dir: str, *, diverged_ends_it: bool = False, **
     log = None
     if group.rank == 0:
         os.makedirs(run_dir, exist_ok=True)
-        log = open(os.path.join(run_dir, "train.log"), "w", encoding="utf-8")
+        # (surrogateescape: a path's bytes that are not UTF-8 are logged as they are,
+        # as on the console)
+        log = open(os.path.join(run_dir, "train.log"), "w", encoding="utf-8",
+                   errors="surrogateescape")
     try:
         trainer = BenchTrainer(cfg, run_dir=run_dir, comm=group, stream=log, **kwargs)
         try:

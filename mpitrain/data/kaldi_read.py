@@ -532,6 +532,14 @@ def iter_ark(target: str, *, expect: str = "matrix"):
 
 # ---------------------------------------------------------------- scp
 
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
 def parse_scp(target: str, *, commands: bool = False) -> list[tuple]:
     """[(key, location, offset, ranges)] of an scp (a file, ``-`` or a pipe).
 
@@ -546,14 +554,15 @@ def parse_scp(target: str, *, commands: bool = False) -> list[tuple]:
     with _opened(target, "scp") as src:
         name = src.name
         for lineno, raw in enumerate(src.lines(), 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise CorpusError(f"{name}:{lineno}: not UTF-8 text: {_NOT_UTF8}, or this is "
-                                  "not an scp file") from None
+            # the location is a file name, bytes as Kaldi takes them (a directory
+            # named in Latin-1): kept as Python's file functions hold such names
+            line = raw.decode("utf-8", "surrogateescape")
             if not line.strip():
                 continue
             parts = line.split(None, 1)
+            if not _is_utf8(parts[0]):
+                raise CorpusError(f"{name}:{lineno}: not UTF-8 text: {_NOT_UTF8}, or this is "
+                                  "not an scp file")
             if len(parts) != 2:
                 raise CorpusError(f"{name}:{lineno}: expected 'uttid ark_path:offset', "
                                   f"got {line.strip()!r}")

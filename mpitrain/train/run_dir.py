@@ -22,7 +22,7 @@ import json
 import os
 import zlib
 
-from ..files import dotted_keys, nearest_existing
+from ..files import dotted_keys, nearest_existing, path_text
 
 #: Files a run writes (checkpoints are matched separately).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png",
@@ -143,7 +143,8 @@ def corpus_places(cfg) -> dict:
     are set: stored with a run's checkpoints, so a resume from another working
     directory is compared by what the paths name."""
     flat = dotted_keys(cfg.to_dict())
-    return {f"place_{key}": os.path.realpath(flat[key]) for key in PLACE_SETTINGS
+    # (as text: a checkpoint's HDF5 attributes take no name that is not UTF-8)
+    return {f"place_{key}": path_text(os.path.realpath(flat[key])) for key in PLACE_SETTINGS
             if isinstance(flat.get(key), str) and flat[key]}
 
 

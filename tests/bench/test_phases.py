@@ -173,3 +173,24 @@ def test_a_method_that_diverges_is_a_result_and_the_others_are_measured(small_co
     assert rows["bmuf"]["stopped_by"] == "divergence" and not rows["bmuf"]["reached"]
     assert rows["model_averaging"]["stopped_by"] == "--max-frames"
     assert "bmuf" in capsys.readouterr().out
+
+
+def test_a_benchmark_into_a_directory_named_in_latin1_logs_its_runs(small_corpus, tmp_path):
+    # each run's train.log took text only: the run's last line, naming its directory,
+    # ended the benchmark
+    import os
+    from mpitrain.cli import main
+    from ..helpers import small_overrides
+    out = os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), b"bench-\xe9"))
+    try:
+        os.mkdir(out)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "model_averaging",
+            "--phases", "throughput", "--steps", "3", "--warmup-steps", "1",
+            "--out", out, "--overwrite", "--dpi", "30"]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    log = os.path.join(out, "runs", "throughput-model_averaging-n1", "train.log")
+    assert os.fsencode(out) in open(log, "rb").read()

@@ -133,3 +133,30 @@ def test_a_run_directory_whose_files_could_not_be_named_is_refused_before_writin
     assert "a directory name of 300 bytes" in run_dir_problem(str(long_name), resume=False,
                                                                overwrite=False)
     assert run_dir_problem(str(tmp_path / "fine"), resume=False, overwrite=False) is None
+
+
+def _latin1_name(directory, name: bytes) -> str:
+    """``directory/name`` for a name whose bytes are not UTF-8 (Latin-1's 'é')."""
+    import pytest
+    path = os.fsdecode(os.path.join(os.fsencode(str(directory)), name))
+    try:
+        os.mkdir(path)
+        os.rmdir(path)
+    except (OSError, UnicodeError):
+        pytest.skip("this file system takes only UTF-8 names")
+    return path
+
+
+def test_a_corpus_and_run_directory_named_in_latin1_checkpoint_and_resume(small_corpus,
+                                                                          tmp_path):
+    """Their paths, stored in the checkpoint, were refused by HDF5 (text must be UTF-8):
+    the run trained to its first checkpoint and failed there, with nothing to resume."""
+    from ..helpers import records, train_in_process
+    corpus = _latin1_name(tmp_path, b"caf\xe9")
+    shutil.copytree(small_corpus, corpus)
+    run = _latin1_name(tmp_path, b"run-\xe9t\xe9")
+    settings = ["model.hidden_dim=16", "model.hidden_layers=1"]
+    train_in_process(run, corpus, settings + ["training.max_steps=4"])
+    assert os.path.exists(os.path.join(run, "ckpt-00000004.h5"))
+    train_in_process(run, corpus, settings + ["training.max_steps=8"], resume=True)
+    assert records(run, "end")[-1]["steps"] == 8
