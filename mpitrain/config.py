@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
@@ -671,7 +673,26 @@ def load_config(path=None, overrides=()) -> RunConfig:
     data = _merge(data, parse_overrides(overrides))
     cfg = from_dict(RunConfig, data, where=where)
     _cross_checks(cfg, where)
+    _paths_this_locale_can_name(cfg, where)
     return cfg
+
+
+#: The settings that name files or directories.
+PATH_SETTINGS = ("data.train", "data.dev", "model.init_from")
+
+
+def _paths_this_locale_can_name(cfg: RunConfig, where: str) -> None:
+    """A path that the locale's encoding cannot spell (Japanese under a Latin-1
+    locale) is named here, with its key, not by the codec where it is first used."""
+    for key in PATH_SETTINGS:
+        section, name = key.split(".")
+        value = getattr(getattr(cfg, section), name)
+        try:
+            os.fsencode(value)
+        except UnicodeEncodeError:
+            raise ConfigError(f"{where}{key}: {value!r} cannot be a file name in this "
+                              f"locale's encoding ({sys.getfilesystemencoding()}); run "
+                              "under a UTF-8 locale, e.g. LC_ALL=C.UTF-8") from None
 
 
 def config_from_dict(data: dict) -> RunConfig:

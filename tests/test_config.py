@@ -341,3 +341,24 @@ def test_a_stored_config_from_before_a_setting_existed_has_the_old_behaviour():
     other = load_config(None, [])
     older = config_to_yaml(other).replace("  damp_staleness: true\n", "")
     assert changed_settings(config_from_yaml(older), other) == []
+
+
+def test_a_path_the_locale_cannot_spell_names_its_key(tmp_path):
+    """Under a locale whose encoding lacks a path's characters (LC_ALL=C with Python's
+    UTF-8 mode off: ASCII) the codec's own words named no file or key."""
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    config = tmp_path / "run.yaml"
+    config.write_text('data:\n  train: "corpora/\u65e5\u672c/train"\n', encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG"))}
+    env.update(LC_ALL="C", PYTHONUTF8="0", PYTHONPATH=repo, OPENBLAS_NUM_THREADS="1")
+    env.pop("PYTHONIOENCODING", None)
+    result = subprocess.run([sys.executable, "-m", "mpitrain", "train", str(config),
+                             "--dry-run"], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path, env=env)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "run.yaml: data.train: " in result.stderr
+    assert "cannot be a file name in this locale's encoding (ascii)" in result.stderr
+    assert "LC_ALL=C.UTF-8" in result.stderr
