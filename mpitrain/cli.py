@@ -69,6 +69,25 @@ def _refuse_virtual_under_a_launcher() -> None:
                          f"without mpiexec or srun (this is one of {size} processes)")
 
 
+#: The arguments that name files or directories, as usage names them.
+_PATH_ARGUMENTS = (("config", "CONFIG"), ("run_dir", "--run-dir"), ("out_dir", "OUT_DIR"),
+                   ("dir", "DIR"), ("corpus", "--corpus"), ("train", "--train"),
+                   ("dev", "--dev"), ("model", "MODEL"), ("corpus_dir", "CORPUS_DIR"),
+                   ("run_dirs", "RUN_DIR"), ("parts", "PART_DIR"), ("out", "--out"))
+
+
+def _refuse_unexpanded_home(args) -> None:
+    """A path given as ``~/x`` (quoted, or after ``--option=``, where the shell
+    leaves it): read, it is not found; written, it makes a directory ``~`` here."""
+    from .files import unexpanded_home
+    for name, shown in _PATH_ARGUMENTS:
+        values = getattr(args, name, None)
+        for value in values if isinstance(values, list) else [values]:
+            problem = unexpanded_home(value) if isinstance(value, str) else None
+            if problem:
+                raise UsageError(f"{shown} {problem}")
+
+
 def _one_process_only(command: str) -> None:
     """A command that is not an MPI one, started as one of several processes by
     mpiexec or srun: every process would do the whole work (and write the same
@@ -1115,6 +1134,8 @@ def main(argv=None) -> int:
     try:
         if args.command not in MPI_COMMANDS:
             _one_process_only(args.command)
+        with _before_mpi():
+            _refuse_unexpanded_home(args)
         status = args.func(args)
         if sys.stdout is not None:      # (None: started with standard output closed)
             sys.stdout.flush()  # a closed reader shows here, not at interpreter exit

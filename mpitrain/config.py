@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, get_type_hints
 
-from .files import Written, parse_yaml, read_yaml, write_yaml, yaml_text
+from .files import Written, parse_yaml, read_yaml, unexpanded_home, write_yaml, yaml_text
 from .parallel.registry import METHODS as STRATEGY_METHODS, takes_own_steps
 
 
@@ -673,17 +673,21 @@ def load_config(path=None, overrides=()) -> RunConfig:
     data = _merge(data, parse_overrides(overrides))
     cfg = from_dict(RunConfig, data, where=where)
     _cross_checks(cfg, where)
-    _paths_this_locale_can_name(cfg, where)
+    _check_paths(cfg, where)
     return cfg
 
 
 #: The settings that name files or directories.
 PATH_SETTINGS = ("data.train", "data.dev", "model.init_from")
+#: A shell variable as written in a path: $NAME or ${NAME}.
+_VARIABLE = re.compile(r"\$(\{|[A-Za-z_])")
 
 
-def _paths_this_locale_can_name(cfg: RunConfig, where: str) -> None:
-    """A path that the locale's encoding cannot spell (Japanese under a Latin-1
-    locale) is named here, with its key, not by the codec where it is first used."""
+def _check_paths(cfg: RunConfig, where: str) -> None:
+    """Paths are taken as written: ``~`` and ``$VARIABLES`` left in a path (the shell
+    expands neither inside a YAML file), and a path that the locale's encoding
+    cannot spell (Japanese under a Latin-1 locale), are named here with their key,
+    not as a file not found or by the codec where the path is first used."""
     for key in PATH_SETTINGS:
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)
@@ -693,6 +697,13 @@ def _paths_this_locale_can_name(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}{key}: {value!r} cannot be a file name in this "
                               f"locale's encoding ({sys.getfilesystemencoding()}); run "
                               "under a UTF-8 locale, e.g. LC_ALL=C.UTF-8") from None
+        problem = unexpanded_home(value)
+        if problem:
+            raise ConfigError(f"{where}{key}: {problem}")
+        if _VARIABLE.search(value) and not os.path.exists(value):
+            raise ConfigError(f"{where}{key}: {value}: does not exist; mpitrain does not "
+                              "expand $VARIABLES in paths: write the path out (or give it "
+                              f"with --set {key}=\"$VARIABLE/...\", which the shell expands)")
 
 
 def config_from_dict(data: dict) -> RunConfig:

@@ -66,6 +66,26 @@ def path_text(path) -> str:
         return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def unexpanded_home(path) -> str | None:
+    """Why ``path`` is refused when it starts with ``~`` (``~/runs/x``, ``~user/x``),
+    else None.  Paths are taken as written, and the shell leaves ``~`` alone in
+    quotes and after ``--option=``: such a path would name a directory ``~`` in
+    the working directory, and one written there looks like the home directory.
+
+    Example::
+
+        unexpanded_home("~/runs/x")   # '~/runs/x: starts with ~, which ...'
+    """
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text.startswith("~"):
+        return None
+    head = text.split("/", 1)[0]
+    meant = os.path.expanduser(text)
+    return (f"{text}: starts with {head}, which mpitrain does not expand (nor "
+            f"$VARIABLES); write the path out{f' ({meant})' if meant != text else ''}, or "
+            f"./{text} for a directory named {head}")
+
+
 def written_in_place(path) -> bool:
     """True for a character device or a named pipe (``/dev/null``, a FIFO from
     ``mkfifo``): such a target is written as it is, as a stream, since a file

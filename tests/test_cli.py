@@ -256,6 +256,24 @@ def test_an_empty_run_dir_or_set_key_is_one_line(tmp_path, capsys, monkeypatch):
     assert "empty part" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
 
+
+@pytest.mark.parametrize("argv", [
+    ["train", QUICKSTART, "--run-dir=~/runs/x"], ["synth", "~/corpus"],
+    ["bench", QUICKSTART, "--out=~/bench"], ["init", "~/exp"],
+    ["plot", "runs/x", "--out", "~/curves.png"], ["eval", "~/runs/x", "data"],
+])
+def test_a_path_starting_with_a_tilde_is_refused_and_nothing_is_made(tmp_path, capsys,
+                                                                     monkeypatch, argv):
+    # the shell leaves ~ alone after --option= and in quotes: train made a directory
+    # named ~ in the working directory (which `rm -r ~` then takes for the home)
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "starts with ~, which mpitrain does not expand" in err, err
+    assert os.path.expanduser("~/") in err and "or ./~/" in err
+    assert os.listdir(tmp_path) == []
+
+
 def test_init_warns_of_a_corpus_not_written_yet(tmp_path, capsys):
     assert main(["init", str(tmp_path), "--train", str(tmp_path / "t"),
                  "--dev", str(tmp_path / "d")]) == 0

@@ -362,3 +362,28 @@ def test_a_path_the_locale_cannot_spell_names_its_key(tmp_path):
     assert "run.yaml: data.train: " in result.stderr
     assert "cannot be a file name in this locale's encoding (ascii)" in result.stderr
     assert "LC_ALL=C.UTF-8" in result.stderr
+
+
+@pytest.mark.parametrize("key,value,message", [
+    ("data.train", "~/corpora/train", "data.train: ~/corpora/train: starts with ~, which "
+                                      "mpitrain does not expand"),
+    ("data.dev", "$SCRATCH/corpora/dev", "data.dev: $SCRATCH/corpora/dev: does not exist; "
+                                         "mpitrain does not expand $VARIABLES"),
+    ("model.init_from", "${WORK}/pre/pretrain.h5", "model.init_from: ${WORK}/pre/pretrain.h5: "
+                                                   "does not exist; mpitrain does not expand"),
+])
+def test_a_tilde_or_variable_left_in_a_config_path_is_named(tmp_path, key, value, message):
+    # the path was taken as written: "~/corpora/train/corpus.yaml: not found"
+    config = tmp_path / "run.yaml"
+    section, name = key.split(".")
+    config.write_text(f"{section}:\n  {name}: '{value}'\n"
+                      + ("  nonlinearity: sigmoid\n" if section == "model" else ""))
+    with pytest.raises(ConfigError) as info:
+        load_config(str(config))
+    assert str(info.value).startswith(f"{config}: {message}"), info.value
+
+
+def test_a_dollar_in_a_config_path_that_exists_is_a_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "$corpus").mkdir()
+    assert load_config(None, ["data.train=$corpus"]).data.train == "$corpus"
