@@ -41,3 +41,38 @@ def test_wheel_built_without_isolation_ships_configs_license_and_version(tmp_pat
         metadata = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
     assert re.search(r"^License(-Expression)?: Apache-2.0$", metadata, re.M), metadata
     assert any(n.endswith("LICENSE") for n in names)
+
+
+def test_sdist_holds_the_tests_docs_scripts_and_jobs(tmp_path):
+    """The sdist held the top-level test files alone (setuptools' default), which
+    cannot run without tests/conftest.py and tests/helpers.py, and none of the docs,
+    scripts and Slurm jobs the README names."""
+    import shutil
+    import tarfile
+    pytest.importorskip("setuptools")
+    # a clean copy: an earlier build's egg-info lists files the sdist then takes
+    tree = tmp_path / "tree"
+    outputs = {".git", ".venv", "build", "dist", "runs", "data", "corpus", "bench-out"}
+
+    def ignore(folder, names):
+        top = os.path.samefile(folder, REPO)
+        return [n for n in names if n in ("__pycache__", ".pytest_cache")
+                or n.endswith(".egg-info") or (top and n in outputs)]
+    shutil.copytree(REPO, tree, ignore=ignore)
+    result = subprocess.run([sys.executable, "-c", "import sys; from setuptools import "
+                             "build_meta; build_meta.build_sdist(sys.argv[1])", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300, cwd=tree)
+    assert result.returncode == 0, result.stdout + result.stderr
+    sdist = next(p for p in os.listdir(tmp_path) if p.endswith(".tar.gz"))
+    with tarfile.open(tmp_path / sdist) as tar:
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+    assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+    expected = ["tests/helpers.py", "docs/user-guide.md", "scripts/test.sh",
+                "scripts/quickstart.sh", "jobs/slurm/train.sbatch", "jobs/configs/quickstart.yaml",
+                "LICENSE", "setup.py"]
+    for folder in ("tests", "docs"):
+        for root, dirs, files in os.walk(os.path.join(REPO, folder)):
+            dirs[:] = [d for d in dirs if d not in ("__pycache__", ".pytest_cache")]
+            expected += [os.path.relpath(os.path.join(root, f), REPO) for f in files
+                         if f.endswith((".py", ".md"))]
+    assert not [name for name in expected if name not in names]
