@@ -703,11 +703,13 @@ def cmd_status(args) -> int:
     failed = False
     for run_dir in args.run_dirs:
         try:
-            print("\n".join(run_status(run_dir)), flush=True)
+            lines = run_status(run_dir)
         except (ValueError, OSError) as exc:
             # one run that cannot be read does not hide the others
             print(f"mpitrain status: error: {_one_line(exc)}", file=sys.stderr, flush=True)
             failed = True
+            continue
+        print("\n".join(lines))
     return 2 if failed else 0
 
 
@@ -1041,6 +1043,46 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+def _tell(line: str) -> None:
+    """A line on standard error; one that cannot be written (standard error on a
+    full disk) is dropped, and the exit status still says what happened."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
+class _NamedStdout:
+    """Standard output whose failed writes name it: on a full disk the commands said
+    a bare "[Errno 28] No space left on device".  A reader that left (``| head``)
+    still ends the command as a Unix tool."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        with self._named():
+            return self.stream.write(text)
+
+    def flush(self):
+        with self._named():
+            return self.stream.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _named():
+        try:
+            yield
+        except BrokenPipeError:
+            raise
+        except OSError as exc:
+            from .files import WriteError
+            _silence_stdout()       # (the interpreter's last flush would fail again)
+            raise WriteError(exc.errno, "cannot write standard output: "
+                             f"{exc.strerror or exc}") from None
+
+
 def _silence_stdout() -> None:
     """Point standard output at /dev/null, so the interpreter's last flush cannot
     fail again."""
@@ -1098,6 +1140,17 @@ USAGE = """usage: mpiexec -n N python -m mpitrain train CONFIG.yaml [--set key=v
 
 
 def main(argv=None) -> int:
+    stdout = sys.stdout
+    if stdout is not None:      # (None: started with standard output closed)
+        sys.stdout = _NamedStdout(stdout)
+    try:
+        return _main(argv)
+    finally:
+        if isinstance(sys.stdout, _NamedStdout):
+            sys.stdout = stdout
+
+
+def _main(argv) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     _fill_closed_standard_descriptors()
     from .plotting import keep_matplotlib_quiet
@@ -1144,8 +1197,8 @@ def main(argv=None) -> int:
         return _end_quietly()
     except UsageError as exc:
         if usage_on_error and "config file not found" in str(exc):
-            print(USAGE, file=sys.stderr)
-        print(f"mpitrain {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+            _tell(USAGE)
+        _tell(f"mpitrain {args.command}: error: {_one_line(exc)}")
         return 2
     except BrokenPipeError:
         # `mpitrain ... | head`: the reader of our output went away.  As a Unix tool
@@ -1156,26 +1209,25 @@ def main(argv=None) -> int:
     except (ValueError, OSError, RuntimeError) as exc:
         # ConfigError, CorpusError, TrainingError and files that cannot be read or
         # written (OSError names the file): one clear line
-        print(f"mpitrain {args.command}: error: {_one_line(exc)}", file=sys.stderr, flush=True)
+        _tell(f"mpitrain {args.command}: error: {_one_line(exc)}")
         return 2
     except MemoryError:
         advice = (" (use fewer ranks per node, a smaller data.chunk_frames or a smaller "
                   "model)" if args.command in ("train", "pretrain", "bench") else "")
-        print(f"mpitrain {args.command}: error: out of memory{advice}", file=sys.stderr,
-              flush=True)
+        _tell(f"mpitrain {args.command}: error: out of memory{advice}")
         return 2
     except KeyboardInterrupt:
         if args.command in MPI_COMMANDS and several_ranks():
             # (an interrupt before the run's own guard, e.g. while the ranks start:
             # the others would wait for this rank in MPI forever)
-            print(f"mpitrain {args.command}: rank {_launcher_rank()}: interrupted",
-                  file=sys.stderr, flush=True)
+            _tell(f"mpitrain {args.command}: rank {_launcher_rank()}: interrupted")
             from .comm import abort_job_interrupted
             abort_job_interrupted()
-        print(f"mpitrain {args.command}: interrupted", file=sys.stderr, flush=True)
+        _tell(f"mpitrain {args.command}: interrupted")
         return 130
     except Exception:
-        traceback.print_exc()
-        print(f"mpitrain {args.command}: internal error: this is a bug in mpitrain; please "
-              "report it with the traceback above", file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError, ValueError):
+            traceback.print_exc()
+        _tell(f"mpitrain {args.command}: internal error: this is a bug in mpitrain; please "
+              "report it with the traceback above")
         return 1

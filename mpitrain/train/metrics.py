@@ -135,7 +135,7 @@ class MetricsLog:
         one line naming the console; a reader that left (``| head``) stays quiet."""
         try:
             yield
-        except BrokenPipeError:
+        except (BrokenPipeError, WriteError):      # (WriteError: named already)
             raise
         except OSError as exc:
             where = "standard output" if self.stream is sys.stdout else "the console stream"

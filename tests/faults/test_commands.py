@@ -290,3 +290,40 @@ def test_numpy_warnings_never_reach_the_user(tmp_path):
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                             timeout=60, env={**os.environ, "PYTHONWARNINGS": "default"})
     assert result.returncode == 0 and result.stderr == "", result.stderr
+
+
+class _FullStream:
+    """A console stream on a full disk (as /dev/full): every write fails."""
+
+    encoding = "utf-8"
+
+    def write(self, text):
+        import errno
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        pass
+
+    def isatty(self):
+        return False
+
+
+def test_output_on_a_full_disk_is_named_and_a_full_stderr_keeps_the_status(
+        model, small_corpus, tmp_path, monkeypatch, capsys):
+    """Standard output on a full disk said a bare "[Errno 28] No space left on device"
+    (status read it as a run it could not read); with standard error full, an error
+    line that could not be written turned exit status 2 into 1."""
+    monkeypatch.setattr(sys, "stdout", _FullStream())
+    run = os.path.dirname(model)
+    train = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1"]:
+        train += ["--set", item]
+    for argv in (["status", run], ["eval", str(model), os.path.join(small_corpus, "dev")],
+                 train):
+        assert main(argv) == 2
+        err = _one_line(capsys, argv[0])
+        assert err.endswith(": error: cannot write standard output: No space left on device\n")
+    monkeypatch.undo()
+    monkeypatch.setattr(sys, "stderr", _FullStream())
+    assert main(["eval", str(model) + "-missing", small_corpus]) == 2
+    assert main(["train", QUICKSTART, "--set", "training.nosuch=1"]) == 2
