@@ -176,6 +176,15 @@ def ranks_on_node_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[
 _preset: dict = {}
 
 
+def _a_thread_count(value: str) -> bool:
+    """Whether a BLAS variable gives a number of threads: a positive integer (or an
+    OpenMP list such as "4,2", by its first).  An empty, zero or other value (as
+    ``OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK`` gives without --cpus-per-task) is no
+    choice: OpenBLAS and OpenMP take it as every core, for each rank."""
+    first = value.split(",")[0].strip()
+    return first.isdigit() and int(first) > 0
+
+
 def preset_blas_env(env=None) -> None:
     """Before numpy loads: under a launcher with several ranks here, give each rank
     its share of the cores unless the user set the BLAS variables.
@@ -190,16 +199,17 @@ def preset_blas_env(env=None) -> None:
         return
     threads = str(blas_threads(0, ranks_on_node=ranks))   # the cores we may use, shared
     for name in BLAS_ENV:
-        if name not in env:
+        if not _a_thread_count(env.get(name, "")):
             env[name] = threads
             if env is os.environ:
                 _preset[name] = threads
 
 
 def user_set_blas_env() -> bool:
-    """True when the user (not :func:`preset_blas_env`) set a BLAS variable."""
-    return any(name in os.environ and _preset.get(name) != os.environ[name]
-               for name in BLAS_ENV)
+    """True when the user (not :func:`preset_blas_env`) set a BLAS variable to a
+    number of threads."""
+    return any(_a_thread_count(os.environ.get(name, ""))
+               and _preset.get(name) != os.environ[name] for name in BLAS_ENV)
 
 
 def current_blas_threads() -> Optional[int]:

@@ -1,5 +1,6 @@
 """The BLAS thread policy."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -164,6 +165,30 @@ def test_the_users_blas_variables_are_left_alone(monkeypatch):
     bound = [set(range(8 * i, 8 * i + 8)) for i in range(4)]
     applied, threads, cli, cfg = _limit(monkeypatch, bound, {"OMP_NUM_THREADS": "3"})
     threads.preset_blas_env()
+    cli._limit_blas_threads(cfg, _Comm(bound))
+    assert applied == []
+
+
+@pytest.mark.parametrize("value", ["", "0", "-1", "abc", " ", "1.5"])
+def test_a_blas_variable_that_gives_no_thread_count_is_no_choice(monkeypatch, value):
+    # OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK without --cpus-per-task is empty: it was
+    # left alone as the user's choice, and OpenBLAS took it as every core, per rank
+    bound = [set(range(8))] * 4
+    applied, threads, cli, cfg = _limit(monkeypatch, bound, {"OMP_NUM_THREADS": value,
+                                                             "MPI_LOCALNRANKS": "4"})
+    threads.preset_blas_env()
+    assert os.environ["OMP_NUM_THREADS"] == os.environ["OPENBLAS_NUM_THREADS"] == "2"
+    cli._limit_blas_threads(cfg, _Comm(bound))
+    assert applied == [2]
+
+
+@pytest.mark.parametrize("value", ["3", " 3", "3,1"])
+def test_a_thread_count_the_user_gave_is_kept(monkeypatch, value):
+    bound = [set(range(8))] * 4
+    applied, threads, cli, cfg = _limit(monkeypatch, bound, {"OMP_NUM_THREADS": value,
+                                                             "MPI_LOCALNRANKS": "4"})
+    threads.preset_blas_env()
+    assert os.environ["OMP_NUM_THREADS"] == value
     cli._limit_blas_threads(cfg, _Comm(bound))
     assert applied == []
 
