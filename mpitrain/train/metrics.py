@@ -149,7 +149,9 @@ class MetricsLog:
         line = f"{progress_bar(done, total)} {text}"
         columns = shutil.get_terminal_size((120, 24)).columns
         if len(line) >= columns:
-            line = line[:columns - 1]
+            # a narrow terminal: the step and figures without the bar, then cut (cut
+            # alone, the line was the bar and nothing else)
+            line = text[:max(columns - 1, 0)]
         # \r and clear-to-end: the new line replaces the previous one
         self.stream.write("\r" + line + "\x1b[K")
         self.stream.flush()

@@ -37,6 +37,21 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(tmp_path):
                                "\nheld-out: acc 0.5\n")
 
 
+def test_on_a_narrow_terminal_the_progress_line_keeps_the_step_before_the_bar(tmp_path,
+                                                                              monkeypatch):
+    # COLUMNS=10 showed "[###....." and nothing of the step or the figures
+    term = _Terminal()
+    log = MetricsLog(tmp_path / "a", stream=term)
+    monkeypatch.setenv("COLUMNS", "30")
+    log.progress(1, 4, "step 1/4 xent 1.0")
+    monkeypatch.setenv("COLUMNS", "10")
+    log.progress(2, 4, "step 2/4 xent 0.9")
+    monkeypatch.setenv("COLUMNS", "1")
+    log.progress(3, 4, "step 3/4 xent 0.8")
+    log.close()
+    assert term.getvalue() == "\rstep 1/4 xent 1.0\x1b[K\rstep 2/4 \x1b[K\r\x1b[K\n"
+
+
 def test_tensorboard_events_hold_the_train_and_eval_scalars(small_corpus, tmp_path, capsys):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
