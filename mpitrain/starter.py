@@ -84,9 +84,9 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
     for key, value in (("train", train), ("dev", dev)):
         path = os.path.abspath(value)
         # the run may start in another directory: absolute paths always resolve
-        # quoted (a JSON string is a YAML scalar): '#', ': ' and the like stay in the path
+        # quoted: '#', ': ' and the like stay in the path
         text, found = re.subn(rf"^(  {key}:)[^\n]*$",
-                              lambda m: f"{m.group(1)} {json.dumps(path)}",
+                              lambda m: f"{m.group(1)} {_quoted(path)}",
                               text, count=1, flags=re.M)
         if not found:
             raise ValueError(f"{examples[example]}: no 'data.{key}' line to fill in")
@@ -99,3 +99,13 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
     with atomic_open(target, "w") as f:
         f.write(header + text)
     return target
+
+
+def _quoted(path: str) -> str:
+    """``path`` as a YAML double-quoted scalar in which its letters stay as they are
+    (an accented or CJK letter, not its \\u escape): a JSON escape (a YAML one too)
+    only for a quote, a backslash, what is not printable (line breaks YAML would
+    fold) and the bytes of a name that are not UTF-8."""
+    return '"' + "".join(
+        c if c.isprintable() and c not in '"\\' and not 0xD800 <= ord(c) <= 0xDFFF
+        else json.dumps(c)[1:-1] for c in path) + '"'

@@ -425,6 +425,25 @@ def test_init_keeps_corpus_paths_with_yaml_characters_whole(tmp_path, capsys):
     assert f"cd '{out}'" in capsys.readouterr().out
 
 
+def test_init_writes_letters_outside_ascii_as_they_are(tmp_path, capsys):
+    # "caf\u00e9 \u65e5\u672c" was written as its \\u escapes; a name that is not
+    # UTF-8, or a line break YAML would fold, is escaped and reads back the same
+    from mpitrain.config import load_config
+    odd = os.fsdecode(b"odd-\xe9") + "\u2028\x85"
+    for name in ("caf\u00e9 \u65e5\u672c \"q\" back\\slash", odd):
+        corpus = tmp_path / name
+        for split in ("train", "dev"):     # (no warning of a corpus not written yet)
+            (corpus / split).mkdir(parents=True)
+            (corpus / split / "corpus.yaml").write_text("")
+        out = tmp_path / "exp"
+        assert main(["init", str(out), "--corpus", str(corpus), "--overwrite"]) == 0
+        text = (out / "mpitrain.yaml").read_text(encoding="utf-8")
+        assert ("caf\u00e9 \u65e5\u672c" in text) == (name != odd)
+        cfg = load_config(str(out / "mpitrain.yaml"))
+        assert cfg.data.train == str(corpus / "train") and cfg.data.dev == str(corpus / "dev")
+    capsys.readouterr()
+
+
 @pytest.mark.mpi
 def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_corpus,
                                                                        tmp_path):
