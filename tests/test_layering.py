@@ -35,7 +35,7 @@ ALLOWED = {
     "train": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
               "plotting", "threads"},
     "bench": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
-              "plotting", "testing", "threads", "train"},
+              "plotting", "starter", "testing", "threads", "train"},
     "cli": {"backend", "bench", "comm", "config", "convert", "data", "export", "files",
             "launch", "nn", "optim",
             "parallel", "plotting", "starter", "threads", "train"},

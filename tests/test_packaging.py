@@ -25,16 +25,22 @@ def test_license_file_matches_the_metadata():
     assert not re.search(r"^license\s*=", pyproject, re.M)
 
 
-def test_wheel_built_without_isolation_ships_configs_license_and_version(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The wheel ``pip install --no-build-isolation .`` builds and installs."""
     pytest.importorskip("setuptools")
     pytest.importorskip("wheel")       # setuptools before 70.1 builds wheels with it
+    out = tmp_path_factory.mktemp("wheel")
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                             "--no-build-isolation", "--no-index", "-w", str(tmp_path), REPO],
-                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                             "--no-build-isolation", "--no-index", "-w", str(out), REPO],
+                            capture_output=True, text=True, timeout=300, cwd=out)
     assert result.returncode == 0, result.stdout + result.stderr
-    wheel = next(p for p in os.listdir(tmp_path) if p.endswith(".whl"))
-    assert wheel.startswith(f"mpitrain-{mpitrain.__version__}-")
-    with zipfile.ZipFile(tmp_path / wheel) as z:
+    return out / next(p for p in os.listdir(out) if p.endswith(".whl"))
+
+
+def test_wheel_built_without_isolation_ships_configs_license_and_version(wheel):
+    assert wheel.name.startswith(f"mpitrain-{mpitrain.__version__}-")
+    with zipfile.ZipFile(wheel) as z:
         names = z.namelist()
         assert "mpitrain/configs/quickstart.yaml" in names
         assert "mpitrain/starter.py" in names
@@ -76,3 +82,35 @@ def test_sdist_holds_the_tests_docs_scripts_and_jobs(tmp_path):
             expected += [os.path.relpath(os.path.join(root, f), REPO) for f in files
                          if f.endswith((".py", ".md"))]
     assert not [name for name in expected if name not in names]
+
+
+def test_an_installed_mpitrain_finds_its_examples_without_the_source_tree(wheel, tmp_path):
+    """Installed, with no jobs/ beside the package: init writes every example, and
+    bench.convergence starts from the shipped quickstart (it looked for
+    site-packages/jobs/configs/quickstart.yaml, and its first run failed)."""
+    target = tmp_path / "site"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-index",
+                             "--target", str(target), str(wheel)],
+                            capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    env = dict(os.environ, PYTHONPATH=str(target))
+    script = ("import os, sys, mpitrain\n"
+              "from mpitrain.starter import example_configs\n"
+              "from mpitrain.bench import convergence\n"
+              "assert mpitrain.__file__.startswith(sys.argv[1]), mpitrain.__file__\n"
+              "print(' '.join(example_configs()))\n"
+              "path = convergence.base_config()\n"
+              "assert path.startswith(sys.argv[1]) and os.path.isfile(path), path\n")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    result = subprocess.run([sys.executable, "-c", script, str(target)], capture_output=True,
+                            text=True, timeout=120, cwd=work, env=env)
+    assert result.returncode == 0, result.stderr
+    examples = result.stdout.split()
+    assert "quickstart" in examples and "speech" in examples
+    for name in examples:
+        done = subprocess.run([sys.executable, "-m", "mpitrain", "init", name, "--example",
+                               name], capture_output=True, text=True, timeout=120, cwd=work,
+                              env=env)
+        assert done.returncode == 0, done.stderr
+        assert (work / name / "mpitrain.yaml").is_file()

@@ -38,10 +38,13 @@ from typing import Optional, Sequence
 
 from ..files import atomic_open
 from ..plotting import plot_runs, read_metrics
+from ..starter import example_configs
 
-#: The package's repository root (quickstart config lives under it).
+#: The directory that holds this mpitrain package (the source tree's root, or
+#: site-packages), put on the runs' PYTHONPATH.
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = "jobs/configs/quickstart.yaml"
+#: The example configuration the runs start from, unless --config names another.
+BASE_EXAMPLE = "quickstart"
 OPTIMIZERS = ("sgd", "ngsgd")
 OPTIMIZER_NAMES = {"sgd": "SGD", "ngsgd": "NG-SGD"}
 
@@ -304,7 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--corpus", required=True, help="output of `mpitrain synth` (train/ and dev/)")
     p.add_argument("--out", required=True, help="directory for run directories and summaries")
     p.add_argument("--config", default=None,
-                   help=f"base config (default: {DEFAULT_CONFIG} of the repository)")
+                   help=f"base config (default: the {BASE_EXAMPLE} example shipped with "
+                        "mpitrain, jobs/configs/quickstart.yaml)")
     p.add_argument("--ranks", type=_ints, default=[1, 4],
                    help="rank counts: the first runs the sweep, the others the best rates")
     p.add_argument("--lrs", type=_floats, default=[0.002, 0.004, 0.008],
@@ -324,9 +328,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def base_config(given: Optional[str] = None) -> str:
+    """The config the runs start from: ``given`` (--config), else the example shipped
+    in the package (an installed mpitrain has no jobs/ beside it)."""
+    return given or str(example_configs()[BASE_EXAMPLE])
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    config = args.config or str(PACKAGE_ROOT / DEFAULT_CONFIG)
+    config = base_config(args.config)
     for split in ("train", "dev"):
         if not os.path.isdir(os.path.join(args.corpus, split)):
             print(f"convergence: --corpus {args.corpus}: no {split}/ corpus "
