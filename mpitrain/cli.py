@@ -143,12 +143,12 @@ def cmd_synth(args) -> int:
 
 
 def cmd_init(args) -> int:
-    from .starter import DEFAULT_CONFIG, write_starter
+    from .starter import run_command, write_starter
     path = write_starter(args.dir, corpus=args.corpus, train=args.train, dev=args.dev,
                          example=args.example, overwrite=args.overwrite,
                          warn=lambda message: print(message, file=sys.stderr))
-    print(f"wrote {path}; train it with: cd {shlex.quote(args.dir)} && mpiexec -n N "
-          f"python -m mpitrain (or python -m mpitrain train {DEFAULT_CONFIG})")
+    how = run_command(args.example).replace("\n#  ", "")
+    print(f"wrote {path}; run it with: cd {shlex.quote(args.dir)} && {how}")
     return 0
 
 

@@ -78,9 +78,7 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
     if target.exists() and not overwrite:
         raise ValueError(f"{target}: already exists; pass --overwrite to replace it")
     text = examples[example].read_text(encoding="utf-8")
-    # the example's own "Run: ..." comment speaks of its place in the source tree
-    text = "".join(line for line in text.splitlines(keepends=True)
-                   if not line.startswith("# Run:"))
+    text = _without_run_comment(text)
     for key, value in (("train", train), ("dev", dev)):
         path = os.path.abspath(value)
         # the run may start in another directory: absolute paths always resolve
@@ -94,11 +92,42 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
             warn(f"warning: {path}/corpus.yaml does not exist yet (write it with "
                  "`mpitrain synth` or `mpitrain prepare`)")
     header = (f"# Written by `mpitrain init` from the example '{example}'.\n"
-              f"# Run it from this directory: mpiexec -n N python -m mpitrain\n")
+              f"# Run it from this directory: {run_command(example)}\n")
     os.makedirs(out_dir, exist_ok=True)
     with atomic_open(target, "w") as f:
         f.write(header + text)
     return target
+
+
+#: How to run what ``init`` wrote, by example (None: every other one trains).
+_RUN = {
+    None: "mpiexec -n N python -m mpitrain",
+    "bench": (f"mpiexec -n N python -m mpitrain bench {DEFAULT_CONFIG} "
+              "--target-accuracy A --max-seconds S --out runs/bench"),
+    "pretrain": (f"mpiexec -n N python -m mpitrain pretrain {DEFAULT_CONFIG} --run-dir "
+                 f"runs/pre,\n#   then: mpiexec -n N python -m mpitrain train {DEFAULT_CONFIG} "
+                 "--set model.init_from=runs/pre/pretrain.h5"),
+}
+
+
+def run_command(example: str) -> str:
+    """How to run, from its directory, the configuration ``init`` wrote from ``example``."""
+    return _RUN.get(example, _RUN[None])
+
+
+def _without_run_comment(text: str) -> str:
+    """``text`` less the example's own "# Run..." comment and its indented
+    continuation lines: they speak of its place in the source tree."""
+    kept, in_run = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("# Run"):
+            in_run = True
+            continue
+        if in_run and line.startswith("#  "):
+            continue
+        in_run = False
+        kept.append(line)
+    return "".join(kept)
 
 
 def _quoted(path: str) -> str:

@@ -299,6 +299,31 @@ def test_example_configs_are_shipped_with_the_package():
     assert {"quickstart", "ngsgd", "bench"} <= names
 
 
+def test_init_says_how_to_run_each_example_and_keeps_none_of_its_source_tree_lines(
+        tmp_path, capsys):
+    """The example's own run comment was left behind from its second line on (the
+    pretrain and ngsgd examples named jobs/configs/...), and the bench and pretrain
+    examples were said to run as `mpiexec -n N python -m mpitrain`, which trains."""
+    from mpitrain.config import load_config
+    from mpitrain.starter import example_configs
+    wanted = {"bench": "python -m mpitrain bench mpitrain.yaml --target-accuracy",
+              "pretrain": "python -m mpitrain pretrain mpitrain.yaml --run-dir runs/pre"}
+    for example in example_configs():
+        out = tmp_path / example
+        assert main(["init", str(out), "--example", example, "--corpus",
+                     str(tmp_path / "corpus")]) == 0
+        said = capsys.readouterr().out
+        text = (out / "mpitrain.yaml").read_text(encoding="utf-8")
+        assert "jobs/configs/" not in text, (example, text)
+        run_line = text.splitlines()[1]
+        assert run_line.startswith("# Run it from this directory: mpiexec -n N "), run_line
+        if example in wanted:
+            assert wanted[example] in run_line and wanted[example] in said, (run_line, said)
+        else:
+            assert run_line.endswith("python -m mpitrain"), run_line
+        load_config(str(out / "mpitrain.yaml"), [])
+
+
 @pytest.mark.mpi
 def test_synth_under_mpiexec_writes_once(mpiexec, tmp_path):
     result = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpitrain", "synth",
