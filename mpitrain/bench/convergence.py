@@ -127,13 +127,17 @@ def summarize_run(run_dir, spec: RunSpec, *, targets: Sequence[float],
     }
 
 
+class RunFailed(RuntimeError):
+    """A training run of the study could not be started or did not finish."""
+
+
 def _launcher(ranks: int) -> list[str]:
     if ranks == 1:
         return [sys.executable]
     from ..testing.mpirun import find_mpiexec
     launcher = find_mpiexec()
     if launcher is None:
-        raise RuntimeError("no MPI launcher for the multi-rank runs: set $MPIEXEC or "
+        raise RunFailed("no MPI launcher for the multi-rank runs: set $MPIEXEC or "
                            "`pip install mpich` into the environment")
     version = subprocess.run([launcher, "--version"], capture_output=True, text=True)
     # Open MPI refuses more ranks than cores without this; MPICH needs nothing.
@@ -216,7 +220,7 @@ def run_one(spec: RunSpec, out_dir: str, *, rerun: bool, targets: Sequence[float
                                 env=_child_env()).returncode
     wall = time.perf_counter() - start
     if status != 0:
-        raise RuntimeError(f"{spec.name}: `mpitrain train` exited with status {status}; "
+        raise RunFailed(f"{spec.name}: `mpitrain train` exited with status {status}; "
                            f"see {run_dir}/train.log")
     with atomic_open(wall_file) as fh:
         fh.write(f"{wall:.1f}\n")
@@ -347,14 +351,19 @@ def main(argv=None) -> int:
     sweep_lrs = {"sgd": args.lrs, "ngsgd": args.ngsgd_lrs or args.lrs}
     sweep_ranks, more_ranks = args.ranks[0], args.ranks[1:]
     started = time.perf_counter()
-    rows = [run_one(RunSpec(name, lr, sweep_ranks), args.out, rerun=args.rerun,
-                    targets=args.targets, **options)
-            for name in OPTIMIZERS for lr in sweep_lrs[name]]
-    best = best_rates(rows, ranks=sweep_ranks)
-    for ranks in more_ranks:
-        rows += [run_one(RunSpec(name, best[name] * factor, ranks), args.out, rerun=args.rerun,
-                         targets=args.targets, **options)
-                 for name in OPTIMIZERS for factor in args.lr_factors]
+    try:
+        rows = [run_one(RunSpec(name, lr, sweep_ranks), args.out, rerun=args.rerun,
+                        targets=args.targets, **options)
+                for name in OPTIMIZERS for lr in sweep_lrs[name]]
+        best = best_rates(rows, ranks=sweep_ranks)
+        for ranks in more_ranks:
+            rows += [run_one(RunSpec(name, best[name] * factor, ranks), args.out,
+                             rerun=args.rerun, targets=args.targets, **options)
+                     for name in OPTIMIZERS for factor in args.lr_factors]
+    except RunFailed as exc:
+        # (the runs that finished are kept: --rerun is off, so a new start reuses them)
+        print(f"convergence: error: {exc}", file=sys.stderr)
+        return 2
     for row in rows:
         row["best"] = row["lr"] == best[row["optimizer"]]
         row["lr_factor"] = row["lr"] / best[row["optimizer"]]

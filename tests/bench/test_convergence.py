@@ -39,3 +39,16 @@ def test_best_rates_and_table_of_summarized_runs(tmp_path):
     assert "| <= 3k | 8k | not reached |" in table[4]
     with pytest.raises(ValueError, match="optimizer"):
         RunSpec("adam", 0.1, 1)
+
+
+def test_a_run_that_fails_is_one_line_naming_its_log(tmp_path, capsys):
+    """(it ended the study with a RuntimeError's traceback)"""
+    from mpitrain.bench.convergence import main
+    for split in ("train", "dev"):
+        (tmp_path / "corpus" / split).mkdir(parents=True)      # no corpus.yaml in them
+    out = tmp_path / "out"
+    assert main(["--corpus", str(tmp_path / "corpus"), "--out", str(out), "--ranks", "1",
+                 "--lrs", "0.004"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("convergence: error: ") and err.count("\n") == 1, err
+    assert "exited with status 2; see " in err and "train.log" in err, err
