@@ -12,6 +12,7 @@ import contextlib
 import math
 import os
 import shlex
+import signal
 import sys
 import time
 import traceback
@@ -1151,6 +1152,54 @@ def main(argv=None) -> int:
 
 
 def _main(argv) -> int:
+    try:
+        with _interrupt_held():
+            started = _read_command_line(argv)
+        if isinstance(started, int):
+            return started
+        return _run_command(*started)
+    except KeyboardInterrupt:
+        # Ctrl-C before the command's own handling: while Python loads the modules it
+        # needs (before MPI starts) or reads the command line
+        words = sys.argv[1:] if argv is None else list(argv)
+        command = f" {words[0]}" if words and not words[0].startswith("-") else ""
+        print(f"mpitrain{command}: interrupted", file=sys.stderr, flush=True)
+        if argv is None:
+            # the command line's process ends by the signal, as Python ends on an
+            # interrupt it leaves alone, but without the interpreter's clean up:
+            # an MPI launcher ends the other ranks (a rank that exits with a status
+            # before MPI starts leaves them waiting)
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+            with contextlib.suppress(ValueError):     # (not the main thread)
+                signal.signal(signal.SIGINT, signal.SIG_DFL)
+                os.kill(os.getpid(), signal.SIGINT)
+            os._exit(130)
+        return 130
+
+
+@contextlib.contextmanager
+def _interrupt_held():
+    """Within the block SIGINT (Ctrl-C) is held, and raised as KeyboardInterrupt
+    at its end: an interrupt that cuts short the import of a C extension
+    (numpy's) can end in an ImportError that blames the installation."""
+    came = []
+    try:
+        previous = signal.signal(signal.SIGINT, lambda *_: came.append(True))
+    except ValueError:          # not the main thread: Python allows no handler
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if came:
+        raise KeyboardInterrupt
+
+
+def _read_command_line(argv):
+    """``(args, usage_on_error)`` of the command line, or the exit status of one
+    that was wrong or only asked for help."""
     argv = sys.argv[1:] if argv is None else list(argv)
     _fill_closed_standard_descriptors()
     from .plotting import keep_matplotlib_quiet
@@ -1181,6 +1230,11 @@ def _main(argv) -> int:
         args = parser.parse_args(argv)
     except _HeldParseError as exc:
         return _parse_error_agreed(exc, argv[0])
+    return args, usage_on_error
+
+
+def _run_command(args, usage_on_error) -> int:
+    from .launch import several_ranks
     # Numerical trouble is counted and reported by the program (see
     # train/divergence.py); numpy's own warnings would only repeat it unclearly.
     warnings.simplefilter("ignore", RuntimeWarning)

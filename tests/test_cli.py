@@ -2,6 +2,7 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -555,6 +556,40 @@ def test_an_interrupt_on_one_rank_while_the_ranks_start_ends_the_job(mpiexec, sm
     assert "MPI_Abort(MPI_COMM_WORLD, 130)" in result.stderr or result.returncode == 130, \
         result.stderr
     assert not (tmp_path / "run").exists()
+
+
+_INTERRUPTED_WHILE_NUMPY_LOADS = """
+import os, signal, sys
+class Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            os.kill(os.getpid(), signal.SIGINT)        # Ctrl-C while numpy loads
+        return None
+sys.meta_path.insert(0, Interrupt())
+from mpitrain.cli import main
+sys.argv = ["mpitrain", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_an_interrupt_while_the_modules_load_is_one_line(tmp_path):
+    # Ctrl-C in the first second of a command, while Python loads numpy: a
+    # KeyboardInterrupt traceback (or numpy's "Importing the numpy C-extensions
+    # failed", blaming the installation); under mpiexec every rank printed one
+    done = subprocess.run([sys.executable, "-c", _INTERRUPTED_WHILE_NUMPY_LOADS, "status",
+                           str(tmp_path)], capture_output=True, text=True, timeout=120,
+                          cwd=REPO, env=dict(os.environ, PYTHONPATH=REPO))
+    assert done.stderr == "mpitrain status: interrupted\n", done.stderr
+    # ended by the signal, as an interrupted program does (a shell shows 130)
+    assert done.returncode == -signal.SIGINT, done.returncode
+
+
+def test_an_interrupt_before_the_command_runs_is_said_in_process(monkeypatch, capsys):
+    from mpitrain import cli
+    monkeypatch.setattr(cli, "build_parser", lambda **_: (_ for _ in ()).throw(
+        KeyboardInterrupt))
+    assert main(["status", "x"]) == 130
+    assert capsys.readouterr().err == "mpitrain status: interrupted\n"
 
 
 @pytest.mark.mpi
