@@ -327,7 +327,8 @@ class Communicator(ABC):
 
     @abstractmethod
     def wtime(self) -> float:
-        """Wall-clock seconds (MPI_Wtime where MPI runs)."""
+        """Seconds on a monotonic clock (durations only: the system clock may step;
+        a virtual rank's clock is simulated)."""
 
     # ---- buffer collectives
     @abstractmethod

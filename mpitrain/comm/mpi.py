@@ -143,7 +143,10 @@ class MpiCommunicator(Communicator):
         return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
     def wtime(self) -> float:
-        return MPI.Wtime()
+        # the monotonic clock: MPICH's MPI_Wtime follows the system clock, and a step
+        # of it (NTP, an administrator's date) would move every duration measured
+        # (checkpoint_minutes, the stop poll, rates and ETAs)
+        return time.perf_counter()
 
     # ---- device routes
     def setup_device_transport(self, xp, *, prefer: Optional[str] = None) -> str:

@@ -89,7 +89,9 @@ class MetricsLog:
                  tensorboard: bool = False):
         self.enabled = enabled
         self.stream = stream or sys.stdout
-        self.start = time.time()
+        # records carry seconds since the start on the monotonic clock: a step of
+        # the system clock would move them (plot --x time)
+        self.start = time.monotonic()
         self._fh = None
         self._board = None
         self._bar_open = False      # a progress line is on screen without its newline
@@ -106,7 +108,7 @@ class MetricsLog:
     def write(self, kind: str, **fields) -> None:
         if not self.enabled:
             return
-        record = {"type": kind, "time": round(time.time() - self.start, 3), **fields}
+        record = {"type": kind, "time": round(time.monotonic() - self.start, 3), **fields}
         try:
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()

@@ -99,6 +99,23 @@ def test_appending_drops_a_last_line_cut_short(tmp_path):
     assert len(path.read_text().splitlines()) == 3
 
 
+def test_record_times_ignore_steps_of_the_system_clock(tmp_path, monkeypatch):
+    # the seconds since the start (plot --x time) were the system clock's: an NTP
+    # or administrator's step back by an hour gave a record at -3600 s
+    import time
+    system = [time.time()]
+    monkeypatch.setattr(time, "time", lambda: system[0])
+    log = MetricsLog(str(tmp_path))
+    log.write("train", step=1)
+    system[0] -= 3600.0
+    log.write("train", step=2)
+    system[0] += 7200.0
+    log.write("train", step=3)
+    log.close()
+    times = [json.loads(line)["time"] for line in (tmp_path / "metrics.jsonl").open()]
+    assert times == sorted(times) and 0 <= times[0] and times[-1] < 60, times
+
+
 def test_a_full_disk_while_logging_names_the_metrics_file(tmp_path):
     import errno
 

@@ -261,6 +261,8 @@ ok("comm_time")
 # ---- wtime
 t0 = comm.wtime()
 assert comm.wtime() >= t0
+# the monotonic clock, not MPI_Wtime (MPICH's follows the system clock, which may step)
+assert abs(comm.wtime() - time.perf_counter()) < 1.0, (comm.wtime(), time.perf_counter())
 ok("wtime")
 
 # ---- the device route actually used (cupy only)
