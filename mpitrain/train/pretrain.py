@@ -54,7 +54,8 @@ from .checkpoint import (MIN_KEEP, checkpoint_path, gather_rank_states, list_che
 from .checkpoint_clock import CheckpointClock
 from .errors import error_record
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import RunDirLock, clear_run, corpus_identity, corpus_places, resume_changes
+from .run_dir import (RunDirLock, clear_run, corpus_identity, corpus_places, resume_changes,
+                      written_meanwhile)
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 
@@ -98,6 +99,7 @@ class Pretrainer:
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._stream_out, self.log, self._pending = stream, None, []
         self._lock = None            # rank 0's lock on the run directory, while it runs
+        self._checkpoints_seen = None  # rank 0, resuming: the checkpoints there when it chose
         try:        # the same precision and kernels as `train`
             self.xp = backend.select_for_run(cfg.device, comm.device_rank,
                                              precision=cfg.precision,
@@ -219,7 +221,9 @@ class Pretrainer:
         if self.is_root:
             os.makedirs(self.run_dir, exist_ok=True)
             self._lock = RunDirLock(self.run_dir)
-            problem = self._lock.acquire()
+            problem = self._lock.acquire() or written_meanwhile(
+                self.run_dir, resume=self.resuming, overwrite=self.overwrite,
+                seen=self._checkpoints_seen)
         # every rank hears whether rank 0 got the directory: a job started on one in
         # use ends in rank 0's line alone, not in its error and MPI's abort
         problem = self.comm.bcast_obj(problem, root=0)
@@ -324,6 +328,8 @@ class Pretrainer:
 
     def _resume(self) -> None:
         found = list_checkpoints(self.run_dir) if self.is_root else []
+        # (a job that still wrote here until the lock was ours: _open_run_dir)
+        self._checkpoints_seen = {os.path.basename(path) for path in found}
         chosen, notes = None, []
         for path in reversed(found):
             try:

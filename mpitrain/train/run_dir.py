@@ -125,6 +125,28 @@ def _name_room_problem(run_dir, existing: str) -> str | None:
     return None
 
 
+def written_meanwhile(run_dir, *, resume: bool, overwrite: bool, seen=None) -> str | None:
+    """Once rank 0 holds the lock on ``run_dir``: what another job wrote there after
+    this one checked the directory (before the lock was its own: a job that was
+    still running there, or started and ended meanwhile), as one line; None when
+    nothing.  A new run (neither ``resume`` nor ``overwrite``) would overwrite the
+    files of that job's run; a resume, whose checkpoint was chosen when ``seen``
+    (names) were there, would train past newer checkpoints and rotate them away."""
+    if resume:
+        if seen is None:
+            return None
+        from .checkpoint import list_checkpoints
+        newer = sorted({os.path.basename(p) for p in list_checkpoints(run_dir)} - set(seen))
+        if not newer:
+            return None
+        return (f"{run_dir}: {', '.join(newer)} was written by another job after this "
+                "one chose the checkpoint to continue from; start it again (--resume) to "
+                "continue from the newest")
+    if overwrite:
+        return None
+    return run_dir_problem(run_dir, resume=False, overwrite=False)
+
+
 def clear_run(run_dir) -> list:
     """Remove the files of the run in ``run_dir`` (for --overwrite); returns them."""
     removed = run_files(run_dir)

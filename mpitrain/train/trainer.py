@@ -37,7 +37,7 @@ from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .errors import TrainingError, error_record
 from .metrics import MetricsLog, format_duration, resident_mb
 from .resume import CheckpointResume
-from .run_dir import RunDirLock, clear_run
+from .run_dir import RunDirLock, clear_run, written_meanwhile
 from .search import RateTrials
 from .selection import ModelSelection, save_best_model
 from .step import TrainingStep
@@ -378,27 +378,15 @@ class Trainer(CheckpointResume):
         else:
             self._pending_records.append((kind, fields))
 
-    def _checkpoints_written_since_chosen(self):
-        """A resume chose its checkpoint before the run directory's lock was its own: a
-        job that was still running there may have written newer ones meanwhile, which
-        this run would train past again and rotate away.  The problem, or None."""
-        if not self.resuming or self.checkpoints_seen is None:
-            return None
-        newer = sorted({os.path.basename(p) for p in list_checkpoints(self.run_dir)}
-                       - self.checkpoints_seen)
-        if not newer:
-            return None
-        return (f"{self.run_dir}: {', '.join(newer)} was written by another job after this "
-                "one chose the checkpoint to continue from; start it again (--resume) to "
-                "continue from the newest")
-
     def _open_run_dir(self) -> None:
         """Rank 0 writes the run directory once the run has been validated."""
         problem = None
         if self.is_root:
             os.makedirs(self.run_dir, exist_ok=True)
             self._lock = RunDirLock(self.run_dir)
-            problem = self._lock.acquire() or self._checkpoints_written_since_chosen()
+            problem = self._lock.acquire() or written_meanwhile(
+                self.run_dir, resume=self.resuming, overwrite=self.overwrite,
+                seen=self.checkpoints_seen)
         # every rank hears whether rank 0 may use the directory: a job started on one
         # in use ends in rank 0's line alone, not in its error and an MPI abort
         problem = self.comm.bcast_obj(problem, root=0)

@@ -62,6 +62,30 @@ def test_reusing_a_run_directory_is_refused_and_changes_nothing(finished_run, sm
     assert _snapshot(finished_run) == before
 
 
+def test_a_run_written_after_a_new_run_checked_its_directory_is_kept(finished_run, small_corpus,
+                                                                     tmp_path, monkeypatch,
+                                                                     capsys):
+    # two jobs started on one new directory, the first of them short: it ended before
+    # the second, which had found the directory empty, took the lock; the second
+    # then wrote over the first's run (config.yaml, metrics.jsonl, checkpoints, final.h5)
+    import shutil
+    from mpitrain.train.run_dir import RunDirLock
+    run = tmp_path / "run"
+    real = RunDirLock.acquire
+
+    def the_other_job_ran_meanwhile(self):
+        for name in os.listdir(finished_run):
+            shutil.copy(finished_run / name, run / name)
+        return real(self)
+
+    monkeypatch.setattr(RunDirLock, "acquire", the_other_job_ran_meanwhile)
+    capsys.readouterr()
+    assert _train(run, small_corpus, ["training.seed=7"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"{run}: holds another run" in err, err
+    assert _snapshot(run) == _snapshot(finished_run)
+
+
 def test_overwrite_replaces_the_previous_run(finished_run, small_corpus, capsys):
     (finished_run / "ckpt-00099999.h5").write_bytes(b"from an older run")
     (finished_run / "notes.txt").write_text("the user's own file")

@@ -295,6 +295,35 @@ def test_pretraining_refuses_a_directory_in_use(small_corpus, tmp_path, capsys):
         holder.release()
 
 
+def test_a_checkpoint_written_after_the_resume_chose_its_own_is_not_trained_past(
+        small_corpus, tmp_path, monkeypatch, capsys):
+    # the checkpoint is chosen before the lock is this job's: a job still pretraining
+    # there could write newer ones meanwhile, which the resume pretrained past again
+    # from the older one and rotated away (as train's resume did; it refuses)
+    from mpitrain.train.run_dir import RunDirLock
+    run = tmp_path / "pre"
+    extra = ["training.checkpoint_interval=40", "training.keep_checkpoints=100"]
+    assert main(_argv("pretrain", run, small_corpus, extra)) == 0
+    names = sorted(p for p in os.listdir(run) if p.startswith("ckpt-"))
+    newer = {name: (run / name).read_bytes() for name in names if name > "ckpt-00000040.h5"}
+    for name in newer:
+        os.remove(run / name)
+    os.remove(run / "pretrain.h5")
+    real = RunDirLock.acquire
+
+    def the_other_job_wrote_meanwhile(self):
+        for name, data in newer.items():
+            (run / name).write_bytes(data)
+        return real(self)
+
+    monkeypatch.setattr(RunDirLock, "acquire", the_other_job_wrote_meanwhile)
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus, extra) + ["--resume"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "was written by another job after this one chose" in err[0], err
+    assert all((run / name).read_bytes() == data for name, data in newer.items())
+
+
 @pytest.mark.mpi
 def test_a_directory_in_use_is_one_line_from_rank_0_on_two_ranks(mpiexec, small_corpus,
                                                                  tmp_path):
