@@ -600,6 +600,21 @@ def test_no_command_without_a_config_under_mpiexec_prints_the_usage_once(mpiexec
     assert result.stderr.count("usage:") == 1, result.stderr
 
 
+def test_status_into_a_closed_pipe_ends_quietly(tmp_path):
+    # `mpitrain status runs/* | head -1`: each run after the first printed
+    # "mpitrain status: error: [Errno 32] Broken pipe", exit status 2
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"type": "start", "step": 0}\n'
+                                       '{"type": "end", "steps": 4, "seconds": 1.0}\n')
+    process = subprocess.Popen([sys.executable, "-m", "mpitrain", "status", str(run), str(run),
+                                str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               cwd=REPO)
+    process.stdout.close()          # the reader is gone before anything is written
+    _, err = process.communicate(timeout=120)
+    assert process.returncode == 141 and err == b"", (process.returncode, err)
+
+
 def _started_without(fd, args):
     """`python -m mpitrain ARGS` started with descriptor ``fd`` closed (`0<&-`, `>&-`)."""
     # (the child closes it after the pipes are in place, before it runs Python)
