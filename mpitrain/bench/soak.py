@@ -25,31 +25,32 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
+
+from ..plotting import read_metrics
 
 #: Defaults of what counts as flat.
 MAX_GROWTH_MB = 50.0
 MAX_SLOWDOWN = 1.10
 
 
-def _records(run_dir) -> list:
-    path = os.path.join(run_dir, "metrics.jsonl")
+def _records(run_dir) -> dict:
+    """The run's records by type, as ``plot`` and ``status`` read them: a resumed
+    run on one clock, without the stretches it trained again after a resume or a
+    roll back, nor a last line a running (or killed) run has not finished."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+        return read_metrics(run_dir)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"{path}: cannot read the run's metrics ({exc})") from None
+        raise ValueError(str(exc)) from None
 
 
 def summarize(run_dir, *, max_growth_mb: float = MAX_GROWTH_MB,
               max_slowdown: float = MAX_SLOWDOWN) -> dict:
     """Memory and speed at the start and the end of a run, and whether they are flat."""
     records = _records(run_dir)
-    train = [r for r in records if r.get("type") == "train"
-             and r.get("rss_mb") is not None and r.get("frames_per_sec")]
+    train = [r for r in records["train"]
+             if r.get("rss_mb") is not None and r.get("frames_per_sec")]
     if len(train) < 8:
         raise ValueError(f"{run_dir}/metrics.jsonl: {len(train)} progress lines with memory "
                          "figures; a soak check needs at least 8 (log more often or run longer)")
@@ -74,8 +75,8 @@ def summarize(run_dir, *, max_growth_mb: float = MAX_GROWTH_MB,
             "rss_peak_mb": max(r["rss_mb"] for r in train),
             "fps_first": fps_first, "fps_last": fps_last, "wall_slowdown": wall_slowdown,
             "cpu_ms_first": cpu_first, "cpu_ms_last": cpu_last, "slowdown": slowdown,
-            "rollbacks": sum(1 for r in records if r.get("type") == "rollback"),
-            "checkpoints": sum(1 for r in records if r.get("type") == "checkpoint"),
+            "rollbacks": len(records.get("rollback", [])),
+            "checkpoints": len(records.get("checkpoint", [])),
             "flat": growth <= max_growth_mb and slowdown <= max_slowdown}
 
 
@@ -89,10 +90,14 @@ def format_summary(run_dir, s: dict) -> str:
         f"| rank 0 resident memory (MiB) | {s['rss_first_mb']:.1f} | {s['rss_last_mb']:.1f} "
         f"| {s['rss_growth_mb']:+.1f} (peak {s['rss_peak_mb']:.1f}) |",
         f"| frames/s (all ranks, wall clock) | {s['fps_first']:,.0f} | {s['fps_last']:,.0f} "
-        f"| x{s['wall_slowdown']:.3f} slower |"] + ([
+        f"| {_slower(s['wall_slowdown'])} |"] + ([
         f"| rank 0 CPU time per step (ms) | {s['cpu_ms_first']:.2f} | {s['cpu_ms_last']:.2f} "
         f"| x{s['slowdown']:.3f} |"] if s["cpu_ms_first"] else []) + [
         f"flat: {'yes' if s['flat'] else 'NO'}"])
+
+
+def _slower(factor: float) -> str:
+    return f"x{factor:.3f} slower" if factor >= 1 else f"x{1 / factor:.3f} faster"
 
 
 def main(argv=None) -> int:

@@ -63,3 +63,26 @@ def test_cpu_time_per_step_is_judged_when_recorded(tmp_path):
             r["cpu_ms_per_step"] = 6.0
     (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, lines)) + "\n")
     assert not summarize(run)["flat"]
+
+
+def test_a_resumed_run_is_read_on_one_clock_as_plot_reads_it(tmp_path, capsys):
+    # the minutes were the last part's clock, the stretch trained again after the
+    # resume was counted twice, and a run still writing its last line (or killed
+    # while it wrote) was "cannot read the run's metrics"; a speed-up read "slower"
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [{"type": "start", "step": 0, "frames": 0}]
+    lines += [{"type": "train", "time": 60.0 * (i + 1), "step": 10 * (i + 1), "frames": i + 1,
+               "rss_mb": 200.0, "frames_per_sec": 1000.0} for i in range(20)]
+    # killed at step 200; resumed from the checkpoint of step 100, on a new clock
+    lines += [{"type": "start", "step": 100, "frames": 10}]
+    lines += [{"type": "train", "time": 60.0 * (i + 1), "step": 100 + 10 * (i + 1),
+               "frames": 11 + i, "rss_mb": 200.0, "frames_per_sec": 2000.0}
+              for i in range(20)]
+    text = "\n".join(map(json.dumps, lines)) + '\n{"type": "train", "ti'
+    (run / "metrics.jsonl").write_text(text)
+    s = summarize(run)
+    assert s["windows"] == 30 and s["steps"] == 300 and s["seconds"] == 30 * 60.0
+    assert main([str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "30.0 min" in out and "x2.000 faster" in out, out
