@@ -114,7 +114,7 @@ def _state(run_dir, end, stop, now, pretraining) -> str:
     if holder is not None and holder[1] == os.uname().nodename:
         # a run of this host: whether its rank 0 is still there says which
         pid, host = holder
-        if _alive(pid):
+        if _alive(pid) and not _started_after(pid, os.path.join(run_dir, ".lock")):
             return f"running (rank 0 is pid {pid} on {host}; metrics.jsonl written {age} ago)"
         return (f"cut off: rank 0 (pid {pid} on {host}) is gone without an end record; "
                 f"metrics.jsonl written {age} ago")
@@ -142,6 +142,23 @@ def _alive(pid: int) -> bool:
     except OSError:
         return True         # there, but another user's
     return True
+
+
+def _started_after(pid: int, lock: str) -> bool:
+    """Whether process ``pid`` started after ``lock`` was written: another process
+    that took the number of a rank 0 gone since (process ids are reused).  False
+    where the system does not tell (no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            # (the command name, in parentheses, may hold spaces)
+            ticks = int(fh.read().rsplit(b")", 1)[1].split()[19])     # field 22, starttime
+        with open("/proc/stat", encoding="ascii") as fh:
+            boot = next(int(line.split()[1]) for line in fh if line.startswith("btime "))
+        started = boot + ticks / os.sysconf("SC_CLK_TCK")
+        # (boot time is whole seconds: a second's margin)
+        return started > os.path.getmtime(lock) + 1.0
+    except (OSError, ValueError, IndexError, StopIteration):
+        return False
 
 
 def _progress(records, start, pretraining) -> list:

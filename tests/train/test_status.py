@@ -87,6 +87,24 @@ def test_a_run_without_an_end_is_running_or_cut_off_as_its_rank_0_is(tmp_path):
         and run_status(run)[0].endswith("; rank 0 was pid 12 on another-node)")
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")
+def test_a_rank_0_whose_process_id_another_process_took_is_gone(tmp_path):
+    # process ids are reused: a run cut off long ago whose rank 0's number another
+    # process holds now was "running (rank 0 is pid N ...)" for as long as that one ran
+    host = os.uname().nodename
+    run = tmp_path / "run"
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _write(run, [START, TRAIN], lock=f"pid {other.pid} on {host}")
+        an_hour_ago = os.path.getmtime(run / ".lock") - 3600
+        os.utime(run / ".lock", (an_hour_ago, an_hour_ago))
+        assert run_status(run)[0].startswith(f"{run}: cut off: rank 0 (pid {other.pid} on "
+                                             f"{host}) is gone without an end record")
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_the_newest_checkpoint_is_the_newest_training_not_the_highest_number(tmp_path):
     """Resumed on more ranks, a run numbers its steps lower: ckpt-50 holds more
     training than ckpt-80, and --resume continues from it."""
