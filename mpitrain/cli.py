@@ -1154,11 +1154,14 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     try:
-        with _interrupt_held():
-            started = _read_command_line(argv)
-        if isinstance(started, int):
-            return started
-        return _run_command(*started)
+        with _stop_signals_kept(sys.argv[1:] if argv is None else list(argv)) as release:
+            with _interrupt_held():
+                started = _read_command_line(argv)
+            if isinstance(started, int):
+                return started
+            if getattr(started[0], "virtual", 0):
+                release()               # virtual ranks take no stop signal
+            return _run_command(*started)
     except KeyboardInterrupt:
         # Ctrl-C before the command's own handling: while Python loads the modules it
         # needs (before MPI starts) or reads the command line
@@ -1177,6 +1180,37 @@ def _main(argv) -> int:
                 os.kill(os.getpid(), signal.SIGINT)
             os._exit(130)
         return 130
+
+
+@contextlib.contextmanager
+def _stop_signals_kept(words):
+    """For ``train`` and ``pretrain`` (no command: train), a stop signal from the
+    first moment on (while Python loads numpy, before the command line is read)
+    is kept for the run (train/stop.py), which stops at its first checkpoint
+    instead of the process ending with the signal's status.  Yields ``release``:
+    for a run that takes no stop signal (virtual ranks) the handlers are put
+    back, and a signal that came meanwhile ends the process as it would have."""
+    if words and words[0] not in ("train", "pretrain"):
+        yield lambda: None
+        return
+    from .train.stop import keep_stop_signals, requested
+    keeping = keep_stop_signals()
+    keeping.__enter__()
+    held = [True]
+
+    def release():
+        if held[0]:
+            held[0] = False
+            signum = requested.signum
+            keeping.__exit__(None, None, None)
+            if signum:
+                signal.raise_signal(signum)
+    try:
+        yield release
+    finally:
+        if held[0]:
+            held[0] = False
+            keeping.__exit__(None, None, None)
 
 
 @contextlib.contextmanager

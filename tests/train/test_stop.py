@@ -17,7 +17,8 @@ import pytest
 from mpitrain.testing.mpirun import run_mpi
 from mpitrain.train.stop import EXIT_STOPPED, STOP_SIGNALS, requested, stop_on_signals
 
-from ..helpers import QUICKSTART, WORKERS, mpi_output, records, train_on_ranks
+from ..helpers import (QUICKSTART, REPO, WORKERS, mpi_output, records, small_overrides,
+                       train_on_ranks)
 
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2"]
 
@@ -132,6 +133,37 @@ def test_a_signal_as_the_job_starts_stops_the_run_at_its_first_checkpoint(small_
         in result.stdout, mpi_output(result)
     assert _checkpoint_steps(split) == [8]
     _resumed_is_straight(2, straight, split, small_corpus, common)
+
+
+_SIGNALLED_WHILE_NUMPY_LOADS = """
+import os, signal, sys
+class Term:
+    def find_spec(self, name, path=None, target=None):
+        if name == "numpy":
+            os.kill(os.getpid(), signal.SIGTERM)        # preempted as Python starts
+        return None
+sys.meta_path.insert(0, Term())
+from mpitrain.cli import main
+sys.argv = ["mpitrain", *sys.argv[1:]]
+sys.exit(main())
+"""
+
+
+def test_a_signal_while_python_loads_the_modules_is_kept_too(small_corpus, tmp_path):
+    # SIGTERM in the first second of the process, before the command line was read:
+    # it ended with the signal's status (143), which the batch script does not requeue
+    import subprocess
+    import sys
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    for item in TINY + small_overrides(small_corpus) + ["training.max_steps=8",
+                        "training.checkpoint_interval=1000"]:
+        argv += ["--set", item]
+    done = subprocess.run([sys.executable, "-c", _SIGNALLED_WHILE_NUMPY_LOADS, *argv],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == EXIT_STOPPED, (done.returncode, done.stderr)
+    assert "stopped at step 1 of 8 on SIGTERM" in done.stdout, done.stdout
+    assert (tmp_path / "run" / "ckpt-00000001.h5").exists()
 
 
 def test_the_poll_comes_about_every_poll_seconds_and_never_after_the_log_line():
