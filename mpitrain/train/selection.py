@@ -12,10 +12,12 @@ the best so far:
   one restarts; otherwise the count grows, and reaching
   ``training.early_stop.patience`` (when > 0) stops training.
 
-Figures are compared only with figures over as many held-out frames: an
-evaluation over another number (``data.dev`` or ``training.eval_max_frames``
-changed on resume) starts the selection afresh, and that evaluation becomes the
-best (``Verdict.restarted``); so does a checkpoint's selection made by the
+Figures are compared only with figures over as many held-out frames of the
+same held-out set: an evaluation over another number (``data.dev`` or
+``training.eval_max_frames`` changed on resume) or over another set (``data.dev``
+naming another corpus, or its corpus written again, with the frames capped
+alike) starts the selection afresh, and that evaluation becomes the best
+(``Verdict.restarted_from_frames``); so does a checkpoint's selection made by the
 other figure (``training.select_by`` changed with ``--accept-changes``), which
 :meth:`ModelSelection.load_state_dict` refuses.
 
@@ -36,8 +38,10 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import zlib
 from dataclasses import dataclass
 
 from ..h5io import atomic_h5_file
@@ -51,15 +55,17 @@ class Verdict:
     gained: bool          # a gain of more than min_delta (the patience count restarts)
     stop: bool            # patience exhausted: stop training
     since_gain: int       # evaluations in a row without a gain
-    # the figures so far were over another number of held-out frames: forgotten
+    # the figures so far were over another number of held-out frames (or, with
+    # other_set, another held-out set): forgotten
     restarted_from_frames: int = 0
+    other_set: bool = False
 
 
 class ModelSelection:
     """The best held-out figure so far, and the evaluations since the last gain."""
 
     def __init__(self, *, select_by: str = "acc", patience: int = 0, min_delta: float = 0.0,
-                 patience_from_step: int = 0):
+                 patience_from_step: int = 0, held_out_set: int = 0):
         if select_by not in _KEYS:
             raise ValueError(f"select_by must be one of {', '.join(_KEYS)}, got {select_by!r}")
         if patience < 0 or min_delta < 0:
@@ -71,6 +77,9 @@ class ModelSelection:
         self.reference = math.nan       # the figure at the last gain
         self.since_gain = 0
         self.held_out_frames = 0        # the frames the figures so far were over; 0: none
+        # this run's held-out set (held_out_identity) and the one the figures so far
+        # were over; 0: not known
+        self.held_out_set, self.figures_set = int(held_out_set), 0
 
     def _better(self, value: float, than: float, margin: float = 0.0) -> bool:
         if math.isnan(than):
@@ -82,30 +91,35 @@ class ModelSelection:
         value = float(result[_KEYS[self.select_by]])
         frames = int(result.get("dev_frames", 0))
         restarted_from = 0
-        if frames and self.held_out_frames and frames != self.held_out_frames:
+        other_set = bool(self.held_out_set and self.figures_set
+                         and self.held_out_set != self.figures_set)
+        if frames and self.held_out_frames and (frames != self.held_out_frames or other_set):
             # figures of another held-out set (or another cap on it) do not compare
             restarted_from = self.held_out_frames
             self.best_value, self.best_step = math.nan, -1
             self.reference, self.since_gain = math.nan, 0
         if frames:
             self.held_out_frames = frames
+            self.figures_set = self.held_out_set or self.figures_set
         # a diverged model is never the best, nor one whose other figure is not
         # finite (a held-out set that overflows it: its file could not be written)
         if not all(math.isfinite(float(result.get(key, 0.0))) for key in _KEYS.values()):
             self.since_gain += 1
-            return Verdict(False, False, self._exhausted(), self.since_gain, restarted_from)
+            return Verdict(False, False, self._exhausted(), self.since_gain, restarted_from,
+                           other_set)
         improved = self._better(value, self.best_value)
         if improved:
             self.best_value, self.best_step = value, int(step)
         if step < self.patience_from_step:         # not counted: the next one starts afresh
             self.reference, self.since_gain = math.nan, 0
-            return Verdict(improved, False, False, 0, restarted_from)
+            return Verdict(improved, False, False, 0, restarted_from, other_set)
         gained = self._better(value, self.reference, self.min_delta)
         if gained:
             self.reference, self.since_gain = value, 0
         else:
             self.since_gain += 1
-        return Verdict(improved, gained, self._exhausted(), self.since_gain, restarted_from)
+        return Verdict(improved, gained, self._exhausted(), self.since_gain, restarted_from,
+                       other_set)
 
     def _exhausted(self) -> bool:
         return self.patience > 0 and self.since_gain >= self.patience
@@ -125,7 +139,7 @@ class ModelSelection:
                 "reference": self.reference if counting else 0.0,
                 "counting": int(counting), "since_gain": self.since_gain,
                 "by_xent": int(self.select_by == "xent"),
-                "held_out_frames": self.held_out_frames}
+                "held_out_frames": self.held_out_frames, "held_out_set": self.figures_set}
 
     def load_state_dict(self, state: dict) -> None:
         """ValueError (nothing loaded) for a selection made by the other figure: its
@@ -142,6 +156,20 @@ class ModelSelection:
             "counting", 1) else math.nan
         self.since_gain = int(state.get("since_gain", 0))
         self.held_out_frames = int(state.get("held_out_frames", 0))
+        self.figures_set = int(state.get("held_out_set", 0))
+
+
+def held_out_identity(manifest) -> int:
+    """A number that tells held-out sets apart (0: none): their frames, utterances,
+    frames per class and features' mean and variance, not where the corpus lies
+    (one staged to a node's local disk is the same set)."""
+    if manifest is None:
+        return 0
+    content = json.dumps([int(manifest.num_frames), int(manifest.num_utterances),
+                          [int(c) for c in manifest.class_counts],
+                          [float(v) for v in manifest.cmvn_mean],
+                          [float(v) for v in manifest.cmvn_var]])
+    return zlib.crc32(content.encode("utf-8")) or 1
 
 
 def save_best_model(run_dir, net, *, class_priors, result: dict, step: int,

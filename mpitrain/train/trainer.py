@@ -39,7 +39,7 @@ from .metrics import MetricsLog, format_duration, resident_mb
 from .resume import CheckpointResume
 from .run_dir import RunDirLock, clear_run, written_meanwhile
 from .search import RateTrials
-from .selection import ModelSelection, save_best_model
+from .selection import ModelSelection, held_out_identity, save_best_model
 from .step import TrainingStep
 from .stop import STOP_SIGNALS, STOPPED, StopPoll, agreed_stop, requested, signal_name
 
@@ -179,7 +179,8 @@ class Trainer(CheckpointResume):
         rise_end = self.dropout_schedule.last_rise_end if self.dropout_schedule else 0.0
         self.selection = ModelSelection(select_by=t.select_by, patience=t.early_stop.patience,
                                         min_delta=t.early_stop.min_delta,
-                                        patience_from_step=self._first_step_at(rise_end))
+                                        patience_from_step=self._first_step_at(rise_end),
+                                        held_out_set=held_out_identity(self.dev_manifest))
         if rise_end and t.early_stop.patience:
             self._say(f"early_stop: counts held-out evaluations from step "
                       f"{self.selection.patience_from_step} on, where "
@@ -956,7 +957,12 @@ class Trainer(CheckpointResume):
     def _keep_best(self, result: dict) -> None:
         """Model selection on a held-out result (identical on every rank)."""
         verdict = self._verdict = self.selection.observe(result, step=self.step)
-        if verdict.restarted_from_frames:
+        if verdict.restarted_from_frames and verdict.other_set:
+            self._say(f"model selection starts afresh at step {self.step}: the held-out "
+                      "figures are over another held-out set than those before (data.dev "
+                      "names another corpus, or its corpus was written again), which do not "
+                      "compare")
+        elif verdict.restarted_from_frames:
             self._say(f"model selection starts afresh at step {self.step}: the held-out "
                       f"figures are over {result.get('dev_frames')} frames, those before over "
                       f"{verdict.restarted_from_frames} (data.dev or training.eval_max_frames "

@@ -83,6 +83,49 @@ def test_figures_over_another_number_of_held_out_frames_start_the_selection_afre
         .restarted_from_frames
 
 
+def test_figures_over_another_held_out_set_of_as_many_frames_start_afresh():
+    # data.dev naming another corpus (or its corpus written again) under
+    # training.eval_max_frames: as many frames, so the figures were compared
+    selection = ModelSelection(select_by="acc", held_out_set=11)
+    selection.observe({"dev_acc": 0.9, "dev_frames": 2000}, step=1)
+    same = ModelSelection(select_by="acc", held_out_set=11)
+    same.load_state_dict(selection.state_dict())
+    assert not same.observe({"dev_acc": 0.6, "dev_frames": 2000}, step=2).improved
+    other = ModelSelection(select_by="acc", held_out_set=12)
+    other.load_state_dict(selection.state_dict())
+    verdict = other.observe({"dev_acc": 0.6, "dev_frames": 2000}, step=2)
+    assert verdict.improved and verdict.other_set and verdict.restarted_from_frames == 2000
+    assert not other.observe({"dev_acc": 0.5, "dev_frames": 2000}, step=3).restarted_from_frames
+    # a checkpoint from before the set was stored: compared by frames alone
+    old = {k: v for k, v in selection.state_dict().items() if k != "held_out_set"}
+    other = ModelSelection(select_by="acc", held_out_set=12)
+    other.load_state_dict(old)
+    assert not other.observe({"dev_acc": 0.6, "dev_frames": 2000}, step=2).improved
+
+
+def test_resume_with_another_held_out_corpus_selects_afresh(small_corpus, tmp_path, capsys):
+    # best.h5 stayed the model chosen on the old held-out set, whose figures the new
+    # set's were compared with
+    from mpitrain.train.selection import held_out_identity
+    from mpitrain.data.corpus import load_manifest
+    dev, other = f"{small_corpus}/dev", f"{small_corpus}/train"
+    assert held_out_identity(load_manifest(dev)) != held_out_identity(load_manifest(other))
+    run = tmp_path / "run"
+    settings = TINY + ["training.eval_interval=2560", "training.checkpoint_interval=20",
+                       "training.log_interval=20", "training.eval_max_frames=500"]
+    train_in_process(run, small_corpus, settings + ["training.max_steps=40"])
+    capsys.readouterr()
+    assert main(["train", QUICKSTART, "--run-dir", str(run), "--resume"]
+                + [a for item in [f"data.train={small_corpus}/train", f"data.dev={other}",
+                                  "data.chunk_frames=20000", "training.max_steps=60"]
+                   + settings for a in ("--set", item)]) == 0
+    assert "model selection starts afresh at step " in capsys.readouterr().out
+    after = [r for r in records(run, "eval") if r["step"] > 40]
+    best = max(after, key=lambda r: r["dev_acc"])
+    with open_h5_for_reading(str(run / "best.h5"), "model") as f:
+        assert int(f.attrs["selected_at_step"]) == best["step"]
+
+
 def test_a_selection_by_the_other_figure_is_refused_on_loading():
     by_acc = ModelSelection(select_by="acc")
     by_acc.observe({"dev_acc": 0.62, "dev_xent": 1.2}, step=1)
