@@ -165,6 +165,7 @@ class VirtualCluster:
         self.comm_seconds = [0.0] * self.size
         self._lock = threading.Lock()
         self._wake = [threading.Condition(self._lock) for _ in range(self.size)]
+        self._done = threading.Condition(self._lock)      # a rank ended
         self._turn: Optional[int] = None
         self._runnable = [True] * self.size
         self._finished = [False] * self.size
@@ -208,11 +209,28 @@ class VirtualCluster:
             thread.start()
         with self._lock:
             self._give_turn(0)
+        try:
+            self._wait_for_ranks()
+        except KeyboardInterrupt:
+            # Ctrl-C reaches the main thread alone: every rank is interrupted too at its
+            # next wait in the communicator and closes what it opened (rank 0's run
+            # records it); left standing, the ranks were stopped wherever the
+            # interpreter's end found them, which could hang it (in an HDF5 call)
+            self._fail(None, KeyboardInterrupt())
+            self._wait_for_ranks()
+            raise
         for thread in threads:
             thread.join()
         if self._failure is not None:
             raise self._failure
         return results
+
+    def _wait_for_ranks(self) -> None:
+        # (not Thread.join: a join that Ctrl-C interrupts can take the thread it
+        # waited for as ended while it still runs, Python 3.11)
+        with self._lock:
+            while not all(self._finished):
+                self._done.wait()
 
     def _rank_main(self, rank: int, target, results: list) -> None:
         with self._lock:
@@ -232,6 +250,7 @@ class VirtualCluster:
                 self._runnable[rank] = False
                 if self._turn == rank:
                     self._pass_baton(rank)
+                self._done.notify()
 
     def _fail(self, rank: int, exc: BaseException) -> None:
         with self._lock:
@@ -272,6 +291,8 @@ class VirtualCluster:
 
     def _raise_if_failed(self, rank: int) -> None:
         if self._failure is not None:
+            if isinstance(self._failure, KeyboardInterrupt):
+                raise KeyboardInterrupt          # (each rank its own)
             if self._failed_rank in (rank, None):
                 raise self._failure
             raise VirtualClusterError(f"virtual rank {rank}: stopped because rank "
