@@ -18,8 +18,10 @@ from .base import Strategy
 
 def build(cfg, comm, *, total_steps: int = 0):
     """The strategy for ``parallel.method: allreduce``."""
+    # (any bucket_mb > 0 is allowed: one under a byte reduces each layer as it
+    # finishes, as one byte does; rounding it down to 0 bytes refused the setting)
     return GradientAllreduce(comm, overlap=cfg.parallel.overlap,
-                             bucket_bytes=int(cfg.parallel.bucket_mb * (1 << 20)))
+                             bucket_bytes=max(1, int(cfg.parallel.bucket_mb * (1 << 20))))
 
 
 class GradientAllreduce(Strategy):

@@ -393,3 +393,20 @@ def test_ctrl_c_interrupts_every_virtual_rank_and_rank_0_records_it(small_corpus
     assert errors and errors[-1]["error"] == "KeyboardInterrupt", \
         (run_dir / "metrics.jsonl").read_text()[-1500:]
     assert run_status(run_dir)[0].startswith(f"{run_dir}: interrupted (SIGINT, Ctrl-C) at step")
+
+
+def test_allreduce_buckets_under_a_byte_reduce_each_layer_as_it_finishes(small_corpus,
+                                                                          tmp_path):
+    # any parallel.bucket_mb > 0 is valid: 1e-9 MiB (a thousandth of a byte) was
+    # rounded down to 0 bytes and refused as "bucket_bytes must be >= 1, got 0"
+    finals = []
+    for bucket_mb in ("1e-9", "25"):
+        cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=2", "training.max_steps=6",
+            "training.checkpoint_interval=0", "data.dev=", "parallel.method=allreduce",
+            "parallel.overlap=true", f"parallel.bucket_mb={bucket_mb}"])
+        run = tmp_path / bucket_mb
+        train_virtual(cfg, size=2, run_dir=str(run), compute=ComputeModel(step_seconds=0.001))
+        finals.append(load_model(run / "final.h5")[0].params)
+    # the buckets change how the gradient travels, not its average
+    assert np.array_equal(finals[0], finals[1])
