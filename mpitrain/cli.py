@@ -348,14 +348,21 @@ def _train_virtual(args, cfg) -> int:
     problem = run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite)
     if problem:
         raise UsageError(problem)
-    if args.dry_run:
-        lines = plan_virtual(cfg, size=args.virtual, run_dir=run_dir, resume=args.resume,
-                             overwrite=args.overwrite, accept_changes=args.accept_changes)
-        print("\n".join(lines + [_dry_run_line(run_dir)]), flush=True)
-        return 0
-    train_virtual(cfg, size=args.virtual, run_dir=run_dir, network=_network_model(args),
-                  compute=_compute_model(args, cfg, args.virtual), resume=args.resume,
-                  overwrite=args.overwrite, accept_changes=args.accept_changes)
+    try:
+        if args.dry_run:
+            lines = plan_virtual(cfg, size=args.virtual, run_dir=run_dir,
+                                 resume=args.resume, overwrite=args.overwrite,
+                                 accept_changes=args.accept_changes)
+            print("\n".join(lines + [_dry_run_line(run_dir)]), flush=True)
+            return 0
+        train_virtual(cfg, size=args.virtual, run_dir=run_dir, network=_network_model(args),
+                      compute=_compute_model(args, cfg, args.virtual), resume=args.resume,
+                      overwrite=args.overwrite, accept_changes=args.accept_changes)
+    except (ValueError, RuntimeError) as exc:
+        # a setting these ranks cannot run: named with its file, as on real ranks
+        if getattr(exc, "setting", False) and args.config:
+            raise UsageError(f"{args.config}: {exc}") from None
+        raise
     return 0
 
 

@@ -664,3 +664,24 @@ def test_a_setting_this_job_cannot_run_names_the_config_file(small_corpus, tmp_p
         err = capsys.readouterr().err
         assert err.startswith(f"mpitrain train: error: {QUICKSTART}: ") and words in err, err
         assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
+def test_a_setting_virtual_ranks_cannot_run_names_the_config_file(small_corpus, tmp_path,
+                                                                  capsys, dry_run):
+    # as on real ranks (the key alone was named with --virtual)
+    data = ["--set", f"data.train={small_corpus}/train", "--set", f"data.dev={small_corpus}/dev"]
+    for settings, words in ((["parallel.method=kaldi", "parallel.num_jobs_final=3"],
+                             "parallel.num_jobs_initial/final must be in [1, 2]"),
+                            (["parallel.straggler.ranks=[2]"], "parallel.straggler.ranks: rank 2"),
+                            (["parallel.method=param_server", "parallel.servers=2"],
+                             "needs at least 3 ranks")):
+        argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--virtual", "2",
+                "--compute-ms", "1"] + data + ["--dry-run"] * dry_run
+        for setting in settings:
+            argv += ["--set", setting]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mpitrain train: error: {QUICKSTART}: ") and words in err, err
+        assert err.count("\n") == 1
+        assert not (tmp_path / "run").exists()
