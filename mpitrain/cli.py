@@ -398,7 +398,8 @@ def _refuse_virtual_only_options(args) -> None:
 
 def _compute_model(args, cfg, ranks: int):
     """The virtual ranks' step times from --compute-ms, --slowdown and --jitter
-    (``ranks``: the most virtual ranks there will be)."""
+    (``ranks``: the most virtual ranks there will be); without --compute-ms a
+    function that measures them, called after the checks (it may take minutes)."""
     from .train.virtual import compute_model
     slowdown = {}
     for item in (i.strip() for i in args.slowdown.split(",")):
@@ -415,7 +416,7 @@ def _compute_model(args, cfg, ranks: int):
         raise UsageError(f"--slowdown: rank {outside[0]} is not one of the {ranks} virtual "
                          f"ranks (0 to {ranks - 1})")
     return compute_model(cfg, step_ms=args.compute_ms, slowdown=slowdown, jitter=args.jitter,
-                         seed=args.jitter_seed)
+                         seed=args.jitter_seed, measure_later=True)
 
 
 def _add_virtual_options(p, *, network: bool) -> None:
@@ -560,6 +561,8 @@ def cmd_bench(args) -> int:
         if problem:
             raise UsageError(problem)
         _say_cleared(clear_earlier_bench(out_dir) if args.overwrite else [], out_dir)
+        if callable(compute):       # measured now that the checks hold
+            compute = compute()
         report = run_virtual_bench(cfg, out_dir=out_dir, options=options, compute=compute,
                                    on_size_done=_partial_report_writer(out_dir, args.dpi))
         paths = write_report(report, out_dir, dpi=args.dpi)

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -194,10 +194,15 @@ def measure_step_seconds(cfg, *, feat_dim: int, num_classes: int, steps: int = 2
 
 
 def compute_model(cfg, *, step_ms: float = 0.0, slowdown: Optional[dict] = None,
-                  jitter: float = 0.0, seed: int = 0) -> ComputeModel:
+                  jitter: float = 0.0, seed: int = 0, measure_later: bool = False):
     """The step times of a virtual run: ``step_ms`` when > 0, else measured once here
     for ``cfg``'s model (:func:`measure_step_seconds`) with the BLAS threads the
     virtual ranks run with (``cfg.blas_threads``, else one).
+
+    With ``measure_later`` a step time still to be measured is not measured now:
+    a function that measures it and returns the model comes back instead (the
+    options are checked now), for :func:`train_virtual` to call once the ranks
+    have checked the settings, or for a caller to call after its own checks.
 
     Example::
 
@@ -207,8 +212,12 @@ def compute_model(cfg, *, step_ms: float = 0.0, slowdown: Optional[dict] = None,
         # (a negative time was taken for 0: measured, without a word)
         raise ValueError(f"--compute-ms: expected a step time in ms >= 0 (0: measured "
                          f"here), got {step_ms!r}")
-    seconds = step_ms * 1e-3
-    if seconds <= 0:
+    model = ComputeModel(step_seconds=step_ms * 1e-3, slowdown=dict(slowdown or {}),
+                         jitter=jitter, seed=seed)
+    if model.step_seconds > 0:
+        return model
+
+    def measured() -> ComputeModel:
         from threadpoolctl import threadpool_limits
         from ..data.corpus import load_manifest
         manifest = load_manifest(cfg.data.train)
@@ -216,15 +225,33 @@ def compute_model(cfg, *, step_ms: float = 0.0, slowdown: Optional[dict] = None,
         with threadpool_limits(cfg.blas_threads or 1):
             seconds = measure_step_seconds(cfg, feat_dim=manifest.feat_dim,
                                            num_classes=manifest.num_classes)
-    return ComputeModel(step_seconds=seconds, slowdown=dict(slowdown or {}), jitter=jitter,
-                        seed=seed)
+        return replace(model, step_seconds=seconds)
+    return measured if measure_later else measured()
 
 
-def run_virtual_trainers(cfg, *, size: int, run_dir: str, compute: ComputeModel, network=None,
+def _resolved(compute):
+    """``compute`` as a :class:`ComputeModel` and a function that gives it, measuring
+    a deferred one (from ``compute_model(..., measure_later=True)``) at its first call
+    only, and the wall seconds that took."""
+    done: list = []
+
+    def get() -> ComputeModel:
+        if not done:
+            started = time.perf_counter()
+            done.append(compute if isinstance(compute, ComputeModel) else compute())
+            done.append(time.perf_counter() - started)
+        return done[0]
+    return get, lambda: done[1] if done else 0.0
+
+
+def run_virtual_trainers(cfg, *, size: int, run_dir: str, compute, network=None,
                          trainer_class=Trainer, stream=None, **trainer_kwargs) -> list:
     """Build and run one trainer per virtual rank; every rank's (trainer, result).
 
     Each rank's minibatches charge ``compute``'s step times to its clock.
+    ``compute``: a :class:`ComputeModel`, or a function that returns one (a step
+    time still to be measured), called once rank 0's trainer is built: the
+    settings these ranks cannot run are said before minutes of measuring.
     Runs with one BLAS thread unless ``cfg.blas_threads`` says otherwise: with
     many calling threads a multi-threaded OpenBLAS ran a 32-rank run 20x
     slower on 2 cores.
@@ -237,12 +264,15 @@ def run_virtual_trainers(cfg, *, size: int, run_dir: str, compute: ComputeModel,
     """
     from threadpoolctl import threadpool_limits
     cluster = VirtualCluster(size, network=network)
+    model = compute if isinstance(compute, ComputeModel) else _resolved(compute)[0]
 
     def rank_main(comm):
         trainer = trainer_class(cfg, run_dir=run_dir, comm=comm,
                                 stream=stream if comm.rank == 0 else None, **trainer_kwargs)
         try:
-            trainer.stream = ClockedStream(trainer.stream, comm, compute.step_times(comm.rank))
+            step_model = model if isinstance(model, ComputeModel) else model()
+            trainer.stream = ClockedStream(trainer.stream, comm,
+                                           step_model.step_times(comm.rank))
             result = trainer.run()
         finally:
             trainer.close()
@@ -272,13 +302,15 @@ def plan_virtual(cfg, *, size: int, run_dir: str, **trainer_kwargs) -> list:
     return cluster.run(rank_main)[0]
 
 
-def train_virtual(cfg, *, size: int, run_dir: str, compute: ComputeModel, network=None,
+def train_virtual(cfg, *, size: int, run_dir: str, compute, network=None,
                   stream=None, **trainer_kwargs) -> dict:
     """Train ``cfg`` as ``size`` virtual ranks; rank 0's result (``seconds``: simulated).
 
     Rank 0 adds a "virtual" record to ``metrics.jsonl``: the ranks, the
     network and compute models, simulated and wall seconds.  ``network``
-    prices communication (None: free).
+    prices communication (None: free).  ``compute``: as for
+    :func:`run_virtual_trainers` (a step time to measure is measured once the
+    ranks' trainers are built, and left out of the wall seconds).
 
     Example::
 
@@ -286,10 +318,12 @@ def train_virtual(cfg, *, size: int, run_dir: str, compute: ComputeModel, networ
                       compute=ComputeModel(step_seconds=0.002))["dev_acc"]
     """
     started = time.perf_counter()
-    trainer, result = run_virtual_trainers(cfg, size=size, run_dir=run_dir, compute=compute,
+    model, measuring = _resolved(compute)
+    trainer, result = run_virtual_trainers(cfg, size=size, run_dir=run_dir, compute=model,
                                            network=network, stream=stream,
                                            **trainer_kwargs)[0]
-    wall = time.perf_counter() - started
+    wall = time.perf_counter() - started - measuring()
+    compute = model()
     network_text = "free communication" if network is None else network.describe()
     record = {"ranks": size, "compute": compute.to_dict(),
               "network": None if network is None else network.to_dict(),

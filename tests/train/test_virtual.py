@@ -410,3 +410,38 @@ def test_allreduce_buckets_under_a_byte_reduce_each_layer_as_it_finishes(small_c
         finals.append(load_model(run / "final.h5")[0].params)
     # the buckets change how the gradient travels, not its average
     assert np.array_equal(finals[0], finals[1])
+
+
+def test_the_step_time_is_measured_after_the_checks(small_corpus, tmp_path, monkeypatch,
+                                                      capsys):
+    # a setting the virtual ranks refuse, or a bench --out that holds a benchmark, was
+    # said only after the step time was measured: minutes for a large model
+    import mpitrain.train.virtual as virtual
+    from mpitrain.cli import main
+    measured = []
+
+    def measure(cfg, **kwargs):
+        measured.append(cfg.model.hidden_dim)
+        return 0.004
+    monkeypatch.setattr(virtual, "measure_step_seconds", measure)
+    data = []
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1"]:
+        data += ["--set", item]
+    run = tmp_path / "run"
+    assert main(["train", QUICKSTART, "--virtual", "2", "--run-dir", str(run), *data,
+                 "--set", "parallel.straggler.ranks=[2]"]) == 2
+    assert "parallel.straggler.ranks: rank 2" in capsys.readouterr().err
+    out = tmp_path / "bench"
+    out.mkdir()
+    (out / "bench.json").write_text("{}")
+    assert main(["bench", QUICKSTART, "--virtual", "1,2", "--out", str(out), *data,
+                 "--phases", "throughput"]) == 2
+    assert "holds an earlier benchmark" in capsys.readouterr().err
+    assert measured == []
+    # a run measures once, and its record carries the step time measured
+    assert main(["train", QUICKSTART, "--virtual", "2", "--run-dir", str(run), *data,
+                 "--set", "training.max_steps=4", "--set", "data.dev="]) == 0
+    assert measured == [16]
+    record = _records(run, "virtual")[0]
+    assert record["compute"]["step_seconds"] == 0.004
+    assert record["simulated_seconds"] >= 4 * 0.004
