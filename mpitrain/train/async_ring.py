@@ -359,7 +359,7 @@ class OwnPaceLoop:
             raise Diverged(
                 f"{t.run_dir}: adpsgd: {t.guard.events} non-finite or exploding windows "
                 "since the last checkpoint; an asynchronous run cannot roll back: "
-                + restart_advice(t.run_dir))
+                + restart_advice(t.run_dir, t.cfg))
         self._new_window()
 
     def _evaluate(self, step: int) -> None:

@@ -61,6 +61,16 @@ def divergence_advice(cfg) -> str:
         divergence_advice(cfg)   # 'lower optimizer.initial_learning_rate or the
                                  #  max-change values, or optimizer.l2_regularize (1e+30)'
     """
+    advice = "lower optimizer.initial_learning_rate or the max-change values"
+    suspects = _step_suspects(cfg)
+    if suspects:
+        advice += ", or " + suspects
+    return advice + _factor_note(cfg)
+
+
+def _step_suspects(cfg) -> str:
+    """The settings of ``cfg`` besides the rate that enlarge the step, with their
+    values ('optimizer.l2_regularize (1e+30)'); empty when none does."""
     opt, par, t = cfg.optimizer, cfg.parallel, cfg.training
     # L2 shrinks the weights by 2 lr l2 B a step (optim/sgd.py): past a tenth of them
     # a step, it is what blows up (Kaldi's values shrink them by well under 1e-3)
@@ -74,14 +84,16 @@ def divergence_advice(cfg) -> str:
             suspects.append(("parallel.block_lr", f"{par.block_lr:g}"))
         suspects.append(("parallel.block_momentum", f"{par.block_momentum:g}"
                          if par.block_momentum >= 0 else "1 - 1/ranks"))
-    advice = "lower optimizer.initial_learning_rate or the max-change values"
-    if suspects:
-        advice += ", or " + ", ".join(f"{key} ({value})" for key, value in suspects)
-    if 0 < t.divergence_factor < 1.5:
+    return ", ".join(f"{key} ({value})" for key, value in suspects)
+
+
+def _factor_note(cfg) -> str:
+    factor = cfg.training.divergence_factor
+    if 0 < factor < 1.5:
         # a window only a little above the running mean counts as exploding
-        advice += (f"; or raise training.divergence_factor ({t.divergence_factor:g}: a "
-                   "window above that many times the running mean counts as exploding)")
-    return advice
+        return (f"; or raise training.divergence_factor ({factor:g}: a window above that "
+                "many times the running mean counts as exploding)")
+    return ""
 
 
 class DivergenceGuard:
@@ -191,12 +203,19 @@ class DivergenceGuard:
                              f"{state!r}")
 
 
-def restart_advice(run_dir: str) -> str:
+def restart_advice(run_dir: str, cfg=None) -> str:
     """What to do after a run that cannot roll back diverged: resume with a lower
-    rate when a checkpoint is there, else start again with one."""
-    if any(not os.path.isdir(path)
-           for path in glob.glob(os.path.join(glob.escape(run_dir), "ckpt-*.h5"))):
-        return ("resume from the last checkpoint with a lower learning rate "
-                "(--resume --accept-changes --set optimizer.initial_learning_rate=...)")
-    return ("no checkpoint was written yet: start again with a lower learning rate "
-            "(--overwrite --set optimizer.initial_learning_rate=...)")
+    rate when a checkpoint is there, else start again with one; with ``cfg``, the
+    other settings that enlarge the step are named too (as :func:`divergence_advice`
+    names them), for a rate may not be what blew the step up."""
+    resume = any(not os.path.isdir(path) for path in
+                 glob.glob(os.path.join(glob.escape(run_dir), "ckpt-*.h5")))
+    advice = ("resume from the last checkpoint with a lower learning rate "
+              "(--resume --accept-changes --set optimizer.initial_learning_rate=...)"
+              if resume else
+              "no checkpoint was written yet: start again with a lower learning rate "
+              "(--overwrite --set optimizer.initial_learning_rate=...)")
+    if cfg is None:
+        return advice
+    suspects = _step_suspects(cfg)
+    return advice + (f", or lower {suspects}" if suspects else "") + _factor_note(cfg)

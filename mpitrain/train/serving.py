@@ -286,7 +286,7 @@ class Server:
             raise Diverged(
                 f"{t.run_dir}: param_server: {t.guard.events} non-finite or exploding "
                 "windows since the last checkpoint; an asynchronous run cannot roll back: "
-                + restart_advice(t.run_dir))
+                + restart_advice(t.run_dir, t.cfg))
         self._new_window()
 
     # -- held-out evaluation and the average's switch ---------------------------------

@@ -112,6 +112,30 @@ def test_the_advice_after_an_asynchronous_divergence_fits_the_run_directory(tmp_
     assert "resume from the last checkpoint" in restart_advice(str(tmp_path))
 
 
+# (NumPy's overflow warnings are the divergence itself; the CLI never shows them)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("method", ["adpsgd", "param_server"])
+def test_an_asynchronous_divergence_names_the_settings_that_enlarge_the_step(
+        small_corpus, tmp_path, method):
+    # (it said to start again with a lower learning rate whatever had blown the step up)
+    from mpitrain.config import load_config
+    from mpitrain.train.virtual import ComputeModel, train_virtual
+    from ..helpers import QUICKSTART, small_overrides
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=200",
+        "training.log_interval=10", f"parallel.method={method}",
+        "parallel.asynchronous=" + ("true" if method == "adpsgd" else "false"),
+        "optimizer.l2_regularize=1e30", "training.divergence_factor=1.2"])
+    with pytest.raises(Diverged) as caught:
+        train_virtual(cfg, size=2, run_dir=str(tmp_path / "run"),
+                      compute=ComputeModel(step_seconds=0.001))
+    message = str(caught.value)
+    assert "an asynchronous run cannot roll back" in message
+    assert "lower learning rate (--overwrite --set optimizer.initial_learning_rate=...), " \
+           "or lower optimizer.l2_regularize (1e+30); or raise training.divergence_factor " \
+           "(1.2" in message, message
+
+
 def test_the_first_window_and_the_first_after_a_roll_back_are_judged_too():
     # seeded with the initial model's cross-entropy (ln C), a model that blows up
     # within its first window is an event instead of the reference for the rest
