@@ -29,7 +29,7 @@ from ..nn.model_file import save_model
 from ..nn.network import RELATIVE_VARIANCE_FLOOR, build_network, constant_dimensions
 from ..optim.factory import build_optimizer, build_schedule
 from ..parallel.registry import build_strategy, data_share, takes_own_steps
-from ..threads import current_blas_threads
+from ..threads import available_cores, current_blas_threads
 from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, save_checkpoint
 from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged, divergence_advice
@@ -156,6 +156,7 @@ class Trainer(CheckpointResume):
         self.manifest, self.dev_manifest = load_manifests(comm, cfg.data.train, cfg.data.dev)
         self._build_model()
         self._build_data()
+        self._note_blas_threads()
         try:
             self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
         except ValueError as exc:        # from the settings and the rank count: every rank's
@@ -365,6 +366,18 @@ class Trainer(CheckpointResume):
                 if total > 1 else ""
             raise TrainingError(distinct[0] + more, agreed=True)
         raise TrainingError("bad training data (reported by rank 0)", agreed=True)
+
+    def _note_blas_threads(self) -> None:
+        """A ``blas_threads`` above the cores this process may use is said: the BLAS
+        threads then wait on each other (on 2 cores, 1024 of them made a step of a
+        small model a thousand times slower, with no word of why)."""
+        requested = self.cfg.blas_threads
+        cores = available_cores() if requested else 0
+        if requested > cores:
+            self._say(f"threads: blas_threads {requested} is more than the {cores} core(s) "
+                      "this process may use: its BLAS threads wait on each other and a "
+                      "step may take many times longer; 0 gives each rank its share of "
+                      "the cores")
 
     # -- the run directory ------------------------------------------------------------
     def _say(self, text: str) -> None:

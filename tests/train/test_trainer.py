@@ -579,3 +579,26 @@ def test_a_directory_in_use_is_one_line_from_rank_0_on_two_ranks(small_corpus, t
     err = result.stderr.strip()
     assert result.returncode == 2 and len(err.splitlines()) == 1, mpi_output(result)
     assert err.startswith("mpitrain train: error: ") and "another run is using" in err, err
+
+
+def test_more_blas_threads_than_cores_is_said_at_the_start(small_corpus, tmp_path,
+                                                           monkeypatch):
+    # (1024 BLAS threads on 2 cores made a small model's step a thousand times slower,
+    # and nothing said why)
+    import mpitrain.train.trainer as trainer
+    from mpitrain.config import load_config
+    from mpitrain.train.virtual import plan_virtual
+    from ..helpers import small_overrides
+    monkeypatch.setattr(trainer, "available_cores", lambda: 2, raising=False)
+    said = {}
+    for threads in (0, 2, 3, 1024):
+        cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", f"blas_threads={threads}"])
+        lines = plan_virtual(cfg, size=1, run_dir=str(tmp_path / "run"))
+        said[threads] = [line for line in lines if line.startswith("threads: ")]
+    assert said[0] == said[2] == []
+    assert said[3] == ["threads: blas_threads 3 is more than the 2 core(s) this process may "
+                       "use: its BLAS threads wait on each other and a step may take many "
+                       "times longer; 0 gives each rank its share of the cores"]
+    assert len(said[1024]) == 1 and "blas_threads 1024 is more than the 2 core(s)" \
+        in said[1024][0]
