@@ -345,7 +345,8 @@ class OwnPaceLoop:
                   "skipped": int(skipped), "rss_mb": resident_mb(),
                   "steps_min": int(min(self.steps_of)), "steps_max": int(max(self.steps_of)),
                   "mixes": int(self.ring.mixes)}
-        verdict = t.guard.observe(xent=float(xent), skipped=int(skipped))
+        verdict = t.guard.observe(xent=float(xent), skipped=int(skipped),
+                                  frames=int(frames))
         t.log.write("train", **record)
         per_step = (now - self.run_start) / max(t.step - t._start_step, 1)
         t.log.progress(

@@ -11,6 +11,12 @@ ranks (so every rank takes the same decision at the same step)::
     else:                               m <- x_w if m is None else (1 - a) m + a x_w
     if events > E:                      roll back
 
+A window of fewer than ``MIN_JUDGED_FRAMES`` frames (a small minibatch and
+log interval) is pooled with the next ones until they hold that many, and the
+explosion test and the running mean take the pool's cross-entropy: one frame's
+swings far past f x m in a run that learns.  Skipped minibatches and
+non-finite windows count at once.
+
 ``m`` is a running mean of the good windows (a = 0.3 follows the falling
 objective of early training without letting one window move it far), seeded
 with the initial model's cross-entropy ``x_0`` (ln C: the output layer starts
@@ -46,6 +52,12 @@ import sys
 MEAN_WEIGHT = 0.3
 
 OK, EVENT, ROLL_BACK = "ok", "event", "roll back"
+
+#: Frames (all ranks') a window must hold to be judged for an explosion; smaller
+#: ones are pooled until they do (windows of one frame, minibatch 1 and log
+#: interval 1, counted the noise of single frames as explosions: a run that was
+#: learning rolled back three times and stopped as diverged)
+MIN_JUDGED_FRAMES = 1000
 
 
 class Diverged(RuntimeError):
@@ -120,45 +132,74 @@ class DivergenceGuard:
         self.lr_scale = 1.0
         self.skipped_total = 0       # minibatches, summed over ranks
         self.exploded_total = 0      # windows
+        # small windows not judged yet: their cross-entropy sum and frames
+        self.pool_loss, self.pool_frames = 0.0, 0
 
-    def observe(self, *, xent: float, skipped: int) -> str:
-        """Judge one log window (``xent`` per frame, ``skipped`` minibatches)."""
+    def observe(self, *, xent: float, skipped: int, frames: int | None = None) -> str:
+        """Judge one log window (``xent`` per frame, ``skipped`` minibatches;
+        ``frames``, all ranks', pools it with the next while under
+        :data:`MIN_JUDGED_FRAMES`; None: judged alone)."""
         skipped = int(skipped)
         self.skipped_total += skipped
         new_events = skipped
         good = skipped == 0
+        judged = xent if not math.isfinite(xent) else self._pooled(xent, frames)
         if not math.isfinite(xent):
             good = False
+            self.pool_loss, self.pool_frames = 0.0, 0
             if skipped == 0:
                 new_events += 1
                 self.exploded_total += 1
+        elif judged is None:
+            pass                # too few frames yet to tell an explosion from noise
         elif self.factor > 0 and self.running_mean is not None \
-                and xent > self.factor * self.running_mean:
+                and judged > self.factor * self.running_mean:
             good = False
             new_events += 1
             self.exploded_total += 1
         elif skipped == 0:
-            self.running_mean = xent if self.running_mean is None else \
-                (1.0 - MEAN_WEIGHT) * self.running_mean + MEAN_WEIGHT * xent
+            self.running_mean = judged if self.running_mean is None else \
+                (1.0 - MEAN_WEIGHT) * self.running_mean + MEAN_WEIGHT * judged
         self.last_window_good = good
         self.events += new_events
         if self.events > self.max_events:
             return ROLL_BACK
         return OK if new_events == 0 else EVENT
 
-    def part_is_good(self, *, xent: float | None, skipped: int) -> bool:
+    def part_is_good(self, *, xent: float | None, skipped: int,
+                     frames: int | None = None) -> bool:
         """Whether the part of a log window run so far (``xent`` per frame, None when
-        it has no frames yet; ``skipped`` minibatches) would be judged good, counting
-        nothing: a checkpoint written inside a window that has begun to blow up
-        would be the model a roll back returns to."""
+        it has no frames yet; ``skipped`` minibatches; ``frames``, all ranks', pooled
+        as :meth:`observe` pools them) would be judged good, counting nothing: a
+        checkpoint written inside a window that has begun to blow up would be the
+        model a roll back returns to."""
         if skipped:
             return False
         if xent is None:
             return True
         if not math.isfinite(xent):
             return False
+        if frames is not None:
+            pooled = self.pool_frames + int(frames)
+            if pooled < MIN_JUDGED_FRAMES:
+                return True         # too few frames yet to tell an explosion from noise
+            xent = (self.pool_loss + xent * frames) / pooled
         return not (self.factor > 0 and self.running_mean is not None
                     and xent > self.factor * self.running_mean)
+
+    def _pooled(self, xent: float, frames: int | None):
+        """The cross-entropy to judge: the window's own when it is large enough (or
+        its frames are not known), else the pool's once it has grown so; None
+        while the pool is still too small."""
+        if frames is None or (not self.pool_frames and frames >= MIN_JUDGED_FRAMES):
+            return xent
+        self.pool_loss += xent * frames
+        self.pool_frames += int(frames)
+        if self.pool_frames < MIN_JUDGED_FRAMES:
+            return None
+        judged = self.pool_loss / self.pool_frames
+        self.pool_loss, self.pool_frames = 0.0, 0
+        return judged
 
     def checkpoint_written(self) -> None:
         self.events = 0
@@ -177,15 +218,19 @@ class DivergenceGuard:
         self.events = 0
         self.running_mean = self.initial_xent   # the trainer sets the checkpoint's
         self.last_window_good = True
+        self.pool_loss, self.pool_frames = 0.0, 0
 
     # -- checkpointed part ------------------------------------------------------------
     def state_dict(self) -> dict:
         # the running mean too, so that a resumed run judges its windows as the
         # uninterrupted run does (none before the first good window)
         mean = {} if self.running_mean is None else {"running_mean": self.running_mean}
+        # and the small windows not judged yet, so a resumed run pools them alike
+        pool = {"pool_loss": self.pool_loss, "pool_frames": self.pool_frames} \
+            if self.pool_frames else {}
         return {"rollbacks": self.rollbacks, "lr_scale": self.lr_scale,
                 "skipped_total": self.skipped_total, "exploded_total": self.exploded_total,
-                **mean}
+                **mean, **pool}
 
     def load_state_dict(self, state: dict) -> None:
         self.rollbacks = int(state.get("rollbacks", 0))
@@ -194,13 +239,17 @@ class DivergenceGuard:
         self.exploded_total = int(state.get("exploded_total", 0))
         mean = state.get("running_mean")       # absent: written before any good window
         self.running_mean = self.initial_xent if mean is None else float(mean)
+        self.pool_loss = float(state.get("pool_loss", 0.0))
+        self.pool_frames = int(state.get("pool_frames", 0))
         if not (math.isfinite(self.lr_scale) and 0.0 < self.lr_scale <= 1.0) \
                 or self.rollbacks < 0 or self.skipped_total < 0 or self.exploded_total < 0 \
+                or not (0 <= self.pool_frames < MIN_JUDGED_FRAMES
+                        and math.isfinite(self.pool_loss) and self.pool_loss >= 0) \
                 or not (self.running_mean is None
                         or (math.isfinite(self.running_mean) and self.running_mean >= 0)):
             raise ValueError(f"checkpoint group 'trainer': expected lr_scale in (0, 1], "
-                             f"non-negative counts and a finite running_mean >= 0, got "
-                             f"{state!r}")
+                             f"non-negative counts, a finite running_mean >= 0 and a pool "
+                             f"of under {MIN_JUDGED_FRAMES} frames, got {state!r}")
 
 
 def restart_advice(run_dir: str, cfg=None) -> str:

@@ -19,7 +19,8 @@ frames with the supervised model-averaging strategy
 Every ``training.log_interval`` steps the reconstruction error, summed over
 ranks, is logged; a non-finite error, or one over ``pretrain.divergence_factor``
 times the layer's first window (the Gaussian layer's at most 1, the standardised
-features' variance), stops the run (every rank decides alike from
+features' variance; windows of fewer than MIN_JUDGED_FRAMES frames pooled
+until they hold that many), stops the run (every rank decides alike from
 the summed figures) naming the rate to lower.  Checkpoints
 (``ckpt-NNNNNNNN.h5``, format ``mpitrain-pretrain-checkpoint``) are written at
 averaging points after each ``training.checkpoint_interval`` steps and at the
@@ -52,6 +53,7 @@ from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import (MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints,
                          rotate_checkpoints)
 from .checkpoint_clock import CheckpointClock
+from .divergence import MIN_JUDGED_FRAMES
 from .errors import error_record
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import (RunDirLock, clear_run, corpus_identity, corpus_places, resume_changes,
@@ -137,6 +139,7 @@ class Pretrainer:
         if resume:
             self._resume()
         self._window_first = None
+        self._pool = [0.0, 0]        # small windows not judged yet: error sum, frames
         self._first_step = 0         # the global step this process began at (its ETA)
 
     # -- construction --------------------------------------------------------------
@@ -521,7 +524,7 @@ class Pretrainer:
         rate, rate_key = self._rates(index)
         sq_err = xp.zeros((), dtype=xp.float64)
         frames, window_start, recon = 0, comm.wtime(), float("nan")
-        self._window_first = None
+        self._window_first, self._pool = None, [0.0, 0]
         ck = cfg.training.checkpoint_interval
         next_checkpoint = (self.layer_step // ck + 1) * ck if ck else 0
         stop_poll = StopPoll(comm, max_every=cfg.training.log_interval)
@@ -562,7 +565,7 @@ class Pretrainer:
                 now = comm.wtime()
                 self._log_window(index, steps, recon, rate * (1 - momentum), momentum,
                                  sums[1] / max(now - window_start, 1e-9), started)
-                self._check_divergence(index, recon, rate, rate_key)
+                self._check_divergence(index, recon, rate, rate_key, frames=int(sums[1]))
                 sq_err[...] = 0
                 frames, window_start = 0, comm.wtime()
             elif self._stop is None and stop_poll.due(self.layer_step):
@@ -609,10 +612,20 @@ class Pretrainer:
                      f"{recon:.4f} lr {lr:.3g} momentum {momentum:.3f} {rate:,.0f} fr/s "
                      f"ETA {format_duration(per_step * left)}")
 
-    def _check_divergence(self, index, recon, rate, rate_key) -> None:
+    def _check_divergence(self, index, recon, rate, rate_key, frames=None) -> None:
         """Stop when the reconstruction error is not finite or has exploded; every
-        rank sees the same summed figure, so every rank stops here together."""
+        rank sees the same summed figure, so every rank stops here together.  A
+        window of fewer than MIN_JUDGED_FRAMES ``frames`` (all ranks') is judged
+        for an explosion pooled with the next ones (one frame's error swings ten
+        times over, and a run that learned stopped as diverged)."""
         factor = self.cfg.pretrain.divergence_factor
+        if math.isfinite(recon) and frames is not None \
+                and (self._pool[1] or frames < MIN_JUDGED_FRAMES):
+            self._pool[0] += recon * frames
+            self._pool[1] += frames
+            if self._pool[1] < MIN_JUDGED_FRAMES:
+                return
+            recon, self._pool = self._pool[0] / self._pool[1], [0.0, 0]
         if self._window_first is None and math.isfinite(recon):
             self._window_first = recon
         first = self._window_first

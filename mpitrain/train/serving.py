@@ -273,7 +273,7 @@ class Server:
                   "skipped": skipped, "rss_mb": resident_mb(),
                   "staleness_min": int(stale.min()), "staleness_mean": float(stale.mean()),
                   "staleness_max": int(stale.max()), "seconds": now - self.run_start}
-        verdict = t.guard.observe(xent=float(xent), skipped=skipped)
+        verdict = t.guard.observe(xent=float(xent), skipped=skipped, frames=int(frames))
         t.log.write("train", **record)
         per_step = (now - self.run_start) / max(t.step - t._start_step, 1)
         t.log.say(

@@ -482,7 +482,7 @@ class Trainer(CheckpointResume):
         self.comm.allreduce_(sums, op="sum")
         with np.errstate(all="ignore"):
             xent = float(sums[0] / sums[1]) if sums[1] else None
-        return self.guard.part_is_good(xent=xent, skipped=int(sums[2]))
+        return self.guard.part_is_good(xent=xent, skipped=int(sums[2]), frames=int(sums[1]))
 
     def _check_run_dir(self, writing: str) -> None:
         """Rank 0, before it writes: stop if the run directory was removed or moved."""
@@ -781,7 +781,8 @@ class Trainer(CheckpointResume):
                               # rank 0's own CPU time: steady even when the machine is shared
                               "cpu_ms_per_step": 1e3 * (time.process_time() - cpu_at_window)
                               / max(self.step - steps_at_window, 1)}
-                verdict = self.guard.observe(xent=float(xent), skipped=skipped)
+                verdict = self.guard.observe(xent=float(xent), skipped=skipped,
+                                             frames=int(sums[2]))
                 self.log.write("train", **record)
                 trouble = ""
                 if verdict != "ok":

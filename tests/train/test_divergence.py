@@ -192,3 +192,59 @@ def test_part_of_a_window_is_judged_without_counting():
     assert not guard.part_is_good(xent=2.0, skipped=1)
     assert guard.events == 0 and guard.exploded_total == 0 and guard.running_mean == 4.8
     assert _guard(factor=0.0, initial_xent=4.8).part_is_good(xent=1e9, skipped=0)
+    # a part of a few frames is pooled as a log window of a few frames is
+    assert guard.part_is_good(xent=15.0, skipped=0, frames=10)
+    assert not guard.part_is_good(xent=15.0, skipped=0, frames=5000)
+
+
+def test_windows_of_a_few_frames_are_judged_pooled():
+    from mpitrain.train.divergence import MEAN_WEIGHT, MIN_JUDGED_FRAMES
+    guard = _guard(max_events=0, initial_xent=math.log(120))
+    # one frame per window: single frames swing far past 3x the mean in a run that learns
+    swings = [0.05, 14.0, 0.4, 16.5, 1.0] * (2 * MIN_JUDGED_FRAMES // 5)
+    assert all(guard.observe(xent=x, skipped=0, frames=1) == OK for x in swings)
+    assert guard.exploded_total == 0
+    # two pools of 1000 frames, each of the swings' mean, moved the running mean
+    kept = (1 - MEAN_WEIGHT) ** 2
+    assert guard.running_mean == pytest.approx(kept * math.log(120)
+                                               + (1 - kept) * sum(swings[:5]) / 5)
+    # a pool that has blown up is an event, and a non-finite window is one at once
+    assert guard.observe(xent=50.0, skipped=0, frames=MIN_JUDGED_FRAMES - 1) == OK
+    assert guard.observe(xent=50.0, skipped=0, frames=1) == ROLL_BACK
+    guard = _guard(max_events=5)
+    guard.observe(xent=3.0, skipped=0, frames=10)
+    assert guard.observe(xent=math.nan, skipped=0, frames=10) == EVENT
+    # a window large enough is judged alone, as before
+    guard = _guard(initial_xent=2.0)
+    assert guard.observe(xent=6.5, skipped=0, frames=MIN_JUDGED_FRAMES) == EVENT
+
+
+def test_a_partly_filled_pool_is_checkpointed_and_restored():
+    guard = _guard()
+    guard.observe(xent=3.0, skipped=0, frames=10)
+    state = guard.state_dict()
+    assert state["pool_frames"] == 10 and state["pool_loss"] == 30.0
+    other = _guard()
+    other.load_state_dict(state)
+    assert (other.pool_loss, other.pool_frames) == (30.0, 10)
+    # a window judged whole leaves no pool in the checkpoint (the keys older runs wrote)
+    assert "pool_frames" not in _guard().state_dict()
+    with pytest.raises(ValueError, match="checkpoint group 'trainer'"):
+        other.load_state_dict({**state, "pool_frames": -1})
+
+
+def test_a_run_of_one_frame_minibatches_logged_every_step_is_not_diverging(small_corpus,
+                                                                          tmp_path, capsys):
+    # (one frame's cross-entropy over 3x the running mean was an event: with
+    # minibatch 1 and log_interval 1 a run that learned rolled back and stopped as
+    # diverged, telling to lower the rate)
+    from ..helpers import train_in_process
+    run = tmp_path / "run"
+    train_in_process(run, small_corpus, [
+        "model.hidden_dim=16", "model.hidden_layers=1", "training.minibatch=1",
+        "training.log_interval=1", "training.max_steps=3000", "data.dev=",
+        "training.checkpoint_interval=0", "training.max_divergence_events=0",
+        "training.max_rollbacks=0", "optimizer.initial_learning_rate=0.02"])
+    end = records(run, "end")[-1]
+    assert end["exploded_windows"] == 0 and end["rollbacks"] == 0
+    assert "divergence" not in capsys.readouterr().out

@@ -389,3 +389,14 @@ def test_a_gaussian_layer_exploded_in_its_first_window_stops_there(small_corpus,
     err = capsys.readouterr().err.strip()
     assert code == 2 and "layer 1 (Gaussian-Bernoulli) diverged at step 20: " in err, err
     assert "; the features' variance is 1)" in err, err
+
+
+def test_windows_of_a_few_frames_are_judged_pooled(small_corpus, tmp_path, capsys):
+    """With minibatch 1 and log_interval 1 one frame was the yardstick, and a frame
+    of twenty times its error stopped a healthy layer at step 36 as diverged."""
+    code = main(_argv("pretrain", tmp_path / "run", small_corpus, [
+        "model.hidden_layers=1", "model.hidden_dim=1", "pretrain.minibatch=1",
+        "training.log_interval=1", "pretrain.epochs_gaussian=0.05", "data.dev=",
+        "data.left_context=0", "data.right_context=0", "training.seed=2"]))
+    assert code == 0, capsys.readouterr().err
+    assert (tmp_path / "run" / "pretrain.h5").exists()
