@@ -644,6 +644,11 @@ class Pretrainer:
         decay = self.cfg.pretrain.weight_decay
         also = f", or pretrain.weight_decay (now {decay:g})" \
             if decay > PretrainConfig().weight_decay else ""
+        if exploded and factor < 1.5:
+            # a window only a little above the yardstick counts as exploding (as the
+            # training's last words say of training.divergence_factor)
+            also += (f"; or raise pretrain.divergence_factor ({factor:g}: a window above "
+                     "that many times the first counts as exploding)")
         raise TrainingError(f"pretrain: layer {index + 1} ({kind}) diverged at step "
                             f"{self.layer_step}: reconstruction error {what}; lower "
                             f"{rate_key} (now {rate:g}){also}", agreed=True)

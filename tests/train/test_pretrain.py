@@ -400,3 +400,21 @@ def test_windows_of_a_few_frames_are_judged_pooled(small_corpus, tmp_path, capsy
         "data.left_context=0", "data.right_context=0", "training.seed=2"]))
     assert code == 0, capsys.readouterr().err
     assert (tmp_path / "run" / "pretrain.h5").exists()
+
+
+def test_a_small_divergence_factor_is_named_when_it_stops_the_run(small_corpus, tmp_path,
+                                                                   capsys):
+    """A factor of 1 stopped a layer whose error had not moved, telling only to lower
+    a rate of 1e-30."""
+    code = main(_argv("pretrain", tmp_path / "run", small_corpus, [
+        "pretrain.divergence_factor=1", "pretrain.learning_rate_gaussian=1e-30"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "lower pretrain.learning_rate_gaussian (now 1e-30); or raise " \
+           "pretrain.divergence_factor (1: a window above that many times the first counts " \
+           "as exploding)" in err, err
+    # a large factor is not named
+    code = main(_argv("pretrain", tmp_path / "big", small_corpus, [
+        "pretrain.learning_rate_gaussian=50", "pretrain.momentum_initial=0.9"]))
+    err = capsys.readouterr().err
+    assert code == 2 and "diverged" in err and "divergence_factor" not in err, err
