@@ -292,10 +292,13 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
                     result = runner.run()
             finally:
                 runner.close()
+        # every rank returns after rank 0 has written everything: a launcher may end
+        # the others once one rank exits with a non-zero status, and a rank that had
+        # returned (its signal handlers gone) and waited in MPI's finalize for rank 0
+        # to write final.h5 died of a stop signal then, and the launcher with it
+        # ended rank 0 before it had (status 143, no final.h5, nothing to requeue)
+        comm.barrier()
         if result.get("stopped"):
-            # every rank returns after rank 0 has written everything: a launcher may
-            # end the others once one rank exits with a non-zero status
-            comm.barrier()
             return EXIT_STOPPED
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if getattr(exc, "agreed", False) or comm.size == 1:

@@ -261,3 +261,25 @@ def test_pretraining_stops_at_an_averaging_point_and_resumes(small_corpus, tmp_p
     b = load_rbm_stack(str(split / "pretrain.h5"))
     for x, y in zip(a.rbms, b.rbms):
         assert np.array_equal(x.params, y.params)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("command,result", [("train", "final.h5"),
+                                            ("pretrain", "pretrain.h5")])
+def test_a_signal_while_rank_0_writes_the_result_ends_the_job_complete(small_corpus, tmp_path,
+                                                                      command, result):
+    """A stop signal on every rank as a run ends: rank 1, its run over and its
+    handlers gone, waited in MPI's finalize for rank 0 and died of it; the launcher
+    then ended rank 0 before it had written the result (status 143 or 15, no
+    final.h5, no final checkpoint, nothing a batch script requeues)."""
+    run = tmp_path / "run"
+    args = [str(WORKERS / "late_signal_worker.py"), "2", "--", command, QUICKSTART,
+            "--run-dir", str(run)]
+    for item in [f"data.train={small_corpus}/train", f"data.dev={small_corpus}/dev",
+                 "data.chunk_frames=20000", "model.hidden_layers=1", "model.hidden_dim=16",
+                 "training.max_steps=8", "training.log_interval=4",
+                 "pretrain.epochs_gaussian=0.02", "model.nonlinearity=sigmoid"]:
+        args += ["--set", item]
+    done = run_mpi(2, args, timeout=120)
+    assert done.returncode == 0, mpi_output(done)
+    assert (run / result).exists()
