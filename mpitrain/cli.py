@@ -723,7 +723,8 @@ def cmd_status(args) -> int:
             print(f"mpitrain status: error: {_one_line(exc)}", file=sys.stderr, flush=True)
             failed = True
             continue
-        # (a reader that left, as in `status runs/* | head`, ends the command quietly)
+        # (flushed: an error line after it, on standard error, stays in its place; a
+        # reader that left, as in `status runs/* | head`, ends the command quietly)
         print("\n".join(lines), flush=True)
     return 2 if failed else 0
 

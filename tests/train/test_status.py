@@ -135,6 +135,22 @@ def test_status_of_several_runs_says_each_and_names_one_it_cannot_read(tmp_path,
     assert err.startswith(f"mpitrain status: error: {tmp_path / 'missing'}/metrics.jsonl: "), err
 
 
+def test_status_into_one_file_keeps_each_error_in_its_place(tmp_path):
+    # `status runs/* > log 2>&1`: a run's lines waited in the output buffer, so every
+    # error line came first, beside no run it belonged to
+    _write(tmp_path / "a", [START, TRAIN])
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    result = subprocess.run([sys.executable, "-m", "mpitrain", "status", str(tmp_path / "a"),
+                             str(tmp_path / "missing"), str(tmp_path / "a")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 2, result.stdout
+    firsts = [line.split(":")[0] for line in result.stdout.splitlines()
+              if not line.startswith(" ")]
+    assert firsts == [str(tmp_path / "a"), "mpitrain status", str(tmp_path / "a")], \
+        result.stdout
+
+
 def test_records_of_another_shape_are_said_with_question_marks_not_a_crash(tmp_path):
     run = tmp_path / "run"
     _write(run, [dict(START, total_steps="many"), dict(TRAIN, step="x", xent=None, acc=[1]),
