@@ -137,4 +137,10 @@ def _quoted(path: str) -> str:
     fold) and the bytes of a name that are not UTF-8."""
     return '"' + "".join(
         c if c.isprintable() and c not in '"\\' and not 0xD800 <= ord(c) <= 0xDFFF
-        else json.dumps(c)[1:-1] for c in path) + '"'
+        else _escaped(c) for c in path) + '"'
+
+
+def _escaped(c: str) -> str:
+    """``c`` as a YAML escape: JSON's, but ``\\U`` beyond the basic plane (JSON's
+    surrogate pair reads in YAML as two lone surrogates)."""
+    return f"\\U{ord(c):08x}" if ord(c) > 0xFFFF else json.dumps(c)[1:-1]

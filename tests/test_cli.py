@@ -470,6 +470,21 @@ def test_init_writes_letters_outside_ascii_as_they_are(tmp_path, capsys):
     capsys.readouterr()
 
 
+def test_init_writes_a_letter_beyond_the_basic_plane_that_is_escaped_whole(tmp_path, capsys):
+    # a tag letter (as in the flag of Scotland) is not printable, so it is escaped:
+    # as its JSON surrogate pair, which YAML reads as two lone surrogates, the
+    # path read back named another directory
+    from mpitrain.config import load_config
+    corpus = tmp_path / "flag-\U0001F3F4\U000E0067\U000E0062\U000E0073\U000E0063\U000E0074\U000E007F"
+    for split in ("train", "dev"):
+        (corpus / split).mkdir(parents=True)
+        (corpus / split / "corpus.yaml").write_text("")
+    assert main(["init", str(tmp_path / "exp"), "--corpus", str(corpus)]) == 0
+    cfg = load_config(str(tmp_path / "exp" / "mpitrain.yaml"))
+    assert cfg.data.train == str(corpus / "train") and cfg.data.dev == str(corpus / "dev")
+    capsys.readouterr()
+
+
 @pytest.mark.mpi
 def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_corpus,
                                                                        tmp_path):
