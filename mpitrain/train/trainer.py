@@ -676,6 +676,10 @@ class Trainer(CheckpointResume):
         if self._checkpointed_at != self.step:
             # (rank 0's divergence guard: the one that judges a window on every method)
             good = self.comm.bcast_obj(bool(self.guard.last_window_good), root=0)
+            # and, between log lines, the window under way (the lock-step loop's; the
+            # asynchronous ring keeps its window on rank 0 alone)
+            if good and not self._takes_own_steps():
+                good = self._window_so_far_good()
             if good and self._params_finite():
                 self.save_checkpoint()
             else:

@@ -163,3 +163,29 @@ def test_a_checkpoint_inside_a_window_that_went_bad_is_not_written(small_corpus,
     assert "rolled back to ckpt-00000010.h5" in out, out
     rollback, = _records(run, "rollback")
     assert rollback["step"] == 10
+
+
+def test_a_stop_inside_a_window_that_went_bad_writes_no_checkpoint(small_corpus, tmp_path,
+                                                                  capsys, nan_burst):
+    """The checkpoint a signal stops at is one between log lines too: written at step
+    15 after the trouble began at 12, it was the model --resume went on from and a
+    roll back returned to."""
+    import signal
+    from mpitrain.train import step as step_module
+    from mpitrain.train.stop import EXIT_STOPPED
+    nan_burst(12, 8)
+    poisoned, launches = step_module.splice_batch_, []
+
+    def splice_then_signal(*args, **kwargs):
+        launches.append(1)
+        if len(launches) == 15:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return poisoned(*args, **kwargs)
+    step_module.splice_batch_ = splice_then_signal
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, ["training.log_interval=10",
+                                      "training.checkpoint_interval=0"]) == EXIT_STOPPED
+    out = capsys.readouterr().out
+    assert "stopped at step 15 of 60 on SIGTERM" in out, out
+    assert "no checkpoint written (the model is diverging or not finite)" in out, out
+    assert not [name for name in os.listdir(run) if name.startswith("ckpt-")]
