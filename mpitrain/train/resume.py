@@ -272,13 +272,10 @@ class CheckpointResume:
     def _seek_own_steps(self, fraction: float) -> None:
         """Asynchronous ADPSGD after a re-plan: each rank has done the fraction of its
         own planned steps (its own data, its own count) that the job had done of its
-        plan, capped by ``training.max_steps`` as its steps are."""
+        plan; not capped by ``training.max_steps``, as in the lock-step methods."""
         cfg = self.cfg
         planned = max(int(round(cfg.training.epochs * self.steps_per_epoch)), 1)
-        own = int(round(fraction * planned))
-        if cfg.training.max_steps:
-            own = min(own, cfg.training.max_steps)
-        own = min(own, planned)
+        own = min(int(round(fraction * planned)), planned)
         self.strategy.own_steps = own
         self.stream.seek(own // self.steps_per_epoch, own % self.steps_per_epoch)
 

@@ -445,3 +445,33 @@ def test_the_step_time_is_measured_after_the_checks(small_corpus, tmp_path, monk
     record = _records(run, "virtual")[0]
     assert record["compute"]["step_seconds"] == 0.004
     assert record["simulated_seconds"] >= 4 * 0.004
+
+
+def test_an_asynchronous_ring_re_planned_past_max_steps_keeps_its_place(small_corpus, tmp_path,
+                                                                        capsys):
+    """As in the lock-step methods: each rank's own steps were capped at max_steps 30,
+    so the checkpoint said step 31 where the re-plan had put the run at 48, and a
+    later resume redid steps 31-48 at the higher rates of that part of the schedule."""
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, records, small_overrides
+    run = tmp_path / "run"
+
+    def train(*settings, resume=False):
+        argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
+                "--run-dir", str(run)] + (["--resume", "--accept-changes"] if resume else [])
+        for item in small_overrides(small_corpus) + [
+                "model.hidden_dim=16", "training.checkpoint_interval=8",
+                "parallel.method=adpsgd", "parallel.asynchronous=true", *settings]:
+            argv += ["--set", item]
+        return main(argv)
+
+    assert train("training.max_steps=24") == 0
+    assert train("training.max_steps=30", "training.minibatch=128", resume=True) == 0
+    change, = records(run, "rank_change")
+    assert change["to_step"] == 48, change
+    # (each rank takes a step before the end is called: the budget's overshoot)
+    assert 48 <= records(run, "checkpoint")[-1]["step"] <= 50
+    capsys.readouterr()
+    assert train("training.max_steps=60", "training.minibatch=128", resume=True) == 0
+    assert records(run, "start")[-1]["step"] >= 48
+    capsys.readouterr()
