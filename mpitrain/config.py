@@ -272,7 +272,8 @@ class PretrainConfig:
                                                          "averages of the RBM over ranks")
     divergence_factor: float = _opt(10.0, min=0.0, help="pretrain: stop when a log window's "
                                     "reconstruction error exceeds this factor times the "
-                                    "layer's first window's; 0: only non-finite errors stop")
+                                    "layer's first window's (the Gaussian layer's at most 1, "
+                                    "the features' variance); 0: only non-finite errors stop")
 
 
 @dataclass

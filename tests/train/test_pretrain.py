@@ -418,3 +418,12 @@ def test_a_small_divergence_factor_is_named_when_it_stops_the_run(small_corpus, 
         "pretrain.learning_rate_gaussian=50", "pretrain.momentum_initial=0.9"]))
     err = capsys.readouterr().err
     assert code == 2 and "diverged" in err and "divergence_factor" not in err, err
+
+
+def test_the_divergence_factors_help_names_the_gaussian_layers_yardstick():
+    # the reference table said "times the layer's first window's" alone, where the
+    # Gaussian layer's yardstick is that window or 1, whichever is less
+    import dataclasses
+    from mpitrain.config import PretrainConfig
+    (field,) = [f for f in dataclasses.fields(PretrainConfig) if f.name == "divergence_factor"]
+    assert "the Gaussian layer's at most 1" in field.metadata["help"]
