@@ -523,6 +523,15 @@ class ParameterServer(Strategy):
             return None
         return saved[self.comm.rank - len(self.servers)]
 
+    def re_plan_client_steps(self, factor: float) -> None:
+        """The data was re-planned on resume (another minibatch or chunk size): the
+        saved counts of each client's minibatches, in the old plan's steps, become
+        the same fraction of the new plan's."""
+        if self._saved_client_steps is not None:
+            self._saved_client_steps = [int(round(s * factor))
+                                        for s in self._saved_client_steps]
+        self.client_steps = [int(round(s * factor)) for s in self.client_steps]
+
     def done_without_data(self) -> None:
         """Tell the server this client has no minibatch to train on."""
         self._header[:] = (DONE, 0.0, 0.0, 0, 0, 0)

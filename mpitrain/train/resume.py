@@ -238,7 +238,9 @@ class CheckpointResume:
                              self.step % self.steps_per_epoch)
         elif self.cfg.parallel.method == "adpsgd":
             self._seek_own_steps(ckpt.step / old_planned)
-        # (a parameter server's clients seek in the serving loop: serving.py)
+        elif self.cfg.parallel.method == "param_server":
+            # (its clients seek in the serving loop, serving.py, from their own counts)
+            self.strategy.re_plan_client_steps(self.planned_steps / old_planned)
         self._say(f"resume: {replanned}: data re-planned over {self.comm.size} ranks, step "
                   f"{ckpt.step} of {old_planned} becomes {self.step} of {self.planned_steps}, "
                   "optimizer state (momentum, natural-gradient statistics) starts afresh")

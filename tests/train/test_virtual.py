@@ -475,3 +475,28 @@ def test_an_asynchronous_ring_re_planned_past_max_steps_keeps_its_place(small_co
     assert train("training.max_steps=60", "training.minibatch=128", resume=True) == 0
     assert records(run, "start")[-1]["step"] >= 48
     capsys.readouterr()
+
+
+def test_a_parameter_server_re_planned_on_resume_counts_its_clients_steps_in_the_new_plan(
+        small_corpus, tmp_path):
+    """Its clients went on from their saved counts in the old minibatch's steps: 24
+    steps at 256 frames were taken for 24 at 128, so the run trained 24 steps again
+    and went past training.max_steps (84 steps of 60)."""
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, records, small_overrides
+    run = tmp_path / "run"
+
+    def train(*settings, resume=False):
+        argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
+                "--run-dir", str(run)] + (["--resume", "--accept-changes"] if resume else [])
+        for item in small_overrides(small_corpus) + [
+                "model.hidden_dim=16", "training.checkpoint_interval=8",
+                "parallel.method=param_server", *settings]:
+            argv += ["--set", item]
+        return main(argv)
+
+    assert train("training.max_steps=24") == 0
+    assert train("training.max_steps=60", "training.minibatch=128", resume=True) == 0
+    assert records(run, "rank_change")[-1]["to_step"] == 48
+    end = records(run, "end")[-1]
+    assert end["steps"] == 60, end
