@@ -328,7 +328,8 @@ class RunDirLock:
 
     def acquire(self):
         import fcntl
-        fh = open(self.path, "a+", encoding="utf-8")
+        # (errors="replace": a damaged lock file is still named in the refusal below)
+        fh = open(self.path, "a+", encoding="utf-8", errors="replace")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -341,7 +342,7 @@ class RunDirLock:
                     "on this run directory would not be noticed")
             else:
                 fh.seek(0)
-                holder = fh.read().strip() or "another process"
+                holder = fh.read(200).strip() or "another process"
                 fh.close()
                 return (f"{os.path.dirname(self.path)}: another run is using this directory "
                         f"({holder}); wait for it to end, or choose another --run-dir")

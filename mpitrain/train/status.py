@@ -28,6 +28,8 @@ from .metrics import format_duration
 
 #: What :class:`~mpitrain.train.run_dir.RunDirLock` writes into ``.lock``.
 _HOLDER = re.compile(r"^pid (\d+) on (\S+)$")
+#: The largest process id a system gives (a pid_t is a 32-bit int).
+_MAX_PID = 2**31 - 1
 
 
 def run_status(run_dir, *, now: float | None = None) -> list:
@@ -126,12 +128,15 @@ def _lock_holder(run_dir):
     """``(pid, host)`` that ``.lock`` names: rank 0 of the run that took it last
     (it may have ended since); None when it names none."""
     try:
-        with open(os.path.join(run_dir, ".lock"), encoding="utf-8") as fh:
+        # (a damaged lock file's bytes are no text: it then names none)
+        with open(os.path.join(run_dir, ".lock"), encoding="utf-8", errors="replace") as fh:
             text = fh.read(200)
     except OSError:
         return None
     m = _HOLDER.match(text.strip())
-    return (int(m.group(1)), m.group(2)) if m else None
+    if not m or not 0 < int(m.group(1)) <= _MAX_PID:
+        return None     # (pid 0 would ask after our own process group, a huge one overflows)
+    return int(m.group(1)), m.group(2)
 
 
 def _alive(pid: int) -> bool:

@@ -117,6 +117,19 @@ def test_the_lock_tells_when_its_directory_was_removed_or_moved(tmp_path):
         lock.release()
 
 
+def test_a_held_lock_whose_file_is_not_text_is_refused_naming_the_directory(tmp_path):
+    """The refusal quotes the holder from .lock: damaged bytes there gave a bare
+    UnicodeDecodeError naming nothing."""
+    import fcntl
+    from mpitrain.train.run_dir import RunDirLock
+    (tmp_path / ".lock").write_bytes(b"\xff\xfe" + b"x" * 100000)
+    with open(tmp_path / ".lock", "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        problem = RunDirLock(str(tmp_path)).acquire()
+    assert problem.startswith(f"{tmp_path}: another run is using this directory (") \
+        and len(problem) < 400, problem
+
+
 def test_a_run_directory_whose_files_could_not_be_named_is_refused_before_writing(tmp_path):
     """Near PATH_MAX a run trained, then failed at its first checkpoint (its temporary
     name too long), with config.yaml and metrics.jsonl written and nothing to resume."""

@@ -105,6 +105,21 @@ def test_a_rank_0_whose_process_id_another_process_took_is_gone(tmp_path):
         other.wait()
 
 
+@pytest.mark.parametrize("lock", [b"\xff\xfe\n", b"pid 0 on HOST\n",
+                                  b"pid 2147483648 on HOST\n",
+                                  b"pid 99999999999999999999999 on HOST\n"],
+                         ids=["not-utf8", "pid-0", "beyond-pid_t", "beyond-c-long"])
+def test_a_damaged_lock_file_names_no_rank_0(tmp_path, lock):
+    """A .lock that is no text, or names no possible process, names no holder (it was a
+    message naming nothing, an OverflowError traceback, or 'running' for pid 0)."""
+    run = tmp_path / "run"
+    _write(run, [START, TRAIN])
+    (run / ".lock").write_bytes(lock.replace(b"HOST", os.uname().nodename.encode()))
+    first = run_status(run)[0]
+    assert first.startswith(f"{run}: running, or cut off (no end record; ") \
+        and "rank 0" not in first, first
+
+
 def test_the_newest_checkpoint_is_the_newest_training_not_the_highest_number(tmp_path):
     """Resumed on more ranks, a run numbers its steps lower: ckpt-50 holds more
     training than ckpt-80, and --resume continues from it."""
