@@ -172,7 +172,7 @@ def dataset_problem(group, name: str, path, *, what: str) -> str | None:
     obj = group[name]
     where = _member(group, name)
     if not isinstance(obj, h5py.Dataset):
-        return f"{path}: '{where}' is a group, expected a dataset"
+        return f"{path}: '{where}' is a {_kind(obj)}, expected a dataset"
     plist = obj.id.get_create_plist()
     if obj.is_virtual or plist.get_external_count():
         return (f"{path}: dataset '{where}' keeps its data outside this file "
@@ -191,6 +191,13 @@ def dataset_problem(group, name: str, path, *, what: str) -> str | None:
                 f"the file stores {min(stored, size)} bytes of it (unwritten or compressed "
                 "data is not accepted)")
     return None
+
+
+def _kind(obj) -> str:
+    """What an HDF5 object is, in words: a file may hold named datatypes too."""
+    h5py = h5py_module()
+    return ("dataset" if isinstance(obj, h5py.Dataset) else
+            "group" if isinstance(obj, h5py.Group) else "named datatype")
 
 
 def _compression(plist) -> str:
@@ -430,6 +437,9 @@ class _Walk:
                 raise ValueError(problem)
             child = f"{name}/{key}" if name else key
             item = obj[key]
+            if not isinstance(item, (h5py.Dataset, h5py.Group)):
+                raise ValueError(f"{self.prefix} '{child}' is a {_kind(item)}; expected "
+                                 "groups and datasets only")
             if isinstance(item, h5py.Dataset) and self.mode != "write":
                 problem = dataset_problem(obj, key, self.path, what=self.what)
                 if problem:

@@ -482,6 +482,10 @@ def _priors_negative(f):
     f["class_priors"][...] = -np.abs(f["class_priors"][...]) - 0.01
 
 
+def _named_datatype(f):
+    f["extra"] = np.dtype("f4")     # a committed type: neither a group nor a dataset
+
+
 def _version_newer(f):
     f.attrs["version"] = 99
 
@@ -510,6 +514,8 @@ def _version_not_int(f):
     (_option_of_another_kind, ["component 1: field 'p' is not an option of relu"]),
     # (export scored every class as never seen, -1.8e19, and exited 0)
     (_priors_negative, ["dataset 'class_priors' holds a negative value"]),
+    # (an AttributeError traceback from the checksum's walk)
+    (_named_datatype, ["'extra' is a named datatype; expected groups and datasets only"]),
 ])
 def test_crafted_model_is_refused_naming_file_and_field(model, craft, parts):
     with h5py.File(model, "a") as f:
@@ -619,6 +625,9 @@ def _step_not_int(f):
     (_state_nested_deep, ["is nested more than 16 deep"]),
     (_state_soft_link_cycle, ["'ranks/00000/optimizer/loop' is a link (SoftLink)"]),
     (_step_not_int, ["checkpoint attribute 'step'"]),
+    (_named_datatype, ["'extra' is a named datatype; expected groups and datasets only"]),
+    (lambda f: _named_datatype(f["ranks/00000/optimizer"]),
+     ["'ranks/00000/optimizer/extra' is a named datatype, expected a dataset"]),
 ])
 def test_crafted_checkpoint_is_refused_naming_file_and_field(checkpoint, craft, parts):
     with h5py.File(checkpoint, "a") as f:
