@@ -283,10 +283,14 @@ def read_state(group, path=None, *, what: str = "file", _depth: int = 0) -> dict
     for key, value in group.attrs.items():
         if isinstance(value, str) and value == "__none__":
             state[key] = None
-        elif isinstance(value, np.generic):
+        elif isinstance(value, np.generic) and value.dtype.kind in "biuf":
             state[key] = value.item()
-        else:
+        elif isinstance(value, (str, bool, int, float)):
             state[key] = value
+        else:
+            # write_state stores arrays as datasets: an attribute holds one number or text
+            raise ValueError(f"{path}: attribute '{_member(group, key)}': expected a number "
+                             f"or text, got {_attr_kind(value)}")
     h5py = h5py_module()
     for key in group.keys():
         problem = link_problem(group, key, path, what=what)
@@ -304,6 +308,15 @@ def read_state(group, path=None, *, what: str = "file", _depth: int = 0) -> dict
                              "expected numbers")
         state[key] = item[...]
     return state
+
+
+def _attr_kind(value) -> str:
+    import numpy as np
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape}"
+    if isinstance(value, h5py_module().Empty):
+        return "an empty value"
+    return f"{type(value).__name__} {value!r:.40}"
 
 
 # -- checksums ---------------------------------------------------------------------------

@@ -608,6 +608,18 @@ def _state_soft_link_cycle(f):
     f["ranks/00000/optimizer/loop"] = h5py.SoftLink("/ranks/00000")
 
 
+def _window_scalar(f):
+    f["ranks/00001/window"] = np.float64(1.0)
+
+
+def _window_counts_negative(f):
+    f["ranks/00000/window"] = np.array([1.0, 2.0, -5.0, 0.0])
+
+
+def _optimizer_count_array(f):
+    f["ranks/00001/optimizer"].attrs["num_steps"] = np.array([5, 6])
+
+
 def _step_not_int(f):
     f.attrs["step"] = "five"
 
@@ -626,6 +638,12 @@ def _step_not_int(f):
     (_state_soft_link_cycle, ["'ranks/00000/optimizer/loop' is a link (SoftLink)"]),
     (_step_not_int, ["checkpoint attribute 'step'"]),
     (_named_datatype, ["'extra' is a named datatype; expected groups and datasets only"]),
+    # (an IndexError or a TypeError traceback on resume)
+    (_window_scalar, ["'ranks/00001/window' has shape () and dtype float64; expected the "
+                      "log window's 4 float sums"]),
+    (_window_counts_negative, ["'ranks/00000/window' has shape (4,)"]),
+    (_optimizer_count_array, ["attribute 'ranks/00001/optimizer/num_steps': expected a "
+                              "number or text, got an array of shape (2,)"]),
     (lambda f: _named_datatype(f["ranks/00000/optimizer"]),
      ["'ranks/00000/optimizer/extra' is a named datatype, expected a dataset"]),
 ])

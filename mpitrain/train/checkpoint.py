@@ -259,7 +259,22 @@ def _rank_state(ranks, name: str, num_params: int, path) -> dict:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{path}: field 'ranks/{name}/reader/{key}': expected a "
                              f"non-negative int, got {value!r}")
+    window = state.get("window")
+    if window is not None and not _window_sums(window):
+        got = (f"shape {window.shape} and dtype {window.dtype}"
+               if isinstance(window, np.ndarray) else "a group")
+        raise ValueError(f"{path}: 'ranks/{name}/window' has {got}; expected the log "
+                         "window's 4 float sums (cross-entropy, correct, frames, skipped "
+                         "steps), the last two whole counts")
     return state
+
+
+def _window_sums(window) -> bool:
+    """The shape of a rank's log-window sums (``TrainingStep.window_state``)."""
+    if not isinstance(window, np.ndarray) or window.shape != (4,) or window.dtype.kind != "f":
+        return False
+    counts = window[2:]
+    return bool(np.all((counts >= 0) & (counts <= 1 << 62) & (counts == np.floor(counts))))
 
 
 def _trainer_state(f, path) -> dict:
