@@ -620,6 +620,10 @@ def _optimizer_count_array(f):
     f["ranks/00001/optimizer"].attrs["num_steps"] = np.array([5, 6])
 
 
+def _own_model_of_one_rank(f):
+    f["ranks/00000"].create_group("strategy")["params"] = np.zeros(131, np.float32)
+
+
 def _step_not_int(f):
     f.attrs["step"] = "five"
 
@@ -642,6 +646,9 @@ def _step_not_int(f):
     (_window_scalar, ["'ranks/00001/window' has shape () and dtype float64; expected the "
                       "log window's 4 float sums"]),
     (_window_counts_negative, ["'ranks/00000/window' has shape (4,)"]),
+    # (restored on one rank, which restarted its ADPSGD exchange: the job hung)
+    (_own_model_of_one_rank, ["'ranks/00000/strategy/params' (a rank's own model) is stored "
+                              "for 1 of 2 ranks, not for rank 1"]),
     (_optimizer_count_array, ["attribute 'ranks/00001/optimizer/num_steps': expected a "
                               "number or text, got an array of shape (2,)"]),
     (lambda f: _named_datatype(f["ranks/00000/optimizer"]),

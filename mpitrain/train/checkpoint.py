@@ -269,6 +269,19 @@ def _rank_state(ranks, name: str, num_params: int, path) -> dict:
     return state
 
 
+def _own_models_on_every_rank_or_none(rank_group, names, path) -> None:
+    """A rank that restores its own model restarts its exchanges with the others
+    (ADPSGD): were it stored for some ranks only, each rank would wait for one that
+    does not come.  Every rank reads the whole group, so all refuse the file alike."""
+    holding = [name for name in names if isinstance(rank_group.get(name), h5py_module().Group)
+               and "strategy/params" in rank_group[name]]
+    if holding and len(holding) != len(names):
+        lacking = next(name for name in names if name not in holding)
+        raise ValueError(f"{path}: 'ranks/{holding[0]}/strategy/params' (a rank's own model) "
+                         f"is stored for {len(holding)} of {len(names)} ranks, not for rank "
+                         f"{int(lacking)}; expected it for every rank or none")
+
+
 def _window_sums(window) -> bool:
     """The shape of a rank's log-window sums (``TrainingStep.window_state``)."""
     if not isinstance(window, np.ndarray) or window.shape != (4,) or window.dtype.kind != "f":
@@ -339,6 +352,7 @@ def load_checkpoint(path, *, xp=None, ranks=None, into=None) -> Checkpoint:
             raise ValueError(f"{path}: group 'ranks' holds {len(stored)} entries; expected "
                              f"ranks 00000..{expected[-1]} (attribute 'num_ranks' is "
                              f"{attrs['num_ranks']})")
+        _own_models_on_every_rank_or_none(rank_group, stored, path)
         names = stored if ranks is None else [f"{r:05d}" for r in ranks]
         rank_states = {}
         for name in names:
