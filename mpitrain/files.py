@@ -451,14 +451,21 @@ def parse_yaml(text: str, *, where: str = "YAML text", as_written: bool = False)
     if _LOADER is None:
         _LOADER = _loader()
         _WRITTEN_LOADER = _as_written_loader(_LOADER)
+    # (PyYAML composes nested values recursively: a few hundred levels of brackets
+    # exhaust Python's stack, a RecursionError that named nothing)
+    too_deep = f"{where}: not valid YAML: values nested too deep to read"
     try:
         # the safe loader above: builds no Python objects; its reader already
         # refuses control characters, so the constructor is inside the try too
         loader = (_WRITTEN_LOADER if as_written else _LOADER)(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"{where}: not valid YAML ({_yaml_problem(exc)})") from None
+    except RecursionError:
+        raise ValueError(too_deep) from None
     try:
         return loader.get_single_data()
+    except RecursionError:
+        raise ValueError(too_deep) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = f" at line {mark.line + 1}" if mark else ""

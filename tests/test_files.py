@@ -82,6 +82,9 @@ def test_yaml_errors_say_what_is_wrong_on_one_line():
     # control characters: PyYAML's reader refuses them while the loader is built
     (b"data:\n  train: base/train\x07\n", "not valid YAML (character #x0007 at offset 25)"),
     (b"\x00\x01", "not valid YAML (character #x0000 at offset 0)"),
+    # brackets nested past Python's recursion limit (a RecursionError naming nothing)
+    (b"training: {epochs: " + b"[" * 1000 + b"]" * 1000 + b"}\n",
+     "not valid YAML: values nested too deep to read"),
 ])
 def test_read_yaml_errors_are_one_line_naming_the_file(tmp_path, content, message):
     path = tmp_path / "run.yaml"
