@@ -55,15 +55,29 @@ def apply_cmvn(feats: np.ndarray, stats: np.ndarray, *, norm_vars: bool = False)
 
         apply_cmvn(feats, stats, norm_vars=True)    # float32, zero mean, unit variance
     """
+    scale, offset, _ = cmvn_transform(stats, norm_vars=norm_vars)
+    feats = np.asarray(feats, dtype=np.float32)
+    return feats + offset if scale is None else feats * scale + offset
+
+
+def cmvn_transform(stats: np.ndarray, *, norm_vars: bool = False):
+    """``(scale, offset, var)`` of :func:`apply_cmvn`: float32 ``scale`` (None without
+    ``norm_vars``) and ``offset``, and the float64 variance they came from (None
+    without ``norm_vars``).
+
+    Example::
+
+        scale, offset, var = cmvn_transform(stats, norm_vars=True)
+    """
     f32 = np.float32
     count = stats[0, -1]
-    mean = stats[0, :-1] / count
-    feats = np.asarray(feats, dtype=f32)
-    if not norm_vars:
-        return feats + (-mean).astype(f32)
-    var = np.maximum(stats[1, :-1] / count - mean * mean, VAR_FLOOR)
-    scale = 1.0 / np.sqrt(var)
-    return feats * scale.astype(f32) + (-(mean * scale)).astype(f32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean = stats[0, :-1] / count
+        if not norm_vars:
+            return None, (-mean).astype(f32), None
+        var = np.maximum(stats[1, :-1] / count - mean * mean, VAR_FLOOR)
+        scale = 1.0 / np.sqrt(var)
+        return scale.astype(f32), (-(mean * scale)).astype(f32), var
 
 
 class SpeakerCmvn:
@@ -133,6 +147,17 @@ class SpeakerCmvn:
             row, col = (int(i) for i in np.argwhere(~np.isfinite(rows))[0])
             raise CorpusError(f"{self.stats_name}: CMVN stats of {key!r} hold "
                               f"{rows[row, col]} at row {row}, column {col}")
+        scale, offset, var = cmvn_transform(stats, norm_vars=self.norm_vars)
+        for name, values in (("variance", var), ("scale", scale), ("offset", offset)):
+            if values is not None and not np.isfinite(values).all():
+                # finite sums whose mean (or variance) float32, or float64, cannot hold:
+                # every feature of the speaker would be inf or NaN, or silently zero
+                dim = int(np.flatnonzero(~np.isfinite(values))[0])
+                raise CorpusError(f"{self.stats_name}: CMVN stats of {key!r} give an "
+                                  f"infinite {name} at dimension {dim} (sum "
+                                  f"{stats[0, dim]:g}, sum of squares "
+                                  f"{stats[min(1, len(stats) - 1), dim]:g}, count "
+                                  f"{stats[0, -1]:g})")
         return apply_cmvn(feats, stats, norm_vars=self.norm_vars)
 
 

@@ -158,6 +158,14 @@ def test_bad_cmvn_input_is_one_line_naming_file_and_speaker(kaldi, tmp_path):
     kaldiio.save_ark(str(kaldi / "nan.ark"), nan_stats)
     fails(r"nan\.ark: CMVN stats of 'b' hold nan at row 1, column 0",
           utt2spk=str(kaldi / "utt2spk"), cmvn=f"ark:{kaldi}/nan.ark", norm_vars=True)
+    # finite sums whose mean float32 cannot hold: blamed on the features the same way
+    huge = {s: v.copy() for s, v in STATS.items()}
+    huge["a"][0, 1] = -3e300
+    kaldiio.save_ark(str(kaldi / "huge.ark"), huge)
+    for norm_vars in (False, True):
+        fails(r"huge\.ark: CMVN stats of 'a' give an infinite offset at dimension 1 "
+              r"\(sum -3e\+300, sum of squares 620, count 3\)",
+              utt2spk=str(kaldi / "utt2spk"), cmvn=f"ark:{kaldi}/huge.ark", norm_vars=norm_vars)
     (kaldi / "bad_utt2spk").write_text("a1 a extra\n")
     fails(r"bad_utt2spk:1: expected 'utterance speaker'", utt2spk=str(kaldi / "bad_utt2spk"))
 
