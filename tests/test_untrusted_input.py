@@ -624,6 +624,12 @@ def _own_model_of_one_rank(f):
     f["ranks/00000"].create_group("strategy")["params"] = np.zeros(131, np.float32)
 
 
+def _trainer_count_as_text(f):
+    trainer = f.create_group("trainer")
+    trainer.attrs["place_data.train"] = "/data/train"
+    trainer.attrs["rollbacks"] = "x"
+
+
 def _step_not_int(f):
     f.attrs["step"] = "five"
 
@@ -649,6 +655,8 @@ def _step_not_int(f):
     # (restored on one rank, which restarted its ADPSGD exchange: the job hung)
     (_own_model_of_one_rank, ["'ranks/00000/strategy/params' (a rank's own model) is stored "
                               "for 1 of 2 ranks, not for rank 1"]),
+    # ("invalid literal for int() with base 10: 'x'" on resume, naming nothing)
+    (_trainer_count_as_text, ["field 'trainer/rollbacks': expected a number, got 'x'"]),
     (_optimizer_count_array, ["attribute 'ranks/00001/optimizer/num_steps': expected a "
                               "number or text, got an array of shape (2,)"]),
     (lambda f: _named_datatype(f["ranks/00000/optimizer"]),

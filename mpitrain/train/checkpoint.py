@@ -304,7 +304,15 @@ def _trainer_state(f, path) -> dict:
         if not (value is None or isinstance(value, (bool, int, float, str))):
             raise ValueError(f"{path}: field 'trainer/{key}': expected a scalar, got "
                              f"{type(value).__name__}")
+        if isinstance(value, str) and not key.startswith(_TEXT_PREFIX):
+            # (the resume's int() and float() of it named neither file nor field)
+            raise ValueError(f"{path}: field 'trainer/{key}': expected a number, got "
+                             f"{value[:40]!r}")
     return state
+
+
+#: The trainer's only text: where the corpora and init_from were (run_dir.corpus_places).
+_TEXT_PREFIX = "place_"
 
 
 def load_checkpoint(path, *, xp=None, ranks=None, into=None) -> Checkpoint:
