@@ -482,6 +482,10 @@ def _priors_negative(f):
     f["class_priors"][...] = -np.abs(f["class_priors"][...]) - 0.01
 
 
+def _scale_zero(f):
+    f["cmvn_scale"][0] = 0.0
+
+
 def _named_datatype(f):
     f["extra"] = np.dtype("f4")     # a committed type: neither a group nor a dataset
 
@@ -516,6 +520,9 @@ def _version_not_int(f):
     (_priors_negative, ["dataset 'class_priors' holds a negative value"]),
     # (an AttributeError traceback from the checksum's walk)
     (_named_datatype, ["'extra' is a named datatype; expected groups and datasets only"]),
+    # (loaded: the dimension erased from every frame)
+    (_scale_zero, ["dataset 'cmvn_scale' holds 0 at dimension 0; the scales are "
+                   "1/sqrt(variance), positive"]),
 ])
 def test_crafted_model_is_refused_naming_file_and_field(model, craft, parts):
     with h5py.File(model, "a") as f:

@@ -230,6 +230,7 @@ def read_stored_model(group, path) -> StoredModel:
     num_classes = components[-1].out_dim
     cmvn_mean = _float_vector(group, "cmvn_mean", path, feat_dim, what="feat_dim")
     cmvn_scale = _float_vector(group, "cmvn_scale", path, feat_dim, what="feat_dim")
+    check_cmvn_scale(cmvn_scale, path)
     priors = None
     if "class_priors" in group:
         priors = _float_vector(group, "class_priors", path, num_classes,
@@ -244,6 +245,16 @@ def read_stored_model(group, path) -> StoredModel:
     arrays = {"params": params[...], "cmvn_mean": cmvn_mean, "cmvn_scale": cmvn_scale}
     return StoredModel(path, components, feat_dim, left, right, arrays, priors,
                        _speaker_cmvn(group, path))
+
+
+def check_cmvn_scale(scale, path) -> None:
+    """ValueError naming the file when a stored ``cmvn_scale`` (1/sqrt of a variance,
+    floored at 1e-60 when written) is zero or negative: that is damage, which would
+    flip or erase a feature dimension.  (A non-finite value is named further on.)"""
+    bad = np.flatnonzero(np.isfinite(scale) & (scale <= 0))
+    if bad.size:
+        raise ValueError(f"{path}: dataset 'cmvn_scale' holds {scale[bad[0]]:g} at dimension "
+                         f"{int(bad[0])}; the scales are 1/sqrt(variance), positive")
 
 
 def _speaker_cmvn(group, path, *, what: str = "model", null: bool = False) -> dict | None:

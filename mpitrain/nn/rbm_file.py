@@ -21,7 +21,7 @@ from ..backend import to_host
 from ..h5io import (atomic_h5_file, link_problem, open_h5_for_reading, reading_errors,
                     require_dataset, verify_file)
 from .model_file import (MAX_CONTEXT, MAX_FEAT_DIM, MAX_LAYER_DIM, MAX_PARAMS, _speaker_cmvn,
-                         check_version)
+                         check_cmvn_scale, check_version)
 from .rbm import RBM, UNRECORDED, VISIBLE_TYPES, RBMStack
 
 FORMAT = "mpitrain-rbm-stack"
@@ -113,6 +113,7 @@ def read_stack_group(group, path, *, xp=np) -> RBMStack:
             raise ValueError(f"{path}: dataset '{name}' has shape {data.shape} and dtype "
                              f"{data.dtype}; expected ({length},) floats")
         arrays[name] = data[...]
+    check_cmvn_scale(arrays["cmvn_scale"], path)
     rbms = []
     for i, spec in enumerate(specs):
         rbm = RBM(spec["visible_dim"], spec["hidden_dim"], visible=spec["visible"], xp=xp)
