@@ -463,7 +463,11 @@ def parse_yaml(text: str, *, where: str = "YAML text", as_written: bool = False)
     except RecursionError:
         raise ValueError(too_deep) from None
     try:
-        return loader.get_single_data()
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_alias_expansion(node, where)
+        return loader.construct_document(node)
     except RecursionError:
         raise ValueError(too_deep) from None
     except yaml.YAMLError as exc:
@@ -479,6 +483,49 @@ def parse_yaml(text: str, *, where: str = "YAML text", as_written: bool = False)
                          + (f": {problem}" if problem else "")) from None
     finally:
         loader.dispose()
+
+
+#: Values that aliases (``*name``) may add to a document beyond those written in it.
+MAX_ALIASED_VALUES = 100_000
+
+
+def _check_alias_expansion(root, where: str) -> None:
+    """ValueError when the document's aliases stand for more than MAX_ALIASED_VALUES
+    values beyond those written, or for a value that holds itself.
+
+    PyYAML shares an aliased value instead of copying it, so loading costs nothing;
+    but nine lines of anchors can stand for a billion values, which every reader
+    that walks the data (a check, an error message's repr, a digest) then meets:
+    `check` ran for ever, `train` ran out of memory."""
+    import yaml
+    size, written, state, stack = {}, set(), {}, [root]
+    while stack:
+        node = stack[-1]
+        key = id(node)
+        written.add(key)
+        children = []
+        if isinstance(node, yaml.SequenceNode):
+            children = node.value
+        elif isinstance(node, yaml.MappingNode):
+            children = [item for pair in node.value for item in pair]
+        if state.get(key) is None:
+            state[key] = "open"
+            for child in children:
+                if state.get(id(child)) == "open":
+                    raise ValueError(f"{where}: not valid YAML at line "
+                                     f"{child.start_mark.line + 1}: an alias stands for a "
+                                     "value that holds it")
+                if id(child) not in state:
+                    stack.append(child)
+            continue
+        stack.pop()
+        if state[key] == "open":
+            state[key] = "done"
+            size[key] = 1 + sum(size[id(child)] for child in children)
+            if size[key] > len(written) + MAX_ALIASED_VALUES:
+                raise ValueError(f"{where}: not valid YAML at line {node.start_mark.line + 1}: "
+                                 f"its aliases stand for more than {MAX_ALIASED_VALUES:,} "
+                                 "values beyond those written")
 
 
 def _yaml_problem(exc) -> str:

@@ -82,6 +82,14 @@ def test_yaml_errors_say_what_is_wrong_on_one_line():
     # control characters: PyYAML's reader refuses them while the loader is built
     (b"data:\n  train: base/train\x07\n", "not valid YAML (character #x0007 at offset 25)"),
     (b"\x00\x01", "not valid YAML (character #x0000 at offset 0)"),
+    # nine lines of anchors standing for a billion values: `check` of a corpus.yaml
+    # holding them ran for ever, `train` ran out of memory
+    (b"".join(b"%s: &%s [%s]\n" % (bytes([97 + i]), bytes([97 + i]),
+                                   b",".join([b"*%s" % bytes([96 + i]) if i else b"x"] * 9))
+              for i in range(9)) + b"data: *i\n",
+     "not valid YAML at line 6: its aliases stand for more than 100,000 values beyond "
+     "those written"),
+    (b"a: &x [1, *x]\n", "not valid YAML at line 1: an alias stands for a value that holds it"),
     # brackets nested past Python's recursion limit (a RecursionError naming nothing)
     (b"training: {epochs: " + b"[" * 1000 + b"]" * 1000 + b"}\n",
      "not valid YAML: values nested too deep to read"),
