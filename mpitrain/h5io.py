@@ -99,7 +99,44 @@ def h5_reader(path):
     temporary file and renames it), so its reads need no lock; the lock would
     only stop ranks on such a filesystem from reading their corpus at all.
     """
-    return h5py_module().File(path, "r", locking=False)
+    f = h5py_module().File(path, "r", locking=False)
+    try:
+        problem = _sequence_attribute(f)
+    except BaseException:
+        f.close()
+        raise
+    if problem:
+        f.close()
+        raise OSError(problem)
+    return f
+
+
+def _sequence_attribute(f) -> str | None:
+    """The first attribute whose datatype is (or holds) a variable-length sequence,
+    in words; None when there is none.
+
+    mpitrain writes numbers and text only.  A damaged datatype message (a single
+    flipped bit turns a text attribute's into a sequence of an unknown kind)
+    makes HDF5 crash the process while converting the value on reading, before
+    any check could see it; the type itself is read without the value.  A file
+    damaged otherwise is left to the readers, which name the damage."""
+    h5py = h5py_module()
+    vlen = h5py.h5t.VLEN
+
+    def check(obj):
+        for name in obj.attrs:
+            kind = h5py.h5a.open(obj.id, _name_bytes(name)).get_type()
+            if kind.get_class() == vlen or kind.detect_class(vlen):
+                where = obj.name.strip("/")
+                return (f"attribute '{f'{where}/' if where else ''}{name}' has a "
+                        "variable-length sequence type, which no mpitrain file holds "
+                        "(a damaged datatype)")
+        return None
+
+    try:
+        return check(f) or f.visititems(lambda _, obj: check(obj))
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError):
+        return None      # (the readers name this damage where they meet it)
 
 
 def open_h5_for_reading(path, what: str):

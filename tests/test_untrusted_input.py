@@ -547,6 +547,21 @@ def test_crafted_model_is_refused_without_allocating(model, tmp_path, craft):
     assert not (tmp_path / "ll.ark").exists()
 
 
+def test_a_text_attribute_whose_datatype_turned_into_a_sequence_is_refused(model, tmp_path):
+    """One byte of a text attribute's datatype message (a variable-length string's
+    kind) set to an unknown sequence kind: HDF5 crashed the process (SIGSEGV) on
+    reading the value, so a damaged model, or checkpoint, was no one-line error
+    and a resume did not fall back to the previous checkpoint."""
+    data = bytearray(model.read_bytes())
+    where = data.index(b"\x19\x01")      # the first variable-length string type: 'format'
+    data[where + 1] = 0x05
+    model.write_bytes(bytes(data))
+    result = load_limited(tmp_path, "mpitrain.nn.model_file", "load_model",
+                          "load_model(sys.argv[1])", model)
+    assert result.returncode != -11, "crashed"
+    assert_refused(result, str(model), "attribute 'format' has a variable-length sequence type")
+
+
 def test_a_sound_model_still_loads(model):
     net, priors = load_model(model)
     assert net.num_params == small_network().num_params and priors.shape == (NUM_CLASSES,)
