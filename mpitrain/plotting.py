@@ -110,7 +110,7 @@ def _read_records(path: str, records: dict, clock) -> None:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line, parse_int=json_int)
             except json.JSONDecodeError as exc:
                 if not line.endswith("\n"):
                     # the last line cut short: a run writing it now, or one killed
@@ -127,6 +127,14 @@ def _read_records(path: str, records: dict, clock) -> None:
             _check_positions(record, path, number)
             record = clock.place(record, records)
             records.setdefault(record["type"], []).append(record)
+
+
+def json_int(text: str):
+    """An integer of a metrics record; one beyond what a float holds becomes inf.
+
+    (Python's int() of thousands of digits is refused in words naming nothing,
+    and arithmetic on a huge one overflows; an inf is judged like any other.)"""
+    return int(text) if len(text) <= 19 else float(text)
 
 
 # where a record stands: counts and clocks, never NaN or infinite (the values

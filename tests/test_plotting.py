@@ -93,6 +93,12 @@ def test_record_without_type_is_rejected(tmp_path):
      "line 7: field 'frames': expected a finite number, got -inf"),
     ('{"type": "eval", "x": ' + "[" * 100000 + "]" * 100000 + "}",
      "line 7: expected one JSON object, got values nested too deep to read"),
+    # integers beyond a float: an OverflowError traceback on the clock's addition, and
+    # past 4300 digits Python's "Exceeds the limit ... for integer string conversion"
+    ('{"type": "train", "step": 3, "frames": 30, "seconds": 1' + "0" * 400 + "}",
+     "line 7: field 'seconds': expected a finite number, got inf"),
+    ('{"type": "train", "step": 1' + "0" * 5000 + ', "frames": 30}',
+     "line 7: field 'step': expected a finite number, got inf"),
 ])
 def test_a_record_that_cannot_stand_on_the_timeline_is_named(tmp_path, capsys, line, message):
     """``status`` and ``plot`` stopped with an OverflowError, a NaN conversion or a

@@ -23,7 +23,7 @@ import os
 import re
 import time
 
-from ..plotting import metrics_path, read_metrics
+from ..plotting import json_int, metrics_path, read_metrics
 from .metrics import format_duration
 
 #: What :class:`~mpitrain.train.run_dir.RunDirLock` writes into ``.lock``.
@@ -77,7 +77,7 @@ def _how_the_latest_start_ended(path) -> tuple:
     with open(path, encoding="utf-8") as fh:
         for line in fh:
             try:
-                record = json.loads(line)
+                record = json.loads(line, parse_int=json_int)
             except json.JSONDecodeError:
                 continue        # (read_metrics has judged the file already)
             kind = record.get("type") if isinstance(record, dict) else None
