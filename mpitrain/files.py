@@ -369,10 +369,22 @@ def _loader():
                 _refuse_repeated_keys(self, node)
             return super().construct_mapping(node, deep=deep)
 
+        def construct_yaml_int(self, node):
+            # Python refuses int() of more than 4300 digits in words naming nothing
+            if len(str(node.value)) > MAX_INT_DIGITS:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"an integer of {len(str(node.value))} characters; at "
+                                f"most {MAX_INT_DIGITS} are read", node.start_mark)
+            return super().construct_yaml_int(node)
+
+    Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_1_2,
                                  list("-+0123456789."))
     return Loader
 
+
+#: Digits of a YAML integer read at most (Python's own limit is 4300).
+MAX_INT_DIGITS = 1000
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
 

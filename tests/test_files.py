@@ -90,6 +90,9 @@ def test_yaml_errors_say_what_is_wrong_on_one_line():
      "not valid YAML at line 6: its aliases stand for more than 100,000 values beyond "
      "those written"),
     (b"a: &x [1, *x]\n", "not valid YAML at line 1: an alias stands for a value that holds it"),
+    # Python's int() refuses more than 4300 digits in words naming nothing
+    (b"training: {seed: 1" + b"0" * 5000 + b"}\n",
+     "not valid YAML at line 1: an integer of 5001 characters; at most 1000 are read"),
     # brackets nested past Python's recursion limit (a RecursionError naming nothing)
     (b"training: {epochs: " + b"[" * 1000 + b"]" * 1000 + b"}\n",
      "not valid YAML: values nested too deep to read"),
