@@ -374,8 +374,9 @@ def model_in_run_dir(path) -> tuple:
             over = f" over {int(frames)} frames" if frames is not None else ""
             detail = f" (best held-out {by} {float(figure):.4f}{over} at step " \
                       f"{int(attrs.get('selected_at_step', -1))})" if figure is not None else ""
-        except (OSError, ValueError, TypeError, OverflowError):
-            # (an array or an infinite step where a number belongs)
+        except (OSError, ValueError, TypeError, OverflowError, KeyError, RuntimeError):
+            # (an array or an infinite step where a number belongs; h5py's KeyError or
+            # RuntimeError from a damaged object header or attribute heap)
             detail = ""       # the model loader names the damage
         return best, f"using {best}{detail}"
     if os.path.exists(final):

@@ -176,3 +176,29 @@ def test_a_run_directory_with_a_damaged_selection_record_names_no_figure(tmp_pat
     # the model loader names the damage; choosing the file raised TypeError (a traceback)
     assert model_in_run_dir(str(tmp_path)) == (str(tmp_path / "best.h5"),
                                                f"using {tmp_path / 'best.h5'}")
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("Error iterating over attributes (integer offset out of bounds)"),
+    KeyError("Unable to synchronously open object (unable to determine object type)")])
+def test_a_run_directory_whose_best_model_cannot_list_its_attributes(tmp_path, monkeypatch,
+                                                                     error):
+    """h5py's errors on a damaged attribute heap or root object header (one flipped
+    bit of best.h5): eval and export of the run directory ended on a traceback or a
+    line naming nothing, before the model loader could name the file."""
+    import mpitrain.nn.model_file as model_file
+    (tmp_path / "best.h5").write_bytes(b"")
+
+    class Damaged:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        @property
+        def attrs(self):
+            raise error
+    monkeypatch.setattr(model_file, "open_h5_for_reading", lambda path, what: Damaged())
+    assert model_in_run_dir(str(tmp_path)) == (str(tmp_path / "best.h5"),
+                                               f"using {tmp_path / 'best.h5'}")
