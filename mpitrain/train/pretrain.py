@@ -86,6 +86,30 @@ def momentum_at(frames: int, *, initial: float, final: float, ramp_frames: int) 
     return initial + (final - initial) * steps / MOMENTUM_STEPS
 
 
+def _check_rank_state(state: dict, stack, layer: int, name: str, path) -> None:
+    """A rank's part of a pretraining checkpoint, shaped as :meth:`Pretrainer._restore`
+    uses it: reader positions that are non-negative ints, and the momentum of the
+    layer in training shaped like that layer's parameters.  ValueError naming the
+    file and the field (it was a line naming neither, after config.yaml was written)."""
+    reader = state.get("reader")
+    if not isinstance(reader, dict):
+        raise ValueError(f"{path}: '{name}/reader' is not a group of reader positions")
+    for key, value in reader.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{path}: field '{name}/reader/{key}': expected a non-negative "
+                             f"int, got {value!r}")
+    if "momentum" not in state or layer >= len(stack.rbms):
+        return
+    momentum = state["momentum"]
+    delta = momentum.get("delta") if isinstance(momentum, dict) else None
+    want = stack.rbms[layer].params.shape
+    if not isinstance(delta, np.ndarray) or delta.shape != want or delta.dtype.kind != "f":
+        got = (f"shape {delta.shape} and dtype {delta.dtype}" if isinstance(delta, np.ndarray)
+               else "no dataset")
+        raise ValueError(f"{path}: '{name}/momentum/delta' has {got}; expected {want} floats "
+                         f"like layer {layer + 1}'s parameters")
+
+
 class Pretrainer:
     """Example::
 
@@ -324,8 +348,11 @@ class Pretrainer:
                                and isinstance(f.attrs[key], (int, np.integer))}
             stack = read_stack_group(f["stack"], path, xp=self.xp)
             same_ranks = attrs["num_ranks"] == self.comm.size
+            name = f"ranks/{self.comm.rank:05d}"
             rank = read_state(f["ranks"][f"{self.comm.rank:05d}"], path, what="checkpoint") \
                 if same_ranks else None
+            if rank is not None:
+                _check_rank_state(rank, stack, attrs["layer"], name, path)
             verify_file(f, path, what="checkpoint")
         return {**attrs, "stack": stack, "rank": rank, "path": path}
 
@@ -351,7 +378,12 @@ class Pretrainer:
             ckpt = self._read_checkpoint(chosen)
         except (ValueError, OSError) as exc:
             raise TrainingError(str(exc)) from None
-        changes, moved = resume_changes(config_from_yaml(ckpt["config"]), self.cfg,
+        try:
+            saved = config_from_yaml(ckpt["config"])
+        except ValueError as exc:
+            raise TrainingError(f"{chosen}: the stored config: {' '.join(str(exc).split())}",
+                                agreed=True) from None
+        changes, moved = resume_changes(saved, self.cfg,
                                         {**ckpt["places"], **ckpt["corpus"]},
                                         corpus_identity({"data.train": self.manifest}))
         notes += moved

@@ -427,3 +427,40 @@ def test_the_divergence_factors_help_names_the_gaussian_layers_yardstick():
     from mpitrain.config import PretrainConfig
     (field,) = [f for f in dataclasses.fields(PretrainConfig) if f.name == "divergence_factor"]
     assert "the Gaussian layer's at most 1" in field.metadata["help"]
+
+
+@pytest.mark.parametrize("craft,named", [
+    ("momentum", "'ranks/00000/momentum/delta' has shape () and dtype float32; expected "),
+    ("reader", "field 'ranks/00000/reader/epoch': expected a non-negative int, got -1"),
+    ("config", "the stored config: config: expected a mapping, got 1"),
+])
+def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
+        small_corpus, tmp_path, capsys, craft, named):
+    """A checkpoint whose checksum holds but whose rank state or config does not fit:
+    the lines named neither file nor field ('momentum buffer has shape ()', 'config:
+    expected a mapping'), and the first came after config.yaml was written."""
+    from mpitrain.h5io import write_checksums
+    run = tmp_path / "run"
+    extra = ["training.checkpoint_interval=40", "training.keep_checkpoints=100"]
+    assert main(_argv("pretrain", run, small_corpus, extra)) == 0
+    names = sorted(p for p in os.listdir(run) if p.startswith("ckpt-"))
+    for name in names[1:] + ["pretrain.h5"]:
+        os.remove(run / name)
+    path = run / names[0]
+    with h5py.File(path, "r+") as f:
+        assert f.attrs["layer_step"] > 0 and "momentum" in f["ranks/00000"]
+        if craft == "momentum":
+            del f["ranks/00000/momentum/delta"]
+            f["ranks/00000/momentum/delta"] = np.float32(1.0)
+        elif craft == "reader":
+            f["ranks/00000/reader"].attrs["epoch"] = -1
+        else:
+            f.attrs["config"] = "1"
+        del f.attrs["checksum"]
+        write_checksums(f, str(path), what="checkpoint")
+    config = (run / "config.yaml").read_bytes()
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus, extra) + ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(path) in err and named in err, err
+    assert (run / "config.yaml").read_bytes() == config
