@@ -25,6 +25,10 @@ from .shards import ShardReader
 from .splice import frame_utterance_bounds
 
 
+#: The fields of a reader's position (:meth:`MinibatchStream.state_dict`).
+POSITION_FIELDS = ("epoch", "chunk_pos", "batch_pos", "steps_in_epoch")
+
+
 @dataclass(frozen=True)
 class ChunkSpec:
     """A run of whole utterances in one shard."""
@@ -187,12 +191,17 @@ class MinibatchStream:
 
     # -- position ----------------------------------------------------------------
     def state_dict(self) -> dict:
+        """The position: one int per name of :data:`POSITION_FIELDS`."""
         return {"epoch": self.epoch, "chunk_pos": self.chunk_pos, "batch_pos": self.batch_pos,
                 "steps_in_epoch": self.steps_in_epoch}
 
     def load_state_dict(self, state: dict) -> None:
         """Stand where ``state`` (from :meth:`state_dict`) stood; ValueError naming the
-        field when the position does not exist in this rank's chunks."""
+        field when the position does not exist in this rank's chunks, or lacks one."""
+        missing = [name for name in POSITION_FIELDS if name not in state]
+        if missing:
+            # (a KeyError traceback on resume)
+            raise ValueError(f"field '{missing[0]}' is missing")
         epoch, chunk_pos = int(state["epoch"]), int(state["chunk_pos"])
         batch_pos, steps_in_epoch = int(state["batch_pos"]), int(state["steps_in_epoch"])
         _check_position("epoch", epoch, 0, None)

@@ -35,6 +35,7 @@ import re
 
 import numpy as np
 
+from ..data.batcher import POSITION_FIELDS
 from ..files import remove_stale_temporaries
 from ..h5io import (atomic_h5_file, dataset_problem, h5_reader, h5py_module, link_problem,
                     open_h5_for_reading, read_state, reading_errors, verify_file, write_state)
@@ -255,10 +256,7 @@ def _rank_state(ranks, name: str, num_params: int, path) -> dict:
         _group(group, part, path)
     _check_param_sized(group["optimizer"], _PARAM_SIZED["optimizer"], num_params, path)
     state = read_state(group, path, what="checkpoint")
-    for key, value in state["reader"].items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{path}: field 'ranks/{name}/reader/{key}': expected a "
-                             f"non-negative int, got {value!r}")
+    check_reader_state(state["reader"], f"ranks/{name}", path)
     window = state.get("window")
     if window is not None and not _window_sums(window):
         got = (f"shape {window.shape} and dtype {window.dtype}"
@@ -267,6 +265,22 @@ def _rank_state(ranks, name: str, num_params: int, path) -> dict:
                          "window's 4 float sums (cross-entropy, correct, frames, skipped "
                          "steps), the last two whole counts")
     return state
+
+
+def check_reader_state(reader, name: str, path, *, complete: bool = False) -> None:
+    """A rank's reader position (``MinibatchStream.state_dict``): each field a
+    non-negative int, and with ``complete`` every field there; ValueError naming the
+    file and the field.  (A checkpoint's reader may be empty: one written for its
+    model alone; a resume names a missing field, ``MinibatchStream.load_state_dict``.)"""
+    if not isinstance(reader, dict):
+        raise ValueError(f"{path}: '{name}/reader' is not a group of reader positions")
+    for key in POSITION_FIELDS if complete else ():
+        if key not in reader:
+            raise ValueError(f"{path}: field '{name}/reader/{key}' is missing")
+    for key, value in reader.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{path}: field '{name}/reader/{key}': expected a "
+                             f"non-negative int, got {value!r}")
 
 
 def _own_models_on_every_rank_or_none(rank_group, names, path) -> None:

@@ -50,8 +50,8 @@ from ..nn.network import floored_variance
 from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack
 from ..nn.rbm_file import load_rbm_stack, read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
-from .checkpoint import (MIN_KEEP, checkpoint_path, gather_rank_states, list_checkpoints,
-                         rotate_checkpoints)
+from .checkpoint import (MIN_KEEP, check_reader_state, checkpoint_path, gather_rank_states,
+                         list_checkpoints, rotate_checkpoints)
 from .checkpoint_clock import CheckpointClock
 from .divergence import MIN_JUDGED_FRAMES
 from .errors import error_record
@@ -91,13 +91,7 @@ def _check_rank_state(state: dict, stack, layer: int, name: str, path) -> None:
     uses it: reader positions that are non-negative ints, and the momentum of the
     layer in training shaped like that layer's parameters.  ValueError naming the
     file and the field (it was a line naming neither, after config.yaml was written)."""
-    reader = state.get("reader")
-    if not isinstance(reader, dict):
-        raise ValueError(f"{path}: '{name}/reader' is not a group of reader positions")
-    for key, value in reader.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"{path}: field '{name}/reader/{key}': expected a non-negative "
-                             f"int, got {value!r}")
+    check_reader_state(state.get("reader"), name, path, complete=True)
     if "momentum" not in state or layer >= len(stack.rbms):
         return
     momentum = state["momentum"]

@@ -382,10 +382,16 @@ def test_a_virtual_dry_run_gives_the_plan_of_that_many_ranks(small_corpus, tmp_p
     assert "has no complete minibatch of 30000 frames" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("field,value,said", [
+    ("chunk_pos", 10 ** 6, "field 'chunk_pos': 1000000 is out of range"),
+    # (a KeyError traceback)
+    ("steps_in_epoch", None, "field 'steps_in_epoch' is missing")])
 def test_a_checkpoint_whose_reader_position_does_not_exist_is_refused(small_corpus, tmp_path,
-                                                                       capsys):
-    """A reader position past the rank's chunks (a damaged or hand-edited checkpoint,
-    its checksum made to match): one line naming the file and the field."""
+                                                                       capsys, field, value,
+                                                                       said):
+    """A reader position past the rank's chunks, or without one of its fields (a
+    damaged or hand-edited checkpoint, its checksum made to match): one line naming
+    the file and the field."""
     import h5py
 
     from mpitrain.h5io import write_checksums
@@ -393,11 +399,14 @@ def test_a_checkpoint_whose_reader_position_does_not_exist_is_refused(small_corp
     assert _train(run, small_corpus, ["training.max_steps=10"]) == 0
     ckpt = list_checkpoints(str(run))[-1]
     with h5py.File(ckpt, "r+") as f:
-        f["ranks/00000/reader"].attrs["chunk_pos"] = 10 ** 6
+        if value is None:
+            del f["ranks/00000/reader"].attrs[field]
+        else:
+            f["ranks/00000/reader"].attrs[field] = value
         write_checksums(f, ckpt, what="checkpoint")
     before = _snapshot(run)
     capsys.readouterr()
     assert _train(run, small_corpus, flags=["--resume"]) == 2
     err = _one_line(capsys.readouterr().err)
-    assert f"{ckpt}: ranks/00000/reader: field 'chunk_pos': 1000000 is out of range" in err
+    assert f"{ckpt}: ranks/00000/reader: {said}" in err
     assert _snapshot(run) == before

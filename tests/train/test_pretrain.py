@@ -432,6 +432,7 @@ def test_the_divergence_factors_help_names_the_gaussian_layers_yardstick():
 @pytest.mark.parametrize("craft,named", [
     ("momentum", "'ranks/00000/momentum/delta' has shape () and dtype float32; expected "),
     ("reader", "field 'ranks/00000/reader/epoch': expected a non-negative int, got -1"),
+    ("position", "field 'ranks/00000/reader/steps_in_epoch' is missing"),
     ("config", "the stored config: config: expected a mapping, got 1"),
 ])
 def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
@@ -454,6 +455,8 @@ def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
             f["ranks/00000/momentum/delta"] = np.float32(1.0)
         elif craft == "reader":
             f["ranks/00000/reader"].attrs["epoch"] = -1
+        elif craft == "position":
+            del f["ranks/00000/reader"].attrs["steps_in_epoch"]
         else:
             f.attrs["config"] = "1"
         del f.attrs["checksum"]
