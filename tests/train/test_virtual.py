@@ -328,18 +328,12 @@ def test_a_re_planned_resume_past_max_steps_keeps_its_place_in_the_schedule(smal
     """Step 24 at minibatch 256 is step 48 at 128; with max_steps 30 the resume set the
     step to 30, and the checkpoint said 30: a later resume redid steps 30-48 at the
     higher rates of that part of the schedule."""
-    from mpitrain.cli import main
-    from ..helpers import QUICKSTART, records, small_overrides
+    from ..helpers import records
     run = tmp_path / "run"
 
     def train(*settings, resume=False):
-        argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
-                "--run-dir", str(run)] + (["--resume", "--accept-changes"] if resume else [])
-        for item in small_overrides(small_corpus) + [
-                "model.hidden_dim=16", "training.checkpoint_interval=8",
-                "parallel.average_every=4", *settings]:
-            argv += ["--set", item]
-        return main(argv)
+        return _train_re_planned(run, small_corpus, ["parallel.average_every=4"],
+                                 settings, resume)
 
     assert train("training.max_steps=24") == 0
     assert train("training.max_steps=30", "training.minibatch=128", resume=True) == 0
@@ -452,18 +446,13 @@ def test_an_asynchronous_ring_re_planned_past_max_steps_keeps_its_place(small_co
     """As in the lock-step methods: each rank's own steps were capped at max_steps 30,
     so the checkpoint said step 31 where the re-plan had put the run at 48, and a
     later resume redid steps 31-48 at the higher rates of that part of the schedule."""
-    from mpitrain.cli import main
-    from ..helpers import QUICKSTART, records, small_overrides
+    from ..helpers import records
     run = tmp_path / "run"
 
     def train(*settings, resume=False):
-        argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
-                "--run-dir", str(run)] + (["--resume", "--accept-changes"] if resume else [])
-        for item in small_overrides(small_corpus) + [
-                "model.hidden_dim=16", "training.checkpoint_interval=8",
-                "parallel.method=adpsgd", "parallel.asynchronous=true", *settings]:
-            argv += ["--set", item]
-        return main(argv)
+        return _train_re_planned(run, small_corpus, ["parallel.method=adpsgd",
+                                                     "parallel.asynchronous=true"],
+                                 settings, resume)
 
     assert train("training.max_steps=24") == 0
     assert train("training.max_steps=30", "training.minibatch=128", resume=True) == 0
@@ -482,21 +471,29 @@ def test_a_parameter_server_re_planned_on_resume_counts_its_clients_steps_in_the
     """Its clients went on from their saved counts in the old minibatch's steps: 24
     steps at 256 frames were taken for 24 at 128, so the run trained 24 steps again
     and went past training.max_steps (84 steps of 60)."""
-    from mpitrain.cli import main
-    from ..helpers import QUICKSTART, records, small_overrides
+    from ..helpers import records
     run = tmp_path / "run"
 
     def train(*settings, resume=False):
-        argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
-                "--run-dir", str(run)] + (["--resume", "--accept-changes"] if resume else [])
-        for item in small_overrides(small_corpus) + [
-                "model.hidden_dim=16", "training.checkpoint_interval=8",
-                "parallel.method=param_server", *settings]:
-            argv += ["--set", item]
-        return main(argv)
+        return _train_re_planned(run, small_corpus, ["parallel.method=param_server"],
+                                 settings, resume)
 
     assert train("training.max_steps=24") == 0
     assert train("training.max_steps=60", "training.minibatch=128", resume=True) == 0
     assert records(run, "rank_change")[-1]["to_step"] == 48
     end = records(run, "end")[-1]
     assert end["steps"] == 60, end
+
+
+def _train_re_planned(run, corpus, method, settings, resume):
+    """A small run on 2 virtual ranks of the ``method`` settings and ``settings``;
+    ``resume``: with --accept-changes (the re-planning resumes above)."""
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, small_overrides
+    argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
+            "--run-dir", str(run)] + (["--resume", "--accept-changes"] if resume else [])
+    for item in small_overrides(corpus) + ["model.hidden_dim=16",
+                                           "training.checkpoint_interval=8", *method,
+                                           *settings]:
+        argv += ["--set", item]
+    return main(argv)
