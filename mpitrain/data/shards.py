@@ -343,9 +343,16 @@ def shard_storage_problems(h5file, path: str) -> list[str]:
     for name in present:
         try:
             problem = dataset_problem(h5file, name, path, what="shard")
+            if not problem and hasattr(h5file[name], "dtype"):
+                h5file[name].dtype       # (h5py maps the file's datatype here)
         except HDF5_ERRORS as exc:
             problem = (f"{path}: dataset '{name}' cannot be opened ({hdf5_reason(exc)}); "
                        "the file is damaged")
+        except (ValueError, TypeError) as exc:
+            # a damaged datatype message: a float of no numpy precision, a string of
+            # an unknown encoding (a line naming nothing, or a TypeError traceback)
+            problem = (f"{path}: dataset '{name}' has a datatype that cannot be read "
+                       f"({' '.join(str(exc).split())}); the file is damaged")
         if problem:
             problems.append(problem)
     feats = h5file.get(FEATS)

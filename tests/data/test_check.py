@@ -284,6 +284,29 @@ def test_every_damaged_structure_is_one_line(tmp_path):
         one_problem_naming(problems, shard(corpus), "the file is damaged")
 
 
+@pytest.mark.parametrize("dataset,pattern,at", [
+    # a float32's datatype message (its exponent bias): no numpy float represents it
+    ("feats", bytes([0x11, 0x20, 0x1F, 0x00, 0x04, 0, 0, 0, 0, 0, 0x20, 0x00]), 17),
+    # a variable-length string's character set
+    ("utt_ids", b"\x19\x01\x01", 2)])
+def test_a_damaged_datatype_is_one_line_naming_the_dataset(tmp_path, dataset, pattern, at):
+    """One byte of a dataset's datatype message: check, train and eval stopped with
+    h5py's 'Insufficient precision in available types' naming nothing, or a TypeError
+    traceback ('Unknown string encoding')."""
+    from mpitrain.data.corpus import load_manifest
+    from mpitrain.data.validate import validate_corpus
+    corpus = write_corpus(tmp_path / "c")
+    path = shard(corpus)
+    with open(path, "rb") as fh:
+        data = bytearray(fh.read())
+    data[data.index(pattern) + at] ^= 0xFF
+    with open(path, "wb") as fh:
+        fh.write(data)
+    said = f"dataset '{dataset}' has a datatype that cannot be read"
+    one_problem_naming(check_corpus(corpus), path, said, "the file is damaged")
+    one_problem_naming(validate_corpus(load_manifest(corpus)), path, said)
+
+
 def test_overwritten_file_start(corpus):
     overwrite(shard(corpus, 1), 0, b"\0" * 64)
     one_problem_naming(check_corpus(corpus), shard(corpus, 1), "cannot open as HDF5")
