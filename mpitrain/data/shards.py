@@ -372,7 +372,13 @@ def read_utt_ids(h5file, path: str) -> list[str]:
         with h5py.File(path, "r") as f:
             ids = read_utt_ids(f, path)
     """
-    ids = list(h5file[UTT_IDS].asstr(errors="surrogateescape")[()])
+    try:
+        ids = list(h5file[UTT_IDS].asstr(errors="surrogateescape")[()])
+    except HDF5_ERRORS as exc:
+        # (merge read them bare: "Can't synchronously read data (bad global heap
+        # collection signature)", naming nothing)
+        raise CorpusError(f"{path}: dataset '{UTT_IDS}' cannot be read ({hdf5_reason(exc)}); "
+                          "the file is damaged") from None
     for u, utt in enumerate(ids):
         try:
             utt.encode("utf-8")

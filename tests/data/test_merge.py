@@ -165,3 +165,19 @@ def test_merge_command(two_parts, capsys):
     assert "already exists" in capsys.readouterr().err
     assert main(argv + ["--overwrite", "--num-classes", "9"]) == 0
     assert load_manifest(str(out)).num_classes == 9
+
+
+def test_a_part_whose_utterance_ids_cannot_be_read_is_named(two_parts, capsys):
+    """The heap holding a shard's utterance ids damaged on disk: merge stopped with
+    h5py's "Can't synchronously read data (bad global heap collection signature)",
+    naming no file."""
+    out, _ = two_parts
+    path = out / "part-00001" / "shard-00000.h5"
+    data = path.read_bytes()
+    path.write_bytes(data.replace(b"GCOL", b"XXXX", 1))
+    capsys.readouterr()
+    assert main(["merge", str(out), str(out / "part-00000"), str(out / "part-00001")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{path}: dataset 'utt_ids' cannot be read (" in err \
+        and err.rstrip().endswith("the file is damaged"), err
+    assert not (out / "corpus.yaml").exists()
