@@ -38,12 +38,11 @@ import os
 import numpy as np
 
 from .. import backend
-from ..config import PretrainConfig, config_from_yaml, config_to_yaml, dump_config
+from ..config import PretrainConfig, config_from_yaml, config_to_yaml
 from ..data.batcher import MinibatchStream, plan_chunks, read_chunk
 from ..data.corpus import CorpusError
 from ..data.splice import splice_batch_
 from ..data.validate import validate_slices
-from ..files import remove_stale_temporaries
 from ..h5io import (atomic_h5_file, open_h5_for_reading, read_state, reading_errors,
                     verify_file, write_state)
 from ..nn.network import floored_variance
@@ -56,8 +55,7 @@ from .checkpoint_clock import CheckpointClock
 from .divergence import MIN_JUDGED_FRAMES
 from .errors import error_record
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import (RunDirLock, clear_run, corpus_identity, corpus_places, resume_changes,
-                      written_meanwhile)
+from .run_dir import corpus_identity, corpus_places, resume_changes, take_run_dir
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
 
@@ -238,31 +236,10 @@ class Pretrainer:
             self._pending.append(text)
 
     def _open_run_dir(self) -> None:
-        problem = None
-        if self.is_root:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self._lock = RunDirLock(self.run_dir)
-            problem = self._lock.acquire() or written_meanwhile(
-                self.run_dir, resume=self.resuming, overwrite=self.overwrite,
-                seen=self._checkpoints_seen)
-        # every rank hears whether rank 0 got the directory: a job started on one in
-        # use ends in rank 0's line alone, not in its error and MPI's abort
-        problem = self.comm.bcast_obj(problem, root=0)
-        if problem:
-            raise TrainingError(problem, agreed=True)
-        if self.is_root:
-            if self._lock.unguarded:
-                self._pending.insert(0, self._lock.unguarded)
-            stale = remove_stale_temporaries(self.run_dir)
-            if stale:
-                self._pending.insert(0, f"removed {len(stale)} temporary file(s) left by an "
-                                        "interrupted write")
-            if self.overwrite and not self.resuming:
-                removed = clear_run(self.run_dir)
-                if removed:
-                    self._pending.insert(0, f"--overwrite: removed the previous run's "
-                                            f"{len(removed)} file(s)")
-            dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
+        self._lock, lines = take_run_dir(self.comm, self.run_dir, self.cfg,
+                                         resume=self.resuming, overwrite=self.overwrite,
+                                         seen=self._checkpoints_seen)
+        self._pending[:0] = lines
         self.log = MetricsLog(self.run_dir, enabled=self.is_root, stream=self._stream_out,
                               append=self.resuming)
         for line in self._pending:

@@ -22,7 +22,9 @@ import json
 import os
 import zlib
 
-from ..files import dotted_keys, nearest_existing, path_text
+from ..config import dump_config
+from ..files import dotted_keys, nearest_existing, path_text, remove_stale_temporaries
+from .errors import TrainingError
 
 #: Files a run writes (checkpoints are matched separately).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png",
@@ -378,3 +380,41 @@ class RunDirLock:
         if self._fh is not None:
             self._fh.close()          # closing drops the lock
             self._fh, self._identity = None, None
+
+
+def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None):
+    """Rank 0 makes and locks ``run_dir``, checks what another job wrote there since
+    ``seen`` (:func:`written_meanwhile`), removes stale temporaries (and with
+    ``overwrite`` on a new run the previous run's files) and writes ``cfg`` as
+    config.yaml.  Collective: every rank hears rank 0's refusal and raises it as one
+    agreed :class:`~mpitrain.train.errors.TrainingError` (a job started on a directory
+    in use ends in rank 0's line alone, not in its error and MPI's abort).
+
+    Returns ``(lock, lines)``: rank 0's :class:`RunDirLock` (None elsewhere) and the
+    lines to say about what it found.
+    """
+    lock, lines, problem = None, [], None
+    if comm.rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+        lock = RunDirLock(run_dir)
+        problem = lock.acquire() or written_meanwhile(run_dir, resume=resume,
+                                                      overwrite=overwrite, seen=seen)
+    problem = comm.bcast_obj(problem, root=0)
+    if problem:
+        if lock is not None:
+            lock.release()
+        raise TrainingError(problem, agreed=True)
+    if comm.rank == 0:
+        if lock.unguarded:
+            lines.append(lock.unguarded)
+        stale = remove_stale_temporaries(run_dir)
+        if stale:
+            lines.insert(0, f"removed {len(stale)} temporary file(s) left by an interrupted "
+                            "write: " + ", ".join(os.path.basename(p) for p in stale))
+        if overwrite and not resume:
+            removed = clear_run(run_dir)
+            if removed:
+                lines.insert(0, f"--overwrite: removed the previous run's {len(removed)} "
+                                "file(s)")
+        dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+    return lock, lines

@@ -18,12 +18,11 @@ import time
 import numpy as np
 
 from .. import backend
-from ..config import RunConfig, config_to_yaml, dump_config
+from ..config import RunConfig, config_to_yaml
 from ..data.batcher import MinibatchStream, plan_chunks
 from ..data.corpus import CorpusError, load_manifest, manifest_path, speaker_cmvn_kind
 from ..data.sharding import plan_shards
 from ..data.validate import validate_corpus, validate_slices
-from ..files import remove_stale_temporaries
 from ..nn.dropout import DropoutMasks, DropoutSchedule
 from ..nn.model_file import save_model
 from ..nn.network import RELATIVE_VARIANCE_FLOOR, build_network, constant_dimensions
@@ -37,7 +36,7 @@ from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .errors import TrainingError, error_record
 from .metrics import MetricsLog, format_duration, resident_mb
 from .resume import CheckpointResume
-from .run_dir import RunDirLock, clear_run, written_meanwhile
+from .run_dir import take_run_dir
 from .search import RateTrials
 from .selection import ModelSelection, held_out_identity, save_best_model
 from .step import TrainingStep
@@ -394,32 +393,10 @@ class Trainer(CheckpointResume):
 
     def _open_run_dir(self) -> None:
         """Rank 0 writes the run directory once the run has been validated."""
-        problem = None
-        if self.is_root:
-            os.makedirs(self.run_dir, exist_ok=True)
-            self._lock = RunDirLock(self.run_dir)
-            problem = self._lock.acquire() or written_meanwhile(
-                self.run_dir, resume=self.resuming, overwrite=self.overwrite,
-                seen=self.checkpoints_seen)
-        # every rank hears whether rank 0 may use the directory: a job started on one
-        # in use ends in rank 0's line alone, not in its error and an MPI abort
-        problem = self.comm.bcast_obj(problem, root=0)
-        if problem:
-            raise TrainingError(problem, agreed=True)
-        if self.is_root:
-            if self._lock.unguarded:
-                self._pending_lines.insert(0, self._lock.unguarded)
-            stale = remove_stale_temporaries(self.run_dir)
-            if stale:
-                self._pending_lines.insert(0, f"removed {len(stale)} temporary file(s) left by "
-                                              "an interrupted write: " + ", ".join(
-                                                  os.path.basename(p) for p in stale))
-            if self.overwrite and not self.resuming:
-                removed = clear_run(self.run_dir)
-                if removed:
-                    self._pending_lines.insert(
-                        0, f"--overwrite: removed the previous run's {len(removed)} file(s)")
-            dump_config(self.cfg, os.path.join(self.run_dir, "config.yaml"))
+        self._lock, lines = take_run_dir(self.comm, self.run_dir, self.cfg,
+                                         resume=self.resuming, overwrite=self.overwrite,
+                                         seen=self.checkpoints_seen)
+        self._pending_lines[:0] = lines
         self.log = MetricsLog(self.run_dir, enabled=self.is_root, stream=self._stream_out,
                               append=self.resuming, tensorboard=self.cfg.training.tensorboard)
         for kind, fields in self._pending_records:
