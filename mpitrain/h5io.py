@@ -101,7 +101,7 @@ def h5_reader(path):
     """
     f = h5py_module().File(path, "r", locking=False)
     try:
-        problem = _sequence_attribute(f)
+        problem = _sequence_attribute(f) or _global_heap_problem(f, path)
     except BaseException:
         f.close()
         raise
@@ -109,6 +109,96 @@ def h5_reader(path):
         f.close()
         raise OSError(problem)
     return f
+
+
+def _global_heap_problem(f, path) -> str | None:
+    """How a global heap collection of the file is damaged so that HDF5 would loop
+    for ever or read past it; None when none is.
+
+    Text (attributes, utterance ids) lives in global heap collections ("GCOL"
+    blocks).  HDF5 walks a collection's objects by their declared sizes: one whose
+    size a flipped bit set to zero (a free-space entry) never moves the walk on,
+    and reading any text of the file then hangs in HDF5 (no signal but SIGKILL
+    ends it), where a damaged checkpoint must be skipped for the previous one.
+    The collections lie outside the datasets' raw data, so only the bytes
+    between those (the file's metadata) are searched."""
+    try:
+        extents = _raw_extents(f)
+    except (OSError, RuntimeError, KeyError, TypeError, ValueError):
+        return None      # (the readers name this damage where they meet it)
+    size = os.path.getsize(path)
+    with open(path, "rb") as fh:
+        at = 0
+        for start, end in extents + [(size, size)]:
+            if start > at:
+                problem = _collections_between(fh, at, start, size)
+                if problem:
+                    return problem
+            at = max(at, end)
+    return None
+
+
+def _raw_extents(f) -> list:
+    """Sorted (start, end) byte ranges of every dataset's stored data."""
+    h5py = h5py_module()
+    extents = []
+
+    def visit(_, obj):
+        if isinstance(obj, h5py.Dataset):
+            offset = obj.id.get_offset()
+            if offset is not None:
+                extents.append((offset, offset + obj.id.get_storage_size()))
+            elif obj.chunks is not None:
+                obj.id.chunk_iter(lambda chunk: extents.append(
+                    (chunk.byte_offset, chunk.byte_offset + chunk.size)))
+    f.visititems(visit)
+    return sorted(extents)
+
+
+_GCOL = b"GCOL"
+_SEARCH_BYTES = 1 << 20
+
+
+def _collections_between(fh, start: int, stop: int, size: int) -> str | None:
+    """Check each global heap collection whose signature lies in [start, stop)."""
+    at = start
+    while at < stop:
+        fh.seek(at)
+        block = fh.read(min(_SEARCH_BYTES, stop - at) + len(_GCOL) - 1)
+        found = block.find(_GCOL)
+        while found != -1 and at + found < stop:
+            problem = _collection_problem(fh, at + found, size)
+            if problem:
+                return problem
+            found = block.find(_GCOL, found + 1)
+        at += _SEARCH_BYTES
+    return None
+
+
+def _collection_problem(fh, at: int, size: int) -> str | None:
+    """Walk the collection at byte ``at`` as HDF5 does (H5HG's decoding)."""
+    fh.seek(at)
+    header = fh.read(16)
+    if len(header) < 16 or header[4] != 1 or header[5:8] != b"\0\0\0":
+        return None      # not a collection HDF5 reads as one (it refuses it itself)
+    length = int.from_bytes(header[8:16], "little")
+    if length < 16 or at + length > size:
+        return None      # (HDF5 refuses a collection past the file's end)
+    body = fh.read(length - 16)
+    end, p = length - 16, 0
+    while p + 16 <= end:
+        index = int.from_bytes(body[p:p + 2], "little")
+        declared = int.from_bytes(body[p + 8:p + 16], "little")
+        need = 16 + (declared + 7) // 8 * 8 if index else declared
+        if need == 0:
+            return (f"its global heap collection at byte {at} is damaged: an empty entry "
+                    f"at byte {at + 16 + p} (HDF5 would read the collection for ever)")
+        if need > end - p:
+            return (f"its global heap collection at byte {at} is damaged: object {index} "
+                    f"at byte {at + 16 + p} declares {declared} bytes, past the "
+                    "collection's end")
+        p += need
+    return None
 
 
 def _sequence_attribute(f) -> str | None:

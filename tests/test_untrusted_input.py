@@ -48,14 +48,14 @@ def pickled_record(marker) -> bytes:
     return b"PKL" + b"cbuiltins\nopen\n(V" + path + b"\nVw\ntR."
 
 
-def run_limited(args, *, cwd):
+def run_limited(args, *, cwd, timeout=300):
     """Run ``python ARGS`` with the address space capped at MEMORY_LIMIT."""
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1",
                PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, preexec_fn=cap, timeout=300)
+                          text=True, preexec_fn=cap, timeout=timeout)
 
 
 # Loads a file in the capped child: exit 3 with the message when it is refused.
@@ -560,6 +560,38 @@ def test_a_text_attribute_whose_datatype_turned_into_a_sequence_is_refused(model
                           "load_model(sys.argv[1])", model)
     assert result.returncode != -11, "crashed"
     assert_refused(result, str(model), "attribute 'format' has a variable-length sequence type")
+
+
+def _empty_heap_entry(path):
+    """The free-space entry of the file's first global heap collection (where HDF5
+    keeps text) declaring 0 bytes."""
+    data = bytearray(path.read_bytes())
+    at = data.index(b"GCOL")
+    p = at + 16
+    while struct.unpack_from("<H", data, p)[0] != 0:
+        p += 16 + (struct.unpack_from("<Q", data, p + 8)[0] + 7) // 8 * 8
+    struct.pack_into("<Q", data, p + 8, 0)
+    path.write_bytes(bytes(data))
+
+
+def test_a_global_heap_that_hdf5_would_read_for_ever_is_refused(model, corpus, tmp_path):
+    """HDF5 walks a heap collection by its entries' sizes: an entry of 0 bytes never
+    moves it on, and loading the model (or checking the shard) hung for ever, deaf
+    to every signal but SIGKILL."""
+    _, shard = corpus
+    for path, code in ((model, "from mpitrain.nn.model_file import load_model as load"),
+                       (shard, "from mpitrain.data.check import check_corpus\n"
+                               "def load(path):\n"
+                               "    raise ValueError(check_corpus(path.rsplit('/', 1)[0])[0])")):
+        _empty_heap_entry(path)
+        script = f"import sys\n{code}\ntry:\n    load(sys.argv[1])\nexcept ValueError as exc:\n" \
+                 "    print(exc)\n    sys.exit(3)\n"
+        try:
+            result = run_limited(["-c", script, str(path)], cwd=tmp_path, timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"reading {path} did not end")
+        assert_refused(result, str(path), "its global heap collection at byte",
+                       "is damaged: an empty entry at byte")
 
 
 def test_a_sound_model_still_loads(model):
