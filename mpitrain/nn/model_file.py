@@ -24,7 +24,7 @@ import numpy as np
 from ..backend import to_host
 from ..h5io import (atomic_h5_file, link_problem, open_h5_for_reading, reading_errors,
                     require_dataset, verify_file)
-from .network import Network, build_component
+from .network import ABSOLUTE_VARIANCE_FLOOR, Network, build_component
 
 FORMAT = "mpitrain-model"
 VERSION = 1
@@ -247,14 +247,20 @@ def read_stored_model(group, path) -> StoredModel:
                        _speaker_cmvn(group, path))
 
 
+#: The largest scale a written model holds: 1/sqrt of the variance floor (float32's
+#: rounding of it allowed for).
+MAX_CMVN_SCALE = float(np.float32(ABSOLUTE_VARIANCE_FLOOR ** -0.5))
+
+
 def check_cmvn_scale(scale, path) -> None:
     """ValueError naming the file when a stored ``cmvn_scale`` (1/sqrt of a variance,
-    floored at 1e-60 when written) is zero or negative: that is damage, which would
-    flip or erase a feature dimension.  (A non-finite value is named further on.)"""
-    bad = np.flatnonzero(np.isfinite(scale) & (scale <= 0))
+    floored at 1e-60 when written) is not in (0, 1e30]: that is damage, which would
+    flip or erase a feature dimension, or blow every output up (blamed on the
+    features).  (A non-finite value is named further on.)"""
+    bad = np.flatnonzero(np.isfinite(scale) & ((scale <= 0) | (scale > MAX_CMVN_SCALE)))
     if bad.size:
         raise ValueError(f"{path}: dataset 'cmvn_scale' holds {scale[bad[0]]:g} at dimension "
-                         f"{int(bad[0])}; the scales are 1/sqrt(variance), positive")
+                         f"{int(bad[0])}; the scales are 1/sqrt(variance), in (0, 1e+30]")
 
 
 def _speaker_cmvn(group, path, *, what: str = "model", null: bool = False) -> dict | None:

@@ -103,17 +103,19 @@ def test_a_checkpoint_inside_a_layer_is_refused_in_one_line(tmp_path):
         "the end of a layer")
 
 
-def test_a_scale_that_is_not_positive_is_refused_naming_the_dimension(tmp_path):
-    """A crafted stack (or model) whose cmvn_scale holds zero or a negative value: it
-    loaded and flipped or erased that feature dimension."""
+def test_a_scale_no_variance_gives_is_refused_naming_the_dimension(tmp_path):
+    """A crafted stack (or model) whose cmvn_scale holds zero, a negative value or one
+    beyond 1/sqrt of the variance floor: it loaded and flipped or erased that feature
+    dimension, or blew every output up (a line blaming the features)."""
     from mpitrain.h5io import write_checksums
     path = str(tmp_path / "pretrain.h5")
     save_rbm_stack(path, _stack())
-    with h5py.File(path, "r+") as f:
-        f["cmvn_scale"][1] = -0.5
-        del f.attrs["checksum"]
-        write_checksums(f, path, what="RBM stack")
-    with pytest.raises(ValueError) as info:
-        load_rbm_stack(path)
-    assert str(info.value) == (f"{path}: dataset 'cmvn_scale' holds -0.5 at dimension 1; "
-                               "the scales are 1/sqrt(variance), positive")
+    for value, shown in ((-0.5, "-0.5"), (3e38, "3e+38")):
+        with h5py.File(path, "r+") as f:
+            f["cmvn_scale"][1] = value
+            del f.attrs["checksum"]
+            write_checksums(f, path, what="RBM stack")
+        with pytest.raises(ValueError) as info:
+            load_rbm_stack(path)
+        assert str(info.value) == (f"{path}: dataset 'cmvn_scale' holds {shown} at dimension "
+                                   "1; the scales are 1/sqrt(variance), in (0, 1e+30]")
