@@ -130,6 +130,8 @@ def _global_heap_problem(f, path) -> str | None:
     with open(path, "rb") as fh:
         at = 0
         for start, end in extents + [(size, size)]:
+            # (a damaged chunk index may place data past the file's end)
+            start, end = min(start, size), min(end, size)
             if start > at:
                 problem = _collections_between(fh, at, start, size)
                 if problem:
@@ -165,6 +167,8 @@ def _collections_between(fh, start: int, stop: int, size: int) -> str | None:
     while at < stop:
         fh.seek(at)
         block = fh.read(min(_SEARCH_BYTES, stop - at) + len(_GCOL) - 1)
+        if not block:
+            break
         found = block.find(_GCOL)
         while found != -1 and at + found < stop:
             problem = _collection_problem(fh, at + found, size)

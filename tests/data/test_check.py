@@ -307,6 +307,38 @@ def test_a_damaged_datatype_is_one_line_naming_the_dataset(tmp_path, dataset, pa
     one_problem_naming(validate_corpus(load_manifest(corpus)), path, said)
 
 
+def test_a_chunk_index_pointing_past_the_file_is_one_line_naming_the_dataset(tmp_path,
+                                                                              monkeypatch):
+    """A flipped bit in the address of a 'feats' chunk: the search for the file's text
+    heaps walked up to that address a megabyte at a time (half a minute for 2**48,
+    ending on 'cannot open as HDF5 ([Errno 22] Invalid argument)'; for ever past
+    2**63)."""
+    import struct
+
+    from mpitrain import h5io
+    searched = []
+    search = h5io._collections_between
+    monkeypatch.setattr(h5io, "_collections_between",
+                        lambda fh, start, stop, size: searched.append(stop <= size)
+                        or search(fh, start, stop, size))
+    corpus = write_corpus(tmp_path / "c")
+    path = shard(corpus)
+    with h5py.File(path, "r") as f:
+        chunks = []
+        f["feats"].id.chunk_iter(chunks.append)
+    with open(path, "rb") as fh:
+        data = bytearray(fh.read())
+    tree = data.index(b"TREE")
+    at = data.index(struct.pack("<Q", chunks[0].byte_offset), tree)
+    data[at + 5] ^= 0x01                  # the address, 2**40 further on
+    with open(path, "wb") as fh:
+        fh.write(data)
+    searched.clear()
+    one_problem_naming(check_corpus(corpus), path, "dataset 'feats': cannot read frames",
+                       "the file is damaged")
+    assert searched and all(searched)      # never past the file's end
+
+
 def test_overwritten_file_start(corpus):
     overwrite(shard(corpus, 1), 0, b"\0" * 64)
     one_problem_naming(check_corpus(corpus), shard(corpus, 1), "cannot open as HDF5")
