@@ -332,6 +332,9 @@ extern "C" __global__ void mpitrain_to_bf16(const float* src, long long rows, lo
 
 
 _compiled = {}
+#: What CuPy's NVRTC compiles each raw_module source with (the tests compile the
+#: sources with these without a GPU).
+RAW_MODULE_OPTIONS = ("--std=c++14",)
 
 
 def raw_module(xp, name: str, source: str):
@@ -339,12 +342,12 @@ def raw_module(xp, name: str, source: str):
 
     Example::
 
-        backend.raw_module(cupy, "nn", SOURCE).get_function("kernel_name")
+        backend.raw_module(cupy, "nn", kernels.SOURCE).get_function("mpitrain_softmax_xent")
     """
     key = ("module", name)
     module = _compiled.get(key)
     if module is None:
-        module = _compiled[key] = xp.RawModule(code=source, options=("--std=c++14",))
+        module = _compiled[key] = xp.RawModule(code=source, options=RAW_MODULE_OPTIONS)
     return module
 
 

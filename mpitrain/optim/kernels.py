@@ -79,8 +79,14 @@ extern "C" __global__ void mpitrain_sumsq(
     }
     __syncthreads();
     if (!s_last) return;
+    // The other blocks' partials are read only after their fence and count: the
+    // fence here orders these reads after the count for every thread of the block
+    // (not only thread 0), and volatile loads skip the SM's L1, which is not
+    // coherent with the writes of other SMs.
+    __threadfence();
+    const volatile double* done = partial;
     double total = 0.0;
-    for (int b = tid; b < gridDim.x; b += THREADS) total += partial[b];   // fixed split
+    for (int b = tid; b < gridDim.x; b += THREADS) total += done[b];   // fixed split
     s_sum[tid] = total;
     __syncthreads();
     for (int s = THREADS / 2; s > 0; s >>= 1) {
