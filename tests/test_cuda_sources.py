@@ -107,6 +107,25 @@ def _sources() -> dict:
             spec = getattr(module, constant, None)
             if spec is not None:
                 sources[spec[3]] = elementwise_as_cuda(*spec)
+    sources.update(_optimizer_elementwise_sources())
+    return sources
+
+
+def _optimizer_elementwise_sources() -> dict:
+    """NG-SGD's elementwise kernels, which the optimizer builds from its own table."""
+    from mpitrain.optim import kernels
+
+    class Recorder:
+        ElementwiseKernel = staticmethod(lambda *spec: spec)
+        ReductionKernel = staticmethod(lambda *spec, **options: None)   # CuPy's own code
+
+    sources = {}
+    for name, build in kernels._BUILDERS.items():
+        if name == "sqnorm":
+            continue      # a raw_module source, found above
+        spec = build(Recorder)
+        if spec is not None:
+            sources[spec[3]] = elementwise_as_cuda(*spec)
     return sources
 
 
@@ -173,7 +192,7 @@ def test_every_source_is_found():
     # the discovery above must see the sources the package has (a renamed call
     # would otherwise leave a source out of every test here)
     assert {"nn", "optim_sumsq", "optim_sgd", "bf16", "mpitrain_relu_backward",
-            "mpitrain_splice"} <= set(_sources())
+            "mpitrain_splice", "mpitrain_ng_gamma"} <= set(_sources())
 
 
 @needs_nvrtc
