@@ -192,8 +192,9 @@ class _StepGraph:
             self.labels = self.xp.empty(owner.minibatch, dtype=chunk.labels.dtype)
         self.idx[...] = idx
         optimizer.load_learning_rate(lr)
-        key = tuple((a.data.ptr, a.shape) for a in
-                    (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end))
+        # the graph holds addresses and reads them as the types captured
+        key = tuple((a.data.ptr, a.shape, a.dtype.str) for a in
+                    (chunk.feats, chunk.labels, chunk.utt_start, chunk.utt_end, self.labels))
         key += (optimizer.l2_factor, optimizer.max_change_factor)   # in the graph
         key += optimizer.graph_key()        # and the optimizer's buffers where they are
         if self.graph is not None and key == self.key:
