@@ -1,5 +1,7 @@
 """HDF5 reads that trust nothing in the file: what a dataset's storage must be."""
 
+import os
+
 import h5py
 import numpy as np
 
@@ -23,3 +25,24 @@ def test_a_compressed_dataset_is_named_as_compressed(tmp_path):
             assert "write it again without compression" in problem and "\n" not in problem
         assert dataset_problem(f, "checked", path, what="shard") is None
         assert "declares shape (4000, 8)" in dataset_problem(f, "unwritten", path, what="shard")
+
+
+def test_a_files_heaps_are_walked_once_until_it_changes(tmp_path, monkeypatch):
+    # a shard is opened again for every chunk read: its text heaps (a walk of every
+    # utterance id) are checked at the first open, and again only once it changed
+    from mpitrain import h5io
+
+    path = tmp_path / "t.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("utt_ids", data=[b"a", b"b"], dtype=h5py.string_dtype())
+    walks = []
+    checked = h5io._collection_problem
+    monkeypatch.setattr(h5io, "_collection_problem",
+                        lambda *args: walks.append(args) or checked(*args))
+    for _ in range(3):
+        h5io.h5_reader(path).close()
+    assert len(walks) == 1
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    h5io.h5_reader(path).close()
+    assert len(walks) == 2
