@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import re
 import shutil
@@ -41,7 +42,37 @@ def temporary_path(path) -> str:
     """A hidden name beside ``path`` for writing it (unique per process)."""
     path = os.fspath(path)
     directory, name = os.path.split(os.path.abspath(path))
-    return os.path.join(directory, f".{name}.tmp-{os.getpid()}")
+    return os.path.join(directory, f".{_temporary_base(name)}.tmp-{os.getpid()}")
+
+
+#: The longest name a file system takes (Linux's NAME_MAX), in bytes.
+_NAME_MAX = 255
+#: Room kept for the process id in a temporary's name (a pid_t is a 32-bit int), so
+#: that its shortened form below depends on the name alone.
+_PID_DIGITS = 10
+#: Bytes of the name a temporary's name may hold: ``.NAME.tmp-PID`` within NAME_MAX.
+_TEMPORARY_ROOM = _NAME_MAX - len(".") - len(".tmp-") - _PID_DIGITS
+
+
+def _temporary_base(name: str) -> str:
+    """``name``, or for a name too long to fit a temporary's name within NAME_MAX
+    (a 250-byte model name), its start and a digest of the whole: names that
+    share the start stay apart.
+
+    Example::
+
+        _temporary_base("model.h5")          # 'model.h5'
+        _temporary_base("m" * 250)           # 'mmm...m~6ca616c2810f22f4' (239 bytes)
+    """
+    encoded = os.fsencode(name)
+    if len(encoded) <= _TEMPORARY_ROOM:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    keep = _TEMPORARY_ROOM - len(digest) - 1
+    head = name
+    while len(os.fsencode(head)) > keep:     # (whole characters: UTF-8 stays whole)
+        head = head[:-1]
+    return f"{head}~{digest}"
 
 
 def path_text(path) -> str:
@@ -116,8 +147,9 @@ def remove_stale_temporaries(directory, *, of=None) -> list:
     removed (not this process's own); call it before the program writes in
     ``directory``, when no other process writes there.  ``of``: only the
     temporaries of the files named so (a collection of names, or a compiled
-    pattern the whole name must match), for a directory other programs write
-    in too.  Returns the removed paths, sorted.
+    pattern the whole name must match, which sees a name too long for its
+    temporary to hold only in its shortened form), for a directory other
+    programs write in too.  Returns the removed paths, sorted.
 
     Example::
 
@@ -125,6 +157,9 @@ def remove_stale_temporaries(directory, *, of=None) -> list:
         remove_stale_temporaries("exp", of={"loglikes.ark"})
     """
     directory = os.fspath(directory)
+    if of is not None and not hasattr(of, "fullmatch"):
+        # a long name's temporary holds its shortened form (temporary_path)
+        of = set(of) | {_temporary_base(name) for name in of}
     removed = []
     for name in sorted(os.listdir(directory)):
         match = TEMPORARY_NAME.fullmatch(name)

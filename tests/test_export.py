@@ -88,6 +88,21 @@ def test_partial_archives_of_a_killed_export_do_not_pile_up(tiny):
                                              "ll.scp"]
 
 
+def test_an_out_of_250_bytes_is_written_and_its_stale_partial_copy_removed(tiny):
+    # the hidden temporary (.NAME.tmp-PID) of a 250-byte name passed NAME_MAX
+    import kaldiio
+    from mpitrain.files import temporary_path
+    d, model, feats = tiny
+    (d / "out").mkdir()
+    ark, scp = d / "out" / ("l" * 246 + ".ark"), d / "out" / ("l" * 246 + ".scp")
+    stale = temporary_path(ark).replace(f"-{os.getpid()}", "-11")
+    (d / "out" / os.path.basename(stale)).write_bytes(b"x" * 100)
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark,scp:{ark},{scp}"]) == 0
+    assert sorted(os.listdir(d / "out")) == [ark.name, scp.name]
+    assert sorted(kaldiio.load_scp(str(scp))) == sorted(feats)
+
+
 def test_an_export_of_the_same_out_at_the_same_time_is_named(tmp_path):
     from mpitrain.export import ArkWriter
     writer = ArkWriter(f"ark,scp:{tmp_path}/ll.ark,{tmp_path}/ll.scp")

@@ -34,6 +34,43 @@ def test_atomic_path_writes_through_a_hidden_name_in_the_same_directory(tmp_path
     assert target.read_bytes() == b"\x00\x01" and not os.path.exists(tmp)
 
 
+def test_a_name_of_up_to_255_bytes_is_written_through_a_temporary_that_fits(tmp_path):
+    # the temporary's name (.NAME.tmp-PID) passed NAME_MAX for names of 243 bytes and
+    # more: 'File name too long' for a name the file system takes
+    from mpitrain.nn.model_file import load_model, save_model
+    from mpitrain.nn.affine import Affine
+    from mpitrain.nn.network import Network
+    names = ["a" * 246 + ".json", "a" * 246 + ".yaml", "\u00fc" * 125, "b" * 255]
+    for name in names:
+        tmp = temporary_path(tmp_path / name)
+        assert len(os.fsencode(os.path.basename(tmp))) <= 255
+        with atomic_open(tmp_path / name) as fh:
+            fh.write(name)
+        assert (tmp_path / name).read_text() == name
+    # two names that start alike do not share a temporary
+    assert temporary_path(tmp_path / names[0]) != temporary_path(tmp_path / names[1])
+    net = Network([Affine(4, 3)], feat_dim=4)
+    net.init_params(seed=1)
+    model = tmp_path / ("m" * 247 + ".h5")
+    save_model(model, net)
+    assert load_model(model)[0].params.tobytes() == net.params.tobytes()
+    assert sorted(os.listdir(tmp_path)) == sorted(names + [model.name])
+
+
+def test_stale_temporaries_of_long_names_are_recognised(tmp_path):
+    long, other = "ll" + "x" * 246 + ".ark", "ll" + "x" * 246 + ".scp"
+    for target in (long, other, "short.ark"):
+        stale = temporary_path(tmp_path / target).replace(f"-{os.getpid()}", "-1")
+        open(stale, "w").close()
+    removed = remove_stale_temporaries(tmp_path, of={long, "short.ark"})
+    assert len(removed) == 2 and all(len(os.path.basename(p)) <= 255 for p in removed)
+    assert os.path.basename(removed[1]) == ".short.ark.tmp-1"
+    [left] = os.listdir(tmp_path)
+    assert left == os.path.basename(temporary_path(tmp_path / other)).replace(
+        f"-{os.getpid()}", "-1")
+    assert remove_stale_temporaries(tmp_path) == [str(tmp_path / left)]
+
+
 def test_yaml_reads_exponent_numbers_as_numbers():
     assert parse_yaml("lr: 1e-3\nb: 5E+2\nc: 2.5\nd: 7\ne: 1e5x\nf: '1e-3'") == \
         {"lr": 0.001, "b": 500.0, "c": 2.5, "d": 7, "e": "1e5x", "f": "1e-3"}
