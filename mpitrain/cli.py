@@ -277,7 +277,7 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
         raise UsageError(problem)
     from .train.stop import EXIT_STOPPED, stop_on_signals
     try:
-        # SIGTERM, SIGUSR1, SIGUSR2: a checkpoint at the next point where the ranks
+        # SIGTERM, SIGUSR1, SIGUSR2, SIGHUP: a checkpoint at the next point where the ranks
         # agree, then exit status EXIT_STOPPED on every rank (train/stop.py)
         with stop_on_signals():
             runner = runner_class(cfg, run_dir=run_dir, comm=comm, resume=args.resume,

@@ -1,4 +1,5 @@
-"""Stopping a run when the cluster asks: SIGTERM, SIGUSR1 or SIGUSR2.
+"""Stopping a run when the cluster asks: SIGTERM, SIGUSR1 or SIGUSR2; or when
+the terminal it was started from closes: SIGHUP.
 
 Slurm sends SIGTERM to every task on preemption and at the time limit (then
 SIGKILL after the cluster's ``KillWait``), and SIGUSR1 (or another signal)
@@ -30,6 +31,13 @@ what an uninterrupted run would have.  A further signal while the checkpoint
 is written changes nothing (it only sets the flag again); SIGINT (Ctrl-C) is
 left as it was and ends the job at once.
 
+SIGHUP comes when the terminal hangs up (closed without ``nohup``): the
+console is gone then, and a write to it fails (EIO), so on SIGHUP the
+standard output and error that are a hung-up terminal are pointed at
+/dev/null, and the checkpoint and the ``stop`` record in metrics.jsonl are
+what is left to say it.  A SIGHUP ignored when the process started (``nohup``)
+stays ignored: the run goes on.
+
 Example::
 
     with stop_on_signals():
@@ -42,8 +50,9 @@ import contextlib
 import signal
 import threading
 
-#: The signals that ask a run to stop at its next checkpoint.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+#: The signals that ask a run to stop at its next checkpoint (a new one goes last:
+#: the ranks tell each other a signal by its place here).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 #: Exit status of a run that a signal stopped after writing its checkpoint
 #: (sysexits.h EX_TEMPFAIL: a temporary failure; run it again).
 EXIT_STOPPED = 75
@@ -68,6 +77,8 @@ class StopRequest:
         self.signum = 0
 
     def __call__(self, signum, frame=None) -> None:
+        if signum == signal.SIGHUP:
+            _leave_hung_up_terminal()
         if not self.signum:
             self.signum = int(signum)
 
@@ -84,6 +95,39 @@ class StopRequest:
 
 #: This process's request (set by the handlers :func:`stop_on_signals` installs).
 requested = StopRequest()
+
+
+def _leave_hung_up_terminal() -> None:
+    """Point standard output and error at /dev/null where they are a terminal that
+    hung up: every later line written there (a log line, the stop line) failed
+    with EIO, and the run ended in an error instead of its checkpoint.  A live
+    terminal or a file (a SIGHUP sent by ``kill``) is kept."""
+    import errno
+    import os
+    import termios
+    for fd in (1, 2):
+        try:
+            termios.tcgetattr(fd)
+            continue                    # a live terminal
+        except termios.error as exc:
+            if exc.args[0] != errno.EIO:     # not a terminal (ENOTTY), or closed
+                continue
+        except (OSError, ValueError):
+            continue
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, fd)
+            os.close(devnull)
+        except OSError:
+            pass
+
+
+def _stop_signals() -> tuple:
+    """The signals of :data:`STOP_SIGNALS` to catch now: SIGHUP only where it is not
+    ignored (``nohup``), which asked the run to go on when the terminal closes."""
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+        return tuple(number for number in STOP_SIGNALS if number != signal.SIGHUP)
+    return STOP_SIGNALS
 
 
 def signal_name(code: int) -> str:
@@ -126,8 +170,8 @@ def keep_stop_signals():
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {number: signal.signal(number, requested) for number in STOP_SIGNALS}
-    for number in STOP_SIGNALS:
+    previous = {number: signal.signal(number, requested) for number in _stop_signals()}
+    for number in previous:
         signal.siginterrupt(number, False)
     _caught_early = True
     try:
@@ -152,7 +196,7 @@ def stop_on_signals():
         requested.clear()
     previous = {}
     try:
-        for number in STOP_SIGNALS:
+        for number in _stop_signals():
             previous[number] = signal.signal(number, requested)
             # system calls interrupted by it resume (a library's write, MPI's poll)
             # instead of failing with EINTR

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 
 from mpitrain.testing.mpirun import run_mpi
-from mpitrain.train.stop import EXIT_STOPPED, STOP_SIGNALS, requested, stop_on_signals
+from mpitrain.train.stop import (EXIT_STOPPED, STOP_SIGNALS, requested, signal_name,
+                                  stop_on_signals)
 
 from ..helpers import (QUICKSTART, REPO, WORKERS, mpi_output, records, small_overrides,
                        train_on_ranks)
@@ -32,6 +33,72 @@ def test_a_signal_only_sets_the_flag_and_the_handlers_come_back():
         assert requested.signum == signal.SIGUSR1 and requested.code() == 2
     assert not requested.code()
     assert {number: signal.getsignal(number) for number in STOP_SIGNALS} == before
+
+
+def test_sighup_is_a_stop_signal_unless_nohup_ignored_it():
+    before = []                 # (a handler of its own, not the default: end this process)
+    previous = signal.signal(signal.SIGHUP, lambda *_: before.append(True))
+    try:
+        with stop_on_signals():
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert requested.signum == signal.SIGHUP and not before
+            assert signal_name(requested.code()) == "SIGHUP"
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)    # nohup: the run goes on
+        with stop_on_signals():
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert not requested.code()
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+# Runs COMMAND as the session leader of a new terminal (a pty), as a login
+# shell's job: when the terminal closes, it gets SIGHUP and its console is gone.
+_ON_A_TERMINAL = """
+import fcntl, os, signal, sys, termios
+os.setsid()
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+signal.signal(signal.SIGHUP, signal.SIG_DFL)     # (not nohup, whatever ran the tests)
+os.execv(sys.executable, [sys.executable, "-m", "mpitrain", *sys.argv[1:]])
+"""
+
+
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_a_closed_terminal_stops_the_run_with_a_checkpoint(small_corpus, tmp_path, command):
+    # the terminal closed under a run started without nohup: it died of SIGHUP with
+    # nothing since its last checkpoint kept (and a stop on SIGHUP alone ended in an
+    # error: its lines to the closed terminal failed)
+    import pty
+    import subprocess
+    import sys
+    import time
+    run = tmp_path / "run"
+    argv = [command, QUICKSTART, "--run-dir", str(run)]
+    for item in TINY + small_overrides(small_corpus) + [
+            "training.max_steps=100000", "training.log_interval=1",
+            "training.checkpoint_interval=100000", "pretrain.epochs_gaussian=1000",
+            "pretrain.epochs_per_layer=1000"]:
+        argv += ["--set", item]
+    master, slave = pty.openpty()
+    child = subprocess.Popen([sys.executable, "-c", _ON_A_TERMINAL, *argv], stdin=slave,
+                             stdout=slave, stderr=slave, close_fds=True,
+                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+    os.close(slave)
+    seen, deadline = b"", time.monotonic() + 120
+    try:
+        while b"step" not in seen.split(b"\n", 1)[-1] and time.monotonic() < deadline:
+            try:
+                seen += os.read(master, 4096)       # the banner, then a progress line
+            except OSError:
+                break
+        assert b"step" in seen, seen.decode(errors="replace")
+    finally:
+        os.close(master)                            # the terminal hangs up
+    assert child.wait(timeout=120) == EXIT_STOPPED, seen.decode(errors="replace")
+    [stop] = records(run, "stop")
+    assert stop["signal"] == "SIGHUP"
+    assert _checkpoint_steps(run), os.listdir(run)
+    assert not records(run, "error")
 
 
 def _signalled(nranks, run_dir, corpus, settings, *, sig, ranks, after, command="train",
@@ -99,6 +166,28 @@ def test_a_stopped_run_resumes_as_the_run_never_stopped(small_corpus, tmp_path, 
     assert (stop["step"], stop["signal"], stop["ranks"]) == (16, sig, received)
     _resumed_is_straight(2, straight, split, small_corpus, common)
     assert [r["step"] for r in records(split, "start")] == [0, 16]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("command,where", [("train", "step 16 of 48"),
+                                           ("pretrain", "layer 1, step 16")])
+def test_sighup_on_one_rank_stops_the_job_with_a_checkpoint(small_corpus, tmp_path, command,
+                                                           where):
+    # SIGHUP (a terminal closed under a rank started without nohup) ended the rank and,
+    # with it, the job, without a checkpoint
+    run = tmp_path / "run"
+    common = TINY + ["parallel.method=model_averaging", "parallel.average_every=8",
+                     "training.checkpoint_interval=1000", "training.max_steps=48",
+                     "training.log_interval=4", "pretrain.epochs_gaussian=0.1",
+                     "pretrain.epochs_per_layer=0.1", "pretrain.average_every_frames=800"]
+    result = _signalled(2, run, small_corpus, common, sig="SIGHUP", ranks="1", after=13,
+                        command=command)
+    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    assert f"stopped at {where} on SIGHUP (received by 1 of 2 rank(s))" in result.stdout, \
+        mpi_output(result)
+    [stop] = records(run, "stop")
+    assert (stop["signal"], stop["ranks"]) == ("SIGHUP", 1)
+    assert _checkpoint_steps(run) == [16]
 
 
 @pytest.mark.mpi

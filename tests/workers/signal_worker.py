@@ -27,6 +27,10 @@ from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.train import stop
 
 signum = signal.Signals[sys.argv[1]]
+if signum == signal.SIGHUP:
+    # a terminal closed under a run started without nohup (the tests' own runner
+    # may have been started with it, and the ranks would inherit the ignored SIGHUP)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
 ranks, after_batches = sys.argv[2], int(sys.argv[3])
 split = sys.argv.index("--")
 assert split in (4, 5), sys.argv
