@@ -53,7 +53,7 @@ from .checkpoint import (MIN_KEEP, check_reader_state, checkpoint_path, gather_r
                          list_checkpoints, rotate_checkpoints)
 from .checkpoint_clock import CheckpointClock
 from .divergence import MIN_JUDGED_FRAMES
-from .errors import error_record
+from .errors import error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import corpus_identity, corpus_places, resume_changes, take_run_dir
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
@@ -449,6 +449,8 @@ class Pretrainer:
             with contextlib.suppress(Exception):
                 self.log.write("error", layer=self.layer + 1, step=self.layer_step,
                                **error_record(exc))
+            record_failure_alone(self.comm, self.run_dir, exc, layer=self.layer + 1,
+                                 step=self.layer_step)
             raise
 
     def _run_layers(self) -> dict:

@@ -1,7 +1,8 @@
 """The run directory: what counts as a run in it, and when it may be (re)used.
 
 A run directory holds one run: ``config.yaml``, ``metrics.jsonl``, ``pretrain.h5``,
-``ckpt-*.h5``, ``best.h5``, ``final.h5`` and ``curves.png``.  A new run refuses a
+``ckpt-*.h5``, ``best.h5``, ``final.h5`` and ``curves.png`` (and
+``error-rank-*.json`` of a rank other than 0 that failed: train/errors.py).  A new run refuses a
 directory holding another one (``--resume`` continues it, ``--overwrite``
 replaces it); ``--resume`` refuses to apply settings that change the result
 unless ``--accept-changes`` is given, and then lists each difference.
@@ -24,7 +25,7 @@ import zlib
 
 from ..config import dump_config
 from ..files import dotted_keys, nearest_existing, path_text, remove_stale_temporaries
-from .errors import TrainingError
+from .errors import TrainingError, remove_rank_errors
 
 #: Files a run writes (checkpoints are matched separately).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png",
@@ -103,8 +104,9 @@ def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
     return None
 
 
-# the longest name a run writes: a checkpoint's temporary (``.ckpt-N.h5.tmp-PID``)
-_LONGEST_NAME = ".ckpt-0000000000.h5.tmp-4194304"
+# the longest name a run writes: a rank's error record's temporary
+# (``.error-rank-N.json.tmp-PID``; a checkpoint's, ``.ckpt-N.h5.tmp-PID``, is shorter)
+_LONGEST_NAME = ".error-rank-000000.json.tmp-4194304"
 
 
 def _name_room_problem(run_dir, existing: str) -> str | None:
@@ -399,6 +401,10 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
         lock = RunDirLock(run_dir)
         problem = lock.acquire() or written_meanwhile(run_dir, resume=resume,
                                                       overwrite=overwrite, seen=seen)
+        if not problem:
+            # an earlier start's failures; before the other ranks go on, which may
+            # fail (and write theirs) at once
+            remove_rank_errors(run_dir)
     problem = comm.bcast_obj(problem, root=0)
     if problem:
         if lock is not None:

@@ -24,6 +24,7 @@ import re
 import time
 
 from ..plotting import json_int, metrics_path, read_metrics
+from .errors import rank_error_files
 from .metrics import format_duration
 
 #: What :class:`~mpitrain.train.run_dir.RunDirLock` writes into ``.lock``.
@@ -42,6 +43,8 @@ def run_status(run_dir, *, now: float | None = None) -> list:
     now = time.time() if now is None else now
     starts = records["start"]
     end, stop, error = _how_the_latest_start_ended(metrics_path(run_dir))
+    if end is None and stop is None and error is None:
+        error = _rank_error(run_dir)       # a rank other than 0 that failed alone
     pretraining = bool(starts) and starts[-1].get("mode") == "pretrain"
     if end is not None and records.get("end"):
         # the end record on the run's whole clock (read_metrics adds up the clocks
@@ -65,9 +68,25 @@ def _failure(error: dict) -> str:
     where = f"step {_num(error, 'step', 'd')}"
     if "layer" in error:                                  # a pretraining's layer
         where = f"layer {_num(error, 'layer', 'd')}, {where}"
+    if "rank" in error:                                   # (its own file: errors.py)
+        where = f"{where} on rank {_num(error, 'rank', 'd')}"
     if error.get("error") == "KeyboardInterrupt":        # (not a failure of the run's)
         return f"{message} at {where}"
     return f"failed at {where}: {message}"
+
+
+def _rank_error(run_dir) -> dict | None:
+    """The record of the first rank other than 0 that failed alone in the latest
+    start (train/errors.py), or None."""
+    for path in rank_error_files(run_dir):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                record = json.loads(fh.read(100_000), parse_int=json_int)
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and record.get("type") == "error":
+            return record
+    return None
 
 
 def _how_the_latest_start_ended(path) -> tuple:

@@ -33,7 +33,7 @@ from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, s
 from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged, divergence_advice
 from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
-from .errors import TrainingError, error_record
+from .errors import TrainingError, error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
 from .resume import CheckpointResume
 from .run_dir import take_run_dir
@@ -584,6 +584,7 @@ class Trainer(CheckpointResume):
         except (Exception, KeyboardInterrupt) as exc:
             with contextlib.suppress(Exception):
                 self._record("error", step=self.step, **error_record(exc))
+            record_failure_alone(self.comm, self.run_dir, exc, step=self.step)
             raise
 
     def _run_from_start(self) -> dict:

@@ -242,3 +242,50 @@ def test_a_running_pretraining_gives_its_layer_steps_and_time_left(tmp_path):
                                   "900 fr/s, about 1m30s left"), run_status(run)
     _write(run, [start, dict(window, layer="two")])
     assert run_status(run)[1] == "  layer ? of 3, step 40: recon mse 0.2500, 900 fr/s"
+
+
+def test_a_rank_error_file_names_the_failure_unless_the_run_said_how_it_ended(tmp_path):
+    from mpitrain.train.errors import rank_error_path, write_rank_error
+    run = tmp_path / "run"
+    _write(run, [START, TRAIN], lock="pid 999999999 on elsewhere")
+    write_rank_error(run, 3, {"step": 7, "error": "OSError", "message": "late"})
+    os.utime(rank_error_path(run, 3), (1, 1))          # the first written
+    write_rank_error(run, 1, {"step": 5, "error": "OSError", "message": "disk gone"})
+    (run / "error-rank-00002.json").write_text("{not json")
+    assert run_status(run)[0] == f"{run}: failed at step 7 on rank 3: late"
+    os.remove(rank_error_path(run, 3))
+    assert run_status(run)[0] == f"{run}: failed at step 5 on rank 1: disk gone"
+    # what rank 0 wrote into metrics.jsonl comes first
+    _write(run, [START, TRAIN, {"type": "stop", "time": 9.0, "step": 100, "signal": "SIGTERM"}])
+    assert run_status(run)[0].startswith(f"{run}: stopped at step 100 on SIGTERM")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("command,where", [("train", "step"), ("pretrain", "layer 1, step")])
+def test_a_failure_on_a_rank_other_than_0_is_named_by_status(mpiexec, small_corpus, tmp_path,
+                                                             command, where):
+    """A rank other than 0 that failed alone aborted the job with rank 0 waiting in a
+    collective: nothing recorded the error, and status said the run was cut off."""
+    import re
+    from mpitrain.testing.mpirun import run_mpi
+    from ..helpers import WORKERS, mpi_output
+    run = tmp_path / "run"
+    settings = small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=40",
+        "training.log_interval=4", "training.checkpoint_interval=4",
+        "pretrain.epochs_gaussian=0.05", "pretrain.epochs_per_layer=0.05"]
+    args = [str(WORKERS / "rank_failure_worker.py"), "1", "9", "--", command, QUICKSTART,
+            "--run-dir", str(run)] + sum((["--set", s] for s in settings), [])
+    result = run_mpi(2, args, timeout=120)
+    assert result.returncode != 0, mpi_output(result)
+    assert "rank 1: error: train/shard-00003.h5: cannot read" in result.stderr, \
+        mpi_output(result)
+    line = run_status(run)[0]
+    assert re.fullmatch(rf"{re.escape(str(run))}: failed at {where} [0-9]+ on rank 1: "
+                        r"train/shard-00003\.h5: cannot read: Input/output error", line), line
+    if command == "train":
+        # a resumed run is a new start: the old failure's file goes
+        assert main(["train", QUICKSTART, "--run-dir", str(run), "--resume"]
+                    + sum((["--set", s] for s in settings), [])) == 0
+        assert not [n for n in os.listdir(run) if n.startswith("error-rank-")]
+        assert run_status(run)[0].startswith(f"{run}: ended: 40 steps")
