@@ -29,8 +29,10 @@ update t0 on it is the uniform (Polyak) average, theta_bar at t0 counting as
 its first sample.  Beyond the paper: should theta score lower than the
 uniform average at a later evaluation, the average starts again from theta
 there (a switch while both models were near chance left the uniform average
-carrying the early models for the rest of the run).  theta_bar is what is
-evaluated and saved (``final.h5``).
+carrying the early models for the rest of the run).  At the end, theta_bar
+and theta are both evaluated on the held-out set and the better (by
+``training.select_by``; a tie keeps theta_bar) is saved (``final.h5``): an
+average that never turned uniform can lag far behind theta (a tiny eta).
 
 Message protocol (raw buffers, never pickle): a push is a float64 header
 ``[kind, loss_sum, correct, frames, position, stop]`` (tag ``HEADER_TAG``;
@@ -348,6 +350,13 @@ class ParameterServer(Strategy):
                 self.comm.send(self.current[start:stop], 0, tag=SLICE_TAG)
         if self.comm.rank == 0:
             self.average.average[...] = net.params      # every server's slice of it
+
+    def put_current(self, net) -> None:
+        """Every rank, after :meth:`finalize`: theta, the model the servers trained, in
+        place of theta_bar (collective; the end keeps it when it is the better)."""
+        if self.comm.rank == 0:
+            net.params[...] = self.current
+        self.comm.bcast_(net.params, root=0)
 
     # -- the server's side ---------------------------------------------------------
     def send_weights(self, net, client: int) -> None:

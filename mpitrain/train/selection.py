@@ -86,6 +86,18 @@ class ModelSelection:
             return True
         return value > than + margin if self.select_by == "acc" else value < than - margin
 
+    def better(self, result: dict, than: dict) -> bool:
+        """Whether held-out ``result`` is better than ``than`` by ``select_by`` (a tie is
+        not; a result with a figure that is not finite never is, and beats any such)."""
+        def finite(r):
+            return all(math.isfinite(float(r.get(key, math.nan))) for key in _KEYS.values())
+        if not finite(result):
+            return False
+        if not finite(than):
+            return True
+        key = _KEYS[self.select_by]
+        return self._better(float(result[key]), float(than[key]))
+
     def observe(self, result: dict, *, step: int) -> Verdict:
         """Take one evaluation's ``result`` (``dev_acc``, ``dev_xent``) at ``step``."""
         value = float(result[_KEYS[self.select_by]])

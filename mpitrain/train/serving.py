@@ -134,6 +134,56 @@ def serve_next_push(trainer, left: set, rate: float = 0.0) -> tuple:
     return push, rate
 
 
+def choose_final_model(trainer) -> dict:
+    """The end of a run, every rank, after ``finalize`` put theta_bar in the
+    network: evaluate theta_bar and theta on the held-out set and keep the better
+    by ``training.select_by`` as the final model (a tie keeps theta_bar, which the
+    paper decodes with).  An average that never turned uniform may lag far behind
+    theta (``average_eta`` tiny: held-out accuracy 0.045 where theta had 0.24).
+    Logs one ``eval`` record (the kept model's figures, ``model``, and both
+    models') and a line saying which was kept and why; returns the kept model's
+    result (collective: the figures are the same on every rank).
+
+    Example::
+
+        result = choose_final_model(trainer)     # {"dev_acc": ..., "model": "current"}
+    """
+    t, ps, net = trainer, trainer.strategy, trainer.net
+    average = net.params.copy()
+    averaged = t.evaluate()
+    ps.put_current(net)
+    current = t.evaluate()
+    if not averaged or not current:
+        net.params[...] = average
+        return {}
+    keep_current = t.selection.better(current, averaged)
+    if not keep_current:
+        net.params[...] = average
+    kept = "current" if keep_current else "average"
+    result = dict(current if keep_current else averaged, model=kept)
+    mode = ps.average.mode if ps.average is not None else None
+    both = {"current_dev_xent": current["dev_xent"], "current_dev_acc": current["dev_acc"],
+            "average_dev_xent": averaged["dev_xent"], "average_dev_acc": averaged["dev_acc"]}
+    seconds = {} if t._run_start is None else {"seconds": t.comm.wtime() - t._run_start}
+    t.log.write("eval", step=t.step, frames=t.frames_seen, **result, **both,
+                average_mode=mode, **seconds)
+    t._keep_best(result)
+    key = "dev_" + t.selection.select_by
+    name = "the current model" if keep_current else "the averaged model"
+    other = "the averaged model's" if keep_current else "the current model's"
+    why = (f"held-out {t.selection.select_by} {result[key]:.4f}, {other} "
+           f"{(averaged if keep_current else current)[key]:.4f}")
+    if keep_current and mode != UNIFORM:
+        why += "; the average stayed exponential: it was never the better at an evaluation"
+    elif not keep_current and current[key] == averaged[key]:
+        why += "; a tie keeps the average"
+    t.log.say(f"held-out at step {t.step}: xent {result['dev_xent']:.4f} acc "
+              f"{result['dev_acc']:.4f} ({result['dev_frames']} frames)"
+              + (", the best so far" if t._verdict.improved else ""))
+    t.log.say(f"final model: {name} ({why})")
+    return result
+
+
 # ------------------------------------------------------------------- a client
 
 def train_client(trainer) -> None:

@@ -912,6 +912,11 @@ class Trainer(CheckpointResume):
             same = step == self.step and bool(self.xp.array_equal(self.net.params, model))
             if self.comm.allreduce_scalar(int(same), op="min"):    # all ranks alike
                 return dict(result)
+        if self.cfg.parallel.method == "param_server":
+            # the better of the average and the model trained
+            from .serving import choose_final_model
+            self._verdict = None
+            return choose_final_model(self)
         return self._log_eval(final=True)
 
     def _log_eval(self, *, final: bool = False) -> dict:

@@ -133,7 +133,7 @@ def test_an_early_switch_is_undone_when_the_current_model_is_the_better(small_co
             # it restarted because the current model was the better
             assert record["current_dev_xent"] < record["dev_xent"], record
     final = evals[-1]
-    assert final["dev_acc"] > 0.35, final            # the final model, the average
+    assert final["dev_acc"] > 0.35, final      # the final model (the better of the two)
     compared = [e for e in evals if "current_dev_acc" in e][-1]
     assert compared["dev_acc"] >= compared["current_dev_acc"] - 0.05, compared
 
@@ -210,10 +210,52 @@ def test_one_client_equals_sequential_sgd_bit_for_bit(small_corpus, tmp_path):
     state = _strategy_group(ckpt)
     assert state["updates"] == 30 and list(state["client_steps"]) == [30]
     assert np.array_equal(state["current"], reference.params)
-    # final.h5 is the average, not theta
-    averaged, _ = load_model(served / "final.h5")
-    np.testing.assert_array_equal(averaged.params, state["average"])
-    assert not np.array_equal(averaged.params, reference.params)
+    # final.h5 is the better of the two on held-out data: after 30 updates the
+    # exponential average (eta 0.01) still lies near the initial model
+    final, _ = load_model(served / "final.h5")
+    assert records(served, "eval")[-1]["model"] == "current"
+    np.testing.assert_array_equal(final.params, state["current"])
+    assert not np.array_equal(state["average"], reference.params)
+
+
+def _final_kept(run):
+    """(the final eval record, the final model's parameters, the last checkpoint's
+    strategy group)."""
+    final, _ = load_model(run / "final.h5")
+    return (records(run, "eval")[-1], final.params,
+            _strategy_group(sorted(run.glob("ckpt-*.h5"))[-1]))
+
+
+def test_the_end_keeps_the_current_model_when_the_average_is_worse(small_corpus, tmp_path):
+    """A tiny average_eta: the exponential average never left the initial model and
+    was saved as the final model (held-out accuracy 0.045 where training had 0.24)."""
+    run = tmp_path / "run"
+    _virtual(small_corpus, run, 3, ["training.max_steps=60", "training.eval_interval=2560",
+                                    "training.checkpoint_interval=0",
+                                    "parallel.average_eta=1e-9"])
+    assert not records(run, "average")          # never switched to uniform
+    final, params, state = _final_kept(run)
+    assert final["model"] == "current" and final["average_mode"] == EXPONENTIAL
+    assert final["dev_acc"] == final["current_dev_acc"] > final["average_dev_acc"] + 0.05
+    assert np.array_equal(params, state["current"])
+    assert records(run, "end")[-1]["dev_acc"] == final["current_dev_acc"]
+    # best.h5 holds it too (the averaged models evaluated before were worse)
+    best, _ = load_model(run / "best.h5")
+    assert np.array_equal(best.params, params)
+
+
+def test_the_end_keeps_the_average_when_it_is_the_better(small_corpus, tmp_path):
+    # a high constant rate: the current model is noisy, its average better
+    run = tmp_path / "run"
+    _virtual(small_corpus, run, 2, ["training.max_steps=150", "training.checkpoint_interval=0",
+                                    "parallel.average_eta=0.05",
+                                    "optimizer.initial_learning_rate=0.05",
+                                    "optimizer.final_learning_rate=0.05"])
+    final, params, state = _final_kept(run)
+    assert final["model"] == "average", final
+    assert final["dev_acc"] == final["average_dev_acc"] > final["current_dev_acc"] + 0.05
+    assert np.array_equal(params, state["average"])
+    assert not np.array_equal(params, state["current"])
 
 
 def test_virtual_replay_is_identical_with_the_same_seed(small_corpus, tmp_path):
@@ -346,8 +388,9 @@ def test_one_client_of_two_servers_equals_sequential_sgd_bit_for_bit(small_corpu
     state = _strategy_group(sorted(served.glob("ckpt-*.h5"))[-1])
     assert state["updates"] == 30 and list(state["client_steps"]) == [30]
     assert np.array_equal(state["current"], reference.params)
-    averaged, _ = load_model(served / "final.h5")
-    np.testing.assert_array_equal(averaged.params, state["average"])
+    final, _ = load_model(served / "final.h5")
+    kept = records(served, "eval")[-1]["model"]
+    np.testing.assert_array_equal(final.params, state[kept])
 
 
 def test_split_servers_log_evaluate_switch_and_checkpoint_on_virtual_ranks(small_corpus,

@@ -183,6 +183,17 @@ def test_config_mistakes_are_one_line_naming_the_key():
                                  "training.early_stop.patience=2"])
 
 
+def test_better_compares_two_results_by_the_selection_figure():
+    by_acc, by_xent = ModelSelection(select_by="acc"), ModelSelection(select_by="xent")
+    a = {"dev_acc": 0.5, "dev_xent": 2.0}
+    b = {"dev_acc": 0.4, "dev_xent": 1.5}
+    assert by_acc.better(a, b) and not by_acc.better(b, a)
+    assert by_xent.better(b, a) and not by_xent.better(a, b)
+    assert not by_acc.better(a, dict(a))            # a tie is not better
+    broken = {"dev_acc": 0.9, "dev_xent": float("nan")}
+    assert not by_acc.better(broken, b) and by_acc.better(b, broken)
+
+
 # ------------------------------------------------------------------ in the trainer
 
 def test_best_h5_is_the_model_of_the_best_evaluation(small_corpus, tmp_path):
