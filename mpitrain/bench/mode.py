@@ -118,6 +118,9 @@ def run_bench(cfg, world, *, out_dir: str, options: BenchOptions, stream=None,
 
 
 def _throughput_line(row: dict) -> str:
+    if row.get("diverged"):
+        return (f"  n={row['ranks']} {row['method']:<16} throughput not measured: diverged "
+                f"after {row.get('steps')} steps ({row['diverged']})")
     return (f"  n={row['ranks']} {row['method']:<16} throughput {row['frames_per_sec']:>10,.0f} "
             f"fr/s ({row['frames_per_sec_per_rank']:,.0f} per rank), step "
             f"{row['step_seconds'] * 1e3:.1f} ms, comm {row['comm_fraction']:.1%}")

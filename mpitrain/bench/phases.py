@@ -4,7 +4,8 @@
    number of steps without held-out evaluation; frames/s in total and per
    rank, and the share of each step spent inside the communicator (waiting
    for a slower rank included) versus computing, from the trainer's own
-   progress windows with the first (warm-up) dropped.
+   progress windows with the first (warm-up) dropped.  A run that diverges
+   (past its roll backs) gives a row marked ``diverged``, without figures.
 2. Time to accuracy (:func:`time_to_accuracy`): training with the config's
    schedule and epochs until the held-out frame accuracy reaches the target
    or a budget runs out.  Frames and training seconds (evaluations and
@@ -279,6 +280,12 @@ def throughput_from_records(records: Sequence[dict], *, ranks: int) -> dict:
             "comm_seconds_per_step": step_s * comm_fraction}
 
 
+#: The figures :func:`throughput_from_records` gives (None in a diverged point's row).
+THROUGHPUT_FIGURES = ("frames_per_sec", "frames_per_sec_per_rank", "measured_steps",
+                      "measured_seconds", "step_seconds", "comm_fraction",
+                      "compute_seconds_per_step", "comm_seconds_per_step")
+
+
 def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchOptions,
                        compute=None) -> dict:
     """Phase 1 for one method on ``group``; the dict is complete on group rank 0.
@@ -302,12 +309,19 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
                     parallel__method=method, data__dev="", training__max_steps=steps,
                     training__epochs=1000.0, training__log_interval=options.warmup_steps,
                     training__checkpoint_interval=0)
-    trainer, _ = _run_trainer(run_cfg, group, run_dir, compute=compute)
+    # a method that diverges at this size is a result, not the end of the benchmark
+    trainer, result = _run_trainer(run_cfg, group, run_dir, compute=compute,
+                                   diverged_ends_it=True)
     row = {"method": method, "ranks": group.size, "minibatch": run_cfg.training.minibatch,
            "num_params": int(trainer.net.num_params),
            "sync_period": int(trainer.strategy.sync_period), "run_dir": run_dir,
            "initial_learning_rate": run_cfg.optimizer.initial_learning_rate}
-    if group.rank == 0:
+    if "diverged" in result:
+        # no speed is measured: windows of a blown-up model (skipped steps, roll
+        # backs training steps again) time something else
+        row.update(dict.fromkeys(THROUGHPUT_FIGURES), diverged=result["diverged"],
+                   steps=int(result["steps"]))
+    elif group.rank == 0:
         row.update(throughput_from_records(_records(run_dir, "train"), ranks=group.size))
     return row
 
@@ -415,7 +429,8 @@ def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str
                      compute=None) -> list:
     """Phase 1 on ``group``: every method ``options.repeats`` times, the order
     rotating each round so load from other processes hits all alike; per method
-    the run of median frames/s (complete on group rank 0).
+    the run of median frames/s among those that did not diverge (complete on
+    group rank 0), or, when every run diverged, the first, with ``diverged``.
 
     Example::
 
@@ -437,9 +452,12 @@ def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str
         if group.rank != 0:
             rows.append(done[0])
             continue
-        ranked = sorted(done, key=lambda r: r["frames_per_sec"])
-        row = dict(ranked[(len(ranked) - 1) // 2])
+        ranked = sorted((r for r in done if "diverged" not in r),
+                        key=lambda r: r["frames_per_sec"])
+        row = dict(ranked[(len(ranked) - 1) // 2] if ranked else done[0])
         row["repeat_frames_per_sec"] = [r["frames_per_sec"] for r in done]
+        if ranked and len(ranked) < len(done):
+            row["diverged_repeats"] = len(done) - len(ranked)
         rows.append(row)
     return rows
 

@@ -66,7 +66,9 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
             row = {"method": method, "ranks": n, "throughput_speedup": None,
                    "time_to_target_speedup": None, "statistical_efficiency": None,
                    "target_bound": None}
-            if thr and base_t:
+            if thr and thr.get("diverged"):
+                row["throughput_diverged"] = True
+            elif thr and base_t and not base_t.get("diverged"):
                 row["throughput_speedup"] = thr["frames_per_sec"] / base_t["frames_per_sec"]
             if acc and base_a and acc["reached"] and base_a["reached"]:
                 # (one rank against itself: exactly 1, bound or not)
@@ -82,8 +84,8 @@ def build_report(throughput: list, accuracy: list, *, sizes, methods, options: B
                 # a crossing before the first evaluation is only bounded: not fitted
                 frames[n] = acc["frames_to_target"]
             speedups.append(row)
-        if base_t is None:
-            continue
+        if base_t is None or base_t.get("diverged"):
+            continue        # (the projection starts from one rank's measured step)
         parallel = (config or {}).get("parallel", {})
         exchange, ranks_per_node = exchange_kind(method, parallel)
         projections[method] = project_method(
@@ -352,14 +354,20 @@ def summary_markdown(report: dict) -> str:
             if _upper_bound(acc):
                 frames_text, secs_text = f"<= {frames_text}", f"<= {secs_text}"
                 bounded = True
+        fps_text = "diverged" if thr.get("diverged") else _fmt(thr.get("frames_per_sec"),
+                                                                ",.0f")
         lines.append(
-            f"| {s['method']} | {s['ranks']} | {_fmt(thr.get('frames_per_sec'), ',.0f')} | "
+            f"| {s['method']} | {s['ranks']} | {fps_text} | "
             f"{_fmt(thr.get('frames_per_sec_per_rank'), ',.0f')} | "
             f"{_fmt(thr.get('step_seconds') and thr['step_seconds'] * 1e3, '.1f')} | "
             f"{_fmt(thr.get('comm_fraction'), '.1%')} | "
             f"{_fmt(s['throughput_speedup'], '.2f')} | {frames_text} | {secs_text} | "
             f"{_bounded(s['time_to_target_speedup'], s.get('target_bound'))} | "
             f"{_bounded(s['statistical_efficiency'], s.get('target_bound'))} |")
+    if any(r.get("diverged") for r in report["throughput"]):
+        lines += ["", "diverged: the throughput run diverged past its roll backs (its "
+                      "train.log under runs/ says where); no speed was measured there, "
+                      "and the other points went on."]
     if report["accuracy"]:
         lines += ["", f"Target held-out frame accuracy: "
                       f"{report['options']['target_accuracy']}."]
@@ -494,6 +502,14 @@ def plot_speedup(report: dict, path: str, *, dpi: int = 100) -> None:
                 kind = "simulated" if report.get("virtual") else "measured"
                 ax.plot(*zip(*meas), color=colors[method], marker="o", lw=2,
                         label=f"{method} ({kind}; dashed: projected)")
+            if exact:
+                # a diverged point has no speed: an x on the axis at its ranks
+                gone = [s["ranks"] for s in report["speedups"]
+                        if s["method"] == method and s.get("throughput_diverged")]
+                if gone:
+                    ax.plot(gone, [0.03] * len(gone), ls="none", marker="x", ms=8,
+                            color=colors[method], transform=ax.get_xaxis_transform(),
+                            clip_on=False, label=f"{method}: diverged")
             for s in rows if not exact else ():
                 if s.get("target_bound") in ("at least", "at most"):
                     ax.plot([s["ranks"]], [s[key]], ls="none", mfc="none", ms=8,

@@ -119,9 +119,10 @@ def run_virtual_bench(cfg, *, out_dir: str, options: BenchOptions, compute,
         wall = time.perf_counter() - size_started
         steps = options.warmup_steps + options.throughput_steps
         for row in rows:
-            row.update(simulated=True, size_wall_seconds=wall, steps=steps,
-                       frames_per_rank=steps * row["minibatch"],
-                       syncs=_syncs(steps, row["sync_period"]) if size > 1 else 0)
+            done = row.get("steps", steps)      # (fewer when it diverged)
+            row.update(simulated=True, size_wall_seconds=wall, steps=done,
+                       frames_per_rank=done * row["minibatch"],
+                       syncs=_syncs(done, row["sync_period"]) if size > 1 else 0)
             throughput.append(row)
             print(_throughput_line(row) + f", {row['syncs']} syncs (simulated)", file=out,
                   flush=True)

@@ -175,6 +175,44 @@ def test_a_method_that_diverges_is_a_result_and_the_others_are_measured(small_co
     assert "bmuf" in capsys.readouterr().out
 
 
+def test_a_throughput_run_that_diverges_is_a_result_and_the_benchmark_goes_on(small_corpus,
+                                                                           tmp_path, capsys):
+    # (a divergence in the throughput phase ended the whole benchmark; only the
+    # time-to-accuracy phase took one as a result)
+    import json
+    from mpitrain.cli import main
+    from ..helpers import small_overrides
+    out = tmp_path / "bench"
+    # without max-change, a rate of 0.001 trains on one rank; scaled linearly to
+    # 0.004 on four it blows up within the measured steps
+    argv = ["bench", QUICKSTART, "--virtual", "1,4", "--methods", "allreduce",
+            "--phases", "throughput,accuracy", "--steps", "12", "--warmup-steps", "4",
+            "--target-accuracy", "0.95", "--max-frames", "4096", "--eval-frames", "2048",
+            "--lr-scale", "linear", "--compute-ms", "1", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "optimizer.max_change=0",
+            "optimizer.max_change_per_layer=0", "optimizer.max_change_output=0",
+            "optimizer.initial_learning_rate=0.001", "optimizer.final_learning_rate=0.001",
+            "training.max_divergence_events=0", "training.max_rollbacks=0"]:
+        argv += ["--set", item]
+    assert main(argv) == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    report = json.loads((out / "bench.json").read_text())
+    one, four = sorted(report["throughput"], key=lambda r: r["ranks"])
+    assert one["frames_per_sec"] > 0 and "diverged" not in one
+    assert "training diverged" in four["diverged"] and four["frames_per_sec"] is None
+    assert four["steps"] < 16
+    assert "n=4 allreduce" in printed and "throughput not measured: diverged" in printed
+    speedups = {s["ranks"]: s for s in report["speedups"]}
+    assert speedups[4]["throughput_diverged"] and speedups[4]["throughput_speedup"] is None
+    assert speedups[1]["throughput_speedup"] == 1.0
+    assert "| allreduce | 4 | diverged |" in (out / "bench.md").read_text()
+    assert (out / "bench-speedup.png").exists()
+    # the benchmark went on: the time-to-accuracy phase of both sizes
+    assert sorted(r["ranks"] for r in report["accuracy"]) == [1, 4]
+    assert report["projections"]["allreduce"]
+
+
 def test_a_benchmark_into_a_directory_named_in_latin1_logs_its_runs(small_corpus, tmp_path):
     # each run's train.log took text only: the run's last line, naming its directory,
     # ended the benchmark

@@ -156,3 +156,21 @@ def test_a_benchmark_stopped_while_plotting_keeps_a_report_listing_only_what_is_
     assert json.loads((out / "bench.json").read_text())["outputs"] == {
         k: os.path.basename(v) for k, v in paths.items()}
     assert "accuracy_png" in paths
+
+
+def test_a_diverged_one_rank_throughput_leaves_speedups_and_projection_out(tmp_path):
+    from mpitrain.bench.options import BenchOptions
+    from mpitrain.bench.phases import THROUGHPUT_FIGURES
+    from mpitrain.bench.report import build_report, summary_markdown, write_report
+    diverged = dict(_thr(1, 1000.0), **dict.fromkeys(THROUGHPUT_FIGURES),
+                    diverged="runs/throughput-model_averaging-n1: training diverged", steps=7)
+    report = build_report([diverged, _thr(2, 2000.0)], [], sizes=(1, 2),
+                          methods=("model_averaging",), environment={}, config={},
+                          options=BenchOptions(sizes=(1, 2), project_to=(16,)))
+    by = {s["ranks"]: s for s in report["speedups"]}
+    assert by[1]["throughput_diverged"] and by[1]["throughput_speedup"] is None
+    assert by[2]["throughput_speedup"] is None and "throughput_diverged" not in by[2]
+    assert report["projections"] == {}
+    assert "| model_averaging | 1 | diverged |" in summary_markdown(report)
+    paths = write_report(report, str(tmp_path / "out"), dpi=30)
+    assert os.path.exists(paths["speedup_png"])
