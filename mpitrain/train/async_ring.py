@@ -176,7 +176,20 @@ class OwnPaceLoop:
         counts = self.comm.allgather_obj([self.ring.own_steps, self.own_frames])
         t.step = sum(s for s, _ in counts) // self.comm.size
         t.frames_seen = sum(f for _, f in counts)
+        reported = None
+        if self.comm.rank == 0:
+            # (reports sent before the others heard HALT: their sums are out of the
+            # ranks' own windows)
+            self._drain_reports()
+            loss, _, frames, skipped, _ = self.sums
+            reported = (loss, frames, skipped)
         good = self.comm.bcast_obj(bool(t.guard.last_window_good), root=0)
+        # and the part of the window under way: the sums reported to rank 0 since
+        # its last log line and those every rank has not reported yet (the lock-step
+        # rule; judged by the last whole window alone, a checkpoint written inside a
+        # bad stretch was the model a resume went on from)
+        if good:
+            good = t._window_so_far_good(reported)
         if good and t._params_finite():
             t.save_checkpoint()
         else:

@@ -339,6 +339,17 @@ class Server:
                 + restart_advice(t.run_dir, t.cfg))
         self._new_window()
 
+    def _window_so_far_good(self) -> bool:
+        """Whether the updates since the last log line are good so far (the pushes'
+        loss sums and the steps the optimizer skipped), counting nothing: as a
+        lock-step checkpoint between log lines judges its window's part."""
+        loss, _, frames = self.sums
+        with np.errstate(all="ignore"):
+            xent = float(loss / frames) if frames else None
+        return self.t.guard.part_is_good(xent=xent,
+                                         skipped=self._skipped() - self.skipped_before,
+                                         frames=int(frames))
+
     # -- held-out evaluation and the average's switch ---------------------------------
     def _held_out(self) -> tuple:
         """(cross-entropy per frame, accuracy, frames) of the network's parameters."""
@@ -416,7 +427,7 @@ class Server:
         t, ps, net = self.t, self.ps, self.t.net
         ps.collect_slices(net)
         finite = bool(backend.to_host(t.xp.isfinite(net.params).all()))
-        if not (t.guard.last_window_good and finite):
+        if not (t.guard.last_window_good and self._window_so_far_good() and finite):
             t.log.say(f"step {t.step}: checkpoint not written (the model is diverging or "
                       "not finite)")
             return None

@@ -451,11 +451,15 @@ class Trainer(CheckpointResume):
         local = int(bool(backend.to_host(xp.isfinite(self.net.params).all())))
         return bool(self.comm.allreduce_scalar(local, op="min"))
 
-    def _window_so_far_good(self) -> bool:
+    def _window_so_far_good(self, reported=None) -> bool:
         """Whether the log window under way, summed over the ranks, is good so far
-        (collective; True when the checkpoint comes right after a log line)."""
+        (collective; True when the checkpoint comes right after a log line).
+        ``reported``: (loss, frames, skipped) of the window that reached this rank
+        in messages and is not in its own sums (asynchronous ADPSGD's rank 0)."""
         loss, _, frames, skipped = self._training_step.window_state()
         sums = np.array([loss, frames, skipped], dtype=np.float64)
+        if reported is not None:
+            sums += np.asarray(reported, dtype=np.float64)
         self.comm.allreduce_(sums, op="sum")
         with np.errstate(all="ignore"):
             xent = float(sums[0] / sums[1]) if sums[1] else None

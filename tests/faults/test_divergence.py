@@ -165,6 +165,36 @@ def test_a_checkpoint_inside_a_window_that_went_bad_is_not_written(small_corpus,
     assert rollback["step"] == 10
 
 
+@pytest.mark.parametrize("method,first,bad_step", [
+    (["parallel.method=param_server"], 12, 15),
+    (["parallel.method=adpsgd", "parallel.asynchronous=true"], 22, 16),
+], ids=["param_server", "async_adpsgd"])
+def test_an_asynchronous_checkpoint_inside_a_window_that_went_bad_is_not_written(
+        small_corpus, tmp_path, capsys, monkeypatch, nan_burst, method, first, bad_step):
+    """The asynchronous methods' checkpoints looked at the last whole window alone:
+    one written after the trouble began, before the next log line, was the model a
+    resume went on from (the lock-step loop also judges the window's part so far)."""
+    from mpitrain.config import load_config
+    from mpitrain.train import serving
+    from mpitrain.train import step as step_module
+    from mpitrain.train.virtual import ComputeModel, train_virtual
+    # NaN inputs for minibatches first..first+7, counted over all (virtual) ranks
+    nan_burst(first, 8)
+    monkeypatch.setattr(serving, "splice_batch_", step_module.splice_batch_)
+    run = tmp_path / "run"
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + method + [
+        "training.log_interval=10", "training.checkpoint_interval=5",
+        "training.max_divergence_events=100", "training.max_steps=40", "data.dev="])
+    train_virtual(cfg, size=2, run_dir=str(run), compute=ComputeModel(step_seconds=0.002))
+    out = capsys.readouterr().out
+    written = [r["step"] for r in _records(run, "checkpoint")]
+    assert f"step {bad_step}: checkpoint not written (the model is diverging" in out, out
+    assert bad_step not in written and bad_step - 5 in written, written
+    # the bad windows were logged, and the run finished
+    assert any(r["skipped"] for r in _records(run, "train"))
+    assert (run / "final.h5").exists()
+
+
 def test_a_stop_inside_a_window_that_went_bad_writes_no_checkpoint(small_corpus, tmp_path,
                                                                   capsys, nan_burst):
     """The checkpoint a signal stops at is one between log lines too: written at step
