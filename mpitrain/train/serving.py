@@ -366,7 +366,7 @@ class Server:
         average = ps.average
         mode = average.mode
         ps.collect_slices(net)         # a split model: the other servers' slices
-        current_xent, current_acc, _ = self._held_out()
+        current_xent, current_acc, current_frames = self._held_out()
         extra = {"average_mode": mode, "current_dev_xent": current_xent,
                  "current_dev_acc": current_acc}
         theta = net.params.copy()
@@ -376,7 +376,14 @@ class Server:
             result = {"dev_xent": xent, "dev_acc": acc, "dev_frames": frames}
             t.log.write("eval", step=t.step, frames=t.frames_seen, **result, **extra,
                         seconds=t.comm.wtime() - self.run_start)
-            t._keep_best(result)        # best.h5: the averaged model, as evaluated
+            current = {"dev_xent": current_xent, "dev_acc": current_acc,
+                       "dev_frames": current_frames}
+            # best.h5 and early stopping: the better of the two (a tie: the average)
+            if t.selection.better(current, result):
+                net.params[...] = theta
+                t._keep_best(current)
+            else:
+                t._keep_best(result)
         finally:
             net.params[...] = theta
         t.log.say(f"held-out at step {t.step}: xent {xent:.4f} acc {acc:.4f} ({frames} "

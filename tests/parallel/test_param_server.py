@@ -242,6 +242,12 @@ def test_the_end_keeps_the_current_model_when_the_average_is_worse(small_corpus,
     # best.h5 holds it too (the averaged models evaluated before were worse)
     best, _ = load_model(run / "best.h5")
     assert np.array_equal(best.params, params)
+    # and during the run, model selection took the current model where it was the
+    # better (best.h5 held an average near chance until the end)
+    during = [r for r in records(run, "eval") if "model" not in r]
+    selections = records(run, "selection")
+    assert during and selections[0]["step"] == during[0]["step"]
+    assert selections[0]["best_value"] == during[0]["current_dev_acc"] > during[0]["dev_acc"]
 
 
 def test_the_end_keeps_the_average_when_it_is_the_better(small_corpus, tmp_path):
