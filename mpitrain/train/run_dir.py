@@ -21,6 +21,7 @@ import errno
 import glob
 import json
 import os
+import stat
 import zlib
 
 from ..config import dump_config
@@ -332,8 +333,21 @@ class RunDirLock:
 
     def acquire(self):
         import fcntl
+        # never through a symbolic link: the pid line below would overwrite its target
+        # (a file anywhere the user may write, named by whoever made the link)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        except OSError as exc:
+            if os.path.islink(self.path):
+                return (f"{self.path}: the run's lock file is a symbolic link (to "
+                        f"{os.readlink(self.path)}), which a run never writes through; "
+                        "remove the link")
+            return f"{self.path}: cannot open the run's lock file ({exc.strerror or exc})"
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            return f"{self.path}: the run's lock file is not a regular file; remove it"
         # (errors="replace": a damaged lock file is still named in the refusal below)
-        fh = open(self.path, "a+", encoding="utf-8", errors="replace")
+        fh = os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:

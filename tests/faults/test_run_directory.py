@@ -346,6 +346,22 @@ def test_a_second_run_on_a_directory_in_use_is_refused(finished_run, small_corpu
                   flags=["--resume"]) == 0
 
 
+def test_a_lock_file_that_is_a_symbolic_link_is_never_written_through(small_corpus, tmp_path,
+                                                                       capsys):
+    """Taking the lock wrote its pid line into whatever a .lock link named (a file
+    of the user's anywhere), truncating it."""
+    precious = tmp_path / "precious.txt"
+    precious.write_text("keep me\n", encoding="utf-8")
+    run = tmp_path / "run"
+    run.mkdir()
+    os.symlink(precious, run / ".lock")
+    assert _train(run, small_corpus) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"{run / '.lock'}: the run's lock file is a symbolic link (to {precious})" in err, err
+    assert precious.read_text(encoding="utf-8") == "keep me\n"
+    assert sorted(os.listdir(run)) == [".lock"]
+
+
 def test_a_dry_run_checks_and_plans_but_trains_and_writes_nothing(small_corpus, tmp_path,
                                                                    capsys):
     run = tmp_path / "run"

@@ -130,6 +130,26 @@ def test_a_held_lock_whose_file_is_not_text_is_refused_naming_the_directory(tmp_
         and len(problem) < 400, problem
 
 
+def test_the_lock_never_writes_through_a_link_nor_into_what_is_no_file(tmp_path):
+    import os
+    from mpitrain.train.run_dir import RunDirLock
+    target = tmp_path / "target"
+    target.write_text("keep\n", encoding="utf-8")
+    for name, make in (("link", lambda p: os.symlink(target, p)),
+                       ("dangling", lambda p: os.symlink(tmp_path / "nowhere", p)),
+                       ("fifo", os.mkfifo), ("dir", os.mkdir)):
+        d = tmp_path / name
+        d.mkdir()
+        make(d / ".lock")
+        lock = RunDirLock(str(d))
+        problem = lock.acquire()
+        assert problem is not None and problem.startswith(f"{d / '.lock'}: ") \
+            and "\n" not in problem, (name, problem)
+        lock.release()
+    assert target.read_text(encoding="utf-8") == "keep\n"
+    assert not (tmp_path / "nowhere").exists()
+
+
 def test_a_run_directory_whose_files_could_not_be_named_is_refused_before_writing(tmp_path):
     """Near PATH_MAX a run trained, then failed at its first checkpoint (its temporary
     name too long), with config.yaml and metrics.jsonl written and nothing to resume."""
