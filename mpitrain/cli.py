@@ -636,7 +636,7 @@ def _model_file(path: str, command: str, *, stream=None) -> str:
 
 def cmd_eval(args) -> int:
     from .nn.model_file import load_model
-    from .train.evaluate import evaluate_chunks, iter_eval_chunks
+    from .train.evaluate import evaluate_chunks, iter_eval_chunks, overflow_site
     args.model = _model_file(args.model, "eval")
     net, _ = load_model(args.model)
     if args.max_frames < 0:
@@ -651,6 +651,14 @@ def cmd_eval(args) -> int:
         if frames == 0:
             raise UsageError(f"{corpus_dir}: no frames to evaluate")
         if not math.isfinite(total):
+            site = overflow_site(net, iter_eval_chunks(manifest, net,
+                                                       max_frames=args.max_frames))
+            if site is not None:
+                # the corpus' features were checked finite: the model is the cause
+                raise UsageError(f"{args.model}: the model's outputs overflow (inf or NaN) at "
+                                 f"{site}, on {corpus_dir}'s finite features and on inputs "
+                                 "within the range it was trained on alike; the file holds "
+                                 "weights no training gives; no score")
             raise UsageError(f"{corpus_dir}: the model's output is not finite on some frames "
                              "(features far outside the range it was trained on?); "
                              "no score")

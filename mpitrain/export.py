@@ -52,12 +52,19 @@ EMPTY_TEXT_MATRIX = b" [ ]\n"
 _TEXT = {"encoding": "utf-8", "errors": "surrogateescape"}
 
 
+class ModelOverflow(ValueError):
+    """Outputs that are not finite because of the model, not of the features: it
+    overflows on inputs clipped to the training range too (weights no training
+    gives, in a damaged or crafted file)."""
+
+
 def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
     """(T, num_classes) log posteriors of one utterance's raw features plus ``offsets``.
 
     ``offsets`` is ``-scale * log p(s)`` per class (:func:`prior_offsets`);
     zeros give log posteriors.  ValueError when an output is not finite (features
-    far outside what the model was trained on): NaN scores are never returned.
+    far outside what the model was trained on; :class:`ModelOverflow` when the
+    model overflows on inputs within that range too): NaN scores are never returned.
     """
     if isinstance(batch, bool) or not isinstance(batch, numbers.Real) \
             or int(batch) != batch or batch < 1:
@@ -77,8 +84,15 @@ def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
         out[lo:lo + len(idx)] = backend.to_host(logp) + offsets
     bad = ~np.isfinite(out).all(axis=1)
     if bad.any():
-        raise ValueError(f"the model's output is not finite at frame {int(np.argmax(bad))} "
-                         f"of {n}")
+        first = int(np.argmax(bad))
+        idx = xp.arange(first, first + 1)
+        site = net.overflow_site(splice(frames, splice_indices(
+            idx, start[idx], end[idx], net.left_context, net.right_context)))
+        if site is not None:
+            raise ModelOverflow(f"the model's outputs overflow (inf or NaN) at {site}, on "
+                                f"frame {first} of {n} and on inputs within the range it "
+                                "was trained on alike")
+        raise ValueError(f"the model's output is not finite at frame {first} of {n}")
     return out
 
 
@@ -143,6 +157,10 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
                 feats = speaker.apply(utt, feats)
             try:
                 loglikes = utterance_loglikes(net, feats, offsets, batch=batch)
+            except ModelOverflow as exc:
+                # the features are finite and not to blame: name the model file
+                raise ValueError(f"{model_path}: {exc} (utterance {utt} of {feats_rspec}); "
+                                 "the file holds weights no training gives") from None
             except ValueError as exc:
                 # a decoder would read NaN scores: no output rather than a wrong one
                 raise ValueError(

@@ -131,6 +131,35 @@ def test_eval_scores_several_corpora_one_line_each_after_checking_them_all(tmp_p
     assert out == "" and "wide/corpus.yaml: feat_dim 6" in err, (out, err)
 
 
+def test_eval_of_a_model_whose_weights_overflow_names_the_model_not_the_features(tmp_path,
+                                                                               capsys):
+    """A crafted model file (weights of 1e30, finite, checksummed) scored finite
+    features to NaN, and eval blamed the features ('far outside the range it was
+    trained on?')."""
+    import numpy as np
+    from mpitrain.data.writer import CorpusWriter
+    from mpitrain.nn.model_file import save_model
+    from mpitrain.nn.network import build_network
+    net = build_network(feat_dim=5, num_classes=3, left_context=1, right_context=1,
+                        hidden_layers=2, hidden_dim=4)
+    net.init_params(seed=0)
+    net.components[0].weight[...] = 1e30       # both hidden layers' affines
+    net.components[2].weight[...] = 1e30
+    model = tmp_path / "m.h5"
+    save_model(model, net)
+    rng = np.random.default_rng(0)
+    with CorpusWriter(str(tmp_path / "c"), feat_dim=5, num_classes=3, num_shards=1) as w:
+        w.add("u1", rng.standard_normal((30, 5)).astype(np.float32),
+              rng.integers(0, 3, 30).astype(np.int32))
+    assert main(["eval", str(model), str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        f"mpitrain eval: error: {model}: the model's outputs overflow (inf or NaN) at "
+        "component 3 of 5, Affine(4->4), parameters up to 1e+30 in magnitude, on "
+        f"{tmp_path / 'c'}'s finite features"), err
+    assert "features far outside" not in err, err
+
+
 def test_eval_reads_the_corpus_one_chunk_at_a_time(tmp_path, capsys, monkeypatch):
     """A test set of any size: the chunks scored before are gone when the next is read."""
     import weakref

@@ -212,6 +212,29 @@ def test_features_that_overflow_the_model_give_an_error_not_nan_scores(tiny, cap
     assert not (d / "ll.ark").exists()
 
 
+def test_a_model_whose_weights_overflow_is_named_not_the_features(tiny, capsys):
+    """A crafted model file (weights of 1e30, finite, checksummed) turned ordinary
+    features into NaN scores, and the error blamed the features."""
+    from mpitrain.inference import load_model as load_for_inference
+    from mpitrain.nn.model_file import save_model
+    d, model, feats = tiny
+    net, stored = load_model(model)
+    net.components[0].weight[...] = 1e30
+    net.components[2].weight[...] = 1e30
+    save_model(model, net, class_priors=stored)
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark:{d}/ll.ark"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"mpitrain export: error: {model}: the model's outputs overflow "
+                          "(inf or NaN) at component 3 of 3, Affine(8->3), parameters up to "
+                          "1e+30 in magnitude, on frame 0 of 5"), err
+    assert f"(utterance utt0 of ark:{d}/feats.ark)" in err and "features up to" not in err
+    assert not (d / "ll.ark").exists()
+    with pytest.raises(ValueError) as info:
+        load_for_inference(str(model)).log_posteriors(feats["utt0"])
+    assert str(info.value).startswith(f"{model}: the model's outputs overflow"), info.value
+
+
 def test_export_to_stdout_writes_only_the_archive(tiny):
     import io
     import subprocess

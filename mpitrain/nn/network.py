@@ -22,6 +22,12 @@ from .nonlinear import Normalize, PNorm, ReLU, Sigmoid
 
 _KINDS = {cls.kind: cls for cls in (Affine, ReLU, Sigmoid, PNorm, Normalize)}
 
+#: How far from the training features' mean (in their standard deviations, as CMVN
+#: leaves them) an input may lie and still be one a trained model scores: a model
+#: whose outputs overflow within it is itself the cause (weights no training gives),
+#: one that overflows only beyond it meets features far outside what it was trained on.
+TRAINED_RANGE = 100.0
+
 
 def build_component(spec: dict) -> Component:
     """Recreate a component from its ``spec()``."""
@@ -269,6 +275,35 @@ class Network:
         finally:
             self._dropout_in_use = None
         return result
+
+    def overflow_site(self, x) -> str | None:
+        """Where the model itself overflows on the rows ``x`` (normalised, spliced):
+        the first component whose output is inf or NaN once ``x`` is clipped to
+        +-:data:`TRAINED_RANGE`, in words ("component 3 of 5, Affine(32->32),
+        parameters up to 1e+30 in magnitude"); None when the clipped rows score
+        finitely, so that only inputs far outside the training range overflow it.
+        For the error of a scoring that was not finite (nothing else calls it)."""
+        from .loss import log_softmax
+        xp = self.xp
+        h = xp.clip(xp.nan_to_num(x), -TRAINED_RANGE, TRAINED_RANGE)
+        caches = self._buffer_caches()
+        held = [cache.keys() for cache in caches]
+        try:
+            with np.errstate(all="ignore"):
+                for i, comp in enumerate(self.components):
+                    h = comp.forward(h)
+                    if not bool(xp.isfinite(h).all()):
+                        params = (f", parameters up to {float(xp.abs(comp.block).max()):.3g} "
+                                  "in magnitude" if comp.num_params else "")
+                        return (f"component {i + 1} of {len(self.components)}, "
+                                f"{comp!r}{params}")
+                if not bool(xp.isfinite(log_softmax(h)).all()):
+                    return (f"the log-softmax of its last component's outputs (up to "
+                            f"{float(xp.abs(h).max()):.3g} in magnitude)")
+        finally:
+            for cache, keys in zip(caches, held):
+                cache.release_except(keys)
+        return None
 
     def _buffer_caches(self) -> list:
         return [c._buffers for c in self.components

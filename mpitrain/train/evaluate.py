@@ -113,6 +113,26 @@ def evaluate_chunks(net, chunks) -> tuple:
     return float(total), int(round(correct)), frames
 
 
+def overflow_site(net, chunks) -> str | None:
+    """Where ``net`` itself overflows (:meth:`~mpitrain.nn.network.Network.overflow_site`)
+    on the first minibatch of ``chunks`` whose log posteriors are not finite; None when
+    only features far outside the training range overflow it (or none does).  For the
+    error of a score that was not finite: the chunks are scored again up to that batch."""
+    from ..nn.loss import log_softmax
+    xp = net.xp
+    for feats, labels, start, end in chunks:
+        for lo in range(0, len(labels), EVAL_BATCH):
+            idx = xp.arange(lo, min(lo + EVAL_BATCH, len(labels)))
+            rows = splice(feats, splice_indices(idx, start[idx], end[idx], net.left_context,
+                                                net.right_context))
+            with np.errstate(all="ignore"):
+                finite = bool(xp.isfinite(log_softmax(
+                    net.forward(rows, keep_buffers=False))).all())
+            if not finite:
+                return net.overflow_site(rows)
+    return None
+
+
 class WholeHeldOut:
     """The whole held-out set, scored by one rank alone while the others train (an
     asynchronous method's rank 0); its chunks are read at the first score.
