@@ -516,6 +516,25 @@ def verify_file(f, path, *, what: str = "file") -> bool:
     return True
 
 
+def stored_checksum(path) -> str | None:
+    """The SHA-256 checksum a file written here says it has (its root attribute, not
+    verified: the whole file is not read), as hex; None when the file cannot be
+    opened or holds none.  What names a file's content cheaply, wherever it lies.
+
+    Example::
+
+        stored_checksum("runs/pre/pretrain.h5")      # "3f0a..." (64 hex digits)
+    """
+    try:
+        with h5_reader(path) as f:
+            stored = f.attrs.get(CHECKSUM_ATTR)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, UnicodeDecodeError):
+        return None
+    if not isinstance(stored, str) or not _CHECKSUM_TEXT.fullmatch(stored):
+        return None
+    return stored[len("sha256:"):]
+
+
 def _field(h, tag: bytes, payload: bytes) -> None:
     """One length-prefixed record, so no two layouts hash the same byte stream."""
     h.update(tag + len(payload).to_bytes(8, "little") + payload)

@@ -23,7 +23,7 @@ from ..nn.model_file import ModelMismatchError, save_model
 from ..parallel.registry import takes_own_steps
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
-from .run_dir import corpus_identity, corpus_places, resume_changes
+from .run_dir import corpus_identity, corpus_places, init_from_identity, resume_changes
 
 #: Prefixes of the schedule's and the model selection's scalars in the
 #: checkpoint's group 'trainer'.
@@ -73,7 +73,10 @@ class CheckpointResume:
 
     def _corpus_identity(self) -> dict:
         # (data.dev may change on resume: only the training corpus is compared)
-        return corpus_identity({"data.train": self.manifest})
+        if getattr(self, "_stack_identity", None) is None:
+            # (read once: the stack is not written while the run uses it)
+            self._stack_identity = init_from_identity(self.cfg)
+        return {**corpus_identity({"data.train": self.manifest}), **self._stack_identity}
 
     def _leave_complete_run(self) -> dict:
         """``--resume`` of a run that had ended, with nothing that asks for more: the

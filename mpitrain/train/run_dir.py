@@ -26,6 +26,7 @@ import zlib
 
 from ..config import dump_config
 from ..files import dotted_keys, nearest_existing, path_text, remove_stale_temporaries
+from ..h5io import stored_checksum
 from .errors import TrainingError, remove_rank_errors
 
 #: Files a run writes (checkpoints are matched separately).
@@ -201,6 +202,35 @@ def corpus_identity(manifests: dict) -> dict:
     return identity
 
 
+#: The trainer state's field of the stack ``model.init_from`` named: the leading 60
+#: bits (an integer: the state's text is places alone) of its stored SHA-256 checksum.
+INIT_FROM_CHECKSUM = "init_from_checksum"
+
+
+def init_from_identity(cfg) -> dict:
+    """``{INIT_FROM_CHECKSUM: N}`` of the RBM stack ``model.init_from`` names (from
+    the checksum the file stores, unverified: a resume does not read the stack):
+    stored with a run's checkpoints, so that the stack moved or copied elsewhere
+    since (with the run directory, to a node's disk) is known on resume as the one
+    the run started from.  Empty when none is set, or the file stores no checksum."""
+    path = cfg.model.init_from
+    checksum = stored_checksum(path) if path else None
+    return {INIT_FROM_CHECKSUM: int(checksum[:15], 16)} if checksum else {}
+
+
+def moved_init_from(old_state: dict, now_identity: dict, now_places: dict) -> dict:
+    """``{"model.init_from": (old place, new place)}`` when the stack a checkpoint's
+    trainer state (``old_state``) identifies (:func:`init_from_identity`) now lies
+    elsewhere (``now_places``, :func:`corpus_places`); else empty."""
+    key = "model.init_from"
+    before, after = old_state.get(f"place_{key}"), now_places.get(f"place_{key}")
+    if INIT_FROM_CHECKSUM in old_state and INIT_FROM_CHECKSUM in now_identity \
+            and int(old_state[INIT_FROM_CHECKSUM]) == now_identity[INIT_FROM_CHECKSUM] \
+            and before and after and str(before) != after:
+        return {key: (str(before), after)}
+    return {}
+
+
 def _same_corpus(old_state: dict, now: dict, key: str) -> bool:
     """Whether the corpus of setting ``key`` is the one ``old_state`` identifies
     (what an older checkpoint did not record is not compared)."""
@@ -285,14 +315,18 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
 
 def resume_changes(old_cfg, new_cfg, old_state: dict, now_identity: dict) -> tuple:
     """``(changes, notes)`` of a resume from a checkpoint with config ``old_cfg``
-    and trainer state ``old_state`` (its places and corpus identity): the settings
-    and corpora that differ (:func:`changed_settings`, :func:`changed_corpora`),
-    and a line for each corpus found elsewhere (:func:`moved_corpora`), which is
-    no change."""
+    and trainer state ``old_state`` (its places, corpus and stack identity): the
+    settings and corpora that differ (:func:`changed_settings`,
+    :func:`changed_corpora`), and a line for each corpus or stack found elsewhere
+    (:func:`moved_corpora`, :func:`moved_init_from`), which is no change."""
     places = corpus_places(new_cfg)
     moved = moved_corpora(old_state, now_identity, places)
     notes = [f"{key}: the corpus this run trained on, moved from {before} to {after}"
              for key, (before, after) in moved.items()]
+    stack = moved_init_from(old_state, now_identity, places)
+    notes += [f"{key}: the RBM stack this run started from (the same checksum), moved "
+              f"from {before} to {after}" for key, (before, after) in stack.items()]
+    moved.update(stack)
     changes = changed_settings(
         old_cfg, new_cfg, old_places={k: v for k, v in old_state.items()
                                       if k.startswith("place_")}, moved=moved) \

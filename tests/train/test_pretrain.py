@@ -175,6 +175,37 @@ def test_pretraining_resumes_bit_exactly_from_its_corpus_moved_but_not_from_anot
         in capsys.readouterr().err
 
 
+def test_a_stack_moved_with_its_runs_is_the_same_init_from_on_resume(small_corpus, tmp_path,
+                                                                     capsys):
+    """An experiment directory (pretraining and training runs) moved to other storage:
+    model.init_from names the same stack at its new place, and the resume was refused
+    as a changed model.init_from unless --accept-changes."""
+    from mpitrain.nn.rbm_file import save_rbm_stack
+    first, second = tmp_path / "scratch1" / "exp", tmp_path / "scratch2" / "exp"
+    assert main(_argv("pretrain", first / "pre", small_corpus)) == 0
+
+    def train(exp, steps, flags=()):
+        return main(_argv("train", exp / "run", small_corpus, [
+            "model.nonlinearity=sigmoid", f"model.init_from={exp / 'pre' / 'pretrain.h5'}",
+            f"training.max_steps={steps}", "training.checkpoint_interval=10"]) + list(flags))
+    assert train(first, 10) == 0
+    shutil.move(str(first), str(second))
+    capsys.readouterr()
+    assert train(second, 20, ["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert ("resume: model.init_from: the RBM stack this run started from (the same "
+            f"checksum), moved from {first / 'pre' / 'pretrain.h5'} to "
+            f"{second / 'pre' / 'pretrain.h5'}") in out, out
+    # another stack at that place is another setting
+    stack = load_rbm_stack(str(second / "pre" / "pretrain.h5"))
+    stack.rbms[0].block[0, 0] += 1.0
+    save_rbm_stack(str(second / "pre" / "pretrain.h5"), stack)
+    shutil.move(str(second), str(first))
+    assert train(first, 30, ["--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume with settings that change the result: model.init_from: " in err, err
+
+
 def test_a_pretraining_dry_run_plans_and_writes_nothing(small_corpus, tmp_path, capsys):
     assert main(_argv("pretrain", tmp_path / "run", small_corpus) + ["--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()

@@ -193,3 +193,16 @@ def test_a_corpus_and_run_directory_named_in_latin1_checkpoint_and_resume(small_
     assert os.path.exists(os.path.join(run, "ckpt-00000004.h5"))
     train_in_process(run, corpus, settings + ["training.max_steps=8"], resume=True)
     assert records(run, "end")[-1]["steps"] == 8
+
+
+def test_a_stack_that_cannot_be_read_has_no_identity(tmp_path):
+    """The identity of model.init_from is read, unverified, from the stack's stored
+    checksum; a path naming nothing, a directory or a file that is no HDF5 gives none
+    (the path alone is then compared on resume, as before)."""
+    from mpitrain.config import RunConfig
+    from mpitrain.train.run_dir import init_from_identity
+    (tmp_path / "text.h5").write_text("not HDF5\n", encoding="utf-8")
+    for name in ("missing.h5", "text.h5", ""):
+        cfg = RunConfig()
+        cfg.model.init_from = str(tmp_path / name)
+        assert init_from_identity(cfg) == {}, name
