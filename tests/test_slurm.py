@@ -535,3 +535,26 @@ def test_prepare_with_parts_not_a_number_is_one_line(tmp_path):
     assert results[0][1] == 2 and results[0][2].strip() == \
         "prepare.sbatch: PARTS=eight: expected a number of parts >= 1"
     assert merge == "" and written == {}
+
+
+@pytest.mark.parametrize("script,variable,args", [
+    ("train.sbatch", "RUN_DIR", ["run.yaml"]),
+    ("train.sbatch", "SWEEP", ["run.yaml"]),
+    ("bench.sbatch", "BENCH_OUT", ["run.yaml"]),
+    ("prepare.sbatch", "OUT_DIR", ["feats.scp", "ark:ali.ark", "~/corpus"]),
+])
+def test_a_path_variable_starting_with_a_quoted_tilde_is_refused_before_any_mkdir(
+        tmp_path, script, variable, args):
+    # RUN_DIR="~/runs/x" (quoted: the shell leaves the ~) made a directory named ~ in
+    # the submit directory, which looks like the home directory
+    env = dict(os.environ, VENV=str(tmp_path / "no-venv"), LAUNCHER="mpirun",
+               SLURM_NTASKS="1", SLURM_ARRAY_TASK_ID="0")
+    if variable != "OUT_DIR":
+        env[variable] = "~/runs/x"
+    result = subprocess.run(["bash", os.path.join(SLURM_DIR, script), *args], env=env,
+                            cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    shown = "~/corpus" if variable == "OUT_DIR" else "~/runs/x"
+    assert result.returncode == 2 and result.stderr == (
+        f"{script}: {variable}={shown}: starts with ~, which the shell does not expand "
+        f"inside quotes; write the path out ($HOME{shown[1:]})\n"), result.stderr
+    assert os.listdir(tmp_path) == []
