@@ -485,13 +485,22 @@ def _partial_report_writer(out_dir: str, dpi: int):
 
 
 def _check_corpus_feeds(cfg, config: str, ranks: int, options) -> None:
-    """Refuse, before the first measurement, a largest group the training corpus
-    cannot give an utterance per data rank (found only when that size came)."""
+    """Refuse, before the first measurement and before anything is written, a
+    corpus that cannot be read (the first run found it, after it had made its run
+    directory and log) and a largest group the training corpus cannot give an
+    utterance per data rank (found only when that size came)."""
     from .data.corpus import load_manifest
-    try:
-        utterances = load_manifest(cfg.data.train).num_utterances
-    except (ValueError, OSError):
-        return                  # the runs name a corpus that cannot be read
+    if not cfg.data.train:
+        raise UsageError(f"{config}: data.train: no training corpus given (set data.train "
+                         "in the config or with --set data.train=DIR)")
+    for key in ("data.train", "data.dev"):
+        corpus = getattr(cfg.data, key.split(".")[1])
+        try:
+            manifest = load_manifest(corpus) if corpus else None
+        except (ValueError, OSError) as exc:
+            raise UsageError(f"{config}: {key}: {' '.join(str(exc).split())}") from None
+        if key == "data.train":
+            utterances = manifest.num_utterances
     readers = ranks - (cfg.parallel.servers if "param_server" in (options.methods or ())
                        else 0)
     if utterances < readers:

@@ -107,6 +107,28 @@ def test_a_bench_stopped_halfway_keeps_the_sizes_it_measured(small_corpus, tmp_p
     assert "Partial" not in (out / "bench.md").read_text()
 
 
+@pytest.mark.parametrize("virtual", [True, False])
+@pytest.mark.parametrize("key", ["data.train", "data.dev"])
+def test_a_corpus_that_cannot_be_read_is_refused_before_anything_is_written(
+        small_corpus, tmp_path, capsys, monkeypatch, key, virtual):
+    """A missing corpus was found by the first run, which had made its run directory
+    and an empty train.log under --out (and a later bench there needed --overwrite)."""
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--steps", "2", "--warmup-steps", "1", "--methods",
+            "model_averaging", "--out", str(out)]
+    argv += ["--virtual", "1", "--compute-ms", "1"] if virtual else ["--sizes", "1"]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                 f"{key}={tmp_path / 'missing'}"]:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"mpitrain bench: error: {QUICKSTART}: {key}: {tmp_path / 'missing'}/"
+                   f"corpus.yaml: not found; expected a corpus directory ({tmp_path / 'missing'}"
+                   ") holding corpus.yaml\n"), err
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_group_larger_than_the_corpus_can_feed_is_refused_before_measuring(small_corpus,
                                                                              tmp_path, capsys):
     """Size 1 was measured and a partial report written before size 64 found too few
