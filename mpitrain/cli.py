@@ -1093,7 +1093,15 @@ class _NamedStdout:
 
     def write(self, text):
         with self._named():
-            return self.stream.write(text)
+            try:
+                return self.stream.write(text)
+            except UnicodeEncodeError:
+                # a character the locale's encoding lacks (an utterance named in
+                # Japanese, under Latin-1): written as an escape, as stderr does,
+                # not failing the command after its work was done
+                encoding = getattr(self.stream, "encoding", None) or "ascii"
+                return self.stream.write(
+                    text.encode(encoding, "backslashreplace").decode(encoding))
 
     def flush(self):
         with self._named():

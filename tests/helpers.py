@@ -97,3 +97,28 @@ def without_module(monkeypatch, prefix: str) -> None:
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", refusing)
+
+
+def locale_env(tmp_path, encoding: str) -> dict:
+    """Environment of a child ``python -m mpitrain`` (or ``-c``) under a locale that
+    is not UTF-8: ``"ascii"`` (LC_ALL=C with Python's UTF-8 mode off) or
+    ``"latin-1"`` (en_US.ISO-8859-1, compiled under ``tmp_path`` by localedef; the
+    test is skipped where it cannot be)."""
+    import subprocess
+    import pytest
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LC_", "LANG"))}
+    env.pop("PYTHONIOENCODING", None)
+    env.update(PYTHONUTF8="0", PYTHONPATH=str(REPO), OPENBLAS_NUM_THREADS="1")
+    if encoding == "ascii":
+        return dict(env, LC_ALL="C")
+    where = tmp_path / "locales"
+    where.mkdir(exist_ok=True)
+    try:
+        made = subprocess.run(["localedef", "-i", "en_US", "-f", "ISO-8859-1",
+                               str(where / "en_US.ISO-8859-1")], capture_output=True,
+                              timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        made = False
+    if not made:
+        pytest.skip("no Latin-1 locale: localedef cannot compile en_US.ISO-8859-1 here")
+    return dict(env, LOCPATH=str(where), LC_ALL="en_US.ISO-8859-1")

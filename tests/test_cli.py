@@ -729,3 +729,22 @@ def test_a_setting_virtual_ranks_cannot_run_names_the_config_file(small_corpus, 
         assert err.startswith(f"mpitrain train: error: {QUICKSTART}: ") and words in err, err
         assert err.count("\n") == 1
         assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_output_the_locale_cannot_spell_is_escaped_not_an_error(tmp_path, encoding):
+    """prepare wrote its corpus, then failed (exit 2, "'latin-1' codec can't encode
+    characters") printing an utterance named in Japanese under a Latin-1 locale."""
+    import kaldiio
+    import numpy as np
+    from .helpers import locale_env
+    env = locale_env(tmp_path, encoding)
+    feats = {f"\u65e5\u672c{i}": np.zeros((5, 2), np.float32) for i in range(2)}
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
+    kaldiio.save_ark(str(tmp_path / "ali.ark"), {"\u65e5\u672c0": np.zeros(5, np.int32)})
+    result = subprocess.run([sys.executable, "-m", "mpitrain", "prepare", "--feats",
+                             "ark:feats.ark", "--ali", "ark:ali.ark", "--out", "corpus",
+                             "--num-classes", "2"], capture_output=True, cwd=tmp_path,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert b"  no alignment: \\u65e5\\u672c1\n" in result.stdout, result.stdout
