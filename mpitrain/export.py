@@ -355,7 +355,10 @@ class ArkWriter:
         self._fark.write(head)
         self._position += len(head)
         if self._fscp is not None:
-            self._fscp.write(f"{key} {self.ark}:{self._position}\n")
+            # the archive's name as its bytes (written through _TEXT as they are): as
+            # UTF-8 text, a Latin-1 locale's name became other bytes
+            name = os.fsencode(self.ark).decode("utf-8", "surrogateescape")
+            self._fscp.write(f"{key} {name}:{self._position}\n")
         if self.text and matrix.size == 0:
             # Kaldi's text form of an empty matrix; kaldiio writes "[]", which its
             # own reader cannot read back

@@ -235,6 +235,30 @@ def test_a_model_whose_weights_overflow_is_named_not_the_features(tiny, capsys):
     assert str(info.value).startswith(f"{model}: the model's outputs overflow"), info.value
 
 
+def test_the_scp_names_the_archive_by_its_bytes_under_a_latin1_locale(tiny):
+    """The scp's archive path was written as UTF-8 text of the name Python held: under
+    a Latin-1 locale a directory named in UTF-8 ('o\u00fct') became other bytes, and
+    the scp named no archive."""
+    import subprocess
+    import sys
+
+    import kaldiio
+    from .helpers import locale_env
+    d, model, feats = tiny
+    env = locale_env(d, "latin-1")
+    out = os.fsencode(d) + b"/o\xc3\xbct"
+    os.mkdir(out)
+    result = subprocess.run(
+        [sys.executable, "-m", "mpitrain", "export", str(model), "--feats",
+         f"ark:{d}/feats.ark", "--out", b"ark,scp:" + out + b"/ll.ark," + out + b"/ll.scp"],
+        capture_output=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    scp = (d / "o\u00fct" / "ll.scp").read_bytes()
+    assert scp.startswith(b"utt0 " + out + b"/ll.ark:"), scp
+    loaded = dict(kaldiio.load_scp(str(d / "o\u00fct" / "ll.scp")))
+    assert sorted(loaded) == sorted(feats)
+
+
 def test_export_to_stdout_writes_only_the_archive(tiny):
     import io
     import subprocess

@@ -139,7 +139,9 @@ def _launcher(ranks: int) -> list[str]:
     if launcher is None:
         raise RunFailed("no MPI launcher for the multi-rank runs: set $MPIEXEC or "
                            "`pip install mpich` into the environment")
-    version = subprocess.run([launcher, "--version"], capture_output=True, text=True)
+    # (not the locale's decoding: a launcher's banner may hold a byte it cannot read)
+    version = subprocess.run([launcher, "--version"], capture_output=True, text=True,
+                             encoding="utf-8", errors="replace")
     # Open MPI refuses more ranks than cores without this; MPICH needs nothing.
     extra = ["--oversubscribe"] if "Open MPI" in version.stdout + version.stderr else []
     return [launcher, *extra, "-n", str(ranks), sys.executable]
@@ -209,7 +211,8 @@ def run_one(spec: RunSpec, out_dir: str, *, rerun: bool, targets: Sequence[float
     wall_file = os.path.join(run_dir, "wall_seconds.txt")
     if not rerun and _finished(run_dir):
         print(f"[convergence] {spec.name}: finished before, reusing {run_dir}", flush=True)
-        wall = float(Path(wall_file).read_text()) if os.path.exists(wall_file) else None
+        wall = (float(Path(wall_file).read_text(encoding="utf-8"))
+                if os.path.exists(wall_file) else None)
         return summarize_run(run_dir, spec, targets=targets, wall_seconds=wall)
     os.makedirs(run_dir, exist_ok=True)
     command = train_command(spec, run_dir, **options)

@@ -566,7 +566,10 @@ def parse_scp(target: str, *, commands: bool = False) -> list[tuple]:
             if len(parts) != 2:
                 raise CorpusError(f"{name}:{lineno}: expected 'uttid ark_path:offset', "
                                   f"got {line.strip()!r}")
-            key, location = parts[0], parts[1].strip()
+            # (the location's bytes as Python's file functions name them in this
+            # locale: decoded as UTF-8, a Latin-1 locale opened other bytes)
+            key, location = parts[0], os.fsdecode(
+                parts[1].strip().encode("utf-8", "surrogateescape"))
             ranges = None
             if location.endswith("]") and "[" in location:
                 location, ranges = location[:-1].rsplit("[", 1)

@@ -55,7 +55,7 @@ def find_mpiexec() -> Optional[str]:
 def _is_open_mpi(launcher: str) -> bool:
     try:
         out = subprocess.run([launcher, "--version"], capture_output=True, text=True,
-                             timeout=20)
+                             encoding="utf-8", errors="replace", timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return False
     text = out.stdout + out.stderr
@@ -111,7 +111,8 @@ def run_mpi(np: int, args: Sequence[str], *, timeout: float = 120,
         pytest.skip("no MPI launcher: set $MPIEXEC or `pip install mpich` into the venv")
     command = [launcher, *_launcher_args(launcher), "-n", str(np), sys.executable, *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=_child_env(env), cwd=cwd,
+                               text=True, encoding="utf-8", errors="replace",
+                               env=_child_env(env), cwd=cwd,
                                start_new_session=True)
     try:
         stdout, stderr = process.communicate(timeout=timeout)

@@ -407,3 +407,24 @@ def test_compressed_matrices_decode_as_kaldis_copy_to_mat_bit_for_bit(tmp_path, 
     theirs = kaldiio.load_mat(f"{tmp_path}/c.ark:2")
     np.testing.assert_allclose(got, theirs, rtol=0, atol=4 * np.spacing(np.abs(theirs).max()))
     assert np.abs(got - matrix).max() < 0.1 * np.abs(matrix).max()
+
+
+@pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
+def test_an_scp_names_its_archives_by_their_bytes_under_any_locale(tmp_path, encoding):
+    """The location in an scp was decoded as UTF-8: under a Latin-1 (or ASCII) locale
+    an archive in a directory named in UTF-8 ('f\u00ebats') was opened under other
+    bytes and said to be no readable file."""
+    from ..helpers import locale_env
+    env = locale_env(tmp_path, encoding)
+    os.makedirs(os.fsencode(tmp_path) + b"/f\xc3\xabats")
+    feats = {f"u{i}": np.full((3 + i, 2), i, dtype=np.float32) for i in range(3)}
+    kaldiio.save_ark(str(tmp_path / "f\u00ebats" / "feats.ark"), feats,
+                     scp=str(tmp_path / "feats.scp"))
+    assert b"f\xc3\xabats/feats.ark:" in (tmp_path / "feats.scp").read_bytes()
+    script = ("from mpitrain.data.kaldi_read import read_feature_matrices\n"
+              "print([(k, m.shape[0]) for k, m in read_feature_matrices('scp:feats.scp')])")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            encoding="utf-8", errors="replace", cwd=tmp_path, env=env,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[('u0', 3), ('u1', 4), ('u2', 5)]", result.stdout
