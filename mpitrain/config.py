@@ -698,6 +698,13 @@ def _check_paths(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}{key}: {value!r} cannot be a file name in this "
                               f"locale's encoding ({sys.getfilesystemencoding()}); run "
                               "under a UTF-8 locale, e.g. LC_ALL=C.UTF-8") from None
+        if _named_in_utf8_alone(value):
+            # (a config written where names are UTF-8, run under a Latin-1 locale: the
+            # same text names other bytes, and the corpus was "not found")
+            raise ConfigError(f"{where}{key}: {value}: not found in this locale's "
+                              f"encoding ({sys.getfilesystemencoding()}), but its UTF-8 "
+                              "spelling names a file; run under a UTF-8 locale, e.g. "
+                              "LC_ALL=C.UTF-8")
         problem = unexpanded_home(value)
         if problem:
             raise ConfigError(f"{where}{key}: {problem}")
@@ -705,6 +712,18 @@ def _check_paths(cfg: RunConfig, where: str) -> None:
             raise ConfigError(f"{where}{key}: {value}: does not exist; mpitrain does not "
                               "expand $VARIABLES in paths: write the path out (or give it "
                               f"with --set {key}=\"$VARIABLE/...\", which the shell expands)")
+
+
+def _named_in_utf8_alone(path: str) -> bool:
+    """Whether ``path`` (text) names nothing as this locale spells file names, but
+    its UTF-8 bytes name something: the locale is not UTF-8, the names on disk are."""
+    if not path or os.path.exists(path):
+        return False
+    try:
+        utf8 = path.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return utf8 != os.fsencode(path) and os.path.exists(utf8)
 
 
 def config_from_dict(data: dict) -> RunConfig:

@@ -387,3 +387,23 @@ def test_a_dollar_in_a_config_path_that_exists_is_a_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "$corpus").mkdir()
     assert load_config(None, ["data.train=$corpus"]).data.train == "$corpus"
+
+
+def test_a_path_that_only_its_utf8_spelling_names_is_said_under_a_latin1_locale(tmp_path):
+    """A config written where file names are UTF-8, run under a Latin-1 locale: the
+    same text names other bytes there, and the corpus was said not to exist."""
+    import subprocess
+    import sys
+    from .helpers import locale_env
+    env = locale_env(tmp_path, "latin-1")
+    os.makedirs(os.fsencode(tmp_path) + b"/c\xc3\xb6rpus/train")
+    (tmp_path / "run.yaml").write_text('data:\n  train: "c\u00f6rpus/train"\n',
+                                       encoding="utf-8")
+    result = subprocess.run([sys.executable, "-m", "mpitrain", "train", "run.yaml",
+                             "--dry-run"], capture_output=True, timeout=120, cwd=tmp_path,
+                            env=env)
+    err = result.stderr.decode("latin-1")
+    assert result.returncode == 2 and err.count("\n") == 1, err
+    assert err == ("mpitrain train: error: run.yaml: data.train: c\u00f6rpus/train: not found "
+                   "in this locale's encoding (iso8859-1), but its UTF-8 spelling names a "
+                   "file; run under a UTF-8 locale, e.g. LC_ALL=C.UTF-8\n"), err
