@@ -46,3 +46,49 @@ def test_a_files_heaps_are_walked_once_until_it_changes(tmp_path, monkeypatch):
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     h5io.h5_reader(path).close()
     assert len(walks) == 2
+
+
+class _DatasetIdWithoutChunkIter:
+    """A dataset's low-level id as h5py < 3.8, or one built on HDF5 1.12.2, has it."""
+
+    def __init__(self, dsid):
+        self._dsid = dsid
+
+    def __getattr__(self, name):
+        if name == "chunk_iter":
+            raise AttributeError(name)
+        return getattr(self._dsid, name)
+
+
+def test_the_heap_check_finds_chunks_where_h5py_has_no_chunk_iter(tmp_path, monkeypatch):
+    # opening any file with a chunked dataset (every shard) failed with a traceback,
+    # "'h5py.h5d.DatasetID' object has no attribute 'chunk_iter'"
+    from mpitrain import h5io
+
+    path = tmp_path / "s.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("feats", data=np.arange(4000, dtype=np.float32).reshape(500, 8),
+                         chunks=(100, 8))
+        f.create_dataset("utt_ids", data=[b"a", b"bb"], dtype=h5py.string_dtype())
+    with h5py.File(path, "r") as f:
+        expected = h5io._raw_extents(f)
+    assert len(expected) == 5 + 1      # the chunks and the ids' contiguous data
+    monkeypatch.setattr(h5py.Dataset, "id",
+                        property(lambda self: _DatasetIdWithoutChunkIter(self._id)))
+    with h5py.File(path, "r") as f:
+        assert h5io._raw_extents(f) == expected
+    h5io.h5_reader(path).close()
+    # and a damaged heap is still found: its free-space entry declaring 0 bytes
+    data = bytearray(path.read_bytes())
+    at = data.index(b"GCOL") + 16
+    while int.from_bytes(data[at:at + 2], "little") != 0:
+        at += 16 + (int.from_bytes(data[at + 8:at + 16], "little") + 7) // 8 * 8
+    data[at + 8:at + 16] = bytes(8)
+    path.write_bytes(bytes(data))
+    monkeypatch.setattr(h5io, "_SOUND_HEAPS", set())     # (whatever the clock's grain)
+    try:
+        h5io.h5_reader(path).close()
+    except OSError as exc:
+        assert "is damaged: an empty entry at byte" in str(exc)
+    else:
+        raise AssertionError("a heap HDF5 would read for ever was not refused")
