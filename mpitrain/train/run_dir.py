@@ -450,9 +450,15 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
         problem = lock.acquire() or written_meanwhile(run_dir, resume=resume,
                                                       overwrite=overwrite, seen=seen)
         if not problem:
-            # an earlier start's failures; before the other ranks go on, which may
-            # fail (and write theirs) at once
+            # an earlier start's failures and interrupted writes; before the other
+            # ranks go on, which may fail at once and write their error files
+            # through temporaries of their own
             remove_rank_errors(run_dir)
+            stale = remove_stale_temporaries(run_dir)
+            if stale:
+                lines.append(f"removed {len(stale)} temporary file(s) left by an "
+                             "interrupted write: "
+                             + ", ".join(os.path.basename(p) for p in stale))
     problem = comm.bcast_obj(problem, root=0)
     if problem:
         if lock is not None:
@@ -461,10 +467,6 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
     if comm.rank == 0:
         if lock.unguarded:
             lines.append(lock.unguarded)
-        stale = remove_stale_temporaries(run_dir)
-        if stale:
-            lines.insert(0, f"removed {len(stale)} temporary file(s) left by an interrupted "
-                            "write: " + ", ".join(os.path.basename(p) for p in stale))
         if overwrite and not resume:
             removed = clear_run(run_dir)
             if removed:

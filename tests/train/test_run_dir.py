@@ -206,3 +206,32 @@ def test_a_stack_that_cannot_be_read_has_no_identity(tmp_path):
         cfg = RunConfig()
         cfg.model.init_from = str(tmp_path / name)
         assert init_from_identity(cfg) == {}, name
+
+
+def test_rank_0_clears_the_directory_before_the_other_ranks_go_on(tmp_path):
+    """Rank 0 removed stale temporaries after the other ranks had heard they may go
+    on: a rank that failed at once lost the error record it was writing through its
+    temporary (.error-rank-00001.json.tmp-PID)."""
+    from mpitrain.comm.single import SingleCommunicator
+    from mpitrain.train.errors import write_rank_error
+    from mpitrain.train.run_dir import take_run_dir
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".ckpt-00000010.h5.tmp-1").write_text("interrupted")
+    write_rank_error(run, 1, {"step": 3, "error": "OSError", "message": "an earlier start"})
+    in_flight = run / ".error-rank-00001.json.tmp-2"
+
+    class GoOn(SingleCommunicator):
+        def bcast_obj(self, obj, root=0):
+            # the other ranks go on from here: one fails and writes its record
+            assert sorted(os.listdir(run)) == [".lock"]
+            in_flight.write_text('{"type": "error"')
+            return super().bcast_obj(obj, root=root)
+
+    lock, lines = take_run_dir(GoOn(), str(run), RunConfig(), resume=True, overwrite=False)
+    try:
+        assert in_flight.exists()
+        assert lines == ["removed 1 temporary file(s) left by an interrupted write: "
+                         ".ckpt-00000010.h5.tmp-1"], lines
+    finally:
+        lock.release()
