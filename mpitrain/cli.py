@@ -488,12 +488,13 @@ def _check_corpus_feeds(cfg, config: str, ranks: int, options) -> None:
     """Refuse, before the first measurement and before anything is written, a
     corpus that cannot be read (the first run found it, after it had made its run
     directory and log) and a largest group the training corpus cannot give an
-    utterance per data rank (found only when that size came)."""
+    utterance per data rank (found only when that size came).  The held-out corpus
+    only where the time-to-accuracy phase runs: the throughput runs read none."""
     from .data.corpus import load_manifest
     if not cfg.data.train:
         raise UsageError(f"{config}: data.train: no training corpus given (set data.train "
                          "in the config or with --set data.train=DIR)")
-    for key in ("data.train", "data.dev"):
+    for key in ("data.train", "data.dev") if options.measures_accuracy else ("data.train",):
         corpus = getattr(cfg.data, key.split(".")[1])
         try:
             manifest = load_manifest(corpus) if corpus else None

@@ -118,6 +118,8 @@ def test_a_corpus_that_cannot_be_read_is_refused_before_anything_is_written(
     argv = ["bench", QUICKSTART, "--steps", "2", "--warmup-steps", "1", "--methods",
             "model_averaging", "--out", str(out)]
     argv += ["--virtual", "1", "--compute-ms", "1"] if virtual else ["--sizes", "1"]
+    if key == "data.dev":
+        argv += ["--target-accuracy", "0.5"]        # (the phase that reads it)
     for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
                                                  f"{key}={tmp_path / 'missing'}"]:
         argv += ["--set", item]
@@ -146,3 +148,18 @@ def test_a_group_larger_than_the_corpus_can_feed_is_refused_before_measuring(sma
     assert err.count("\n") == 1 and f"has {utterances} utterance(s), fewer than the " \
         f"{utterances + 1} ranks of the largest group" in err, err
     assert not out.exists()
+
+
+def test_a_held_out_corpus_a_throughput_benchmark_never_reads_is_not_refused(small_corpus,
+                                                                             tmp_path, capsys):
+    # the throughput runs train without data.dev: a config's data.dev that is not there
+    # (the default data/synth/dev, with data.train set to another corpus) stopped a
+    # benchmark without --target-accuracy that needed none
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--steps", "2", "--warmup-steps", "1", "--methods",
+            "model_averaging", "--out", str(out), "--virtual", "1", "--compute-ms", "1"]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                 f"data.dev={tmp_path / 'missing'}"]:
+        argv += ["--set", item]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert (out / "bench.json").exists()
