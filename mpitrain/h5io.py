@@ -123,26 +123,27 @@ def _global_heap_problem(f, path) -> str | None:
     The collections lie outside the datasets' raw data, so only the bytes
     between those (the file's metadata) are searched."""
     try:
-        stat = os.stat(path)
+        # the bytes HDF5 opened (a file renamed over the path meanwhile is not them)
+        fd = f.id.get_vfd_handle()
+        stat = os.fstat(fd)
         identity = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
-        if identity in _SOUND_HEAPS:
-            return None
+        if identity in _SOUND_HEAPS or _size_of_lengths(fd, stat.st_size) != 8:
+            return None      # (objects' sizes of another width: the walk below reads 8)
         extents = _raw_extents(f)
     except (OSError, RuntimeError, KeyError, TypeError, ValueError, AttributeError):
         # (the readers name this damage where they meet it; AttributeError: an HDF5
         # older than 1.10.5 tells no chunk's place, and the heaps go unchecked)
         return None
     size = stat.st_size
-    with open(path, "rb") as fh:
-        at = 0
-        for start, end in extents + [(size, size)]:
-            # (a damaged chunk index may place data past the file's end)
-            start, end = min(start, size), min(end, size)
-            if start > at:
-                problem = _collections_between(fh, at, start, size)
-                if problem:
-                    return problem
-            at = max(at, end)
+    at = 0
+    for start, end in extents + [(size, size)]:
+        # (a damaged chunk index may place data past the file's end)
+        start, end = min(start, size), min(end, size)
+        if start > at:
+            problem = _collections_between(fd, at, start, size)
+            if problem:
+                return problem
+        at = max(at, end)
     if len(_SOUND_HEAPS) > 100_000:
         _SOUND_HEAPS.clear()
     _SOUND_HEAPS.add(identity)
@@ -188,19 +189,33 @@ def _chunk_extents(dsid) -> list:
 
 _GCOL = b"GCOL"
 _SEARCH_BYTES = 1 << 20
+_SUPERBLOCK = b"\x89HDF\r\n\x1a\n"
 
 
-def _collections_between(fh, start: int, stop: int, size: int) -> str | None:
+def _size_of_lengths(fd: int, size: int) -> int | None:
+    """The superblock's "size of lengths" (bytes of every size field, a heap
+    object's included; 8 as HDF5 writes by default); None where no superblock is
+    found.  The superblock is at byte 0, or 512, 1024, ... after a user block."""
+    at = 0
+    while at + 16 <= size:
+        head = os.pread(fd, 16, at)
+        if head[:8] == _SUPERBLOCK:
+            # versions 0 and 1: sizes of offsets and lengths at bytes 13, 14; later: 9, 10
+            return head[14] if head[8] in (0, 1) else head[10]
+        at = 512 if at == 0 else at * 2
+    return None
+
+
+def _collections_between(fd: int, start: int, stop: int, size: int) -> str | None:
     """Check each global heap collection whose signature lies in [start, stop)."""
     at = start
     while at < stop:
-        fh.seek(at)
-        block = fh.read(min(_SEARCH_BYTES, stop - at) + len(_GCOL) - 1)
+        block = os.pread(fd, min(_SEARCH_BYTES, stop - at) + len(_GCOL) - 1, at)
         if not block:
             break
         found = block.find(_GCOL)
         while found != -1 and at + found < stop:
-            problem = _collection_problem(fh, at + found, size)
+            problem = _collection_problem(fd, at + found, size)
             if problem:
                 return problem
             found = block.find(_GCOL, found + 1)
@@ -208,16 +223,15 @@ def _collections_between(fh, start: int, stop: int, size: int) -> str | None:
     return None
 
 
-def _collection_problem(fh, at: int, size: int) -> str | None:
+def _collection_problem(fd: int, at: int, size: int) -> str | None:
     """Walk the collection at byte ``at`` as HDF5 does (H5HG's decoding)."""
-    fh.seek(at)
-    header = fh.read(16)
+    header = os.pread(fd, 16, at)
     if len(header) < 16 or header[4] != 1 or header[5:8] != b"\0\0\0":
         return None      # not a collection HDF5 reads as one (it refuses it itself)
     length = int.from_bytes(header[8:16], "little")
     if length < 16 or at + length > size:
         return None      # (HDF5 refuses a collection past the file's end)
-    body = fh.read(length - 16)
+    body = os.pread(fd, length - 16, at + 16)
     end, p = length - 16, 0
     while p + 16 <= end:
         index = int.from_bytes(body[p:p + 2], "little")

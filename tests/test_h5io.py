@@ -92,3 +92,23 @@ def test_the_heap_check_finds_chunks_where_h5py_has_no_chunk_iter(tmp_path, monk
         assert "is damaged: an empty entry at byte" in str(exc)
     else:
         raise AssertionError("a heap HDF5 would read for ever was not refused")
+
+
+def test_a_file_of_4_byte_lengths_is_read_and_its_heaps_not_walked_as_8_byte(tmp_path,
+                                                                               monkeypatch):
+    # the heap walk reads HDF5's default 8-byte sizes: a file written with another
+    # width (another writer's choice) must not be judged by it
+    from mpitrain import h5io
+
+    path = tmp_path / "l4.h5"
+    create = h5py.h5p.create(h5py.h5p.FILE_CREATE)
+    create.set_sizes(8, 4)
+    with h5py.File(h5py.h5f.create(str(path).encode(), h5py.h5f.ACC_TRUNC, fcpl=create)) as f:
+        f.create_dataset("utt_ids", data=[b"u0", b"u1"], dtype=h5py.string_dtype())
+    walks = []
+    monkeypatch.setattr(h5io, "_collection_problem", lambda *args: walks.append(args))
+    with h5io.h5_reader(path) as f:
+        assert list(f["utt_ids"][:]) == [b"u0", b"u1"]
+    assert not walks
+    with open(path, "rb") as raw:
+        assert h5io._size_of_lengths(raw.fileno(), path.stat().st_size) == 4
