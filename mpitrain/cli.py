@@ -599,10 +599,16 @@ def cmd_bench(args) -> int:
         raise UsageError(str(exc)) from None
     try:
         _check_corpus_feeds(cfg, args.config, max(options.sizes or (comm.size,)), options)
-    except UsageError:
-        if comm.rank != 0:          # every rank reads the same manifest: rank 0 says it
+        problem = None
+    except UsageError as exc:
+        problem = f"rank {comm.rank}: {exc}" if comm.rank else str(exc)
+    # every rank reads the manifests, which a node may not see as rank 0 does: all
+    # stop, or none, and rank 0 says the first rank's problem
+    problem = next((p for p in comm.allgather_obj(problem) if p), None)
+    if problem:
+        if comm.rank != 0:
             return 2
-        raise
+        raise UsageError(problem)
     # rank 0 judges the output directory and every rank hears it: all stop, or none
     problem = comm.bcast_obj(out_dir_problem(out_dir, overwrite=args.overwrite)
                              if comm.rank == 0 else None, root=0)

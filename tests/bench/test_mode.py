@@ -162,3 +162,23 @@ def test_real_rank_bench_hands_on_each_finished_size_but_the_last(small_corpus, 
     assert len(handed) == 1
     assert handed[0]["partial"] == {"sizes_measured": [1], "sizes_planned": [1, 2]}
     assert [r["ranks"] for r in handed[0]["throughput"]] == [1]
+
+
+@pytest.mark.mpi
+def test_a_corpus_one_rank_cannot_read_stops_every_rank_with_one_line(small_corpus, tmp_path):
+    """Each rank reads the manifests; a rank whose node does not see the corpus left
+    bench with status 2 and said nothing while the others went on to the first
+    collective (the job hung or was killed by the launcher without a word)."""
+    from ..helpers import QUICKSTART, WORKERS, small_overrides
+    argv = [str(WORKERS / "unseen_corpus_worker.py"), "1", "--", "bench", QUICKSTART,
+            "--sizes", "1,2", "--steps", "2", "--warmup-steps", "1", "--methods",
+            "model_averaging", "--out", str(tmp_path / "bench")]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1"]:
+        argv += ["--set", item]
+    result = run_mpi(2, argv, timeout=60, cwd=str(tmp_path))
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors and errors[0].startswith(f"mpitrain bench: error: rank 1: {QUICKSTART}: "
+                                           "data.train: "), result.stderr
+    assert "not found on this node" in errors[0]
+    assert not (tmp_path / "bench").exists()
