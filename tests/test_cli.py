@@ -521,13 +521,15 @@ def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_co
     # each train record names the slowest rank (the one that waits least) and its host
     import socket
     from mpitrain.testing.mpirun import run_mpi
-    from .helpers import QUICKSTART
+    from .helpers import QUICKSTART, WORKERS
     overrides = ["model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=12",
-                 "training.log_interval=4", "data.chunk_frames=20000",
+                 "training.log_interval=3", "data.chunk_frames=20000",
                  "parallel.method=allreduce", "parallel.straggler.ranks=[1]",
-                 "parallel.straggler.slowdown=20",
                  f"data.train={small_corpus}/train", f"data.dev={small_corpus}/dev"]
-    argv = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    # rank 1 sleeps 80 ms a step: 20x a millisecond's compute led by a few tens of
+    # milliseconds a step, what a loaded machine's scheduler may take from rank 0
+    argv = [str(WORKERS / "fixed_straggler_worker.py"), "0.08", "--", "train", QUICKSTART,
+            "--run-dir", str(tmp_path / "run")]
     for item in overrides:
         argv += ["--set", item]
     result = run_mpi(2, argv, timeout=120)
@@ -538,8 +540,11 @@ def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_co
     assert start["hosts"] == {host: [0, 1]} and start["gpus"] is None
     assert isinstance(start["blas_threads"], int) and start["blas_threads"] >= 1
     train = [r for r in records if r["type"] == "train"]
-    assert train and all(r["slowest_rank"] == 1 and r["slowest_host"] == host
-                         for r in train), train
+    assert len(train) == 4 and all(r["slowest_host"] == host for r in train), train
+    # the first window also holds the ranks' uneven start (rank 1 waits while rank 0
+    # writes the start record), which a loaded machine can stretch to seconds
+    assert [r["slowest_rank"] for r in train[1:]] == [1, 1, 1], train
+    assert train[0]["slowest_rank"] in (0, 1), train
 
 
 @pytest.mark.mpi
