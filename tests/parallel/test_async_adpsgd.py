@@ -273,12 +273,15 @@ def test_slow_rank_on_uneven_shards_finishes_and_learns(small_corpus, tmp_path_f
 @pytest.mark.mpi
 def test_slow_checkpoint_writes_neither_starve_rank_0_nor_overshoot_the_budget(small_corpus,
                                                                               tmp_path):
-    """Each checkpoint write of rank 0 takes 0.4 s: the other ranks stepped on meanwhile,
-    so rank 0 fell far behind, saw the budget's end late (50% over) and the ranks
-    hardly mixed.  They now wait for the file, as at a synchronous checkpoint."""
+    """Each checkpoint write of rank 0 takes 0.3 s: the other ranks stepped on meanwhile,
+    so rank 0 fell far behind (a sixth of their steps), was called to few checkpoints
+    and could see the budget's end late, and the ranks hardly mixed.  They now wait for the
+    file, as at a synchronous checkpoint.  Every step sleeps 15 ms: steps of a
+    millisecond's compute let the others take tens of steps while a loaded machine
+    held rank 0 back, as if it wrote a file."""
     run = tmp_path / "run"
-    args = [str(WORKERS / "slow_checkpoint_worker.py"), "0.4", "--", "train", QUICKSTART,
-            "--run-dir", str(run)]
+    args = [str(WORKERS / "slow_checkpoint_worker.py"), "0.3", "0.015", "--", "train",
+            QUICKSTART, "--run-dir", str(run)]
     for item in small_overrides(small_corpus) + TINY + ASYNC + [
             "training.max_steps=40", "training.checkpoint_interval=5",
             "training.log_interval=5", "training.eval_interval=0"]:
@@ -287,10 +290,12 @@ def test_slow_checkpoint_writes_neither_starve_rank_0_nor_overshoot_the_budget(s
     assert result.returncode == 0, mpi_output(result)
     end = records(run, "end")[-1]
     budget = 40 * 3 * 256
-    # a few steps per rank past it at most (reports in flight on busy cores), not 50%
+    # a few steps per rank past it at most (reports in flight on busy cores)
     assert budget <= end["frames"] <= budget + 8 * 3 * 256, (end["frames"], budget)
-    # (the ranks' step counts still differ: three ranks share this machine's cores)
     assert len(records(run, "checkpoint")) >= 5
+    # (the ranks' step counts still differ: rank 0 also keeps the job's progress)
+    last = records(run, "train")[-1]
+    assert 3 * last["steps_min"] >= last["steps_max"], last
 
 
 @pytest.mark.mpi
