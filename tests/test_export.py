@@ -140,11 +140,13 @@ def test_a_command_that_fails_before_the_last_bytes_are_flushed_is_named(tmp_pat
     """The archive's last bytes, still buffered, met the command's closed pipe when the
     writer closed: a BrokenPipeError that the command line took for 'the reader of our
     stdout left' (exit 141, no message) one time in five."""
-    import time
     from mpitrain.export import ArkWriter
     writer = ArkWriter("ark:| exit 3")
     writer.write("u1", np.zeros((2, 3), np.float32))   # small: it stays in the buffer
-    time.sleep(0.5)                                     # the command has exited by now
+    # the command has exited (not reaped: close still reads its status); a fixed
+    # sleep left it running on a loaded machine, and the flush met no closed pipe
+    [process] = [handle._proc for handle in writer._files]
+    os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOWAIT)
     with pytest.raises(OSError) as info:
         writer.close()
     assert not isinstance(info.value, BrokenPipeError)
