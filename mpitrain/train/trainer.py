@@ -78,15 +78,29 @@ def load_manifests(comm, train: str, dev: str = "") -> tuple:
 
 
 def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
-                       key: str) -> TrainingError:
+                       key: str, *, trains: bool = True, trainers: int = 0) -> TrainingError:
     """The error when some rank's share holds no complete minibatch, the same on
-    every rank (all ranks call this together) and naming what would help."""
-    rank = int(comm.allreduce_scalar(comm.rank if local_steps == 0 else comm.size, op="min"))
+    every rank (all ranks call this together) and naming what would help.
+
+    ``trains``: whether this rank has a share (a parameter server has none);
+    ``trainers``: how many ranks have one (0: every rank)."""
+    empty = trains and local_steps == 0
+    rank = int(comm.allreduce_scalar(comm.rank if empty else comm.size, op="min"))
     where = f"{manifest.directory}: rank {rank} has no complete minibatch of {minibatch} frames"
-    if manifest.num_utterances < comm.size:
-        return TrainingError(f"{where}: the corpus has {manifest.num_utterances} "
-                             f"utterance(s) for {comm.size} ranks; use at most "
-                             f"{manifest.num_utterances} ranks", agreed=True)
+    trainers = trainers or comm.size
+    utterances = manifest.num_utterances
+    if utterances < trainers:
+        servers = comm.size - trainers
+        if not servers:
+            return TrainingError(f"{where}: the corpus has {utterances} "
+                                 f"utterance(s) for {comm.size} ranks; use at most "
+                                 f"{utterances} ranks", agreed=True)
+        # a parameter server's ranks train on no share
+        return TrainingError(f"{where}: the corpus has {utterances} utterance(s) for "
+                             f"{trainers} client ranks; use at most {utterances + servers} "
+                             f"ranks ({servers} server{'s' if servers > 1 else ''} and "
+                             f"{utterances} client{'s' if utterances > 1 else ''})",
+                             agreed=True)
     largest = max((shard.frames for shard in manifest.shards), default=0)
     if minibatch > largest:
         return TrainingError(f"{where}: minibatches never cross shards, and the largest "
@@ -275,7 +289,7 @@ class Trainer(CheckpointResume):
         chunks = plan_chunks(self.manifest, slices, cfg.data.chunk_frames)
         local_steps = sum(c.frames // cfg.training.minibatch for c in chunks)
         if self._takes_own_steps():
-            return self._build_own_steps_data(chunks, share, local_steps)
+            return self._build_own_steps_data(chunks, share, shares, local_steps)
         # every rank must take the same number of steps, or a collective hangs
         steps = int(comm.allreduce_scalar(local_steps, op="min"))
         if steps == 0:
@@ -327,11 +341,17 @@ class Trainer(CheckpointResume):
     def _takes_own_steps(self) -> bool:
         return takes_own_steps(self.cfg)
 
-    def _build_own_steps_data(self, chunks, share, local_steps: int) -> None:
+    def _build_own_steps_data(self, chunks, share, shares: int, local_steps: int) -> None:
         """Each rank reads its own minibatches (its own count); a parameter server
         reads none."""
         from .serving import plan_own_steps
-        cfg = self.cfg
+        cfg, comm = self.cfg, self.comm
+        # every rank with a share trains on it, as in the lock-step methods: a client
+        # past the corpus' utterances trained nothing, and nothing said so
+        trains = share is not None
+        if int(comm.allreduce_scalar(1 if trains and local_steps == 0 else 0, op="sum")):
+            raise no_minibatch_error(self.manifest, comm, local_steps, cfg.training.minibatch,
+                                     "training.minibatch", trains=trains, trainers=shares)
         self.budget = 0         # asynchronous ADPSGD: the steps of all ranks together
         self.stream = MinibatchStream(
             self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,

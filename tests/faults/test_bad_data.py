@@ -305,3 +305,33 @@ def test_a_problem_of_a_file_several_ranks_read_is_counted_once(corpus, tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and path in err and "int16" in err, err
     assert "more problem" not in err, err
+
+
+@pytest.mark.parametrize("method,ranks,said", [
+    # every rank trains its own steps: the others' rule, the others' words (it
+    # said 'lower training.minibatch', which gives a rank no utterance)
+    (["parallel.method=adpsgd", "parallel.asynchronous=true"], 3,
+     "the corpus has 2 utterance(s) for 3 ranks; use at most 2 ranks"),
+    # a parameter server's clients: those past the utterances trained nothing, and
+    # the job went on without a word
+    (["parallel.method=param_server"], 4,
+     "the corpus has 2 utterance(s) for 3 client ranks; use at most 3 ranks "
+     "(1 server and 2 clients)"),
+    (["parallel.method=param_server", "parallel.servers=2"], 5,
+     "the corpus has 2 utterance(s) for 3 client ranks; use at most 4 ranks "
+     "(2 servers and 2 clients)")])
+def test_fewer_utterances_than_ranks_that_take_their_own_steps(tmp_path, capsys, method,
+                                                               ranks, said):
+    from mpitrain.data.synthetic import synthesize
+    corpus = tmp_path / "two"
+    synthesize(str(corpus), hours=0.002, speakers=1, shards=1, dev_hours=0.00001,
+               dev_speakers=1)
+    assert load_manifest(str(corpus / "train")).num_utterances == 2
+    run = tmp_path / "run"
+    assert _train(corpus, run, ["training.minibatch=16", *method],
+                  flags=["--virtual", str(ranks), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpitrain train: error: ") and err.count("\n") == 1, err
+    assert f"{corpus / 'train'}: rank " in err and "has no complete minibatch of 16 frames" in err
+    assert said in err, err
+    assert not run.exists()
