@@ -302,22 +302,25 @@ class Trainer(CheckpointResume):
             xp=self.xp, steps_per_epoch=steps, prefetch=cfg.data.prefetch)
         self.steps_per_epoch = steps
         # equal step counts and whole minibatches per chunk leave some frames out
-        used = steps * cfg.training.minibatch * comm.size
-        if self.manifest.num_frames and used < 0.95 * self.manifest.num_frames:
-            # rounded down: a share that is trained on never reads as 100% left out
-            left_out = int(100 * (1 - used / self.manifest.num_frames))
-            self._say(f"data: {left_out}% of the training "
-                      f"frames are left out of each epoch (only {used:,} of "
-                      f"{self.manifest.num_frames:,} are trained on): every rank takes "
-                      f"{steps} steps, as "
-                      "many as the rank with the least data, of whole minibatches per "
-                      "chunk; fewer ranks, more shards or a larger data.chunk_frames "
-                      "leave out less")
+        self._say_frames_left_out(steps * cfg.training.minibatch * comm.size,
+                                  f"every rank takes {steps} steps, as many as the rank "
+                                  "with the least data, of whole minibatches per chunk; "
+                                  "fewer ranks, more shards or a larger data.chunk_frames "
+                                  "leave out less")
         total = int(round(cfg.training.epochs * steps))
         if cfg.training.max_steps:
             total = min(total, cfg.training.max_steps)
         self.total_steps = max(total, 1)
         self.planned_steps = max(int(round(cfg.training.epochs * steps)), 1)
+
+    def _say_frames_left_out(self, used: int, why: str) -> None:
+        """The note when an epoch trains on less than 95% of the corpus' frames."""
+        if self.manifest.num_frames and used < 0.95 * self.manifest.num_frames:
+            # rounded down: a share that is trained on never reads as 100% left out
+            left_out = int(100 * (1 - used / self.manifest.num_frames))
+            self._say(f"data: {left_out}% of the training frames are left out of each "
+                      f"epoch (only {used:,} of {self.manifest.num_frames:,} are trained "
+                      f"on): {why}")
 
     def _check_dev_matches(self, m) -> None:
         """The held-out corpus must hold features of the training corpus' kind
@@ -352,6 +355,13 @@ class Trainer(CheckpointResume):
         if int(comm.allreduce_scalar(1 if trains and local_steps == 0 else 0, op="sum")):
             raise no_minibatch_error(self.manifest, comm, local_steps, cfg.training.minibatch,
                                      "training.minibatch", trains=trains, trainers=shares)
+        # each rank goes through its own share, but in whole minibatches per chunk
+        # (a few frames per rank; many ranks on a small corpus lose a share of it)
+        used = int(comm.allreduce_scalar(local_steps if trains else 0, op="sum"))
+        self._say_frames_left_out(used * cfg.training.minibatch,
+                                  "each rank trains whole minibatches of its share per "
+                                  "chunk; fewer ranks, a smaller training.minibatch or a "
+                                  "larger data.chunk_frames leave out less")
         self.budget = 0         # asynchronous ADPSGD: the steps of all ranks together
         self.stream = MinibatchStream(
             self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,

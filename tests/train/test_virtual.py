@@ -298,6 +298,32 @@ def test_a_share_left_out_that_rounds_to_all_does_not_say_100_percent(tmp_path, 
         "are trained on)"), said
 
 
+@pytest.mark.parametrize("method,ranks", [
+    (["parallel.method=adpsgd", "parallel.asynchronous=true"], 2),
+    (["parallel.method=param_server"], 3)])
+def test_frames_left_out_by_ranks_that_take_their_own_steps_are_said(tmp_path, capsys, method,
+                                                                     ranks):
+    # each rank's whole minibatches per chunk: utterances of 549 and 339 frames in
+    # minibatches of 256 train on 768 of 888 frames (the note was the lock-step
+    # methods' alone)
+    from mpitrain.cli import main
+    from mpitrain.data.synthetic import synthesize
+    from ..helpers import QUICKSTART
+    synthesize(str(tmp_path / "c"), hours=0.002, speakers=1, shards=1, dev_hours=0.00001,
+               dev_speakers=1)
+    capsys.readouterr()
+    argv = ["train", QUICKSTART, "--virtual", str(ranks), "--dry-run",
+            "--run-dir", str(tmp_path / "run")]
+    for item in [f"data.train={tmp_path / 'c' / 'train'}", "data.dev=",
+                 "training.minibatch=256", "model.hidden_dim=16", *method]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
+    assert len(said) == 1 and said[0].startswith(
+        "data: 13% of the training frames are left out of each epoch (only 768 of 888 "
+        "are trained on): each rank trains whole minibatches of its share"), said
+
+
 def test_a_stop_signal_ends_a_virtual_run_as_before(small_corpus, tmp_path):
     # virtual ranks take no stop signal: SIGTERM ends the process at once (it was
     # kept for a stop the virtual loop never makes, and the run trained to its end)
