@@ -484,32 +484,56 @@ def _partial_report_writer(out_dir: str, dpi: int):
     return write
 
 
-def _check_corpus_feeds(cfg, config: str, ranks: int, options) -> None:
+def _check_corpus_feeds(cfg, config: str, sizes, options) -> None:
     """Refuse, before the first measurement and before anything is written, a
     corpus that cannot be read (the first run found it, after it had made its run
-    directory and log) and a largest group the training corpus cannot give an
-    utterance per data rank (found only when that size came).  The held-out corpus
-    only where the time-to-accuracy phase runs: the throughput runs read none."""
+    directory and log) and a group the training corpus cannot give an utterance,
+    or a complete minibatch, per data rank (found only when that size came).  The
+    held-out corpus only where the time-to-accuracy phase runs: the throughput
+    runs read none."""
+    from .data.batcher import plan_chunks
     from .data.corpus import load_manifest
+    from .train.trainer import balanced_plan
     if not cfg.data.train:
         raise UsageError(f"{config}: data.train: no training corpus given (set data.train "
                          "in the config or with --set data.train=DIR)")
     for key in ("data.train", "data.dev") if options.measures_accuracy else ("data.train",):
         corpus = getattr(cfg.data, key.split(".")[1])
         try:
-            manifest = load_manifest(corpus) if corpus else None
+            loaded = load_manifest(corpus) if corpus else None
         except (ValueError, OSError) as exc:
             raise UsageError(f"{config}: {key}: {' '.join(str(exc).split())}") from None
         if key == "data.train":
-            utterances = manifest.num_utterances
-    readers = ranks - (cfg.parallel.servers if "param_server" in (options.methods or ())
-                       else 0)
+            manifest = loaded
+    utterances = manifest.num_utterances
+    servers = cfg.parallel.servers if "param_server" in (options.methods or ()) else 0
+    ranks = max(sizes)
+    readers = ranks - servers
     if utterances < readers:
         group = f"{readers} ranks" if readers == ranks else \
             f"{readers} data ranks ({ranks} with the servers)"
         raise UsageError(f"{config}: data.train {cfg.data.train} has {utterances} "
                          f"utterance(s), fewer than the {group} of the largest group; "
                          "give smaller group sizes")
+    # every rank of a group takes the steps of the one with the least data: a rank
+    # without a whole minibatch stopped the benchmark at that size, the sizes before
+    # it measured
+    batch = cfg.training.minibatch
+    for size in sorted(set(sizes), reverse=True):
+        if size - servers < 1:
+            continue
+        try:
+            plan = balanced_plan(manifest, size - servers)
+        except (ValueError, OSError):
+            return              # the runs name what is wrong with the corpus
+        steps = [sum(chunk.frames // batch
+                     for chunk in plan_chunks(manifest, slices, cfg.data.chunk_frames))
+                 for slices in plan]
+        if min(steps) == 0:
+            raise UsageError(f"{config}: data.train {cfg.data.train}: a group of {size} "
+                             f"ranks leaves rank {steps.index(0) + servers} no complete "
+                             f"minibatch of {batch} frames; give smaller group sizes, lower "
+                             "training.minibatch or raise data.chunk_frames")
 
 
 def _print_projection(report) -> None:
@@ -564,7 +588,7 @@ def cmd_bench(args) -> int:
             checks()
         from .bench.virtual import run_virtual_bench
         compute = _compute_model(args, cfg, max(virtual_sizes))     # (its options checked)
-        _check_corpus_feeds(cfg, args.config, max(virtual_sizes), options)
+        _check_corpus_feeds(cfg, args.config, virtual_sizes, options)
         sizes = tuple(sorted(set(options.sizes))) or (1,)
         try:                        # before an earlier benchmark is cleared (--overwrite)
             check_bench(cfg, options, sizes, options.resolve(max(sizes))[1])
@@ -598,7 +622,7 @@ def cmd_bench(args) -> int:
             return 2
         raise UsageError(str(exc)) from None
     try:
-        _check_corpus_feeds(cfg, args.config, max(options.sizes or (comm.size,)), options)
+        _check_corpus_feeds(cfg, args.config, options.resolve(comm.size)[0], options)
         problem = None
     except UsageError as exc:
         problem = f"rank {comm.rank}: {exc}" if comm.rank else str(exc)

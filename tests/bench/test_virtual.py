@@ -163,3 +163,20 @@ def test_a_held_out_corpus_a_throughput_benchmark_never_reads_is_not_refused(sma
         argv += ["--set", item]
     assert main(argv) == 0, capsys.readouterr().err
     assert (out / "bench.json").exists()
+
+
+def test_a_group_that_leaves_a_rank_no_minibatch_is_refused_before_measuring(small_corpus,
+                                                                            tmp_path, capsys):
+    """Sizes 1 and 2 were measured and a partial report written before the group of 16
+    found a rank without a complete minibatch of 4,000 frames (a share of about 3,400)."""
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2,16", "--steps", "2", "--warmup-steps", "1",
+            "--compute-ms", "1", "--methods", "model_averaging", "--out", str(out)]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "training.minibatch=4000"]:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ": a group of 16 ranks leaves rank " in err \
+        and "no complete minibatch of 4000 frames" in err, err
+    assert not out.exists()
