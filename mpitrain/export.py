@@ -34,7 +34,8 @@ from . import backend
 from .files import (commit, discard, disk_full_error, remove_stale_temporaries, rename_target,
                     temporary_path, written_in_place)
 from .data.cmvn import SpeakerCmvn
-from .data.kaldi_read import is_pipe, parse_scp, read_feature_matrices, split_rspecifier
+from .data.kaldi_read import (is_pipe, parse_scp, read_feature_matrices, split_offset,
+                              split_rspecifier)
 from .data.splice import frame_utterance_bounds, splice, splice_indices
 from .nn.loss import log_softmax
 from .nn.model_file import load_model
@@ -188,7 +189,7 @@ def _refuse_overwriting_inputs(out_wspec: str, inputs) -> None:
             kind, target = split_rspecifier(spec, option[2:])
             if is_pipe(target) or target.strip() == "-":
                 continue        # a stream is read once; nothing to compare
-            read.append((option, target))
+            read.append((option, split_offset(target)[0]))
             if kind == "scp":
                 read += [(f"{option} {target}", location)
                          for location in dict.fromkeys(

@@ -124,6 +124,7 @@ def test_an_out_that_is_one_of_the_inputs_is_refused_and_nothing_changes(tiny, c
     model_bytes = model.read_bytes()
     for feats_spec, out, named in [
             (f"ark:{d}/feats.ark", f"ark:{d}/feats.ark", "--feats"),
+            (f"ark:{d}/feats.ark:0", f"ark:{d}/feats.ark", "--feats"),
             (f"scp:{d}/feats.scp", f"ark:{d}/scp.ark", f"--feats {d}/feats.scp"),
             (f"scp:{d}/feats.scp", f"ark,scp:{d}/new.ark,{d}/feats.scp", "--feats"),
             (f"scp:{d}/feats.scp", f"ark:{d}/alias.ark", f"--feats {d}/feats.scp"),

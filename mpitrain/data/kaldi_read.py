@@ -94,6 +94,19 @@ def split_rspecifier(spec: str, what: str) -> tuple[str, str]:
     return ("text" if parsed["t"] else "ark"), parsed["ark"]
 
 
+_OFFSET = re.compile(r"(.+):([0-9]+)")
+
+
+def split_offset(target: str) -> tuple[str, int | None]:
+    """(path, offset) of Kaldi's offset form ``file.ark:1234`` (read from that
+    byte on, as Kaldi's rxfilenames are), else (target, None); a file whose own
+    name ends in ``:digits`` is that file."""
+    match = _OFFSET.fullmatch(target)
+    if match and not os.path.isfile(target) and os.path.isfile(match[1]):
+        return match[1], int(match[2])
+    return target, None
+
+
 def is_pipe(target: str) -> bool:
     return target.strip().endswith("|") or target.strip().startswith("|")
 
@@ -138,12 +151,20 @@ class Input:
                 raise CorpusError(f"-: standard input is closed; there is no {what} to read "
                                   "from it")
             return cls(sys.stdin.buffer, "stdin")
-        if not target or not os.path.isfile(target):
+        path, offset = split_offset(target)
+        if not path or not os.path.isfile(path):
             raise CorpusError(f"{target or what}: {what} file not found or not a regular file")
         try:
-            return cls(open(target, "rb"), target)
+            source = cls(open(path, "rb"), target)
         except OSError as exc:
             raise CorpusError(f"{target}: cannot read {what} file ({exc.strerror})") from None
+        if offset is not None:
+            if offset >= source._size:
+                source.abandon()
+                raise CorpusError(f"{target}: offset {offset} is at or past the end of "
+                                  f"{path!r} ({source._size} bytes)")
+            source.seek(offset)
+        return source
 
     # -- reading
     def peek(self, n: int) -> bytes:

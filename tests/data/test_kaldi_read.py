@@ -115,6 +115,23 @@ def test_stdin_is_read_as_an_ark(arks):
     assert result.stdout.strip() == str(sorted(feats)), result.stderr
 
 
+def test_an_ark_from_a_byte_offset_is_read_from_that_record_on(arks, tmp_path, capsys):
+    """Kaldi's rxfilenames take 'file.ark:1234' anywhere, 'ark:' rspecifiers too."""
+    d, feats, _ = arks
+    offsets = {k: int(v.rsplit(":", 1)[1]) - len(k) - 1
+               for k, v in (line.split() for line in (d / "feats.scp").read_text().splitlines())}
+    keys = list(feats)
+    _same(dict(read_feature_matrices(f"ark:{d}/feats.ark:{offsets[keys[2]]}")),
+          {k: feats[k] for k in keys[2:]})
+    _same(dict(read_feature_matrices(f"ark:{d}/feats.ark:0")), feats)
+    with pytest.raises(CorpusError, match=r"feats.ark:99999: offset 99999 is at or past the end "
+                                          r"of .*feats.ark' \(\d+ bytes\)$"):
+        list(read_feature_matrices(f"ark:{d}/feats.ark:99999"))
+    # a file whose own name ends in ':digits' is that file
+    os.rename(d / "feats.ark", d / "feats.ark:7")
+    _same(dict(read_feature_matrices(f"ark:{d}/feats.ark:7")), feats)
+
+
 def test_split_rspecifier():
     assert split_rspecifier("ark,t:a b.txt", "x") == ("text", "a b.txt")
     assert split_rspecifier("ark,s,cs:gunzip -c a.gz |", "x") == ("ark", "gunzip -c a.gz |")
