@@ -142,11 +142,15 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
         report = import_kaldi("scp:data/train/feats.scp", "ark:exp/ali/pdf.ark", "corpora/train")
         report.imported, report.length_mismatch
     """
+    # the options first, named as on the command line: before a long read of the inputs
     if int(shards) != shards or shards < 1:
-        raise ValueError(f"shards must be a positive int, got {shards!r}")
+        raise ValueError(f"--shards (shards=): expected a positive int, got {shards!r}")
     if int(length_tolerance) != length_tolerance or length_tolerance < 0:
-        raise ValueError(f"length tolerance must be a whole number of frames >= 0, "
-                         f"got {length_tolerance!r}")
+        raise ValueError(f"--length-tolerance (length_tolerance=): length tolerance must be "
+                         f"a whole number of frames >= 0, got {length_tolerance!r}")
+    if num_classes is not None and (int(num_classes) != num_classes or num_classes < 1):
+        raise ValueError(f"--num-classes (num_classes=): expected a positive int, "
+                         f"got {num_classes!r}")
     _, feats_path = split_rspecifier(feats, "feats")
     _, ali_path = split_rspecifier(ali, "ali")
     if feats_path.strip() == "-" and ali_path.strip() == "-":
@@ -161,8 +165,6 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     smallest = min((int(labels.min()) for labels in alignments.values() if labels.size),
                    default=0)
     warnings = []
-    if num_classes is not None and (int(num_classes) != num_classes or num_classes < 1):
-        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     if num_classes is not None and num_classes > MAX_CLASSES:
         raise ValueError(f"num_classes (--num-classes) {num_classes}: at most {MAX_CLASSES} "
                          "classes (the largest output layer a model may have; a Kaldi tree "

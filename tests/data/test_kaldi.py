@@ -212,6 +212,20 @@ def test_length_tolerance_from_the_command_line(kaldi_dir, capsys):
     assert not (d / "c2").exists()
 
 
+@pytest.mark.parametrize("option, value", [("--num-classes", "0"), ("--shards", "0"),
+                                           ("--length-tolerance", "-1")])
+def test_a_bad_option_is_named_before_the_inputs_are_read(kaldi_dir, capsys, option, value):
+    """An alignment pipe over a whole corpus takes long: a bad option is said first."""
+    d, _, _ = kaldi_dir
+    ran = d / "ran"
+    assert main(["prepare", "--feats", f"scp:{d}/feats.scp",
+                 "--ali", f"ark:touch {ran}; cat {d}/ali.ark |", "--out", str(d / "c"),
+                 option, value]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain prepare: error: {option} ") and err.count("\n") == 1, err
+    assert not ran.exists() and not (d / "c").exists()
+
+
 def test_nothing_to_import_says_why(tmp_path):
     rng = np.random.default_rng(3)
     feats = {f"u{i}": rng.standard_normal((50, 4)).astype(np.float32) for i in range(3)}
