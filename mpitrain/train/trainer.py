@@ -305,13 +305,24 @@ class Trainer(CheckpointResume):
         self._say_frames_left_out(steps * cfg.training.minibatch * comm.size,
                                   f"every rank takes {steps} steps, as many as the rank "
                                   "with the least data, of whole minibatches per chunk; "
-                                  "fewer ranks, more shards or a larger data.chunk_frames "
-                                  "leave out less")
+                                  f"fewer ranks, {self._fewer_shards() or 'more shards'} or "
+                                  "a larger data.chunk_frames leave out less")
         total = int(round(cfg.training.epochs * steps))
         if cfg.training.max_steps:
             total = min(total, cfg.training.max_steps)
         self.total_steps = max(total, 1)
         self.planned_steps = max(int(round(cfg.training.epochs * steps)), 1)
+
+    def _fewer_shards(self) -> str | None:
+        """Advice for fewer, larger shards where they would help, else None: a chunk
+        never crosses shards, so shards of a few minibatches each leave each one's
+        remainder out."""
+        m, minibatch = self.manifest, self.cfg.training.minibatch
+        average = m.num_frames / max(len(m.shards), 1)
+        if average < 4 * minibatch:
+            return (f"fewer, larger shards (prepare --shards: {len(m.shards)} of "
+                    f"{average:,.0f} frames on average, minibatches of {minibatch})")
+        return None
 
     def _say_frames_left_out(self, used: int, why: str) -> None:
         """The note when an epoch trains on less than 95% of the corpus' frames."""
@@ -360,8 +371,9 @@ class Trainer(CheckpointResume):
         used = int(comm.allreduce_scalar(local_steps if trains else 0, op="sum"))
         self._say_frames_left_out(used * cfg.training.minibatch,
                                   "each rank trains whole minibatches of its share per "
-                                  "chunk; fewer ranks, a smaller training.minibatch or a "
-                                  "larger data.chunk_frames leave out less")
+                                  "chunk; fewer ranks, a smaller training.minibatch, "
+                                  + (f"{self._fewer_shards()} " if self._fewer_shards() else "")
+                                  + "or a larger data.chunk_frames leave out less")
         self.budget = 0         # asynchronous ADPSGD: the steps of all ranks together
         self.stream = MinibatchStream(
             self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,

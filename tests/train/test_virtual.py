@@ -523,3 +523,22 @@ def _train_re_planned(run, corpus, method, settings, resume):
                                            *settings]:
         argv += ["--set", item]
     return main(argv)
+
+
+def test_shards_smaller_than_a_few_minibatches_are_advised_fewer_not_more(tmp_path, capsys):
+    # a chunk never crosses shards: 12 shards of about 270 frames with minibatches of
+    # 128 leave each shard's remainder out, and the note advised "more shards"
+    from mpitrain.cli import main
+    from mpitrain.data.synthetic import synthesize
+    from ..helpers import QUICKSTART
+    synthesize(str(tmp_path / "c"), hours=0.009, speakers=12, shards=12, dev_hours=0.002,
+               dev_speakers=1)
+    argv = ["train", QUICKSTART, "--virtual", "2", "--compute-ms", "1",
+            "--run-dir", str(tmp_path / "run")]
+    for item in [f"data.train={tmp_path / 'c' / 'train'}", "data.dev=",
+                 "training.minibatch=128", "training.max_steps=2", "model.hidden_dim=16"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
+    assert len(said) == 1 and "fewer, larger shards (prepare --shards: 12 of " in said[0], said
+    assert "more shards" not in said[0]
