@@ -246,12 +246,17 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
             report.frames += int(matrix.shape[0])
         if writer is None:
             raise CorpusError(_nothing_imported(report, feats_path, ali_path))
-        writer.close()
+        manifest = writer.close()
     except BaseException:
         if writer is not None:
             writer.abort()
         raise
     report.alignments_without_features = sum(1 for key in alignments if key not in seen)
+    empty = sum(1 for shard in manifest.shards if not shard.utterances)
+    if empty:
+        warnings.append(f"{out_dir}: {empty} of {len(manifest.shards)} shards hold no "
+                        f"utterance ({report.imported} imported); --shards {report.imported} "
+                        "or fewer leaves none empty")
     _write_report(report, out_dir)
     return report
 

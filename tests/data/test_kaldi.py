@@ -317,3 +317,18 @@ def test_length_tolerance_skips_an_utterance_it_would_cut_to_nothing(tmp_path):
     assert ("u1", 2, 0) in report.length_mismatch and not report.trimmed
     _, data = read_corpus(tmp_path / "c")
     assert set(data) == {"u0"}
+
+
+def test_more_shards_than_utterances_is_said(kaldi_dir, capsys):
+    # every shard past the utterances was written empty without a word
+    d, feats, _ = kaldi_dir
+    many = len(feats) + 3
+    assert main(["prepare", "--feats", f"scp:{d}/feats.scp", "--ali", f"ark:{d}/ali.ark",
+                 "--out", str(d / "c"), "--shards", str(many)]) == 0
+    imported = load_manifest(str(d / "c")).num_utterances
+    err = capsys.readouterr().err
+    assert f"mpitrain prepare: warning: {d / 'c'}: {many - imported} of {many} shards hold " \
+           f"no utterance ({imported} imported); --shards {imported} or fewer leaves none " \
+           "empty" in err
+    assert import_kaldi(f"scp:{d}/feats.scp", f"ark:{d}/ali.ark", str(d / "c2"),
+                        shards=imported).warnings == []
