@@ -1324,6 +1324,10 @@ def _read_command_line(argv):
         # (under a launcher every rank goes on, so that a node lacking the file is
         # said by rank 0 instead of leaving the others waiting for it)
         argv, usage_on_error = ["train", DEFAULT_CONFIG], True
+    elif argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+        # `python -m mpitrain --set k=v`: argparse would take the option's value for
+        # an unknown command; the bare form takes no options, `train` does
+        return _bare_form_with_options(argv)
     # a command line every rank of an MPI job parses alike: rank 0 says what is
     # wrong; for the commands whose ranks agree before any work, a rank whose
     # command line alone is wrong is said too (instead of the others waiting)
@@ -1336,6 +1340,19 @@ def _read_command_line(argv):
     except _HeldParseError as exc:
         return _parse_error_agreed(exc, argv[0])
     return args, usage_on_error
+
+
+def _bare_form_with_options(argv) -> int:
+    """Exit status 2, and on rank 0 one line naming the `train` command that takes
+    these options."""
+    from .starter import DEFAULT_CONFIG
+    if _launcher_rank() > 0:
+        return _end_quietly()
+    words = " ".join(shlex.quote(word) for word in argv)
+    print(f"mpitrain: error: a bare `python -m mpitrain` takes no options (it trains "
+          f"./{DEFAULT_CONFIG} as it is); give them to train: python -m mpitrain train "
+          f"{DEFAULT_CONFIG} {words}", file=sys.stderr, flush=True)
+    return 2
 
 
 def _run_command(args, usage_on_error) -> int:

@@ -237,6 +237,27 @@ def test_no_command_trains_mpitrain_yaml_of_the_current_directory(tmp_path, monk
     assert calls[0].command == "train" and calls[0].config == "mpitrain.yaml"
 
 
+def test_no_command_with_options_names_the_train_command_to_use(tmp_path, monkeypatch, capsys):
+    # argparse took the option's value for a command: "argument COMMAND: invalid choice"
+    calls = []
+    monkeypatch.setattr("mpitrain.cli.cmd_train", lambda args: calls.append(args) or 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mpitrain.yaml").write_text("data: {}\n")
+    assert main(["--set", "training.epochs=1", "--run-dir", "a b"]) == 2 and not calls
+    err = capsys.readouterr().err
+    assert err == ("mpitrain: error: a bare `python -m mpitrain` takes no options (it trains "
+                   "./mpitrain.yaml as it is); give them to train: python -m mpitrain train "
+                   "mpitrain.yaml --set training.epochs=1 --run-dir 'a b'\n")
+    # help and the version are still the bare form's own options
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("mpitrain ")
+    for flag in ("-h", "--help"):
+        with pytest.raises(SystemExit) as exit_:
+            main([flag])
+        assert exit_.value.code == 0 and "COMMAND" in capsys.readouterr().out
+
+
 def test_init_writes_a_starter_config_that_trains(small_corpus, tmp_path, capsys):
     from mpitrain.config import load_config
     exp = tmp_path / "exp"
