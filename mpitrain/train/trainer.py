@@ -375,6 +375,8 @@ class Trainer(CheckpointResume):
                                   + (f"{self._fewer_shards()} " if self._fewer_shards() else "")
                                   + "or a larger data.chunk_frames leave out less")
         self.budget = 0         # asynchronous ADPSGD: the steps of all ranks together
+        # every training rank's own steps per epoch, for the banner (None: a server)
+        self._own_counts = comm.allgather_obj(local_steps if trains else None)
         self.stream = MinibatchStream(
             self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,
             rank=share or 0, cmvn=(backend.to_host(self.net.cmvn_mean),
@@ -1082,9 +1084,23 @@ class Trainer(CheckpointResume):
         return (f"mpitrain: {self.comm.size} rank(s){where}, device {device}, "
                 f"strategy {self.strategy.name}, optimizer {self.optimizer.name}; model "
                 f"{net.input_dim}-{cfg.model.hidden_layers}x{cfg.model.hidden_dim}-"
-                f"{net.num_classes} ({net.num_params:,} params); {self.steps_per_epoch} "
-                f"steps/epoch of {cfg.training.minibatch} frames per rank, "
-                f"{self.total_steps} steps")
+                f"{net.num_classes} ({net.num_params:,} params); {self._steps_said()}")
+
+    def _steps_said(self) -> str:
+        """The banner's steps: per rank in lock step; the server's updates from its
+        clients' own steps; asynchronous ADPSGD's budget of all ranks together."""
+        minibatch = self.cfg.training.minibatch
+        if not self._takes_own_steps():
+            return (f"{self.steps_per_epoch} steps/epoch of {minibatch} frames per rank, "
+                    f"{self.total_steps} steps")
+        counts = [n for n in self._own_counts if n is not None]
+        low, high = min(counts), max(counts)
+        each = f"{low}" if low == high else f"{low}-{high}"
+        if self.budget:
+            return (f"{each} steps/epoch of {minibatch} frames per rank, {self.budget} steps "
+                    f"of all ranks together (about {self.total_steps} per rank)")
+        return (f"{sum(counts)} updates/epoch from {len(counts)} client(s) ({each} steps/epoch "
+                f"of {minibatch} frames each), {self.total_steps} updates")
 
     def close(self) -> None:
         self.stream.close()

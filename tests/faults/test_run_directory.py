@@ -9,6 +9,7 @@ or changed when the run was refused.
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -396,6 +397,28 @@ def test_a_virtual_dry_run_gives_the_plan_of_that_many_ranks(small_corpus, tmp_p
     assert _train(run, small_corpus, ["training.minibatch=30000"],
                   flags=["--virtual", "4", "--dry-run"]) == 2
     assert "has no complete minibatch of 30000 frames" in capsys.readouterr().err
+
+
+def test_the_plan_of_an_asynchronous_method_says_whose_steps_it_counts(small_corpus, tmp_path,
+                                                                     capsys):
+    # a parameter server counted its clients' steps together "per rank"
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, ["parallel.method=param_server"],
+                  flags=["--virtual", "3", "--dry-run"]) == 0
+    plan = capsys.readouterr().out.splitlines()[0]
+    lock_step = re.search(r"; (\d+) steps/epoch of (\d+) frames per rank, (\d+) steps$", plan)
+    assert lock_step is None, plan
+    found = re.search(r"; (\d+) updates/epoch from 2 client\(s\) \((\d+)(?:-(\d+))? "
+                      r"steps/epoch of \d+ frames each\), (\d+) updates$", plan)
+    assert found, plan
+    total, low, high = int(found[1]), int(found[2]), int(found[3] or found[2])
+    assert low + high == total
+    # asynchronous ADPSGD: each rank's own steps, and the budget of all ranks together
+    assert _train(run, small_corpus, ["parallel.method=adpsgd", "parallel.asynchronous=true"],
+                  flags=["--virtual", "3", "--dry-run"]) == 0
+    plan = capsys.readouterr().out.splitlines()[0]
+    assert re.search(r"; \d+(-\d+)? steps/epoch of \d+ frames per rank, \d+ steps of all "
+                     r"ranks together \(about \d+ per rank\)$", plan), plan
 
 
 @pytest.mark.parametrize("field,value,said", [
