@@ -637,6 +637,10 @@ class Trainer(CheckpointResume):
 
     def _run_from_start(self) -> dict:
         net, comm = self.net, self.comm
+        # the ranks start timing together: the others' wait while rank 0 wrote the start
+        # record would count as their communication in the first window, and name
+        # rank 0 the slowest
+        comm.barrier()
         # the communicator's clock: wall time under MPI, simulated time on virtual ranks
         run_start, self._start_step = comm.wtime(), self.step
         self._run_start = run_start
