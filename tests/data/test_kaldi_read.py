@@ -410,8 +410,8 @@ def _kaldi_copy_to_mat(data: bytes) -> np.ndarray:
 @pytest.mark.parametrize("method,token", [(2, b"CM "), (3, b"CM2 "), (5, b"CM3 ")])
 def test_compressed_matrices_decode_as_kaldis_copy_to_mat_bit_for_bit(tmp_path, method,
                                                                       token):
-    """kaldiio's decoding rounds otherwise than Kaldi's (values 1-4 ulp apart); the
-    reader decodes as Kaldi does."""
+    """kaldiio's decoding rounds otherwise than Kaldi's (up to 4 ulp of the largest
+    value apart); the reader decodes as Kaldi does."""
     rng = np.random.default_rng(method)
     matrix = (rng.standard_normal((41, 13)) * 4 + rng.uniform(-3, 3, 13)).astype(np.float32)
     kaldiio.save_ark(str(tmp_path / "c.ark"), {"u": matrix}, compression_method=method)
