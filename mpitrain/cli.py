@@ -288,6 +288,7 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
                     if comm.rank == 0:
                         print("\n".join(runner.dry_run_lines() + [_dry_run_line(run_dir)]),
                               flush=True)
+                    runner.dry_run_done()
                 else:
                     result = runner.run()
             finally:

@@ -658,6 +658,9 @@ class Pretrainer:
                             f"{self.layer_step}: reconstruction error {what}; lower "
                             f"{rate_key} (now {rate:g}){also}", agreed=True)
 
+    def dry_run_done(self) -> None:
+        """Every rank has finished a dry run alike (pretraining splits off nothing)."""
+
     def close(self) -> None:
         self.stream.close()
         if self.log is not None:

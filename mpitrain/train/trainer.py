@@ -1106,6 +1106,12 @@ class Trainer(CheckpointResume):
         return (f"{sum(counts)} updates/epoch from {len(counts)} client(s) ({each} steps/epoch "
                 f"of {minibatch} frames each), {self.total_steps} updates")
 
+    def dry_run_done(self) -> None:
+        """Every rank has finished a dry run alike: :meth:`close` then frees what the
+        strategy split off, as after a run (MPI's finalize said the world
+        communicator still had references)."""
+        self._ran = True
+
     def close(self) -> None:
         self.stream.close()
         if self._ran or self._stopped_together:
