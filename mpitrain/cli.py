@@ -285,10 +285,12 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
             try:
                 if args.dry_run:
                     result = {}
+                    # (before rank 0 prints: a print that fails must not leave rank 0
+                    # out of the collective freeing that close then does)
+                    runner.dry_run_done()
                     if comm.rank == 0:
                         print("\n".join(runner.dry_run_lines() + [_dry_run_line(run_dir)]),
                               flush=True)
-                    runner.dry_run_done()
                 else:
                     result = runner.run()
             finally:
