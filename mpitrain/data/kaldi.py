@@ -151,12 +151,21 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     if num_classes is not None and (int(num_classes) != num_classes or num_classes < 1):
         raise ValueError(f"--num-classes (num_classes=): expected a positive int, "
                          f"got {num_classes!r}")
+    if num_classes is not None and num_classes > MAX_CLASSES:
+        raise ValueError(f"num_classes (--num-classes) {num_classes}: at most {MAX_CLASSES} "
+                         "classes (the largest output layer a model may have; a Kaldi tree "
+                         "has thousands of pdfs: tree-info tells)")
+    if norm_vars and not (utt2spk or cmvn):
+        raise ValueError("--norm-vars needs per-speaker CMVN: pass --utt2spk or --cmvn")
     _, feats_path = split_rspecifier(feats, "feats")
     _, ali_path = split_rspecifier(ali, "ali")
     if feats_path.strip() == "-" and ali_path.strip() == "-":
         # the alignments would read the features' bytes (and refuse them as no alignment)
         raise ValueError("--feats and --ali both read standard input ('-'); one stream "
                          "holds one of them: give the other as a file or a pipe")
+    if utt2spk and not cmvn and feats_path.strip() == "-":
+        raise ValueError("--feats -: computing CMVN stats reads the features twice, "
+                         "which stdin cannot give; pass --cmvn with Kaldi's stats")
     alignments = read_alignments(ali, scp_commands=scp_commands)
     if not alignments:
         raise CorpusError(f"{ali_path}: no alignments found")
@@ -165,10 +174,6 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
     smallest = min((int(labels.min()) for labels in alignments.values() if labels.size),
                    default=0)
     warnings = []
-    if num_classes is not None and num_classes > MAX_CLASSES:
-        raise ValueError(f"num_classes (--num-classes) {num_classes}: at most {MAX_CLASSES} "
-                         "classes (the largest output layer a model may have; a Kaldi tree "
-                         "has thousands of pdfs: tree-info tells)")
     if num_classes is None and largest >= MAX_CLASSES:
         worst = next(k for k, v in alignments.items() if v.size and v.max() == largest)
         raise CorpusError(f"{ali_path}: utterance {worst!r}: label {largest} would make "
@@ -191,13 +196,8 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
 
     speaker_cmvn = None
     if utt2spk or cmvn:
-        if not cmvn and feats_path.strip() == "-":
-            raise ValueError("--feats -: computing CMVN stats reads the features twice, "
-                             "which stdin cannot give; pass --cmvn with Kaldi's stats")
         speaker_cmvn = SpeakerCmvn.load(utt2spk=utt2spk, cmvn=cmvn, feats=feats,
                                         norm_vars=norm_vars, scp_commands=scp_commands)
-    elif norm_vars:
-        raise ValueError("--norm-vars needs per-speaker CMVN: pass --utt2spk or --cmvn")
     report = ImportReport(num_classes=int(num_classes), feats=feats, ali=ali,
                           out_dir=str(out_dir), warnings=warnings,
                           length_tolerance=int(length_tolerance))

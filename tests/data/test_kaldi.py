@@ -226,6 +226,24 @@ def test_a_bad_option_is_named_before_the_inputs_are_read(kaldi_dir, capsys, opt
     assert not ran.exists() and not (d / "c").exists()
 
 
+@pytest.mark.parametrize("options, said", [
+    (["--num-classes", "20000000"], "num_classes (--num-classes) 20000000: at most "),
+    (["--norm-vars"], "--norm-vars needs per-speaker CMVN"),
+    (["--utt2spk", "utt2spk"], "--feats -: computing CMVN stats reads the features twice")])
+def test_options_that_no_input_can_fit_are_named_before_the_inputs_are_read(
+        kaldi_dir, capsys, options, said):
+    # the whole alignment pipe ran before these were refused
+    d, _, _ = kaldi_dir
+    ran = d / "ran"
+    feats = "ark:-" if "--utt2spk" in options else f"scp:{d}/feats.scp"
+    assert main(["prepare", "--feats", feats, "--ali", f"ark:touch {ran}; cat {d}/ali.ark |",
+                 "--out", str(d / "c"), *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mpitrain prepare: error: ") and said in err, err
+    assert err.count("\n") == 1, err
+    assert not ran.exists() and not (d / "c").exists()
+
+
 def test_nothing_to_import_says_why(tmp_path):
     rng = np.random.default_rng(3)
     feats = {f"u{i}": rng.standard_normal((50, 4)).astype(np.float32) for i in range(3)}
