@@ -176,6 +176,11 @@ class CheckpointResume:
         # compared as fractions of the plans: another number of ranks plans other counts
         asks_more = complete_at and self.total_steps * old_planned > \
             complete_at * self.planned_steps
+        if complete_at:
+            # rank 0's plan judges it (the one the checkpoint recorded): a parameter
+            # server's clients plan their own steps, and one whose cap bound otherwise
+            # trained on alone while the others had left
+            asks_more = self.comm.bcast_obj(bool(asks_more), root=0)
         if complete_at and not changes and not asks_more:
             # a requeued job's --resume of a run that had ended: leave its results alone
             self.step, self.frames_seen = ckpt.step, ckpt.frames_seen

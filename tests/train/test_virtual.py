@@ -542,3 +542,33 @@ def test_shards_smaller_than_a_few_minibatches_are_advised_fewer_not_more(tmp_pa
     said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("data: ")]
     assert len(said) == 1 and "fewer, larger shards (prepare --shards: 12 of " in said[0], said
     assert "more shards" not in said[0]
+
+
+def test_a_parameter_server_run_that_had_ended_is_left_by_every_rank(tmp_path, capsys):
+    # clients of 34 and 35 steps an epoch, capped at 34: the first client's plan was
+    # all trained, the server's sum not, and that client alone went on training on
+    # resume while the others had left (a hang under MPI)
+    from mpitrain.cli import main
+    from mpitrain.data.synthetic import synthesize
+    from ..helpers import QUICKSTART, records
+    synthesize(str(tmp_path / "c"), hours=0.05, speakers=6, shards=3, seed=7,
+               dev_hours=0.01, dev_speakers=2)
+    run = tmp_path / "run"
+
+    def train(*flags):
+        argv = ["train", QUICKSTART, "--virtual", "3", "--compute-ms", "1",
+                "--run-dir", str(run), *flags]
+        for item in [f"data.train={tmp_path / 'c' / 'train'}", f"data.dev={tmp_path / 'c' / 'dev'}",
+                     "model.hidden_dim=16", "model.hidden_layers=1", "training.minibatch=256",
+                     "data.chunk_frames=20000", "parallel.method=param_server",
+                     "training.epochs=1", "training.max_steps=34"]:
+            argv += ["--set", item]
+        return main(argv)
+
+    assert train("--dry-run") == 0
+    assert "(34-35 steps/epoch of 256 frames each)" in capsys.readouterr().out
+    assert train() == 0
+    capsys.readouterr()
+    assert train("--resume") == 0, capsys.readouterr().err
+    assert "the run had ended at step 68" in capsys.readouterr().out
+    assert len(records(run, "end")) == 1
