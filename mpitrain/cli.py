@@ -1327,7 +1327,7 @@ def _read_command_line(argv):
         # (under a launcher every rank goes on, so that a node lacking the file is
         # said by rank 0 instead of leaving the others waiting for it)
         argv, usage_on_error = ["train", DEFAULT_CONFIG], True
-    elif argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version"):
+    elif argv[0].startswith("-") and not _top_level_option(argv[0]):
         # `python -m mpitrain --set k=v`: argparse would take the option's value for
         # an unknown command; the bare form takes no options, `train` does
         return _bare_form_with_options(argv)
@@ -1343,6 +1343,13 @@ def _read_command_line(argv):
     except _HeldParseError as exc:
         return _parse_error_agreed(exc, argv[0])
     return args, usage_on_error
+
+
+def _top_level_option(word: str) -> bool:
+    """Whether ``word`` is -h, --help or --version, or an abbreviation argparse takes
+    for one (--vers)."""
+    return word == "-h" or (len(word) > 2 and any(
+        option.startswith(word.split("=")[0]) for option in ("--help", "--version")))
 
 
 def _bare_form_with_options(argv) -> int:

@@ -252,10 +252,14 @@ def test_no_command_with_options_names_the_train_command_to_use(tmp_path, monkey
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("mpitrain ")
-    for flag in ("-h", "--help"):
+    for flag in ("-h", "--help", "--he"):
         with pytest.raises(SystemExit) as exit_:
             main([flag])
         assert exit_.value.code == 0 and "COMMAND" in capsys.readouterr().out
+    # and their abbreviations, as argparse takes them
+    with pytest.raises(SystemExit) as exit_:
+        main(["--vers"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.startswith("mpitrain ")
 
 
 def test_init_writes_a_starter_config_that_trains(small_corpus, tmp_path, capsys):
