@@ -101,7 +101,7 @@ def h5_reader(path):
     """
     f = h5py_module().File(path, "r", locking=False)
     try:
-        problem = _sequence_attribute(f) or _global_heap_problem(f, path)
+        problem = _sequence_attribute(f) or _global_heap_problem(f)
     except BaseException:
         f.close()
         raise
@@ -111,7 +111,7 @@ def h5_reader(path):
     return f
 
 
-def _global_heap_problem(f, path) -> str | None:
+def _global_heap_problem(f) -> str | None:
     """How a global heap collection of the file is damaged so that HDF5 would loop
     for ever or read past it; None when none is.
 
