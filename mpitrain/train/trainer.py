@@ -319,7 +319,8 @@ class Trainer(CheckpointResume):
         remainder out."""
         m, minibatch = self.manifest, self.cfg.training.minibatch
         average = m.num_frames / max(len(m.shards), 1)
-        if average < 4 * minibatch:
+        # (with no more shards than ranks, the ranks split shards: fewer help nothing)
+        if average < 4 * minibatch and len(m.shards) > self.comm.size:
             return (f"fewer, larger shards (prepare --shards: {len(m.shards)} of "
                     f"{average:,.0f} frames on average, minibatches of {minibatch})")
         return None
