@@ -126,6 +126,37 @@ def _first_int(env: Mapping[str, str], names) -> int:
     return 0
 
 
+#: Signals whose handler MPI's start may take over: UCX (under MPICH and Open MPI)
+#: makes SIGHUP its debug signal, which only raises its log level, so a stop
+#: signal that the process caught before MPI started went unseen after it.
+_HANDLED_SIGNALS = tuple(getattr(signal, name) for name in ("SIGHUP", "SIGTERM", "SIGUSR1",
+                                                           "SIGUSR2") if hasattr(signal, name))
+
+
+def _python_handlers() -> dict:
+    """The signals of :data:`_HANDLED_SIGNALS` that Python handles or ignores now
+    (in the main thread only: elsewhere Python sets no handler)."""
+    import threading
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    kept = {}
+    for number in _HANDLED_SIGNALS:
+        handler = signal.getsignal(number)
+        if callable(handler) or handler == signal.SIG_IGN:
+            kept[number] = handler
+    return kept
+
+
+def _put_back(kept: dict) -> None:
+    """Install ``kept`` again: Python still names them, but the library's start
+    may have put its own handler in their place."""
+    for number, handler in kept.items():
+        signal.signal(number, handler)
+        if callable(handler):
+            # as train/stop.py installs them: system calls resume (MPI's poll)
+            signal.siginterrupt(number, False)
+
+
 def create_communicator(kind: str = "auto", *, device_transport: str = "auto") -> Communicator:
     """The communicator for this process.
 
@@ -150,6 +181,7 @@ def create_communicator(kind: str = "auto", *, device_transport: str = "auto") -
         announced = world_size_from_env()
         if announced is not None and announced <= 1:
             return SingleCommunicator()
+    kept = _python_handlers()
     try:
         from .mpi import MpiCommunicator
     except ImportError as exc:
@@ -157,6 +189,8 @@ def create_communicator(kind: str = "auto", *, device_transport: str = "auto") -
             "comm: MPI was requested (or an MPI launcher was detected) but mpi4py cannot "
             "load an MPI library; `pip install mpi4py mpich` in the virtualenv, or build "
             "mpi4py against the cluster's MPI") from exc
+    finally:
+        _put_back(kept)
     comm = MpiCommunicator(device_transport=device_transport)
     announced = world_size_from_env()
     if announced is not None and announced > 1 and comm.size == 1:

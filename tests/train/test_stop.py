@@ -224,6 +224,22 @@ def test_a_signal_as_the_job_starts_stops_the_run_at_its_first_checkpoint(small_
     _resumed_is_straight(2, straight, split, small_corpus, common)
 
 
+@pytest.mark.mpi
+def test_sighup_just_after_mpi_starts_is_kept_too(small_corpus, tmp_path):
+    # MPI's start (UCX) put its own SIGHUP handler, which only raises its log level,
+    # in place of the one that keeps a stop signal: a SIGHUP between MPI's start
+    # and the run's own handlers went unseen and the run trained on to its end
+    common = TINY + ["parallel.method=model_averaging", "parallel.average_every=8",
+                     "training.checkpoint_interval=1000", "training.max_steps=48",
+                     "training.log_interval=4"]
+    result = _signalled(2, tmp_path / "run", small_corpus, common, sig="SIGHUP", ranks="1",
+                        after=-1)
+    assert result.returncode == EXIT_STOPPED, mpi_output(result)
+    assert "stopped at step 8 of 48 on SIGHUP (received by 1 of 2 rank(s))" \
+        in result.stdout, mpi_output(result)
+    assert _checkpoint_steps(tmp_path / "run") == [8]
+
+
 _SIGNALLED_WHILE_NUMPY_LOADS = """
 import os, signal, sys
 class Term:

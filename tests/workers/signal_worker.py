@@ -8,7 +8,8 @@ point, exactly as ``python -m mpitrain train`` does.  RANKS ("1", "0,1" or
 AFTER_BATCHES-th minibatch (a parameter server, which reads none: while it
 applies its AFTER_BATCHES-th gradient), so the signal comes at a known step
 of each of those ranks and the stop step is known; AFTER_BATCHES 0: while they
-read the configuration, before MPI starts (a job preempted as it starts).  The
+read the configuration, before MPI starts (a job preempted as it starts); -1:
+just after MPI started, before the run's own handlers are installed.  The
 ranks tell each other about
 signals at log lines only, unless POLL_SECONDS is given: then also about that
 often in between (0: after every step; train/stop.py's StopPoll), so that the
@@ -20,7 +21,7 @@ import os
 import signal
 import sys
 
-from mpitrain import config
+from mpitrain import comm, config
 from mpitrain.cli import main
 from mpitrain.data.batcher import MinibatchStream
 from mpitrain.parallel.param_server import ParameterServer
@@ -73,4 +74,15 @@ def load_config_with_signal(*args, **kwargs):
 
 
 config.load_config = load_config_with_signal
+original_create_communicator = comm.create_communicator
+
+
+def create_communicator_with_signal(*args, **kwargs):
+    made = original_create_communicator(*args, **kwargs)
+    if signalled and after_batches == -1:
+        os.kill(os.getpid(), signum)
+    return made
+
+
+comm.create_communicator = create_communicator_with_signal
 sys.exit(main(cli_args))
