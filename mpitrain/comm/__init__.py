@@ -182,6 +182,10 @@ def create_communicator(kind: str = "auto", *, device_transport: str = "auto") -
         if announced is not None and announced <= 1:
             return SingleCommunicator()
     kept = _python_handlers()
+    if signal.SIGHUP in kept:
+        # UCX's own SIGHUP handler, taken over from MPI's start until _put_back,
+        # swallowed one that came meanwhile; a UCX_DEBUG_SIGNO of the user's is kept
+        os.environ.setdefault("UCX_DEBUG_SIGNO", "0")
     try:
         from .mpi import MpiCommunicator
     except ImportError as exc:

@@ -225,15 +225,17 @@ def test_a_signal_as_the_job_starts_stops_the_run_at_its_first_checkpoint(small_
 
 
 @pytest.mark.mpi
-def test_sighup_just_after_mpi_starts_is_kept_too(small_corpus, tmp_path):
+@pytest.mark.parametrize("after", [-1, -2], ids=["after-mpi-starts", "while-mpi-starts"])
+def test_sighup_just_after_mpi_starts_is_kept_too(small_corpus, tmp_path, after):
     # MPI's start (UCX) put its own SIGHUP handler, which only raises its log level,
     # in place of the one that keeps a stop signal: a SIGHUP between MPI's start
-    # and the run's own handlers went unseen and the run trained on to its end
+    # and the run's own handlers went unseen and the run trained on to its end (-2:
+    # one that came while MPI started, as soon as UCX had put its handler)
     common = TINY + ["parallel.method=model_averaging", "parallel.average_every=8",
                      "training.checkpoint_interval=1000", "training.max_steps=48",
                      "training.log_interval=4"]
     result = _signalled(2, tmp_path / "run", small_corpus, common, sig="SIGHUP", ranks="1",
-                        after=-1)
+                        after=after)
     assert result.returncode == EXIT_STOPPED, mpi_output(result)
     assert "stopped at step 8 of 48 on SIGHUP (received by 1 of 2 rank(s))" \
         in result.stdout, mpi_output(result)

@@ -9,7 +9,9 @@ AFTER_BATCHES-th minibatch (a parameter server, which reads none: while it
 applies its AFTER_BATCHES-th gradient), so the signal comes at a known step
 of each of those ranks and the stop step is known; AFTER_BATCHES 0: while they
 read the configuration, before MPI starts (a job preempted as it starts); -1:
-just after MPI started, before the run's own handlers are installed.  The
+just after MPI started, before the run's own handlers are installed; -2: while
+MPI starts, once a library there put a handler of its own for SIGNAL (else
+just after).  The
 ranks tell each other about
 signals at log lines only, unless POLL_SECONDS is given: then also about that
 often in between (0: after every step; train/stop.py's StopPoll), so that the
@@ -77,9 +79,34 @@ config.load_config = load_config_with_signal
 original_create_communicator = comm.create_communicator
 
 
+def _c_handler(number):
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    old = ctypes.create_string_buffer(512)          # struct sigaction: the handler first
+    libc.sigaction(number, None, old)
+    return ctypes.c_void_p.from_buffer(old).value
+
+
 def create_communicator_with_signal(*args, **kwargs):
+    import threading
+    started, sent = threading.Event(), threading.Event()
+
+    def watch():
+        python_handler = _c_handler(signum)
+        while not started.is_set():
+            if _c_handler(signum) != python_handler:
+                os.kill(os.getpid(), signum)
+                sent.set()
+                return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    if signalled and after_batches == -2:
+        watcher.start()
     made = original_create_communicator(*args, **kwargs)
-    if signalled and after_batches == -1:
+    started.set()
+    if watcher.ident is not None:               # (started)
+        watcher.join()
+    if signalled and after_batches in (-1, -2) and not sent.is_set():
         os.kill(os.getpid(), signum)
     return made
 
