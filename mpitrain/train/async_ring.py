@@ -54,17 +54,17 @@ CHECKPOINT, STOP, SIGNALLED = 1.0, 2.0, 3.0
 _REPORT_SIZE = 9
 
 
-def plan_ring_steps(cfg, comm, local_steps: int) -> tuple:
-    """(own steps per epoch, job budget, planned steps per rank): each rank's own
-    minibatch count; the budget is the sum over the ranks of their planned steps
-    (``training.epochs`` of their own data, each capped at ``training.max_steps``).
-    Collective (one allgather).
+def plan_ring_steps(cfg, rank: int, counts) -> tuple:
+    """(own steps per epoch, job budget, planned steps per rank) of ``rank``, from
+    every rank's own minibatch count per epoch (``counts``); the budget is the sum
+    over the ranks of their planned steps (``training.epochs`` of their own data,
+    each capped at ``training.max_steps``).
 
     Example::
 
-        plan_ring_steps(cfg, comm, 120)     # (120, 1440, 360) for 4 ranks, 3 epochs
+        plan_ring_steps(cfg, 0, [120] * 4)     # (120, 1440, 360) for 3 epochs
     """
-    counts = comm.allgather_obj(int(local_steps))
+    counts = [int(n) for n in counts]
     empty = [r for r, n in enumerate(counts) if n == 0]
     if empty:
         raise ValueError(f"rank {empty[0]} has no complete minibatch of "
@@ -73,7 +73,7 @@ def plan_ring_steps(cfg, comm, local_steps: int) -> tuple:
     epochs, cap = cfg.training.epochs, cfg.training.max_steps
     planned = [max(int(round(epochs * n)), 1) for n in counts]
     budget = sum(min(p, cap) if cap else p for p in planned)
-    return counts[comm.rank], budget, max(sum(planned) // comm.size, 1)
+    return counts[rank], budget, max(sum(planned) // len(counts), 1)
 
 
 def train_at_own_pace(trainer, run_start: float):

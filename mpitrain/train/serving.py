@@ -53,27 +53,28 @@ from .stop import EXIT_STOPPED, requested, signal_name
 ABORT_GRACE_S = 1.0
 
 
-def plan_own_steps(cfg, comm, local_steps: int) -> tuple:
-    """(steps per epoch, total steps, planned steps) of this rank when each client
-    takes its own minibatches: a client's own counts; the server's are the sums
-    over the clients (one update per minibatch).  Collective (one allgather).
+def plan_own_steps(cfg, rank: int, counts) -> tuple:
+    """(steps per epoch, total steps, planned steps) of ``rank`` when each client
+    takes its own minibatches, from every rank's own minibatch count per epoch
+    (``counts``; None or 0 for a server): a client's own counts; the server's are
+    the sums over the clients (one update per minibatch).
 
     Example::
 
-        plan_own_steps(cfg, comm, 120)    # client: (120, 360, 360) for 3 epochs
+        plan_own_steps(cfg, 1, [None, 120, 120])    # client: (120, 360, 360), 3 epochs
     """
-    counts = comm.allgather_obj(int(local_steps))
+    counts = [int(n or 0) for n in counts]
+    size = len(counts)
     epochs, cap = cfg.training.epochs, cfg.training.max_steps
     planned = [int(round(epochs * n)) for n in counts]
     totals = [min(p, cap) if cap else p for p in planned]
-    clients = [r for r in range(comm.size)
-               if data_share(cfg, rank=r, size=comm.size)[0] is not None]
+    clients = [r for r in range(size) if data_share(cfg, rank=r, size=size)[0] is not None]
     if not sum(totals[r] for r in clients):
         raise ValueError(f"no client rank has a complete minibatch of "
                          f"{cfg.training.minibatch} frames; lower training.minibatch, raise "
                          "data.chunk_frames, or use fewer ranks")
-    if comm.rank in clients:
-        return counts[comm.rank], totals[comm.rank], max(planned[comm.rank], 1)
+    if rank in clients:
+        return counts[rank], totals[rank], max(planned[rank], 1)
     return (max(sum(counts[r] for r in clients), 1), sum(totals[r] for r in clients),
             max(sum(planned[r] for r in clients), 1))
 

@@ -364,20 +364,21 @@ class Trainer(CheckpointResume):
         # every rank with a share trains on it, as in the lock-step methods: a client
         # past the corpus' utterances trained nothing, and nothing said so
         trains = share is not None
-        if int(comm.allreduce_scalar(1 if trains and local_steps == 0 else 0, op="sum")):
+        # every training rank's own steps per epoch (None: a server), gathered once
+        # for the checks, the plan and the banner
+        self._own_counts = comm.allgather_obj(local_steps if trains else None)
+        if 0 in self._own_counts:
             raise no_minibatch_error(self.manifest, comm, local_steps, cfg.training.minibatch,
                                      "training.minibatch", trains=trains, trainers=shares)
         # each rank goes through its own share, but in whole minibatches per chunk
         # (a few frames per rank; many ranks on a small corpus lose a share of it)
-        used = int(comm.allreduce_scalar(local_steps if trains else 0, op="sum"))
+        used = sum(n for n in self._own_counts if n is not None)
         self._say_frames_left_out(used * cfg.training.minibatch,
                                   "each rank trains whole minibatches of its share per "
                                   "chunk; fewer ranks, a smaller training.minibatch, "
                                   + (f"{self._fewer_shards()} " if self._fewer_shards() else "")
                                   + "or a larger data.chunk_frames leave out less")
         self.budget = 0         # asynchronous ADPSGD: the steps of all ranks together
-        # every training rank's own steps per epoch, for the banner (None: a server)
-        self._own_counts = comm.allgather_obj(local_steps if trains else None)
         self.stream = MinibatchStream(
             self.manifest, chunks, minibatch=cfg.training.minibatch, seed=cfg.training.seed,
             rank=share or 0, cmvn=(backend.to_host(self.net.cmvn_mean),
@@ -387,11 +388,11 @@ class Trainer(CheckpointResume):
             if cfg.parallel.method == "adpsgd":
                 from .async_ring import plan_ring_steps
                 self.steps_per_epoch, self.budget, self.planned_steps = plan_ring_steps(
-                    cfg, self.comm, local_steps)
+                    cfg, self.comm.rank, self._own_counts)
                 self.total_steps = max(self.budget // self.comm.size, 1)
             else:
                 self.steps_per_epoch, self.total_steps, self.planned_steps = plan_own_steps(
-                    cfg, self.comm, local_steps)
+                    cfg, self.comm.rank, self._own_counts)
         except ValueError as exc:
             raise TrainingError(f"{self.manifest.directory}: {exc}", agreed=True) from None
 
