@@ -724,6 +724,17 @@ def test_closed_standard_streams_are_no_bug(tmp_path, small_corpus):
         "written to it"), done.stderr
 
 
+def _assert_refused_naming_the_config(argv, settings, words, capsys):
+    """train refuses the settings in one line that names the config file and says
+    ``words``."""
+    for setting in settings:
+        argv += ["--set", setting]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain train: error: {QUICKSTART}: ") and words in err, err
+    assert err.count("\n") == 1
+
+
 def test_a_setting_this_job_cannot_run_names_the_config_file(small_corpus, tmp_path, capsys):
     # (the key alone was named: "parallel.num_jobs_initial/final must be in [1, 1] ...")
     data = ["--set", f"data.train={small_corpus}/train", "--set", f"data.dev={small_corpus}/dev"]
@@ -731,12 +742,7 @@ def test_a_setting_this_job_cannot_run_names_the_config_file(small_corpus, tmp_p
                              "parallel.num_jobs_initial/final must be in [1, 1]"),
                             (["parallel.method=param_server"], "needs at least 2 ranks")):
         argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--dry-run"] + data
-        for setting in settings:
-            argv += ["--set", setting]
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"mpitrain train: error: {QUICKSTART}: ") and words in err, err
-        assert err.count("\n") == 1
+        _assert_refused_naming_the_config(argv, settings, words, capsys)
 
 
 @pytest.mark.parametrize("dry_run", [False, True], ids=["run", "dry-run"])
@@ -751,12 +757,7 @@ def test_a_setting_virtual_ranks_cannot_run_names_the_config_file(small_corpus, 
                              "needs at least 3 ranks")):
         argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--virtual", "2",
                 "--compute-ms", "1"] + data + ["--dry-run"] * dry_run
-        for setting in settings:
-            argv += ["--set", setting]
-        assert main(argv) == 2
-        err = capsys.readouterr().err
-        assert err.startswith(f"mpitrain train: error: {QUICKSTART}: ") and words in err, err
-        assert err.count("\n") == 1
+        _assert_refused_naming_the_config(argv, settings, words, capsys)
         assert not (tmp_path / "run").exists()
 
 
