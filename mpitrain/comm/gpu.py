@@ -110,7 +110,10 @@ class PinnedStagingPath:
         host = block[:buf.nbytes].view(buf.dtype).reshape(buf.shape)
         if copy_in:
             backend.synchronize(self._cupy)
-            buf.get(out=host)  # blocking copy: host holds the data afterwards
+            buf.get(out=host)
+            # CuPy 12's get() into page-locked memory on a stream other than the
+            # legacy one (cuda_graph's) returns before the copy lands: wait for it.
+            backend.synchronize(self._cupy)
         return host, block
 
     def leave(self, buf, token, *, copy_out: bool) -> None:

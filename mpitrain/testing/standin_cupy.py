@@ -150,6 +150,15 @@ class DeviceArray(np.ndarray):
         _land_copies()
         if out is None:
             return np.array(self.view(np.ndarray))
+        if _deferred["on"] and _deferred["early_get"] and _is_pinned(out):
+            # CuPy 12 on a stream other than the legacy one: an async copy, not waited for
+            source = np.array(self.view(np.ndarray))
+
+            def copy():
+                out[...] = source
+            with _deferred["lock"]:
+                _deferred["queue"].append(copy)
+            return out
         out[...] = self.view(np.ndarray)
         return out
 
@@ -163,7 +172,7 @@ class DeviceArray(np.ndarray):
 
 # Device-to-host copies in flight (``deferred_copies``): they land, in order, when
 # the stream or an event recorded on it is waited for, as a GPU's would.
-_deferred = {"on": False, "queue": [], "lock": threading.Lock()}
+_deferred = {"on": False, "early_get": False, "queue": [], "lock": threading.Lock()}
 
 
 def _land_copies() -> None:
@@ -179,11 +188,16 @@ def copies_in_flight() -> int:
 
 
 @contextlib.contextmanager
-def deferred_copies():
+def deferred_copies(*, early_get: bool = False):
     """Within: ``copy_to_host_async`` writes its host buffer only when the stream, an
     event recorded after it, or a blocking read waits for it, so code that reads
     (or lets go of) such a buffer too early is caught.  A host buffer given as
     ``out`` must outlive its copy, as on a GPU (pinned blocks are kept).
+
+    ``early_get``: ``a.get(out=pinned)`` is such a copy too, as in CuPy 12 on a
+    stream other than the legacy default one (its ``get`` then queues an
+    asynchronous copy into page-locked memory and returns without waiting;
+    CuPy 13 waits).
 
     Example::
 
@@ -192,11 +206,11 @@ def deferred_copies():
             standin_cupy.copies_in_flight()       # 1
             pending.result()                      # lands
     """
-    _deferred["on"] = True
+    _deferred["on"], _deferred["early_get"] = True, bool(early_get)
     try:
         yield
     finally:
-        _deferred["on"] = False
+        _deferred["on"], _deferred["early_get"] = False, False
         _land_copies()
 
 
@@ -243,6 +257,16 @@ def _alloc_pinned_memory(nbytes: int):
     block = bytearray(nbytes)
     _pinned_blocks.append(block)
     return block
+
+
+def _is_pinned(array) -> bool:
+    """Whether a host array is a view of a pinned block."""
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):        # (np.frombuffer's base)
+        base = base.obj
+    return any(base is block for block in _pinned_blocks)
 
 
 _threads = threading.local()    # each host thread's current device, as CUDA keeps it
