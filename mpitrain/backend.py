@@ -427,10 +427,12 @@ def loaded_library(binding_file: str, symbol: str, name: str,
                    maps: str = "/proc/self/maps"):
     """The shared library whose ``symbol`` the extension module at ``binding_file``
     calls, opened with ctypes: looked up through the module's own dependencies
-    first, else the first mapped file whose name holds ``name``.  Another copy
+    first, else the one mapped file whose name holds ``name``.  Another copy
     of a library may be mapped in the same process (PyTorch's cuBLAS, in a
     benchmark), and a handle made by one copy must not go to the other's
-    functions.
+    functions: with two copies mapped and none among the module's
+    dependencies (a binding that loads its library at run time), this raises
+    rather than guess.
 
     Example::
 
@@ -444,12 +446,20 @@ def loaded_library(binding_file: str, symbol: str, name: str,
         return binding
     except (OSError, AttributeError):
         pass
+    found = {}
     with open(maps, encoding="utf-8") as mapped:
         for line in mapped:
             fields = line.split()
             if len(fields) >= 6 and name in os.path.basename(fields[-1]):
-                return ctypes.CDLL(fields[-1])
-    raise RuntimeError(f"{name} not found among the loaded libraries")
+                # (the map lists files by address, not by load order)
+                found.setdefault(os.path.realpath(fields[-1]), fields[-1])
+    if not found:
+        raise RuntimeError(f"{name} not found among the loaded libraries")
+    if len(found) > 1:
+        raise RuntimeError(f"{len(found)} copies of {name} are loaded "
+                           f"({', '.join(sorted(found))}); cannot tell which one "
+                           f"{os.path.basename(binding_file)} uses")
+    return ctypes.CDLL(next(iter(found.values())))
 
 
 def _direct_cublas():

@@ -150,3 +150,18 @@ def test_a_bindings_library_is_found_through_its_own_dependencies(tmp_path):
         assert lib.ffi_call
     with pytest.raises(RuntimeError, match="libcublas.so not found"):
         backend.loaded_library(str(maps), "cublasGemmEx", "libcublas.so", maps=str(maps))
+
+
+def test_a_library_mapped_twice_is_not_guessed(tmp_path):
+    """A binding that loads cuBLAS at run time (CuPy built with CUDA Python) names
+    no dependency; with PyTorch's copy mapped as well, the first file in the
+    address map may be the wrong one, whose functions must not get CuPy's
+    handle: the capture then fails with this reason instead."""
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f00-7f01 r-xp 00000000 08:01 1 /opt/torch/lib/libcublas.so.12\n"
+        "7f01-7f02 r--p 00000000 08:01 1 /opt/torch/lib/libcublas.so.12\n"
+        "7f02-7f03 r-xp 00000000 08:01 2 /usr/local/cuda/lib64/libcublasLt.so.12\n"
+        "7f03-7f04 r-xp 00000000 08:01 3 /usr/local/cuda/lib64/libcublas.so.12\n")
+    with pytest.raises(RuntimeError, match="2 copies of libcublas.so are loaded"):
+        backend.loaded_library(str(maps), "cublasGemmEx", "libcublas.so", maps=str(maps))
