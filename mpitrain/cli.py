@@ -789,7 +789,11 @@ def cmd_plot(args) -> int:
     # change what is trained
     labels = labels_with_settings(args.run_dirs, ignore=NEUTRAL_SETTINGS,
                                   unused=unused_settings) if len(args.run_dirs) > 1 else None
-    print(f"wrote {plot_runs(args.run_dirs, out, x=args.x, labels=labels)}")
+
+    def warn(message):
+        # a sweep's job that has only just started is left out, said on stderr
+        print(f"mpitrain plot: warning: {message}", file=sys.stderr)
+    print(f"wrote {plot_runs(args.run_dirs, out, x=args.x, labels=labels, warn=warn)}")
     return 0
 
 

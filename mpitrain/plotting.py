@@ -299,9 +299,19 @@ def place_legend(fig, axes) -> str:
     return "below"
 
 
+def _nothing_to_draw(path: str, records: dict, train: bool) -> str:
+    """Why a run with no curve to draw is not drawn."""
+    if any(r.get("mode") == "pretrain" for r in records["start"]):
+        # (its reconstruction error is a curve of another kind: not drawn here)
+        return (f"{path}: a pretraining run (mpitrain pretrain): plot draws the held-out "
+                "and training curves of train runs; the RBMs' reconstruction error is in "
+                "its pretrain records")
+    return f"{path}: no eval or train records to plot"
+
+
 def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
               labels: Optional[Sequence[str]] = None, title: Optional[str] = None,
-              train: bool = True, dpi: int = 100) -> str:
+              train: bool = True, dpi: int = 100, warn=None) -> str:
     """Draw held-out frame accuracy and cross-entropy of several runs into one PNG.
 
     Two panels side by side; one colour per run, held-out curves solid,
@@ -309,7 +319,9 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
     steps) dashed when ``train`` is true.  ``x`` is ``"frames"`` (frames seen,
     summed over ranks), ``"time"`` (wall seconds since the run started) or
     ``"seconds"`` (training seconds on the communicator's clock: simulated
-    seconds for virtual ranks).
+    seconds for virtual ranks).  ``warn(message)`` given: a run with nothing
+    to draw yet (a job of a sweep just started) is left out and named to it,
+    so long as another run has curves; without it such a run is an error.
     Returns the path written.
 
     Example::
@@ -332,14 +344,15 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
     labels = [path_text(label) for label in labels]
     title = path_text(title) if title else title
     runs = [(metrics_path(d), read_metrics(d)) for d in run_dirs]
-    for path, records in runs:
-        if not records["eval"] and not (train and records["train"]):
-            if any(r.get("mode") == "pretrain" for r in records["start"]):
-                # (its reconstruction error is a curve of another kind: not drawn here)
-                raise ValueError(f"{path}: a pretraining run (mpitrain pretrain): plot draws "
-                                 "the held-out and training curves of train runs; the RBMs' "
-                                 "reconstruction error is in its pretrain records")
-            raise ValueError(f"{path}: no eval or train records to plot")
+    empty = [(i, _nothing_to_draw(path, records, train)) for i, (path, records)
+             in enumerate(runs) if not records["eval"] and not (train and records["train"])]
+    if empty and (warn is None or len(empty) == len(runs)):
+        raise ValueError(empty[0][1])
+    for _, why in empty:
+        warn(f"{why}; left out of the plot")
+    left_out = {i for i, _ in empty}
+    runs = [run for i, run in enumerate(runs) if i not in left_out]
+    labels = [label for i, label in enumerate(labels) if i not in left_out]
 
     keep_matplotlib_quiet()
     try:

@@ -372,3 +372,20 @@ def test_plot_of_a_pretraining_run_says_what_it_is(tmp_path, capsys):
     assert cli_main(["plot", str(run), "--out", str(tmp_path / "x.png")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "a pretraining run (mpitrain pretrain)" in err, err
+
+
+def test_a_run_with_nothing_to_draw_yet_is_left_out_of_the_others_plot(tmp_path, capsys):
+    # (one job of a sweep that had only just started made `plot runs/*` fail whole)
+    write_run(tmp_path / "done", acc_at_end=0.7)
+    (tmp_path / "new").mkdir()
+    (tmp_path / "new" / "metrics.jsonl").write_text('{"type": "start", "time": 0}\n')
+    out = tmp_path / "curves.png"
+    assert cli_main(["plot", str(tmp_path / "done"), str(tmp_path / "new"),
+                     "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == (f"mpitrain plot: warning: {tmp_path / 'new' / 'metrics.jsonl'}: "
+                            "no eval or train records to plot; left out of the plot\n")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # with nothing to draw in any run it is still an error, and nothing is written
+    assert cli_main(["plot", str(tmp_path / "new"), "--out", str(tmp_path / "n.png")]) == 2
+    assert "error: " in capsys.readouterr().err and not (tmp_path / "n.png").exists()
