@@ -299,6 +299,11 @@ def place_legend(fig, axes) -> str:
     return "below"
 
 
+#: The marker of each run's curves, by its tenth: runs 0-9 take the ten colours with
+#: the first, runs 10-19 the same colours with the second, and so on.
+RUN_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
 def _nothing_to_draw(path: str, records: dict, train: bool) -> str:
     """Why a run with no curve to draw is not drawn."""
     if any(r.get("mode") == "pretrain" for r in records["start"]):
@@ -367,17 +372,21 @@ def plot_runs(run_dirs: Sequence, out_png, *, x: str = "frames",
     FigureCanvasAgg(fig)
     ax_acc, ax_xent = fig.subplots(1, 2)
     for i, ((path, records), label) in enumerate(zip(runs, labels)):
-        colour = f"C{i % 10}"
+        # ten colours, then another marker for each further ten runs: the eleventh
+        # run of a sweep is not drawn as the first
+        colour, marker = f"C{i % 10}", RUN_MARKERS[i // 10 % len(RUN_MARKERS)]
         for ax, dev_key, train_key in ((ax_acc, "dev_acc", "acc"), (ax_xent, "dev_xent", "xent")):
             xs, ys = _series(records["eval"], x_key, dev_key, path)
             if xs:
-                ax.plot(xs, ys, color=colour, marker="o", markersize=3, label=label)
+                ax.plot(xs, ys, color=colour, marker=marker, markersize=3, label=label)
             if train:
                 xs, ys = _series(records["train"], x_key, train_key, path)
                 if xs:
-                    # (a lone point shows only with a marker)
+                    # (a lone point shows only with a marker; past ten runs the marker
+                    # tells a training curve from the one of the same colour)
                     ax.plot(xs, ys, color=colour, linestyle="--", linewidth=1,
-                            marker="." if len(xs) == 1 else None,
+                            marker="." if len(xs) == 1 and i < 10 else
+                            (marker if i >= 10 else None), markersize=3,
                             alpha=0.7, label=None if records["eval"] else f"{label} (train)")
     ax_acc.set_title("frame accuracy")
     ax_xent.set_title("cross-entropy per frame")

@@ -389,3 +389,30 @@ def test_a_run_with_nothing_to_draw_yet_is_left_out_of_the_others_plot(tmp_path,
     # with nothing to draw in any run it is still an error, and nothing is written
     assert cli_main(["plot", str(tmp_path / "new"), "--out", str(tmp_path / "n.png")]) == 2
     assert "error: " in capsys.readouterr().err and not (tmp_path / "n.png").exists()
+
+
+def test_more_than_ten_runs_are_each_drawn_in_a_style_of_their_own(tmp_path, monkeypatch):
+    # (the eleventh run's curves were drawn as the first's: the same colour and marker)
+    from matplotlib.axes import Axes
+    drawn = []
+    plot = Axes.plot
+
+    def record(self, *args, **kwargs):
+        drawn.append((kwargs.get("label"), kwargs.get("linestyle", "-"),
+                      kwargs.get("color"), kwargs.get("marker")))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", record)
+    runs = []
+    for i in range(23):
+        write_run(tmp_path / f"r{i}", acc_at_end=0.5 + i / 100, steps=2)
+        runs.append(tmp_path / f"r{i}")
+    # the last runs without held-out records: their training curves carry the legend
+    for run in runs[-2:]:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+        (run / "metrics.jsonl").write_text(
+            "".join(f"{line}\n" for line in lines if '"eval"' not in line))
+    plot_runs(runs, tmp_path / "many.png", dpi=20)
+    held_out = {(c, m) for label, style, c, m in drawn if style == "-"}
+    training = {(c, m) for label, style, c, m in drawn if style == "--"}
+    assert len(held_out) == 21 and len(training) == 23, (held_out, training)
