@@ -92,6 +92,17 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
     """
     path = metrics_path(run_dir)
     if not os.path.isfile(path):
+        run_dir = os.fspath(run_dir)
+        # (a name of a glob such as runs/* that is no directory: its own words, not
+        # those of a metrics file under it, a path that cannot exist)
+        if path != run_dir and os.path.islink(run_dir) and not os.path.exists(run_dir):
+            raise FileNotFoundError(f"{run_dir}: a symbolic link to {os.readlink(run_dir)}, "
+                                    "which does not exist")
+        if path != run_dir and not os.path.exists(run_dir):
+            raise FileNotFoundError(f"{run_dir}: no such run directory")
+        if path != run_dir and not os.path.isdir(run_dir):
+            raise FileNotFoundError(f"{run_dir}: is a file, not a run directory (which "
+                                    "holds metrics.jsonl)")
         raise FileNotFoundError(f"{path}: no metrics file (a run directory of "
                                 "`mpitrain train` has one)")
     records: dict[str, list[dict]] = {kind: [] for kind in RECORD_TYPES}

@@ -55,6 +55,7 @@ def test_plot_against_time_with_labels(tmp_path):
 
 
 def test_missing_metrics_file_names_it(tmp_path):
+    (tmp_path / "nothing").mkdir()
     with pytest.raises(FileNotFoundError, match=r"nothing[/\\]metrics\.jsonl"):
         read_metrics(tmp_path / "nothing")
 
@@ -416,3 +417,19 @@ def test_more_than_ten_runs_are_each_drawn_in_a_style_of_their_own(tmp_path, mon
     held_out = {(c, m) for label, style, c, m in drawn if style == "-"}
     training = {(c, m) for label, style, c, m in drawn if style == "--"}
     assert len(held_out) == 21 and len(training) == 23, (held_out, training)
+
+
+@pytest.mark.parametrize("command", ["status", "plot"])
+def test_a_name_that_is_no_run_directory_is_said_in_its_own_words(tmp_path, capsys, command):
+    # (`status runs/*` over a log file beside the runs named "runs/x.log/metrics.jsonl",
+    # a path that cannot exist)
+    (tmp_path / "x.log").write_text("log\n")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    expected = {"x.log": "is a file, not a run directory (which holds metrics.jsonl)",
+                "absent": "no such run directory",
+                "gone": f"a symbolic link to {tmp_path / 'nowhere'}, which does not exist"}
+    for name, words in expected.items():
+        assert cli_main([command, str(tmp_path / name), "--out", str(tmp_path / "p.png")]
+                        if command == "plot" else [command, str(tmp_path / name)]) == 2
+        assert capsys.readouterr().err == \
+            f"mpitrain {command}: error: {tmp_path / name}: {words}\n"

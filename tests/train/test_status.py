@@ -147,7 +147,7 @@ def test_status_of_several_runs_says_each_and_names_one_it_cannot_read(tmp_path,
                  str(tmp_path / "a")]) == 2
     out, err = capsys.readouterr()
     assert out.count(f"{tmp_path / 'a'}: running, or cut off") == 2, out
-    assert err.startswith(f"mpitrain status: error: {tmp_path / 'missing'}/metrics.jsonl: "), err
+    assert err.startswith(f"mpitrain status: error: {tmp_path / 'missing'}: "), err
 
 
 def test_status_into_one_file_keeps_each_error_in_its_place(tmp_path):
