@@ -15,6 +15,7 @@ it was.
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -196,6 +197,11 @@ class StoredModel:
         return net, self.class_priors
 
 
+#: The files of a pretraining run, which hold RBMs and no model: what each is.
+_PRETRAINING_FORMATS = {"mpitrain-rbm-stack": "an RBM stack",
+                        "mpitrain-pretrain-checkpoint": "a checkpoint"}
+
+
 def read_stored_model(group, path) -> StoredModel:
     """Read the model in an HDF5 group into host arrays, checking it first.
 
@@ -210,6 +216,10 @@ def read_stored_model(group, path) -> StoredModel:
             stored = read_stored_model(f, "final.h5")
     """
     fmt = group.attrs.get("format")
+    if isinstance(fmt, str) and fmt in _PRETRAINING_FORMATS:
+        raise ValueError(f"{path}: {_PRETRAINING_FORMATS[fmt]} of `mpitrain pretrain`, not a "
+                         "model: train a model from the run's pretrain.h5 (--set "
+                         "model.init_from=RUN/pretrain.h5) and give that")
     if not isinstance(fmt, str) or fmt != FORMAT:
         raise ValueError(f"{path}: not an mpitrain model (attribute 'format' is "
                          f"{fmt!r}, expected {FORMAT!r})")
@@ -387,4 +397,38 @@ def model_in_run_dir(path) -> tuple:
         return best, f"using {best}{detail}"
     if os.path.exists(final):
         return final, f"using {final} (the run kept no best.h5: no held-out set)"
+    if os.path.exists(os.path.join(path, "pretrain.h5")):
+        raise FileNotFoundError(
+            f"{path}: a pretraining run's directory: its pretrain.h5 is an RBM stack, not a "
+            "model; train a model from it (--set model.init_from="
+            f"{os.path.join(path, 'pretrain.h5')}) and give that run")
+    checkpoints = glob.glob(os.path.join(glob.escape(path), "ckpt-*.h5"))
+    if checkpoints:
+        # a run stopped before its end and before a held-out evaluation: its model
+        # is in the checkpoints, which every command that reads a model takes
+        newest = max(checkpoints, key=_modified)
+        if _format_of(newest) in _PRETRAINING_FORMATS:
+            raise FileNotFoundError(
+                f"{path}: a pretraining run's directory, without its pretrain.h5 yet: it "
+                "holds RBMs, not a model; resume the pretraining, then train a model from "
+                "its pretrain.h5 (model.init_from)")
+        raise FileNotFoundError(f"{path}: a run directory without best.h5 or final.h5 (the "
+                                "run has not ended, nor kept a best held-out model); give "
+                                f"a checkpoint as the model, e.g. the newest, {newest}")
     raise FileNotFoundError(f"{path}: a run directory without best.h5 or final.h5")
+
+
+def _format_of(path: str):
+    """The ``format`` attribute of an HDF5 file, or None where it cannot be read."""
+    try:
+        with open_h5_for_reading(path, "checkpoint") as f:
+            return f.attrs.get("format")
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError):
+        return None         # (the model loader names the damage of the file given)
+
+
+def _modified(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:         # (removed meanwhile: by a run rotating its checkpoints)
+        return -math.inf

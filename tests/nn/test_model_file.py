@@ -3,6 +3,7 @@
 import contextlib
 import errno
 import os
+import re
 
 import h5py
 import numpy as np
@@ -202,3 +203,53 @@ def test_a_run_directory_whose_best_model_cannot_list_its_attributes(tmp_path, m
     monkeypatch.setattr(model_file, "open_h5_for_reading", lambda path, what: Damaged())
     assert model_in_run_dir(str(tmp_path)) == (str(tmp_path / "best.h5"),
                                                f"using {tmp_path / 'best.h5'}")
+
+
+def _h5_with_format(path, fmt):
+    with h5py.File(path, "w") as f:
+        f.attrs["format"] = fmt
+
+
+@pytest.mark.parametrize("fmt,what", [("mpitrain-rbm-stack", "an RBM stack"),
+                                      ("mpitrain-pretrain-checkpoint", "a checkpoint")])
+def test_a_pretraining_file_given_as_the_model_says_what_it_is(tmp_path, fmt, what):
+    # (it said only "not an mpitrain model (attribute 'format' is 'mpitrain-rbm-stack', ...)")
+    _h5_with_format(tmp_path / "pretrain.h5", fmt)
+    with pytest.raises(ValueError) as caught:
+        load_model(tmp_path / "pretrain.h5")
+    assert str(caught.value) == (
+        f"{tmp_path / 'pretrain.h5'}: {what} of `mpitrain pretrain`, not a model: train a "
+        "model from the run's pretrain.h5 (--set model.init_from=RUN/pretrain.h5) and give that")
+
+
+def test_a_run_directory_without_a_model_says_where_one_is(tmp_path):
+    """eval/export/convert of a pretraining run's directory, or of a run stopped before
+    its end and its first held-out evaluation, said only 'a run directory without
+    best.h5 or final.h5'."""
+    pre, stopped, empty = tmp_path / "pre", tmp_path / "stopped", tmp_path / "empty"
+    for run in (pre, stopped, empty):
+        run.mkdir()
+    _h5_with_format(pre / "pretrain.h5", "mpitrain-rbm-stack")
+    at_pre, at_stopped, at_empty = (re.escape(str(run)) for run in (pre, stopped, empty))
+    with pytest.raises(FileNotFoundError, match=(
+            rf"^{at_pre}: a pretraining run's directory: its pretrain.h5 is an RBM stack, not "
+            rf"a model; train a model from it \(--set model.init_from={at_pre}/pretrain.h5\)")):
+        model_in_run_dir(str(pre))
+    (pre / "pretrain.h5").unlink()
+    _h5_with_format(pre / "ckpt-00000100.h5", "mpitrain-pretrain-checkpoint")
+    with pytest.raises(FileNotFoundError, match=rf"^{at_pre}: a pretraining run's directory, "
+                                                "without its pretrain.h5 yet"):
+        model_in_run_dir(str(pre))
+    # the newest by when it was written (a run resumed on more ranks numbers its
+    # steps lower than those of the run it continues)
+    for step, age in ((200, 100), (300, 0)):
+        save_model(stopped / f"ckpt-00000{step}.h5", small_net())
+        os.utime(stopped / f"ckpt-00000{step}.h5", (1e9 + age, 1e9 + age))
+    with pytest.raises(FileNotFoundError, match=(
+            rf"^{at_stopped}: a run directory without best.h5 or final.h5 \(the run has not "
+            r"ended, nor kept a best held-out model\); give a checkpoint as the model, e.g. "
+            rf"the newest, {at_stopped}/ckpt-00000200.h5$")):
+        model_in_run_dir(str(stopped))
+    with pytest.raises(FileNotFoundError, match=rf"^{at_empty}: a run directory without "
+                                                r"best.h5 or final.h5$"):
+        model_in_run_dir(str(empty))
