@@ -59,6 +59,13 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
                          "(or --corpus DIR holding both)")
     if corpus is None:
         corpus = DEFAULT_CORPUS
+    elif not (train and dev) and os.path.isfile(os.path.join(corpus, "corpus.yaml")) \
+            and not os.path.isfile(os.path.join(corpus, "train", "corpus.yaml")):
+        # one corpus named where the directory of both belongs (init --corpus
+        # data/train): the config would name DIR/train/train and DIR/train/dev
+        raise ValueError(f"--corpus {corpus}: is a corpus itself (it holds corpus.yaml); "
+                         "--corpus names a directory holding train/ and dev/ corpora; "
+                         f"give --train {corpus} --dev DEV_CORPUS")
     examples = example_configs()
     if example not in examples:
         raise ValueError(f"--example: no example configuration {example!r}; "

@@ -336,6 +336,22 @@ def test_init_warns_of_a_corpus_not_written_yet(tmp_path, capsys):
     assert f"{tmp_path / 't'}/corpus.yaml does not exist yet" in err
 
 
+def test_init_corpus_naming_one_corpus_is_refused_saying_how_to_name_it(tmp_path, capsys):
+    # (`init exp --corpus data/train` wrote data/train/train and data/train/dev into the
+    # config, with a warning that they did not exist yet)
+    corpus = tmp_path / "train"
+    corpus.mkdir()
+    (corpus / "corpus.yaml").write_text("feat_dim: 4\n")
+    assert main(["init", str(tmp_path / "exp"), "--corpus", str(corpus)]) == 2
+    assert capsys.readouterr().err == (
+        f"mpitrain init: error: --corpus {corpus}: is a corpus itself (it holds corpus.yaml); "
+        "--corpus names a directory holding train/ and dev/ corpora; give --train "
+        f"{corpus} --dev DEV_CORPUS\n")
+    assert not (tmp_path / "exp").exists()
+    assert main(["init", str(tmp_path / "exp"), "--train", str(corpus),
+                 "--dev", str(tmp_path / "dev")]) == 0
+
+
 @pytest.mark.parametrize("given,missing", [("--train", "--dev"), ("--dev", "--train")])
 def test_init_with_one_corpus_of_the_pair_named_is_refused(tmp_path, capsys, given, missing):
     # the other was taken from data/synth without a word: a pair of unrelated corpora
