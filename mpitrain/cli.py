@@ -131,6 +131,8 @@ def cmd_synth(args) -> int:
         return 2 if failed else 0
     if problem is not None:
         raise problem
+    for warning in info["warnings"]:
+        print(f"mpitrain synth: warning: {warning}", file=sys.stderr)
     print(f"train: {info['train_dir']}: {info['train_frames']} frames, "
           f"{info['train_utterances']} utterances, {len(info['train_speakers'])} speakers")
     print(f"dev:   {info['dev_dir']}: {info['dev_frames']} frames, "

@@ -464,7 +464,7 @@ def test_options_that_cannot_apply_are_refused_in_one_line(small_corpus, tmp_pat
 
 def test_output_into_a_closed_pipe_ends_quietly(tmp_path):
     process = subprocess.Popen([sys.executable, "-m", "mpitrain", "synth", str(tmp_path / "c"),
-                                "--hours", "0.002", "--dev-hours", "0.001"],
+                                "--hours", "0.002", "--dev-hours", "0.001", "--shards", "1"],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
     process.stdout.close()          # the reader is gone before anything is written
     _, err = process.communicate(timeout=120)

@@ -262,7 +262,8 @@ def _write_split(out_dir: str, *, world, params, speakers, seed_seq, target_fram
                 utts += 1
                 if frames >= target_frames:
                     break
-    return {"frames": frames, "utterances": utts,
+    empty = sum(1 for shard in writer.manifest.shards if not shard.utterances)
+    return {"frames": frames, "utterances": utts, "empty_shards": empty,
             "speakers": sorted(name for name, n in written.items() if n)}
 
 
@@ -278,7 +279,8 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
     ``out_dir/dev_seen``: that much held-out speech (one shard) of the
     training speakers, new utterances from a random stream of its own (ids
     ``spkNNNN-devNNNN``); train and dev are the same with or without it.
-    Returns a summary dict.
+    Returns a summary dict (``warnings``: lines to show, e.g. of shards left
+    empty).
 
     Example::
 
@@ -350,7 +352,13 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
             "feat_dim": FEAT_DIM, "train_frames": train["frames"],
             "train_utterances": train["utterances"], "train_speakers": train["speakers"],
             "dev_frames": dev["frames"], "dev_utterances": dev["utterances"],
-            "dev_speakers": dev["speakers"]}
+            "dev_speakers": dev["speakers"], "warnings": []}
+    if train["empty_shards"]:
+        # (the bound checked above is the shortest utterances'; longer ones are fewer)
+        info["warnings"].append(
+            f"{train_dir}: {train['empty_shards']} of {shards} shards hold no utterance "
+            f"({train['utterances']} written); --shards {train['utterances']} or fewer "
+            "leaves none empty")
     if seen_dev_hours > 0:
         # a fourth child of the root: the first three (world, train, dev) are unchanged
         seen_seq = root.spawn(1)[0]

@@ -190,3 +190,17 @@ def test_context_dnn_beats_single_frame_models_by_a_wide_margin(corpus):
     assert mlp_11 >= linear_1 + 0.30, summary          # measured +0.46
     assert mlp_11 >= mlp_1 + 0.20, summary             # context: measured +0.34
     assert 0.5 <= mlp_11 <= 0.9, summary               # learnable, not trivial
+
+
+def test_shards_left_empty_are_warned_of(tmp_path, capsys):
+    # (an amount that fits more than the utterances written wrote the rest of the
+    # shards empty without a word; prepare warns of them)
+    from mpitrain.cli import main
+    out = tmp_path / "s"
+    assert main(["synth", str(out), "--hours", "0.001", "--speakers", "1", "--shards", "8",
+                 "--dev-hours", "0.0005", "--dev-speakers", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err == (f"mpitrain synth: warning: {out / 'train'}: 7 of 8 shards hold no "
+                   "utterance (1 written); --shards 1 or fewer leaves none empty\n")
+    assert synthesize(str(tmp_path / "t"), hours=0.002, speakers=2, shards=2,
+                      dev_hours=0.0005, dev_speakers=1)["warnings"] == []
