@@ -124,6 +124,10 @@ def merge_corpora(out_dir: str, parts, *, num_classes: int | None = None,
     report = merge_import_reports(parts)
     if report is not None:
         _write_yaml(os.path.join(out_dir, REPORT_NAME), report)
+    elif os.path.isfile(os.path.join(out_dir, REPORT_NAME)):
+        # the report of the corpus replaced (another merge's parts): it would stand
+        # beside a corpus.yaml it does not describe
+        os.remove(os.path.join(out_dir, REPORT_NAME))
     write_manifest(merged)
     return merged
 

@@ -181,3 +181,17 @@ def test_a_part_whose_utterance_ids_cannot_be_read_is_named(two_parts, capsys):
     assert err.count("\n") == 1 and f"{path}: dataset 'utt_ids' cannot be read (" in err \
         and err.rstrip().endswith("the file is damaged"), err
     assert not (out / "corpus.yaml").exists()
+
+
+def test_an_overwrite_without_import_reports_leaves_no_report_of_the_corpus_replaced(
+        two_parts):
+    # (the earlier merge's import-report.yaml stayed beside a corpus.yaml of other parts)
+    out, _ = two_parts
+    for part, imported in (("part-00000", 12), ("part-00001", 9)):
+        _report(out / part, imported=imported)
+    merge_corpora(str(out), [out / "part-00000", out / "part-00001"])
+    assert yaml.safe_load((out / "import-report.yaml").read_text())["imported"] == 21
+    (out / "part-00001" / "import-report.yaml").unlink()
+    merge_corpora(str(out), [out / "part-00000", out / "part-00001"], overwrite=True)
+    assert not (out / "import-report.yaml").exists()
+    assert load_manifest(str(out)).num_utterances == 21
