@@ -268,7 +268,10 @@ class AcousticModel(torch.nn.Module):
             raise ValueError("this model was saved without class priors")
         offsets = -prior_scale * torch.log(self.priors)
         offsets[self.priors <= UNSEEN_PRIOR] = UNSEEN_SCORE
-        return self.forward(feats) + offsets.to(torch.float32)
+        logp = self.forward(feats)
+        # the priors stay on the CPU in float64 when the module moves (a plain
+        # attribute): the offsets go where the log posteriors are
+        return logp + offsets.to(device=logp.device, dtype=logp.dtype)
 
 
 def load(path=None):

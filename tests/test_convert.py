@@ -14,6 +14,7 @@ from mpitrain.nn.affine import Affine
 from mpitrain.nn.model_file import save_model
 from mpitrain.nn.network import Network
 from mpitrain.nn.nonlinear import Normalize, PNorm, ReLU, Sigmoid
+from mpitrain.testing import standin_torch
 
 
 def _model(path, layers, *, left=2, right=1, speaker_cmvn=None):
@@ -37,6 +38,21 @@ def _layers(kind):
         return [Affine(width, 12), PNorm(12, 3, p=100.0), Affine(3, 3)]
     return [Affine(width, 12), PNorm(12, 3, p=3.0), Normalize(3, target_rms=0.5),
             Affine(3, 3)]
+
+
+@pytest.fixture
+def torch():
+    """PyTorch where it is installed, else the stand-in (mpitrain/testing/standin_torch.py),
+    so that the converted module runs in every test run."""
+    try:
+        import torch as real
+    except ImportError:
+        real = None
+    if real is not None:
+        yield real
+        return
+    with standin_torch.installed() as standin:
+        yield standin
 
 
 def _load_module(out):
@@ -87,7 +103,7 @@ def test_without_onnx_the_error_is_one_line_naming_the_package(tmp_path, monkeyp
     assert not (tmp_path / "m.onnx").exists()
 
 
-def test_torch_form_is_a_module_and_npz_without_pickle(tmp_path):
+def test_torch_form_is_a_module_and_npz_without_pickle(tmp_path, torch):
     model = _model(tmp_path / "m.h5", _layers("pnorm2"), speaker_cmvn={"norm_vars": False})
     out = tmp_path / "torch"
     assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
@@ -99,7 +115,6 @@ def test_torch_form_is_a_module_and_npz_without_pickle(tmp_path):
         assert sorted(data.files) == ["affine0_bias", "affine0_weight", "affine1_bias",
                                       "affine1_weight", "cmvn_mean", "cmvn_scale", "priors"]
         assert data["affine0_weight"].shape == (12, 16) and data["affine1_bias"].shape == (3,)
-    torch = pytest.importorskip("torch")
     net = _load_module(out)
     ours = mpitrain.load_model(model)
     for feats in FEATS.values():
@@ -149,9 +164,8 @@ def test_onnx_target_that_is_the_model_itself_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", ["relu", "pnorm100"])
-def test_torch_form_takes_loud_frames_and_an_utterance_of_no_frames(tmp_path, kind):
+def test_torch_form_takes_loud_frames_and_an_utterance_of_no_frames(tmp_path, kind, torch):
     # a large p overflowed (|x|^p); an empty utterance failed to reshape (-1 of 0)
-    torch = pytest.importorskip("torch")
     model = _model(tmp_path / "m.h5", _layers(kind))
     out = tmp_path / "torch"
     assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
@@ -164,7 +178,7 @@ def test_torch_form_takes_loud_frames_and_an_utterance_of_no_frames(tmp_path, ki
         assert net(torch.zeros(0, 4)).shape == (0, 3)
 
 
-def test_converted_forms_score_an_unseen_pdf_as_export_does(tmp_path):
+def test_converted_forms_score_an_unseen_pdf_as_export_does(tmp_path, torch):
     """A pdf never seen in training has its prior at the floor 1e-8: minus its log
     made it the best-scoring pdf of every frame in the converted forms (+18 here)
     while export scores it far below every other."""
@@ -185,13 +199,32 @@ def test_converted_forms_score_an_unseen_pdf_as_export_does(tmp_path):
     meta = {p.key: p.value for p in onnx.load(str(tmp_path / "m.onnx")).metadata_props}
     offsets = np.array(json.loads(meta["loglike_offsets"]), dtype=np.float32)
     np.testing.assert_allclose(logp + offsets, want, rtol=1e-6, atol=1e-5)
-    torch = pytest.importorskip("torch")
     out = tmp_path / "torch"
     assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
     net = _load_module(out)
     with torch.no_grad():
         got = net.loglikes(torch.from_numpy(feats)).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_torch_form_moved_to_a_gpu_gives_its_loglikes_there(tmp_path):
+    """The priors are a plain attribute (no float16 cast of them with the module), so
+    they stay on the CPU when the module moves: the offsets failed to add to log
+    posteriors on the GPU (a device mismatch).  On the stand-in, "cuda" is a name."""
+    model = _model(tmp_path / "m.h5", _layers("pnorm3"))
+    out = tmp_path / "torch"
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 0
+    feats = FEATS["long"]
+    with standin_torch.installed() as torch:
+        net = _load_module(out)
+        want = net.loglikes(torch.from_numpy(feats)).numpy()
+        got = net.to("cuda").loglikes(torch.from_numpy(feats).to("cuda"))
+        assert got.device == "cuda"
+        np.testing.assert_array_equal(got.cpu().numpy(), want)
+        with pytest.raises(RuntimeError, match="same device"):
+            net(torch.from_numpy(feats))        # (the stand-in does check devices)
+    ours = mpitrain.load_model(model).log_likelihoods(feats)
+    np.testing.assert_allclose(want, ours, rtol=1e-5, atol=1e-4)
 
 
 def test_onnx_target_in_folders_not_yet_made_is_written_there(tmp_path):
