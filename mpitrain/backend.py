@@ -496,14 +496,15 @@ _CUDA_R_32F, _CUDA_R_16BF = 0, 14
 _host_scalars = {}
 
 
-def _host_scalar_ptr(value: float) -> int:
-    # cuBLAS reads host scalars during the call; small cached cells stay alive.
+def _host_scalar(value: float) -> np.ndarray:
+    # A small cached cell; the cache may be emptied at any look-up, so the caller
+    # holds the cell while cuBLAS can read it.
     cell = _host_scalars.get(value)
     if cell is None:
         if len(_host_scalars) > 64:
             _host_scalars.clear()
         cell = _host_scalars[value] = np.array([value], dtype=np.float32)
-    return cell.ctypes.data
+    return cell
 
 
 _device_scalars = {}
@@ -558,7 +559,10 @@ def gemm(a, b, out, *, trans_a: bool = False, trans_b: bool = False, alpha=1.0,
         alpha_ptr = alpha.data.ptr
         beta_ptr = _device_scalar(float(beta)).data.ptr
     else:
-        alpha_ptr, beta_ptr = _host_scalar_ptr(float(alpha)), _host_scalar_ptr(float(beta))
+        # cuBLAS reads host scalars during the call: both cells are held until it
+        # returns (looking up beta may empty the cache that held alpha's)
+        host_scalars = (_host_scalar(float(alpha)), _host_scalar(float(beta)))
+        alpha_ptr, beta_ptr = (cell.ctypes.data for cell in host_scalars)
     compute = _GEMM_COMPUTE[_precision]
     algo = 99 if _precision == "tf32" else -1     # 99: CUBLAS_GEMM_DEFAULT_TENSOR_OP
     operand_type, a_ptr, b_ptr = _CUDA_R_32F, a.data.ptr, b.data.ptr

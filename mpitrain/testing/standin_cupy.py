@@ -9,7 +9,10 @@ implicit read of a value on the host -- ``float(a)``, ``int(a)``,
 ``RawModule``), so code that would launch a fused kernel takes its array
 expression path instead, on the same device-array discipline.  Within
 :func:`deferred_copies`, asynchronous device-to-host copies land only when
-they are waited for, as on a GPU.
+they are waited for, as on a GPU.  :data:`DEVICE` holds what the
+device reports (compute capability, cuBLAS version); ``cuda.cublas`` is a
+cuBLAS binding whose ``gemmEx`` reads its host scalars during the call, as
+cuBLAS does.
 
 Example::
 
@@ -280,12 +283,59 @@ def _set_device(device_id: int) -> None:
     _threads.device = int(device_id)
 
 
+#: What the stand-in device reports: its compute capability as CuPy writes it
+#: (``"90"`` is 9.0) and the cuBLAS version (major * 10000 + minor * 100 + patch).
+#: Tests change them with ``monkeypatch.setitem``.
+DEVICE = {"compute_capability": "90", "cublas_version": 120800}
+
+
 class _Device:
-    def __init__(self, device_id: int = 0):
-        self.id = device_id
+    def __init__(self, device_id=None):
+        self.id = _get_device() if device_id is None else int(device_id)
 
     def use(self) -> None:
         _set_device(self.id)
+
+    @property
+    def compute_capability(self) -> str:
+        return DEVICE["compute_capability"]
+
+
+def _host_memory(ptr: int, count: int) -> np.ndarray:
+    import ctypes
+    return np.frombuffer((ctypes.c_float * count).from_address(ptr), dtype=np.float32)
+
+
+def _column_major(ptr: int, rows: int, cols: int, ld: int) -> np.ndarray:
+    # element (i, j) at ptr + (i + j * ld) floats
+    memory = _host_memory(ptr, ld * max(cols - 1, 0) + rows)
+    return np.lib.stride_tricks.as_strided(memory, shape=(rows, cols), strides=(4, 4 * ld))
+
+
+def _gemm_ex(handle, transa, transb, m, n, k, alpha, a, atype, lda, b, btype, ldb, beta,
+             c, ctype, ldc, compute_type, algo):
+    """cublasGemmEx for float32 operands on host memory: ``c = alpha op(a) op(b) + beta c``
+    in column-major order; alpha and beta are read now, as cuBLAS reads them."""
+    if not atype == btype == ctype == 0:
+        raise NotImplementedError("the stand-in cuBLAS multiplies float32 operands only")
+    alpha_value, beta_value = _host_memory(alpha, 1)[0], _host_memory(beta, 1)[0]
+    left = _column_major(a, k, m, lda).T if transa else _column_major(a, m, k, lda)
+    right = _column_major(b, n, k, ldb).T if transb else _column_major(b, k, n, ldb)
+    out = _column_major(c, m, n, ldc)
+    product = alpha_value * (left.astype(np.float64) @ right)
+    out[...] = product if beta_value == 0 else product + beta_value * out
+    CUBLAS_CALLS.append({"alpha": float(alpha_value), "beta": float(beta_value)})
+
+
+#: gemmEx calls of the stand-in cuBLAS: the alpha and beta each read.
+CUBLAS_CALLS: list = []
+
+
+def _build_cublas():
+    return types.SimpleNamespace(
+        getVersion=lambda handle: DEVICE["cublas_version"], gemmEx=_gemm_ex,
+        setPointerMode=lambda handle, mode: None,
+        CUBLAS_POINTER_MODE_HOST=0, CUBLAS_POINTER_MODE_DEVICE=1)
 
 
 def _build_module():
@@ -301,7 +351,8 @@ def _build_module():
     mod.cuda = types.SimpleNamespace(
         is_available=lambda: True, runtime=runtime, Device=_Device,
         get_current_stream=lambda: _Stream(), alloc_pinned_memory=_alloc_pinned_memory,
-        Event=_Event)
+        Event=_Event, cublas=_build_cublas(), get_cublas_handle=lambda: 1,
+        device=types.SimpleNamespace(get_cublas_handle=lambda: 1))
 
     def _getattr(name):
         value = getattr(np, name)
@@ -340,6 +391,7 @@ def installed():
     backend._cupy = module
     sys.modules.setdefault("standin_cupy_device", module)
     reset_counts()
+    CUBLAS_CALLS.clear()
     try:
         yield module
     finally:

@@ -1,0 +1,75 @@
+"""The backend's GPU paths without a GPU, on the CuPy stand-in
+(mpitrain/testing/standin_cupy.py): the cuBLAS call of backend.gemm, host reads
+under CuPy's unified memory, and what the device's compute capability and
+cuBLAS version allow."""
+
+import sys
+import types
+import weakref
+
+import numpy as np
+import pytest
+
+from mpitrain import backend
+from mpitrain.testing import standin_cupy
+
+
+@pytest.fixture
+def cublas_path(monkeypatch):
+    """The stand-in with backend.gemm on its cuBLAS path (the fused-kernel path),
+    calling the stand-in's cuBLAS binding."""
+    with standin_cupy.installed() as cp:
+        monkeypatch.setattr(backend, "fused_kernels", lambda xp: xp is cp)
+        libs = types.ModuleType("cupy_backends.cuda.libs")
+        libs.cublas = cp.cuda.cublas
+        for name in ("cupy_backends", "cupy_backends.cuda"):
+            monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+        monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs", libs)
+        monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.cublas", cp.cuda.cublas)
+        yield cp
+
+
+def test_gemm_on_the_standin_cublas_matches_numpy(cublas_path):
+    cp = cublas_path
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((5, 7)).astype(np.float32)
+    b = rng.standard_normal((4, 7)).astype(np.float32)
+    c = rng.standard_normal((5, 6)).astype(np.float32)
+    out = cp.asarray(c)
+    backend.gemm(cp.asarray(a), cp.asarray(b), out[:, :4], trans_b=True, alpha=0.5, beta=2.0)
+    assert standin_cupy.CUBLAS_CALLS == [{"alpha": 0.5, "beta": 2.0}]
+    want = 0.5 * a @ b.T + 2.0 * c[:, :4]
+    np.testing.assert_allclose(backend.to_host(out)[:, :4], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(backend.to_host(out)[:, 4:], c[:, 4:])
+
+
+def test_a_gemms_host_scalars_outlive_the_call_when_the_cache_is_emptied(cublas_path,
+                                                                          monkeypatch):
+    """The cache of host scalars is emptied when it grows past 64 values; looking up
+    beta could empty it and free alpha's cell before cuBLAS read it."""
+    cp = cublas_path
+    dropped = []
+
+    class Watched(dict):
+        def clear(self):
+            dropped.extend((weakref.ref(cell), value) for value, cell in self.items())
+            super().clear()
+
+    full = Watched((float(v), np.array([v], dtype=np.float32)) for v in range(100, 164))
+    monkeypatch.setattr(backend, "_host_scalars", full)
+    gemm_ex = cp.cuda.cublas.gemmEx
+
+    def checked(*args):
+        freed = [value for ref, value in dropped if ref() is None]
+        assert 0.5 not in freed and 0.25 not in freed, \
+            "a scalar cuBLAS is about to read was freed"
+        return gemm_ex(*args)
+
+    monkeypatch.setattr(cp.cuda.cublas, "gemmEx", checked)
+    a = cp.asarray(np.eye(3, dtype=np.float32))
+    out = cp.asarray(np.ones((3, 3), dtype=np.float32))
+    backend.gemm(a, a, out, alpha=0.5, beta=0.25)     # alpha fills it, beta empties it
+    assert 0.5 in [value for _, value in dropped], "the case is not exercised"
+    assert standin_cupy.CUBLAS_CALLS == [{"alpha": 0.5, "beta": 0.25}]
+    np.testing.assert_allclose(backend.to_host(out), 0.5 * np.eye(3) + 0.25)
+
