@@ -128,7 +128,14 @@ def to_host(array) -> np.ndarray:
     """
     if is_gpu_array(array):
         _host_reads["blocking"] += 1
-        return _cupy.asnumpy(array)
+        host = _cupy.asnumpy(array)
+        if not host.flags.owndata:
+            # CuPy 13+ with CUPY_ENABLE_UMP=1 hands back the device memory itself,
+            # without waiting for the stream: wait, and copy it (later device work
+            # would change it under the caller)
+            _cupy.cuda.get_current_stream().synchronize()
+            host = host.copy()
+        return host
     return np.asarray(array)
 
 

@@ -73,3 +73,16 @@ def test_a_gemms_host_scalars_outlive_the_call_when_the_cache_is_emptied(cublas_
     assert standin_cupy.CUBLAS_CALLS == [{"alpha": 0.5, "beta": 0.25}]
     np.testing.assert_allclose(backend.to_host(out), 0.5 * np.eye(3) + 0.25)
 
+
+def test_a_blocking_read_under_unified_memory_waits_and_copies():
+    """Under CUPY_ENABLE_UMP=1 (CuPy 13+) ``get()`` returns a view of the device
+    memory without waiting: to_host must still give the values after the queued
+    work, in memory of its own."""
+    with standin_cupy.installed() as cp, standin_cupy.deferred_copies(), \
+            standin_cupy.unified_memory():
+        x = cp.zeros(4, dtype=cp.float32)
+        standin_cupy.queue_device_work(lambda: x.fill(7.0))     # a kernel still running
+        host = backend.to_host(x)
+        np.testing.assert_array_equal(host, np.full(4, 7.0, dtype=np.float32))
+        x.fill(1.0)                                              # later device work
+        np.testing.assert_array_equal(host, np.full(4, 7.0, dtype=np.float32))

@@ -9,7 +9,8 @@ implicit read of a value on the host -- ``float(a)``, ``int(a)``,
 ``RawModule``), so code that would launch a fused kernel takes its array
 expression path instead, on the same device-array discipline.  Within
 :func:`deferred_copies`, asynchronous device-to-host copies land only when
-they are waited for, as on a GPU.  :data:`DEVICE` holds what the
+they are waited for, as on a GPU.  Within :func:`unified_memory`, host reads
+behave as CuPy's under ``CUPY_ENABLE_UMP=1``.  :data:`DEVICE` holds what the
 device reports (compute capability, cuBLAS version); ``cuda.cublas`` is a
 cuBLAS binding whose ``gemmEx`` reads its host scalars during the call, as
 cuBLAS does.
@@ -150,6 +151,8 @@ class DeviceArray(np.ndarray):
 
     def get(self, stream=None, out=None):
         READS["asnumpy"] += 1
+        if out is None and _deferred["ump"]:
+            return _ump_view(self)
         _land_copies()
         if out is None:
             return np.array(self.view(np.ndarray))
@@ -175,7 +178,8 @@ class DeviceArray(np.ndarray):
 
 # Device-to-host copies in flight (``deferred_copies``): they land, in order, when
 # the stream or an event recorded on it is waited for, as a GPU's would.
-_deferred = {"on": False, "early_get": False, "queue": [], "lock": threading.Lock()}
+_deferred = {"on": False, "early_get": False, "ump": False, "queue": [],
+             "lock": threading.Lock()}
 
 
 def _land_copies() -> None:
@@ -217,6 +221,33 @@ def deferred_copies(*, early_get: bool = False):
         _land_copies()
 
 
+def queue_device_work(work) -> None:
+    """Within :func:`deferred_copies`: ``work()`` stands for a kernel still running;
+    it runs when the stream, an event or a blocking read waits for it."""
+    if not _deferred["on"]:
+        raise RuntimeError("queue_device_work needs deferred_copies()")
+    with _deferred["lock"]:
+        _deferred["queue"].append(work)
+
+
+def _ump_view(array):
+    # CuPy 13+ with CUPY_ENABLE_UMP=1: get() without ``out`` hands back the device
+    # memory itself as a NumPy array, without waiting for the stream.
+    return np.asarray(array.view(np.ndarray))
+
+
+@contextlib.contextmanager
+def unified_memory():
+    """Within: ``a.get()`` and ``cupy.asnumpy(a)`` return a view of the device memory
+    without waiting for queued work, as CuPy 13+ does under ``CUPY_ENABLE_UMP=1``
+    on a system whose GPU can read host memory (HMM or ATS)."""
+    _deferred["ump"] = True
+    try:
+        yield
+    finally:
+        _deferred["ump"] = False
+
+
 class _Event:
     @property
     def done(self) -> bool:
@@ -238,6 +269,8 @@ class _Stream:
 
 def _asnumpy(array, stream=None, order="C", out=None):
     READS["asnumpy"] += 1
+    if out is None and _deferred["ump"] and isinstance(array, DeviceArray):
+        return _ump_view(array)
     _land_copies()              # a blocking read waits for the stream
     host = np.array(_plain(array), order=order)
     if out is not None:
