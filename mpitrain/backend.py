@@ -24,6 +24,11 @@ class DeviceError(RuntimeError):
     """Raised when a GPU was asked for but cannot be used."""
 
 
+class UnsupportedSetting(DeviceError):
+    """A setting that the selected GPU cannot run (every rank with such a GPU
+    raises it alike)."""
+
+
 def _import_cupy():
     global _cupy
     if _cupy is None:
@@ -262,6 +267,13 @@ def set_precision(xp, precision: str) -> None:
     if precision == "tf32" and xp is np:
         raise DeviceError("precision: tf32 needs device: gpu (the CPU computes in fp32; "
                           "bf16 is emulated there)")
+    if precision == "bf16" and xp is not np and xp is _cupy:
+        capability = compute_capability(xp)
+        if capability < BF16_CAPABILITY:
+            raise UnsupportedSetting(
+                "precision: bf16 needs a GPU of compute capability "
+                f"{BF16_CAPABILITY[0]}.{BF16_CAPABILITY[1]} or newer (bf16 tensor cores); "
+                f"{device_name(xp)} has {capability[0]}.{capability[1]}: use fp32 there")
     if xp is not np and xp is _cupy and hasattr(xp, "RawModule"):
         import importlib
         linalg = importlib.import_module(xp.__name__ + "._core._routines_linalg")
@@ -274,6 +286,20 @@ def set_precision(xp, precision: str) -> None:
 
 def precision() -> str:
     return _precision
+
+
+#: bf16 products need compute capability 8.0: older GPUs have no bf16 tensor
+#: cores, and cuBLAS refuses bf16 GEMMs on some of them (NOT_SUPPORTED on sm_60,
+#: and on sm_70 before cuBLAS 12.3), which a run would meet at its first step.
+BF16_CAPABILITY = (8, 0)
+
+
+def compute_capability(xp) -> Optional[tuple]:
+    """``(major, minor)`` of the current GPU, None on the host."""
+    if xp is np:
+        return None
+    digits = str(_cupy.cuda.Device().compute_capability)     # "75" is 7.5
+    return int(digits[:-1]), int(digits[-1])
 
 
 # machine epsilon of the products' reduced precision (TF32: 10-bit mantissa, bf16: 7)

@@ -86,3 +86,20 @@ def test_a_blocking_read_under_unified_memory_waits_and_copies():
         np.testing.assert_array_equal(host, np.full(4, 7.0, dtype=np.float32))
         x.fill(1.0)                                              # later device work
         np.testing.assert_array_equal(host, np.full(4, 7.0, dtype=np.float32))
+
+
+def test_bf16_is_refused_on_a_gpu_before_compute_capability_8(monkeypatch):
+    """cuBLAS's bf16 GEMMs need bf16 tensor cores (8.0): before them cuBLAS may
+    refuse the product at the first step (NOT_SUPPORTED)."""
+    with standin_cupy.installed() as cp:
+        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "75")
+        with pytest.raises(backend.UnsupportedSetting) as refused:
+            backend.select_for_run("gpu", 0, precision="bf16", fused_kernels=True)
+        assert str(refused.value) == (
+            "precision: bf16 needs a GPU of compute capability 8.0 or newer (bf16 tensor "
+            "cores); stand-in device has 7.5: use fp32 there")
+        backend.select_for_run("gpu", 0, precision="fp32", fused_kernels=True)
+        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "80")
+        backend.select_for_run("gpu", 0, precision="bf16", fused_kernels=True)
+        assert backend.precision() == "bf16"
+        backend.set_precision(cp, "fp32")

@@ -68,6 +68,52 @@ def test_gpu_without_cupy_or_device_is_a_clear_error(tmp_path, capsys):
     assert "device: gpu" in capsys.readouterr().err
 
 
+def test_bf16_on_a_gpu_before_compute_capability_8_stops_every_rank_at_once(
+        small_corpus, tmp_path, capsys, monkeypatch):
+    """On the stand-in device, two ranks: the refusal names the file, the setting and
+    the GPU, once, before the run directory is written."""
+    from mpitrain.testing import standin_cupy
+    from .helpers import small_overrides
+    monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "75")
+    argv = ["train", QUICKSTART, "--virtual", "2", "--run-dir", str(tmp_path / "r")]
+    for item in small_overrides(small_corpus) + ["device=gpu", "precision=bf16"]:
+        argv += ["--set", item]
+    with standin_cupy.installed():
+        code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == [f"mpitrain train: error: {QUICKSTART}: precision: bf16 needs a GPU of "
+                   "compute capability 8.0 or newer (bf16 tensor cores); stand-in device "
+                   "has 7.5: use fp32 there"], err
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_bf16_refused_by_one_ranks_gpu_stops_the_others_naming_it(monkeypatch):
+    """Rank 0's GPU can, rank 1's cannot: rank 0 stops too, at the same point, and
+    the reason names the rank."""
+    from mpitrain import backend
+    from mpitrain.comm.single import SingleCommunicator
+    from mpitrain.config import RunConfig
+    from mpitrain.testing import standin_cupy
+    from mpitrain.train.errors import TrainingError
+    from mpitrain.train.trainer import select_device
+
+    class TwoRanks(SingleCommunicator):
+        size = 2
+
+        def allgather_obj(self, obj):
+            return [obj, "precision: bf16 needs ...; T4 has 7.5: use fp32 there"]
+
+    cfg = RunConfig()
+    cfg.device, cfg.precision = "gpu", "bf16"
+    with standin_cupy.installed():
+        with pytest.raises(TrainingError) as stopped:
+            select_device(cfg, TwoRanks())
+        backend.set_precision(backend.select("gpu"), "fp32")
+    assert stopped.value.agreed and stopped.value.setting
+    assert str(stopped.value).endswith("use fp32 there (rank 1 of 2)")
+
+
 def test_check_reports_problems_and_fails(tmp_path, capsys):
     import h5py
     from mpitrain.data.synthetic import synthesize

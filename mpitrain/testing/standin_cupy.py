@@ -317,9 +317,10 @@ def _set_device(device_id: int) -> None:
 
 
 #: What the stand-in device reports: its compute capability as CuPy writes it
-#: (``"90"`` is 9.0) and the cuBLAS version (major * 10000 + minor * 100 + patch).
+#: (``"90"`` is 9.0; or a dict of them by device number, with ``device_count``
+#: devices) and the cuBLAS version (major * 10000 + minor * 100 + patch).
 #: Tests change them with ``monkeypatch.setitem``.
-DEVICE = {"compute_capability": "90", "cublas_version": 120800}
+DEVICE = {"compute_capability": "90", "device_count": 1, "cublas_version": 120800}
 
 
 class _Device:
@@ -331,7 +332,8 @@ class _Device:
 
     @property
     def compute_capability(self) -> str:
-        return DEVICE["compute_capability"]
+        capability = DEVICE["compute_capability"]
+        return capability[self.id] if isinstance(capability, dict) else capability
 
 
 def _host_memory(ptr: int, count: int) -> np.ndarray:
@@ -378,7 +380,7 @@ def _build_module():
     mod.get_array_module = _get_array_module
     mod.__version__ = "stand-in"
     runtime = types.SimpleNamespace(
-        getDeviceCount=lambda: 1, getDevice=_get_device, setDevice=_set_device,
+        getDeviceCount=lambda: DEVICE["device_count"], getDevice=_get_device, setDevice=_set_device,
         getDeviceProperties=lambda i: {"name": b"stand-in device"},
         driverGetVersion=lambda: 0, runtimeGetVersion=lambda: 0)
     mod.cuda = types.SimpleNamespace(

@@ -57,7 +57,8 @@ from .errors import error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import corpus_identity, corpus_places, resume_changes, take_run_dir
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
-from .trainer import TrainingError, balanced_plan, load_manifests, no_minibatch_error
+from .trainer import (TrainingError, balanced_plan, load_manifests, no_minibatch_error,
+                      select_device)
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
 RESULT_NAME = "pretrain.h5"
@@ -118,12 +119,7 @@ class Pretrainer:
         self._stream_out, self.log, self._pending = stream, None, []
         self._lock = None            # rank 0's lock on the run directory, while it runs
         self._checkpoints_seen = None  # rank 0, resuming: the checkpoints there when it chose
-        try:        # the same precision and kernels as `train`
-            self.xp = backend.select_for_run(cfg.device, comm.device_rank,
-                                             precision=cfg.precision,
-                                             fused_kernels=cfg.fused_kernels)
-        except backend.DeviceError as exc:
-            raise TrainingError(str(exc)) from None
+        self.xp = select_device(cfg, comm)      # the same precision and kernels as `train`
         if not cfg.data.train:
             raise TrainingError("data.train: no training corpus given (set data.train "
                                 "in the config or with --set data.train=DIR)", agreed=True)

@@ -115,6 +115,30 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
 _PROBLEMS_GATHERED = 1000
 
 
+def select_device(cfg, comm):
+    """The run's array module, with its precision and fused kernels
+    (backend.select_for_run).  On GPUs, collective: a setting that some rank's
+    GPU cannot run (``precision: bf16`` before compute capability 8.0) stops
+    every rank together, before anything else is set up."""
+    refusal = None
+    try:
+        xp = backend.select_for_run(cfg.device, comm.device_rank, precision=cfg.precision,
+                                    fused_kernels=cfg.fused_kernels)
+    except backend.UnsupportedSetting as exc:
+        xp, refusal = None, str(exc)
+    except backend.DeviceError as exc:
+        raise TrainingError(str(exc)) from None
+    if cfg.device == "gpu":         # (every rank's config says the same)
+        refusals = comm.allgather_obj(refusal)
+        refused = [rank for rank, reason in enumerate(refusals) if reason]
+        if refused:
+            where = "" if len(refused) == comm.size else \
+                f" (rank{'s' if len(refused) > 1 else ''} " \
+                f"{', '.join(map(str, refused))} of {comm.size})"
+            raise TrainingError(refusals[refused[0]] + where, agreed=True, setting=True)
+    return xp
+
+
 class Trainer(CheckpointResume):
     """Example::
 
@@ -139,12 +163,7 @@ class Trainer(CheckpointResume):
         self.log = None
         self._pending_lines: list = []
         self._pending_records: list = []
-        try:
-            self.xp = backend.select_for_run(cfg.device, comm.device_rank,
-                                             precision=cfg.precision,
-                                             fused_kernels=cfg.fused_kernels)
-        except backend.DeviceError as exc:
-            raise TrainingError(str(exc)) from None
+        self.xp = select_device(cfg, comm)
         # Collective: every rank agrees on how device buffers travel before step 1.
         self.transport = comm.setup_device_transport(self.xp)
         # Collective: where each rank runs, for the start record (a slow node is
