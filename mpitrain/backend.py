@@ -449,6 +449,37 @@ def capture_graph(xp, work):
     return graph, reason
 
 
+#: cuBLAS before 12.2 allocates a new workspace for every stream capture, even on
+#: the same handle, so memory grows with each capture (PyTorch gave its handles a
+#: fixed workspace until CUDA 12.2, CublasHandlePool.cpp); from 12.2 it does not.
+GRAPH_CUBLAS_VERSION = (12, 2)
+
+
+def cublas_release(version: int) -> tuple:
+    """``(major, minor)`` of a cublasGetVersion number (major * 10000 + minor * 100 +
+    patch; major * 1000 + minor * 100 + patch before cuBLAS 11.9 or so)."""
+    if version >= 100000:
+        return version // 10000, version // 100 % 100
+    return version // 1000, version // 100 % 10
+
+
+def graph_capture_problem(xp) -> str:
+    """Why steps should not be captured as CUDA graphs with this process's cuBLAS,
+    or '' (a GPU with fused kernels assumed).
+
+    Example::
+
+        graph_capture_problem(cupy)     # '' with cuBLAS 12.2 or later
+    """
+    version = int(_cupy.cuda.cublas.getVersion(_cupy.cuda.device.get_cublas_handle()))
+    release = cublas_release(version)
+    if release >= GRAPH_CUBLAS_VERSION:
+        return ""
+    return (f"cuBLAS {release[0]}.{release[1]} allocates a new workspace for every capture "
+            f"(fixed in {GRAPH_CUBLAS_VERSION[0]}.{GRAPH_CUBLAS_VERSION[1]}), and each new "
+            "chunk of data is captured anew: GPU memory would grow all run")
+
+
 # CuPy's cuBLAS binding refuses to run while a stream is being captured
 # (cuBLAS itself supports capture), so during a capture the GEMMs call the
 # library that binding loaded directly.

@@ -163,6 +163,9 @@ class _StepGraph:
         self.why_not = "" if self.enabled else (
             "needs the fused GPU kernels, a step without gradient communication and an "
             "optimizer whose steps can be replayed")
+        if self.enabled:
+            self.why_not = backend.graph_capture_problem(xp)
+            self.enabled = not self.why_not
         self.stream = backend.use_own_stream(xp) if self.enabled else None
         self.idx = xp.empty(owner.minibatch, dtype=xp.int64)
         self.labels = None

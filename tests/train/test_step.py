@@ -316,3 +316,25 @@ def test_cuda_graph_asked_for_and_not_used_is_said(small_corpus, tmp_path, capsy
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("cuda_graph: not used: it replays steps on a GPU (device: cpu)") == 1
+
+
+@pytest.mark.parametrize("version,enabled", [(120104, False), (11605, False), (120200, True)])
+def test_cuda_graph_is_off_with_a_cublas_that_grows_a_workspace_per_capture(
+        monkeypatch, version, enabled):
+    """cuBLAS before 12.2 allocates a new workspace for every capture, and a run
+    captures each new chunk anew: graphs stay off there, saying why."""
+    with standin_cupy.installed() as cp:
+        monkeypatch.setattr(backend, "fused_kernels", lambda xp: xp is cp)
+        monkeypatch.setattr(backend, "use_own_stream", lambda xp: object())
+        monkeypatch.setitem(standin_cupy.DEVICE, "cublas_version", version)
+        net, opt, _, _ = _stepper(cp, "sgd", 0.0)
+        strategy = build_strategy(RunConfig(), SingleCommunicator(), total_steps=100)
+        strategy.setup(net, opt)
+        step = TrainingStep(net, opt, strategy, minibatch=MINIBATCH, left_context=2,
+                            right_context=2, cuda_graph=True)
+    assert step.graph.enabled is enabled
+    if not enabled:
+        release = "12.1" if version > 100000 else "11.6"
+        assert step.graph.why_not == (
+            f"cuBLAS {release} allocates a new workspace for every capture (fixed in 12.2), "
+            "and each new chunk of data is captured anew: GPU memory would grow all run")
