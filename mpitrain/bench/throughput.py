@@ -569,7 +569,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     def log(line):
         print(line, file=sys.stderr, flush=True)
 
-    rows = run(args, log=log)
+    from mpitrain import backend
+    try:
+        rows = run(args, log=log)
+    except backend.UnsupportedSetting as exc:      # (bf16 on a GPU without it)
+        print(f"python -m mpitrain.bench.throughput: error: --precision: {exc}",
+              file=sys.stderr)
+        return 2
     print(format_table(rows))
     for row in rows:
         if row.get("cpu_fraction_of_bound") is not None:

@@ -231,3 +231,16 @@ def test_the_gemm_bounds_own_stream_waits_for_the_operands_uploads(monkeypatch):
     steps.step()
     assert said.index("upload stream finished") < said.index("own stream current") \
         < said.index("gemm"), said
+
+
+def test_bf16_on_a_gpu_without_it_is_one_line(monkeypatch, capsys):
+    # (a traceback from set_precision)
+    from mpitrain.testing import standin_cupy
+    with standin_cupy.installed():
+        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "70")
+        assert tp.main(["--device", "gpu", "--models", "quick", "--rounds", "1",
+                        "--precision", "bf16", "--no-torch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "python -m mpitrain.bench.throughput: error: --precision: precision: bf16 needs a "
+        "GPU of compute capability 8.0 or newer"), err
