@@ -240,20 +240,33 @@ class CheckpointResume:
                 agreed=True)
         # (not capped by training.max_steps: a step past it trains nothing here, and the
         # checkpoint keeps the place a later resume with a higher limit goes on from)
-        self.step = int(round(ckpt.step * self.planned_steps / old_planned))
+        # The passes over the data already trained are kept: with training.epochs
+        # accepted as changed, the same fraction of the new plan would count a longer
+        # plan's share as trained (an ended run given more epochs trained nothing).
+        scale = self._epochs_scale(ckpt)
+        self.step = int(round(ckpt.step * self.planned_steps * scale / old_planned))
         if not self._takes_own_steps():
             self.stream.seek(self.step // self.steps_per_epoch,
                              self.step % self.steps_per_epoch)
         elif self.cfg.parallel.method == "adpsgd":
-            self._seek_own_steps(ckpt.step / old_planned)
+            self._seek_own_steps(ckpt.step * scale / old_planned)
         elif self.cfg.parallel.method == "param_server":
             # (its clients seek in the serving loop, serving.py, from their own counts)
-            self.strategy.re_plan_client_steps(self.planned_steps / old_planned)
+            self.strategy.re_plan_client_steps(self.planned_steps * scale / old_planned)
         self._say(f"resume: {replanned}: data re-planned over {self.comm.size} ranks, step "
                   f"{ckpt.step} of {old_planned} becomes {self.step} of {self.planned_steps}, "
                   "optimizer state (momentum, natural-gradient statistics) starts afresh")
         self._record("rank_change", from_ranks=ckpt.num_ranks, to_ranks=self.comm.size,
                      from_step=ckpt.step, to_step=self.step)
+
+    def _epochs_scale(self, ckpt) -> float:
+        """The checkpoint's training.epochs over this job's: the share of the old plan
+        that was trained, times this, is the share of the new plan (1.0 when alike)."""
+        try:
+            saved = config_from_yaml(ckpt.config_yaml)
+        except ValueError:
+            return 1.0          # (judged already: changes were accepted or none made)
+        return saved.training.epochs / self.cfg.training.epochs
 
     def _data_plan_change(self, ckpt) -> str:
         """Why the checkpoint's reader positions do not fit this job's data plan

@@ -372,6 +372,36 @@ def test_a_re_planned_resume_past_max_steps_keeps_its_place_in_the_schedule(smal
     assert records(run, "end")[-1]["steps"] == 60
 
 
+def test_more_epochs_on_another_number_of_ranks_train_on_from_the_data_done(small_corpus,
+                                                                             tmp_path):
+    """An ended run given more epochs (--accept-changes) on another number of ranks:
+    the same fraction of the new, longer plan counted as done, so the run resumed at
+    its end and trained nothing; the passes over the data already done are kept."""
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, records, small_overrides
+    run = tmp_path / "run"
+
+    def train(ranks, epochs, *flags):
+        argv = ["train", QUICKSTART, "--virtual", str(ranks), "--compute-ms", "1",
+                "--run-dir", str(run), *flags]
+        for item in small_overrides(small_corpus) + ["model.hidden_dim=16",
+                                                     "training.checkpoint_interval=0",
+                                                     f"training.epochs={epochs}"]:
+            argv += ["--set", item]
+        return main(argv)
+
+    assert train(2, 1) == 0
+    first = records(run, "start")[0]
+    assert train(1, 2, "--resume", "--accept-changes") == 0
+    second = records(run, "start")[1]
+    change, = records(run, "rank_change")
+    # one epoch of two was trained: half of the new plan, in the new plan's steps
+    assert change["from_step"] == first["planned_steps"]
+    assert change["to_step"] == round(second["planned_steps"] / 2), (change, second)
+    assert records(run, "end")[-1]["steps"] == second["total_steps"]
+    assert records(run, "train")[-1]["step"] > change["to_step"]
+
+
 def test_ctrl_c_interrupts_every_virtual_rank_and_rank_0_records_it(small_corpus, tmp_path,
                                                                     monkeypatch):
     # Ctrl-C reaches the main thread alone: it returned while the ranks' threads
