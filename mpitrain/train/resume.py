@@ -23,7 +23,8 @@ from ..nn.model_file import ModelMismatchError, save_model
 from ..parallel.registry import takes_own_steps
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
-from .run_dir import corpus_identity, corpus_places, init_from_identity, resume_changes
+from .run_dir import (corpus_identity, corpus_places, init_from_identity, resume_changes,
+                      run_files)
 
 #: Prefixes of the schedule's and the model selection's scalars in the
 #: checkpoint's group 'trainer'.
@@ -113,7 +114,11 @@ class CheckpointResume:
             # (a job that still wrote here until the lock was ours: _open_run_dir)
             self.checkpoints_seen = {os.path.basename(path) for path in found}
             if not found:
-                problem = f"{self.run_dir}: no checkpoint (ckpt-*.h5) to continue from"
+                # (a run stopped before its first checkpoint leaves its config and log,
+                # which a start without --resume refuses: name the way out)
+                way = ("start it afresh with --overwrite" if run_files(self.run_dir)
+                       else "start the run without --resume")
+                problem = f"{self.run_dir}: no checkpoint (ckpt-*.h5) to continue from; {way}"
             for path in reversed(found):
                 try:
                     header = load_checkpoint(path, ranks=[])

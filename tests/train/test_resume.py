@@ -122,6 +122,27 @@ def test_a_checkpoint_skipped_on_resume_is_said_in_one_line(small_corpus, tmp_pa
     assert out[skipped[0] + 1].startswith("resumed from "), out
 
 
+def test_resume_without_a_checkpoint_names_the_way_to_start(small_corpus, tmp_path, capsys):
+    # a run stopped (Ctrl-C) before its first checkpoint leaves config.yaml and
+    # metrics.jsonl: --resume said only that no checkpoint was there, and a start
+    # without --resume refuses the directory, so the line names --overwrite
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run), "--resume"]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16"]:
+        argv += ["--set", item]
+    run.mkdir()
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("no checkpoint (ckpt-*.h5) to continue from; start the run "
+                        "without --resume"), err
+    (run / "config.yaml").write_text("data: {}\n")
+    (run / "metrics.jsonl").write_text("")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(run) in err, err
+    assert err.endswith("start it afresh with --overwrite"), err
+
+
 def test_resume_onto_a_corpus_written_again_is_refused_naming_it(tmp_path, capsys):
     # `prepare --overwrite` into the corpus directory of a stopped run, then --resume:
     # the plan of the new corpus was shorter, the run "ended" at once and wrote
