@@ -158,3 +158,18 @@ def test_a_console_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     with pytest.raises(BrokenPipeError):
         log.say("resumed")
     log.close()
+
+
+def test_every_kind_of_record_is_named_in_the_user_guide():
+    # the records were described only feature by feature, and `selection` and
+    # `checkpoint` nowhere: a script reading metrics.jsonl had to read the code
+    import re
+    from tests.helpers import REPO
+    kinds = set()
+    for path in (REPO / "mpitrain").rglob("*.py"):
+        kinds.update(re.findall(r'(?:log\.write|_record)\(\s*"([a-z_]+)"', path.read_text()))
+    assert {"start", "train", "eval", "selection", "checkpoint", "end"} <= kinds, kinds
+    guide = (REPO / "docs" / "user-guide.md").read_text()
+    section = guide[guide.index("### What `metrics.jsonl` holds"):guide.index("### Threads")]
+    missing = sorted(kind for kind in kinds if f"`{kind}`" not in section)
+    assert not missing, missing
