@@ -37,6 +37,12 @@ def run_status(run_dir, *, now: float | None = None) -> list:
     """Lines saying where the run in ``run_dir`` stands (the first names it).
     A directory without ``metrics.jsonl`` raises FileNotFoundError naming it."""
     run_dir = os.fspath(run_dir)
+    if not os.path.exists(metrics_path(run_dir)) and \
+            os.path.isfile(os.path.join(run_dir, "bench.json")):
+        # a benchmark's --out (runs/bench-<config> by default, so in `status runs/*`):
+        # not a run, but it holds one run directory per measurement
+        return [f"{run_dir}: a benchmark's report (bench.md, bench.json), not a run; its "
+                f"runs: status {os.path.join(run_dir, 'runs', '*')}"]
     records = read_metrics(run_dir)
     if os.path.isfile(run_dir):             # its metrics.jsonl named: the directory
         run_dir = os.path.dirname(run_dir) or "."
@@ -55,7 +61,7 @@ def run_status(run_dir, *, now: float | None = None) -> list:
                                else _state(run_dir, end, stop, now, pretraining))]
     if end is None:
         lines += _progress(records, starts[-1] if starts else {}, pretraining)
-    lines += _held_out(records, end)
+    lines += _held_out(records, end, run_dir)
     newest = _newest_checkpoint(run_dir)
     if newest and end is None and stop is None:
         lines.append(f"  newest checkpoint: {newest} (--resume continues from it)")
@@ -118,6 +124,9 @@ def _state(run_dir, end, stop, now, pretraining) -> str:
                 else f"{_num(end, 'steps', 'd')} steps")
         seconds = end.get("seconds")
         took = format_duration(seconds) if _is_number(seconds) else "?"
+        if not os.path.isfile(result):
+            # (a benchmark's runs keep their records, not their models)
+            result = f"no {os.path.basename(result)} in {run_dir}"
         return f"ended: {what} in {took}; {result}"
     if stop is not None:
         where = (f"layer {_num(stop, 'layer', 'd')}, step {_num(stop, 'step', 'd')}"
@@ -235,7 +244,7 @@ def _pretraining_progress(records, start) -> list:
             f"{_num(last, 'frames_per_sec', ',.0f')} fr/s{left}"]
 
 
-def _held_out(records, end) -> list:
+def _held_out(records, end, run_dir) -> list:
     evals = records["eval"]
     if not evals:
         return []
@@ -249,8 +258,10 @@ def _held_out(records, end) -> list:
             # record which show the number alone)
             figure = chosen.get("select_by")
             figure = f"{figure} " if figure in ("acc", "xent") else ""
+            kept = "best.h5" if os.path.isfile(os.path.join(run_dir, "best.h5")) \
+                else "no best.h5 here"
             line += (f"; best {figure}{_num(chosen, 'best_value', '.4f')} at step "
-                     f"{_num(chosen, 'best_step', 'd')} (best.h5)")
+                     f"{_num(chosen, 'best_step', 'd')} ({kept})")
         else:               # no finite held-out result yet, so no best.h5
             line += "; no best model yet (no finite held-out result)"
     return [line]

@@ -46,6 +46,29 @@ def test_an_ended_run_names_its_model_and_held_out_figures(small_corpus, tmp_pat
     assert len(lines) == 2
 
 
+def test_a_run_without_its_model_files_and_a_benchmark_report_are_said_as_they_are(
+        tmp_path, capsys):
+    # a benchmark keeps each run's records but not its models: status named
+    # RUN/final.h5 and best.h5 all the same, and `status runs/*` with the report
+    # directory among the runs (bench's default --out is runs/bench-<config>) ended
+    # in an error on its missing metrics.jsonl
+    bench = tmp_path / "bench"
+    run = bench / "runs" / "accuracy-sgd-n1"
+    _write(run, [START, EVAL, SELECTION, {"type": "end", "time": 60.0, "steps": 400,
+                                          "seconds": 60.0, "best_step": 100,
+                                          "best_value": 0.5}])
+    (bench / "bench.json").write_text("{}")
+    (bench / "bench.md").write_text("")
+    assert main(["status", str(bench), str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    assert lines[0] == (f"{bench}: a benchmark's report (bench.md, bench.json), not a run; "
+                        f"its runs: status {bench}/runs/*"), lines
+    assert lines[1] == f"{run}: ended: 400 steps in 1m00s; no final.h5 in {run}", lines
+    assert lines[2].endswith("best 0.5000 at step 100 (no best.h5 here)"), lines
+
+
 def test_a_stopped_run_names_the_checkpoint_to_resume_from(tmp_path):
     run = tmp_path / "run"
     _write(run, [START, TRAIN, {"type": "stop", "time": 52.0, "step": 104, "signal": "SIGTERM",
@@ -72,6 +95,7 @@ def test_a_run_without_an_end_is_running_or_cut_off_as_its_rank_0_is(tmp_path):
     run = tmp_path / "run"
     _write(run, [START, TRAIN, EVAL, SELECTION], lock=f"pid {os.getpid()} on {host}")
     (run / "ckpt-00000100.h5").write_bytes(b"")
+    (run / "best.h5").write_bytes(b"")          # (the selection wrote it)
     lines = run_status(run, now=os.path.getmtime(run / "metrics.jsonl") + 130)
     assert lines[0] == (f"{run}: running (rank 0 is pid {os.getpid()} on {host}; "
                         "metrics.jsonl written 2m10s ago)")
@@ -170,6 +194,7 @@ def test_records_of_another_shape_are_said_with_question_marks_not_a_crash(tmp_p
     run = tmp_path / "run"
     _write(run, [dict(START, total_steps="many"), dict(TRAIN, step="x", xent=None, acc=[1]),
                  dict(EVAL, dev_acc="high"), dict(SELECTION, best_value=None)])
+    (run / "best.h5").write_bytes(b"")
     lines = run_status(run)
     assert lines[1] == "  step ?, epoch 0: xent ? acc ?, 1,234 fr/s", lines
     assert lines[2] == "  held-out acc ? at step 100; best ? at step 100 (best.h5)", lines
