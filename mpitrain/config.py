@@ -212,7 +212,8 @@ class ParallelConfig:
     overlap: bool = _opt(False, help="allreduce: start reducing gradients during backward")
     bucket_mb: float = _opt(25.0, min=0.0, min_exclusive=True,
                             help="allreduce with overlap: MiB of gradients per reduction")
-    num_jobs_initial: int = _opt(0, min=0, help="kaldi: active ranks at the start; 0: all")
+    num_jobs_initial: int = _opt(0, min=0, help="kaldi: active ranks at the start; "
+                                  "0: num_jobs_final's (every rank when that is 0 too)")
     num_jobs_final: int = _opt(0, min=0, help="kaldi: active ranks at the end; 0: all")
     jobs_step: int = _opt(1, min=1, help="kaldi: past this many jobs, ramp in multiples of it")
     block_momentum: float = _opt(-1.0, min=-1.0, max=1.0, max_exclusive=True,

@@ -46,6 +46,17 @@ def test_data_fraction_counts_each_iterations_jobs():
     assert kaldi.data_fraction(9) < 5 / 18
 
 
+def test_an_unset_initial_job_count_is_the_final_one():
+    # parallel.num_jobs_initial 0 is num_jobs_final's count (the table said "all":
+    # a ramp down from every rank); with both unset every rank trains throughout
+    assert _strategies(4, every_steps=5, total_steps=20, jobs_final=2)[0].jobs == [2] * 4
+    assert _strategies(4, every_steps=5, total_steps=20)[0].jobs == [4] * 4
+    from mpitrain.config import reference_markdown
+    row, = [line for line in reference_markdown().splitlines()
+            if line.startswith("| `parallel.num_jobs_initial`")]
+    assert "0: num_jobs_final's" in row, row
+
+
 def test_the_rate_is_kaldis_at_every_step():
     """lr_eff(i) = lr0 exp((p_i / A) ln(lr1 / lr0)), lr1 on the last iteration, times
     J_i, computed from the spec's formula, not from data_fraction."""
