@@ -217,7 +217,7 @@ class ParallelConfig:
     num_jobs_final: int = _opt(0, min=0, help="kaldi: active ranks at the end; 0: all")
     jobs_step: int = _opt(1, min=1, help="kaldi: past this many jobs, ramp in multiples of it")
     block_momentum: float = _opt(-1.0, min=-1.0, max=1.0, max_exclusive=True,
-                                 help="bmuf: eta_b; -1: 1 - 1/ranks")
+                                 help="bmuf: eta_b, in [0, 1); -1: 1 - 1/ranks")
     block_lr: float = _opt(1.0, min=0.0, min_exclusive=True, help="bmuf: zeta")
     nesterov: bool = _opt(True, help="bmuf: Nesterov look-ahead at each block start")
     topology: str = _opt("fixed_ring", choices=("fixed_ring", "random_ring"),
@@ -528,6 +528,10 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
             shown = str(value).lower() if isinstance(value, bool) else value
             raise ConfigError(f"{where}parallel.{key}: {shown} works with parallel.method "
                               f"{method}, not {par.method}")
+    if -1.0 < par.block_momentum < 0.0:
+        # (bmuf.py takes any negative value as the default's -1: -0.5 ran at 1 - 1/N)
+        raise ConfigError(f"{where}parallel.block_momentum: expected -1 (1 - 1/ranks) or a "
+                          f"number in [0, 1), got {par.block_momentum}")
     if par.servers > m.hidden_layers + 1:
         # each server owns whole affine layers (parallel/param_server.py, split_by_layers)
         raise ConfigError(f"{where}parallel.servers: {par.servers} servers for a model of "

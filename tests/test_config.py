@@ -115,6 +115,19 @@ def test_override_errors_name_the_key(tmp_path):
         load_config(str(path), ["optimizer.momentum"])
 
 
+def test_a_negative_block_momentum_other_than_minus_one_is_refused(tmp_path):
+    # BMUF took every negative value as -1, the default 1 - 1/N: -0.5 ran at 0.75
+    # on 4 ranks without a word
+    path = tmp_path / "run.yaml"
+    path.write_text("parallel: {method: bmuf}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), ["parallel.block_momentum=-0.5"])
+    assert str(info.value) == (f"{path}: parallel.block_momentum: expected -1 (1 - 1/ranks) "
+                               "or a number in [0, 1), got -0.5")
+    assert load_config(str(path), ["parallel.block_momentum=-1"]).parallel.block_momentum == -1
+    assert load_config(str(path), ["parallel.block_momentum=0"]).parallel.block_momentum == 0
+
+
 def test_overrides_are_typed_and_round_trip(tmp_path):
     cfg = load_config(os.path.join(REPO, "jobs", "configs", "quickstart.yaml"),
                       ["optimizer.name=ngsgd", "training.epochs=1", "data.prefetch=false"])
