@@ -73,7 +73,15 @@ def divergence_advice(cfg) -> str:
         divergence_advice(cfg)   # 'lower optimizer.initial_learning_rate or the
                                  #  max-change values, or optimizer.l2_regularize (1e+30)'
     """
-    advice = "lower optimizer.initial_learning_rate or the max-change values"
+    opt = cfg.optimizer
+    if not any(getattr(opt, key) for key in ("max_change_per_layer", "max_change_output",
+                                             "max_change", "max_change_per_sample")):
+        # (every limit at 0 is off: lowering them changes nothing)
+        advice = ("lower optimizer.initial_learning_rate, or turn max-change on "
+                  "(optimizer.max_change_per_layer, max_change_output and max_change "
+                  "are all 0: off)")
+    else:
+        advice = "lower optimizer.initial_learning_rate or the max-change values"
     suspects = _step_suspects(cfg)
     if suspects:
         advice += ", or " + suspects

@@ -176,6 +176,16 @@ def test_the_last_words_name_the_settings_that_enlarge_the_step():
     assert "optimizer.l2_regularize (1e+30)" in advice and "parallel.block_lr (1e+06)" in advice
     assert "parallel.block_momentum (1 - 1/ranks)" in advice
     assert "raise training.divergence_factor (1.1" in advice
+    # with every max-change limit off, lowering "the max-change values" did nothing
+    off = divergence_advice(load_config(None, [
+        "optimizer.max_change_per_layer=0", "optimizer.max_change_output=0",
+        "optimizer.max_change=0"]))
+    assert off.startswith("lower optimizer.initial_learning_rate, or turn max-change on "
+                          "(optimizer.max_change_per_layer, max_change_output and "
+                          "max_change are all 0: off)"), off
+    assert divergence_advice(load_config(None, [
+        "optimizer.max_change_per_layer=0", "optimizer.max_change_output=0",
+        "optimizer.max_change=0", "optimizer.max_change_per_sample=0.075"])) == plain
     # a Kaldi-sized L2 (a shrink of 1e-4 a step) is not named
     assert "l2" not in divergence_advice(load_config(None, ["optimizer.l2_regularize=5e-5"]))
     guard = DivergenceGuard(factor=3.0, max_events=0, max_rollbacks=0, advice=advice)
