@@ -84,12 +84,18 @@ def time_precondition(np, num_rows: int, dim: int, rank: int, *, update_period: 
             elapsed = (time.perf_counter() - start) * 1e3
             (update_ms if updating else plain_ms).append(elapsed)
         total = update_ms + plain_ms
+        # (None: no call of that kind was timed, e.g. fewer calls than update_period;
+        # a mean of 0.00 ms read as a free update)
         result = {"mean": sum(total) / len(total),
-                  "update": sum(update_ms) / max(1, len(update_ms)),
-                  "plain": sum(plain_ms) / max(1, len(plain_ms))}
+                  "update": sum(update_ms) / len(update_ms) if update_ms else None,
+                  "plain": sum(plain_ms) / len(plain_ms) if plain_ms else None}
         if best is None or result["mean"] < best["mean"]:
             best = result
     return best
+
+
+def _ms(value) -> str:
+    return "none timed" if value is None else f"{value:.2f}"
 
 
 def main(argv=None) -> int:
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
         t = time_precondition(np, n, dim, rank, update_period=args.update_period,
                               calls=args.calls)
         print(f"precondition N={n} D={dim} r={rank}: {t['mean']:.2f} ms/call "
-              f"(update {t['update']:.2f}, plain {t['plain']:.2f}); "
+              f"(update {_ms(t['update'])}, plain {_ms(t['plain'])}); "
               f"ratio to the GEMM {t['mean'] / gemm_ms:.3f}")
 
     if args.model:
