@@ -1108,8 +1108,8 @@ class Trainer(CheckpointResume):
                  if len(hosts) > 1 else "")
         return (f"mpitrain: {self.comm.size} rank(s){where}, device {device}, "
                 f"strategy {self.strategy.name}, optimizer {self.optimizer.name}; model "
-                f"{net.input_dim}-{cfg.model.hidden_layers}x{cfg.model.hidden_dim}-"
-                f"{net.num_classes} ({net.num_params:,} params); {self._steps_said()}")
+                f"{model_shape(cfg.model, net.input_dim, net.num_classes)} "
+                f"({net.num_params:,} params); {self._steps_said()}")
 
     def _steps_said(self) -> str:
         """The banner's steps: per rank in lock step; the server's updates from its
@@ -1143,3 +1143,20 @@ class Trainer(CheckpointResume):
             self.log.close()
         if self._lock is not None:
             self._lock.release()
+
+
+def model_shape(model, input_dim: int, num_classes: int) -> str:
+    """The network's shape in the usual notation: ``440-3x512-120``; a p-norm layer's
+    groups as ``3x2000/400`` (its input and output widths); no hidden layers:
+    ``440-120``.
+
+    Example::
+
+        model_shape(cfg.model, 440, 120)        # '440-3x512-120'
+    """
+    if model.hidden_layers == 0:
+        return f"{input_dim}-{num_classes}"
+    hidden = f"{model.hidden_layers}x{model.hidden_dim}"
+    if model.nonlinearity == "pnorm":
+        hidden += f"/{model.pnorm_output_dim}"
+    return f"{input_dim}-{hidden}-{num_classes}"

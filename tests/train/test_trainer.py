@@ -602,3 +602,15 @@ def test_more_blas_threads_than_cores_is_said_at_the_start(small_corpus, tmp_pat
                        "times longer; 0 gives each rank its share of the cores"]
     assert len(said[1024]) == 1 and "blas_threads 1024 is more than the 2 core(s)" \
         in said[1024][0]
+
+
+@pytest.mark.parametrize("settings, shape", [
+    ([], "440-3x512-120"),
+    (["model.hidden_layers=0"], "440-120"),                  # (said 440-0x512-120)
+    (["model.nonlinearity=pnorm", "model.pnorm_output_dim=128"], "440-3x512/128-120"),
+])
+def test_the_start_line_gives_the_model_shape_as_built(settings, shape):
+    from mpitrain.config import load_config
+    from mpitrain.train.trainer import model_shape
+    cfg = load_config(QUICKSTART, settings)
+    assert model_shape(cfg.model, 440, 120) == shape
