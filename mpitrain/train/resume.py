@@ -67,7 +67,8 @@ class CheckpointResume:
         schedule = {SCHEDULE_PREFIX + k: v for k, v in self.schedule.state_dict().items()}
         selection = {SELECTION_PREFIX + k: v for k, v in self.selection.state_dict().items()}
         # the final checkpoint says the run ended there (and with how many steps planned)
-        complete = {} if self._complete_at is None else {"complete_at": self._complete_at}
+        complete = {} if self._complete_at is None else {
+            "complete_at": self._complete_at, "stopped_early": int(self._stopped_early)}
         return {**self.guard.state_dict(), "planned_steps": self.planned_steps,
                 "steps_per_epoch": self.steps_per_epoch, **schedule, **selection, **complete,
                 **corpus_places(self.cfg), **self._corpus_identity()}
@@ -82,7 +83,7 @@ class CheckpointResume:
     def _leave_complete_run(self) -> dict:
         """``--resume`` of a run that had ended, with nothing that asks for more: the
         final model stands (written from the final checkpoint if it is missing)."""
-        ckpt_step, best, old_planned = self._complete
+        ckpt_step, best, old_planned, stopped_early = self._complete
         final = os.path.join(self.run_dir, "final.h5")
         if self.is_root and not os.path.exists(final):
             save_model(final, self.net, class_priors=self.manifest.class_priors())
@@ -98,8 +99,15 @@ class CheckpointResume:
             where = (f" of {old_planned} planned, which is step "
                      f"{int(round(ckpt_step * self.planned_steps / old_planned))} of this "
                      f"job's {self.planned_steps} (it would end at step {self.total_steps})")
+        if stopped_early == "schedule":
+            how = "the newbob schedule had stopped it at an epoch's end"
+        elif stopped_early:
+            how = ("training.early_stop had stopped it at a held-out evaluation, so a higher "
+                   "training.max_steps changes nothing; raise training.epochs to go on")
+        else:
+            how = "raise training.epochs or training.max_steps to go on"
         self._say(f"resume: the run had ended at step {ckpt_step}{where}; nothing to train "
-                  "(raise training.epochs or training.max_steps to go on)")
+                  f"({how})")
         return {"steps": ckpt_step, "frames": self.frames_seen, "seconds": 0.0,
                 "complete": True, **best}
 
@@ -192,7 +200,9 @@ class CheckpointResume:
             self._load_selection_state(ckpt)
             best = {} if self.selection.best_step < 0 else {
                 "best_step": self.selection.best_step, "best_value": self.selection.best_value}
-            self._complete = (ckpt.step, best, old_planned)
+            early = "" if not ckpt.trainer_state.get("stopped_early") else \
+                "schedule" if ckpt.trainer_state.get(SCHEDULE_PREFIX + "stopped") else "eval"
+            self._complete = (ckpt.step, best, old_planned, early)
             return
         self._restore(ckpt, settings_changed=bool(changes))
         # (a roll back restores a checkpoint too, but keeps the best model found since)

@@ -220,6 +220,7 @@ class Trainer(CheckpointResume):
                       "model.dropout_schedule stops raising the proportion")
         # (step, best) of a resumed run that had ended; the final checkpoint's step count
         self._complete, self._complete_at = None, None
+        self._stopped_early = False
         self._training_step = None   # the loop's TrainingStep, once training began
         self._resumed_window = None  # a checkpoint's log-window sums, to continue
         if resume:
@@ -679,9 +680,13 @@ class Trainer(CheckpointResume):
             self._roll_back("the final parameters are not finite")
         if self._combination is not None:
             self._combine()
+        # a run that stopped at an evaluation (early stopping, newbob) ended before its
+        # plan's end, whatever training.max_steps said: a resume that raises it must
+        # not train on past that decision
+        self._stopped_early = self._stopped_at is not None
         # evaluated first, so the final checkpoint holds the selection it made
         result = self._final_eval()
-        self._complete_at = self.total_steps
+        self._complete_at = self.planned_steps if self._stopped_early else self.total_steps
         self.save_checkpoint()
         if self.is_root:
             self._check_run_dir("final.h5")

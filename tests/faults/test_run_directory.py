@@ -211,6 +211,36 @@ def test_resuming_a_run_that_had_ended_leaves_its_results_alone(small_corpus, tm
     assert ends == 1
 
 
+@pytest.mark.parametrize("settings, why", [
+    # stops at step 10 of a cap of 20
+    (["training.early_stop.patience=1", "training.early_stop.min_delta=0.5",
+      "training.eval_interval=1280"], "training.early_stop had stopped it"),
+    # stops after 3 of 4 epochs (630 steps), under a cap of 700
+    (["optimizer.schedule=newbob", "optimizer.newbob_start_halving=1",
+      "optimizer.newbob_stop=1", "training.epochs=4", "training.max_steps=700"],
+     "the newbob schedule had stopped it"),
+], ids=["early-stop", "newbob"])
+def test_a_run_that_stopped_early_under_max_steps_stays_ended_when_it_is_raised(
+        small_corpus, tmp_path, capsys, settings, why):
+    """A run that stopped at a held-out evaluation before its training.max_steps
+    ended there: raising the cap on --resume trains nothing (it trained on past
+    the early stop, as if the cap had ended the run)."""
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, settings) == 0
+    stopped_at = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+                  if r["type"] == "end"][-1]["steps"]
+    before = {name: (run / name).read_bytes() for name in ("final.h5", "best.h5")}
+    capsys.readouterr()
+    assert _train(run, small_corpus, settings + ["training.max_steps=0"],
+                  flags=["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"the run had ended at step {stopped_at}; nothing to train ({why}" in out
+    assert {name: (run / name).read_bytes() for name in before} == before
+    ends = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "end"]
+    assert len(ends) == 1
+
+
 def test_a_run_that_had_ended_goes_on_when_asked_for_more_steps(finished_run, small_corpus,
                                                                capsys):
     capsys.readouterr()
