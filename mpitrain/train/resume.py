@@ -140,6 +140,9 @@ class CheckpointResume:
                     changes, moved = resume_changes(config_from_yaml(header.config_yaml),
                                                     self.cfg, header.trainer_state,
                                                     self._corpus_identity())
+                    # (training never reads the pretraining's settings: a config shared
+                    # with `pretrain` may change them)
+                    changes = [c for c in changes if not c.startswith("pretrain.")]
                     notes += moved
                 except ValueError as exc:
                     problem = f"{path}: the stored config: {' '.join(str(exc).split())}"

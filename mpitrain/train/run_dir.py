@@ -47,18 +47,48 @@ NEUTRAL_SETTINGS = (
     "parallel.straggler.jitter")
 
 
+#: Settings that one parallel method alone reads (parallel.method -> prefixes).
+METHOD_SETTINGS = {
+    "allreduce": ("parallel.overlap", "parallel.bucket_mb"),
+    "kaldi": ("parallel.num_jobs_", "parallel.jobs_step"),
+    "bmuf": ("parallel.block_momentum", "parallel.block_lr", "parallel.nesterov"),
+    "adpsgd": ("parallel.topology", "parallel.delay_by_one", "parallel.ranks_per_node"),
+    "param_server": ("parallel.average_eta", "parallel.damp_staleness"),
+}
+#: Settings that one learning-rate schedule alone reads (optimizer.schedule -> prefixes).
+SCHEDULE_SETTINGS = {
+    "exponential": ("optimizer.final_learning_rate",),
+    "hand": ("optimizer.hand_factor",),
+    "adapt": ("optimizer.adapt_",),
+    "search": ("optimizer.search_",),
+    "newbob": ("optimizer.newbob_",),
+}
+
+
 def unused_settings(settings: dict) -> tuple:
     """Prefixes of the settings that a run with these dotted ``settings`` does not
-    use: those of NG-SGD in a run that trains with another optimizer, the parameter
-    server's damped rate in a run of another method.
+    use: those of NG-SGD in a run that trains with another optimizer, those of the
+    other parallel methods and learning-rate schedules, the p-norm's without
+    p-norm units, the combination's without it, early stopping's least gain
+    without early stopping.
 
     Example::
 
         unused_settings({"optimizer.name": "sgd"})    # ("optimizer.ngsgd.", ...)
     """
     unused = () if settings.get("optimizer.name") == "ngsgd" else ("optimizer.ngsgd.",)
-    if settings.get("parallel.method") != "param_server":
-        unused += ("parallel.damp_staleness",)
+    for method, keys in METHOD_SETTINGS.items():
+        if settings.get("parallel.method") != method:
+            unused += keys
+    for schedule, keys in SCHEDULE_SETTINGS.items():
+        if settings.get("optimizer.schedule") != schedule:
+            unused += keys
+    if settings.get("model.nonlinearity") != "pnorm":
+        unused += ("model.pnorm_",)
+    if not settings.get("training.combine"):
+        unused += ("training.combine_",)
+    if not settings.get("training.early_stop.patience"):
+        unused += ("training.early_stop.min_delta",)
     return unused
 
 

@@ -241,6 +241,17 @@ def test_a_run_that_stopped_early_under_max_steps_stays_ended_when_it_is_raised(
     assert len(ends) == 1
 
 
+def test_pretraining_settings_are_no_change_to_a_resumed_training(finished_run, small_corpus,
+                                                                  capsys):
+    """train never reads the pretrain section: a config shared with `pretrain` whose
+    pretraining settings changed since resumes (it was refused as a changed setting)."""
+    capsys.readouterr()
+    assert _train(finished_run, small_corpus, ["pretrain.minibatch=10",
+                                               "pretrain.learning_rate=0.1"],
+                  flags=["--resume"]) == 0
+    assert "the run had ended at step" in capsys.readouterr().out
+
+
 def test_a_run_that_had_ended_goes_on_when_asked_for_more_steps(finished_run, small_corpus,
                                                                capsys):
     capsys.readouterr()

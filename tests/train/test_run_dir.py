@@ -82,6 +82,31 @@ def test_settings_of_an_optimizer_neither_run_uses_are_no_change():
         "optimizer.ngsgd.rank_out: 80 -> 40", "optimizer.ngsgd.reset_on_average: True -> False"]
 
 
+def test_settings_of_a_method_or_schedule_neither_run_uses_are_no_change():
+    """A model-averaging run with the exponential schedule resumes whatever the
+    other methods' and schedules' settings say (a config shared by a sweep over
+    methods); a run of that method or schedule, or a switch to it, names them."""
+    old, new = RunConfig(), RunConfig()
+    new.parallel.nesterov = False               # bmuf
+    new.parallel.bucket_mb = 1.0                # allreduce
+    new.parallel.num_jobs_final = 2             # kaldi
+    new.parallel.topology = "random_ring"       # adpsgd
+    new.parallel.average_eta = 0.5              # param_server
+    new.optimizer.hand_factor = 0.5             # the hand schedule
+    new.optimizer.search_factors = [0.5, 1.0]   # the search schedule
+    new.model.pnorm_p = 3.0                     # p-norm units
+    new.training.combine_models = 3             # the combination
+    new.training.early_stop.min_delta = 0.1     # early stopping
+    assert changed_settings(old, new) == []
+    old.parallel.method = new.parallel.method = "bmuf"
+    assert changed_settings(old, new) == ["parallel.nesterov: True -> False"]
+    old.parallel.method = "model_averaging"
+    new.optimizer.schedule = "hand"
+    assert changed_settings(old, new) == [
+        "optimizer.hand_factor: 0.999 -> 0.5", "optimizer.schedule: 'exponential' -> 'hand'",
+        "parallel.method: 'model_averaging' -> 'bmuf'", "parallel.nesterov: True -> False"]
+
+
 def test_run_directories_that_cannot_be_used_are_named(tmp_path, monkeypatch):
     import os
     from mpitrain.train.run_dir import run_dir_problem
