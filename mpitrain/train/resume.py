@@ -302,9 +302,17 @@ class CheckpointResume:
         def shares(cfg):
             return cfg.parallel.servers if cfg.parallel.method == "param_server" else 0
 
+        # another training corpus (its shards or their sizes; not one moved elsewhere,
+        # nor new labels of the same shards): the saved reader positions are places in
+        # the old corpus's chunks (a checkpoint that predates the digest: not compared)
+        digest = "corpus_data.train_digest"
+        old_corpus = ckpt.trainer_state.get(digest)
+        new_corpus = self._corpus_identity().get(digest)
         changed = [name for name, old, new in (
             ("training.minibatch", saved.training.minibatch, now.training.minibatch),
             ("data.chunk_frames", saved.data.chunk_frames, now.data.chunk_frames),
+            ("the training corpus", old_corpus,
+             old_corpus if new_corpus is None or old_corpus is None else new_corpus),
             ("the ranks that read data", shares(saved), shares(now)),
             ("each rank at its own pace", takes_own_steps(saved), takes_own_steps(now)))
             if old != new]

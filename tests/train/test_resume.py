@@ -172,6 +172,43 @@ def test_resume_onto_a_corpus_written_again_is_refused_naming_it(tmp_path, capsy
     assert main(argv + ["--set", "training.max_steps=12", "--resume"]) == 0
 
 
+def test_an_accepted_other_training_corpus_re_plans_the_data(tmp_path, capsys):
+    """--resume --accept-changes onto another training corpus (other shards and
+    sizes): the saved reader positions were places in the old corpus's chunks, and
+    the step count one of the old plan; the data is re-planned and the same
+    fraction of the schedule counts as done (it went on at the old step in the new
+    plan: a smaller corpus "ended" at once, a larger one trained most of it again)."""
+    from mpitrain.cli import main
+    from mpitrain.data.synthetic import synthesize
+
+    from ..helpers import records
+    corpus, run = tmp_path / "corpus", tmp_path / "run"
+
+    def write(hours, seed):
+        synthesize(str(corpus), hours=hours, speakers=4, shards=2, seed=seed,
+                   dev_hours=0.005, dev_speakers=2, overwrite=True)
+    write(0.02, 1)
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(str(corpus)) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                "training.checkpoint_interval=4",
+                                                "training.eval_interval=0",
+                                                "training.minibatch=64",
+                                                "training.epochs=1"]:
+        argv += ["--set", item]
+    assert main(argv + ["--set", "training.max_steps=80"]) == 0
+    old_plan = records(run, "start")[0]["planned_steps"]
+    write(0.01, 2)
+    capsys.readouterr()
+    assert main(argv + ["--resume", "--accept-changes"]) == 0
+    new_plan = records(run, "start")[1]["planned_steps"]
+    to_step = round(80 * new_plan / old_plan)
+    assert new_plan < 80 < old_plan
+    assert (f"resume: the training corpus changed: data re-planned over 1 ranks, step 80 of "
+            f"{old_plan} becomes {to_step} of {new_plan}") in capsys.readouterr().out
+    assert records(run, "rank_change")[0]["to_step"] == to_step
+    assert records(run, "end")[-1]["steps"] == new_plan
+
+
 def test_a_log_window_cut_by_a_checkpoint_reads_the_same_after_resume(small_corpus, tmp_path):
     # a checkpoint inside a log window (log every 3 steps, checkpoints every 5): the
     # resumed run's first window held only the steps since the checkpoint, so its
