@@ -311,6 +311,8 @@ class CheckpointResume:
         changed = [name for name, old, new in (
             ("training.minibatch", saved.training.minibatch, now.training.minibatch),
             ("data.chunk_frames", saved.data.chunk_frames, now.data.chunk_frames),
+            # (the seed orders the chunks: a saved position names a chunk of the old order)
+            ("training.seed", saved.training.seed, now.training.seed),
             ("the training corpus", old_corpus,
              old_corpus if new_corpus is None or old_corpus is None else new_corpus),
             ("the ranks that read data", shares(saved), shares(now)),

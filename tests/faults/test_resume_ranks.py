@@ -105,7 +105,10 @@ def test_methods_whose_ranks_take_their_own_steps_resume_on_another_number(small
     ["training.minibatch=512"],          # the saved positions lay past the new chunks' ends
     ["training.minibatch=128"],          # they were read as positions of smaller batches
     ["parallel.method=adpsgd", "parallel.asynchronous=true"],   # it started from step 0
-], ids=["larger-minibatch", "smaller-minibatch", "to-async-adpsgd"])
+    # the saved position named a chunk of the old seed's order: refused as out of range
+    # for the rank's data, or read as a place in another chunk
+    ["training.seed=3"],
+], ids=["larger-minibatch", "smaller-minibatch", "to-async-adpsgd", "another-seed"])
 def test_accepted_changes_that_split_the_data_otherwise_re_plan_it(small_corpus, tmp_path,
                                                                    change):
     """--resume --accept-changes with settings that step through the data otherwise:
