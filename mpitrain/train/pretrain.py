@@ -366,6 +366,24 @@ class Pretrainer:
             raise TrainingError(f"{chosen}: --resume cannot change the shape of the RBMs "
                                 "trained so far: " + "; ".join(shape) + " (restore it, or "
                                 "pretrain afresh with --overwrite)", agreed=True)
+        # accepted changes that step through the data otherwise: the saved reader
+        # positions are places in another plan's chunks and batches, so the data is
+        # planned anew as on another number of ranks (they failed as out of range for
+        # the rank's data, or were read as other places)
+        digest = "corpus_data.train_digest"
+        now_digest = corpus_identity({"data.train": self.manifest}).get(digest)
+        was_digest = ckpt["corpus"].get(digest)
+        replanned = [key for key, was, now in (
+            ("pretrain.minibatch", saved.pretrain.minibatch, self.cfg.pretrain.minibatch),
+            ("data.chunk_frames", saved.data.chunk_frames, self.cfg.data.chunk_frames),
+            ("training.seed", saved.training.seed, self.cfg.training.seed),
+            ("the training corpus", was_digest,
+             was_digest if now_digest is None or was_digest is None else now_digest))
+            if was != now]
+        if replanned and ckpt["rank"] is not None:
+            ckpt = {**ckpt, "rank": None}
+            notes.append(f"{', '.join(replanned)} changed: data re-planned, the same "
+                         "fraction of the layer counts as done, momentum starts afresh")
         for line in notes:
             self._say(f"resume: {line}")
         self._resume_state = ckpt
@@ -401,11 +419,15 @@ class Pretrainer:
         same_ranks = ckpt["rank"] is not None
         step = ckpt["layer_step"]
         if not same_ranks and ckpt["layer_steps"]:
-            # another number of ranks: the same fraction of the layer is done
+            # another number of ranks or data plan: the same fraction of the layer is done
             step = int(round(step * self.layer_steps[self.layer] / ckpt["layer_steps"]))
         self.layer_step = min(step, self.layer_steps[self.layer])
         if same_ranks:
-            self.stream.load_state_dict(ckpt["rank"]["reader"])
+            try:
+                self.stream.load_state_dict(ckpt["rank"]["reader"])
+            except ValueError as exc:
+                raise ValueError(f"{ckpt['path']}: ranks/{self.comm.rank:05d}/reader: "
+                                 f"{exc}") from None
         else:
             done = self._global_step()
             self.stream.seek(done // self.steps_per_epoch, done % self.steps_per_epoch)

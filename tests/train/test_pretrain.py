@@ -119,6 +119,55 @@ def test_accept_changes_cannot_reshape_the_rbms_trained_so_far(small_corpus, tmp
     assert not (run / "pretrain.h5").exists()
 
 
+def _cut_at_40(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    extra = ["training.checkpoint_interval=40", "training.keep_checkpoints=100"]
+    assert main(_argv("pretrain", run, small_corpus, extra)) == 0
+    os.remove(run / "pretrain.h5")
+    for name in os.listdir(run):
+        if name.startswith("ckpt-") and name > "ckpt-00000040.h5":
+            os.remove(run / name)
+    return run, extra
+
+
+@pytest.mark.parametrize("change", [
+    "pretrain.minibatch=400",       # the saved batch lay past the new chunk's batches
+    "pretrain.minibatch=50",        # it was read as a place among smaller batches
+    "data.chunk_frames=5000",
+    "training.seed=3",              # the seed orders the chunks
+])
+def test_accepted_changes_that_split_the_data_otherwise_re_plan_the_pretraining(
+        small_corpus, tmp_path, capsys, change):
+    """pretrain --resume --accept-changes with settings that step through the data
+    otherwise: the same fraction of the layer counts as done, as on another number
+    of ranks (the saved reader position failed as out of range for the rank's data,
+    naming no file, or was read as another place)."""
+    run, extra = _cut_at_40(small_corpus, tmp_path)
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus, extra + [change])
+                + ["--resume", "--accept-changes"]) == 0, capsys.readouterr().err
+    assert "changed: data re-planned, the same fraction of the layer counts as done" \
+        in capsys.readouterr().out
+    assert (run / "pretrain.h5").exists()
+
+
+def test_a_pretraining_checkpoint_whose_reader_position_does_not_exist_is_named(
+        small_corpus, tmp_path, capsys):
+    import h5py
+
+    from mpitrain.h5io import write_checksums
+    run, extra = _cut_at_40(small_corpus, tmp_path)
+    ckpt = str(run / "ckpt-00000040.h5")
+    with h5py.File(ckpt, "r+") as f:
+        f["ranks/00000/reader"].attrs["chunk_pos"] = 10 ** 6
+        write_checksums(f, ckpt, what="checkpoint")
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus, extra) + ["--resume"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and \
+        f"{ckpt}: ranks/00000/reader: field 'chunk_pos': 1000000 is out of range" in err, err
+
+
 def test_a_resume_of_an_ended_pretraining_leaves_its_stack(small_corpus, tmp_path, capsys):
     """As train leaves an ended run's model: it retrained nothing but rewrote
     pretrain.h5 and wrote an end record of NaN reconstruction error."""
