@@ -351,6 +351,7 @@ def _train_virtual(args, cfg) -> int:
                          f"(each is a thread of this process with its own model), got "
                          f"{args.virtual}")
     _refuse_empty_run_dir(args)
+    _refuse_sleeping_stragglers(args, cfg, args.virtual)
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0])
     problem = run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite)
@@ -402,6 +403,23 @@ def _refuse_virtual_only_options(args) -> None:
     if getattr(args, "slowdown", "").strip() or getattr(args, "jitter", 0.0):
         raise UsageError("--slowdown and --jitter slow virtual ranks (--virtual); real ranks "
                          "are slowed by parallel.straggler in the configuration")
+
+
+def _refuse_sleeping_stragglers(args, cfg, ranks: int) -> None:
+    """``parallel.straggler`` on virtual ranks: its sleep passes on the wall clock,
+    not on the simulated one that times every rank, so it would change nothing but
+    the wall time of the run (``ranks``: the most virtual ranks there will be).  A
+    rank outside the job is left to the straggler's own check, which names it."""
+    slow = [r for r in cfg.parallel.straggler.ranks if 0 <= r < ranks]
+    if not slow:
+        return
+    factor = cfg.parallel.straggler.slowdown
+    where = f"{args.config}: " if args.config else ""
+    raise UsageError(f"{where}parallel.straggler.ranks: virtual ranks keep a simulated "
+                     "clock, which a slow rank's sleep does not advance (it would slow "
+                     "only the wall clock); slow virtual ranks with --slowdown "
+                     f"{','.join(f'{r}={factor:g}' for r in slow)} (and --jitter) and "
+                     "leave parallel.straggler.ranks empty")
 
 
 def _compute_model(args, cfg, ranks: int):
@@ -591,6 +609,7 @@ def cmd_bench(args) -> int:
         with _before_mpi():
             cfg = load_config(args.config, args.set)
             checks()
+            _refuse_sleeping_stragglers(args, cfg, max(virtual_sizes))
         from .bench.virtual import run_virtual_bench
         compute = _compute_model(args, cfg, max(virtual_sizes))     # (its options checked)
         _check_corpus_feeds(cfg, args.config, virtual_sizes, options)

@@ -497,6 +497,33 @@ def test_the_step_time_is_measured_after_the_checks(small_corpus, tmp_path, monk
     assert record["simulated_seconds"] >= 4 * 0.004
 
 
+def test_a_slow_rank_of_the_config_is_refused_on_virtual_ranks(small_corpus, tmp_path,
+                                                             capsys, monkeypatch):
+    """parallel.straggler's sleep passed on the wall clock, not the simulated one:
+    the run trained and reported exactly as without a slow rank (a bench showed
+    2 ranks at twice the throughput of one), only slower to finish.  It is refused
+    before anything is measured or written, naming --slowdown with its ranks."""
+    import mpitrain.train.virtual as virtual
+    from mpitrain.cli import main
+    measured = []
+    monkeypatch.setattr(virtual, "measure_step_seconds",
+                        lambda cfg, **kwargs: measured.append(1) or 0.004)
+    data = []
+    for item in small_overrides(small_corpus) + ["parallel.straggler.ranks=[0, 1]",
+                                                 "parallel.straggler.slowdown=3"]:
+        data += ["--set", item]
+    run, out = tmp_path / "run", tmp_path / "bench"
+    for argv in (["train", QUICKSTART, "--virtual", "2", "--run-dir", str(run)],
+                 ["train", QUICKSTART, "--virtual", "2", "--run-dir", str(run), "--dry-run"],
+                 ["bench", QUICKSTART, "--virtual", "1,2", "--out", str(out)]):
+        assert main(argv + data) == 2
+        err = capsys.readouterr().err
+        assert f"{QUICKSTART}: parallel.straggler.ranks: virtual ranks keep a simulated " \
+               "clock" in err and "--slowdown 0=3,1=3 " in err, err
+        assert err.count("\n") == 1
+    assert measured == [] and not run.exists() and not out.exists()
+
+
 def test_an_asynchronous_ring_re_planned_past_max_steps_keeps_its_place(small_corpus, tmp_path,
                                                                         capsys):
     """As in the lock-step methods: each rank's own steps were capped at max_steps 30,
