@@ -40,7 +40,7 @@ from ..comm.base import ANY_SOURCE
 from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
-from .metrics import format_duration, resident_mb
+from .metrics import epoch_of_step, format_duration, resident_mb
 from .stop import STOPPED, requested
 
 #: Message tags: a progress report to rank 0, a quiet point's call from rank 0.
@@ -350,7 +350,7 @@ class OwnPaceLoop:
             acc = correct / frames
         t.step = sum(self.steps_of) // comm.size
         t.frames_seen = sum(self.frames_of)
-        record = {"step": t.step, "epoch": t.step // t.steps_per_epoch,
+        record = {"step": t.step, "epoch": epoch_of_step(t.step, t.steps_per_epoch),
                   "frames": t.frames_seen, "seconds": now - self.run_start,
                   "xent": float(xent), "acc": float(acc), "lr": self.rate,
                   "frames_per_sec": (sum(self.frames_of) - self.frames_at_window) / elapsed,

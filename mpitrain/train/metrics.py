@@ -22,6 +22,12 @@ def resident_mb() -> float | None:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def epoch_of_step(step: int, steps_per_epoch: int) -> int:
+    """The 0-based epoch of the ``step``-th minibatch, as the lock-step methods log
+    it (their reader's epoch): the last step of epoch 0 is in epoch 0, not 1."""
+    return max(step - 1, 0) // steps_per_epoch
+
+
 def format_duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
     h, rem = divmod(seconds, 3600)

@@ -46,7 +46,7 @@ from .checkpoint import checkpoint_path, save_checkpoint
 from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, Diverged, restart_advice
 from .evaluate import WholeHeldOut
-from .metrics import format_duration, resident_mb
+from .metrics import epoch_of_step, format_duration, resident_mb
 from .stop import EXIT_STOPPED, requested, signal_name
 
 #: Seconds between the last line of a job stopped by a signal and its abort.
@@ -317,7 +317,7 @@ class Server:
             xent = loss / frames
         stale = np.asarray(self.staleness or [0])
         skipped = self._skipped() - self.skipped_before
-        record = {"step": t.step, "epoch": t.step // t.steps_per_epoch,
+        record = {"step": t.step, "epoch": epoch_of_step(t.step, t.steps_per_epoch),
                   "frames": t.frames_seen, "xent": float(xent), "acc": correct / frames,
                   "lr": lr, "frames_per_sec": frames / elapsed,
                   "comm_fraction": min(1.0, (comm_now - self.comm_at_window) / elapsed),

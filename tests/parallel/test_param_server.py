@@ -218,6 +218,19 @@ def test_one_client_equals_sequential_sgd_bit_for_bit(small_corpus, tmp_path):
     assert not np.array_equal(state["average"], reference.params)
 
 
+def test_progress_records_name_the_epoch_as_the_lock_step_methods_do(small_corpus, tmp_path):
+    # the epoch was the updates over an epoch's: the last update of epoch 0 was
+    # logged in epoch 1, and a 2-epoch run ended in "ep 2"
+    common = TINY + ["training.epochs=2", "training.log_interval=1", "data.dev=",
+                     "training.checkpoint_interval=0"]
+    sequential, served = tmp_path / "sequential", tmp_path / "served"
+    train_in_process(sequential, small_corpus, common)
+    _virtual(small_corpus, served, 2, common)
+    expected = {r["step"]: r["epoch"] for r in records(sequential, "train")}
+    logged = {r["step"]: r["epoch"] for r in records(served, "train")}
+    assert logged == expected and max(logged.values()) == 1
+
+
 def _final_kept(run):
     """(the final eval record, the final model's parameters, the last checkpoint's
     strategy group)."""
