@@ -371,8 +371,9 @@ class OwnPaceLoop:
             f"{format_duration(per_step * max(t.total_steps - t.step, 0))}")
         if verdict == ROLL_BACK:
             raise Diverged(
-                f"{t.run_dir}: adpsgd: {t.guard.events} non-finite or exploding windows "
-                "since the last checkpoint; an asynchronous run cannot roll back: "
+                f"{t.run_dir}: adpsgd: {t.guard.events} non-finite or exploding "
+                "minibatches/windows since the last checkpoint; an asynchronous run "
+                "cannot roll back: "
                 + restart_advice(t.run_dir, t.cfg))
         self._new_window()
 

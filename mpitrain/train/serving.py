@@ -336,7 +336,8 @@ class Server:
         if verdict == ROLL_BACK:
             raise Diverged(
                 f"{t.run_dir}: param_server: {t.guard.events} non-finite or exploding "
-                "windows since the last checkpoint; an asynchronous run cannot roll back: "
+                "minibatches/windows since the last checkpoint; an asynchronous run "
+                "cannot roll back: "
                 + restart_advice(t.run_dir, t.cfg))
         self._new_window()
 

@@ -1,6 +1,7 @@
 """The divergence rule (train/divergence.py): events, explosions, roll backs, the stop."""
 
 import math
+import re
 
 import pytest
 
@@ -131,6 +132,10 @@ def test_an_asynchronous_divergence_names_the_settings_that_enlarge_the_step(
                       compute=ComputeModel(step_seconds=0.001))
     message = str(caught.value)
     assert "an asynchronous run cannot roll back" in message
+    # the count is of skipped minibatches and exploding windows, as in the lock-step
+    # methods' line (it said "windows": 47 of them after one log window)
+    assert re.search(r": \d+ non-finite or exploding minibatches/windows since", message), \
+        message
     assert "lower learning rate (--overwrite --set optimizer.initial_learning_rate=...), " \
            "or lower optimizer.l2_regularize (1e+30); or raise training.divergence_factor " \
            "(1.2" in message, message
