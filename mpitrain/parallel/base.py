@@ -98,6 +98,12 @@ class Strategy:
     def finalize(self, net, optimizer, step: int = 0) -> None:
         pass
 
+    def average_models_(self, params, step: int) -> None:
+        """``params`` <- the ranks' differing models after ``step`` steps combined as
+        the method combines them (what a run ending there would keep), on every
+        rank: the plain mean unless the method weighs the ranks otherwise."""
+        self.comm.allreduce_(params, op="mean")
+
     def models_agree(self, step: int) -> bool:
         """Whether every rank holds the same model after ``step`` steps."""
         return self.comm.size == 1 or step % self.sync_period == 0

@@ -130,6 +130,13 @@ class NodeRingMixing(Strategy):
         if self.node_comm.size > 1:
             self.node_comm.bcast_(net.params, root=0)
 
+    def average_models_(self, params, step: int) -> None:
+        # the mean over the nodes, as finalize takes it
+        if self.leaders is not None and self.leaders.size > 1:
+            self.leaders.allreduce_(params, op="mean")
+        if self.node_comm.size > 1:
+            self.node_comm.bcast_(params, root=0)
+
     # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"iteration": int(self.iteration)}

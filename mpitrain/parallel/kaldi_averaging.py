@@ -143,6 +143,15 @@ class KaldiAveraging(Strategy):
         optimizer.clear_momentum()
         optimizer.after_average()
 
+    def average_models_(self, params, step: int) -> None:
+        # the iteration's jobs alone, as its end averages them: an idle rank still
+        # holds the model the iteration started from
+        jobs = self.num_jobs(step - 1)
+        if not self.is_active(step - 1):
+            params[...] = 0
+        self.comm.allreduce_(params, op="sum")
+        params *= 1.0 / jobs
+
     def finalize(self, net, optimizer, step: int = 0) -> None:
         if step % self.every_steps and self.comm.size > 1:
             self._average(net, optimizer, self.num_jobs(step - 1), step - 1)

@@ -167,6 +167,13 @@ class ModelAveraging(Strategy):
             self.quotas = quotas
             self.step_seconds = [float(t) for t in np.asarray(state["step_seconds"])]
 
+    def average_models_(self, params, step: int) -> None:
+        # weighted as the period's end weighs them (straggler_policy adapt: by the
+        # minibatches each rank trained so far in the period)
+        length = step % self.every_steps or self.every_steps
+        self._weighted_mean_(params, [sum(self._trains_at(p, q) for p in range(length))
+                                      for q in self.quotas])
+
     def finalize(self, net, optimizer, step: int = 0) -> None:
         # the last block may be shorter than K: average once more so all agree
         if step % self.every_steps:

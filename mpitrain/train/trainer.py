@@ -1026,7 +1026,7 @@ class Trainer(CheckpointResume):
         if result is not None:
             self.net.params[...] = result
         elif differ:
-            self.comm.allreduce_(self.net.params, op="mean")
+            self.strategy.average_models_(self.net.params, self.step)
         try:
             yield
         finally:

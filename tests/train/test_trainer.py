@@ -614,3 +614,35 @@ def test_the_start_line_gives_the_model_shape_as_built(settings, shape):
     from mpitrain.train.trainer import model_shape
     cfg = load_config(QUICKSTART, settings)
     assert model_shape(cfg.model, 440, 120) == shape
+
+
+@pytest.mark.parametrize("ranks, settings, slowdown", [
+    (2, ["parallel.method=kaldi", "parallel.num_jobs_initial=1"], {}),
+    (3, ["parallel.method=adpsgd", "parallel.hierarchical=true",
+         "parallel.ranks_per_node=2"], {}),
+    (2, ["parallel.straggler_policy=adapt"], {1: 4.0})],
+    ids=["kaldi-ramp", "hierarchical-unequal-nodes", "straggler-adapt"])
+def test_an_evaluation_between_averages_scores_the_model_the_method_would_keep(
+        small_corpus, tmp_path, ranks, settings, slowdown):
+    # between averages the ranks' plain mean was scored (and kept as best.h5): with
+    # Kaldi's job ramp the idle ranks' models from the iteration's start counted as
+    # jobs; unequal nodes weighed by their ranks; the adapt policy's quotas ignored
+    from mpitrain.config import load_config
+    from mpitrain.train.virtual import ComputeModel, train_virtual
+    from ..helpers import small_overrides
+    common = small_overrides(small_corpus) + settings + [
+        "model.hidden_dim=32", "model.hidden_layers=1", "parallel.average_every=8",
+        "training.minibatch=128", "training.eval_interval=256",
+        "training.checkpoint_interval=0"]
+    compute = ComputeModel(step_seconds=0.002, slowdown=slowdown)
+    longer, stopped = tmp_path / "longer", tmp_path / "stopped"
+    train_virtual(load_config(QUICKSTART, common + ["training.max_steps=16"]), size=ranks,
+                  run_dir=str(longer), compute=compute)
+    # the first evaluation between averages (past the first for the adapt policy,
+    # whose quotas differ from the second period on), and a run that ends there
+    first = 8 if slowdown else 0
+    step = min(r["step"] for r in records(longer, "eval") if r["step"] % 8 and r["step"] > first)
+    train_virtual(load_config(QUICKSTART, common + [f"training.max_steps={step}"]),
+                  size=ranks, run_dir=str(stopped), compute=compute)
+    between = [r for r in records(longer, "eval") if r["step"] == step]
+    assert between[0]["dev_xent"] == records(stopped, "end")[0]["dev_xent"]
