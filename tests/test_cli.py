@@ -859,3 +859,21 @@ def test_a_dry_run_on_ranks_leaves_mpi_nothing_to_complain_of(small_corpus, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     assert "dry run: the configuration" in result.stdout
     assert result.stderr == "", result.stderr
+
+
+def test_settings_the_run_does_not_read_are_noted_at_its_start(small_corpus, tmp_path,
+                                                                capsys):
+    # (a config written for one method, run with another: bit for bit as without them)
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--dry-run",
+            "--set", f"data.train={small_corpus}/train", "--set", f"data.dev={small_corpus}/dev"]
+    assert main(argv) == 0
+    assert "config:" not in capsys.readouterr().out
+    extra = ["parallel.delay_by_one=true", "optimizer.ngsgd.rank_in=10",
+             "parallel.block_momentum=0.5", "parallel.average_every=4"]
+    assert main(argv + [word for item in extra for word in ("--set", item)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("config:")]
+    assert notes == ["config: optimizer.ngsgd.rank_in=10, parallel.block_momentum=0.5, "
+                     "parallel.delay_by_one=true: not read by this run (another method's, "
+                     "schedule's or optimizer's setting; parallel.method model_averaging, "
+                     "optimizer.name sgd, optimizer.schedule exponential)"]

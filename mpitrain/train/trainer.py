@@ -23,6 +23,7 @@ from ..data.batcher import MinibatchStream, plan_chunks
 from ..data.corpus import CorpusError, load_manifest, manifest_path, speaker_cmvn_kind
 from ..data.sharding import plan_shards
 from ..data.validate import validate_corpus, validate_slices
+from ..files import dotted_keys
 from ..nn.dropout import DropoutMasks, DropoutSchedule
 from ..nn.model_file import save_model
 from ..nn.network import RELATIVE_VARIANCE_FLOOR, build_network, constant_dimensions
@@ -36,7 +37,7 @@ from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
 from .errors import TrainingError, error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
 from .resume import CheckpointResume
-from .run_dir import take_run_dir
+from .run_dir import take_run_dir, unused_settings
 from .search import RateTrials
 from .selection import ModelSelection, held_out_identity, save_best_model
 from .step import TrainingStep
@@ -189,6 +190,7 @@ class Trainer(CheckpointResume):
         self._build_model()
         self._build_data()
         self._note_blas_threads()
+        self._note_unread_settings()
         try:
             self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
         except ValueError as exc:        # from the settings and the rank count: every rank's
@@ -344,6 +346,19 @@ class Trainer(CheckpointResume):
             return (f"fewer, larger shards (prepare --shards: {len(m.shards)} of "
                     f"{average:,.0f} frames on average, minibatches of {minibatch})")
         return None
+
+    def _note_unread_settings(self) -> None:
+        """The note on settings given (other than their defaults) that this run does
+        not read: those of another parallel method, rate schedule or optimizer
+        (a config written for one, run with another through --set)."""
+        given, defaults = dotted_keys(self.cfg.to_dict()), dotted_keys(RunConfig().to_dict())
+        unread = [f"{key}={_shown_setting(value)}" for key, value in given.items()
+                  if key.startswith(unused_settings(given)) and value != defaults.get(key)]
+        if unread:
+            self._say(f"config: {', '.join(unread)}: not read by this run (another "
+                      f"method's, schedule's or optimizer's setting; parallel.method "
+                      f"{self.cfg.parallel.method}, optimizer.name {self.cfg.optimizer.name}, "
+                      f"optimizer.schedule {self.cfg.optimizer.schedule})")
 
     def _say_frames_left_out(self, used: int, why: str) -> None:
         """The note when an epoch trains on less than 95% of the corpus' frames."""
@@ -1165,3 +1180,7 @@ def model_shape(model, input_dim: int, num_classes: int) -> str:
     if model.nonlinearity == "pnorm":
         hidden += f"/{model.pnorm_output_dim}"
     return f"{input_dim}-{hidden}-{num_classes}"
+
+
+def _shown_setting(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
