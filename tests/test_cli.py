@@ -869,11 +869,12 @@ def test_settings_the_run_does_not_read_are_noted_at_its_start(small_corpus, tmp
     assert main(argv) == 0
     assert "config:" not in capsys.readouterr().out
     extra = ["parallel.delay_by_one=true", "optimizer.ngsgd.rank_in=10",
-             "parallel.block_momentum=0.5", "parallel.average_every=4"]
+             "parallel.block_momentum=0.5", "parallel.average_every=4",
+             "parallel.average_momentum=true", "parallel.method=bmuf"]
     assert main(argv + [word for item in extra for word in ("--set", item)]) == 0
     notes = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("config:")]
-    assert notes == ["config: optimizer.ngsgd.rank_in=10, parallel.block_momentum=0.5, "
+    assert notes == ["config: optimizer.ngsgd.rank_in=10, parallel.average_momentum=true, "
                      "parallel.delay_by_one=true: not read by this run (another method's, "
-                     "schedule's or optimizer's setting; parallel.method model_averaging, "
+                     "schedule's or optimizer's setting; parallel.method bmuf, "
                      "optimizer.name sgd, optimizer.schedule exponential)"]

@@ -49,6 +49,7 @@ NEUTRAL_SETTINGS = (
 
 #: Settings that one parallel method alone reads (parallel.method -> prefixes).
 METHOD_SETTINGS = {
+    "model_averaging": ("parallel.average_momentum",),
     "allreduce": ("parallel.overlap", "parallel.bucket_mb"),
     "kaldi": ("parallel.num_jobs_", "parallel.jobs_step"),
     "bmuf": ("parallel.block_momentum", "parallel.block_lr", "parallel.nesterov"),
