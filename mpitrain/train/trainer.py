@@ -325,8 +325,9 @@ class Trainer(CheckpointResume):
         self.steps_per_epoch = steps
         # equal step counts and whole minibatches per chunk leave some frames out
         self._say_frames_left_out(steps * cfg.training.minibatch * comm.size,
-                                  f"every rank takes {steps} steps, as many as the rank "
-                                  "with the least data, of whole minibatches per chunk; "
+                                  f"every rank takes {steps} step{'s' * (steps != 1)}, as "
+                                  "many as the rank with the least data, of whole "
+                                  "minibatches per chunk; "
                                   f"fewer ranks, {self._fewer_shards() or 'more shards'} or "
                                   "a larger data.chunk_frames leave out less")
         total = int(round(cfg.training.epochs * steps))
