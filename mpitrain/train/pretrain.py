@@ -103,6 +103,28 @@ def _check_rank_state(state: dict, stack, layer: int, name: str, path) -> None:
                          f"like layer {layer + 1}'s parameters")
 
 
+def _read_judging(attrs, path):
+    """A checkpoint's divergence yardstick inside a layer: (the layer's first
+    window's error, None before one was judged; [pooled error sum, pooled
+    frames]); None when it holds none (written at a layer's end, or by an older
+    mpitrain)."""
+    if "pool_frames" not in attrs:
+        return None
+    first, error, frames = (attrs.get(name, 0.0 if name == "window_first" else None)
+                            for name in ("window_first", "pool_error", "pool_frames"))
+    numbers = all(isinstance(x, (int, float, np.integer, np.floating))
+                  and not isinstance(x, (bool, np.bool_)) for x in (first, error, frames))
+    if not numbers or not all(math.isfinite(x) and x >= 0 for x in (first, error)) \
+            or int(frames) != frames or not 0 <= frames < MIN_JUDGED_FRAMES:
+        raise ValueError(f"{path}: checkpoint attributes 'window_first', 'pool_error', "
+                         f"'pool_frames': expected an error >= 0, a finite sum >= 0 and "
+                         f"frames in [0, {MIN_JUDGED_FRAMES}), got "
+                         + ", ".join(repr(x.item() if isinstance(x, np.generic) else x)
+                                     for x in (attrs.get("window_first"), error, frames)))
+    first = float(first) if "window_first" in attrs else None
+    return first, [float(error), int(frames)]
+
+
 class Pretrainer:
     """Example::
 
@@ -284,6 +306,14 @@ class Pretrainer:
                 if self.layer < len(self.layer_steps) else 0
             f.attrs["frames_seen"] = self.frames_seen
             f.attrs["num_ranks"] = len(states)
+            if in_layer:
+                # the layer's yardstick and the small windows not judged yet, so a
+                # resumed run judges divergence as the uninterrupted run does
+                # (no first window yet: no attribute, a file holds no NaN)
+                if self._window_first is not None:
+                    f.attrs["window_first"] = float(self._window_first)
+                f.attrs["pool_error"] = float(self._pool[0])
+                f.attrs["pool_frames"] = int(self._pool[1])
             # the directories the paths named, and what the training corpus held
             for key, value in {**corpus_places(self.cfg),
                                **corpus_identity({"data.train": self.manifest})}.items():
@@ -307,6 +337,7 @@ class Pretrainer:
                     raise ValueError(f"{path}: checkpoint attribute '{name}': expected a "
                                      f"non-negative int, got {value!r}")
                 attrs[name] = int(value)
+            attrs["judging"] = _read_judging(f.attrs, path)
             attrs["config"] = str(f.attrs.get("config", ""))
             attrs["places"] = {key: str(f.attrs[key]) for key in f.attrs
                                if key.startswith("place_")}
@@ -434,6 +465,8 @@ class Pretrainer:
         if len(stored) > self.layer and self.layer_step > 0:
             self._new_layer(self.layer)
             self.rbm.params[...] = stored[self.layer].params
+            if ckpt["judging"] is not None:       # (absent from older checkpoints)
+                self._window_first, self._pool = ckpt["judging"]
             if same_ranks and "momentum" in ckpt["rank"]:
                 self.cd.load_state_dict(ckpt["rank"]["momentum"])
             self.strategy.setup(self.rbm, self.cd)
@@ -547,7 +580,8 @@ class Pretrainer:
         rate, rate_key = self._rates(index)
         sq_err = xp.zeros((), dtype=xp.float64)
         frames, window_start, recon = 0, comm.wtime(), float("nan")
-        self._window_first, self._pool = None, [0.0, 0]
+        if self.layer_step == 0:       # (a resumed layer keeps its checkpoint's)
+            self._window_first, self._pool = None, [0.0, 0]
         ck = cfg.training.checkpoint_interval
         next_checkpoint = (self.layer_step // ck + 1) * ck if ck else 0
         stop_poll = StopPoll(comm, max_every=cfg.training.log_interval)

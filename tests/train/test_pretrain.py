@@ -262,6 +262,27 @@ def test_a_pretraining_dry_run_plans_and_writes_nothing(small_corpus, tmp_path, 
     assert out[-1].startswith("dry run: ") and not (tmp_path / "run").exists()
 
 
+def test_a_resumed_layer_judges_divergence_against_the_layers_first_window(
+        small_corpus, tmp_path, capsys):
+    """A resume inside a layer took its own first window as the yardstick: a layer
+    whose error crept up (a factor of 1.02, a rate that learns nothing) stopped at
+    step 160 against a window of 0.2079, where the run that never stopped went on to
+    step 220 against the layer's first window, 0.2089."""
+    run = tmp_path / "run"
+    extra = ["pretrain.learning_rate=1e-30", "pretrain.divergence_factor=1.02",
+             "pretrain.epochs_per_layer=1", "training.log_interval=20",
+             "training.checkpoint_interval=60", "training.keep_checkpoints=100"]
+    assert main(_argv("pretrain", run, small_corpus, extra)) == 2
+    straight = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "layer 2 (Bernoulli-Bernoulli) diverged at step 220" in straight, straight
+    # back to layer 2's step 60 (its first window judged at step 20)
+    for name in os.listdir(run):
+        if name.startswith("ckpt-") and name > "ckpt-00000195.h5":
+            os.remove(run / name)
+    assert main(_argv("pretrain", run, small_corpus, extra) + ["--resume"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == straight
+
+
 def test_a_diverging_gaussian_layer_stops_naming_its_rate(small_corpus, tmp_path, capsys):
     code = main(_argv("pretrain", tmp_path / "run", small_corpus,
                       ["pretrain.learning_rate_gaussian=50", "pretrain.momentum_initial=0.9"]))
@@ -514,6 +535,9 @@ def test_the_divergence_factors_help_names_the_gaussian_layers_yardstick():
     ("reader", "field 'ranks/00000/reader/epoch': expected a non-negative int, got -1"),
     ("position", "field 'ranks/00000/reader/steps_in_epoch' is missing"),
     ("config", "the stored config: config: expected a mapping, got 1"),
+    ("judging", "checkpoint attributes 'window_first', 'pool_error', 'pool_frames': "
+                "expected an error >= 0, a finite sum >= 0 and frames in [0, 1000), "
+                "got -1.0, "),
 ])
 def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
         small_corpus, tmp_path, capsys, craft, named):
@@ -537,6 +561,8 @@ def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
             f["ranks/00000/reader"].attrs["epoch"] = -1
         elif craft == "position":
             del f["ranks/00000/reader"].attrs["steps_in_epoch"]
+        elif craft == "judging":
+            f.attrs["window_first"] = -1.0
         else:
             f.attrs["config"] = "1"
         del f.attrs["checksum"]
