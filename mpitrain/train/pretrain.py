@@ -21,7 +21,8 @@ ranks, is logged; a non-finite error, or one over ``pretrain.divergence_factor``
 times the layer's first window (the Gaussian layer's at most 1, the standardised
 features' variance; windows of fewer than MIN_JUDGED_FRAMES frames pooled
 until they hold that many), stops the run (every rank decides alike from
-the summed figures) naming the rate to lower.  Checkpoints
+the summed figures) naming the rate to lower; so does a layer that ends
+with every hidden unit constant over the data (saturated).  Checkpoints
 (``ckpt-NNNNNNNN.h5``, format ``mpitrain-pretrain-checkpoint``) are written at
 averaging points after each ``training.checkpoint_interval`` steps and at the
 end of each layer; ``--resume`` continues from the newest that verifies.  The
@@ -68,8 +69,12 @@ MOMENTUM_STEPS = 40
 PRETRAIN_SETTINGS = ("pretrain.", "data.train", "data.left_context", "data.right_context",
                      "data.chunk_frames", "model.hidden_layers", "model.hidden_dim",
                      "training.seed", "parallel.average_momentum")
-#: Frames per rank whose mean activation starts a Bernoulli layer's visible bias.
+#: Frames per rank whose mean activation starts a Bernoulli layer's visible bias
+#: (and on which a trained layer's hidden units are checked for a dead layer).
 VISIBLE_BIAS_FRAMES = 10_000
+#: A layer none of whose hidden units varies more than this over those frames is
+#: dead (saturated ones measured 1e-8 and less; a layer that learned, 0.1 and more).
+DEAD_LAYER_STD = 1e-3
 
 
 def momentum_at(frames: int, *, initial: float, final: float, ramp_frames: int) -> float:
@@ -221,22 +226,59 @@ class Pretrainer:
     def _mean_activation(self, layers: int):
         """Mean hidden probabilities of the first ``layers`` RBMs over the start of
         every rank's data (the same on every rank: one Allreduce)."""
+        return self._activation_moments(self.stack.rbms[:layers])[0]
+
+    def _activation_moments(self, rbms) -> tuple:
+        """Mean and variance of the hidden probabilities of ``rbms`` (the stack's
+        lowest ones) over the first VISIBLE_BIAS_FRAMES frames of every rank's data,
+        and those frames' count: the same on every rank (one Allreduce)."""
         cfg, xp = self.cfg, self.xp
-        sums, frames = np.zeros(self.dims[layers] + 1, dtype=np.float64), 0
+        dim = rbms[-1].hidden_dim
+        sums, frames = np.zeros(2 * dim + 1, dtype=np.float64), 0
         for spec in self.chunks:
             feats, _, start, end = read_chunk(self.manifest, spec, *self.cmvn)
             take = min(len(feats), VISIBLE_BIAS_FRAMES - frames)
             for lo in range(0, take, cfg.pretrain.minibatch):
                 idx = np.arange(lo, min(lo + cfg.pretrain.minibatch, take))
-                v = self._splice(*(backend.to_device(a, xp) for a in (feats, idx, start, end)))
-                h = self.stack.propagate(v, layers=layers)
-                sums[:-1] += backend.to_host(h.sum(axis=0, dtype=xp.float64))
+                h = self._splice(*(backend.to_device(a, xp) for a in (feats, idx, start, end)))
+                for rbm in rbms:
+                    h = rbm.hidden_probabilities(h)
+                sums[:dim] += backend.to_host(h.sum(axis=0, dtype=xp.float64))
+                h = h.astype(xp.float64)
+                sums[dim:-1] += backend.to_host((h * h).sum(axis=0))
             frames += take
             if frames >= VISIBLE_BIAS_FRAMES:
                 break
         sums[-1] = frames
         self.comm.allreduce_(sums, op="sum")
-        return sums[:-1] / max(sums[-1], 1.0)
+        count = max(sums[-1], 1.0)
+        mean = sums[:dim] / count
+        return mean, np.maximum(sums[dim:-1] / count - mean * mean, 0.0), int(sums[-1])
+
+    def _check_alive(self, index: int) -> None:
+        """Stop when every hidden unit of the layer just trained gives the same
+        probability on every frame: a rate so large that the hidden biases saturated
+        (CD-1 then learns nothing and the weight decay wears W away) leaves a layer
+        that passes nothing on, whose reconstruction error looks like any other's
+        and whose layer above reconstructs its constant input with no error at all;
+        a network started from it did not learn (the same probabilities everywhere)."""
+        _, var, frames = self._activation_moments(self.stack.rbms + [self.rbm])
+        spread = math.sqrt(float(var.max()))
+        if spread >= DEAD_LAYER_STD or not frames:
+            return
+        rate, rate_key = self._rates(index)
+        kind = "Gaussian-Bernoulli" if index == 0 else "Bernoulli-Bernoulli"
+        raise TrainingError(f"pretrain: layer {index + 1} ({kind}) diverged: each of its "
+                            f"{self.rbm.hidden_dim} hidden units gives the same probability "
+                            f"on every frame (standard deviation at most {spread:.2g} over "
+                            f"{frames} frames), so the stack would pass nothing on; lower "
+                            f"{rate_key} (now {rate:g}){self._decay_note()}", agreed=True)
+
+    def _decay_note(self) -> str:
+        # a weight decay raised above the default can be the cause as well
+        decay = self.cfg.pretrain.weight_decay
+        return f", or pretrain.weight_decay (now {decay:g})" \
+            if decay > PretrainConfig().weight_decay else ""
 
     def _splice(self, feats, idx, start, end):
         out = self.inputs[:len(idx)] if len(idx) == len(self.inputs) else \
@@ -514,6 +556,7 @@ class Pretrainer:
             recon = self._train_layer(started)
             if self._stop is not None and self.layer_step < self.layer_steps[self.layer]:
                 return self._end_on_signal(started, written=False)     # inside the layer
+            self._check_alive(self.layer)
             self.stack.rbms.append(self.rbm)
             self.log.write("layer", layer=self.layer + 1, visible=self.rbm.visible,
                            recon_mse=recon, frames=self.frames_seen)
@@ -697,10 +740,7 @@ class Pretrainer:
         what = "is not finite" if not math.isfinite(recon) else \
             f"exploded to {recon:.4g} (first window {first:.4g}" + \
             ("" if reference == first else "; the features' variance is 1") + ")"
-        # a weight decay raised above the default can be the cause as well
-        decay = self.cfg.pretrain.weight_decay
-        also = f", or pretrain.weight_decay (now {decay:g})" \
-            if decay > PretrainConfig().weight_decay else ""
+        also = self._decay_note()
         if exploded and factor < 1.5:
             # a window only a little above the yardstick counts as exploding (as the
             # training's last words say of training.divergence_factor)

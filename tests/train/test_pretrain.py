@@ -283,6 +283,21 @@ def test_a_resumed_layer_judges_divergence_against_the_layers_first_window(
     assert capsys.readouterr().err.strip().splitlines()[-1] == straight
 
 
+def test_a_layer_saturated_by_a_large_rate_stops_as_diverged(small_corpus, tmp_path, capsys):
+    """At 50 times the default rate a Bernoulli layer saturated: each hidden unit
+    gave one probability on every frame, its error looked like any other layer's,
+    and the run ended `done` with a stack a network could not learn from."""
+    run = tmp_path / "run"
+    code = main(_argv("pretrain", run, small_corpus, ["pretrain.learning_rate=50"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "pretrain: layer 2 (Bernoulli-Bernoulli) diverged: each of its 32 hidden units " \
+           "gives the same probability on every frame (standard deviation at most " in err, err
+    assert err.endswith("so the stack would pass nothing on; lower pretrain.learning_rate "
+                        "(now 50)"), err
+    assert not (run / "pretrain.h5").exists()
+
+
 def test_a_diverging_gaussian_layer_stops_naming_its_rate(small_corpus, tmp_path, capsys):
     code = main(_argv("pretrain", tmp_path / "run", small_corpus,
                       ["pretrain.learning_rate_gaussian=50", "pretrain.momentum_initial=0.9"]))
