@@ -274,7 +274,8 @@ class PretrainConfig:
     divergence_factor: float = _opt(10.0, min=0.0, help="pretrain: stop when a log window's "
                                     "reconstruction error exceeds this factor times the "
                                     "layer's first window's (the Gaussian layer's at most 1, "
-                                    "the features' variance); 0: only non-finite errors stop")
+                                    "the features' variance, or its error as initialised if "
+                                    "larger); 0: only non-finite errors stop")
 
 
 @dataclass

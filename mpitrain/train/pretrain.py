@@ -19,10 +19,11 @@ frames with the supervised model-averaging strategy
 Every ``training.log_interval`` steps the reconstruction error, summed over
 ranks, is logged; a non-finite error, or one over ``pretrain.divergence_factor``
 times the layer's first window (the Gaussian layer's at most 1, the standardised
-features' variance; windows of fewer than MIN_JUDGED_FRAMES frames pooled
-until they hold that many), stops the run (every rank decides alike from
-the summed figures) naming the rate to lower; so does a layer that ends
-with every hidden unit constant over the data (saturated).  Checkpoints
+features' variance, or its error as initialised if larger; windows of fewer
+than MIN_JUDGED_FRAMES frames pooled until they hold that many), stops the
+run (every rank decides alike from the summed figures) naming the rate to
+lower; so does a layer that ends with every hidden unit constant over the
+data (saturated).  Checkpoints
 (``ckpt-NNNNNNNN.h5``, format ``mpitrain-pretrain-checkpoint``) are written at
 averaging points after each ``training.checkpoint_interval`` steps and at the
 end of each layer; ``--resume`` continues from the newest that verifies.  The
@@ -75,6 +76,8 @@ VISIBLE_BIAS_FRAMES = 10_000
 #: A layer none of whose hidden units varies more than this over those frames is
 #: dead (saturated ones measured 1e-8 and less; a layer that learned, 0.1 and more).
 DEAD_LAYER_STD = 1e-3
+#: Frames per rank on which the Gaussian layer's error as initialised is measured.
+UNTRAINED_FRAMES = 2_000
 
 
 def momentum_at(frames: int, *, initial: float, final: float, ramp_frames: int) -> float:
@@ -173,6 +176,7 @@ class Pretrainer:
                               cmvn_scale=self.cmvn[1], speaker_cmvn=m.speaker_cmvn)
         self.layer, self.layer_step, self.frames_seen = 0, 0, 0
         self.rbm = self.cd = None
+        self._untrained = 1.0        # the Gaussian layer's error as initialised
         self._resume_state = None
         self._stop = None            # (signal code, ranks that got it) once agreed (stop.py)
         if resume:
@@ -220,6 +224,9 @@ class Pretrainer:
         self.rbm.init_params(seed=[cfg.training.seed, index])
         if visible == "bernoulli":
             self.rbm.init_visible_bias_from_mean(self._mean_activation(index))
+        else:
+            # how far the untrained layer errs: a first window above it has exploded
+            self._untrained = self._untrained_error()
         self.cd = ContrastiveDivergence(self.rbm, weight_decay=cfg.pretrain.weight_decay)
         self.strategy.setup(self.rbm, self.cd)
 
@@ -232,28 +239,51 @@ class Pretrainer:
         """Mean and variance of the hidden probabilities of ``rbms`` (the stack's
         lowest ones) over the first VISIBLE_BIAS_FRAMES frames of every rank's data,
         and those frames' count: the same on every rank (one Allreduce)."""
-        cfg, xp = self.cfg, self.xp
+        xp = self.xp
         dim = rbms[-1].hidden_dim
-        sums, frames = np.zeros(2 * dim + 1, dtype=np.float64), 0
-        for spec in self.chunks:
-            feats, _, start, end = read_chunk(self.manifest, spec, *self.cmvn)
-            take = min(len(feats), VISIBLE_BIAS_FRAMES - frames)
-            for lo in range(0, take, cfg.pretrain.minibatch):
-                idx = np.arange(lo, min(lo + cfg.pretrain.minibatch, take))
-                h = self._splice(*(backend.to_device(a, xp) for a in (feats, idx, start, end)))
-                for rbm in rbms:
-                    h = rbm.hidden_probabilities(h)
-                sums[:dim] += backend.to_host(h.sum(axis=0, dtype=xp.float64))
-                h = h.astype(xp.float64)
-                sums[dim:-1] += backend.to_host((h * h).sum(axis=0))
-            frames += take
-            if frames >= VISIBLE_BIAS_FRAMES:
-                break
-        sums[-1] = frames
+        sums = np.zeros(2 * dim + 1, dtype=np.float64)
+        for h in self._first_frames(VISIBLE_BIAS_FRAMES):
+            for rbm in rbms:
+                h = rbm.hidden_probabilities(h)
+            sums[:dim] += backend.to_host(h.sum(axis=0, dtype=xp.float64))
+            sums[-1] += len(h)
+            h = h.astype(xp.float64)
+            sums[dim:-1] += backend.to_host((h * h).sum(axis=0))
         self.comm.allreduce_(sums, op="sum")
         count = max(sums[-1], 1.0)
         mean = sums[:dim] / count
         return mean, np.maximum(sums[dim:-1] / count - mean * mean, 0.0), int(sums[-1])
+
+    def _first_frames(self, limit: int):
+        """This rank's first ``limit`` frames, spliced, in minibatches."""
+        cfg, xp, frames = self.cfg, self.xp, 0
+        for spec in self.chunks:
+            feats, _, start, end = read_chunk(self.manifest, spec, *self.cmvn)
+            take = min(len(feats), limit - frames)
+            for lo in range(0, take, cfg.pretrain.minibatch):
+                idx = np.arange(lo, min(lo + cfg.pretrain.minibatch, take))
+                yield self._splice(*(backend.to_device(a, xp) for a in (feats, idx, start, end)))
+            frames += take
+            if frames >= limit:
+                return
+
+    def _untrained_error(self) -> float:
+        """The reconstruction error per visible unit of the Gaussian layer as
+        initialised, over the first UNTRAINED_FRAMES frames of every rank (the
+        same on every rank: one Allreduce).  It grows with the layer's width (its
+        reconstruction sums that many random weights): about 1.2 at 32 hidden
+        units, 40 at 4,096."""
+        rbm, xp = self.rbm, self.xp
+        rng = np.random.default_rng([self.cfg.training.seed, self.comm.rank, 0, 1 << 31])
+        sums = np.zeros(2, dtype=np.float64)
+        for v0 in self._first_frames(UNTRAINED_FRAMES):
+            uniforms = backend.to_device(
+                rng.random((len(v0), rbm.hidden_dim), dtype=np.float32), xp)
+            sample = (uniforms < rbm.hidden_probabilities(v0)).astype(v0.dtype)
+            diff = v0 - rbm.reconstruct(sample)
+            sums += (float(backend.to_host((diff * diff).sum(dtype=xp.float64))), len(v0))
+        self.comm.allreduce_(sums, op="sum")
+        return float(sums[0] / max(sums[1] * rbm.visible_dim, 1.0))
 
     def _check_alive(self, index: int) -> None:
         """Stop when every hidden unit of the layer just trained gives the same
@@ -730,16 +760,19 @@ class Pretrainer:
             self._window_first = recon
         first = self._window_first
         # the features are standardised, so a Gaussian layer that gave every frame
-        # the mean would err by their variance, 1: a first window far above that has
+        # the mean would err by their variance, 1, and the untrained layer errs as
+        # measured (more, the wider it is): a first window far above both has
         # exploded already and must not become the yardstick
-        reference = first if first is None or index > 0 else min(first, 1.0)
+        cap = max(1.0, self._untrained)
+        reference = first if first is None or index > 0 else min(first, cap)
         exploded = factor and reference is not None and recon > factor * reference
         if math.isfinite(recon) and not exploded:
             return
         kind = "Gaussian-Bernoulli" if index == 0 else "Bernoulli-Bernoulli"
         what = "is not finite" if not math.isfinite(recon) else \
             f"exploded to {recon:.4g} (first window {first:.4g}" + \
-            ("" if reference == first else "; the features' variance is 1") + ")"
+            ("" if reference == first else "; the features' variance is 1" +
+             ("" if cap == 1.0 else f", the untrained layer's error {cap:.3g}")) + ")"
         also = self._decay_note()
         if exploded and factor < 1.5:
             # a window only a little above the yardstick counts as exploding (as the

@@ -507,6 +507,28 @@ def test_a_gaussian_layer_exploded_in_its_first_window_stops_there(small_corpus,
     assert "; the features' variance is 1)" in err, err
 
 
+def test_a_wide_gaussian_layer_is_judged_against_its_untrained_error(small_corpus, tmp_path,
+                                                                      capsys):
+    """4,096 hidden units reconstruct, as initialised, with an error of about 75 (they
+    sum that many random weights): the yardstick was capped at 1, the features'
+    variance, so the first window stopped the layer as exploded at any rate, 1e-6
+    included, telling to lower it."""
+    wide = ["model.hidden_layers=1", "model.hidden_dim=4096", "data.left_context=0",
+            "data.right_context=0", "pretrain.epochs_gaussian=0.05",
+            "training.log_interval=10", "data.dev="]
+    code = main(_argv("pretrain", tmp_path / "slow", small_corpus,
+                      wide + ["pretrain.learning_rate_gaussian=1e-6"]))
+    assert code == 0, capsys.readouterr().err
+    errors = [r["recon_mse"] for r in _records(tmp_path / "slow", "pretrain")]
+    assert min(errors) > 10, errors          # above what the old yardstick allowed
+    # a rate that does explode is still stopped at its first window
+    code = main(_argv("pretrain", tmp_path / "fast", small_corpus,
+                      wide + ["pretrain.learning_rate_gaussian=0.01"]))
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "layer 1 (Gaussian-Bernoulli) diverged at step 10: " in err, err
+    assert "; the features' variance is 1, the untrained layer's error " in err, err
+
+
 def test_windows_of_a_few_frames_are_judged_pooled(small_corpus, tmp_path, capsys):
     """With minibatch 1 and log_interval 1 one frame was the yardstick, and a frame
     of twenty times its error stopped a healthy layer at step 36 as diverged."""
