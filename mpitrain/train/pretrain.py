@@ -22,8 +22,8 @@ times the layer's first window (the Gaussian layer's at most 1, the standardised
 features' variance, or its error as initialised if larger; windows of fewer
 than MIN_JUDGED_FRAMES frames pooled until they hold that many), stops the
 run (every rank decides alike from the summed figures) naming the rate to
-lower; so does a layer that ends with every hidden unit constant over the
-data (saturated).  Checkpoints
+lower; so does a layer whose every hidden unit is constant over the data
+(saturated) at a checkpoint or at its end.  Checkpoints
 (``ckpt-NNNNNNNN.h5``, format ``mpitrain-pretrain-checkpoint``) are written at
 averaging points after each ``training.checkpoint_interval`` steps and at the
 end of each layer; ``--resume`` continues from the newest that verifies.  The
@@ -70,11 +70,13 @@ MOMENTUM_STEPS = 40
 PRETRAIN_SETTINGS = ("pretrain.", "data.train", "data.left_context", "data.right_context",
                      "data.chunk_frames", "model.hidden_layers", "model.hidden_dim",
                      "training.seed", "parallel.average_momentum")
-#: Frames per rank whose mean activation starts a Bernoulli layer's visible bias
-#: (and on which a trained layer's hidden units are checked for a dead layer).
+#: Frames per rank whose mean activation starts a Bernoulli layer's visible bias.
 VISIBLE_BIAS_FRAMES = 10_000
+#: Frames per rank on which a layer's hidden units are checked for a dead layer
+#: (at each of its checkpoints and at its end).
+ALIVE_FRAMES = 2_000
 #: A layer none of whose hidden units varies more than this over those frames is
-#: dead (saturated ones measured 1e-8 and less; a layer that learned, 0.1 and more).
+#: dead (saturated ones measured 1e-5 and less; a layer that learned, 0.1 and more).
 DEAD_LAYER_STD = 1e-3
 #: Frames per rank on which the Gaussian layer's error as initialised is measured.
 UNTRAINED_FRAMES = 2_000
@@ -235,14 +237,14 @@ class Pretrainer:
         every rank's data (the same on every rank: one Allreduce)."""
         return self._activation_moments(self.stack.rbms[:layers])[0]
 
-    def _activation_moments(self, rbms) -> tuple:
+    def _activation_moments(self, rbms, *, limit: int = VISIBLE_BIAS_FRAMES) -> tuple:
         """Mean and variance of the hidden probabilities of ``rbms`` (the stack's
-        lowest ones) over the first VISIBLE_BIAS_FRAMES frames of every rank's data,
-        and those frames' count: the same on every rank (one Allreduce)."""
+        lowest ones) over the first ``limit`` frames of every rank's data, and
+        those frames' count: the same on every rank (one Allreduce)."""
         xp = self.xp
-        dim = rbms[-1].hidden_dim
+        dim = rbms[-1].hidden_dim if rbms else self.dims[0]     # none: the features
         sums = np.zeros(2 * dim + 1, dtype=np.float64)
-        for h in self._first_frames(VISIBLE_BIAS_FRAMES):
+        for h in self._first_frames(limit):
             for rbm in rbms:
                 h = rbm.hidden_probabilities(h)
             sums[:dim] += backend.to_host(h.sum(axis=0, dtype=xp.float64))
@@ -286,19 +288,26 @@ class Pretrainer:
         return float(sums[0] / max(sums[1] * rbm.visible_dim, 1.0))
 
     def _check_alive(self, index: int) -> None:
-        """Stop when every hidden unit of the layer just trained gives the same
-        probability on every frame: a rate so large that the hidden biases saturated
-        (CD-1 then learns nothing and the weight decay wears W away) leaves a layer
-        that passes nothing on, whose reconstruction error looks like any other's
-        and whose layer above reconstructs its constant input with no error at all;
-        a network started from it did not learn (the same probabilities everywhere)."""
-        _, var, frames = self._activation_moments(self.stack.rbms + [self.rbm])
+        """Stop when every hidden unit of the layer in training (at a checkpoint,
+        or at its end) gives the same probability on every frame: a rate so large
+        that the hidden biases saturated (CD-1 then learns nothing and the weight
+        decay wears W away) leaves a layer that passes nothing on, whose
+        reconstruction error looks like any other's and whose layer above
+        reconstructs its constant input with no error at all; a network started
+        from it did not learn (the same probabilities everywhere)."""
+        _, var, frames = self._activation_moments(self.stack.rbms + [self.rbm],
+                                                  limit=ALIVE_FRAMES)
         spread = math.sqrt(float(var.max()))
         if spread >= DEAD_LAYER_STD or not frames:
             return
+        # an input as constant over those frames (long digital silence) is no sign
+        _, below, _ = self._activation_moments(self.stack.rbms, limit=ALIVE_FRAMES)
+        if math.sqrt(float(below.max())) < DEAD_LAYER_STD:
+            return
         rate, rate_key = self._rates(index)
         kind = "Gaussian-Bernoulli" if index == 0 else "Bernoulli-Bernoulli"
-        raise TrainingError(f"pretrain: layer {index + 1} ({kind}) diverged: each of its "
+        raise TrainingError(f"pretrain: layer {index + 1} ({kind}) diverged at step "
+                            f"{self.layer_step}: each of its "
                             f"{self.rbm.hidden_dim} hidden units gives the same probability "
                             f"on every frame (standard deviation at most {spread:.2g} over "
                             f"{frames} frames), so the stack would pass nothing on; lower "
@@ -715,6 +724,9 @@ class Pretrainer:
                 # cannot hold NaN (the log lines that check it may be further apart)
                 if not bool(backend.to_host(xp.isfinite(rbm.params).all())):
                     self._check_divergence(index, math.nan, rate, rate_key)
+                # nor is a saturated one kept: a resume at a lower rate would go on
+                # from it, stuck, and be told to lower that rate again
+                self._check_alive(index)
                 self.save_checkpoint()
             # a signal: at the first averaging point from the log line where the ranks
             # agreed (one rank alone: at once); at a layer's last step, its end's

@@ -288,14 +288,23 @@ def test_a_layer_saturated_by_a_large_rate_stops_as_diverged(small_corpus, tmp_p
     gave one probability on every frame, its error looked like any other layer's,
     and the run ended `done` with a stack a network could not learn from."""
     run = tmp_path / "run"
-    code = main(_argv("pretrain", run, small_corpus, ["pretrain.learning_rate=50"]))
+    extra = ["training.checkpoint_interval=40", "training.keep_checkpoints=100"]
+    code = main(_argv("pretrain", run, small_corpus, extra + ["pretrain.learning_rate=50"]))
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
-    assert "pretrain: layer 2 (Bernoulli-Bernoulli) diverged: each of its 32 hidden units " \
-           "gives the same probability on every frame (standard deviation at most " in err, err
+    assert "pretrain: layer 2 (Bernoulli-Bernoulli) diverged at step 40: each of its 32 " \
+           "hidden units gives the same probability on every frame (standard deviation at " \
+           "most " in err, err
     assert err.endswith("so the stack would pass nothing on; lower pretrain.learning_rate "
                         "(now 50)"), err
     assert not (run / "pretrain.h5").exists()
+    # no checkpoint holds the saturated layer: at a lower rate the run goes on from
+    # the one before and learns (it went on from the stuck one and was stopped again,
+    # told to lower the default rate)
+    assert main(_argv("pretrain", run, small_corpus, extra) + ["--resume",
+                                                               "--accept-changes"]) == 0
+    errors = [r["recon_mse"] for r in _records(run, "layer")]
+    assert errors[-1] < 0.1, errors
 
 
 def test_a_diverging_gaussian_layer_stops_naming_its_rate(small_corpus, tmp_path, capsys):
