@@ -273,8 +273,8 @@ class Pretrainer:
         """The reconstruction error per visible unit of the Gaussian layer as
         initialised, over the first UNTRAINED_FRAMES frames of every rank (the
         same on every rank: one Allreduce).  It grows with the layer's width (its
-        reconstruction sums that many random weights): about 1.2 at 32 hidden
-        units, 40 at 4,096."""
+        reconstruction sums that many random weights): on 11 spliced frames of
+        the synthetic corpus about 1.0 at 32 hidden units, 2.7 at 512, 42 at 4,096."""
         rbm, xp = self.rbm, self.xp
         rng = np.random.default_rng([self.cfg.training.seed, self.comm.rank, 0, 1 << 31])
         sums = np.zeros(2, dtype=np.float64)
