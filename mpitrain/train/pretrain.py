@@ -82,6 +82,13 @@ DEAD_LAYER_STD = 1e-3
 UNTRAINED_FRAMES = 2_000
 
 
+def reads_every_setting(settings: dict) -> tuple:
+    """No setting of PRETRAIN_SETTINGS goes unread here, whatever parallel.method
+    says: pretraining averages its models as model_averaging does, and reads
+    parallel.average_momentum, which `train` reads with that method alone."""
+    return ()
+
+
 def momentum_at(frames: int, *, initial: float, final: float, ramp_frames: int) -> float:
     """The momentum after ``frames`` frames of this rank (40 equal steps up).
 
@@ -464,7 +471,8 @@ class Pretrainer:
                                 agreed=True) from None
         changes, moved = resume_changes(saved, self.cfg,
                                         {**ckpt["places"], **ckpt["corpus"]},
-                                        corpus_identity({"data.train": self.manifest}))
+                                        corpus_identity({"data.train": self.manifest}),
+                                        unused=reads_every_setting)
         notes += moved
         changes = [c for c in changes if c.startswith(PRETRAIN_SETTINGS)]
         if changes and not self.accept_changes:

@@ -316,7 +316,8 @@ def moved_corpora(old_state: dict, now_identity: dict, now_places: dict) -> dict
 
 
 def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
-                     old_places: dict | None = None, moved: dict | None = None) -> list:
+                     old_places: dict | None = None, moved: dict | None = None,
+                     unused=unused_settings) -> list:
     """``"key: old -> new"`` for each setting that differs and changes the result.
 
     ``old_places`` (:func:`corpus_places` of the old run, where it was saved):
@@ -324,10 +325,11 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
     they are spelt (a relative path resumed from another working directory).
     ``moved`` (:func:`moved_corpora`): path settings that name the same corpus
     elsewhere, which changes nothing.  Settings that neither run uses
-    (:func:`unused_settings`) change nothing either."""
+    (``unused``: dotted settings -> prefixes, :func:`unused_settings` as `train`
+    reads them) change nothing either."""
     old, new = dotted_keys(old_cfg.to_dict()), dotted_keys(new_cfg.to_dict())
     places = corpus_places(new_cfg)
-    unused = set(unused_settings(old)) & set(unused_settings(new))
+    unused = set(unused(old)) & set(unused(new))
     changes = []
     for key in sorted(set(old) | set(new)):
         if key in neutral or key in (moved or {}) or key.startswith(tuple(unused)):
@@ -344,12 +346,14 @@ def changed_settings(old_cfg, new_cfg, *, neutral=NEUTRAL_SETTINGS,
     return changes
 
 
-def resume_changes(old_cfg, new_cfg, old_state: dict, now_identity: dict) -> tuple:
+def resume_changes(old_cfg, new_cfg, old_state: dict, now_identity: dict, *,
+                   unused=unused_settings) -> tuple:
     """``(changes, notes)`` of a resume from a checkpoint with config ``old_cfg``
     and trainer state ``old_state`` (its places, corpus and stack identity): the
     settings and corpora that differ (:func:`changed_settings`,
     :func:`changed_corpora`), and a line for each corpus or stack found elsewhere
-    (:func:`moved_corpora`, :func:`moved_init_from`), which is no change."""
+    (:func:`moved_corpora`, :func:`moved_init_from`), which is no change.
+    ``unused``: as in :func:`changed_settings`."""
     places = corpus_places(new_cfg)
     moved = moved_corpora(old_state, now_identity, places)
     notes = [f"{key}: the corpus this run trained on, moved from {before} to {after}"
@@ -360,7 +364,8 @@ def resume_changes(old_cfg, new_cfg, old_state: dict, now_identity: dict) -> tup
     moved.update(stack)
     changes = changed_settings(
         old_cfg, new_cfg, old_places={k: v for k, v in old_state.items()
-                                      if k.startswith("place_")}, moved=moved) \
+                                      if k.startswith("place_")}, moved=moved,
+        unused=unused) \
         + changed_corpora(old_state, now_identity, places)
     return changes, notes
 

@@ -619,3 +619,21 @@ def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(path) in err and named in err, err
     assert (run / "config.yaml").read_bytes() == config
+
+
+def test_momentum_averaging_changed_on_resume_is_judged_with_any_parallel_method(
+        small_corpus, tmp_path, capsys):
+    """Pretraining averages as model_averaging does whatever parallel.method says,
+    so parallel.average_momentum changes its result with a config written for
+    another method too (such a change was taken on --resume without a word)."""
+    run = tmp_path / "run"
+    extra = ["training.checkpoint_interval=40", "training.keep_checkpoints=100",
+             "parallel.method=allreduce"]
+    assert main(_argv("pretrain", run, small_corpus, extra)) == 0
+    os.remove(run / "pretrain.h5")
+    capsys.readouterr()
+    code = main(_argv("pretrain", run, small_corpus, extra + ["parallel.average_momentum=true"])
+                + ["--resume"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "parallel.average_momentum: False -> True" in err, err
