@@ -89,6 +89,12 @@ def reads_every_setting(settings: dict) -> tuple:
     return ()
 
 
+def layer_epochs(pretrain_cfg, layer: int) -> float:
+    """The epochs that RBM ``layer`` (0-based) trains: the Gaussian one's, or each
+    Bernoulli one's."""
+    return pretrain_cfg.epochs_gaussian if layer == 0 else pretrain_cfg.epochs_per_layer
+
+
 def momentum_at(frames: int, *, initial: float, final: float, ramp_frames: int) -> float:
     """The momentum after ``frames`` frames of this rank (40 equal steps up).
 
@@ -178,8 +184,7 @@ class Pretrainer:
         dims = [m.feat_dim * (cfg.data.left_context + 1 + cfg.data.right_context)] \
             + [cfg.model.hidden_dim] * cfg.model.hidden_layers
         self.dims = dims
-        self.layer_steps = [self._steps_for(p.epochs_gaussian if i == 0 else p.epochs_per_layer)
-                            for i in range(len(dims) - 1)]
+        self.layer_steps = [self._steps_for(layer_epochs(p, i)) for i in range(len(dims) - 1)]
         self.stack = RBMStack([], feat_dim=m.feat_dim, left_context=cfg.data.left_context,
                               right_context=cfg.data.right_context, cmvn_mean=self.cmvn[0],
                               cmvn_scale=self.cmvn[1], speaker_cmvn=m.speaker_cmvn)
@@ -506,6 +511,9 @@ class Pretrainer:
                          "fraction of the layer counts as done, momentum starts afresh")
         for line in notes:
             self._say(f"resume: {line}")
+        # (the layer's epochs as the checkpoint planned them: a re-plan keeps the
+        # passes over the data already made, not the fraction of a longer layer)
+        ckpt = {**ckpt, "layer_epochs": layer_epochs(saved.pretrain, ckpt["layer"])}
         self._resume_state = ckpt
         self._say(f"resumed from {chosen} at layer {ckpt['layer'] + 1}, step "
                   f"{ckpt['layer_step']}")
@@ -539,8 +547,11 @@ class Pretrainer:
         same_ranks = ckpt["rank"] is not None
         step = ckpt["layer_step"]
         if not same_ranks and ckpt["layer_steps"]:
-            # another number of ranks or data plan: the same fraction of the layer is done
-            step = int(round(step * self.layer_steps[self.layer] / ckpt["layer_steps"]))
+            # another number of ranks or data plan: the same passes over the data are
+            # done (the same fraction of the layer unless its epochs changed too)
+            scale = ckpt["layer_epochs"] / layer_epochs(self.cfg.pretrain, self.layer)
+            step = int(round(step * scale * self.layer_steps[self.layer]
+                             / ckpt["layer_steps"]))
         self.layer_step = min(step, self.layer_steps[self.layer])
         if same_ranks:
             try:

@@ -637,3 +637,23 @@ def test_momentum_averaging_changed_on_resume_is_judged_with_any_parallel_method
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "parallel.average_momentum: False -> True" in err, err
+
+
+def test_a_re_planned_pretraining_given_more_epochs_keeps_the_data_done(small_corpus,
+                                                                        tmp_path, capsys):
+    """pretrain --resume --accept-changes that re-plans the data and lengthens the
+    layer: the passes over the data already made count as done, not the same
+    fraction of the longer layer (which skipped data never trained on)."""
+    run, extra = _cut_at_40(small_corpus, tmp_path)     # 40 of 135 steps of 100 frames
+    with h5py.File(run / "ckpt-00000040.h5", "r") as f:
+        done = int(f.attrs["frames_seen"])
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus, extra + [
+        "pretrain.minibatch=50", "pretrain.epochs_gaussian=0.5"])
+        + ["--resume", "--accept-changes"]) == 0, capsys.readouterr().err
+    # 40 steps of 100 frames done are about 80 of 50 frames (the same fraction of the
+    # longer layer said about 160): the layer trains the rest of its steps from there
+    steps = max(r["step"] for r in _records(run, "pretrain") if r["layer"] == 1)
+    layer, = [r for r in _records(run, "layer") if r["layer"] == 1][-1:]
+    assert layer["frames"] == done + (steps - round(40 * 0.5 * steps / 135)) * 50, \
+        (layer, done, steps)
