@@ -102,8 +102,11 @@ class CheckpointResume:
         if stopped_early == "schedule":
             how = "the newbob schedule had stopped it at an epoch's end"
         elif stopped_early:
+            # (its count of evaluations without a gain is kept: more epochs alone
+            # stop again at the next evaluation without one)
             how = ("training.early_stop had stopped it at a held-out evaluation, so a higher "
-                   "training.max_steps changes nothing; raise training.epochs to go on")
+                   "training.max_steps changes nothing; raise training.early_stop.patience "
+                   "(--accept-changes) to go on")
         else:
             how = "raise training.epochs or training.max_steps to go on"
         self._say(f"resume: the run had ended at step {ckpt_step}{where}; nothing to train "

@@ -490,3 +490,23 @@ def test_a_checkpoint_whose_reader_position_does_not_exist_is_refused(small_corp
     err = _one_line(capsys.readouterr().err)
     assert f"{ckpt}: ranks/00000/reader: {said}" in err
     assert _snapshot(run) == before
+
+
+def test_an_early_stopped_run_goes_on_as_its_resume_line_says(small_corpus, tmp_path, capsys):
+    """The resume line of a run that early stopping ended said to raise
+    training.epochs, which trained to the next evaluation and stopped there again
+    (the count of evaluations without a gain is kept); more patience goes on."""
+    run = tmp_path / "run"
+    settings = ["training.early_stop.patience=1", "training.early_stop.min_delta=0.5",
+                "training.eval_interval=1280"]
+    assert _train(run, small_corpus, settings) == 0             # stops at step 10 of 20
+    capsys.readouterr()
+    assert _train(run, small_corpus, settings + ["training.max_steps=0"],
+                  flags=["--resume"]) == 0
+    advice = capsys.readouterr().out.split("nothing to train (")[1]
+    assert "raise training.early_stop.patience (--accept-changes) to go on" in advice, advice
+    assert _train(run, small_corpus, settings[1:] + ["training.early_stop.patience=100"],
+                  flags=["--resume", "--accept-changes"]) == 0
+    ends = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+            if r["type"] == "end"]
+    assert ends[-1]["steps"] == 20, ends
