@@ -875,6 +875,6 @@ def test_settings_the_run_does_not_read_are_noted_at_its_start(small_corpus, tmp
     notes = [line for line in capsys.readouterr().out.splitlines()
              if line.startswith("config:")]
     assert notes == ["config: optimizer.ngsgd.rank_in=10, parallel.average_momentum=true, "
-                     "parallel.delay_by_one=true: not read by this run (another method's, "
-                     "schedule's or optimizer's setting; parallel.method bmuf, "
-                     "optimizer.name sgd, optimizer.schedule exponential)"]
+                     "parallel.delay_by_one=true: set, but not read with this run's other "
+                     "settings (parallel.method bmuf, optimizer.name sgd, optimizer.schedule "
+                     "exponential, model.nonlinearity relu)"]

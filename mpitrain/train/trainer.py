@@ -350,16 +350,18 @@ class Trainer(CheckpointResume):
 
     def _note_unread_settings(self) -> None:
         """The note on settings given (other than their defaults) that this run does
-        not read: those of another parallel method, rate schedule or optimizer
-        (a config written for one, run with another through --set)."""
+        not read: those of another parallel method, rate schedule or optimizer (a
+        config written for one, run with another through --set), of p-norm units
+        without them, of a combination or early stopping that is off."""
         given, defaults = dotted_keys(self.cfg.to_dict()), dotted_keys(RunConfig().to_dict())
         unread = [f"{key}={_shown_setting(value)}" for key, value in given.items()
                   if key.startswith(unused_settings(given)) and value != defaults.get(key)]
         if unread:
-            self._say(f"config: {', '.join(unread)}: not read by this run (another "
-                      f"method's, schedule's or optimizer's setting; parallel.method "
-                      f"{self.cfg.parallel.method}, optimizer.name {self.cfg.optimizer.name}, "
-                      f"optimizer.schedule {self.cfg.optimizer.schedule})")
+            self._say(f"config: {', '.join(unread)}: set, but not read with this run's "
+                      f"other settings (parallel.method {self.cfg.parallel.method}, "
+                      f"optimizer.name {self.cfg.optimizer.name}, optimizer.schedule "
+                      f"{self.cfg.optimizer.schedule}, model.nonlinearity "
+                      f"{self.cfg.model.nonlinearity})")
 
     def _say_frames_left_out(self, used: int, why: str) -> None:
         """The note when an epoch trains on less than 95% of the corpus' frames."""
