@@ -131,27 +131,24 @@ class KaldiAveraging(Strategy):
 
     def after_update(self, net, optimizer, step: int) -> None:
         if step % self.every_steps == 0:
-            self._average(net, optimizer, self.num_jobs(step - 1), step - 1)
+            self._average(net, optimizer, step)
 
-    def _average(self, net, optimizer, jobs: int, last_step: int) -> None:
+    def _average(self, net, optimizer, step: int) -> None:
         if self.comm.size > 1:
-            if not self.is_active(last_step):
-                net.params[...] = 0
-            self.comm.allreduce_(net.params, op="sum")
-            net.params *= 1.0 / jobs
+            self.average_models_(net.params, step)
         # each Kaldi job starts a fresh trainer, its momentum zero
         optimizer.clear_momentum()
         optimizer.after_average()
 
     def average_models_(self, params, step: int) -> None:
-        # the iteration's jobs alone, as its end averages them: an idle rank still
-        # holds the model the iteration started from
-        jobs = self.num_jobs(step - 1)
+        """params <- the mean of the jobs of the iteration holding 0-based step
+        ``step - 1`` (an idle rank still holds the model the iteration started
+        from and adds zero)."""
         if not self.is_active(step - 1):
             params[...] = 0
         self.comm.allreduce_(params, op="sum")
-        params *= 1.0 / jobs
+        params *= 1.0 / self.num_jobs(step - 1)
 
     def finalize(self, net, optimizer, step: int = 0) -> None:
         if step % self.every_steps and self.comm.size > 1:
-            self._average(net, optimizer, self.num_jobs(step - 1), step - 1)
+            self._average(net, optimizer, step)
