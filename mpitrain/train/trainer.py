@@ -62,20 +62,67 @@ def balanced_plan(manifest, size: int) -> list:
 def load_manifests(comm, train: str, dev: str = "") -> tuple:
     """(training manifest, held-out manifest or None), read on every rank.
 
-    All ranks read the same files, so a wrong ``data.train`` or ``data.dev``
-    fails on all of them together: then it is one line from rank 0 (an agreed
-    error).  A rank that alone cannot read them (a file system missing on one
-    node) raises an error of its own, which aborts the job.
+    All ranks should read the same files, so a wrong ``data.train`` or
+    ``data.dev`` fails on all of them together: then it is one line from rank 0
+    (an agreed error).  A rank that alone cannot read them (a file system
+    missing on one node) raises an error of its own, which aborts the job.  A
+    rank that reads another corpus than rank 0 (a relative path from another
+    working directory, a stale copy on one node's disk) stops every rank: each
+    would train on its own data.
     """
     error, manifests = None, None
     try:
         manifests = (load_manifest(train), load_manifest(dev) if dev else None)
     except (ValueError, OSError) as exc:
         error = exc
-    failed = int(comm.allreduce_scalar(0 if error is None else 1, op="sum"))
+    seen = None if manifests is None else [
+        [held_out_identity(m), m.num_frames, m.num_utterances] if m is not None else None
+        for m in manifests]
+    views = comm.allgather_obj([_working_directory(), seen])
+    failed = sum(1 for _, other in views if other is None)
     if error is not None:
-        raise TrainingError(str(error), agreed=failed == comm.size) from None
+        raise TrainingError(str(error) + _working_directory_note(
+            views, comm.rank, [train, dev]), agreed=failed == comm.size) from None
+    if failed:
+        return manifests        # the failing ranks abort the job
+    for index, (key, path) in enumerate((("data.train", train), ("data.dev", dev))):
+        ours = views[0][1][index]
+        others = [rank for rank, (_, other) in enumerate(views)
+                  if other[index] != ours]
+        if not others:
+            continue
+        rank = others[0]
+        theirs = views[rank][1][index]
+
+        def size(seen):
+            return f"{seen[1]:,} frames in {seen[2]:,} utterances"
+        what = f"{size(theirs)} there, {size(ours)} on rank 0" \
+            if theirs[1:] != ours[1:] else \
+            "the same sizes, other labels or features"
+        raise TrainingError(
+            f"{key}: {path}: rank {rank} reads another corpus than rank 0 ({what})"
+            f"{_working_directory_note(views, rank, [path])}; every rank must read the "
+            "same corpus (a copy on each node's disk must be the same files)",
+            agreed=True, setting=True)
     return manifests
+
+
+def _working_directory() -> str:
+    try:
+        return os.getcwd()
+    except OSError:             # removed while the process runs in it
+        return ""
+
+
+def _working_directory_note(views, rank: int, paths) -> str:
+    """Where a relative path leads rank ``rank`` if it runs in another directory
+    than rank 0 (mpiexec -wdir, a batch script's cd on one node); else ''."""
+    here, there = views[rank][0], views[0][0]
+    if here == there or not (here and there) or \
+            not any(p and not os.path.isabs(p) for p in paths):
+        return ""
+    return (f" (a relative path: rank {rank} runs in {here}, rank 0 in {there}; "
+            "give absolute paths or start every rank in one directory)")
 
 
 def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,

@@ -320,6 +320,50 @@ def test_a_corpus_no_rank_finds_is_one_line_from_rank_0(small_corpus, tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
+def _train_from_two_directories(first, others, run_dir, timeout=90):
+    # data.train and data.dev relative: each rank finds them from its own directory
+    args = [str(WORKERS / "working_directory_worker.py"), str(first), str(others), "--",
+            "train", QUICKSTART, "--run-dir", str(run_dir)]
+    for setting in TINY + ["data.train=data/train", "data.dev=data/dev",
+                           "data.chunk_frames=20000"]:
+        args += ["--set", setting]
+    return run_mpi(2, args, timeout=timeout)
+
+
+@pytest.mark.mpi
+def test_ranks_that_read_different_corpora_stop_before_training(small_corpus, tmp_path):
+    # rank 1 starts in another directory, where the relative data.train names
+    # another corpus: each rank trained on its own data, and nothing was said
+    first, other = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(small_corpus, first / "data")
+    assert main(["synth", str(other / "data"), "--hours", "0.05", "--dev-hours", "0.02",
+                 "--shards", "2", "--seed", "2"]) == 0
+    result = _train_from_two_directories(first, other, tmp_path / "run")
+    assert result.returncode == 2, mpi_output(result)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, mpi_output(result)                     # from rank 0, no abort
+    assert lines[0].startswith(f"mpitrain train: error: {QUICKSTART}: data.train: "
+                               "data/train: rank 1 reads another corpus than rank 0 ("), \
+        mpi_output(result)
+    assert f"rank 1 runs in {other}, rank 0 in {first}" in lines[0], mpi_output(result)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.mpi
+def test_a_relative_corpus_one_rank_cannot_find_names_the_working_directories(
+        small_corpus, tmp_path):
+    first, other = tmp_path / "a", tmp_path / "b"
+    shutil.copytree(small_corpus, first / "data")
+    other.mkdir()
+    result = _train_from_two_directories(first, other, tmp_path / "run")
+    assert result.returncode != 0, mpi_output(result)
+    assert "mpitrain train: rank 1: error: data/train/corpus.yaml: not found" in \
+        result.stderr, mpi_output(result)
+    assert f"(a relative path: rank 1 runs in {other}, rank 0 in {first}; give absolute " \
+        "paths or start every rank in one directory)" in result.stderr, mpi_output(result)
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.mpi
 def test_too_few_ranks_for_the_parameter_servers_is_one_line_from_rank_0(small_corpus,
                                                                          tmp_path):
