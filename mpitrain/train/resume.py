@@ -19,7 +19,8 @@ import os
 
 from .. import backend
 from ..config import config_from_yaml
-from ..nn.model_file import ModelMismatchError, save_model
+from ..h5io import open_h5_for_reading
+from ..nn.model_file import BEST_MODEL, ModelMismatchError, save_model
 from ..parallel.registry import takes_own_steps
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
@@ -46,6 +47,25 @@ def copied_state(state):
     if hasattr(state, "shape") and hasattr(state, "copy"):
         return state.copy()
     return state
+
+
+def later_best_model(path: str, select_by: str, after_step: int):
+    """(figure, step, held-out frames) of the best model at ``path`` when it was
+    selected by ``select_by`` after step ``after_step``; else None (no file, or
+    one that cannot be read: the model loaders name its damage)."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open_h5_for_reading(path, "model") as f:
+            attrs = dict(f.attrs)
+        step = int(attrs["selected_at_step"])
+        value = float(attrs[f"selected_dev_{select_by}"])
+        frames = int(attrs.get("selected_dev_frames", 0))
+        if str(attrs["selected_by"]) != select_by or step <= after_step:
+            return None
+    except (OSError, ValueError, TypeError, OverflowError, KeyError, RuntimeError):
+        return None
+    return value, step, frames
 
 
 class CheckpointResume:
@@ -213,9 +233,26 @@ class CheckpointResume:
         self._restore(ckpt, settings_changed=bool(changes))
         # (a roll back restores a checkpoint too, but keeps the best model found since)
         # (another training.select_by: its best value is not one of the new figure's)
-        self._load_part(ckpt, "the model selection (best.h5, early stopping)",
-                        self._load_selection_state, bool(changes))
+        if self._load_part(ckpt, "the model selection (best.h5, early stopping)",
+                           self._load_selection_state, bool(changes)):
+            self._keep_a_later_best_model(ckpt)
         self._say(f"resumed from {ckpt.path} at step {self.step}")
+
+    def _keep_a_later_best_model(self, ckpt) -> None:
+        """A run cut off (killed, its node lost) after it wrote best.h5 past the
+        checkpoint leaves a best model the checkpoint's selection does not know:
+        as after a roll back, it stays the best so far, so that what the run says
+        of best.h5 is what the file holds."""
+        found = None
+        if self.is_root:
+            found = later_best_model(os.path.join(self.run_dir, BEST_MODEL),
+                                     self.selection.select_by, ckpt.step)
+        found = self.comm.bcast_obj(found, root=0)
+        if found and self.selection.keep_later_best(*found):
+            value, step, _ = found
+            self._say(f"resume: {BEST_MODEL} holds the model selected at step {step} "
+                      f"(held-out {self.selection.select_by} {value:.4f}), past the "
+                      "checkpoint; it stays the best so far")
 
     def _restore(self, ckpt, *, settings_changed: bool = False) -> None:
         """Continue from a loaded checkpoint (its model is already in the network).

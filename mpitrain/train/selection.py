@@ -141,6 +141,22 @@ class ModelSelection:
             return "no held-out evaluation yet"
         return f"held-out {self.select_by} {self.best_value:.4f} at step {self.best_step}"
 
+    def keep_later_best(self, value: float, step: int, frames: int) -> bool:
+        """Take a best model found after the state this selection was loaded from
+        (best.h5 of a run cut off past its newest checkpoint) when its figure is
+        better and over the same held-out frames; whether it was taken."""
+        if not math.isfinite(value) or not self._better(value, self.best_value):
+            return False
+        if self.held_out_set and self.figures_set and self.held_out_set != self.figures_set:
+            return False        # the next evaluation starts the selection afresh
+        if self.held_out_frames and frames != self.held_out_frames:
+            return False
+        self.best_value, self.best_step = float(value), int(step)
+        if frames:
+            self.held_out_frames = int(frames)
+            self.figures_set = self.held_out_set or self.figures_set
+        return True
+
     # -- checkpoints ------------------------------------------------------------------
     def state_dict(self) -> dict:
         # finite numbers only (checkpoints refuse NaN): no best yet is best_step -1

@@ -7,6 +7,7 @@ run.
 """
 
 import io
+import json
 import os
 
 import h5py
@@ -302,3 +303,37 @@ def test_accepted_ngsgd_ranks_start_the_estimates_afresh(small_corpus, tmp_path,
     with h5py.File(run / "ckpt-00000008.h5", "r") as f:
         saved = f["ranks/00000/optimizer/preconditioners"]
         assert saved["layer0_in/W"].shape[0] == 3 and saved["layer0_out/W"].shape[0] == 5
+
+
+def test_a_best_model_written_after_the_checkpoint_stays_the_best(small_corpus, tmp_path,
+                                                                  capsys):
+    # a run killed after it wrote best.h5 past its newest checkpoint: the resumed
+    # run said the checkpoint's best (step <= 8) while best.h5 held a later model
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                 "training.checkpoint_interval=8",
+                                                 "training.eval_interval=1024",
+                                                 "training.max_steps=16"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+
+    def selected(path):
+        with h5py.File(path, "r") as f:
+            return int(f.attrs["selected_at_step"]), float(f.attrs["selected_dev_acc"])
+    step, acc = selected(run / "best.h5")
+    assert step > 8, step               # (the model learns: a later evaluation is best)
+    for name in ("ckpt-00000016.h5", "final.h5"):   # cut off between steps 8 and 16
+        os.remove(run / name)
+    capsys.readouterr()
+    # (a rate that changes nothing: the resumed evaluations cannot beat the later one)
+    assert main(argv + ["--resume", "--accept-changes",
+                        "--set", "optimizer.initial_learning_rate=1e-20",
+                        "--set", "optimizer.final_learning_rate=1e-20"]) == 0
+    out = capsys.readouterr().out
+    assert (f"resume: best.h5 holds the model selected at step {step} (held-out acc {acc:.4f}), "
+            "past the checkpoint; it stays the best so far") in out, out
+    assert selected(run / "best.h5") == (step, acc)
+    assert f"best {run}/best.h5 (held-out acc {acc:.4f} at step {step})" in out, out
+    end = [json.loads(line) for line in open(run / "metrics.jsonl")][-1]
+    assert end["type"] == "end" and end["best_step"] == step, end
