@@ -270,9 +270,11 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
     _limit_blas_threads(cfg, comm)
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0] + default_suffix)
-    problem = comm.bcast_obj(run_dir_problem(run_dir, resume=args.resume,
-                                             overwrite=args.overwrite)
-                             if comm.rank == 0 else None, root=0)
+    problem, root_cwd = comm.bcast_obj(
+        (run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite),
+         _working_directory()) if comm.rank == 0 else None, root=0)
+    if comm.rank != 0:
+        run_dir = _as_rank_0_names_it(run_dir, root_cwd)
     if problem:
         if comm.rank != 0:
             return 2
@@ -319,6 +321,24 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
         _end_every_rank(comm, command, exc)
         raise
     return 0
+
+
+def _working_directory() -> str:
+    try:
+        return os.getcwd()
+    except OSError:             # removed while the process runs in it
+        return ""
+
+
+def _as_rank_0_names_it(run_dir: str, root_cwd: str) -> str:
+    """A relative run directory is the one under rank 0's working directory on
+    every rank: the others read its checkpoints and write their error records
+    there (a rank started in another directory, by mpiexec -wdir or a node's
+    own cd, found no checkpoint to resume from and left its error record in a
+    directory of its own, where status never looks)."""
+    if os.path.isabs(run_dir) or not root_cwd or _working_directory() == root_cwd:
+        return run_dir
+    return os.path.join(root_cwd, run_dir)
 
 
 def _dry_run_line(run_dir: str) -> str:

@@ -189,8 +189,11 @@ class CheckpointResume:
                 + "; ".join(changes) + " (restore them, or pass --accept-changes)", agreed=True)
         mine = [self.comm.rank] if num_ranks == self.comm.size else []
         ckpt, error = None, None
+        # (rank 0's path is relative to its own working directory, which another
+        # rank's need not be: that rank's run directory names the same place)
+        here = chosen if self.is_root else os.path.join(self.run_dir, os.path.basename(chosen))
         try:
-            ckpt = load_checkpoint(chosen, ranks=mine, into=self.net)
+            ckpt = load_checkpoint(here, ranks=mine, into=self.net)
         except ModelMismatchError as exc:      # (accepted changes of the model settings)
             error = ValueError(f"{exc}; a resumed run keeps its network: restore the model "
                                "settings, or train in a new run directory")

@@ -320,12 +320,13 @@ def test_a_corpus_no_rank_finds_is_one_line_from_rank_0(small_corpus, tmp_path, 
     assert not (tmp_path / "run").exists()
 
 
-def _train_from_two_directories(first, others, run_dir, timeout=90):
+def _train_from_two_directories(first, others, run_dir, timeout=90, *, corpus="data",
+                                settings=(), flags=()):
     # data.train and data.dev relative: each rank finds them from its own directory
     args = [str(WORKERS / "working_directory_worker.py"), str(first), str(others), "--",
-            "train", QUICKSTART, "--run-dir", str(run_dir)]
-    for setting in TINY + ["data.train=data/train", "data.dev=data/dev",
-                           "data.chunk_frames=20000"]:
+            "train", QUICKSTART, "--run-dir", str(run_dir), *flags]
+    for setting in TINY + [f"data.train={corpus}/train", f"data.dev={corpus}/dev",
+                           "data.chunk_frames=20000", *settings]:
         args += ["--set", setting]
     return run_mpi(2, args, timeout=timeout)
 
@@ -362,6 +363,26 @@ def test_a_relative_corpus_one_rank_cannot_find_names_the_working_directories(
     assert f"(a relative path: rank 1 runs in {other}, rank 0 in {first}; give absolute " \
         "paths or start every rank in one directory)" in result.stderr, mpi_output(result)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.mpi
+def test_a_relative_run_directory_is_rank_0s_on_every_rank(small_corpus, tmp_path):
+    # rank 1 starts in another directory: it looked for the checkpoints under its own
+    # directory (`rank 1: error: run/ckpt-...: checkpoint not found` on --resume)
+    first, other = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    other.mkdir()
+    settings = ["training.checkpoint_interval=8", "training.max_steps=8"]
+    result = _train_from_two_directories(first, other, "run", corpus=small_corpus,
+                                         settings=settings)
+    assert result.returncode == 0, mpi_output(result)
+    result = _train_from_two_directories(first, other, "run", corpus=small_corpus,
+                                         settings=settings[:1] + ["training.max_steps=16"],
+                                         flags=["--resume"])
+    assert result.returncode == 0, mpi_output(result)
+    assert "resumed from run/ckpt-00000008.h5 at step 8" in result.stdout, mpi_output(result)
+    assert records(first / "run", "end")[-1]["steps"] == 16
+    assert not (other / "run").exists()
 
 
 @pytest.mark.mpi
