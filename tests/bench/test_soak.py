@@ -43,7 +43,7 @@ def test_too_short_or_missing_metrics_is_one_line(tmp_path, capsys):
     assert main([str(tmp_path / "run")]) == 2
     assert main([str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 2 and "at least 8" in err[0] and "metrics.jsonl" in err[1]
+    assert len(err) == 2 and "at least 8" in err[0] and "none: no such run directory" in err[1]
 
 
 def test_cpu_time_per_step_is_judged_when_recorded(tmp_path):

@@ -119,6 +119,8 @@ def test_under_mpiexec_a_sleeping_rank_gets_a_smaller_quota(mpiexec, small_corpu
     assert result.returncode == 0, mpi_output(result)
     quotas = list(load_checkpoint(list_checkpoints(str(run))[-1], ranks=[]).strategy_state[
         "quotas"])
-    assert quotas[0] == 8 and 1 <= quotas[1] <= 5, quotas
+    # (about 3 on an idle machine; foreign load slows rank 0 as well, which brings
+    # the measured ratio nearer 1: 6 was seen on a loaded 2-core machine)
+    assert quotas[0] == 8 and 1 <= quotas[1] < 8, quotas
     end = records(run, "end")[0]
     assert end["frames"] < 160 * 2 * 256 and end["dev_acc"] > 0.05     # minibatch 256
