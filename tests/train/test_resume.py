@@ -144,17 +144,22 @@ def test_resume_without_a_checkpoint_names_the_way_to_start(small_corpus, tmp_pa
     assert err.endswith("start it afresh with --overwrite"), err
 
 
+def _write_corpus(corpus, hours: float, seed: int) -> None:
+    """A small synthetic corpus at ``corpus``, written over what is there."""
+    from mpitrain.data.synthetic import synthesize
+    synthesize(str(corpus), hours=hours, speakers=4, shards=2, seed=seed,
+               dev_hours=0.005, dev_speakers=2, overwrite=True)
+
+
 def test_resume_onto_a_corpus_written_again_is_refused_naming_it(tmp_path, capsys):
     # `prepare --overwrite` into the corpus directory of a stopped run, then --resume:
     # the plan of the new corpus was shorter, the run "ended" at once and wrote
     # final.h5, trained on the old corpus alone
     from mpitrain.cli import main
-    from mpitrain.data.synthetic import synthesize
     corpus, run = tmp_path / "corpus", tmp_path / "run"
 
     def write(hours, seed):
-        synthesize(str(corpus), hours=hours, speakers=4, shards=2, seed=seed,
-                   dev_hours=0.005, dev_speakers=2, overwrite=True)
+        _write_corpus(corpus, hours, seed)
     write(0.02, 1)
     argv = ["train", QUICKSTART, "--run-dir", str(run)]
     for item in small_overrides(str(corpus)) + ["model.hidden_dim=16", "model.hidden_layers=1",
@@ -180,14 +185,12 @@ def test_an_accepted_other_training_corpus_re_plans_the_data(tmp_path, capsys):
     fraction of the schedule counts as done (it went on at the old step in the new
     plan: a smaller corpus "ended" at once, a larger one trained most of it again)."""
     from mpitrain.cli import main
-    from mpitrain.data.synthetic import synthesize
 
     from ..helpers import records
     corpus, run = tmp_path / "corpus", tmp_path / "run"
 
     def write(hours, seed):
-        synthesize(str(corpus), hours=hours, speakers=4, shards=2, seed=seed,
-                   dev_hours=0.005, dev_speakers=2, overwrite=True)
+        _write_corpus(corpus, hours, seed)
     write(0.02, 1)
     argv = ["train", QUICKSTART, "--run-dir", str(run)]
     for item in small_overrides(str(corpus)) + ["model.hidden_dim=16", "model.hidden_layers=1",
