@@ -228,7 +228,8 @@ class CheckpointResume:
             self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
             self._load_selection_state(ckpt)
             best = {} if self.selection.best_step < 0 else {
-                "best_step": self.selection.best_step, "best_value": self.selection.best_value}
+                "best_step": self.selection.best_step, "best_value": self.selection.best_value,
+                "select_by": self.selection.select_by}
             early = "" if not ckpt.trainer_state.get("stopped_early") else \
                 "schedule" if ckpt.trainer_state.get(SCHEDULE_PREFIX + "stopped") else "eval"
             self._complete = (ckpt.step, best, old_planned, early)

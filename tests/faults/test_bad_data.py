@@ -288,8 +288,10 @@ def test_a_final_model_written_on_resume_ends_the_run_for_status(corpus, tmp_pat
     assert run_status(str(run))[0].startswith(f"{run}: failed at step 8: No space left")
     assert _train(corpus, run, ["training.max_steps=8"], flags=["--resume"]) == 0
     assert (run / "final.h5").exists()
-    assert run_status(str(run))[0].startswith(f"{run}: ended: 8 steps in ?; "), \
-        run_status(str(run))
+    lines = run_status(str(run))
+    assert lines[0].startswith(f"{run}: ended: 8 steps in ?; "), lines
+    # the end record written on resume says by which figure best.h5 was chosen
+    assert "; best acc " in " ".join(lines), lines
 
 
 def test_a_problem_of_a_file_several_ranks_read_is_counted_once(corpus, tmp_path, capsys):
