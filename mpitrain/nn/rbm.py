@@ -18,6 +18,20 @@ The rate is multiplied by (1 - m) so the effective step stays lr g while the
 momentum m ramps up; weight decay lambda acts on W only.  The reconstruction
 error reported is sum((v0 - v1)^2), per visible unit once divided by B V.
 
+Gaussian visible units only, before (eqn:step), as Kaldi's ``Rbm::RbmUpdate``
+(its guard against weight explosion: a reconstruction wider than the data feeds
+back into larger weights)::
+
+    s0 = std(v0),  s1 = std(v1)               one figure each over all B V entries
+    if s1 > 2 s0:                             (eqn:guard) instead of the step:
+        params <- (s0 / s1) params            W, b and a alike
+        delta <- 0,  f <- 0.9 f               the rate becomes f lr from the next step
+
+f (``rate_factor``, 1 at the start) multiplies lr until the caller resets it
+(Kaldi sets the rate afresh at each step of the momentum ramp).  The test and
+the choice run on the device (no read of s0, s1 on the host); ``fired`` counts
+the minibatches it caught.
+
 Storage: one flat float32 buffer ``params`` per RBM, as a
 :class:`~mpitrain.nn.network.Network` has, so a parallel strategy averages an
 RBM with the one collective it uses for a network.  Its layout is the hidden
@@ -26,7 +40,8 @@ layer's affine block ``[W | b]`` (H, V + 1), exactly an
 
 Symbols in the code: W ``weight``, b ``hidden_bias``, a ``visible_bias``,
 g ``rbm.grads`` (same layout as ``params``), delta ``ContrastiveDivergence.delta``,
-m ``momentum``, lr ``learning_rate``, lambda ``weight_decay``, u ``uniforms``.
+m ``momentum``, lr ``learning_rate``, lambda ``weight_decay``, u ``uniforms``,
+f ``ContrastiveDivergence.rate_factor``.
 """
 
 from __future__ import annotations
@@ -38,6 +53,10 @@ import numpy as np
 from ..backend import get_array_module, to_host
 
 VISIBLE_TYPES = ("gaussian", "bernoulli")
+#: (eqn:guard) a reconstruction more than this many times as spread as its data
+#: is scaled down, and the rate cut by RATE_CUT (Kaldi's figures).
+SPREAD_LIMIT = 2.0
+RATE_CUT = 0.9
 
 
 def _sigmoid_(x):
@@ -48,6 +67,15 @@ def _sigmoid_(x):
     x += 1
     xp.reciprocal(x, out=x)
     return x
+
+
+def _spread(x):
+    """The standard deviation of all entries of ``x``, pooled (a 0-d float64 device
+    array; a variance below 0 by rounding counts as 0)."""
+    xp = get_array_module(x)
+    mean = x.sum(dtype=xp.float64) / x.size
+    var = (x * x).sum(dtype=xp.float64) / x.size - mean * mean
+    return xp.sqrt(xp.maximum(var, 0.0))
 
 
 class RBM:
@@ -112,10 +140,11 @@ class RBM:
         v += self.visible_bias
         return v if self.visible == "gaussian" else _sigmoid_(v)
 
-    def statistics_(self, v0, uniforms):
+    def statistics_(self, v0, uniforms, *, spreads: bool = False):
         """Fill ``grads`` with the CD-1 statistics (eqn:cd1) of the minibatch ``v0``
         (B, V), sampling the hidden units with ``uniforms`` (B, H) in [0, 1); returns
-        the summed squared reconstruction error as a 0-d device array."""
+        the summed squared reconstruction error as a 0-d device array (with
+        ``spreads``, and the standard deviations of v0 and v1 as well, (eqn:guard))."""
         xp = self.xp
         batch = v0.shape[0]
         h0 = self.hidden_probabilities(v0)
@@ -130,7 +159,8 @@ class RBM:
         self.grad_block[:, self.visible_dim] = (h0.sum(axis=0) - h1.sum(axis=0)) * scale
         diff = v0 - v1
         self.grad_visible_bias[...] = diff.sum(axis=0) * scale
-        return (diff * diff).sum(dtype=xp.float64)
+        sq_err = (diff * diff).sum(dtype=xp.float64)
+        return (sq_err, _spread(v0), _spread(v1)) if spreads else sq_err
 
     def spec(self) -> dict:
         return {"visible": self.visible, "visible_dim": self.visible_dim,
@@ -157,19 +187,46 @@ class ContrastiveDivergence:
         if weight_decay < 0 or not math.isfinite(weight_decay):
             raise ValueError(f"weight_decay must be finite and >= 0, got {weight_decay}")
         self.rbm, self.weight_decay = rbm, float(weight_decay)
-        self.delta = rbm.xp.zeros_like(rbm.params)
+        xp = rbm.xp
+        self.delta = xp.zeros_like(rbm.params)
+        # (eqn:guard) on the device, so that no step waits for a read of them
+        self.rate_factor = xp.ones((), dtype=xp.float64)
+        self.fired = xp.zeros((), dtype=xp.float64)
 
     def step(self, v0, uniforms, *, learning_rate: float, momentum: float):
-        """One CD-1 update on the minibatch ``v0``; returns its summed squared
+        """One CD-1 update on the minibatch ``v0`` (or, Gaussian visible units, the
+        guard's scaling instead: eqn:guard); returns its summed squared
         reconstruction error (a 0-d device array, read when it is logged)."""
-        rbm = self.rbm
-        sq_err = rbm.statistics_(v0, uniforms)
+        rbm, xp = self.rbm, self.rbm.xp
+        gaussian = rbm.visible == "gaussian"
+        if gaussian:
+            sq_err, data_spread, recon_spread = rbm.statistics_(v0, uniforms, spreads=True)
+        else:
+            sq_err = rbm.statistics_(v0, uniforms)
         if self.weight_decay:
             rbm.grad_block[:, :rbm.visible_dim] -= self.weight_decay * rbm.weight
         self.delta *= momentum
-        self.delta += (learning_rate * (1.0 - momentum)) * rbm.grads
+        if not gaussian:
+            self.delta += (learning_rate * (1.0 - momentum)) * rbm.grads
+            rbm.params += self.delta
+            return sq_err
+        # a device-side choice: when the guard fires, keep 0 drops the step and
+        # resets the momentum, scale shrinks the parameters; else both are 1 exactly
+        fired = recon_spread > SPREAD_LIMIT * data_spread
+        keep = (~fired).astype(rbm.params.dtype)
+        scale = xp.where(fired, data_spread / xp.maximum(recon_spread, 1e-30), 1.0)
+        rate = (self.rate_factor * (learning_rate * (1.0 - momentum))).astype(rbm.params.dtype)
+        self.delta += rate * rbm.grads
+        self.delta *= keep
+        rbm.params *= scale.astype(rbm.params.dtype)
         rbm.params += self.delta
+        self.rate_factor *= xp.where(fired, RATE_CUT, 1.0)
+        self.fired += fired
         return sq_err
+
+    def reset_rate_factor(self) -> None:
+        """The full rate again (Kaldi: at each step of the momentum ramp)."""
+        self.rate_factor[...] = 1.0
 
     # -- what a strategy and a checkpoint need ---------------------------------------
     def momentum_buffer(self):
@@ -179,14 +236,27 @@ class ContrastiveDivergence:
         """Nothing to reset: CD-1 keeps no statistics beyond its momentum."""
 
     def state_dict(self) -> dict:
-        return {"delta": to_host(self.delta).copy()}
+        return {"delta": to_host(self.delta).copy(),
+                "rate_factor": float(to_host(self.rate_factor))}
 
     def load_state_dict(self, state: dict) -> None:
+        """A state without ``rate_factor`` (written before the guard) gives 1."""
         delta = np.asarray(state["delta"], dtype=np.float32)
         if delta.shape != self.delta.shape:
             raise ValueError(f"momentum buffer has shape {delta.shape}; the RBM needs "
                              f"{self.delta.shape}")
+        factor = state.get("rate_factor", 1.0)
+        if not valid_rate_factor(factor):
+            raise ValueError(f"rate_factor is {factor!r}; expected a number in (0, 1]")
         self.delta[...] = self.rbm.xp.asarray(delta)
+        self.rate_factor[...] = float(factor)
+
+
+def valid_rate_factor(value) -> bool:
+    """Whether ``value`` can be a :attr:`ContrastiveDivergence.rate_factor`: a
+    number in (0, 1] (the guard only ever cuts it)."""
+    return isinstance(value, (int, float, np.integer, np.floating)) \
+        and not isinstance(value, (bool, np.bool_)) and 0 < value <= 1
 
 
 #: A stack's ``speaker_cmvn`` when its file did not record it.

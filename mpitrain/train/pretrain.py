@@ -8,7 +8,13 @@ the others Bernoulli-Bernoulli on the hidden probabilities of the layers below
 (``pretrain.epochs_per_layer`` at ``pretrain.learning_rate``), each visible
 bias starting at the logit of the mean activation below.  Momentum ramps from
 ``momentum_initial`` to ``momentum_final`` in 40 equal steps over
-``momentum_ramp_frames`` frames per rank.
+``momentum_ramp_frames`` frames per rank.  On the Gaussian layer each rank
+guards its own minibatches against weight explosion as Kaldi does
+(:mod:`mpitrain.nn.rbm`, eqn:guard): a reconstruction more than twice as
+spread as the data scales the RBM down, skips the step, resets the momentum
+and cuts that rank's rate by 0.9, until the next step of the ramp (every
+``momentum_ramp_frames / 40`` frames per rank, past the ramp's end too) sets
+it afresh; the rate factor is part of each rank's checkpointed state.
 
 Each rank trains on its own shards, read by the training data pipeline
 (:mod:`mpitrain.data.batcher`, :mod:`mpitrain.data.splice`), and the ranks
@@ -48,7 +54,7 @@ from ..data.validate import validate_slices
 from ..h5io import (atomic_h5_file, open_h5_for_reading, read_state, reading_errors,
                     verify_file, write_state)
 from ..nn.network import floored_variance
-from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack
+from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack, valid_rate_factor
 from ..nn.rbm_file import load_rbm_stack, read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
 from .checkpoint import (MIN_KEEP, check_reader_state, checkpoint_path, gather_rank_states,
@@ -95,6 +101,17 @@ def layer_epochs(pretrain_cfg, layer: int) -> float:
     return pretrain_cfg.epochs_gaussian if layer == 0 else pretrain_cfg.epochs_per_layer
 
 
+def ramp_step(frames: int, ramp_frames: int) -> int:
+    """How many steps of ``ramp_frames / 40`` frames this rank's ``frames`` make
+    (counted past the ramp's end too; 0 without a ramp).
+
+    Example::
+
+        ramp_step(1_000_000, 20_000_000)     # 2
+    """
+    return int(frames * MOMENTUM_STEPS // ramp_frames) if ramp_frames > 0 else 0
+
+
 def momentum_at(frames: int, *, initial: float, final: float, ramp_frames: int) -> float:
     """The momentum after ``frames`` frames of this rank (40 equal steps up).
 
@@ -104,14 +121,15 @@ def momentum_at(frames: int, *, initial: float, final: float, ramp_frames: int) 
     """
     if ramp_frames <= 0:
         return final
-    steps = min(MOMENTUM_STEPS, int(frames * MOMENTUM_STEPS // ramp_frames))
+    steps = min(MOMENTUM_STEPS, ramp_step(frames, ramp_frames))
     return initial + (final - initial) * steps / MOMENTUM_STEPS
 
 
 def _check_rank_state(state: dict, stack, layer: int, name: str, path) -> None:
     """A rank's part of a pretraining checkpoint, shaped as :meth:`Pretrainer._restore`
-    uses it: reader positions that are non-negative ints, and the momentum of the
-    layer in training shaped like that layer's parameters.  ValueError naming the
+    uses it: reader positions that are non-negative ints, the momentum of the
+    layer in training shaped like that layer's parameters, and its rate factor
+    (eqn:guard; absent from older checkpoints) in (0, 1].  ValueError naming the
     file and the field (it was a line naming neither, after config.yaml was written)."""
     check_reader_state(state.get("reader"), name, path, complete=True)
     if "momentum" not in state or layer >= len(stack.rbms):
@@ -124,6 +142,10 @@ def _check_rank_state(state: dict, stack, layer: int, name: str, path) -> None:
                else "no dataset")
         raise ValueError(f"{path}: '{name}/momentum/delta' has {got}; expected {want} floats "
                          f"like layer {layer + 1}'s parameters")
+    factor = momentum.get("rate_factor", 1.0)
+    if not valid_rate_factor(factor):
+        raise ValueError(f"{path}: '{name}/momentum/rate_factor' is {factor!r}; expected a "
+                         "number in (0, 1] (the rank's cut of the layer's rate)")
 
 
 def _read_judging(attrs, path):
@@ -698,6 +720,10 @@ class Pretrainer:
                     (len(idx), rbm.hidden_dim), dtype=np.float32)
             momentum = momentum_at(self.layer_step * p.minibatch, initial=p.momentum_initial,
                                    final=p.momentum_final, ramp_frames=p.momentum_ramp_frames)
+            if self.layer_step and ramp_step(self.layer_step * p.minibatch,
+                                             p.momentum_ramp_frames) \
+                    != ramp_step((self.layer_step - 1) * p.minibatch, p.momentum_ramp_frames):
+                self.cd.reset_rate_factor()       # (Kaldi sets the rate afresh here)
             sq_err += self.cd.step(v0, backend.to_device(uniforms, xp), learning_rate=rate,
                                    momentum=momentum)
             frames += len(idx)
@@ -706,25 +732,31 @@ class Pretrainer:
             self.strategy.after_update(rbm, self.cd, self.layer_step)
             last = self.layer_step == steps
             if self.layer_step % cfg.training.log_interval == 0 or last:
-                # and whether a signal asked this rank to stop, by signal (stop.py);
+                # error, frames, the guard's catches (eqn:guard) and rate factor, and
+                # whether a signal asked this rank to stop, by signal (stop.py);
                 # last, whether rank 0's clock says a checkpoint is due
-                sums = np.zeros(2 + len(STOP_SIGNALS) + 1, dtype=np.float64)
-                sums[:2] = (float(backend.to_host(sq_err)), frames)
+                sums = np.zeros(4 + len(STOP_SIGNALS) + 1, dtype=np.float64)
+                # (the device's figures in one read)
+                err, fired, factor = backend.to_host(
+                    xp.stack([sq_err, self.cd.fired, self.cd.rate_factor]))
+                sums[:4] = (err, frames, fired, factor)
                 if requested.code():
-                    sums[1 + requested.code()] = 1
+                    sums[3 + requested.code()] = 1
                 sums[-1] = clock.flag()
                 comm.allreduce_(sums, op="sum")
                 stop_poll.heard(self.layer_step)
                 clock.hear(sums[-1])
                 if self._stop is None:
-                    self._stop = agreed_stop(sums[2:-1], is_root=self.is_root)
+                    self._stop = agreed_stop(sums[4:-1], is_root=self.is_root)
                 with np.errstate(all="ignore"):
                     recon = float(sums[0] / (sums[1] * rbm.visible_dim))
                 now = comm.wtime()
                 self._log_window(index, steps, recon, rate * (1 - momentum), momentum,
-                                 sums[1] / max(now - window_start, 1e-9), started)
+                                 sums[1] / max(now - window_start, 1e-9), started,
+                                 fired=int(sums[2]), factor=sums[3] / comm.size)
                 self._check_divergence(index, recon, rate, rate_key, frames=int(sums[1]))
                 sq_err[...] = 0
+                self.cd.fired[...] = 0
                 frames, window_start = 0, comm.wtime()
             elif self._stop is None and stop_poll.due(self.layer_step):
                 # log lines far apart: the signals (and rank 0's clock) are told in a
@@ -759,19 +791,26 @@ class Pretrainer:
         self.strategy.finalize(rbm, self.cd, self.layer_step)
         return recon
 
-    def _log_window(self, index, steps, recon, lr, momentum, rate, started) -> None:
+    def _log_window(self, index, steps, recon, lr, momentum, rate, started, *, fired=0,
+                    factor=1.0) -> None:
+        """One window's line and record; ``fired``: minibatches the Gaussian layer's
+        guard caught in it (all ranks), ``factor``: the ranks' mean rate factor."""
         step_total = self._global_step()
         left = sum(self.layer_steps) - step_total
         # the steps of this process alone: a resumed run took those before elsewhen
         per_step = (self.comm.wtime() - started) / max(step_total - self._first_step, 1)
+        lr *= factor
         record = {"layer": index + 1, "step": self.layer_step, "frames": self.frames_seen,
                   "recon_mse": recon, "lr": lr, "momentum": momentum,
-                  "frames_per_sec": rate, "rss_mb": resident_mb()}
+                  "frames_per_sec": rate, "rss_mb": resident_mb(), "guard_fired": fired,
+                  "lr_factor": factor}
         self.log.write("pretrain", **record)
+        guard = f" scaled down {fired}x (reconstruction over twice the data's spread)" \
+            if fired else ""
         self.log.say(f"layer {index + 1}/{len(self.layer_steps)} ({self.rbm.visible}) step "
                      f"{self.layer_step}/{steps} frames {self.frames_seen} recon mse "
-                     f"{recon:.4f} lr {lr:.3g} momentum {momentum:.3f} {rate:,.0f} fr/s "
-                     f"ETA {format_duration(per_step * left)}")
+                     f"{recon:.4f} lr {lr:.3g} momentum {momentum:.3f}{guard} {rate:,.0f} "
+                     f"fr/s ETA {format_duration(per_step * left)}")
 
     def _check_divergence(self, index, recon, rate, rate_key, frames=None) -> None:
         """Stop when the reconstruction error is not finite or has exploded; every

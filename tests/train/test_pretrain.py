@@ -502,9 +502,10 @@ def test_train_resume_in_a_pretraining_directory_points_to_its_stack(small_corpu
 def test_a_gaussian_layer_exploded_in_its_first_window_stops_there(small_corpus, tmp_path,
                                                                    capsys):
     """The first window was the yardstick even when it had exploded already (10^10
-    here): the run went on until a later window grew tenfold beyond it."""
+    here at rate 0.5 before the guard, 279 at rate 5 with it): the run went on until
+    a later window grew tenfold beyond it."""
     code = main(_argv("pretrain", tmp_path / "run", small_corpus,
-                      ["pretrain.learning_rate_gaussian=0.5", "training.log_interval=20"]))
+                      ["pretrain.learning_rate_gaussian=5", "training.log_interval=20"]))
     err = capsys.readouterr().err.strip()
     assert code == 2 and "layer 1 (Gaussian-Bernoulli) diverged at step 20: " in err, err
     assert "; the features' variance is 1)" in err, err
@@ -515,18 +516,22 @@ def test_a_wide_gaussian_layer_is_judged_against_its_untrained_error(small_corpu
     """4,096 hidden units reconstruct, as initialised, with an error of about 75 (they
     sum that many random weights): the yardstick was capped at 1, the features'
     variance, so the first window stopped the layer as exploded at any rate, 1e-6
-    included, telling to lower it."""
+    included, telling to lower it.  (The guard scales such a layer down on its
+    first minibatch: a first window of one minibatch of 1,000 frames shows it.)"""
     wide = ["model.hidden_layers=1", "model.hidden_dim=4096", "data.left_context=0",
             "data.right_context=0", "pretrain.epochs_gaussian=0.05",
             "training.log_interval=10", "data.dev="]
-    code = main(_argv("pretrain", tmp_path / "slow", small_corpus,
-                      wide + ["pretrain.learning_rate_gaussian=1e-6"]))
+    code = main(_argv("pretrain", tmp_path / "slow", small_corpus, wide + [
+        "pretrain.learning_rate_gaussian=1e-6", "pretrain.minibatch=1000",
+        "pretrain.average_every_frames=1000", "pretrain.epochs_gaussian=0.1",
+        "training.log_interval=1"]))
     assert code == 0, capsys.readouterr().err
     errors = [r["recon_mse"] for r in _records(tmp_path / "slow", "pretrain")]
-    assert min(errors) > 10, errors          # above what the old yardstick allowed
-    # a rate that does explode is still stopped at its first window
+    assert errors[0] > 10, errors          # above what the old yardstick allowed
+    # a rate that does explode (the guard notwithstanding) is still stopped at its
+    # first window
     code = main(_argv("pretrain", tmp_path / "fast", small_corpus,
-                      wide + ["pretrain.learning_rate_gaussian=0.01"]))
+                      wide + ["pretrain.learning_rate_gaussian=1"]))
     err = capsys.readouterr().err.strip()
     assert code == 2 and "layer 1 (Gaussian-Bernoulli) diverged at step 10: " in err, err
     assert "; the features' variance is 1, the untrained layer's error " in err, err
@@ -578,6 +583,7 @@ def test_the_divergence_factors_help_names_the_gaussian_layers_yardstick():
     ("judging", "checkpoint attributes 'window_first', 'pool_error', 'pool_frames': "
                 "expected an error >= 0, a finite sum >= 0 and frames in [0, 1000), "
                 "got -1.0, "),
+    ("rate_factor", "'ranks/00000/momentum/rate_factor' is 1.5; expected a number in (0, 1]"),
 ])
 def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
         small_corpus, tmp_path, capsys, craft, named):
@@ -603,6 +609,8 @@ def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
             del f["ranks/00000/reader"].attrs["steps_in_epoch"]
         elif craft == "judging":
             f.attrs["window_first"] = -1.0
+        elif craft == "rate_factor":
+            f["ranks/00000/momentum"].attrs["rate_factor"] = 1.5
         else:
             f.attrs["config"] = "1"
         del f.attrs["checksum"]
@@ -651,3 +659,110 @@ def test_a_re_planned_pretraining_given_more_epochs_keeps_the_data_done(small_co
     layer, = [r for r in _records(run, "layer") if r["layer"] == 1][-1:]
     assert layer["frames"] == done + (steps - round(40 * 0.5 * steps / 135)) * 50, \
         (layer, done, steps)
+
+
+GUARDED = ["model.hidden_layers=1", "model.hidden_dim=2048", "data.dev=",
+           "pretrain.epochs_gaussian=0.3", "training.log_interval=10"]
+
+
+def test_the_recipes_wide_gaussian_layer_is_guarded_against_explosion(small_corpus, tmp_path,
+                                                                      capsys):
+    """2,048 units at rate 0.01 (the recipe's): the reconstruction of the untrained
+    layer is several times as spread as the features, and without Kaldi's guard
+    the first window exploded to 10^9 and stopped the run.  The guard scales it
+    down, cuts the rate by 0.9 and says so in that window's line and record."""
+    run = tmp_path / "run"
+    code = main(_argv("pretrain", run, small_corpus, GUARDED))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    records = _records(run, "pretrain")
+    errors = [r["recon_mse"] for r in records]
+    fired = [r["guard_fired"] for r in records]
+    assert fired[0] >= 1 and errors[-1] < 0.5 * errors[0] and max(errors[1:]) < 1, records
+    assert records[-1]["lr_factor"] == pytest.approx(0.9 ** sum(fired))
+    assert records[-1]["lr"] == pytest.approx(0.01 * 0.5 * 0.9 ** sum(fired))
+    lines = [line for line in out.splitlines() if "scaled down" in line]
+    assert len(lines) == sum(1 for n in fired if n), out
+    assert f"scaled down {fired[0]}x (reconstruction over twice the data's spread)" in lines[0]
+
+
+def test_the_rate_is_set_afresh_at_each_step_of_the_momentum_ramp(small_corpus, tmp_path,
+                                                                  monkeypatch):
+    """As Kaldi sets the rate (with the momentum) anew every momentum_ramp_frames / 40
+    frames per rank, past the ramp's end too: here every 500 frames, 5 minibatches;
+    without a ramp, never."""
+    from mpitrain.nn.rbm import ContrastiveDivergence
+    resets = []
+    monkeypatch.setattr(ContrastiveDivergence, "reset_rate_factor",
+                        lambda cd: resets.append(cd.rbm.visible))
+    run = tmp_path / "run"
+    assert main(_argv("pretrain", run, small_corpus, [
+        "pretrain.momentum_ramp_frames=20000", "pretrain.epochs_gaussian=1"])) == 0
+    steps = _records(run, "start")[0]["layer_steps"]
+    assert steps[0] > 205          # past the ramp's 40 steps of 5 minibatches
+    assert resets == ["gaussian"] * ((steps[0] - 1) // 5) + ["bernoulli"] * ((steps[1] - 1) // 5)
+    resets.clear()
+    assert main(_argv("pretrain", tmp_path / "flat", small_corpus, [
+        "pretrain.momentum_ramp_frames=0"])) == 0
+    assert resets == []
+
+
+def test_pretraining_resumes_bit_exactly_with_the_guards_rate_factor(small_corpus, tmp_path):
+    """Each rank's cut of the rate is in the checkpoint: a resume from it goes on
+    at the cut rate, as the run that never stopped; a checkpoint written before
+    the guard (no rate_factor) resumes at the full rate."""
+    from mpitrain.h5io import write_checksums
+    extra = GUARDED + ["pretrain.epochs_gaussian=0.15", "training.checkpoint_interval=20",
+                       "training.keep_checkpoints=100", "pretrain.average_every_frames=1000"]
+    whole = tmp_path / "whole"
+    assert main(_argv("pretrain", whole, small_corpus, extra)) == 0
+    with h5py.File(whole / "ckpt-00000020.h5", "r") as f:
+        assert f["ranks/00000/momentum"].attrs["rate_factor"] < 1
+    cuts = {}
+    for name in ("cut", "old"):
+        cut = cuts[name] = tmp_path / name
+        shutil.copytree(whole, cut)
+        os.remove(cut / "pretrain.h5")
+        for ckpt in os.listdir(cut):
+            if ckpt.startswith("ckpt-") and ckpt > "ckpt-00000020.h5":
+                os.remove(cut / ckpt)
+        if name == "old":
+            path = cut / "ckpt-00000020.h5"
+            with h5py.File(path, "r+") as f:
+                del f["ranks/00000/momentum"].attrs["rate_factor"]
+                del f.attrs["checksum"]
+                write_checksums(f, str(path), what="checkpoint")
+        assert main(_argv("pretrain", cut, small_corpus, extra) + ["--resume"]) == 0
+    a = load_rbm_stack(str(whole / "pretrain.h5"))
+    b = load_rbm_stack(str(cuts["cut"] / "pretrain.h5"))
+    np.testing.assert_array_equal(a.rbms[0].params, b.rbms[0].params)
+    with open(cuts["old"] / "metrics.jsonl") as fh:
+        records = [json.loads(line) for line in fh]
+    starts = [i for i, r in enumerate(records) if r["type"] == "start"]
+    resumed = [r for r in records[starts[-1]:] if r["type"] == "pretrain"]
+    assert resumed[0]["step"] == 30 and resumed[0]["lr_factor"] == 1.0, resumed
+
+
+@pytest.mark.mpi
+def test_each_rank_keeps_its_guards_rate_factor_and_resumes_bit_exactly(mpiexec, small_corpus,
+                                                                      tmp_path):
+    """On two ranks each rank's cut of the rate is its own state in the checkpoint,
+    and a resume on two ranks gives the stack of the run that never stopped."""
+    extra = GUARDED + ["pretrain.epochs_gaussian=0.3", "training.checkpoint_interval=20",
+                       "training.keep_checkpoints=100", "pretrain.average_every_frames=1000"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    for run, more in ((whole, []), (cut, ["--resume"])):
+        if run == cut:
+            shutil.copytree(whole, cut)
+            for name in os.listdir(cut):
+                if name == "pretrain.h5" or name.startswith("ckpt-") \
+                        and name > "ckpt-00000020.h5":
+                    os.remove(cut / name)
+        result = run_mpi(2, ["-m", "mpitrain"] + _argv("pretrain", run, small_corpus, extra)
+                         + more, timeout=180)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with h5py.File(whole / "ckpt-00000020.h5", "r") as f:
+        factors = [f[f"ranks/{r:05d}/momentum"].attrs["rate_factor"] for r in range(2)]
+    assert all(0 < x < 1 for x in factors), factors
+    a, b = (load_rbm_stack(str(run / "pretrain.h5")) for run in (whole, cut))
+    np.testing.assert_array_equal(a.rbms[0].params, b.rbms[0].params)
