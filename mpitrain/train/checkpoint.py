@@ -148,13 +148,14 @@ def save_checkpoint(path, *, net, step: int, frames_seen: int, config_yaml: str,
         rotate_checkpoints(path, max(int(keep), MIN_KEEP))
 
 
-def rotate_checkpoints(path, keep: int) -> None:
+def rotate_checkpoints(path, keep: int, *, spare=None) -> None:
     """Keep ``path`` (just written) and the ``keep - 1`` checkpoints before it in
     training order; remove older ones and those after it (an abandoned timeline).
     A file that cannot be read is removed when its step is higher than the one
     written, or lower than the oldest one kept.  ``path`` not named by step
     (``ckpt-<step>.h5``): the newest ``keep`` others are kept, none taken for
-    abandoned."""
+    abandoned.  ``spare(path)`` true: a readable checkpoint before ``path`` that
+    is kept and not counted (pretraining's layer ends)."""
     written = _progress(path)
     named = _NAME.search(os.path.basename(os.fspath(path)))
     found = [entry for entry in _in_training_order(os.path.dirname(os.path.abspath(path)))
@@ -176,7 +177,7 @@ def rotate_checkpoints(path, keep: int) -> None:
                 unreadable.append((found_step, found_path))
         elif progress > written:
             doomed.append((found_step, found_path))
-        else:
+        elif spare is None or not spare(found_path):
             older.append((found_step, found_path))
     cut = max(len(older) - (keep - 1), 0)
     doomed += older[:cut]

@@ -51,8 +51,8 @@ from ..data.batcher import MinibatchStream, plan_chunks, read_chunk
 from ..data.corpus import CorpusError
 from ..data.splice import splice_batch_
 from ..data.validate import validate_slices
-from ..h5io import (atomic_h5_file, open_h5_for_reading, read_state, reading_errors,
-                    verify_file, write_state)
+from ..h5io import (atomic_h5_file, h5_reader, open_h5_for_reading, read_state,
+                    reading_errors, verify_file, write_state)
 from ..nn.network import floored_variance
 from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack, valid_rate_factor
 from ..nn.rbm_file import load_rbm_stack, read_stack_group, save_rbm_stack, write_stack_group
@@ -146,6 +146,19 @@ def _check_rank_state(state: dict, stack, layer: int, name: str, path) -> None:
     if not valid_rate_factor(factor):
         raise ValueError(f"{path}: '{name}/momentum/rate_factor' is {factor!r}; expected a "
                          "number in (0, 1] (the rank's cut of the layer's rate)")
+
+
+def _at_layer_end(path) -> bool:
+    """Whether the pretraining checkpoint ``path`` was written at the end of a layer
+    (its RBMs all trained; False when it cannot be read)."""
+    try:
+        with h5_reader(path) as f:
+            layer, step = f.attrs.get("layer"), f.attrs.get("layer_step")
+            return bool(f.attrs.get("format") == CHECKPOINT_FORMAT
+                        and isinstance(layer, (int, np.integer)) and layer > 0
+                        and isinstance(step, (int, np.integer)) and step == 0)
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError):
+        return False
 
 
 def _read_judging(attrs, path):
@@ -438,7 +451,9 @@ class Pretrainer:
             for r, state in enumerate(states):
                 write_state(ranks.create_group(f"{r:05d}"), state)
         self.log.write("checkpoint", layer=self.layer + 1, step=self.layer_step)
-        rotate_checkpoints(path, max(self.cfg.training.keep_checkpoints, MIN_KEEP))
+        # each layer's end stays, for model.init_from of the stack up to it
+        rotate_checkpoints(path, max(self.cfg.training.keep_checkpoints, MIN_KEEP),
+                           spare=_at_layer_end)
 
     def _read_checkpoint(self, path) -> dict:
         with open_h5_for_reading(path, "checkpoint") as f, reading_errors(path, "checkpoint"):

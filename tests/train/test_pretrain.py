@@ -766,3 +766,19 @@ def test_each_rank_keeps_its_guards_rate_factor_and_resumes_bit_exactly(mpiexec,
     assert all(0 < x < 1 for x in factors), factors
     a, b = (load_rbm_stack(str(run / "pretrain.h5")) for run in (whole, cut))
     np.testing.assert_array_equal(a.rbms[0].params, b.rbms[0].params)
+
+
+def test_each_layers_last_checkpoint_is_kept_out_of_the_rotation(small_corpus, tmp_path):
+    """training.keep_checkpoints counts the checkpoints inside layers: the one at
+    each layer's end stays (model.init_from takes it: the stack up to that layer)
+    where it was removed two checkpoints later."""
+    run = tmp_path / "run"
+    assert main(_argv("pretrain", run, small_corpus, [
+        "training.checkpoint_interval=40", "training.keep_checkpoints=2"])) == 0
+    steps = _records(run, "start")[0]["layer_steps"]
+    ends = [f"ckpt-{steps[0]:08d}.h5", f"ckpt-{sum(steps):08d}.h5"]
+    names = sorted(p for p in os.listdir(run) if p.startswith("ckpt-"))
+    assert len(names) == 3 and names[0] == ends[0] and names[-1] == ends[1], names
+    assert names[1] > ends[0]                  # the newest inside the last layer
+    stack = load_rbm_stack(str(run / ends[0]))
+    assert len(stack.rbms) == 1
