@@ -21,6 +21,7 @@ buffers of its own).
 from __future__ import annotations
 
 import numbers
+import os
 import threading
 
 import numpy as np
@@ -48,6 +49,13 @@ class AcousticModel:
 
     @classmethod
     def load(cls, path) -> "AcousticModel":
+        if isinstance(path, bytes):
+            path = os.fsdecode(path)
+        if not isinstance(path, (str, os.PathLike)):
+            # (None reached os.stat, whose message names neither the call nor the argument;
+            # an integer was taken as a file descriptor)
+            raise TypeError(f"load_model: path: expected a model file or run directory "
+                            f"(str or os.PathLike), got {type(path).__name__}")
         path, _ = model_in_run_dir(path)
         net, priors = _load_network(path)
         return cls(net, priors, path)
@@ -71,10 +79,21 @@ class AcousticModel:
         return self.net.left_context, self.net.right_context
 
     def _frames(self, feats) -> np.ndarray:
-        feats = np.asarray(feats)
-        if feats.ndim != 2 or feats.shape[1] != self.feat_dim or feats.dtype.kind not in "fiu":
+        try:
+            feats = np.asarray(feats)
+        except (ValueError, TypeError):
+            # (a list of rows of different lengths: NumPy's own message names nothing)
             raise ValueError(f"{self.path}: expected one utterance's features of shape "
-                             f"(frames, {self.feat_dim}), got {feats.dtype} {feats.shape}")
+                             f"(frames, {self.feat_dim}), got a {type(feats).__name__} that "
+                             "is not one rectangular array of numbers") from None
+        if feats.ndim != 2 or feats.shape[1] != self.feat_dim:
+            hint = " (one frame: feats[None], or feats.reshape(1, -1))" \
+                if feats.shape == (self.feat_dim,) else ""
+            raise ValueError(f"{self.path}: expected one utterance's features of shape "
+                             f"(frames, {self.feat_dim}), got {feats.dtype} {feats.shape}{hint}")
+        if feats.dtype.kind not in "fiu":
+            raise ValueError(f"{self.path}: expected features of a float or integer dtype, "
+                             f"got {feats.dtype}")
         if feats.dtype.kind == "f":
             # NaN, inf, or beyond float32 (the model's precision): NaN scores otherwise
             with np.errstate(invalid="ignore"):

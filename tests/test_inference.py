@@ -109,3 +109,33 @@ def test_features_or_settings_that_would_give_nan_scores_are_refused(model_and_f
             model.predict(feats, batch=batch)
     np.testing.assert_array_equal(model.log_likelihoods(feats, prior_scale=np.float32(1)),
                                   model.log_likelihoods(feats))
+
+
+def test_features_that_are_no_array_or_of_another_dtype_name_the_model(model_and_feats):
+    # a ragged list raised NumPy's own "inhomogeneous shape" error, naming nothing; a bool
+    # or complex array of the right shape was said to be of the wrong shape
+    path, feats = model_and_feats
+    model = mpitrain.load_model(path)
+    with pytest.raises(ValueError, match=r"model.h5: expected one utterance's features of "
+                                         r"shape \(frames, 3\), got a list that is not one "
+                                         r"rectangular array"):
+        model.predict([[0.0, 1.0, 2.0], [0.0, 1.0]])
+    for dtype in (bool, np.complex64):
+        with pytest.raises(ValueError, match=f"model.h5: expected features of a float or "
+                                             f"integer dtype, got {np.dtype(dtype)}"):
+            model.predict(feats.astype(dtype))
+    with pytest.raises(ValueError, match=r"got float32 \(3,\) \(one frame: feats\[None\]"):
+        model.predict(feats[0])
+    np.testing.assert_array_equal(model.predict(feats.tolist()), model.predict(feats))
+    np.testing.assert_array_equal(model.predict(feats[:1]), model.predict(feats[0][None]))
+
+
+def test_load_model_names_a_path_of_the_wrong_type(model_and_feats):
+    # None reached os.stat ("stat: path should be string, ..."); bytes were shown as b'...'
+    path, _ = model_and_feats
+    for bad in (None, 3, 1.5):
+        with pytest.raises(TypeError, match=r"load_model: path: expected a model file or run "
+                                            rf"directory \(str or os.PathLike\), got "
+                                            rf"{type(bad).__name__}"):
+            mpitrain.load_model(bad)
+    assert mpitrain.load_model(str(path).encode()).path == str(path)
