@@ -80,8 +80,12 @@ def utterance_loglikes(net, feats, offsets, *, batch: int = 4096) -> np.ndarray:
     for lo in range(0, n, batch):
         idx = xp.arange(lo, min(lo + batch, n))
         ctx = splice_indices(idx, start[idx], end[idx], net.left_context, net.right_context)
-        # a batch shorter than ``batch`` has a length of its own: its buffers go
-        logp = log_softmax(net.forward(splice(frames, ctx), keep_buffers=len(idx) == batch))
+        # a batch shorter than ``batch`` has a length of its own: its buffers go;
+        # a sigmoid's exp overflowing gives its exact limit, and a score that is not
+        # finite is refused below: NumPy's warnings would only be noise to the caller
+        with np.errstate(all="ignore"):
+            logp = log_softmax(net.forward(splice(frames, ctx),
+                                           keep_buffers=len(idx) == batch))
         out[lo:lo + len(idx)] = backend.to_host(logp) + offsets
     bad = ~np.isfinite(out).all(axis=1)
     if bad.any():

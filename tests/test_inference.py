@@ -139,3 +139,23 @@ def test_load_model_names_a_path_of_the_wrong_type(model_and_feats):
                                             rf"{type(bad).__name__}"):
             mpitrain.load_model(bad)
     assert mpitrain.load_model(str(path).encode()).path == str(path)
+
+
+def test_a_saturated_sigmoid_scores_without_numpy_warnings(tmp_path):
+    # exp(-z) overflowing in a sigmoid gives 0, its exact limit; the scores are finite
+    # and right, but NumPy's RuntimeWarning reached the caller of predict
+    import warnings
+    from mpitrain.nn.affine import Affine
+    from mpitrain.nn.model_file import save_model
+    from mpitrain.nn.network import Network
+    from mpitrain.nn.nonlinear import Sigmoid
+    net = Network([Affine(2, 4), Sigmoid(4), Affine(4, 3)], feat_dim=2)
+    net.init_params(seed=1)
+    save_model(tmp_path / "sig.h5", net, class_priors=np.full(3, 1 / 3))
+    model = mpitrain.load_model(tmp_path / "sig.h5")
+    feats = np.array([[0.0, 0.0], [1e30, -1e30]], dtype=np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        post = model.predict(feats)
+    assert np.isfinite(post).all()
+    np.testing.assert_allclose(post.sum(axis=1), 1.0, rtol=1e-5)
