@@ -415,6 +415,11 @@ def model_in_run_dir(path) -> tuple:
         raise FileNotFoundError(f"{path}: a run directory without best.h5 or final.h5 (the "
                                 "run has not ended, nor kept a best held-out model); give "
                                 f"a checkpoint as the model, e.g. the newest, {newest}")
+    if os.path.exists(os.path.join(path, "corpus.yaml")):
+        # (the arguments of `eval MODEL CORPUS` swapped: it was called a run directory)
+        raise FileNotFoundError(f"{path}: a corpus directory (it holds corpus.yaml), not a "
+                                "model; give a model file or the run directory that holds "
+                                "one")
     raise FileNotFoundError(f"{path}: a run directory without best.h5 or final.h5")
 
 

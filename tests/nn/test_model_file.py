@@ -253,3 +253,19 @@ def test_a_run_directory_without_a_model_says_where_one_is(tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"^{at_empty}: a run directory without "
                                                 r"best.h5 or final.h5$"):
         model_in_run_dir(str(empty))
+
+
+def test_a_corpus_directory_given_as_the_model_is_called_a_corpus(tmp_path, capsys):
+    """`eval CORPUS MODEL` (the arguments swapped) or load_model(corpus) called the corpus
+    'a run directory without best.h5 or final.h5'."""
+    from mpitrain.cli import main
+    corpus = tmp_path / "dev"
+    corpus.mkdir()
+    (corpus / "corpus.yaml").write_text("feat_dim: 3\n")
+    at = re.escape(str(corpus))
+    with pytest.raises(FileNotFoundError, match=rf"^{at}: a corpus directory \(it holds "
+                                                r"corpus.yaml\), not a model; give a model "
+                                                r"file or the run directory that holds one$"):
+        model_in_run_dir(str(corpus))
+    assert main(["eval", str(corpus), str(corpus)]) == 2
+    assert "a corpus directory (it holds corpus.yaml), not a model" in capsys.readouterr().err
