@@ -557,7 +557,14 @@ class OnlineNaturalGradient(Preconditioner):
             not self.delayed_updates or self.frozen or self.updating())
 
     def precondition(self, X):
-        X = _check_rows(X, "OnlineNaturalGradient.precondition")
+        X = _check_rows(X, "OnlineNaturalGradient.precondition", writes=True)
+        if self._wj is not None and X.shape[1] != self._wj.shape[1]:
+            # (they failed in a matrix product, naming neither dimension)
+            raise ValueError(f"OnlineNaturalGradient.precondition: rows of dimension "
+                             f"{X.shape[1]}, but the estimate is of dimension "
+                             f"{self._wj.shape[1]} (set by the first call or "
+                             "load_state_dict); use one preconditioner per layer side, or "
+                             "reset() it first")
         if X.shape[1] == 1:
             return X, 1.0                      # step 1: D = 1 is the identity
         if self._update_due():
@@ -907,13 +914,21 @@ class SimpleNaturalGradient(Preconditioner):
         return q.astype(X.dtype), 1.0
 
 
-def _check_rows(X, where: str):
-    """X as a C-contiguous 2-D float array with at least one row."""
-    if getattr(X, "ndim", None) != 2 or X.shape[0] < 1:
+def _check_rows(X, where: str, *, writes: bool = False):
+    """X as a C-contiguous 2-D float array with at least one row (and one that may be
+    written, for a caller that ``writes`` its result into it)."""
+    if getattr(X, "ndim", None) is None:
+        raise ValueError(f"{where}: expected a 2-D (N, D) array with N >= 1, got a "
+                         f"{type(X).__name__}")
+    if X.ndim != 2 or X.shape[0] < 1:
         raise ValueError(f"{where}: expected a 2-D (N, D) array with N >= 1, "
-                         f"got shape {getattr(X, 'shape', None)}")
+                         f"got shape {X.shape}")
     if X.dtype not in (np.float32, np.float64):
         raise ValueError(f"{where}: expected float32 or float64 rows, got {X.dtype}")
+    # a read-only array (np.load(..., mmap_mode="r"), a broadcast) cannot take Xhat:
+    # NumPy's "output array is read-only" named neither the call nor the argument
     if not X.flags.c_contiguous:
         X = backend.get_array_module(X).ascontiguousarray(X)
+    elif writes and not getattr(X.flags, "writeable", True):
+        X = X.copy()
     return X

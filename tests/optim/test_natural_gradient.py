@@ -470,6 +470,37 @@ def test_overwrites_contiguous_input_in_place():
     assert Xhat is not view
 
 
+def test_rows_of_another_dimension_than_the_estimate_are_refused_naming_both():
+    # they failed in a matrix product ("matmul: Input operand 1 has a mismatch ...")
+    rng = np.random.default_rng(3)
+    prec = OnlineNaturalGradient(rank=2)
+    prec.precondition(rng.standard_normal((8, 6)))
+    for dim in (7, 1):
+        with pytest.raises(ValueError, match=rf"precondition: rows of dimension {dim}, but "
+                                             r"the estimate is of dimension 6"):
+            prec.precondition(rng.standard_normal((8, dim)))
+    resumed = OnlineNaturalGradient(rank=2)
+    resumed.load_state_dict(prec.state_dict())
+    with pytest.raises(ValueError, match="rows of dimension 5, but the estimate is of "
+                                         "dimension 6"):
+        resumed.precondition(rng.standard_normal((8, 5)))
+    prec.reset()
+    assert prec.precondition(rng.standard_normal((8, 5)))[0].shape == (8, 5)
+
+
+def test_read_only_rows_are_copied_and_other_objects_named():
+    # NumPy's "output array is read-only" named nothing; a list was "got shape None"
+    X = np.random.default_rng(4).standard_normal((10, 6))
+    want, gamma = OnlineNaturalGradient(rank=2).precondition(X.copy())
+    X.flags.writeable = False
+    Xhat, got = OnlineNaturalGradient(rank=2).precondition(X)
+    assert Xhat is not X and np.array_equal(Xhat, want) and got == gamma
+    for prec in (OnlineNaturalGradient(rank=2), SimpleNaturalGradient()):
+        with pytest.raises(ValueError, match=r"precondition: expected a 2-D \(N, D\) array "
+                                             r"with N >= 1, got a list"):
+            prec.precondition(X.tolist())
+
+
 def test_float32_tracks_float64():
     rng = np.random.default_rng(13)
     batches = [spectrum_rows(rng, 64, 40, decay=0.8) for _ in range(20)]
