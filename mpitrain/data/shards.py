@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import numbers
 import os
 from typing import Sequence
 
@@ -548,10 +549,14 @@ class ShardReader(ShardFile):
         self.path = str(path)
         if not os.path.exists(self.path):
             raise CorpusError(f"{self.path}: shard file not found")
+        if os.path.isdir(self.path):
+            raise CorpusError(f"{self.path}: is a directory, not a shard file")
         try:
             self._file = h5_reader(self.path)
         except OSError as exc:
-            raise CorpusError(f"{self.path}: cannot open as HDF5 ({exc})") from exc
+            # HDF5's messages can hold line breaks (a time stamp): one line here
+            raise CorpusError(f"{self.path}: cannot open as HDF5 "
+                              f"({' '.join(str(exc).split())})") from exc
         try:
             problems = shard_layout_problems(self._file, self.path)
             if problems:
@@ -596,6 +601,12 @@ class ShardReader(ShardFile):
         """
         if self._file is None:
             raise CorpusError(f"{self.path}: read after close()")
+        for name, value in (("start_utt", start_utt), ("end_utt", end_utt)):
+            # (2.7 was read as 2; 'a' and None failed in int() naming neither)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real) \
+                    or int(value) != value:
+                raise TypeError(f"{self.path}: read: {name}: expected an utterance index "
+                                f"(an integer), got {value!r}")
         start_utt, end_utt = int(start_utt), int(end_utt)
         if not 0 <= start_utt <= end_utt <= self.num_utterances:
             raise ValueError(f"{self.path}: utterance range {start_utt}:{end_utt} is outside "

@@ -41,6 +41,28 @@ def test_write_and_read_back_exactly(tmp_path):
     assert not any(name.endswith(".partial") for name in os.listdir(tmp_path))
 
 
+def test_a_directory_or_a_bad_utterance_index_is_one_line_naming_it(tmp_path):
+    # a directory gave HDF5's message, which holds a line break; read(0, 2.7) read
+    # utterances 0:2, and read("a", 2) failed in int() naming neither argument
+    (tmp_path / "d").mkdir()
+    with pytest.raises(CorpusError, match=r"^.*/d: is a directory, not a shard file$"):
+        ShardReader(str(tmp_path / "d"))
+    (tmp_path / "t.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(100))
+    with pytest.raises(CorpusError, match="t.h5: cannot open as HDF5") as err:
+        ShardReader(str(tmp_path / "t.h5"))
+    assert "\n" not in str(err.value)
+    utts = make_utterances(3)
+    path = str(tmp_path / "s.h5")
+    write_shard(path, [u[0] for u in utts], [u[1] for u in utts], [u[2] for u in utts])
+    with ShardReader(path) as shard:
+        for start, end, name in ((0, 2.7, "end_utt"), ("a", 2, "start_utt"),
+                                 (None, 2, "start_utt"), (True, 2, "start_utt")):
+            with pytest.raises(TypeError, match=rf"s.h5: read: {name}: expected an utterance "
+                                                r"index \(an integer\), got "):
+                shard.read(start, end)
+        assert shard.read(np.int64(1), 2.0)[2].tolist() == [0, len(utts[1][1])]
+
+
 def test_reader_names_file_and_dataset_when_dataset_is_missing(tmp_path):
     utts = make_utterances(2)
     path = str(tmp_path / "s.h5")
