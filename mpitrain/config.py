@@ -618,7 +618,12 @@ def parse_overrides(overrides) -> dict:
     unless it is quoted.
     """
     nested: dict = {}
-    for item in overrides or ():
+    # a single string was taken one character at a time ("--set t: expected KEY=VALUE")
+    items = None if isinstance(overrides, (str, bytes, dict)) else list(overrides or ())
+    if items is None or not all(isinstance(item, str) for item in items):
+        raise TypeError(f"overrides: expected a list of 'KEY=VALUE' strings, e.g. "
+                        f"['training.epochs=1'], got {overrides!r}")
+    for item in items:
         if "=" not in item:
             raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. optimizer.momentum=0.9")
         key, text = item.split("=", 1)

@@ -115,6 +115,19 @@ def test_override_errors_name_the_key(tmp_path):
         load_config(str(path), ["optimizer.momentum"])
 
 
+def test_overrides_from_python_that_are_no_list_of_strings_are_named(tmp_path):
+    # load_config(path, "training.epochs=1") took the string a character at a time and
+    # said "--set t: expected KEY=VALUE"
+    path = tmp_path / "ok.yaml"
+    path.write_text("{}\n")
+    for bad in ("training.epochs=1", {"training.epochs": 1}, [1]):
+        with pytest.raises(TypeError, match=r"overrides: expected a list of 'KEY=VALUE' "
+                                            r"strings"):
+            load_config(str(path), bad)
+    assert load_config(str(path), iter(["training.epochs=1"])).training.epochs == 1
+    assert load_config(str(path), ("training.epochs=2",)).training.epochs == 2
+
+
 def test_a_negative_block_momentum_other_than_minus_one_is_refused(tmp_path):
     # BMUF took every negative value as -1, the default 1 - 1/N: -0.5 ran at 0.75
     # on 4 ranks without a word
