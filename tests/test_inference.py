@@ -128,6 +128,10 @@ def test_features_that_are_no_array_or_of_another_dtype_name_the_model(model_and
         model.predict(feats[0])
     np.testing.assert_array_equal(model.predict(feats.tolist()), model.predict(feats))
     np.testing.assert_array_equal(model.predict(feats[:1]), model.predict(feats[0][None]))
+    # what docs/model-format.md promises: any memory order or float width, no frames
+    np.testing.assert_array_equal(model.predict(np.asfortranarray(feats.astype(np.float64))),
+                                  model.predict(feats))
+    assert model.log_likelihoods(np.zeros((0, 3), np.float16)).shape == (0, 5)
 
 
 def test_load_model_names_a_path_of_the_wrong_type(model_and_feats):
