@@ -90,11 +90,19 @@ def check_utterance(where: str, utt_id: str, feats, labels, feat_dim: int | None
     """
     if not isinstance(utt_id, str) or not utt_id:
         raise ValueError(f"{where}: utterance id must be a non-empty string, got {utt_id!r}")
-    feats = np.asarray(feats)
-    labels = np.asarray(labels)
+    try:
+        feats, labels = np.asarray(feats), np.asarray(labels)
+    except (ValueError, TypeError):
+        # (rows of different lengths: NumPy's message named neither utterance nor argument)
+        raise ValueError(f"{where}: utterance {utt_id!r}: feats and labels must each be "
+                         "one rectangular array of numbers") from None
     if feats.ndim != 2:
         raise ValueError(f"{where}: utterance {utt_id!r}: feats must be 2-D (frames, dim), "
                          f"got shape {feats.shape}")
+    if feats.dtype.kind not in "fiu":
+        # (a complex array lost its imaginary part without a word; bool became 0/1)
+        raise ValueError(f"{where}: utterance {utt_id!r}: feats must be float or integer "
+                         f"numbers, got dtype {feats.dtype}")
     if feats.shape[0] == 0:
         raise ValueError(f"{where}: utterance {utt_id!r}: feats has no frames")
     if feat_dim is not None and feats.shape[1] != feat_dim:
@@ -106,6 +114,16 @@ def check_utterance(where: str, utt_id: str, feats, labels, feat_dim: int | None
     if labels.dtype.kind not in "iu":
         raise ValueError(f"{where}: utterance {utt_id!r}: labels must be integers, "
                          f"got dtype {labels.dtype}")
+    if feats.dtype.kind == "f" and feats.dtype.itemsize > 4:
+        # a finite double beyond float32's range would be stored as inf, then called
+        # "NaN or inf", which the caller's array did not hold (the Kaldi import's rule)
+        with np.errstate(invalid="ignore"):
+            beyond = np.isfinite(feats) & (np.abs(feats) > np.finfo(np.float32).max)
+        if beyond.any():
+            row, col = (int(i) for i in np.argwhere(beyond)[0])
+            raise ValueError(f"{where}: utterance {utt_id!r}: {int(beyond.sum())} value(s) "
+                             f"beyond the float32 range features are stored in, the first "
+                             f"{feats[row, col]:.6g} at frame {row}, dimension {col}")
     return np.ascontiguousarray(feats, dtype=np.float32), labels.astype(np.int32, copy=False)
 
 

@@ -80,6 +80,33 @@ def test_writer_rejects_bad_input_naming_the_utterance(tmp_path):
     assert load_manifest(str(tmp_path / "c")).num_frames == 5
 
 
+def test_features_beyond_float32_or_of_no_number_dtype_are_named_as_such(tmp_path):
+    # 1e300 in float64 was stored as inf and called "NaN or inf" (with NumPy's overflow
+    # warning); a complex array lost its imaginary part without a word; a ragged list
+    # failed in NumPy naming nothing
+    import warnings
+    with CorpusWriter(str(tmp_path / "c"), feat_dim=2, num_classes=3,
+                      num_shards=1) as writer:
+        huge = np.zeros((4, 2))
+        huge[2, 1] = 1e300
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(ValueError, match=r"'u1': 1 value\(s\) beyond the float32 "
+                                                 r"range features are stored in, the first "
+                                                 r"1e\+300 at frame 2, dimension 1$"):
+                writer.add("u1", huge, np.zeros(4, int))
+        for bad in (np.zeros((4, 2), np.complex64), np.zeros((4, 2), bool)):
+            with pytest.raises(ValueError, match=rf"'u2': feats must be float or integer "
+                                                 rf"numbers, got dtype {bad.dtype}"):
+                writer.add("u2", bad, np.zeros(4, int))
+        with pytest.raises(ValueError, match=r"'u3': feats and labels must each be one "
+                                             r"rectangular array of numbers"):
+            writer.add("u3", [[0.0, 1.0], [0.0]], [0, 0])
+        writer.add("u4", np.full((4, 2), 1e30), np.zeros(4, int))
+        writer.add("u5", np.ones((4, 2), np.int64), np.zeros(4, int))
+    assert load_manifest(str(tmp_path / "c")).num_frames == 8
+
+
 def test_more_shards_than_utterances_gives_valid_empty_shards(tmp_path):
     out = str(tmp_path / "c")
     with CorpusWriter(out, feat_dim=2, num_classes=2, num_shards=3) as writer:
