@@ -90,6 +90,10 @@ def check_utterance(where: str, utt_id: str, feats, labels, feat_dim: int | None
     """
     if not isinstance(utt_id, str) or not utt_id:
         raise ValueError(f"{where}: utterance id must be a non-empty string, got {utt_id!r}")
+    if any(letter.isspace() for letter in utt_id):
+        # a Kaldi archive key ends at the first space: export would write another id
+        raise ValueError(f"{where}: utterance id {utt_id!r} holds whitespace, which a Kaldi "
+                         "id cannot (export writes the ids as archive keys)")
     try:
         feats, labels = np.asarray(feats), np.asarray(labels)
     except (ValueError, TypeError):

@@ -222,3 +222,12 @@ def test_a_corpus_directory_that_cannot_be_made_is_one_line_naming_it(tmp_path):
         CorpusWriter(out, feat_dim=6, num_classes=5, num_shards=1)
     assert str(err.value) == (f"{out}: cannot create the corpus directory (Not a directory: "
                               f"{tmp_path / 'a-file' / 'c'})")
+
+
+@pytest.mark.parametrize("utt_id", ["a b", "a\tb", "ab\n"])
+def test_an_utterance_id_holding_whitespace_is_refused(tmp_path, utt_id):
+    # (accepted: export then wrote keys that Kaldi reads as another id and a bad record)
+    with CorpusWriter(str(tmp_path / "c"), feat_dim=4, num_classes=3, num_shards=1) as writer:
+        with pytest.raises(ValueError, match="holds whitespace, which a Kaldi id cannot"):
+            writer.add(utt_id, np.zeros((5, 4), np.float32), np.zeros(5, np.int64))
+        writer.add("a-b", np.zeros((5, 4), np.float32), np.zeros(5, np.int64))
