@@ -6,7 +6,8 @@ import numpy as np
 
 from .. import backend
 from ..data.batcher import plan_chunks, read_chunk
-from ..data.sharding import assign_shards, plan_shards
+from ..data.corpus import ShardInfo
+from ..data.sharding import plan_shards
 from ..data.shards import ShardReader
 from ..data.splice import splice, splice_indices
 
@@ -62,19 +63,51 @@ def iter_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames:
     """
     if max_frames < 0:
         raise ValueError(f"max_frames must be >= 0 (0: all frames), got {max_frames}")
-    if size > 1 and manifest.num_utterances < size:
-        # rank 0 holds the whole (small) set, and so the whole cap
-        slices = assign_shards(manifest.shards, 0, 1) if rank == 0 else []
-        limit = max_frames or None
+    offsets_of = shard_offsets_reader(manifest)
+    shards, past = manifest.shards, 0
+    if max_frames:
+        # the first max_frames frames in shard order, however many ranks share them:
+        # the figures are those of `eval --max-frames` (each rank's first frames
+        # made another subset for every rank count)
+        shards, offsets_of, past = first_frames(manifest.shards, offsets_of, max_frames)
+    if size > 1 and sum(s.utterances for s in shards) < size:
+        # rank 0 holds the whole (small) set
+        plan = plan_shards(shards, 1, utt_offsets_of=offsets_of) + [[]] * (size - 1)
     else:
-        plan = plan_shards(manifest.shards, size, utt_offsets_of=shard_offsets_reader(manifest))
-        slices = plan[rank]
-        # the cap shared out over what each rank holds: the parts add up to it
-        limit = cap_shares([sum(s.frames for s in part) for part in plan],
-                           max_frames)[rank] if max_frames else None
+        plan = plan_shards(shards, size, utt_offsets_of=offsets_of, split=True if max_frames
+                           else None)
+    slices = plan[rank]
+    # the last utterance is cut at the cap on the rank that holds it (the last frames
+    # of its share)
+    holds_last = past and any(s.end_utt == shards[-1].utterances
+                              and s.shard_index == len(shards) - 1 for s in slices)
+    limit = sum(s.frames for s in slices) - past if holds_last else None
     mean, scale = backend.to_host(net.cmvn_mean), backend.to_host(net.cmvn_scale)
     return _read_eval_chunks(manifest, net, plan_chunks(manifest, slices, 100_000), limit,
                              mean, scale)
+
+
+def first_frames(shards, offsets_of, max_frames: int) -> tuple:
+    """The part of ``shards`` that holds their first ``max_frames`` frames: (shards, in
+    order, the last cut after the utterance that reaches the cap; their offsets'
+    callback; the frames of that utterance past the cap).
+
+    Example::
+
+        first_frames(manifest.shards, shard_offsets_reader(manifest), 5000)
+    """
+    taken = 0
+    for i, info in enumerate(shards):
+        if taken + info.frames < max_frames:
+            taken += info.frames
+            continue
+        offsets = np.asarray(offsets_of(i))
+        end = int(np.searchsorted(offsets, max_frames - taken, side="left"))
+        cut = offsets[:end + 1]
+        part = list(shards[:i]) + [ShardInfo(info.path, int(cut[-1]), end)]
+        return (part, lambda j: cut if j == i else offsets_of(j),
+                taken + int(cut[-1]) - max_frames)
+    return list(shards), offsets_of, 0
 
 
 def _read_eval_chunks(manifest, net, specs, limit, mean, scale):

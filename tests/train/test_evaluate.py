@@ -96,3 +96,19 @@ def test_chunks_read_one_at_a_time_are_those_loaded_at_once(small_corpus, cap):
             np.testing.assert_array_equal(a, b)
     with pytest.raises(ValueError, match="max_frames must be >= 0"):
         iter_eval_chunks(train, net, max_frames=-1)       # refused before any read
+
+
+@pytest.mark.parametrize("corpus, cap", [("dev", 3000), ("train", 20_000), ("train", 250)])
+def test_a_cap_scores_the_same_first_frames_on_any_number_of_ranks(small_corpus, corpus, cap):
+    # as `eval --max-frames` (one process) scores them: each rank's first frames made
+    # another subset for every rank count
+    manifest = load_manifest(os.path.join(small_corpus, corpus))
+    net = _network(manifest, 2)
+    alone = evaluate_chunks(net, load_eval_chunks(manifest, net, max_frames=cap))
+    assert alone[2] == cap
+    for size in (2, 3, 5):
+        parts = [evaluate_chunks(net, load_eval_chunks(manifest, net, rank=r, size=size,
+                                                       max_frames=cap)) for r in range(size)]
+        total, correct, frames = (sum(p[k] for p in parts) for k in range(3))
+        assert (correct, frames) == (alone[1], cap)
+        assert total == pytest.approx(alone[0], rel=1e-6)     # float32 sums
