@@ -250,10 +250,21 @@ class MinibatchStream:
                 self._pending[key] = self._executor.submit(read_chunk, *args)
         return self._pending[key]
 
-    def _next_position(self, epoch: int, chunk_pos: int):
-        if chunk_pos + 1 < len(self.chunks):
-            return epoch, chunk_pos + 1
-        return epoch + 1, 0
+    def _next_position(self, epoch: int, chunk_pos: int, steps_after: int):
+        """The position of the chunk the reader takes after (epoch, chunk_pos), once
+        ``steps_after`` steps of ``epoch`` are done: an epoch cut short by
+        ``steps_per_epoch`` goes on with the next epoch, and a chunk too short for a
+        minibatch is passed over (reading ahead either read a chunk for nothing, and
+        the rank waited for the one it took)."""
+        if steps_after >= self.steps_per_epoch:
+            epoch, chunk_pos = epoch + 1, -1
+        for _ in range(2):
+            order = self.chunk_order(epoch)
+            for pos in range(chunk_pos + 1, len(self.chunks)):
+                if self.chunks[int(order[pos])].frames >= self.minibatch:
+                    return epoch, pos
+            epoch, chunk_pos = epoch + 1, -1
+        return epoch, 0
 
     def _load_current(self) -> None:
         key = (self.epoch, self.chunk_pos)
@@ -271,7 +282,8 @@ class MinibatchStream:
         self._perm = to_device(perm, xp)
         self._current_key = key
         # start reading the chunk after this one while this one trains
-        self._submit(*self._next_position(*key))
+        left = spec.frames // self.minibatch - self.batch_pos
+        self._submit(*self._next_position(*key, self.steps_in_epoch + left))
 
     def _advance_epoch(self) -> None:
         self.epoch += 1

@@ -29,6 +29,37 @@ def test_chunks_read_ahead_for_skipped_positions_are_not_kept(small_corpus, pref
         stream.close()
 
 
+@pytest.mark.parametrize("minibatch", [256, 1100])
+def test_the_chunk_read_ahead_is_the_one_taken_next(small_corpus, monkeypatch, minibatch):
+    """At an epoch cut short by equal step counts the chunk after it in the old
+    epoch was read ahead, and the next epoch's first read while the rank waited;
+    a chunk too short for a minibatch (1100 frames: some chunks) was read for nothing."""
+    import mpitrain.data.batcher as batcher
+    manifest = load_manifest(os.path.join(small_corpus, "train"))
+    chunks = plan_chunks(manifest, assign_shards(manifest.shards, 0, 1), 1000)
+    assert any(c.frames < 1100 for c in chunks)
+    local = sum(c.frames // minibatch for c in chunks)
+    reads, read = [], batcher.read_chunk
+    monkeypatch.setattr(batcher, "read_chunk",
+                        lambda m, spec, *a: reads.append(spec) or read(m, spec, *a))
+    stream = MinibatchStream(manifest, chunks, minibatch=minibatch, seed=1, rank=0,
+                             cmvn=(manifest.cmvn_mean, [1.0] * manifest.feat_dim),
+                             steps_per_epoch=local // 2, prefetch=False)
+    try:
+        taken = []
+        for _ in range(4 * (local // 2)):             # four epochs
+            chunk, _ = stream.next_batch()
+            if not taken or taken[-1] is not chunk:
+                taken.append(chunk)
+        # every chunk read was taken, and the one read ahead at the end is the next
+        assert reads[:-1] == [c.spec for c in taken]
+        ahead = reads[-1]
+        stream.next_batch()
+        assert stream._current.spec == ahead
+    finally:
+        stream.close()
+
+
 @pytest.mark.parametrize("num_utts", [6, 40])
 def test_a_shard_rewritten_since_the_plan_is_named_not_read(tmp_path, num_utts):
     """A corpus prepared again (``--overwrite``) under a running job: the next chunk
