@@ -22,26 +22,6 @@ def shard_offsets_reader(manifest):
     return offsets
 
 
-def cap_shares(available, cap: int) -> list:
-    """How many of ``cap`` frames each rank scores: as equal as their ``available``
-    frames allow, summing to ``min(cap, sum(available))``.
-
-    Example::
-
-        cap_shares([465, 900, 900, 348], 2000)     # [465, 594, 593, 348]
-    """
-    parts = [0] * len(available)
-    left = min(int(cap), sum(available))
-    while left > 0:
-        room = [r for r in range(len(available)) if parts[r] < available[r]]
-        share, extra = divmod(left, len(room))
-        for i, r in enumerate(room):
-            give = min(share + (i < extra), available[r] - parts[r])
-            parts[r] += give
-            left -= give
-    return parts
-
-
 def load_eval_chunks(manifest, net, *, rank: int = 0, size: int = 1, max_frames: int = 0):
     """This rank's part of a corpus, normalised with the network's CMVN, on its device,
     all in memory (for a set scored again and again: the held-out set of a run).

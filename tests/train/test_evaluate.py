@@ -62,14 +62,6 @@ def test_a_set_smaller_than_the_ranks_is_capped_on_rank_0_alone(small_corpus, tm
     assert taken == [100] + [0] * 7
 
 
-def test_cap_shares_fill_what_each_rank_holds():
-    from mpitrain.train.evaluate import cap_shares
-    assert cap_shares([465, 900, 900, 348], 2000) == [465, 594, 593, 348]
-    assert cap_shares([10, 10], 100) == [10, 10]          # all there is
-    assert cap_shares([5, 0, 7], 3) == [2, 0, 1]
-    assert sum(cap_shares([3, 50, 1, 20], 40)) == 40
-
-
 def test_chunks_of_many_sizes_leave_no_buffers_of_their_sizes(small_corpus):
     dev = load_manifest(os.path.join(small_corpus, "dev"))
     net = _network(dev, 2)
