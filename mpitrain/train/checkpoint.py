@@ -5,6 +5,8 @@ Layout::
     /model                      the network (same as a model file)
     /ranks/<r>/optimizer        rank r's optimizer and preconditioner state
     /ranks/<r>/reader           rank r's reader position
+    /ranks/<r>/window           rank r's sums of the log window the checkpoint cut
+    /ranks/<r>/strategy         rank r's own model, where the ranks' models differ (ADPSGD)
     /strategy                   the parallel strategy's state (identical on all ranks)
     /trainer                    the trainer's own scalars (learning-rate scale, counts)
     attrs: format, step, frames_seen, num_ranks, config (YAML text), checksum
@@ -114,7 +116,8 @@ def _trainer_scalars(state: dict) -> dict:
 def save_checkpoint(path, *, net, step: int, frames_seen: int, config_yaml: str,
                     rank_states: list, strategy_state: dict, class_priors=None,
                     keep: int | None = None, trainer_state: dict | None = None) -> None:
-    """Write one checkpoint; ``rank_states[r]`` = {"optimizer": ..., "reader": ...}.
+    """Write one checkpoint; ``rank_states[r]`` = {"optimizer": ..., "reader": ...}
+    (and ``"window"``, ``"strategy"`` where the trainer has them).
 
     ``trainer_state``: the trainer's scalars (stored in group 'trainer').
     ``keep``: checkpoints left in the directory, at least ``MIN_KEEP``

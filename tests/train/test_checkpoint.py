@@ -464,3 +464,23 @@ def test_rotation_goes_by_the_steps_when_the_new_file_cannot_be_read_back(tmp_pa
     _write_at(tmp_path, 250, 2500, keep=3)
     assert [os.path.basename(p) for p in list_checkpoints(tmp_path)] == \
         ["ckpt-00000100.h5", "ckpt-00000200.h5", "ckpt-00000250.h5"]
+
+
+def test_the_module_layout_names_every_group_a_rank_writes(tmp_path):
+    """The layout in train/checkpoint.py's docstring against a checkpoint holding all a
+    trainer's rank gathers: the log window, and ADPSGD's own model."""
+    import mpitrain.train.checkpoint as module
+    documented = {line.split()[0].strip("/").replace("<r>", "*")
+                  for line in module.__doc__.splitlines() if line.startswith("    /")}
+    net = small_net(3)
+    states = rank_states(net)
+    for state in states:
+        state["window"] = np.array([1.5, 2.0, 4.0, 0.0])
+        state["strategy"] = {"params": np.array(net.params)}
+    path = checkpoint_path(tmp_path, 4)
+    save_checkpoint(path, net=net, step=4, frames_seen=40, config_yaml="a: 1\n",
+                    rank_states=states, strategy_state={}, trainer_state={"rollbacks": 0})
+    with h5py.File(path, "r") as f:
+        written = set(f) - {"ranks"}
+        written |= {f"ranks/*/{name}" for r in f["ranks"] for name in f["ranks"][r]}
+    assert written - documented == set()
