@@ -9,7 +9,8 @@ The rule, for N ranks with parameters w_i, every K local steps::
 Each rank trains on its own data between averages; optimizer state stays
 local unless ``average_momentum`` (then the momentum buffers are averaged
 too), and the optimizer hears :meth:`~mpitrain.optim.base.Optimizer.after_average`
-(NG-SGD then starts fresh Fisher estimates, as each Kaldi job does).  With
+(NG-SGD with ``optimizer.ngsgd.reset_on_average`` then starts fresh Fisher
+estimates, as each Kaldi job does; by default it keeps them).  With
 K = 1 and plain SGD this equals synchronous SGD from a common start.
 
 With ``straggler_policy: adapt`` a slow rank no longer holds everyone up:

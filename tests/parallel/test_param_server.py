@@ -547,3 +547,17 @@ def test_a_stale_gradient_is_applied_at_the_rate_over_one_plus_its_staleness():
                                              correct=0.0, frames=1, position=0,
                                              staleness=staleness, stop=0))
         assert optimizer.lr == pytest.approx(expected)
+
+
+def test_the_documented_header_has_the_fields_a_push_sends():
+    """docs/parallel.md and the module's docstring list the header's fields."""
+    import re
+
+    import mpitrain.parallel.param_server as module
+    page = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__)))), "docs", "parallel.md")
+    with open(page, encoding="utf-8") as fh:
+        text = " ".join(fh.read().split())
+    for where in (text, " ".join(module.__doc__.split())):
+        fields = re.search(r"header `{0,2}\[(kind[^\]]*)\]", where).group(1).split(", ")
+        assert len(fields) == module.HEADER_SIZE, fields
