@@ -24,13 +24,23 @@ On a device the scales stay on the device.
 
 L2 regularization (Kaldi nnet3's ``l2-regularize``): the objective adds
 ``l2_c ||w_c||^2`` per frame for each layer c, so a gradient summed over B
-frames gains ``2 l2_c B w_c`` before everything above (after the natural
-gradient, which preconditions only the data term, and before max-change, as
-in Kaldi).  The rate then shrinks the weights by ``2 lr l2_c B`` per step.
+frames gains ``2 l2_c B w_c`` (after the natural gradient, which
+preconditions only the data term, and after max-change-per-sample, which
+bounds only the data term's step; before ``gradient_scaling`` and
+max-change, as in Kaldi).  The rate then shrinks the weights by ``2 lr l2_c B`` per step.
 Strategies average gradients or models, so the term is counted once however
 many ranks there are; where a method trains at J times the rate (Kaldi's
 averaging of J jobs) it scales the term by 1/J (``set_l2_factor``), as
 Kaldi's ``l2_regularize_factor`` does.
+
+The order in a step: max-change-per-sample, the L2 term, ``gradient_scaling``,
+max-change and momentum.
+
+Symbols in the code: g is ``net.grads``, Delta is ``delta`` (the momentum
+buffer; ``grads`` itself without momentum), m_c is ``layer_max_change[c]``,
+``max_change`` the whole-model cap (times ``max_change_factor``), k_c times
+(1 - momentum) the scales of :meth:`SGD._scales`, tau_c an affine layer's
+``step_bound``, ``2 l2_c B`` the coefficients in ``l2_terms``.
 """
 
 from __future__ import annotations

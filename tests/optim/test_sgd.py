@@ -252,3 +252,16 @@ def test_max_change_per_sample_with_natural_gradient_keeps_every_layer_within_it
     for layer, sl in net.param_slices:
         assert np.linalg.norm(np.float64(net.params[sl]) - before[sl]) <= 0.02 * 32 * 1.0001
     assert not opt.static_step_ahead()
+
+
+def test_max_change_per_sample_bounds_the_data_term_before_the_l2_term_is_added():
+    """The module's order: a layer's gradient is scaled by the per-sample bound,
+    then gains 2 l2 B w unscaled (the bound, from the rows, is of the data term)."""
+    net, opt = _bounded_run(np, max_change_per_sample=1e-9, l2_regularize=0.01,
+                            l2_regularize_output=0.01)
+    before = np.float64(net.params).copy()
+    lr = 0.01
+    opt.step(lr)
+    change = np.float64(net.params) - before
+    # the data term is scaled by about 1e-9 * 32 / (lr tau): what is left is -lr 2 l2 B w
+    np.testing.assert_allclose(change, -lr * 2 * 0.01 * 32 * before, rtol=1e-4, atol=1e-8)
