@@ -31,8 +31,10 @@ run (every rank decides alike from the summed figures) naming the rate to
 lower; so does a layer whose every hidden unit is constant over the data
 (saturated) at a checkpoint or at its end.  Checkpoints
 (``ckpt-NNNNNNNN.h5``, format ``mpitrain-pretrain-checkpoint``) are written at
-averaging points after each ``training.checkpoint_interval`` steps and at the
-end of each layer; ``--resume`` continues from the newest that verifies.  The
+averaging points after each ``training.checkpoint_interval`` steps (and
+``training.checkpoint_minutes``) and at the end of each layer, the latter kept
+out of ``training.keep_checkpoints``' rotation (``model.init_from`` takes one as
+the stack up to that layer); ``--resume`` continues from the newest that verifies.  The
 result is ``RUN_DIR/pretrain.h5`` (:mod:`mpitrain.nn.rbm_file`), which
 ``train`` reads with ``model.init_from``.
 """
