@@ -18,6 +18,9 @@ import time
 import traceback
 import warnings
 
+from .process import (NamedStdout, fill_closed_standard_descriptors, interrupt_held,
+                      silence_stdout, stop_signals_kept)
+
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit status 2."""
@@ -260,6 +263,7 @@ def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> i
 
 def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> int:
     from .comm.abort import install_abort_hook
+    from .files import working_directory
     from .train.run_dir import run_dir_problem
 
     def checks():
@@ -272,7 +276,7 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
         "runs", os.path.splitext(os.path.basename(args.config))[0] + default_suffix)
     problem, root_cwd = comm.bcast_obj(
         (run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite),
-         _working_directory()) if comm.rank == 0 else None, root=0)
+         working_directory()) if comm.rank == 0 else None, root=0)
     if comm.rank != 0:
         run_dir = _as_rank_0_names_it(run_dir, root_cwd)
     if problem:
@@ -323,20 +327,14 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
     return 0
 
 
-def _working_directory() -> str:
-    try:
-        return os.getcwd()
-    except OSError:             # removed while the process runs in it
-        return ""
-
-
 def _as_rank_0_names_it(run_dir: str, root_cwd: str) -> str:
     """A relative run directory is the one under rank 0's working directory on
     every rank: the others read its checkpoints and write their error records
     there (a rank started in another directory, by mpiexec -wdir or a node's
     own cd, found no checkpoint to resume from and left its error record in a
     directory of its own, where status never looks)."""
-    if os.path.isabs(run_dir) or not root_cwd or _working_directory() == root_cwd:
+    from .files import working_directory
+    if os.path.isabs(run_dir) or not root_cwd or working_directory() == root_cwd:
         return run_dir
     return os.path.join(root_cwd, run_dir)
 
@@ -536,7 +534,7 @@ def _check_corpus_feeds(cfg, config: str, sizes, options) -> None:
     runs read none."""
     from .data.batcher import plan_chunks
     from .data.corpus import load_manifest
-    from .train.trainer import balanced_plan
+    from .train.setup import balanced_plan
     if not cfg.data.train:
         raise UsageError(f"{config}: data.train: no training corpus given (set data.train "
                          "in the config or with --set data.train=DIR)")
@@ -1162,74 +1160,6 @@ def _tell(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-class _NamedStdout:
-    """Standard output whose failed writes name it: on a full disk the commands said
-    a bare "[Errno 28] No space left on device".  A reader that left (``| head``)
-    still ends the command as a Unix tool."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        with self._named():
-            try:
-                return self.stream.write(text)
-            except UnicodeEncodeError:
-                # a character the locale's encoding lacks (an utterance named in
-                # Japanese, under Latin-1): written as an escape, as stderr does,
-                # not failing the command after its work was done
-                encoding = getattr(self.stream, "encoding", None) or "ascii"
-                return self.stream.write(
-                    text.encode(encoding, "backslashreplace").decode(encoding))
-
-    def flush(self):
-        with self._named():
-            return self.stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _named():
-        try:
-            yield
-        except BrokenPipeError:
-            raise
-        except OSError as exc:
-            from .files import WriteError
-            _silence_stdout()       # (the interpreter's last flush would fail again)
-            raise WriteError(exc.errno, "cannot write standard output: "
-                             f"{exc.strerror or exc}") from None
-
-
-def _silence_stdout() -> None:
-    """Point standard output at /dev/null, so the interpreter's last flush cannot
-    fail again."""
-    with contextlib.suppress(OSError, ValueError, AttributeError):
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-
-
-def _fill_closed_standard_descriptors() -> None:
-    """Put /dev/null on a standard descriptor the program was started without
-    (``0<&-``, ``>&-``), so that no file it opens takes that number, where a
-    library's output to the console would land in it.  Python's own stream for
-    it stays None (standard error's: a stream to /dev/null): reading ``-`` from a
-    closed standard input, or writing ``-`` to a closed output, is refused."""
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            with contextlib.suppress(OSError):
-                opened = os.open(os.devnull, os.O_RDWR)
-                if opened != fd:        # a lower one was closed too and is filled now
-                    os.dup2(opened, fd)
-                    os.close(opened)
-    if sys.stderr is None:      # errors go where the caller sent them: nowhere
-        sys.stderr = open(os.devnull, "w", encoding="utf-8")
-
-
 def _parse_error_agreed(exc: _HeldParseError, command: str) -> int:
     """Take part in the ranks' first exchange (mpitrain/launch.py) with this
     rank's bad command line, then end: rank 0 says it (as argparse would when
@@ -1262,18 +1192,18 @@ USAGE = """usage: mpiexec -n N python -m mpitrain train CONFIG.yaml [--set key=v
 def main(argv=None) -> int:
     stdout = sys.stdout
     if stdout is not None:      # (None: started with standard output closed)
-        sys.stdout = _NamedStdout(stdout)
+        sys.stdout = NamedStdout(stdout)
     try:
         return _main(argv)
     finally:
-        if isinstance(sys.stdout, _NamedStdout):
+        if isinstance(sys.stdout, NamedStdout):
             sys.stdout = stdout
 
 
 def _main(argv) -> int:
     try:
-        with _stop_signals_kept(sys.argv[1:] if argv is None else list(argv)) as release:
-            with _interrupt_held():
+        with stop_signals_kept(sys.argv[1:] if argv is None else list(argv)) as release:
+            with interrupt_held():
                 started = _read_command_line(argv)
             if isinstance(started, int):
                 return started
@@ -1300,61 +1230,11 @@ def _main(argv) -> int:
         return 130
 
 
-@contextlib.contextmanager
-def _stop_signals_kept(words):
-    """For ``train`` and ``pretrain`` (no command: train), a stop signal from the
-    first moment on (while Python loads numpy, before the command line is read)
-    is kept for the run (train/stop.py), which stops at its first checkpoint
-    instead of the process ending with the signal's status.  Yields ``release``:
-    for a run that takes no stop signal (virtual ranks) the handlers are put
-    back, and a signal that came meanwhile ends the process as it would have."""
-    if words and words[0] not in ("train", "pretrain"):
-        yield lambda: None
-        return
-    from .train.stop import keep_stop_signals, requested
-    keeping = keep_stop_signals()
-    keeping.__enter__()
-    held = [True]
-
-    def release():
-        if held[0]:
-            held[0] = False
-            signum = requested.signum
-            keeping.__exit__(None, None, None)
-            if signum:
-                signal.raise_signal(signum)
-    try:
-        yield release
-    finally:
-        if held[0]:
-            held[0] = False
-            keeping.__exit__(None, None, None)
-
-
-@contextlib.contextmanager
-def _interrupt_held():
-    """Within the block SIGINT (Ctrl-C) is held, and raised as KeyboardInterrupt
-    at its end: an interrupt that cuts short the import of a C extension
-    (numpy's) can end in an ImportError that blames the installation."""
-    came = []
-    try:
-        previous = signal.signal(signal.SIGINT, lambda *_: came.append(True))
-    except ValueError:          # not the main thread: Python allows no handler
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if came:
-        raise KeyboardInterrupt
-
-
 def _read_command_line(argv):
     """``(args, usage_on_error)`` of the command line, or the exit status of one
     that was wrong or only asked for help."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    _fill_closed_standard_descriptors()
+    fill_closed_standard_descriptors()
     from .plotting import keep_matplotlib_quiet
     keep_matplotlib_quiet()     # (a compute node's HOME may be read-only)
     # the plots are drawn off screen (Agg), whatever backend MPLBACKEND asks pyplot
@@ -1435,7 +1315,7 @@ def _run_command(args, usage_on_error) -> int:
         # `mpitrain ... | head`: the reader of our output went away.  As a Unix tool
         # that SIGPIPE ends: no message, status 141 (the output pipes the program
         # writes itself, export's, report their failures in their own words)
-        _silence_stdout()
+        silence_stdout()
         return 141
     except (ValueError, OSError, RuntimeError) as exc:
         # ConfigError, CorpusError, TrainingError and files that cannot be read or

@@ -332,6 +332,15 @@ def atomic_path(path):
         raise
 
 
+def working_directory() -> str:
+    """This process's working directory, or '' when it was removed while the process
+    runs in it (os.getcwd fails then)."""
+    try:
+        return os.getcwd()
+    except OSError:
+        return ""
+
+
 def nearest_existing(path) -> str:
     """The nearest ancestor of ``path`` that exists (absolute): where the missing
     directories above ``path`` would be made, or fail to be.

@@ -96,7 +96,7 @@ def test_bf16_refused_by_one_ranks_gpu_stops_the_others_naming_it(monkeypatch):
     from mpitrain.config import RunConfig
     from mpitrain.testing import standin_cupy
     from mpitrain.train.errors import TrainingError
-    from mpitrain.train.trainer import select_device
+    from mpitrain.train.setup import select_device
 
     class TwoRanks(SingleCommunicator):
         size = 2

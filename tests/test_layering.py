@@ -36,9 +36,10 @@ ALLOWED = {
               "plotting", "threads"},
     "bench": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
               "plotting", "starter", "testing", "threads", "train"},
+    "process": {"files", "train"},      # train: the stop signals kept for a run
     "cli": {"backend", "bench", "comm", "config", "convert", "data", "export", "files",
             "launch", "nn", "optim",
-            "parallel", "plotting", "starter", "threads", "train"},
+            "parallel", "plotting", "process", "starter", "threads", "train"},
     "__main__": {"cli", "threads"},
     "__init__": {"inference"},
 }

@@ -63,12 +63,11 @@ from .checkpoint import (MIN_KEEP, check_reader_state, checkpoint_path, gather_r
                          list_checkpoints, rotate_checkpoints)
 from .checkpoint_clock import CheckpointClock
 from .divergence import MIN_JUDGED_FRAMES
-from .errors import error_record, record_failure_alone
+from .errors import TrainingError, error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import corpus_identity, corpus_places, resume_changes, take_run_dir
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
-from .trainer import (TrainingError, balanced_plan, load_manifests, no_minibatch_error,
-                      select_device)
+from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
 RESULT_NAME = "pretrain.h5"

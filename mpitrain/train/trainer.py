@@ -20,8 +20,7 @@ import numpy as np
 from .. import backend
 from ..config import RunConfig, config_to_yaml
 from ..data.batcher import MinibatchStream, plan_chunks
-from ..data.corpus import CorpusError, load_manifest, manifest_path, speaker_cmvn_kind
-from ..data.sharding import plan_shards
+from ..data.corpus import CorpusError, manifest_path, speaker_cmvn_kind
 from ..data.validate import validate_corpus, validate_slices
 from ..files import dotted_keys
 from ..nn.dropout import DropoutMasks, DropoutSchedule
@@ -33,158 +32,21 @@ from ..threads import available_cores, current_blas_threads
 from .checkpoint import checkpoint_path, gather_rank_states, list_checkpoints, save_checkpoint
 from .checkpoint_clock import CheckpointClock
 from .divergence import ROLL_BACK, DivergenceGuard, Diverged, divergence_advice
-from .evaluate import evaluate_chunks, load_eval_chunks, shard_offsets_reader
+from .evaluate import evaluate_chunks, load_eval_chunks
 from .errors import TrainingError, error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
 from .resume import CheckpointResume
 from .run_dir import take_run_dir, unused_settings
 from .search import RateTrials
 from .selection import ModelSelection, held_out_identity, save_best_model
+from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
 from .step import TrainingStep
 from .stop import STOP_SIGNALS, STOPPED, StopPoll, agreed_stop, requested, signal_name
-
-
-# Whole shards per rank unless that leaves ranks more than this far apart in frames:
-# every rank takes the smallest rank's number of steps, so imbalance is lost data.
-MAX_SHARD_IMBALANCE = 1.05
-
-
-def balanced_plan(manifest, size: int) -> list:
-    """Every rank's shard slices: whole shards when balanced, else utterance ranges."""
-    offsets = shard_offsets_reader(manifest)
-    plan = plan_shards(manifest.shards, size, utt_offsets_of=offsets)
-    frames = [sum(s.frames for s in slices) for slices in plan]
-    if size > 1 and max(frames) > MAX_SHARD_IMBALANCE * max(min(frames), 1):
-        plan = plan_shards(manifest.shards, size, utt_offsets_of=offsets, split=True)
-    return plan
-
-
-def load_manifests(comm, train: str, dev: str = "") -> tuple:
-    """(training manifest, held-out manifest or None), read on every rank.
-
-    All ranks should read the same files, so a wrong ``data.train`` or
-    ``data.dev`` fails on all of them together: then it is one line from rank 0
-    (an agreed error).  A rank that alone cannot read them (a file system
-    missing on one node) raises an error of its own, which aborts the job.  A
-    rank that reads another corpus than rank 0 (a relative path from another
-    working directory, a stale copy on one node's disk) stops every rank: each
-    would train on its own data.
-    """
-    error, manifests = None, None
-    try:
-        manifests = (load_manifest(train), load_manifest(dev) if dev else None)
-    except (ValueError, OSError) as exc:
-        error = exc
-    seen = None if manifests is None else [
-        [held_out_identity(m), m.num_frames, m.num_utterances] if m is not None else None
-        for m in manifests]
-    views = comm.allgather_obj([_working_directory(), seen])
-    failed = sum(1 for _, other in views if other is None)
-    if error is not None:
-        raise TrainingError(str(error) + _working_directory_note(
-            views, comm.rank, [train, dev]), agreed=failed == comm.size) from None
-    if failed:
-        return manifests        # the failing ranks abort the job
-    for index, (key, path) in enumerate((("data.train", train), ("data.dev", dev))):
-        ours = views[0][1][index]
-        others = [rank for rank, (_, other) in enumerate(views)
-                  if other[index] != ours]
-        if not others:
-            continue
-        rank = others[0]
-        theirs = views[rank][1][index]
-
-        def size(seen):
-            return f"{seen[1]:,} frames in {seen[2]:,} utterances"
-        what = f"{size(theirs)} there, {size(ours)} on rank 0" \
-            if theirs[1:] != ours[1:] else \
-            "the same sizes, other labels or features"
-        raise TrainingError(
-            f"{key}: {path}: rank {rank} reads another corpus than rank 0 ({what})"
-            f"{_working_directory_note(views, rank, [path])}; every rank must read the "
-            "same corpus (a copy on each node's disk must be the same files)",
-            agreed=True, setting=True)
-    return manifests
-
-
-def _working_directory() -> str:
-    try:
-        return os.getcwd()
-    except OSError:             # removed while the process runs in it
-        return ""
-
-
-def _working_directory_note(views, rank: int, paths) -> str:
-    """Where a relative path leads rank ``rank`` if it runs in another directory
-    than rank 0 (mpiexec -wdir, a batch script's cd on one node); else ''."""
-    here, there = views[rank][0], views[0][0]
-    if here == there or not (here and there) or \
-            not any(p and not os.path.isabs(p) for p in paths):
-        return ""
-    return (f" (a relative path: rank {rank} runs in {here}, rank 0 in {there}; "
-            "give absolute paths or start every rank in one directory)")
-
-
-def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
-                       key: str, *, trains: bool = True, trainers: int = 0) -> TrainingError:
-    """The error when some rank's share holds no complete minibatch, the same on
-    every rank (all ranks call this together) and naming what would help.
-
-    ``trains``: whether this rank has a share (a parameter server has none);
-    ``trainers``: how many ranks have one (0: every rank)."""
-    empty = trains and local_steps == 0
-    rank = int(comm.allreduce_scalar(comm.rank if empty else comm.size, op="min"))
-    where = f"{manifest.directory}: rank {rank} has no complete minibatch of {minibatch} frames"
-    trainers = trainers or comm.size
-    utterances = manifest.num_utterances
-    if utterances < trainers:
-        servers = comm.size - trainers
-        if not servers:
-            return TrainingError(f"{where}: the corpus has {utterances} "
-                                 f"utterance(s) for {comm.size} ranks; use at most "
-                                 f"{utterances} ranks", agreed=True)
-        # a parameter server's ranks train on no share
-        return TrainingError(f"{where}: the corpus has {utterances} utterance(s) for "
-                             f"{trainers} client ranks; use at most {utterances + servers} "
-                             f"ranks ({servers} server{'s' if servers > 1 else ''} and "
-                             f"{utterances} client{'s' if utterances > 1 else ''})",
-                             agreed=True)
-    largest = max((shard.frames for shard in manifest.shards), default=0)
-    if minibatch > largest:
-        return TrainingError(f"{where}: minibatches never cross shards, and the largest "
-                             f"shard holds {largest} frames; lower {key}, or prepare the "
-                             "corpus in fewer shards", agreed=True)
-    return TrainingError(f"{where}; lower {key}, raise data.chunk_frames, or use fewer ranks",
-                         agreed=True)
 
 
 # Problems each rank sends to rank 0 to be counted without repeats (the rest are
 # counted as they are).
 _PROBLEMS_GATHERED = 1000
-
-
-def select_device(cfg, comm):
-    """The run's array module, with its precision and fused kernels
-    (backend.select_for_run).  On GPUs, collective: a setting that some rank's
-    GPU cannot run (``precision: bf16`` before compute capability 8.0) stops
-    every rank together, before anything else is set up."""
-    refusal = None
-    try:
-        xp = backend.select_for_run(cfg.device, comm.device_rank, precision=cfg.precision,
-                                    fused_kernels=cfg.fused_kernels)
-    except backend.UnsupportedSetting as exc:
-        xp, refusal = None, str(exc)
-    except backend.DeviceError as exc:
-        raise TrainingError(str(exc)) from None
-    if cfg.device == "gpu":         # (every rank's config says the same)
-        refusals = comm.allgather_obj(refusal)
-        refused = [rank for rank, reason in enumerate(refusals) if reason]
-        if refused:
-            where = "" if len(refused) == comm.size else \
-                f" (rank{'s' if len(refused) > 1 else ''} " \
-                f"{', '.join(map(str, refused))} of {comm.size})"
-            raise TrainingError(refusals[refused[0]] + where, agreed=True, setting=True)
-    return xp
 
 
 class Trainer(CheckpointResume):

@@ -218,7 +218,7 @@ def local_steps(manifest, plan, minibatch, chunk_frames):
 def test_uneven_shards_finish_without_hanging(uneven_corpus, tmp_path, nranks):
     from mpitrain.data.corpus import load_manifest
     from mpitrain.data.sharding import plan_shards
-    from mpitrain.train.trainer import balanced_plan
+    from mpitrain.train.setup import balanced_plan
     manifest = load_manifest(os.path.join(uneven_corpus, "train"))
     whole = local_steps(manifest, plan_shards(manifest.shards, nranks, split=False), 256, 20000)
     assert max(whole) >= 3 * min(whole) > 0, whole       # whole shards: really uneven
@@ -247,7 +247,7 @@ def test_uneven_shards_finish_without_hanging(uneven_corpus, tmp_path, nranks):
 def _rank_one_shards(train_dir, nranks=2):
     """Shard files only rank 1 opens (the corpus must split into whole shards)."""
     from mpitrain.data.corpus import load_manifest
-    from mpitrain.train.trainer import balanced_plan
+    from mpitrain.train.setup import balanced_plan
     manifest = load_manifest(train_dir)
     plan = balanced_plan(manifest, nranks)
     whole = all(s.start_utt == 0 and s.end_utt == manifest.shards[s.shard_index].utterances
