@@ -67,6 +67,9 @@ class Optimizer(ABC):
     def after_average(self) -> None:
         """Called right after the ranks' models were averaged."""
 
+    def close(self) -> None:
+        """Stop the threads this optimizer started (the trainer's run has ended)."""
+
     def restrict_to(self, start: int, stop: int) -> None:
         """From now on update only ``params[start:stop]``, a run of whole layers (a
         parameter server's slice of the model), reading no gradient outside it."""

@@ -91,6 +91,9 @@ class NaturalGradientSGD(SGD):
         if self.reset_on_average:
             self.reset_preconditioners()
 
+    def close(self) -> None:
+        self.joint_updates.close()
+
     def state_dict(self) -> dict:
         state = super().state_dict()
         state["preconditioners"] = {k: p.state_dict() for k, p in self.preconditioners.items()}

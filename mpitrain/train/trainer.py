@@ -1067,6 +1067,7 @@ class Trainer(CheckpointResume):
 
     def close(self) -> None:
         self.stream.close()
+        self.optimizer.close()
         if self._ran or self._stopped_together:
             # after a run that ended on every rank alike (freeing what the strategy
             # split off is collective: a rank that failed alone must not wait there)

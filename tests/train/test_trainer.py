@@ -50,6 +50,18 @@ def small_corpus_for_reads(tmp_path_factory):
     return str(out / "train"), str(out / "dev")
 
 
+def test_a_finished_run_leaves_no_fisher_planning_threads(tmp_path, small_corpus):
+    """NG-SGD's plan threads end with the run (each trainer left its pool's
+    threads waiting: a benchmark's sweep of runs in one process piled them up)."""
+    import threading
+    before = set(threading.enumerate())
+    train_in_process(tmp_path / "run", small_corpus, TINY + [
+        "optimizer.name=ngsgd", "optimizer.ngsgd.plan_threads=2",
+        "training.max_steps=6", "training.checkpoint_interval=0"])
+    left = [t.name for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert not left
+
+
 @pytest.mark.parametrize("regularized", [False, True], ids=["plain", "dropout-l2"])
 def test_trainer_reads_once_per_log_line(tmp_path, small_corpus_for_reads, regularized):
     """The whole trainer on the stand-in device: reads happen only at log lines,
