@@ -318,7 +318,8 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
             if getattr(exc, "setting", False) and args.config:
                 raise UsageError(f"{args.config}: {exc}") from None
             raise
-        print(f"mpitrain {command}: rank {comm.rank}: error: {_one_line(exc)}",
+        from .train.errors import error_message     # (a MemoryError says nothing)
+        print(f"mpitrain {command}: rank {comm.rank}: error: {error_message(exc)}",
               file=sys.stderr, flush=True)
         comm.abort(2)           # (the line above says why: no second copy of it)
     except BaseException as exc:

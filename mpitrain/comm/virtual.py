@@ -295,8 +295,10 @@ class VirtualCluster:
                 raise KeyboardInterrupt          # (each rank its own)
             if self._failed_rank in (rank, None):
                 raise self._failure
+            # (a bare MemoryError says nothing: its name then)
+            reason = str(self._failure) or type(self._failure).__name__
             raise VirtualClusterError(f"virtual rank {rank}: stopped because rank "
-                                      f"{self._failed_rank} failed: {self._failure}")
+                                      f"{self._failed_rank} failed: {reason}")
 
     def _hand_over(self, rank: int) -> None:
         """Before ``rank`` lets another rank run: its queued device work is done.

@@ -41,9 +41,23 @@ def error_record(exc: BaseException) -> dict:
 
         log.write("error", step=step, **error_record(exc))
     """
-    message = "interrupted (SIGINT, Ctrl-C)" if isinstance(exc, KeyboardInterrupt) \
-        else str(exc)
-    return {"error": type(exc).__name__, "message": " ".join(message.split())[:1000]}
+    return {"error": type(exc).__name__, "message": error_message(exc)[:1000]}
+
+
+def error_message(exc: BaseException) -> str:
+    """What ``exc`` says, on one line; never empty (a bare MemoryError says nothing,
+    and status showed 'failed at step S: ' alone).
+
+    Example::
+
+        error_message(MemoryError())        # 'out of memory'
+    """
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (SIGINT, Ctrl-C)"
+    message = " ".join(str(exc).split())
+    if isinstance(exc, MemoryError) and not message:
+        return "out of memory"
+    return message or type(exc).__name__
 
 
 #: The file a rank other than 0 writes its error record into (its rank: 5 digits or more).

@@ -268,6 +268,28 @@ def test_a_run_that_ends_on_an_error_says_so_to_status(corpus, tmp_path, capsys,
     assert any("newest checkpoint: ckpt-00000004.h5" in line for line in lines), lines
 
 
+def test_running_out_of_memory_in_the_read_ahead_says_so_to_status(corpus, tmp_path,
+                                                                   capsys, monkeypatch):
+    """A MemoryError carries no message: the run's error record held an empty one,
+    and status said 'failed at step S: ' and nothing more."""
+    import mpitrain.data.batcher as batcher
+    from mpitrain.train.status import run_status
+    read, calls = batcher.read_chunk, []
+
+    def failing_read(*args):
+        calls.append(1)
+        if len(calls) == 2:         # the chunk read ahead, in the read-ahead thread
+            raise MemoryError()
+        return read(*args)
+
+    monkeypatch.setattr(batcher, "read_chunk", failing_read)
+    run = tmp_path / "run"
+    assert _train(corpus, run, ["data.chunk_frames=2000", "training.max_steps=40"]) == 2
+    assert "error: out of memory" in capsys.readouterr().err
+    line = run_status(str(run))[0]
+    assert line.startswith(f"{run}: failed at step ") and line.endswith(": out of memory"), line
+
+
 def test_a_final_model_written_on_resume_ends_the_run_for_status(corpus, tmp_path,
                                                                  monkeypatch):
     """final.h5 could not be written (a full disk) after the final checkpoint; --resume
