@@ -17,6 +17,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any, Optional
@@ -447,6 +448,9 @@ class MpiCommunicator(Communicator):
         time.sleep(ABORT_FLUSH_S)
         # COMM_WORLD, not the wrapped group: the whole job must end.
         MPI.COMM_WORLD.Abort(int(code))
+        # MPI_Abort may return in the rank that called it before the launcher ends
+        # the job (MPICH): that rank must not run on (a second report, exit 0)
+        os._exit(int(code))
 
 
 def abort_world(code: int) -> None:
@@ -457,6 +461,7 @@ def abort_world(code: int) -> None:
     sys.stderr.flush()
     time.sleep(ABORT_FLUSH_S)       # (see MpiCommunicator.abort)
     MPI.COMM_WORLD.Abort(int(code))
+    os._exit(int(code))             # (see MpiCommunicator.abort)
 
 
 def bare_allreduce_sum_(comm: MpiCommunicator, buf):

@@ -70,3 +70,24 @@ def test_an_interrupt_or_a_bug_on_one_rank_ends_the_whole_training_job(small_cor
     assert message in result.stderr, _output(result)
     assert f"MPI_Abort(MPI_COMM_WORLD, {status})" in result.stderr or \
         f"exit code {status}" in result.stderr or result.returncode == status, _output(result)
+
+
+_ABORT_AND_GO_ON = """
+import sys, time
+from mpitrain.comm import create_communicator
+comm = create_communicator()
+if comm.rank == 1:
+    comm.abort(3)
+    print("rank 1 ran on after its abort", flush=True)
+else:
+    time.sleep(30)
+"""
+
+
+@pytest.mark.mpi
+def test_a_rank_that_aborts_never_runs_on():
+    # MPICH's MPI_Abort can return in the rank that called it before the launcher
+    # ends the job: the rank went on (a second report of its error, exit status 0)
+    result = run_mpi(2, ["-c", _ABORT_AND_GO_ON], timeout=60)
+    assert result.returncode != 0, _output(result)
+    assert "ran on after its abort" not in result.stdout + result.stderr, _output(result)
