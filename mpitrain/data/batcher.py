@@ -281,9 +281,12 @@ class MinibatchStream:
         perm = self.frame_order(self.epoch, self.chunk_pos, spec.frames)
         self._perm = to_device(perm, xp)
         self._current_key = key
-        # start reading the chunk after this one while this one trains
-        left = spec.frames // self.minibatch - self.batch_pos
-        self._submit(*self._next_position(*key, self.steps_in_epoch + left))
+        # start reading the chunk after this one while this one trains (without a
+        # reading thread, not at all: it was read here and held as a second chunk,
+        # and a damaged one failed the run a chunk early)
+        if self._executor is not None:
+            left = spec.frames // self.minibatch - self.batch_pos
+            self._submit(*self._next_position(*key, self.steps_in_epoch + left))
 
     def _advance_epoch(self) -> None:
         self.epoch += 1

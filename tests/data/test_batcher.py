@@ -30,10 +30,14 @@ def test_chunks_read_ahead_for_skipped_positions_are_not_kept(small_corpus, pref
 
 
 @pytest.mark.parametrize("minibatch", [256, 1100])
-def test_the_chunk_read_ahead_is_the_one_taken_next(small_corpus, monkeypatch, minibatch):
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_chunk_read_ahead_is_the_one_taken_next(small_corpus, monkeypatch, minibatch,
+                                                   prefetch):
     """At an epoch cut short by equal step counts the chunk after it in the old
     epoch was read ahead, and the next epoch's first read while the rank waited;
-    a chunk too short for a minibatch (1100 frames: some chunks) was read for nothing."""
+    a chunk too short for a minibatch (1100 frames: some chunks) was read for
+    nothing.  Without prefetch nothing is read ahead (it was, on the training
+    thread, and held as a second chunk)."""
     import mpitrain.data.batcher as batcher
     manifest = load_manifest(os.path.join(small_corpus, "train"))
     chunks = plan_chunks(manifest, assign_shards(manifest.shards, 0, 1), 1000)
@@ -44,13 +48,18 @@ def test_the_chunk_read_ahead_is_the_one_taken_next(small_corpus, monkeypatch, m
                         lambda m, spec, *a: reads.append(spec) or read(m, spec, *a))
     stream = MinibatchStream(manifest, chunks, minibatch=minibatch, seed=1, rank=0,
                              cmvn=(manifest.cmvn_mean, [1.0] * manifest.feat_dim),
-                             steps_per_epoch=local // 2, prefetch=False)
+                             steps_per_epoch=local // 2, prefetch=prefetch)
     try:
         taken = []
         for _ in range(4 * (local // 2)):             # four epochs
             chunk, _ = stream.next_batch()
             if not taken or taken[-1] is not chunk:
                 taken.append(chunk)
+        for pending in list(stream._pending.values()):
+            pending.result()                          # (the read-ahead under way)
+        if not prefetch:
+            assert reads == [c.spec for c in taken]
+            return
         # every chunk read was taken, and the one read ahead at the end is the next
         assert reads[:-1] == [c.spec for c in taken]
         ahead = reads[-1]
