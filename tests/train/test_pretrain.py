@@ -4,7 +4,8 @@ stack (`model.init_from`, train/pretrained_init.py).
 In this process: the stack initialises a sigmoid network that learns; resuming
 from a checkpoint inside the first layer gives the same stack bit for bit; a
 diverging Gaussian layer and a stack that does not fit the model each stop
-with one line naming the key.  Under `mpiexec -n 2` (marked mpi): averaged
+with one line naming the key; on the stand-in device it reads once per log
+line and gives the CPU's stack.  Under `mpiexec -n 2` (marked mpi): averaged
 CD-1 stays in sync and equals one rank where the math says so
 (tests/workers/rbm_worker.py), and the command runs on two ranks.
 """
@@ -782,3 +783,40 @@ def test_each_layers_last_checkpoint_is_kept_out_of_the_rotation(small_corpus, t
     assert names[1] > ends[0]                  # the newest inside the last layer
     stack = load_rbm_stack(str(run / ends[0]))
     assert len(stack.rbms) == 1
+
+
+def test_pretraining_on_the_standin_device_reads_at_log_lines_and_matches_the_cpu(
+        small_corpus, tmp_path):
+    """`pretrain` with ``device: gpu`` on the stand-in (mpitrain/testing/standin_cupy.py):
+    the CD-1 loop reads the device once per log line (its error, the guard's
+    catches and rate factor in one read), and the stack is the CPU run's bit for
+    bit (the same arithmetic, the uniforms drawn on the host)."""
+    from mpitrain import backend
+    from mpitrain.testing import standin_cupy
+    from mpitrain.train.pretrain import Pretrainer
+    extra = ["training.checkpoint_interval=0", "training.log_interval=10"]
+    assert main(_argv("pretrain", tmp_path / "cpu", small_corpus, extra)) == 0
+    reads = []
+    original = Pretrainer._train_layer
+
+    def counted(self, started):
+        before = backend.host_read_counts()["blocking"] + standin_cupy.READS["implicit"]
+        try:
+            return original(self, started)
+        finally:
+            reads.append(backend.host_read_counts()["blocking"]
+                         + standin_cupy.READS["implicit"] - before)
+
+    Pretrainer._train_layer = counted
+    try:
+        with standin_cupy.installed():
+            assert main(_argv("pretrain", tmp_path / "gpu", small_corpus,
+                              extra + ["device=gpu"])) == 0
+    finally:
+        Pretrainer._train_layer = original
+    windows = [r["layer"] for r in _records(tmp_path / "gpu", "pretrain")]
+    assert reads == [windows.count(1), windows.count(2)] and min(reads) > 1, (reads, windows)
+    a = load_rbm_stack(str(tmp_path / "cpu" / "pretrain.h5"))
+    b = load_rbm_stack(str(tmp_path / "gpu" / "pretrain.h5"))
+    for x, y in zip(a.rbms, b.rbms):
+        np.testing.assert_array_equal(x.params, y.params)
