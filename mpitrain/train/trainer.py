@@ -146,6 +146,7 @@ class Trainer(CheckpointResume):
         self._said_nonfinite_held_out = False
         self._stopped_at = None      # (step, result, model) of the evaluation that stopped
         self._run_start = None       # the communicator's clock when training began
+        self._steps_trained = 0      # steps trained since (a roll back's abandoned ones too)
         self._combination = None     # training.combine: snapshots for train/combine.py
         self._checkpointed_at = None  # the step of the checkpoint written last
         self._stop = None            # (signal code, ranks that got it) once agreed
@@ -593,6 +594,8 @@ class Trainer(CheckpointResume):
         # the communicator's clock: wall time under MPI, simulated time on virtual ranks
         run_start, self._start_step = comm.wtime(), self.step
         self._run_start = run_start
+        # steps trained since then, those a roll back abandoned too: the ETA's pace
+        self._steps_trained = 0
         comm.reset_comm_time()
         while True:
             outcome = self._train_to_end(run_start)
@@ -723,6 +726,7 @@ class Trainer(CheckpointResume):
             rate = self.guard.lr_scale * self.schedule.rate(self.step)
             lr = training_step.run(self.step, rate, self.stream.next_batch)
             self.step += 1
+            self._steps_trained += 1
             self.frames_seen += batch * active_ranks
             last = self.step == self.total_steps
             if self._combination is not None:
@@ -749,7 +753,9 @@ class Trainer(CheckpointResume):
                 # (none is named for a window without communication)
                 slowest = int(np.argmin(rank_comm)) if rank_comm.max() > 0 else None
                 elapsed = now - window_start
-                per_step = (now - run_start) / max(self.step - self._start_step, 1)
+                # (the steps since the start undercount after a roll back: the first
+                # line after a roll back to step 0 gave 10x the time left)
+                per_step = (now - run_start) / max(self._steps_trained, 1)
                 skipped = int(sums[4])
                 # a NaN window is reported, not warned; so is a window of no time on
                 # a virtual rank that sat its steps out (Kaldi's idle jobs)

@@ -102,6 +102,25 @@ def test_before_the_first_checkpoint_a_roll_back_returns_to_the_initial_model(
     assert rollback["step"] == 0
 
 
+def test_the_time_left_after_a_roll_back_counts_the_abandoned_steps(small_corpus, tmp_path,
+                                                                   capsys, nan_burst):
+    # one virtual rank at 100 ms a step (simulated): the time left is exact
+    nan_burst(40, 6)
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run), "--virtual", "1", "--compute-ms", "100"]
+    for item in small_overrides(small_corpus) + TINY + [
+            "training.checkpoint_interval=0", "training.max_divergence_events=2"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "rolled back to the initial model (step 0)" in out
+    after = out.split("rolled back to the initial model")[1]
+    first = next(line for line in after.splitlines() if line.startswith("step 5/60 "))
+    # 55 steps of 100 ms left (it divided all the time since the start by the 5
+    # steps since the roll back: 0m54s)
+    assert "ETA 0m05s" in first, first
+
+
 def test_a_few_bad_minibatches_are_skipped_and_counted_only(small_corpus, tmp_path, capsys,
                                                             nan_burst):
     nan_burst(7, 2)
