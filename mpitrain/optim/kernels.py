@@ -480,10 +480,12 @@ def _max_change_expressions_(params, grads, delta, lr, momentum, max_change, sta
         delta[begin:end] += grads[begin:end]
     change = grads if delta is None else delta
     active = set(state.active)
-    sq = xp.stack([xp.dot(change[lo:hi], change[lo:hi]) if i in active
-                   else xp.zeros((), dtype=change.dtype)
+    # squares summed in float64, as kernel (1) sums them: float32's overflow from a
+    # norm of ~1.8e19 on would skip a finite change that max-change clips
+    sq = xp.stack([_sumsq64(change[lo:hi], xp) if i in active
+                   else xp.zeros((), dtype=xp.float64)
                    for i, (lo, hi) in enumerate(state.offsets)])
-    norms = xp.sqrt(sq.astype(xp.float64))
+    norms = xp.sqrt(sq)
     finite = xp.all(xp.isfinite(norms))
     safe = xp.where(xp.isfinite(norms), norms, 0.0)
     limits = state.limits
@@ -505,3 +507,9 @@ def _max_change_expressions_(params, grads, delta, lr, momentum, max_change, sta
     if delta is not None:
         delta[begin:end] = xp.where(finite, delta[begin:end] * np.float32(momentum),
                                     np.float32(0.0))
+
+
+def _sumsq64(x, xp):
+    """sum(x^2) of a float32 vector in float64 (a 0-d device array)."""
+    x64 = x.astype(xp.float64)
+    return xp.dot(x64, x64)

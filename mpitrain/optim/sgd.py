@@ -5,7 +5,8 @@ The step works on the network's flat buffers.  With the summed-loss gradient
 buffer when momentum > 0).  Per layer c with norm n_c = ||Delta_c|| the scale
 is k_c = min(1, m_c / (n_c (1 - momentum))); the whole-model norm
 n = (1 - momentum) sqrt(sum k_c^2 n_c^2) is capped at ``max_change``.  A
-non-finite norm skips the step.  This is what keeps large learning rates and
+non-finite norm skips the step (the norms are summed in float64: a finite
+change too large for float32's squares is clipped, not skipped).  This is what keeps large learning rates and
 model averaging stable, as in Kaldi.
 
 On the host the norms are read and the scales computed in Python; on a GPU
@@ -231,10 +232,17 @@ class SGD(ReplayableOptimizer):
     def _block_norms(self, delta):
         """Each layer's ||delta_c|| (float64); 0 for a layer outside :attr:`span`."""
         xp = self.net.xp
-        sq = xp.stack([xp.dot(delta[self.slices[i]], delta[self.slices[i]])
-                       for i in self.active])
+        with np.errstate(over="ignore"):
+            sq = xp.stack([xp.dot(delta[self.slices[i]], delta[self.slices[i]])
+                           for i in self.active])
         norms = np.zeros(len(self.slices))
         norms[self.active] = np.sqrt(to_host(sq).astype(np.float64))
+        for i in self.active:
+            if norms[i] == math.inf:
+                # the float32 sum of squares overflows from a norm of ~1.8e19 on:
+                # a finite change is clipped, not skipped (as the device sums in float64)
+                block = delta[self.slices[i]].astype(np.float64)
+                norms[i] = math.sqrt(float(np.dot(block, block)))
         return norms
 
     def _scales(self, norms, q):

@@ -154,6 +154,14 @@ CASES = {
     "huge-one-layer-momentum": (dict(LIMITS, momentum=0.9), 16,
                                 [(1.0, [1e6, 0.3, 0.4]), (1.0, [0.2, 0.3, 0.1]),
                                  (1.0, [0.2, 1e7, 0.1])]),
+    # a change whose norm is finite but whose square is not in float32 (> 1.8e19):
+    # clipped like any other (the norms are of the change, not of float32 sums)
+    "huge-beyond-float32-squares": (dict(LIMITS), 16, [(1.0, [1e21, 0.3, 0.4]),
+                                                       (1.0, [0.2, 0.3, 0.1]),
+                                                       (1e-3, [0.2, 1e25, 3e19])]),
+    "huge-beyond-float32-squares-momentum": (dict(LIMITS, momentum=0.5), 16,
+                                             [(1.0, [0.3, 0.3, 0.4]),
+                                              (1.0, [0.2, 1e30, 0.1])]),
     # a step that is not finite is skipped and the momentum cleared; then on as before
     "non-finite": (dict(LIMITS), 16, [(1.0, [0.5, 0.5, 0.5]), (1.0, [0.5, None, 0.5]),
                                       (1.0, [0.5, 0.5, 0.5]), (1.0, ["inf", 0.5, 0.5]),
@@ -227,11 +235,20 @@ def _run(xp, options, minibatch, steps, *, adapt=None, factors=None):
     return clipped or ref.per_sample_clips > 0
 
 
+# the host, the device's array expressions (on the stand-in), the fused kernels (GPU)
+DEVICES = ["host", "standin", pytest.param("gpu", marks=pytest.mark.gpu)]
+
+
 def _device(kind):
+    if kind == "gpu":
+        from mpitrain.testing import gpu_required
+        xp = gpu_required()
+        backend.set_fused_kernels(True)
+        return contextlib.nullcontext(xp)
     return standin_cupy.installed() if kind == "standin" else contextlib.nullcontext(np)
 
 
-@pytest.mark.parametrize("device", ["host", "standin"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sgd_step_follows_the_float64_reference(case, device):
     options, minibatch, steps = CASES[case]
@@ -244,7 +261,7 @@ def test_sgd_step_follows_the_float64_reference(case, device):
         assert clipped, "no step reached a limit: the case tests nothing of it"
 
 
-@pytest.mark.parametrize("device", ["host", "standin"])
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("decay", [0.0, 0.9])
 def test_gradient_scaling_comes_after_l2_and_before_max_change(decay, device):
     options = dict(LIMITS, momentum=0.5, l2_regularize=0.05)
@@ -260,7 +277,7 @@ class _Ranks:
         self.size, self.rank = size, rank
 
 
-@pytest.mark.parametrize("device", ["host", "standin"])
+@pytest.mark.parametrize("device", DEVICES)
 def test_kaldi_method_rate_l2_factor_and_first_iterations_max_change(device):
     """Iteration i trains J_i jobs at J_i lr with the L2 term over J_i (Kaldi's
     l2_regularize_factor), and iteration 0 at M / sqrt(2): J ramps 2 -> 4 over
