@@ -344,3 +344,38 @@ def test_the_summed_loss_gradient_and_its_step_at_rate_lr():
     opt.step(0.01)
     for c, (got, b) in enumerate(zip(_blocks(net), before)):
         np.testing.assert_allclose(got, b - 0.01 * grads[c], rtol=1e-5, atol=1e-6)
+
+
+def test_natural_gradient_block_and_its_per_sample_bound():
+    """With NG-SGD the gradient block is g_in g_out Gh^T Xh of the preconditioned
+    rows, and nnet2's bound tau = g_in g_out sum_i ||xh_i|| ||gh_i|| (spec
+    section 2), both from the preconditioners' own outputs, taken as returned."""
+    from mpitrain.optim.ngsgd import NaturalGradientSGD
+    net = build_network(feat_dim=3, num_classes=5, left_context=1, right_context=1,
+                        hidden_layers=2, hidden_dim=6)
+    net.params[...] = np.random.default_rng(5).standard_normal(
+        net.num_params).astype(np.float32) * 0.5
+    NaturalGradientSGD(net, rank_in=3, rank_out=2, minibatch=16, max_change_per_sample=0.1)
+    seen = {}
+    for c, layer in enumerate(net.affine_layers()):
+        for side in ("in", "out"):
+            p = getattr(layer, f"preconditioner_{side}")
+
+            def spy(rows, p=p, key=(c, side)):
+                out, gamma = p.__class__.precondition(p, rows)
+                seen[key] = (np.float64(out).copy(), float(gamma))
+                return out, gamma
+            p.precondition = spy
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((16, net.input_dim)).astype(np.float32)
+    labels = rng.integers(0, 5, 16)
+    for _ in range(3):                  # past the first call's initialisation
+        net.forward_backward(x, labels)
+        g = _host(net.grads)
+        for c, (layer, sl) in enumerate(net.param_slices):
+            (xh, g_in), (gh, g_out) = seen[(c, "in")], seen[(c, "out")]
+            assert g_in >= 1 and g_out >= 1
+            np.testing.assert_allclose(g[sl], (g_in * g_out * gh.T @ xh).ravel(),
+                                       rtol=1e-4, atol=1e-5 * np.abs(g[sl]).max())
+            tau = g_in * g_out * float(np.linalg.norm(xh, axis=1) @ np.linalg.norm(gh, axis=1))
+            assert float(layer.step_bound) == pytest.approx(tau, rel=1e-5)
