@@ -6,8 +6,8 @@ buffer when momentum > 0).  Per layer c with norm n_c = ||Delta_c|| the scale
 is k_c = min(1, m_c / (n_c (1 - momentum))); the whole-model norm
 n = (1 - momentum) sqrt(sum k_c^2 n_c^2) is capped at ``max_change``.  A
 non-finite norm skips the step (the norms are summed in float64: a finite
-change too large for float32's squares is clipped, not skipped).  This is what keeps large learning rates and
-model averaging stable, as in Kaldi.
+change too large for float32's squares is clipped, not skipped).  This is
+what keeps large learning rates and model averaging stable, as in Kaldi.
 
 On the host the norms are read and the scales computed in Python; on a GPU
 the same rule runs in three kernels (``kernels.max_change_step_``) and
@@ -141,7 +141,7 @@ class SGD(ReplayableOptimizer):
     @property
     def last_scales(self) -> list:
         """Each layer's factor on ``-lr g`` in the last step (``q k_c``, shrunk by the
-        global max-change)."""
+        global max-change; 0 for every layer when the step was skipped)."""
         if self._device is not None:
             return [float(v) for v in to_host(self._device.scales)]
         return list(self._last_scales)
@@ -177,6 +177,7 @@ class SGD(ReplayableOptimizer):
         scales = self._scales(norms, q)
         if scales is None:
             self._skipped += 1
+            self._last_scales = [0.0] * len(self.slices)     # nothing applied (as on a device)
             if self.delta is not None:
                 self.delta[span] = 0
             return
