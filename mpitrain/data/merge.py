@@ -54,7 +54,7 @@ def merge_corpora(out_dir: str, parts, *, num_classes: int | None = None,
     target = manifest_path(out_dir)
     if os.path.exists(target) and not overwrite:
         raise CorpusError(f"{target}: a corpus already exists here; choose another "
-                          "directory or pass overwrite=True (--overwrite on the command line)")
+                          "directory or pass --overwrite (overwrite=True)")
 
     manifests = []
     seen_dirs: set[str] = set()

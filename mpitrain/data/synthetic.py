@@ -267,6 +267,11 @@ def _write_split(out_dir: str, *, world, params, speakers, seed_seq, target_fram
             "speakers": sorted(name for name, n in written.items() if n)}
 
 
+def _option(name: str) -> str:
+    """The command-line spelling of a synthesize() keyword (errors reach `mpitrain synth`)."""
+    return "--" + name.replace("_", "-")
+
+
 def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: int = 4,
                seed: int = 1, dev_hours: float = 0.1, dev_speakers: int = 8,
                seen_dev_hours: float = 0.0, params: SyntheticParams | None = None,
@@ -299,15 +304,16 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
             least = 1
         if not (math.isfinite(value) and value >= 0
                 and value * 3600 * FRAMES_PER_SECOND >= least):
-            raise ValueError(f"{name} must be a finite number of hours giving at least "
-                             f"1 frame (100 frames/s){' or 0' if optional else ''}, "
-                             f"got {value}")
+            raise ValueError(f"{_option(name)} ({name}=): must be a finite number of "
+                             f"hours giving at least 1 frame (100 frames/s)"
+                             f"{' or 0' if optional else ''}, got {value}")
     if isinstance(seed, bool) or int(seed) != seed or seed < 0:
-        raise ValueError(f"seed must be an integer >= 0, got {seed!r}")
+        raise ValueError(f"--seed (seed=): must be an integer >= 0, got {seed!r}")
     for name, value in (("speakers", speakers), ("dev_speakers", dev_speakers),
                         ("shards", shards)):
         if int(value) != value or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+            raise ValueError(f"{_option(name)} ({name}=): expected a positive int, "
+                             f"got {value!r}")
     # every speaker is built up front (about half a megabyte each) and each batch
     # gives every speaker an utterance: more speakers than a set can hold is a mistake
     for name, count, amount, hours_name in (("speakers", speakers, hours, "hours"),
@@ -315,18 +321,19 @@ def synthesize(out_dir: str, *, hours: float = 1.0, speakers: int = 40, shards: 
                                              "dev_hours")):
         frames = amount * 3600 * FRAMES_PER_SECOND
         if count > MAX_SPEAKERS_ANYWAY and count * MIN_FRAMES_PER_SPEAKER > frames:
-            raise ValueError(f"{name} {count}: {hours_name} {amount:g} gives "
-                             f"{int(frames)} frames, under {MIN_FRAMES_PER_SPEAKER} a "
-                             f"speaker; give more {hours_name} or fewer {name}")
+            raise ValueError(f"{_option(name)} {count}: {_option(hours_name)} {amount:g} "
+                             f"gives {int(frames)} frames, under {MIN_FRAMES_PER_SPEAKER} a "
+                             f"speaker; give more {_option(hours_name)} or fewer "
+                             f"{_option(name)}")
     # an utterance has at least units_per_utterance[0] units of STATES_PER_UNIT frames:
     # more shards than utterances would be written empty
     most_utterances = int(hours * 3600 * FRAMES_PER_SECOND) // (
         params.units_per_utterance[0] * STATES_PER_UNIT)
     most_utterances = max(1, most_utterances)
     if shards > most_utterances:
-        raise ValueError(f"shards {shards}: hours {hours:g} gives at most {most_utterances} "
-                         f"utterance(s), and a shard holds whole utterances; give fewer "
-                         f"shards or more hours")
+        raise ValueError(f"--shards {shards}: --hours {hours:g} gives at most "
+                         f"{most_utterances} utterance(s), and a shard holds whole "
+                         f"utterances; give fewer --shards or more --hours")
     started = time.perf_counter()
     root = np.random.SeedSequence(seed)
     world_seq, train_seq, dev_seq = root.spawn(3)

@@ -63,7 +63,7 @@ class CorpusWriter:
         existing = manifest_path(self.out_dir)
         if os.path.exists(existing) and not overwrite:
             raise CorpusError(f"{existing}: a corpus already exists here; "
-                              "choose another directory or pass overwrite=True (--overwrite on the command line)")
+                              "choose another directory or pass --overwrite (overwrite=True)")
         # An existing corpus stays whole until the new one is complete (close()).
         self._made_dir = _first_missing(self.out_dir)    # removed again by abort()
         try:

@@ -151,15 +151,25 @@ def test_params_are_validated():
 
 
 @pytest.mark.parametrize("options,message", [
-    ({"hours": float("inf")}, "hours must be a finite number"),
-    ({"hours": float("nan")}, "hours must be a finite number"),
-    ({"hours": 1e-9}, "hours must be a finite number of hours giving at least 1 frame"),
-    ({"dev_hours": 1e-9}, "dev_hours must be"),
-    ({"seen_dev_hours": -1.0}, "seen_dev_hours must be"),
-    ({"seed": -1}, "seed must be an integer >= 0"),
-    ({"speakers": 100_000, "hours": 0.01}, "speakers 100000: hours 0.01 gives 3600 frames"),
+    # named as on the command line (`mpitrain synth` shows them), then as keywords
+    ({"hours": float("inf")}, r"^--hours \(hours=\): must be a finite number"),
+    ({"hours": float("nan")}, r"^--hours \(hours=\): must be a finite number"),
+    ({"hours": 1e-9}, "--hours \\(hours=\\): must be a finite number of hours giving at "
+                      "least 1 frame"),
+    ({"dev_hours": 1e-9}, r"^--dev-hours \(dev_hours=\): must be"),
+    ({"seen_dev_hours": -1.0}, r"^--seen-dev-hours \(seen_dev_hours=\): must be"),
+    ({"seed": -1}, r"^--seed \(seed=\): must be an integer >= 0"),
+    ({"shards": 0}, r"^--shards \(shards=\): expected a positive int, got 0$"),
+    ({"dev_speakers": 0}, r"^--dev-speakers \(dev_speakers=\): expected a positive int"),
+    ({"speakers": 100_000, "hours": 0.01},
+     "^--speakers 100000: --hours 0.01 gives 3600 frames, under 100 a speaker; give more "
+     "--hours or fewer --speakers$"),
+    ({"dev_speakers": 100_000, "dev_hours": 0.01},
+     "^--dev-speakers 100000: --dev-hours 0.01 gives 3600 frames"),
     # (each written empty, minutes of it with 100,000)
-    ({"shards": 500, "hours": 0.01}, "shards 500: hours 0.01 gives at most 120 utterance"),
+    ({"shards": 500, "hours": 0.01}, "^--shards 500: --hours 0.01 gives at most 120 utterance"
+                                     r"\(s\), and a shard holds whole utterances; give fewer "
+                                     "--shards or more --hours$"),
 ])
 def test_impossible_amounts_are_refused_before_anything_is_written(tmp_path, options, message):
     with pytest.raises(ValueError, match=message):
@@ -204,3 +214,23 @@ def test_shards_left_empty_are_warned_of(tmp_path, capsys):
                    "utterance (1 written); --shards 1 or fewer leaves none empty\n")
     assert synthesize(str(tmp_path / "t"), hours=0.002, speakers=2, shards=2,
                       dev_hours=0.0005, dev_speakers=1)["warnings"] == []
+
+
+def test_synth_errors_name_the_command_line_options(tmp_path, capsys):
+    # (they named the Python keywords: `shards must be a positive int`, `overwrite=True`)
+    from mpitrain.cli import main
+    out = tmp_path / "s"
+    assert main(["synth", str(out), "--shards", "0"]) == 2
+    assert capsys.readouterr().err == ("mpitrain synth: error: --shards (shards=): expected "
+                                       "a positive int, got 0\n")
+    assert main(["synth", str(out), "--dev-hours", "-1"]) == 2
+    assert capsys.readouterr().err.startswith("mpitrain synth: error: --dev-hours "
+                                              "(dev_hours=): must be a finite number")
+    small = ["--hours", "0.001", "--speakers", "1", "--shards", "1", "--dev-hours", "0.0005",
+             "--dev-speakers", "1"]
+    assert main(["synth", str(out), *small]) == 0
+    capsys.readouterr()
+    assert main(["synth", str(out), *small]) == 2
+    assert capsys.readouterr().err.endswith(": a corpus already exists here; choose another "
+                                            "directory or pass --overwrite (overwrite=True)\n")
+    assert main(["synth", str(out), *small, "--overwrite"]) == 0

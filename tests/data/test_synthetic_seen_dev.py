@@ -61,7 +61,8 @@ def test_a_seen_dev_set_of_less_than_a_frame_is_refused_before_anything_is_writt
     # train and dev were written, then the empty seen set failed: a rerun then met
     # 'a corpus already exists'
     import pytest
-    with pytest.raises(ValueError, match=r"seen_dev_hours must be a finite number of hours "
-                                         r"giving at least 1 frame \(100 frames/s\) or 0"):
+    with pytest.raises(ValueError, match=r"--seen-dev-hours \(seen_dev_hours=\): must be a "
+                                         r"finite number of hours giving at least 1 frame "
+                                         r"\(100 frames/s\) or 0"):
         synthesize(str(tmp_path / "s"), seen_dev_hours=1e-7, **SMALL)
     assert not (tmp_path / "s").exists()
