@@ -20,6 +20,7 @@ import warnings
 
 from .process import (NamedStdout, fill_closed_standard_descriptors, interrupt_held,
                       silence_stdout, stop_signals_kept)
+from .words import plural
 
 
 class UsageError(Exception):
@@ -137,9 +138,11 @@ def cmd_synth(args) -> int:
     for warning in info["warnings"]:
         print(f"mpitrain synth: warning: {warning}", file=sys.stderr)
     print(f"train: {info['train_dir']}: {info['train_frames']} frames, "
-          f"{info['train_utterances']} utterances, {len(info['train_speakers'])} speakers")
+          f"{plural(info['train_utterances'], 'utterance')}, "
+          f"{plural(len(info['train_speakers']), 'speaker')}")
     print(f"dev:   {info['dev_dir']}: {info['dev_frames']} frames, "
-          f"{info['dev_utterances']} utterances, {len(info['dev_speakers'])} unseen speakers")
+          f"{plural(info['dev_utterances'], 'utterance')}, "
+          f"{plural(len(info['dev_speakers']), 'unseen speaker')}")
     if info.get("seen_dev_dir"):
         print(f"dev_seen: {info['seen_dev_dir']}: {info['seen_dev_frames']} frames of the "
               "training speakers")
@@ -175,8 +178,9 @@ def cmd_merge(args) -> int:
     from .data.merge import merge_corpora
     manifest = merge_corpora(args.out_dir, args.parts, num_classes=args.num_classes,
                              overwrite=args.overwrite)
-    print(f"{args.out_dir}: {manifest.num_utterances} utterances, {manifest.num_frames} frames "
-          f"in {len(manifest.shards)} shards from {len(args.parts)} parts "
+    print(f"{args.out_dir}: {plural(manifest.num_utterances, 'utterance')}, "
+          f"{manifest.num_frames} frames in {plural(len(manifest.shards), 'shard')} from "
+          f"{plural(len(args.parts), 'part')} "
           f"(feat_dim {manifest.feat_dim}, {manifest.num_classes} classes)")
     return 0
 
@@ -791,7 +795,7 @@ def cmd_export(args) -> int:
                         scp_commands=args.scp_commands)
     # stderr: stdout may be the archive itself (--out ark:-)
     what = "log posteriors" if args.no_priors else "pseudo log-likelihoods"
-    print(f"wrote {what} of {n} utterances to {args.out}", file=sys.stderr)
+    print(f"wrote {what} of {plural(n, 'utterance')} to {args.out}", file=sys.stderr)
     return 0
 
 

@@ -43,6 +43,7 @@ from .corpus import MAX_CLASSES, CorpusError
 from .kaldi_read import (EXPECTED_ALIGNMENT, EXPECTED_FEATURES, read_alignments,  # noqa: F401
                          read_feature_matrices, split_rspecifier)
 from .writer import CorpusWriter
+from ..words import plural
 
 REPORT_NAME = "import-report.yaml"
 
@@ -78,7 +79,7 @@ class ImportReport:
         return len(self.missing_alignment) + len(self.length_mismatch) + len(self.empty_features)
 
     def summary(self) -> str:
-        lines = [f"imported {self.imported} utterances, {self.frames} frames "
+        lines = [f"imported {plural(self.imported, 'utterance')}, {self.frames} frames "
                  f"(feat_dim {self.feat_dim}, {self.num_classes} classes) into {self.out_dir}",
                  f"skipped {len(self.missing_alignment)} without alignment, "
                  f"{len(self.length_mismatch)} with length mismatch, "
@@ -89,8 +90,9 @@ class ImportReport:
                          f"{str(self.speaker_cmvn['norm_vars']).lower()}; "
                          f"{self.speaker_cmvn['stats']})")
         if self.trimmed:
-            lines.append(f"cut {len(self.trimmed)} utterances to the shorter of features and "
-                         f"labels (lengths differing by at most {self.length_tolerance})")
+            lines.append(f"cut {plural(len(self.trimmed), 'utterance')} to the shorter of "
+                         "features and labels (lengths differing by at most "
+                         f"{self.length_tolerance})")
         for utt, feat_len, ali_len in self.length_mismatch[:5]:
             lines.append(f"  length mismatch: {utt}: {feat_len} frames, {ali_len} labels")
         if self.length_mismatch and not self.length_tolerance:

@@ -68,6 +68,7 @@ from .metrics import MetricsLog, format_duration, resident_mb
 from .run_dir import corpus_identity, corpus_places, resume_changes, take_run_dir
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
+from ..words import plural
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
 RESULT_NAME = "pretrain.h5"
@@ -614,7 +615,7 @@ class Pretrainer:
         return (f"mpitrain pretrain: {self.comm.size} rank(s), {len(self.layer_steps)} RBMs "
                 f"{'-'.join(str(d) for d in self.dims)}; {self.steps_per_epoch} "
                 f"steps/epoch of {self.cfg.pretrain.minibatch} frames per rank, averaging "
-                f"every {self.every_steps} steps")
+                f"every {plural(self.every_steps, 'step')}")
 
     def dry_run_lines(self) -> list:
         """What a run would say before its first step (``pretrain --dry-run``)."""
@@ -666,7 +667,7 @@ class Pretrainer:
         result = {"layers": len(self.stack.rbms), "frames": self.frames_seen,
                   "recon_mse": recon, "seconds": comm.wtime() - started}
         self.log.write("end", **result)
-        self.log.say(f"done: {len(self.stack.rbms)} RBMs, {self.frames_seen} frames in "
+        self.log.say(f"done: {plural(len(self.stack.rbms), 'RBM')}, {self.frames_seen} frames in "
                      f"{format_duration(result['seconds'])}; stack "
                      f"{os.path.join(self.run_dir, RESULT_NAME)}")
         return result

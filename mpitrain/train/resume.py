@@ -26,6 +26,7 @@ from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
 from .run_dir import (corpus_identity, corpus_places, init_from_identity, resume_changes,
                       run_files)
+from ..words import plural
 
 #: Prefixes of the schedule's and the model selection's scalars in the
 #: checkpoint's group 'trainer'.
@@ -315,7 +316,8 @@ class CheckpointResume:
         elif self.cfg.parallel.method == "param_server":
             # (its clients seek in the serving loop, serving.py, from their own counts)
             self.strategy.re_plan_client_steps(self.planned_steps * scale / old_planned)
-        self._say(f"resume: {replanned}: data re-planned over {self.comm.size} ranks, step "
+        self._say(f"resume: {replanned}: data re-planned over "
+                  f"{plural(self.comm.size, 'rank')}, step "
                   f"{ckpt.step} of {old_planned} becomes {self.step} of {self.planned_steps}, "
                   "optimizer state (momentum, natural-gradient statistics) starts afresh")
         self._record("rank_change", from_ranks=ckpt.num_ranks, to_ranks=self.comm.size,
@@ -336,7 +338,7 @@ class CheckpointResume:
         or step through the data otherwise (minibatch, chunk size, a parameter
         server's shares, each rank at its own pace)."""
         if ckpt.num_ranks != self.comm.size:
-            return f"written by {ckpt.num_ranks} ranks, continuing on {self.comm.size}"
+            return f"written by {plural(ckpt.num_ranks, 'rank')}, continuing on {self.comm.size}"
         try:
             saved = config_from_yaml(ckpt.config_yaml)
         except ValueError:

@@ -20,6 +20,7 @@ from ..files import working_directory
 from .errors import TrainingError
 from .evaluate import shard_offsets_reader
 from .selection import held_out_identity
+from ..words import plural
 
 
 # Whole shards per rank unless that leaves ranks more than this far apart in frames:
@@ -113,7 +114,7 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
         if not servers:
             return TrainingError(f"{where}: the corpus has {utterances} "
                                  f"utterance(s) for {comm.size} ranks; use at most "
-                                 f"{utterances} ranks", agreed=True)
+                                 f"{plural(utterances, 'rank')}", agreed=True)
         # a parameter server's ranks train on no share
         return TrainingError(f"{where}: the corpus has {utterances} utterance(s) for "
                              f"{trainers} client ranks; use at most {utterances + servers} "

@@ -42,6 +42,7 @@ from .selection import ModelSelection, held_out_identity, save_best_model
 from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
 from .step import TrainingStep
 from .stop import STOP_SIGNALS, STOPPED, StopPoll, agreed_stop, requested, signal_name
+from ..words import plural
 
 
 # Problems each rank sends to rank 0 to be counted without repeats (the rest are
@@ -647,7 +648,7 @@ class Trainer(CheckpointResume):
                        f"{exploded}{g.rollbacks} roll back(s)")
         best = f", best {self.run_dir}/best.h5 ({self.selection.describe()})" \
             if self.selection.best_step >= 0 else ""
-        self.log.say(f"done: {self.step} steps, {self.frames_seen} frames in "
+        self.log.say(f"done: {plural(self.step, 'step')}, {self.frames_seen} frames in "
                      f"{format_duration(result['seconds'])}{trouble}; model "
                      f"{self.run_dir}/final.h5{best}")
         self._ran = True

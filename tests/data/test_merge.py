@@ -167,6 +167,15 @@ def test_merge_command(two_parts, capsys):
     assert load_manifest(str(out)).num_classes == 9
 
 
+def test_merge_command_counts_one_of_each_in_the_singular(tmp_path, capsys):
+    # (it said `1 utterances, ... in 1 shards from 1 parts`)
+    out = tmp_path / "train"
+    _write_part(out / "part-00000", _utterances(1, 1, 3, "spk"), num_classes=3, shards=1)
+    assert main(["merge", str(out), str(out / "part-00000")]) == 0
+    said = capsys.readouterr().out
+    assert f"{out}: 1 utterance, " in said and " frames in 1 shard from 1 part (" in said
+
+
 def test_a_part_whose_utterance_ids_cannot_be_read_is_named(two_parts, capsys):
     """The heap holding a shard's utterance ids damaged on disk: merge stopped with
     h5py's "Can't synchronously read data (bad global heap collection signature)",

@@ -209,7 +209,10 @@ def test_shards_left_empty_are_warned_of(tmp_path, capsys):
     out = tmp_path / "s"
     assert main(["synth", str(out), "--hours", "0.001", "--speakers", "1", "--shards", "8",
                  "--dev-hours", "0.0005", "--dev-speakers", "1"]) == 0
-    err = capsys.readouterr().err
+    said = capsys.readouterr()
+    err = said.err
+    # (one of each was counted as `1 utterances, 1 speakers`, `1 unseen speakers`)
+    assert "1 utterance, 1 speaker\n" in said.out and " 1 unseen speaker\n" in said.out
     assert err == (f"mpitrain synth: warning: {out / 'train'}: 7 of 8 shards hold no "
                    "utterance (1 written); --shards 1 or fewer leaves none empty\n")
     assert synthesize(str(tmp_path / "t"), hours=0.002, speakers=2, shards=2,

@@ -181,7 +181,8 @@ def test_fewer_utterances_than_ranks_is_said_once_with_the_remedy(mpiexec, tmp_p
     assert result.returncode == 2, mpi_output(result)
     lines = [line for line in result.stderr.splitlines() if "no complete minibatch" in line]
     assert len(lines) == 1, mpi_output(result)
-    assert "the corpus has 1 utterance(s) for 2 ranks; use at most 1 ranks" in lines[0]
+    assert "the corpus has 1 utterance(s) for 2 ranks; use at most 1 rank" in lines[0]
+    assert "1 ranks" not in lines[0]
     assert not run.exists()
 
 

@@ -207,7 +207,7 @@ def test_an_accepted_other_training_corpus_re_plans_the_data(tmp_path, capsys):
     new_plan = records(run, "start")[1]["planned_steps"]
     to_step = round(80 * new_plan / old_plan)
     assert new_plan < 80 < old_plan
-    assert (f"resume: the training corpus changed: data re-planned over 1 ranks, step 80 of "
+    assert (f"resume: the training corpus changed: data re-planned over 1 rank, step 80 of "
             f"{old_plan} becomes {to_step} of {new_plan}") in capsys.readouterr().out
     assert records(run, "rank_change")[0]["to_step"] == to_step
     assert records(run, "end")[-1]["steps"] == new_plan
