@@ -364,8 +364,9 @@ class OwnPaceLoop:
         per_step = (now - self.run_start) / max(t.step - t._start_step, 1)
         t.log.progress(
             t.step, t.total_steps,
-            f"step {t.step}/{t.total_steps} frames {t.frames_seen} xent {xent:.4f} "
-            f"acc {acc:.4f} lr {self.rate:.3g} {record['frames_per_sec']:,.0f} fr/s "
+            f"step {t.step}/{t.total_steps} ep {record['epoch']} frames {t.frames_seen} "
+            f"xent {xent:.4f} acc {acc:.4f} lr {self.rate:.3g} "
+            f"{record['frames_per_sec']:,.0f} fr/s "
             f"comm {record['comm_fraction']:.1%} steps per rank {record['steps_min']}-"
             f"{record['steps_max']} ETA "
             f"{format_duration(per_step * max(t.total_steps - t.step, 0))}")

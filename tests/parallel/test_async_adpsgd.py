@@ -12,6 +12,8 @@ keeps the mean with ranks that sleep different times, and a run with a slow
 rank on uneven shards finishes and learns.
 """
 
+import re
+
 import numpy as np
 import pytest
 
@@ -127,6 +129,18 @@ def test_virtual_replay_is_identical_with_the_same_seed(small_corpus, tmp_path):
     for kind in ("train", "eval", "end"):
         ra, rb = _strip(records(tmp_path / "a", kind)), _strip(records(tmp_path / "b", kind))
         assert ra == rb and ra, kind
+
+
+def test_progress_lines_show_the_epoch_of_the_train_records(small_corpus, tmp_path, capsys):
+    # (the line showed no epoch, the lock-step trainer's `ep N` did)
+    extra = ["training.epochs=2", "training.log_interval=10", "training.eval_interval=5120",
+             "training.checkpoint_interval=0"]
+    _virtual(small_corpus, tmp_path, 2, extra)
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " steps per rank " in ln]
+    epochs = [r["epoch"] for r in records(tmp_path, "train")]
+    assert lines and len(lines) == len(epochs) and set(epochs) == {0, 1}
+    for line, epoch in zip(lines, epochs):
+        assert re.search(rf"step \d+/\d+ ep {epoch} frames ", line), line
 
 
 def test_fast_ranks_take_more_steps_than_a_slow_one(small_corpus, tmp_path):
