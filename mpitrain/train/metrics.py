@@ -92,12 +92,13 @@ class MetricsLog:
     """
 
     def __init__(self, run_dir, *, enabled: bool = True, stream=None, append: bool = False,
-                 tensorboard: bool = False):
+                 tensorboard: bool = False, start: float | None = None):
         self.enabled = enabled
         self.stream = stream or sys.stdout
         # records carry seconds since the start on the monotonic clock: a step of
-        # the system clock would move them (plot --x time)
-        self.start = time.monotonic()
+        # the system clock would move them (plot --x time); ``start``: another log's,
+        # for records added to a run after its own log was closed
+        self.start = time.monotonic() if start is None else start
         self._fh = None
         self._board = None
         self._bar_open = False      # a progress line is on screen without its newline

@@ -328,7 +328,8 @@ def train_virtual(cfg, *, size: int, run_dir: str, compute, network=None,
     record = {"ranks": size, "compute": compute.to_dict(),
               "network": None if network is None else network.to_dict(),
               "simulated_seconds": result["seconds"], "wall_seconds": wall}
-    log = MetricsLog(run_dir, stream=stream, append=True)   # the run's own log is closed
+    # the run's own log is closed: this one continues its clock
+    log = MetricsLog(run_dir, stream=stream, append=True, start=trainer.log.start)
     try:
         log.write("virtual", **record)
         log.say(f"virtual cluster: {size} ranks in {wall:.1f} s of wall time; simulated "

@@ -130,6 +130,8 @@ def test_train_virtual_on_the_command_line_reports_simulated_time(small_corpus, 
     virtual = _records(run, "virtual")[0]
     assert virtual["ranks"] == 4 and virtual["compute"]["slowdown"] == {"3": 2.0}
     assert virtual["simulated_seconds"] == end["seconds"]
+    # written after `end`, on the run's clock (its own log's restarted at 0.0)
+    assert virtual["time"] >= end["time"] > 0
 
 
 def test_compute_model_jitter_is_seeded_and_keeps_the_mean():
