@@ -206,11 +206,16 @@ def _progress(records, start, pretraining) -> list:
     done = f"step {_num(last, 'step', 'd')}" + (
         f" of {total} ({step / total:.0%})" if known and total > 0 else "")
     left = ""
-    if known and total > 0 and step > first_step and _is_number(last.get("seconds")):
+    # the steps this part trained, a roll back's abandoned ones too (step - first_step
+    # undercounts them: after a roll back to step 0 it gave many times the time left);
+    # older logs and methods without roll backs have no count
+    trained = last.get("steps_trained")
+    trained = trained if _is_number(trained) else (step - first_step if known else 0)
+    if known and total > 0 and trained > 0 and _is_number(last.get("seconds")):
         # the clock adds up the resumed parts (read_metrics), and the start record
         # stands where this part began on it
         before = start.get("seconds") if _is_number(start.get("seconds")) else 0.0
-        per_step = (last["seconds"] - before) / (step - first_step)
+        per_step = (last["seconds"] - before) / trained
         left = f", about {format_duration(per_step * max(total - step, 0))} left"
     return [f"  {done}, epoch {_num(last, 'epoch', 'd')}: xent {_num(last, 'xent', '.4f')} "
             f"acc {_num(last, 'acc', '.4f')}, {_num(last, 'frames_per_sec', ',.0f')} "

@@ -764,6 +764,7 @@ class Trainer(CheckpointResume):
                     xent = sums[0] / sums[2]
                     record = {"step": self.step, "epoch": self.stream.epoch,
                               "frames": self.frames_seen, "seconds": now - run_start,
+                              "steps_trained": self._steps_trained,
                               "xent": float(xent),
                               "acc": sums[1] / sums[2], "lr": lr,
                               "frames_per_sec": sums[2] / elapsed,

@@ -119,6 +119,16 @@ def test_the_time_left_after_a_roll_back_counts_the_abandoned_steps(small_corpus
     # 55 steps of 100 ms left (it divided all the time since the start by the 5
     # steps since the roll back: 0m54s)
     assert "ETA 0m05s" in first, first
+    # and `status` of the run as it stood then, from the count in the train record
+    from mpitrain.train.status import run_status
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    at = max(i for i, line in enumerate(lines)
+             if '"type": "train"' in line and '"step": 5,' in line)
+    assert json.loads(lines[at])["steps_trained"] > 5
+    (tmp_path / "then").mkdir()
+    (tmp_path / "then" / "metrics.jsonl").write_text("".join(lines[:at + 1]))
+    assert run_status(tmp_path / "then")[1].endswith(", about 0m05s left"), \
+        run_status(tmp_path / "then")
 
 
 def test_a_few_bad_minibatches_are_skipped_and_counted_only(small_corpus, tmp_path, capsys,

@@ -228,6 +228,17 @@ def test_a_resumed_runs_time_left_and_time_taken_count_every_part(tmp_path):
         run_status(run)
 
 
+def test_the_time_left_after_a_roll_back_counts_the_steps_trained(tmp_path):
+    """A roll back to step 0 leaves the step count under the steps trained: 50 s
+    over the 100 steps since the start gave 0.5 s a step, with 200 steps trained
+    (100 of them abandoned) it is 0.25 s.  Logs without the count: as before."""
+    run = tmp_path / "run"
+    _write(run, [START, dict(TRAIN, steps_trained=200)])
+    assert run_status(run)[1].endswith(", about 1m15s left"), run_status(run)
+    _write(run, [START, TRAIN])
+    assert run_status(run)[1].endswith(", about 2m30s left"), run_status(run)
+
+
 def test_a_run_interrupted_by_ctrl_c_says_so(small_corpus, tmp_path, monkeypatch):
     # (it said "cut off: rank 0 (pid ...) is gone without an end record", as for a
     # lost node: nothing recorded the interrupt)
