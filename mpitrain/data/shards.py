@@ -582,7 +582,10 @@ class ShardReader(ShardFile):
         try:
             problems = shard_layout_problems(self._file, self.path)
             if problems:
-                raise CorpusError("\n".join(problems))
+                # one line naming the file once (each problem names it, for check's list)
+                named = f"{self.path}: "
+                raise CorpusError(named + "; ".join(
+                    p[len(named):] if p.startswith(named) else p for p in problems))
             self._feats = self._file[FEATS]
             self._labels = self._file[LABELS]
             self._offsets = np.asarray(self._file[UTT_OFFSETS][()], dtype=np.int64)

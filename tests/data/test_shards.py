@@ -74,6 +74,19 @@ def test_reader_names_file_and_dataset_when_dataset_is_missing(tmp_path):
     assert path in str(err.value) and "'labels' is missing" in str(err.value)
 
 
+def test_several_problems_of_a_shard_are_one_line_naming_it_once(tmp_path):
+    # (joined by newlines, flattened to one line: `S: ... missing S: ... missing`)
+    utts = make_utterances(2)
+    path = str(tmp_path / "s.h5")
+    write_shard(path, [u[0] for u in utts], [u[1] for u in utts], [u[2] for u in utts])
+    with h5py.File(path, "a") as f:
+        del f["feats"], f["utt_ids"]
+    with pytest.raises(CorpusError) as err:
+        ShardReader(path)
+    assert str(err.value) == (f"{path}: dataset 'feats' is missing; "
+                              "dataset 'utt_ids' is missing")
+
+
 def test_reader_names_dataset_of_wrong_dtype(tmp_path):
     utts = make_utterances(2)
     path = str(tmp_path / "s.h5")
