@@ -457,8 +457,13 @@ def _virtual_markdown(report: dict) -> list:
             lines.append(f"| {phase} | {r['method']} | {r['ranks']} | {r.get('steps', '—')} | "
                          f"{_fmt(r.get('frames_per_rank'), ',.0f')} | {r.get('syncs', '—')} | "
                          f"{_fmt(seconds, '.3f')} |")
+    # (a throughput row's frames per rank over its seconds is not its rate: the
+    # warm-up is in one and not the other)
     lines += ["", "Syncs: model averages (gradient allreduces for `allreduce`) each rank took "
-                  "part in; throughput seconds: the measured windows after warm-up.", ""]
+                  "part in.  Steps, frames per rank and syncs are the whole run's, a "
+                  "throughput run's warm-up included; simulated s: a throughput run's "
+                  "measured windows after warm-up, an accuracy run's training seconds to its "
+                  "last evaluation.", ""]
     return lines
 
 

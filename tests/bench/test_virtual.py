@@ -52,6 +52,8 @@ def test_bench_virtual_writes_the_report_with_simulated_points(small_corpus, tmp
     assert speedups[("model_averaging", 4)]["throughput_speedup"] == pytest.approx(4, rel=0.05)
     text = (out / "bench.md").read_text()
     assert "## Simulated points (virtual ranks)" in text and "frames per rank" in text
+    # its steps and frames count the warm-up, its seconds do not: the table says so
+    assert "a throughput run's warm-up included" in text
     assert os.path.getsize(out / "bench-speedup.png") > 1000
 
 
