@@ -558,3 +558,27 @@ def test_a_path_variable_starting_with_a_quoted_tilde_is_refused_before_any_mkdi
         f"{script}: {variable}={shown}: starts with ~, which the shell does not expand "
         f"inside quotes; write the path out ($HOME{shown[1:]})\n"), result.stderr
     assert os.listdir(tmp_path) == []
+
+
+def _launched(tmp_path, script, env_extra, args=("run.yaml",), bin_extra=None):
+    """``script`` run by hand with a stand-in launcher that prints its arguments as
+    <a><b>...; returns the CompletedProcess (launched line last in stdout)."""
+    launch = tmp_path / "launch"
+    launch.write_text("#!/bin/bash\nprintf '<%s>' \"$@\"\necho\n")
+    launch.chmod(0o755)
+    env = dict(os.environ, LAUNCHER="mpirun", MPIEXEC=str(launch), SLURM_NTASKS="2",
+               VENV=str(tmp_path / "no-venv"), **env_extra)
+    return subprocess.run(["bash", os.path.join(SLURM_DIR, script), *args], env=env,
+                          cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "bench.sbatch"])
+def test_mpitrain_set_over_several_lines_sets_every_line(tmp_path, script):
+    # MPITRAIN_SET="$(cat overrides.txt)": the settings after the first line were dropped
+    result = _launched(tmp_path, script, {
+        "RUN_DIR": str(tmp_path / "run"), "BENCH_OUT": str(tmp_path / "bench"),
+        "MPITRAIN_SET": "training.epochs=2 model.hidden_dim=64\n\ttraining.seed=5\n"})
+    assert result.returncode == 0, result.stdout + result.stderr
+    launched = result.stdout.splitlines()[-1]
+    assert "<--set><training.epochs=2><--set><model.hidden_dim=64><--set><training.seed=5>" \
+        in launched, launched
