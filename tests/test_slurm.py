@@ -582,3 +582,43 @@ def test_mpitrain_set_over_several_lines_sets_every_line(tmp_path, script):
     launched = result.stdout.splitlines()[-1]
     assert "<--set><training.epochs=2><--set><model.hidden_dim=64><--set><training.seed=5>" \
         in launched, launched
+
+
+def test_a_job_submitted_with_export_none_gives_the_ranks_the_scripts_environment(
+        slurm, corpus, tmp_path):
+    # `sbatch --export=NONE` (as many sites ask) leaves SLURM_EXPORT_ENV=NONE in the
+    # job, and srun took it: the ranks started without PATH, PYTHONPATH or the BLAS
+    # thread counts the script exports.  The settings come from a job script of the
+    # user's, as they would under --export=NONE.
+    run_dir, output = tmp_path / "run", str(tmp_path / "train.out")
+    settings = dict(_job_env(slurm), RUN_DIR=str(run_dir), BLAS_THREADS="2",
+                    MPITRAIN_SET=_train_overrides(corpus, **{"model.hidden_dim": 32,
+                                                             "training.max_steps": 4}))
+    job_script = tmp_path / "job.sbatch"
+    job_script.write_text("#!/bin/bash\n" + "".join(
+        f"export {k}={json.dumps(v)}\n" for k, v in settings.items())
+        + f"exec bash {json.dumps(os.path.join(SLURM_DIR, 'train.sbatch'))} \"$@\"\n")
+    job = slurm.sbatch(["--export=NONE", "--ntasks-per-node=2", "--cpus-per-task=1",
+                        f"--output={output}", str(job_script), "jobs/configs/quickstart.yaml"],
+                       cwd=REPO)
+    _, text = _finished_ok(slurm, job, output)
+    start = _records(run_dir, "start")
+    assert [(r["ranks"], r["blas_threads"]) for r in start] == [(2, 2)], (start, text)
+    assert (run_dir / "final.h5").exists()
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "bench.sbatch"])
+def test_srun_passes_the_whole_environment_on_under_export_none(tmp_path, script):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text("#!/bin/bash\necho \"export=$SLURM_EXPORT_ENV "
+                                  "omp=$OMP_NUM_THREADS\"\n")
+    (bin_dir / "srun").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               SLURM_EXPORT_ENV="NONE", SLURM_NTASKS="2", SLURM_CPUS_PER_TASK="3",
+               SRUN_MPI="pmi2", VENV=str(tmp_path / "no-venv"),
+               RUN_DIR=str(tmp_path / "run"), BENCH_OUT=str(tmp_path / "bench"))
+    result = subprocess.run(["bash", os.path.join(SLURM_DIR, script), "run.yaml"], env=env,
+                            cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.splitlines()[-1] == "export=ALL omp=3", result.stdout
