@@ -622,3 +622,20 @@ def test_srun_passes_the_whole_environment_on_under_export_none(tmp_path, script
                             cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.splitlines()[-1] == "export=ALL omp=3", result.stdout
+
+
+def test_a_finished_run_without_checkpoints_is_refused_not_overwritten(tmp_path):
+    # a run that ended and whose checkpoints were removed to save space, submitted
+    # again (or requeued): '--overwrite' deleted its final.h5 and trained from step 0
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    for done in ("config.yaml", "metrics.jsonl", "best.h5", "final.h5"):
+        (run_dir / done).write_text("kept")
+    result = _launched(tmp_path, "train.sbatch", {"RUN_DIR": str(run_dir)})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr == (f"train.sbatch: {run_dir} holds a finished run (final.h5) and "
+                             "no checkpoint to resume; choose another RUN_DIR, or remove that "
+                             "run to train again\n"), result.stderr
+    assert "<-n>" not in result.stdout
+    assert sorted(os.listdir(run_dir)) == ["best.h5", "config.yaml", "final.h5", "metrics.jsonl"]
+    assert (run_dir / "final.h5").read_text() == "kept"
