@@ -639,3 +639,24 @@ def test_a_finished_run_without_checkpoints_is_refused_not_overwritten(tmp_path)
     assert "<-n>" not in result.stdout
     assert sorted(os.listdir(run_dir)) == ["best.h5", "config.yaml", "final.h5", "metrics.jsonl"]
     assert (run_dir / "final.h5").read_text() == "kept"
+
+
+@pytest.mark.parametrize("script,variable,args", [
+    ("train.sbatch", "RUN_DIR", ["run.yaml"]),
+    ("train-gpu.sbatch", "RUN_DIR", ["run.yaml"]),
+    ("bench.sbatch", "BENCH_OUT", ["run.yaml"]),
+    ("bench-gpu.sbatch", "BENCH_OUT", ["run.yaml"]),
+    ("prepare.sbatch", "OUT_DIR", ["feats.scp", "ark:ali.ark", "~/corpus"]),
+])
+def test_a_script_run_with_sh_runs_under_bash(tmp_path, script, variable, args):
+    # `sh train.sbatch ...` by hand: dash stopped at once on `set -o pipefail`
+    env = dict(os.environ, VENV=str(tmp_path / "no-venv"), MPITRAIN_HOME=REPO,
+               SLURM_ARRAY_TASK_ID="0")
+    if variable != "OUT_DIR":
+        env[variable] = "~/runs/x"
+    result = subprocess.run(["sh", os.path.join(SLURM_DIR, script), *args], env=env,
+                            cwd=str(tmp_path), capture_output=True, text=True, timeout=60)
+    shown = "~/corpus" if variable == "OUT_DIR" else "~/runs/x"
+    name = script.replace("-gpu", "")
+    assert result.returncode == 2 and result.stderr.startswith(
+        f"{name}: {variable}={shown}: starts with ~"), result.stderr
