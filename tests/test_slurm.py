@@ -461,7 +461,8 @@ def test_a_run_directory_named_with_glob_characters_is_resumed_not_overwritten(t
     assert "--overwrite" not in launched
 
 
-def _prepare_tasks(tmp_path, ids, *, lines=10, first=None, last=None, count=None, parts=None):
+def _prepare_tasks(tmp_path, ids, *, lines=10, first=None, last=None, count=None, parts=None,
+                   out="corpus", env_extra=None):
     """prepare.sbatch run as each task of an array with ``ids`` (without Slurm: a stand-in
     `sbatch` keeps the merge job's command, a stand-in python the prepare commands);
     returns [(task id, exit status, stderr)], the merge command and the parts' scp lines."""
@@ -483,16 +484,17 @@ def _prepare_tasks(tmp_path, ids, *, lines=10, first=None, last=None, count=None
     results = []
     for task in ids:
         env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                   VENV=str(tmp_path / "no-venv"), SLURM_ARRAY_TASK_ID=str(task), **array)
+                   VENV=str(tmp_path / "no-venv"), SLURM_ARRAY_TASK_ID=str(task), **array,
+                   **(env_extra or {}))
         if parts is None:
             env.pop("PARTS", None)
         done = subprocess.run(["bash", os.path.join(SLURM_DIR, "prepare.sbatch"), "feats.scp",
-                               "ark:ali.ark", "corpus"], env=env, cwd=str(tmp_path),
+                               "ark:ali.ark", out], env=env, cwd=str(tmp_path),
                               capture_output=True, text=True, timeout=60)
         results.append((task, done.returncode, done.stderr))
     merge = (tmp_path / "merge").read_text() if (tmp_path / "merge").exists() else ""
     written = {p.parent.name: p.read_text().splitlines()
-               for p in sorted((tmp_path / "corpus").glob("part-*/feats.scp"))}
+               for p in sorted((tmp_path / out).glob("part-*/feats.scp"))}
     return results, merge, written
 
 
@@ -660,3 +662,17 @@ def test_a_script_run_with_sh_runs_under_bash(tmp_path, script, variable, args):
     name = script.replace("-gpu", "")
     assert result.returncode == 2 and result.stderr.startswith(
         f"{name}: {variable}={shown}: starts with ~"), result.stderr
+
+
+@pytest.mark.parametrize("out", ["corpus fran\u00e7ais", "it's corpus", "a$b `c` \\d"])
+def test_prepare_merge_job_names_the_parts_as_sh_reads_them(tmp_path, out):
+    # sbatch --wrap runs the merge under /bin/sh; bash's %q quoting gave $'...' for a
+    # non-ASCII name under the C locale, which sh reads as other text
+    results, merge, written = _prepare_tasks(tmp_path, [0, 1], out=out,
+                                             env_extra={"LC_ALL": "C"})
+    assert [r[1] for r in results] == [0, 0], results
+    assert sorted(written) == ["part-00000", "part-00001"]
+    words = subprocess.run(["sh", "-c", f"set -- {merge.strip()}; printf '%s\\n' \"$@\""],
+                           capture_output=True, text=True, check=True).stdout.splitlines()
+    assert words == ["python", "-m", "mpitrain", "merge", out, f"{out}/part-00000",
+                     f"{out}/part-00001", "--overwrite"], merge
