@@ -126,7 +126,7 @@ def test_an_asynchronous_divergence_names_the_settings_that_enlarge_the_step(
         "model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=200",
         "training.log_interval=10", f"parallel.method={method}",
         "parallel.asynchronous=" + ("true" if method == "adpsgd" else "false"),
-        "optimizer.l2_regularize=1e30", "training.divergence_factor=1.2"])
+        "optimizer.l2_regularize=1e38", "training.divergence_factor=1.2"])
     with pytest.raises(Diverged) as caught:
         train_virtual(cfg, size=2, run_dir=str(tmp_path / "run"),
                       compute=ComputeModel(step_seconds=0.001))
@@ -137,7 +137,7 @@ def test_an_asynchronous_divergence_names_the_settings_that_enlarge_the_step(
     assert re.search(r": \d+ non-finite or exploding minibatches/windows since", message), \
         message
     assert "lower learning rate (--overwrite --set optimizer.initial_learning_rate=...), " \
-           "or lower optimizer.l2_regularize (1e+30); or raise training.divergence_factor " \
+           "or lower optimizer.l2_regularize (1e+38); or raise training.divergence_factor " \
            "(1.2" in message, message
 
 
