@@ -151,6 +151,16 @@ def _write_corpus(corpus, hours: float, seed: int) -> None:
                dev_hours=0.005, dev_speakers=2, overwrite=True)
 
 
+def _small_run_argv(corpus, run, extra=()) -> list:
+    """``train`` of a tiny model on ``corpus`` into ``run``, checkpoints every 4 steps."""
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(str(corpus)) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                "training.checkpoint_interval=4",
+                                                "training.eval_interval=0", *extra]:
+        argv += ["--set", item]
+    return argv
+
+
 def test_resume_onto_a_corpus_written_again_is_refused_naming_it(tmp_path, capsys):
     # `prepare --overwrite` into the corpus directory of a stopped run, then --resume:
     # the plan of the new corpus was shorter, the run "ended" at once and wrote
@@ -161,11 +171,7 @@ def test_resume_onto_a_corpus_written_again_is_refused_naming_it(tmp_path, capsy
     def write(hours, seed):
         _write_corpus(corpus, hours, seed)
     write(0.02, 1)
-    argv = ["train", QUICKSTART, "--run-dir", str(run)]
-    for item in small_overrides(str(corpus)) + ["model.hidden_dim=16", "model.hidden_layers=1",
-                                                "training.checkpoint_interval=4",
-                                                "training.eval_interval=0"]:
-        argv += ["--set", item]
+    argv = _small_run_argv(corpus, run)
     assert main(argv + ["--set", "training.max_steps=8"]) == 0
     write(0.01, 2)
     capsys.readouterr()
@@ -192,13 +198,7 @@ def test_an_accepted_other_training_corpus_re_plans_the_data(tmp_path, capsys):
     def write(hours, seed):
         _write_corpus(corpus, hours, seed)
     write(0.02, 1)
-    argv = ["train", QUICKSTART, "--run-dir", str(run)]
-    for item in small_overrides(str(corpus)) + ["model.hidden_dim=16", "model.hidden_layers=1",
-                                                "training.checkpoint_interval=4",
-                                                "training.eval_interval=0",
-                                                "training.minibatch=64",
-                                                "training.epochs=1"]:
-        argv += ["--set", item]
+    argv = _small_run_argv(corpus, run, ["training.minibatch=64", "training.epochs=1"])
     assert main(argv + ["--set", "training.max_steps=80"]) == 0
     old_plan = records(run, "start")[0]["planned_steps"]
     write(0.01, 2)
