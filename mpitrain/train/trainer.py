@@ -236,7 +236,7 @@ class Trainer(CheckpointResume):
         self.steps_per_epoch = steps
         # equal step counts and whole minibatches per chunk leave some frames out
         self._say_frames_left_out(steps * cfg.training.minibatch * comm.size,
-                                  f"every rank takes {steps} step{'s' * (steps != 1)}, as "
+                                  f"every rank takes {plural(steps, 'step')}, as "
                                   "many as the rank with the least data, of whole "
                                   "minibatches per chunk; "
                                   f"fewer ranks, {self._fewer_shards() or 'more shards'} or "
@@ -322,10 +322,11 @@ class Trainer(CheckpointResume):
         # each rank goes through its own share, but in whole minibatches per chunk
         # (a few frames per rank; many ranks on a small corpus lose a share of it)
         used = sum(n for n in self._own_counts if n is not None)
+        fewer = self._fewer_shards()
         self._say_frames_left_out(used * cfg.training.minibatch,
                                   "each rank trains whole minibatches of its share per "
                                   "chunk; fewer ranks, a smaller training.minibatch, "
-                                  + (f"{self._fewer_shards()} " if self._fewer_shards() else "")
+                                  + (f"{fewer} " if fewer else "")
                                   + "or a larger data.chunk_frames leave out less")
         self.budget = 0         # asynchronous ADPSGD: the steps of all ranks together
         self.stream = MinibatchStream(
