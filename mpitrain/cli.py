@@ -287,7 +287,7 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
         if comm.rank != 0:
             return 2
         raise UsageError(problem)
-    from .train.stop import EXIT_STOPPED, stop_on_signals
+    from .train.stop import EXIT_STOPPED, ignore_from_now_on, stop_on_signals
     try:
         # SIGTERM, SIGUSR1, SIGUSR2, SIGHUP: a checkpoint at the next point where the ranks
         # agree, then exit status EXIT_STOPPED on every rank (train/stop.py)
@@ -313,6 +313,10 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
         # to write final.h5 died of a stop signal then, and the launcher with it
         # ended rank 0 before it had (status 143, no final.h5, nothing to requeue)
         comm.barrier()
+        if comm.size > 1:
+            # a stop signal while this rank waits in MPI's finalize for the others
+            # would fail the finished job
+            ignore_from_now_on()
         if result.get("stopped"):
             return EXIT_STOPPED
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:

@@ -155,6 +155,24 @@ def stop_requested() -> bool:
 
 
 _caught_early = False
+#: Set once every rank has passed the run's last barrier (:func:`ignore_from_now_on`).
+_run_complete = False
+
+
+def ignore_from_now_on() -> None:
+    """The run is complete on every rank (its files written, its status known): a
+    stop signal from here to the process's end has nothing left to save, so it is
+    ignored, through MPI's finalize too, where a rank waits for the slowest one
+    (it died of the signal there, and the launcher failed the finished job).
+    SIG_IGN, not a Python handler: the interpreter puts back the default action
+    of the signals it handles before MPI's finalize runs.  Ctrl-C and SIGKILL
+    still end a process that hangs there.  In the main thread only."""
+    global _run_complete
+    if threading.current_thread() is not threading.main_thread():
+        return
+    _run_complete = True
+    for number in _stop_signals():
+        signal.signal(number, signal.SIG_IGN)
 
 
 @contextlib.contextmanager
@@ -179,7 +197,7 @@ def keep_stop_signals():
     finally:
         _caught_early = False
         for number, handler in previous.items():
-            signal.signal(number, handler)
+            signal.signal(number, signal.SIG_IGN if _run_complete else handler)
         requested.clear()
 
 
@@ -204,7 +222,7 @@ def stop_on_signals():
         yield requested
     finally:
         for number, handler in previous.items():
-            signal.signal(number, handler)
+            signal.signal(number, signal.SIG_IGN if _run_complete else handler)
         requested.clear()
 
 

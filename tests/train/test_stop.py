@@ -390,3 +390,24 @@ def test_a_signal_while_rank_0_writes_the_result_ends_the_job_complete(small_cor
     done = run_mpi(2, args, timeout=120)
     assert done.returncode == 0, mpi_output(done)
     assert (run / result).exists()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("command,sig", [("train", "SIGTERM"), ("pretrain", "SIGUSR1")])
+def test_a_signal_after_the_run_ended_leaves_the_job_complete(small_corpus, tmp_path, command,
+                                                              sig):
+    """A stop signal on a rank whose run had ended (its `done:` said), while it
+    waited in MPI's finalize for rank 0: the rank died of it and the launcher
+    failed the finished job (status 15 or 143); now it is ignored there."""
+    run = tmp_path / "run"
+    args = [str(WORKERS / "finalize_signal_worker.py"), sig, "3", "--", command, QUICKSTART,
+            "--run-dir", str(run)]
+    for item in [f"data.train={small_corpus}/train", f"data.dev={small_corpus}/dev",
+                 "data.chunk_frames=20000", "model.hidden_layers=1", "model.hidden_dim=16",
+                 "training.max_steps=8", "training.log_interval=4",
+                 "pretrain.epochs_gaussian=0.02", "model.nonlinearity=sigmoid"]:
+        args += ["--set", item]
+    done = run_mpi(2, args, timeout=120)
+    assert done.returncode == 0, mpi_output(done)
+    assert (run / ("final.h5" if command == "train" else "pretrain.h5")).exists()
+    assert not records(run, "stop")
