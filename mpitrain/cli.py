@@ -372,6 +372,7 @@ def _end_every_rank(comm, command: str, exc: BaseException) -> None:
 def _train_virtual(args, cfg) -> int:
     """``train --virtual N``: N virtual ranks in this process, on a simulated clock."""
     from .train.run_dir import run_dir_problem
+    from .train.stop import EXIT_STOPPED, stop_on_signals
     from .train.virtual import MAX_VIRTUAL_RANKS, plan_virtual, train_virtual
     if not 1 <= args.virtual <= MAX_VIRTUAL_RANKS:
         raise UsageError(f"--virtual: expected a number of ranks in [1, {MAX_VIRTUAL_RANKS}] "
@@ -391,10 +392,21 @@ def _train_virtual(args, cfg) -> int:
                                  accept_changes=args.accept_changes)
             print("\n".join(lines + [_dry_run_line(run_dir)]), flush=True)
             return 0
-        train_virtual(cfg, size=args.virtual, run_dir=run_dir, network=_network_model(args),
-                      compute=_compute_model(args, cfg, args.virtual), resume=args.resume,
-                      overwrite=args.overwrite, accept_changes=args.accept_changes)
+        # a stop signal: a checkpoint at the next step where the ranks agree, as on
+        # real ranks (train/stop.py); the virtual ranks read the one flag of the process
+        with stop_on_signals():
+            result = train_virtual(cfg, size=args.virtual, run_dir=run_dir,
+                                   network=_network_model(args),
+                                   compute=_compute_model(args, cfg, args.virtual),
+                                   resume=args.resume, overwrite=args.overwrite,
+                                   accept_changes=args.accept_changes)
+        if result.get("stopped"):
+            return EXIT_STOPPED
     except (ValueError, RuntimeError) as exc:
+        if getattr(exc, "exit_status", None) == EXIT_STOPPED:
+            # param_server's stop: its server wrote the checkpoint, said so and
+            # ended the job as on real ranks, by an abort of this status
+            return EXIT_STOPPED
         # a setting these ranks cannot run: named with its file, as on real ranks
         if getattr(exc, "setting", False) and args.config:
             raise UsageError(f"{args.config}: {exc}") from None
@@ -1211,13 +1223,11 @@ def main(argv=None) -> int:
 
 def _main(argv) -> int:
     try:
-        with stop_signals_kept(sys.argv[1:] if argv is None else list(argv)) as release:
+        with stop_signals_kept(sys.argv[1:] if argv is None else list(argv)):
             with interrupt_held():
                 started = _read_command_line(argv)
             if isinstance(started, int):
                 return started
-            if getattr(started[0], "virtual", 0):
-                release()               # virtual ranks take no stop signal
             return _run_command(*started)
     except KeyboardInterrupt:
         # Ctrl-C before the command's own handling: while Python loads the modules it

@@ -12,7 +12,7 @@ runs, so that the commands meet one kind of console and one signal policy.
 Example::
 
     fill_closed_standard_descriptors()
-    with stop_signals_kept(sys.argv[1:]) as release, interrupt_held():
+    with stop_signals_kept(sys.argv[1:]), interrupt_held():
         ...
 """
 
@@ -96,31 +96,15 @@ def fill_closed_standard_descriptors() -> None:
 def stop_signals_kept(words):
     """For ``train`` and ``pretrain`` (no command: train), a stop signal from the
     first moment on (while Python loads numpy, before the command line is read)
-    is kept for the run (train/stop.py), which stops at its first checkpoint
-    instead of the process ending with the signal's status.  Yields ``release``:
-    for a run that takes no stop signal (virtual ranks) the handlers are put
-    back, and a signal that came meanwhile ends the process as it would have."""
+    is kept for the run (train/stop.py), real or virtual ranks alike, which stops
+    at its first checkpoint instead of the process ending with the signal's
+    status."""
     if words and words[0] not in ("train", "pretrain"):
-        yield lambda: None
+        yield
         return
-    from .train.stop import keep_stop_signals, requested
-    keeping = keep_stop_signals()
-    keeping.__enter__()
-    held = [True]
-
-    def release():
-        if held[0]:
-            held[0] = False
-            signum = requested.signum
-            keeping.__exit__(None, None, None)
-            if signum:
-                signal.raise_signal(signum)
-    try:
-        yield release
-    finally:
-        if held[0]:
-            held[0] = False
-            keeping.__exit__(None, None, None)
+    from .train.stop import keep_stop_signals
+    with keep_stop_signals():
+        yield
 
 
 @contextlib.contextmanager

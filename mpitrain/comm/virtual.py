@@ -67,10 +67,15 @@ from .base import (ANY_SOURCE, ANY_TAG, CompletedRequest, Communicator, Request,
 
 #: Elements reduced at a time: bounds the temporaries of a reduction over many ranks.
 REDUCE_PIECE = 1 << 18
+#: Seconds between the main thread's looks at signals while the ranks run.
+HANDLER_WAKE_S = 0.2
 
 
 class VirtualClusterError(RuntimeError):
-    """A virtual rank failed, aborted, or the ranks' calls can never match."""
+    """A virtual rank failed, aborted, or the ranks' calls can never match;
+    ``exit_status``: the status an abort asked for (None: not an abort)."""
+
+    exit_status = None
 
 
 def mpich_order_sum(values: list):
@@ -227,10 +232,13 @@ class VirtualCluster:
 
     def _wait_for_ranks(self) -> None:
         # (not Thread.join: a join that Ctrl-C interrupts can take the thread it
-        # waited for as ended while it still runs, Python 3.11)
+        # waited for as ended while it still runs, Python 3.11)  A timed wait: Python
+        # runs a signal's handler in this thread only, and an untimed wait that the
+        # handler asks to restart (train/stop.py's) never returns to run it (a stop
+        # signal went unseen until the run's end)
         with self._lock:
             while not all(self._finished):
-                self._done.wait()
+                self._done.wait(HANDLER_WAKE_S)
 
     def _rank_main(self, rank: int, target, results: list) -> None:
         with self._lock:
@@ -624,6 +632,7 @@ class VirtualCommunicator(Communicator):
     def abort(self, code: int = 1, message: str = "") -> None:
         error = VirtualClusterError(f"virtual rank {self._world_rank} aborted the job "
                                     f"(exit status {code}): {message}")
+        error.exit_status = code
         self.cluster._fail(self._world_rank, error)
         raise error
 

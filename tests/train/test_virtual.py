@@ -326,29 +326,58 @@ def test_frames_left_out_by_ranks_that_take_their_own_steps_are_said(tmp_path, c
         "are trained on): each rank trains whole minibatches of its share"), said
 
 
-def test_a_stop_signal_ends_a_virtual_run_as_before(small_corpus, tmp_path):
-    # virtual ranks take no stop signal: SIGTERM ends the process at once (it was
-    # kept for a stop the virtual loop never makes, and the run trained to its end)
-    import signal
+_SIGNALLED_AT_A_BATCH = """
+import os, signal, sys
+from mpitrain.data.batcher import MinibatchStream
+from mpitrain.cli import main
+taken, after = [0], int(sys.argv[1])
+next_batch = MinibatchStream.next_batch
+def signalled(self):
+    taken[0] += 1                   # (every virtual rank's minibatches, counted together)
+    if taken[0] == after:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return next_batch(self)
+MinibatchStream.next_batch = signalled
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("method", [["parallel.method=model_averaging",
+                                      "parallel.average_every=8"],
+                                     ["parallel.method=param_server"]],
+                         ids=["model_averaging", "param_server"])
+def test_a_stop_signal_stops_a_virtual_run_with_a_checkpoint_to_resume(small_corpus, tmp_path,
+                                                                       method):
+    # virtual ranks took no stop signal: SIGTERM ended the process at once, the
+    # steps since the last periodic checkpoint lost (and, kept for the run, the
+    # signal went unseen: the main thread's wait never ran its handler)
     import subprocess
     import sys
-    import time
-    run = tmp_path / "run"
-    argv = [sys.executable, "-m", "mpitrain", "train", QUICKSTART, "--virtual", "2",
-            "--run-dir", str(run)]
-    for item in small_overrides(small_corpus) + ["training.epochs=200"]:
-        argv += ["--set", item]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 60
-        while not (run / "metrics.jsonl").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert (run / "metrics.jsonl").exists()
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == -signal.SIGTERM
-    finally:
-        process.kill()
-        process.wait()
+    from mpitrain.cli import main
+    from mpitrain.train.stop import EXIT_STOPPED
+    from ..helpers import REPO, records
+    common = ["--virtual", "2", "--compute-ms", "1"]
+    for item in small_overrides(small_corpus) + method + [
+            "model.hidden_dim=32", "model.hidden_layers=2", "training.max_steps=400",
+            "training.log_interval=4", "training.checkpoint_interval=1000"]:
+        common += ["--set", item]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    done = subprocess.run([sys.executable, "-c", _SIGNALLED_AT_A_BATCH, "20", "train",
+                           QUICKSTART, "--run-dir", str(split), *common],
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == EXIT_STOPPED, (done.returncode, done.stdout, done.stderr)
+    [stop] = records(split, "stop")
+    assert stop["signal"] == "SIGTERM" and 0 < stop["step"] < 400, stop
+    assert f"stopped at step {stop['step']} of " in done.stdout, done.stdout
+    assert (split / f"ckpt-{stop['step']:08d}.h5").exists()
+    assert not (split / "final.h5").exists()
+    assert main(["train", QUICKSTART, "--run-dir", str(split), "--resume", *common]) == 0
+    assert records(split, "start")[1]["step"] == stop["step"]
+    assert main(["train", QUICKSTART, "--run-dir", str(straight), *common]) == 0
+    a, _ = load_model(straight / "final.h5")
+    b, _ = load_model(split / "final.h5")
+    assert np.array_equal(a.params, b.params), np.abs(a.params - b.params).max()
 
 
 def test_a_re_planned_resume_past_max_steps_keeps_its_place_in_the_schedule(small_corpus,
