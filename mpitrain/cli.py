@@ -326,8 +326,11 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
             if getattr(exc, "setting", False) and args.config:
                 raise UsageError(f"{args.config}: {exc}") from None
             raise
+        from .comm.base import PeerLost
         from .train.errors import error_message     # (a MemoryError says nothing)
-        print(f"mpitrain {command}: rank {comm.rank}: error: {error_message(exc)}",
+        advice = ("; the job ends: --resume continues from the newest checkpoint"
+                  if isinstance(exc, PeerLost) else "")
+        print(f"mpitrain {command}: rank {comm.rank}: error: {error_message(exc)}{advice}",
               file=sys.stderr, flush=True)
         comm.abort(2)           # (the line above says why: no second copy of it)
     except BaseException as exc:

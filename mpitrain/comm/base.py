@@ -117,6 +117,20 @@ def json_copy(obj: Any) -> Any:
     return decode_obj(encode_obj(obj))
 
 
+class PeerLost(RuntimeError):
+    """A message to or from ``peer`` failed inside MPI: that rank ended (killed,
+    its node lost) or the link to it broke mid-message.
+
+    Example::
+
+        raise PeerLost("comm: rank 2 is gone ...", peer=2)
+    """
+
+    def __init__(self, message: str, *, peer: int):
+        super().__init__(message)
+        self.peer = peer
+
+
 # --------------------------------------------------------------------- requests
 
 class Request(ABC):

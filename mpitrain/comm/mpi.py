@@ -27,7 +27,7 @@ from mpi4py import MPI
 
 from .. import backend
 from . import gpu
-from .base import (ANY_SOURCE, ANY_TAG, CallbackRequest, Communicator, Request,
+from .base import (ANY_SOURCE, ANY_TAG, CallbackRequest, Communicator, PeerLost, Request,
                    check_buffer, check_mean_dtype, check_op, decode_obj, encode_obj,
                    scalar_dtype, scalar_result, scale_)
 
@@ -50,6 +50,27 @@ def _encode_or_flag(obj: Any):
     except (TypeError, ValueError) as exc:
         return np.zeros(0, dtype=np.uint8), exc
 
+
+#: Error classes of a call that was itself wrong (a bug here), not of its peer.
+_CALL_ERRORS = (MPI.ERR_BUFFER, MPI.ERR_COUNT, MPI.ERR_TYPE, MPI.ERR_TAG, MPI.ERR_RANK,
+                MPI.ERR_TRUNCATE, MPI.ERR_ARG, MPI.ERR_COMM, MPI.ERR_REQUEST)
+
+
+def _naming_the_peer(call, rank: int, peer: int, doing: str):
+    """``call`` whose MPI error names ``peer``, as :class:`PeerLost`: a killed rank
+    showed on the others as MPI's own error stack ("Other MPI error ... MPI_Recv_c
+    ... process_vm_readv failed"), naming no rank in words."""
+    def named(*args):
+        try:
+            return call(*args)
+        except MPI.Exception as exc:
+            if peer == ANY_SOURCE or exc.Get_error_class() in _CALL_ERRORS:
+                raise
+            said = MPI.Get_error_string(exc.Get_error_class())
+            raise PeerLost(f"comm: rank {peer} is gone (ended, killed or its node lost) or "
+                           f"the link to it broke while rank {rank} {doing} it (MPI: {said})",
+                           peer=peer) from None
+    return named
 
 
 # Large host buffers are reduced in pieces of this size (see _allreduce_host_).
@@ -302,7 +323,8 @@ class MpiCommunicator(Communicator):
         with self._timed():
             path, _ = self._route(buf, collective=False)
             staged, token = path.enter(buf, copy_in=True)
-            self._comm.Send(staged, dest=dest, tag=int(tag))
+            _naming_the_peer(self._comm.Send, self._rank, dest, "sent to")(
+                staged, dest, int(tag))
             path.leave(buf, token, copy_out=False)
 
     def recv(self, buf, source: int = ANY_SOURCE, tag: int = ANY_TAG) -> tuple:
@@ -312,7 +334,8 @@ class MpiCommunicator(Communicator):
         with self._timed():
             path, _ = self._route(buf, collective=False)
             staged, token = path.enter(buf, copy_in=False)
-            self._comm.Recv(staged, source=_source(source), tag=_tag(tag), status=status)
+            _naming_the_peer(self._comm.Recv, self._rank, source, "received from")(
+                staged, _source(source), _tag(tag), status)
             path.leave(buf, token, copy_out=True)
         return status.Get_source(), status.Get_tag()
 
@@ -323,7 +346,10 @@ class MpiCommunicator(Communicator):
             path, _ = self._route(buf, collective=False)
             staged, token = path.enter(buf, copy_in=True)
             mpi_request = self._comm.Isend(staged, dest=dest, tag=int(tag))
-        return CallbackRequest(test_fn=mpi_request.Test, wait_fn=mpi_request.Wait,
+        return CallbackRequest(test_fn=_naming_the_peer(mpi_request.Test, self._rank, dest,
+                                                        "sent to"),
+                               wait_fn=_naming_the_peer(mpi_request.Wait, self._rank, dest,
+                                                        "sent to"),
                                on_complete=lambda: path.leave(buf, token, copy_out=False),
                                comm=self)
 
@@ -335,8 +361,10 @@ class MpiCommunicator(Communicator):
             path, _ = self._route(buf, collective=False)
             staged, token = path.enter(buf, copy_in=False)
             mpi_request = self._comm.Irecv(staged, source=_source(source), tag=_tag(tag))
-        return CallbackRequest(test_fn=lambda: mpi_request.Test(status),
-                               wait_fn=lambda: mpi_request.Wait(status),
+        return CallbackRequest(test_fn=_naming_the_peer(lambda: mpi_request.Test(status),
+                                                        self._rank, source, "received from"),
+                               wait_fn=_naming_the_peer(lambda: mpi_request.Wait(status),
+                                                        self._rank, source, "received from"),
                                on_complete=lambda: path.leave(buf, token, copy_out=True),
                                comm=self, status=status)
 

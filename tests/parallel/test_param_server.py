@@ -561,3 +561,28 @@ def test_the_documented_header_has_the_fields_a_push_sends():
     for where in (text, " ".join(module.__doc__.split())):
         fields = re.search(r"header `{0,2}\[(kind[^\]]*)\]", where).group(1).split(", ")
         assert len(fields) == module.HEADER_SIZE, fields
+
+
+@pytest.mark.mpi
+def test_a_rank_gone_mid_message_is_named_in_one_line(small_corpus, tmp_path):
+    # a client killed by SIGKILL showed on its server as MPI's raw error stack ("Other
+    # MPI error, error stack: internal_Recv_c(339)...: MPI_Recv_c(...) failed ...
+    # process_vm_readv failed (errno 3)"), naming the rank in words nowhere
+    from mpitrain.testing.mpirun import run_mpi
+    from ..helpers import WORKERS
+    done = run_mpi(2, [str(WORKERS / "peer_lost_worker.py"), "comm"], timeout=60)
+    assert done.returncode == 0 and done.stdout.count("ok") == 2, mpi_output(done)
+    args = [str(WORKERS / "peer_lost_worker.py"), "train", "--", QUICKSTART,
+            "--run-dir", str(tmp_path / "run")]
+    for item in small_overrides(small_corpus) + [
+            "parallel.method=param_server", "model.hidden_dim=32", "model.hidden_layers=2",
+            "training.max_steps=40"]:
+        args += ["--set", item]
+    done = run_mpi(3, args, timeout=120)
+    assert done.returncode == 2, mpi_output(done)
+    lines = [line for line in done.stderr.splitlines() if "error:" in line]
+    assert lines == [
+        "mpitrain train: rank 0: error: comm: rank 2 is gone (ended, killed or its node "
+        "lost) or the link to it broke while rank 0 received from it (MPI: Other MPI "
+        "error); the job ends: --resume continues from the newest checkpoint"], \
+        mpi_output(done)
