@@ -25,6 +25,13 @@ i + 1 and i - 1 in turn; ``random_ring``, a passive rank drawn from
 (even) rank's right neighbour is rank 0, also active: it mixes with its left
 one only.
 
+Every message of a mix also carries the sender's step counts of all ranks
+(``counts``, a small host message sent just before the weights): each rank
+keeps, per rank, the largest count it has heard of, so it knows a lower bound
+of the steps the ranks took together without asking rank 0, which sees the
+reports only between its own steps (train/async_ring.py stops stepping there
+once that bound reaches the job's budget).
+
 Quiet points (a checkpoint, the end): :meth:`AsyncRingMixing.quiesce`.  An
 active rank waits for the answer it has in flight, then tells every passive
 rank it is done (``BYE``); a passive rank answers requests until every
@@ -43,8 +50,10 @@ import numpy as np
 from .adpsgd import TOPOLOGIES, restore_own_model
 from .base import Strategy
 
-#: Message tags: a request carrying s, the answer carrying m, an active rank's BYE.
+#: Message tags: a request carrying s, the answer carrying m, an active rank's BYE,
+#: and the step counts that go just before a request and an answer.
 REQUEST_TAG, ANSWER_TAG, BYE_TAG = 7410, 7411, 7412
+REQUEST_COUNTS_TAG, ANSWER_COUNTS_TAG = 7413, 7414
 # Kept apart from the other seeded streams (initialisation, shuffling, the lock-step ring).
 _PARTNER_STREAM = 0xAD5
 
@@ -107,9 +116,14 @@ class AsyncRingMixing(Strategy):
         self.own_steps = 0          # steps this rank took
         self.requests = 0           # requests this (active) rank sent
         self.mixes = 0              # mixes this rank completed
+        # every rank's steps, the most this rank has heard of (its own: exact)
+        self.counts = np.zeros(size, dtype=np.int64)
+        self._counts_in = np.zeros(size, dtype=np.int64)
+        self._counts_out = np.zeros(size, dtype=np.int64)
+        self._count_sends: list = []    # (buffer, send request) of a passive rank's counts
         self.net = None
         self.sent = self.answer = self.received = None
-        self._in_flight = None      # (receive of the answer, send of the request)
+        self._in_flight = None      # the receives of the answer, the sends of the request
         self._answers: list = []    # (buffer, send request) of a passive rank's answers
         self._bye = np.zeros(1, dtype=np.int32)
         self._final_local = None
@@ -140,6 +154,7 @@ class AsyncRingMixing(Strategy):
 
     def after_update(self, net, optimizer, step: int) -> None:
         self.own_steps += 1
+        self.counts[self.comm.rank] = self.own_steps
         if self.comm.size == 1:
             return
         self._quiet = False
@@ -150,6 +165,33 @@ class AsyncRingMixing(Strategy):
                 self._request()
         else:
             self._answer_waiting()
+
+    def serve(self) -> bool:
+        """A rank that has stopped stepping and waits: answer the requests that have
+        arrived (passive) or take the answer in flight (active), as after a step, so
+        nobody waits for it.  True when something was done."""
+        if self.comm.size == 1:
+            return False
+        # (a quiet point after this must be a full one: others may have stepped)
+        self._quiet = False
+        if self.active:
+            if self._in_flight is None:
+                return False
+            self._collect(block=False)
+            return self._in_flight is None
+        return self._answer_waiting()
+
+    def note_counts(self, counts) -> None:
+        """Merge step counts heard of (``counts``: one per rank), keeping the larger."""
+        np.maximum(self.counts, np.asarray(counts, dtype=np.int64), out=self.counts)
+
+    def note_count(self, rank: int, steps: int) -> None:
+        """Merge one rank's step count heard of."""
+        self.counts[rank] = max(int(self.counts[rank]), int(steps))
+
+    def known_steps(self) -> int:
+        """The steps the ranks took together, as far as this rank knows (never more)."""
+        return int(self.counts.sum())
 
     def models_agree(self, step: int) -> bool:
         return self.comm.size == 1
@@ -179,7 +221,7 @@ class AsyncRingMixing(Strategy):
                 byes += 1
                 continue
             comm.idle()
-        comm.waitall([request for _, request in self._answers])
+        comm.waitall([request for _, request in self._answers + self._count_sends])
 
     def finalize(self, net, optimizer, step: int = 0) -> None:
         # the result is the average of every rank's model, as AD-PSGD outputs
@@ -193,39 +235,55 @@ class AsyncRingMixing(Strategy):
         partner = self.partner(self.requests)
         if partner is None:
             return
+        comm = self.comm
         self.sent[...] = self.net.params
-        self._in_flight = (self.comm.irecv(self.answer, partner, tag=ANSWER_TAG),
-                           self.comm.isend(self.sent, partner, tag=REQUEST_TAG))
+        self._counts_out[...] = self.counts
+        # the counts go first: whoever has the weights can wait for them
+        self._in_flight = (comm.irecv(self._counts_in, partner, tag=ANSWER_COUNTS_TAG),
+                           comm.irecv(self.answer, partner, tag=ANSWER_TAG),
+                           comm.isend(self._counts_out, partner, tag=REQUEST_COUNTS_TAG),
+                           comm.isend(self.sent, partner, tag=REQUEST_TAG))
         self.requests += 1
 
     def _collect(self, *, block: bool) -> None:
-        receive, send = self._in_flight
+        counts, receive, *sends = self._in_flight
         if block:
             receive.wait()
         elif not receive.test():
             return
-        send.wait()
+        self.comm.waitall([counts] + sends)
         self._in_flight = None
+        self.note_counts(self._counts_in)
         # w <- w + (m - s): the steps taken since s was sent stay
         self.answer -= self.sent
         self.net.params += self.answer
         self.mixes += 1
 
-    def _answer_waiting(self) -> None:
-        """Mix with every request that has arrived, answering each."""
+    def _answer_waiting(self) -> bool:
+        """Mix with every request that has arrived, answering each.  True when there
+        was one."""
         comm, params = self.comm, self.net.params
+        answered = False
         while True:
             found = comm.iprobe(tag=REQUEST_TAG)
             if found is None:
-                return
+                return answered
             source = found[0]
             comm.recv(self.received, source, tag=REQUEST_TAG)
+            # (sent before the weights: it is here or on its way)
+            comm.recv(self._counts_in, source, tag=REQUEST_COUNTS_TAG)
+            self.note_counts(self._counts_in)
             params += self.received
             params *= params.dtype.type(0.5)
+            counts = self._free_counts_buffer()
+            counts[...] = self.counts
+            self._count_sends.append(
+                (counts, comm.isend(counts, source, tag=ANSWER_COUNTS_TAG)))
             buffer = self._free_answer_buffer()
             buffer[...] = params
             self._answers.append((buffer, comm.isend(buffer, source, tag=ANSWER_TAG)))
             self.mixes += 1
+            answered = True
 
     def _free_answer_buffer(self):
         """A buffer no answer in flight still uses (answers go out without waiting,
@@ -234,6 +292,12 @@ class AsyncRingMixing(Strategy):
             if request.test():
                 return self._answers.pop(index)[0]
         return self.net.xp.empty_like(self.net.params)
+
+    def _free_counts_buffer(self):
+        for index, (_, request) in enumerate(self._count_sends):
+            if request.test():
+                return self._count_sends.pop(index)[0]
+        return np.empty_like(self.counts)
 
     # -- checkpoints ---------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -17,6 +17,11 @@ No collective can run while the ranks take their own numbers of steps, so:
 - a rank that a signal asked to stop (train/stop.py) says so in its next
   report; rank 0 then calls the end of this attempt as it calls a quiet point,
   and the trainer writes its checkpoint there;
+- the mixes also carry every rank's step count as its sender last heard of it
+  (parallel/async_adpsgd.py): a rank other than 0 that can tell from them that
+  the budget is reached takes no further step and waits for rank 0's call,
+  answering its partners meanwhile; rank 0, slow or evaluating, saw the end
+  only between its own steps, and the others trained on until then;
 - at a quiet point rank 0 sends every rank ``HALT``; each rank, at the end of
   its step, finishes its exchanges (``quiesce``), and then all meet in the
   collective (the checkpoint's gather, or the end's average); at a checkpoint
@@ -103,6 +108,7 @@ class OwnPaceLoop:
         counts = self.comm.allgather_obj([self.ring.own_steps, self.own_frames])
         self.steps_of = [int(s) for s, _ in counts]
         self.frames_of = [int(f) for _, f in counts]
+        self.ring.note_counts(self.steps_of)
         self.finished = set()
         self.signalled = {}          # rank 0: rank -> the stop signal's code it reported
         self._new_window()
@@ -121,16 +127,16 @@ class OwnPaceLoop:
         if self.comm.rank == 0:
             self._set_marks()
         while True:
-            rate = t.guard.lr_scale * t.schedule.rate(min(ring.own_steps, cap))
-            self.rate = step.run(ring.own_steps, rate, t.stream.next_batch)
-            self.own_frames += step.minibatch
-            if self.comm.rank == 0:
+            if self.comm.rank != 0 and ring.known_steps() >= t.budget:
+                halt = self._wait_for_the_call()
+            elif self.comm.rank == 0:
+                self._step(cap)
                 halt = self._root_turn()
             else:
+                self._step(cap)
                 halt = self._halt_called()
                 if halt is None:
-                    # every step (a few bytes): the end overshoots the budget by
-                    # about a step per rank
+                    # every step (a few bytes): rank 0's view of the job
                     self._send_report(PROGRESS)
             if halt == CHECKPOINT:
                 self._checkpoint()
@@ -144,6 +150,25 @@ class OwnPaceLoop:
                     if self.comm.rank == 0 else None, root=0)
                 t._stop = (code, ranks)
                 return STOPPED
+
+    def _step(self, cap: int) -> None:
+        t, ring = self.t, self.ring
+        rate = t.guard.lr_scale * t.schedule.rate(min(ring.own_steps, cap))
+        self.rate = self.training_step.run(ring.own_steps, rate, t.stream.next_batch)
+        self.own_frames += self.training_step.minibatch
+
+    def _wait_for_the_call(self):
+        """A rank other than 0 that knows the budget is reached (its last step is
+        reported): no more steps; it answers its partners until rank 0 calls."""
+        while True:
+            served = self.ring.serve()
+            # (the call is looked for last: on virtual ranks idle() wakes only for
+            # what was sent since the last poll began)
+            halt = self._halt_called()
+            if halt is not None:
+                return halt
+            if not served:
+                self.comm.idle()
 
     def _halt_called(self):
         """A non-root rank: rank 0's call, if one came."""
@@ -174,6 +199,7 @@ class OwnPaceLoop:
         t = self.t
         self.ring.quiesce()
         counts = self.comm.allgather_obj([self.ring.own_steps, self.own_frames])
+        self.ring.note_counts([s for s, _ in counts])
         t.step = sum(s for s, _ in counts) // self.comm.size
         t.frames_seen = sum(f for _, f in counts)
         reported = None
@@ -259,6 +285,7 @@ class OwnPaceLoop:
             self.signalled.setdefault(source, int(signal))
         self.window_steps += int(steps) - self.steps_of[source]
         self.steps_of[source], self.frames_of[source] = int(steps), int(frames)
+        self.ring.note_count(source, int(steps))
         self.sums += (loss, correct, window_frames, skipped, comm_s)
         if kind == FINAL:
             self.finished.add(source)
@@ -276,8 +303,8 @@ class OwnPaceLoop:
         step_seconds = comm.wtime() - self._turn_end
         if self._end_is_near(step_seconds):
             self._wait_for_the_end()
-        total = sum(self.steps_of)
-        per_rank = total // comm.size
+        total = self.ring.known_steps()
+        per_rank = sum(self.steps_of) // comm.size
         halt = None
         if total >= t.budget:
             halt = STOP
@@ -293,7 +320,7 @@ class OwnPaceLoop:
             if self._end_is_near(self._eval_seconds):
                 # the end's evaluation of the averaged model comes first
                 self._wait_for_the_end()
-                halt = STOP if sum(self.steps_of) >= t.budget else None
+                halt = STOP if self.ring.known_steps() >= t.budget else None
             else:
                 started = comm.wtime()
                 self._evaluate(per_rank)
@@ -315,12 +342,12 @@ class OwnPaceLoop:
         return halt
 
     def _others(self) -> int:
-        return sum(self.steps_of) - self.steps_of[0]
+        return self.ring.known_steps() - self.ring.own_steps
 
     def _end_is_near(self, seconds: float) -> bool:
         """Rank 0: would the other ranks, at their pace since its last turn, reach
         the budget within ``seconds``?"""
-        left = self.t.budget - sum(self.steps_of)
+        left = self.t.budget - self.ring.known_steps()
         elapsed = self.comm.wtime() - self._turn_end
         done = self._others() - self._others_then
         if left <= 0 or done <= 0 or elapsed <= 0:
@@ -331,7 +358,7 @@ class OwnPaceLoop:
         """Rank 0: take reports, not stepping, until the budget is reached (or a rank
         reports a stop signal).  Nobody waits for rank 0 meanwhile: it is an
         active rank, which only asks."""
-        while sum(self.steps_of) < self.t.budget and not self.signalled:
+        while self.ring.known_steps() < self.t.budget and not self.signalled:
             found = self.comm.iprobe(ANY_SOURCE, REPORT_TAG)
             if found is None:
                 self.comm.idle()

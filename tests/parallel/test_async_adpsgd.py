@@ -5,13 +5,16 @@ whose steps take different times, mixing alone (no gradient step) keeps the
 mean of the models over the ranks on 2 and 4 ranks for both topologies and
 pulls the models together; a seeded virtual run is replayed exactly, and
 another seed gives another run; with a 2x slow rank the fast ranks take more
-steps and the job keeps most of its speed; a checkpointed run resumes with
-every rank's own step count; the settings it cannot take are refused.  Under
-real ``mpiexec`` (marked mpi; tests/workers/async_adpsgd_worker.py): mixing
-keeps the mean with ranks that sleep different times, and a run with a slow
-rank on uneven shards finishes and learns.
+steps and the job keeps most of its speed; the mixes carry every rank's step
+count, and with one long step of rank 0 the others stop at the budget; a
+checkpointed run resumes with every rank's own step count; the settings it
+cannot take are refused.  Under real ``mpiexec`` (marked mpi;
+tests/workers/async_adpsgd_worker.py): mixing keeps the mean with ranks that
+sleep different times, a run with a slow rank on uneven shards finishes and
+learns, and the others stop at the budget while rank 0 is late.
 """
 
+import itertools
 import re
 
 import numpy as np
@@ -77,15 +80,15 @@ def _mix_only(size, topology, steps=12):
             comm.advance(0.001 * (1 + comm.rank / 2))
             ring.after_update(net, opt, k + 1)
         ring.quiesce()
-        return before, net.params.copy(), ring.mixes
+        return before, net.params.copy(), ring.mixes, ring.counts.copy()
     out = VirtualCluster(size).run(work)
-    return ([o[0] for o in out], [o[1] for o in out], [o[2] for o in out])
+    return tuple([o[i] for o in out] for i in range(4))
 
 
 @pytest.mark.parametrize("topology", ["fixed_ring", "random_ring"])
 @pytest.mark.parametrize("size", [2, 4])
 def test_mixing_keeps_the_mean_and_pulls_the_models_together(size, topology):
-    before, after, mixes = _mix_only(size, topology)
+    before, after, mixes, _ = _mix_only(size, topology)
     mean_before = np.mean(np.array(before, dtype=np.float64), axis=0)
     mean_after = np.mean(np.array(after, dtype=np.float64), axis=0)
     np.testing.assert_allclose(mean_after, mean_before, atol=2e-6)
@@ -98,8 +101,20 @@ def test_mixing_keeps_the_mean_and_pulls_the_models_together(size, topology):
         sum(mixes[r] for r in passive_ranks(size))
 
 
+@pytest.mark.parametrize("size", [3, 4, 5])
+def test_the_mixes_carry_every_ranks_step_count(size):
+    # each rank learns the others' steps from the mixes, never more than they took:
+    # a lower bound of the steps taken together, without asking rank 0
+    steps = 12
+    *_, counts = _mix_only(size, "fixed_ring", steps=steps)
+    for rank, heard in enumerate(counts):
+        assert heard[rank] == steps and all(0 <= n <= steps for n in heard), (rank, heard)
+        # (at least from its partners; farther ranks' counts come a mix later each)
+        assert sum(n > 0 for n in heard) >= 2, (rank, heard)
+
+
 def test_one_rank_changes_nothing():
-    before, after, mixes = _mix_only(1, "fixed_ring")
+    before, after, mixes, _ = _mix_only(1, "fixed_ring")
     assert np.array_equal(before[0], after[0]) and mixes == [0]
 
 
@@ -176,6 +191,41 @@ def test_a_slow_rank_0_ends_the_job_at_its_budget(small_corpus, tmp_path):
     assert budget <= frames <= budget + 3 * 5 * 256, (frames, budget)
     last = records(tmp_path, "train")[-1]
     assert last["steps_max"] > 4 * last["steps_min"]
+
+
+class _LateRank0(ComputeModel):
+    """Every rank's steps take ``step_seconds``, but rank 0's ``late``-th step takes
+    ``factor`` times as long (an evaluation, a page fault storm, a busy core)."""
+
+    def __init__(self, late: int, factor: float):
+        super().__init__(step_seconds=0.002)
+        self.late, self.factor = late, factor
+
+    def step_times(self, rank):
+        if rank:
+            yield from super().step_times(rank)
+        for k in itertools.count(1):
+            yield self.step_seconds * (self.factor if k == self.late else 1.0)
+
+
+@pytest.mark.parametrize("size,late,extra", [
+    (4, 20, ["training.checkpoint_interval=0"]),
+    (5, 15, ["training.checkpoint_interval=10"]),
+])
+def test_the_others_stop_at_the_budget_while_rank_0_is_late(small_corpus, tmp_path, size,
+                                                             late, extra):
+    """Only rank 0 hears every rank's steps (the reports), between its own steps: one
+    long step of rank 0 (300x here) and the others trained on until it ended, on 4 ranks
+    to about 7x the budget.  The step counts ride on the mixes; a rank that knows the
+    budget is reached takes no further step and waits for rank 0's call."""
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=1", "training.log_interval=10"] + extra)
+    train_virtual(cfg, size=size, run_dir=str(tmp_path), compute=_LateRank0(late, 300.0))
+    budget = records(tmp_path, "start")[0]["total_steps"] * size * 256
+    frames = records(tmp_path, "end")[-1]["frames"]
+    assert budget <= frames <= budget + 3 * size * 256, (frames / size / 256, budget / size / 256)
+    if extra[0].endswith("10"):
+        assert len(records(tmp_path, "checkpoint")) >= 2
 
 
 def test_resume_continues_every_rank_from_its_own_steps(small_corpus, tmp_path):
@@ -332,3 +382,26 @@ def test_resume_on_real_ranks_continues_from_each_ranks_checkpoint(small_corpus,
     assert end["steps"] >= 40 and end["frames"] >= 40 * 4 * 256
     resumed = [r for r in records(run, "train") if r["step"] > saved.step]
     assert resumed and resumed[-1]["xent"] < records(run, "train")[0]["xent"]
+
+
+@pytest.mark.mpi
+def test_the_others_stop_at_the_budget_while_rank_0_is_late_on_real_ranks(small_corpus,
+                                                                           tmp_path):
+    """Rank 0's 10th step takes 3 s: the others, at 10 ms a step, went on until it
+    ended, to several times the budget; they now stop there and wait for its call."""
+    run = tmp_path / "run"
+    args = [str(WORKERS / "late_step_worker.py"), "0", "10", "3.0", "0.01", "--", "train",
+            QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + TINY + ASYNC + [
+            "training.max_steps=30", "training.checkpoint_interval=0",
+            "training.log_interval=5", "training.eval_interval=0"]:
+        args += ["--set", item]
+    try:
+        result = run_mpi(4, args, timeout=120)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"asynchronous ADPSGD with a late rank 0 hung: {exc}")
+    assert result.returncode == 0, mpi_output(result)
+    budget = 30 * 4 * 256
+    end = records(run, "end")[-1]
+    # a few steps per rank past it at most (a mix or two to hear of the others)
+    assert budget <= end["frames"] <= budget + 4 * 4 * 256, (end["frames"] / 4 / 256, 30)
