@@ -228,6 +228,51 @@ def test_the_others_stop_at_the_budget_while_rank_0_is_late(small_corpus, tmp_pa
         assert len(records(tmp_path, "checkpoint")) >= 2
 
 
+def test_a_checkpoint_called_while_the_others_wait_for_the_end_is_taken(small_corpus,
+                                                                       tmp_path, monkeypatch):
+    """The ranks that know the budget is reached wait for rank 0's call; rank 0, whose
+    reports were late, may call a checkpoint first: they take it with everyone and
+    wait again, stepping no further (forced here at rank 0's turn after its long step)."""
+    from mpitrain.train import async_ring
+    loop = async_ring.OwnPaceLoop
+    original_turn, original_checkpoint, original_end = \
+        loop._root_turn, loop._checkpoint, loop._end
+    forced, at_checkpoint, at_end = [], {}, {}
+
+    def turn(self):
+        self._drain_reports()
+        if not forced and self.ring.known_steps() >= self.t.budget:
+            forced.append(self.ring.own_steps)
+            self._halt[0] = async_ring.CHECKPOINT
+            self.comm.waitall([self.comm.isend(self._halt, r, tag=async_ring.HALT_TAG)
+                               for r in range(1, self.comm.size)])
+            return async_ring.CHECKPOINT
+        return original_turn(self)
+
+    def checkpoint(self):
+        original_checkpoint(self)
+        at_checkpoint[self.comm.rank] = self.ring.own_steps
+
+    def end(self):
+        at_end[self.comm.rank] = self.ring.own_steps
+        original_end(self)
+
+    monkeypatch.setattr(loop, "_root_turn", turn)
+    monkeypatch.setattr(loop, "_checkpoint", checkpoint)
+    monkeypatch.setattr(loop, "_end", end)
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=1", "training.log_interval=10", "training.checkpoint_interval=0"])
+    train_virtual(cfg, size=4, run_dir=str(tmp_path), compute=_LateRank0(20, 300.0))
+    assert forced and len(at_checkpoint) == 4, (forced, at_checkpoint)
+    assert records(tmp_path, "checkpoint")
+    # after the checkpoint only rank 0 stepped (once, before its call of the end)
+    assert all(at_end[r] == at_checkpoint[r] for r in (1, 2, 3)), (at_checkpoint, at_end)
+    assert at_end[0] == at_checkpoint[0] + 1, (at_checkpoint, at_end)
+    budget = records(tmp_path, "start")[0]["total_steps"] * 4 * 256
+    frames = records(tmp_path, "end")[-1]["frames"]
+    assert budget <= frames <= budget + 3 * 4 * 256, (frames / 4 / 256, budget / 4 / 256)
+
+
 def test_resume_continues_every_rank_from_its_own_steps(small_corpus, tmp_path):
     extra = ["training.epochs=2", "training.log_interval=8", "training.checkpoint_interval=20"]
     run = tmp_path / "run"
