@@ -391,7 +391,8 @@ class VirtualCommunicator(Communicator):
         self._world_rank = group.members[self._rank]
         self._transport = "host"
         self._comm_base = cluster.comm_seconds[self._world_rank]
-        self._polled_at = None     # messages sent to this rank when it last polled
+        # messages sent to this rank when it first polled since its last idle()
+        self._polled_at = None
 
     # ---- identity
     @property
@@ -711,7 +712,7 @@ class VirtualCommunicator(Communicator):
     def _take_message(self, request: _VirtualRecv, *, block: bool) -> bool:
         cluster, me = self.cluster, self._world_rank
         with cluster._lock:
-            if not block:
+            if not block and self._polled_at is None:
                 self._polled_at = cluster.sent_to[me]
             while True:
                 cluster._raise_if_failed(me)
@@ -748,7 +749,8 @@ class VirtualCommunicator(Communicator):
         cluster = self.cluster
         with cluster._lock:
             cluster._raise_if_failed(self._world_rank)
-            self._polled_at = cluster.sent_to[self._world_rank]
+            if self._polled_at is None:
+                self._polled_at = cluster.sent_to[self._world_rank]
             if self._match(source, tag) is None:
                 cluster._yield(self._world_rank)
                 return None
@@ -762,20 +764,26 @@ class VirtualCommunicator(Communicator):
         """Nothing to do until a message comes: the rank sleeps until the next message
         in its mailbox arrives on the simulated clock (after every rank still earlier
         has run), or, when every message there has already arrived (the caller
-        leaves them for later), until a new one is sent to it."""
+        leaves them for later), until a new one is sent to it.  It returns at once
+        when a message was sent to it since the first of its polls after its last
+        idle (the caller may have polled for another tag since)."""
         cluster, me = self.cluster, self._world_rank
         with cluster._lock:
-            # new: sent after this rank's last poll began (what it may not have seen)
+            # new: sent after the first of this rank's polls since it last idled began.
+            # (Its last poll is not enough: a loop that polls for one tag, then for
+            # another, slept through a message of the first kind sent meanwhile at its
+            # own simulated time, as if it had seen it.)
             sent_before = self._polled_at if self._polled_at is not None \
                 else cluster.sent_to[me]
+            self._polled_at = None
             while True:
                 cluster._raise_if_failed(me)
+                if cluster.sent_to[me] != sent_before:
+                    return          # (the caller polls again, at this time)
                 now = cluster.clocks[me]
                 later = [entry[3] for entry in self._group.mailboxes[self._rank]
                          if entry[3] > now]
                 if not later:
-                    if cluster.sent_to[me] != sent_before:
-                        return
                     cluster._wait(me, f"a message (idle) in group {self._group.name}")
                     continue
                 arrival = min(later)

@@ -162,8 +162,6 @@ class OwnPaceLoop:
         reported): no more steps; it answers its partners until rank 0 calls."""
         while True:
             served = self.ring.serve()
-            # (the call is looked for last: on virtual ranks idle() wakes only for
-            # what was sent since the last poll began)
             halt = self._halt_called()
             if halt is not None:
                 return halt

@@ -273,6 +273,33 @@ def test_a_poll_never_sees_a_message_before_it_arrives_and_idle_waits_for_it():
     assert second == pytest.approx(0.010)
 
 
+def test_idle_after_polls_for_two_tags_does_not_sleep_through_the_first_kind():
+    """Rank 0 polls for tag 1, then for tag 2, then idles.  Rank 1's tag-1 message,
+    sent at rank 0's own time while its first poll let rank 1 run, counted as seen
+    by the second poll: rank 0 slept until the next message came (here at 10 ms;
+    without one, for ever: asynchronous ADPSGD's quiesce hung there)."""
+    def work(comm):
+        if comm.rank == 1:
+            comm.send(np.ones(1), dest=0, tag=1)
+            comm.advance(0.010)
+            comm.send(np.ones(1), dest=0, tag=2)
+            return None
+        taken = {}
+        while len(taken) < 2:
+            polled = False
+            for tag in (1, 2):
+                if tag not in taken and comm.iprobe(1, tag) is not None:
+                    comm.recv(np.zeros(1), 1, tag=tag)
+                    taken[tag] = comm.wtime()
+                    polled = True
+            if not polled:
+                comm.idle()
+        return taken
+
+    taken = VirtualCluster(2).run(work)[0]
+    assert taken[1] == 0.0 and taken[2] == pytest.approx(0.010), taken
+
+
 def test_a_rank_on_a_device_hands_over_only_when_its_device_work_is_done():
     """Virtual ranks share module-level device scratch and each other's buffers, and
     with streams of their own (cuda_graph) a GPU would run two ranks' queued work

@@ -113,6 +113,25 @@ def test_the_mixes_carry_every_ranks_step_count(size):
         assert sum(n > 0 for n in heard) >= 2, (rank, heard)
 
 
+def test_quiesce_ends_when_the_steps_take_no_simulated_time():
+    """Passive ranks done after 3 steps, active ones after 12, every step at the same
+    simulated time: a request sent while a quiescing passive rank polled for BYE
+    after polling for requests was slept through, and its sender waited for the
+    answer for ever (comm/virtual.py's idle)."""
+    def work(comm):
+        net = build_network(feat_dim=5, num_classes=4, left_context=1, right_context=1,
+                            hidden_layers=1, hidden_dim=16)
+        ring = AsyncRingMixing(comm, topology="fixed_ring", seed=3)
+        ring.bind(net)
+        opt = SGD(net)
+        for k in range(12 if ring.active else 3):
+            ring.after_update(net, opt, k + 1)
+        ring.quiesce()
+        return ring.mixes
+    mixes = VirtualCluster(4).run(work)
+    assert mixes[0] + mixes[2] == mixes[1] + mixes[3] > 0, mixes
+
+
 def test_one_rank_changes_nothing():
     before, after, mixes, _ = _mix_only(1, "fixed_ring")
     assert np.array_equal(before[0], after[0]) and mixes == [0]
