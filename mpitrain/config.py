@@ -130,9 +130,11 @@ class OptimizerConfig:
                                                    "held-out frame-accuracy gain is below this")
     l2_regularize: float = _opt(0.0, min=0.0, help="L2 regularization of the hidden affine "
                                                    "layers, per frame, as Kaldi nnet3's "
-                                                   "l2-regularize; 0: off")
+                                                   "l2-regularize; 2 x the largest rate x "
+                                                   "this x training.minibatch must be below "
+                                                   "1; 0: off")
     l2_regularize_output: float = _opt(0.0, min=0.0, help="L2 regularization of the output "
-                                                          "layer; 0: off")
+                                                          "layer, bounded alike; 0: off")
     ngsgd: NgsgdConfig = field(default_factory=NgsgdConfig)
 
 
@@ -563,6 +565,32 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
     if cfg.optimizer.schedule == "newbob" and not cfg.data.dev:
         raise ConfigError(f"{where}optimizer.schedule: newbob decides on held-out results; "
                           "set data.dev")
+    _check_l2_shrink(cfg, where)
+
+
+def _check_l2_shrink(cfg: RunConfig, where: str) -> None:
+    """L2 shrinks the weights by 2 lr l2 B of themselves a step (optim/sgd.py): at 1
+    or more the term alone zeroes or flips them (max-change then only slows that).
+    lr is the largest rate the schedule sets: the exponential one's larger end; the
+    others start at the initial rate and only lower it (search tries multiples of it
+    in short trials, and goes on at one only where its trial did better); Kaldi's J
+    jobs at J times the rate scale the term by 1/J, and damped and rolled-back rates
+    are lower."""
+    opt, minibatch = cfg.optimizer, cfg.training.minibatch
+    rate, rate_key = opt.initial_learning_rate, "initial_learning_rate"
+    if opt.schedule == "exponential" and opt.final_learning_rate > rate:
+        rate, rate_key = opt.final_learning_rate, "final_learning_rate"
+    for key in ("l2_regularize", "l2_regularize_output"):
+        l2 = getattr(opt, key)
+        shrink = 2.0 * rate * l2 * minibatch
+        if shrink >= 1.0:
+            raise ConfigError(f"{where}optimizer.{key}: {l2:g} shrinks the weights by 2 x "
+                              f"{rate:g} (optimizer.{rate_key}, the largest rate) x {l2:g} "
+                              f"x {minibatch} (training.minibatch) = {shrink:.3g} of "
+                              "themselves a step, "
+                              f"which zeroes or flips them; expected below "
+                              f"{1.0 / (2.0 * rate * minibatch):.3g} (Kaldi's values: 1e-5 "
+                              "to 1e-3)")
 
 
 # parallel.* settings that belong to one method: (key, whether it is set, the method)

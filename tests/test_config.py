@@ -433,3 +433,47 @@ def test_a_path_that_only_its_utf8_spelling_names_is_said_under_a_latin1_locale(
     assert err == ("mpitrain train: error: run.yaml: data.train: c\u00f6rpus/train: not found "
                    "in this locale's encoding (iso8859-1), but its UTF-8 spelling names a "
                    "file; run under a UTF-8 locale, e.g. LC_ALL=C.UTF-8\n"), err
+
+
+def test_an_l2_that_zeroes_or_flips_the_weights_in_one_step_is_refused(tmp_path):
+    # L2 shrinks the weights by 2 lr l2 B a step: 1e30 was clipped by max-change
+    # each step and wore the model down to zero without a word
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer: {initial_learning_rate: 0.002, final_learning_rate: 0.0002}\n"
+                    "training: {minibatch: 250}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), ["optimizer.l2_regularize=1e30"])
+    assert str(info.value) == (
+        f"{path}: optimizer.l2_regularize: 1e+30 shrinks the weights by 2 x 0.002 "
+        "(optimizer.initial_learning_rate, the largest rate) x 1e+30 x 250 "
+        "(training.minibatch) = 1e+30 of themselves a step, which zeroes or flips them; "
+        "expected below 1 (Kaldi's values: 1e-5 to 1e-3)")
+    msg = _error(tmp_path, path.read_text(), ["optimizer.l2_regularize_output=1"])
+    assert "optimizer.l2_regularize_output: 1 shrinks" in msg
+    # the bound is strict: 1 exactly zeroes them; just below is a (very strong) L2
+    assert "= 1 of themselves" in _error(tmp_path, path.read_text(),
+                                         ["optimizer.l2_regularize=1"])
+    assert load_config(str(path), ["optimizer.l2_regularize=0.999"]).optimizer \
+        .l2_regularize == 0.999
+
+
+def test_the_l2_bound_is_at_the_largest_rate_the_schedule_sets(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer: {initial_learning_rate: 0.002, final_learning_rate: 0.02}\n"
+                    "training: {minibatch: 250}\n")
+    # an exponential schedule that rises ends at final_learning_rate
+    msg = _error(tmp_path, path.read_text(), ["optimizer.l2_regularize=0.5"])
+    assert "2 x 0.02 (optimizer.final_learning_rate, the largest rate)" in msg
+    assert "expected below 0.1 " in msg
+    # the others start at the initial rate and only lower it (final is not used)
+    for schedule in ("hand", "adapt", "search"):
+        cfg = load_config(str(path), [f"optimizer.schedule={schedule}",
+                                      "optimizer.l2_regularize=0.5"])
+        assert cfg.optimizer.l2_regularize == 0.5
+    assert "optimizer.initial_learning_rate, the largest rate" in _error(
+        tmp_path, path.read_text(), ["optimizer.schedule=hand", "optimizer.l2_regularize=2"])
+    # Kaldi's J jobs train at J times the rate with the term scaled by 1/J: the
+    # same shrink, so the same bound however many jobs
+    cfg = load_config(str(path), ["optimizer.l2_regularize=0.09", "parallel.method=kaldi",
+                                  "parallel.num_jobs_final=8"])
+    assert cfg.optimizer.l2_regularize == 0.09

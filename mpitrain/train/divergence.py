@@ -71,7 +71,7 @@ def divergence_advice(cfg) -> str:
     Example::
 
         divergence_advice(cfg)   # 'lower optimizer.initial_learning_rate or the
-                                 #  max-change values, or optimizer.l2_regularize (1e+30)'
+                                 #  max-change values, or optimizer.l2_regularize (0.5)'
     """
     opt = cfg.optimizer
     if not any(getattr(opt, key) for key in ("max_change_per_layer", "max_change_output",
@@ -90,7 +90,7 @@ def divergence_advice(cfg) -> str:
 
 def _step_suspects(cfg) -> str:
     """The settings of ``cfg`` besides the rate that enlarge the step, with their
-    values ('optimizer.l2_regularize (1e+30)'); empty when none does."""
+    values ('optimizer.l2_regularize (0.5)'); empty when none does."""
     opt, par, t = cfg.optimizer, cfg.parallel, cfg.training
     # L2 shrinks the weights by 2 lr l2 B a step (optim/sgd.py): past a tenth of them
     # a step, it is what blows up (Kaldi's values shrink them by well under 1e-3)

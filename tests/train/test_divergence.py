@@ -126,7 +126,11 @@ def test_an_asynchronous_divergence_names_the_settings_that_enlarge_the_step(
         "model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=200",
         "training.log_interval=10", f"parallel.method={method}",
         "parallel.asynchronous=" + ("true" if method == "adpsgd" else "false"),
-        "optimizer.l2_regularize=1e38", "training.divergence_factor=1.2"])
+        # (a rate that blows the step up without max-change, and an L2 that shrinks
+        # the weights by half of themselves a step: 2 x 1e3 x 1e-6 x 256)
+        "optimizer.initial_learning_rate=1e3", "optimizer.max_change_per_layer=0",
+        "optimizer.max_change_output=0", "optimizer.max_change=0",
+        "optimizer.l2_regularize=1e-6", "training.divergence_factor=1.2"])
     with pytest.raises(Diverged) as caught:
         train_virtual(cfg, size=2, run_dir=str(tmp_path / "run"),
                       compute=ComputeModel(step_seconds=0.001))
@@ -137,7 +141,7 @@ def test_an_asynchronous_divergence_names_the_settings_that_enlarge_the_step(
     assert re.search(r": \d+ non-finite or exploding minibatches/windows since", message), \
         message
     assert "lower learning rate (--overwrite --set optimizer.initial_learning_rate=...), " \
-           "or lower optimizer.l2_regularize (1e+38); or raise training.divergence_factor " \
+           "or lower optimizer.l2_regularize (1e-06); or raise training.divergence_factor " \
            "(1.2" in message, message
 
 
@@ -175,10 +179,10 @@ def test_the_last_words_name_the_settings_that_enlarge_the_step():
     plain = divergence_advice(load_config(None, []))
     assert plain == "lower optimizer.initial_learning_rate or the max-change values"
     advice = divergence_advice(load_config(None, [
-        "optimizer.l2_regularize=1e30", "parallel.method=bmuf", "parallel.block_lr=1e6",
+        "optimizer.l2_regularize=0.5", "parallel.method=bmuf", "parallel.block_lr=1e6",
         "training.divergence_factor=1.1"]))
     # (it said to lower the rate whatever had blown the step up)
-    assert "optimizer.l2_regularize (1e+30)" in advice and "parallel.block_lr (1e+06)" in advice
+    assert "optimizer.l2_regularize (0.5)" in advice and "parallel.block_lr (1e+06)" in advice
     assert "parallel.block_momentum (1 - 1/ranks)" in advice
     assert "raise training.divergence_factor (1.1" in advice
     # with every max-change limit off, lowering "the max-change values" did nothing
@@ -194,7 +198,7 @@ def test_the_last_words_name_the_settings_that_enlarge_the_step():
     # a Kaldi-sized L2 (a shrink of 1e-4 a step) is not named
     assert "l2" not in divergence_advice(load_config(None, ["optimizer.l2_regularize=5e-5"]))
     guard = DivergenceGuard(factor=3.0, max_events=0, max_rollbacks=0, advice=advice)
-    with pytest.raises(Diverged, match=r"optimizer\.l2_regularize \(1e\+30\)"):
+    with pytest.raises(Diverged, match=r"optimizer\.l2_regularize \(0\.5\)"):
         guard.roll_back()
 
 

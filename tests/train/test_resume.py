@@ -340,3 +340,20 @@ def test_a_best_model_written_after_the_checkpoint_stays_the_best(small_corpus, 
     assert f"best {run}/best.h5 (held-out acc {acc:.4f} at step {step})" in out, out
     end = [json.loads(line) for line in open(run / "metrics.jsonl")][-1]
     assert end["type"] == "end" and end["best_step"] == step, end
+
+
+def test_an_accepted_l2_that_would_zero_the_weights_is_refused_naming_it(small_corpus,
+                                                                          tmp_path, capsys):
+    # --resume --accept-changes --set optimizer.l2_regularize=1e30 went on, each step
+    # clipped by max-change, wearing the resumed model down to zero
+    run = tmp_path / "run"
+    argv = _small_run_argv(small_corpus, run)
+    assert main(argv + ["--set", "training.max_steps=4"]) == 0
+    before = sorted(os.listdir(run))
+    capsys.readouterr()
+    assert main(argv + ["--set", "training.max_steps=8", "--set",
+                        "optimizer.l2_regularize=1e30", "--resume", "--accept-changes"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{QUICKSTART}: optimizer.l2_regularize: 1e+30 shrinks the " \
+        "weights by 2 x 0.004 (optimizer.initial_learning_rate, the largest rate)" in err[0], err
+    assert sorted(os.listdir(run)) == before
