@@ -125,7 +125,10 @@ def _leave_hung_up_terminal() -> None:
 def _stop_signals() -> tuple:
     """The signals of :data:`STOP_SIGNALS` to catch now: SIGHUP only where it is not
     ignored (``nohup``), which asked the run to go on when the terminal closes."""
-    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+    # (ignored by ignore_from_now_on at an earlier run's end is not nohup: a later
+    # run in this process still stops on it)
+    if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN \
+            and signal.SIGHUP not in _ignored_at_the_end:
         return tuple(number for number in STOP_SIGNALS if number != signal.SIGHUP)
     return STOP_SIGNALS
 
@@ -157,6 +160,8 @@ def stop_requested() -> bool:
 _caught_early = False
 #: Set once every rank has passed the run's last barrier (:func:`ignore_from_now_on`).
 _run_complete = False
+#: The stop signals :func:`ignore_from_now_on` set to SIG_IGN (not ignored before).
+_ignored_at_the_end: set = set()
 
 
 def ignore_from_now_on() -> None:
@@ -172,7 +177,8 @@ def ignore_from_now_on() -> None:
         return
     _run_complete = True
     for number in _stop_signals():
-        signal.signal(number, signal.SIG_IGN)
+        if signal.signal(number, signal.SIG_IGN) != signal.SIG_IGN:
+            _ignored_at_the_end.add(number)
 
 
 @contextlib.contextmanager

@@ -52,6 +52,33 @@ def test_sighup_is_a_stop_signal_unless_nohup_ignored_it():
         signal.signal(signal.SIGHUP, previous)
 
 
+def test_a_later_run_in_the_process_still_stops_on_sighup(monkeypatch):
+    # the end of a run ignores the stop signals to the process's end (MPI's
+    # finalize); a second run in the same process (the Python entry point called
+    # again) took the ignored SIGHUP for nohup's and went on through it
+    from mpitrain.train import stop
+    monkeypatch.setattr(stop, "_run_complete", False)
+    monkeypatch.setattr(stop, "_ignored_at_the_end", set(), raising=False)
+    before = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)        # (not nohup, whatever ran the tests)
+    try:
+        with stop_on_signals():
+            stop.ignore_from_now_on()
+        assert all(signal.getsignal(number) == signal.SIG_IGN for number in STOP_SIGNALS)
+        with stop_on_signals():
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert requested.signum == signal.SIGHUP
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)     # nohup itself still goes on
+        stop._ignored_at_the_end.clear()
+        with stop_on_signals():
+            os.kill(os.getpid(), signal.SIGHUP)
+            assert not requested.code()
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
 # Runs COMMAND as the session leader of a new terminal (a pty), as a login
 # shell's job: when the terminal closes, it gets SIGHUP and its console is gone.
 _ON_A_TERMINAL = """
