@@ -146,6 +146,13 @@ def check_bench(cfg, options, sizes, methods) -> None:
         raise BenchSettingsError("data.dev: the time-to-accuracy phase needs a held-out "
                                  "corpus (set data.dev, or run with --phases throughput)")
     check_groups(cfg, methods, sizes)
+    # the rates --lr-scale sets for the largest group meet the config's checks too
+    # (the L2 bound): that group's run refused them after the smaller ones were measured
+    try:
+        _with(cfg, **scaled_rates(cfg, options, max(sizes)))
+    except ValueError as exc:
+        raise BenchSettingsError(f"--lr-scale {options.lr_scale}: the rates of "
+                                 f"{max(sizes)} ranks: {exc}") from None
 
 
 class BenchTrainer(Trainer):

@@ -209,3 +209,22 @@ def test_an_empty_out_is_one_line_not_the_default_directory(small_corpus, tmp_pa
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--out is empty" in err, err
     assert not (tmp_path / "runs").exists()
+
+
+def test_rates_scaled_for_the_largest_group_are_checked_before_measuring():
+    # an L2 within the bound at the config's rate but not at the rate --lr-scale
+    # sets for the largest group: refused when that group's run began, after the
+    # smaller groups had been measured
+    from mpitrain.bench.options import BenchSettingsError
+    from mpitrain.bench.phases import check_bench
+    from mpitrain.config import load_config
+    from ..helpers import QUICKSTART
+    cfg = load_config(QUICKSTART, ["optimizer.l2_regularize=0.5", "training.minibatch=100",
+                                   "optimizer.initial_learning_rate=0.004",
+                                   "optimizer.final_learning_rate=0.0004"])
+    throughput = dict(phases=("throughput",))
+    check_bench(cfg, BenchOptions(**throughput), (1, 4), ("model_averaging",))
+    with pytest.raises(BenchSettingsError, match=r"^--lr-scale linear: the rates of 4 "
+                                                 r"ranks: optimizer\.l2_regularize: 0\.5 "):
+        check_bench(cfg, BenchOptions(lr_scale="linear", **throughput), (1, 4),
+                    ("model_averaging",))
