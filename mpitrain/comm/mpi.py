@@ -51,9 +51,10 @@ def _encode_or_flag(obj: Any):
         return np.zeros(0, dtype=np.uint8), exc
 
 
-#: Error classes of a call that was itself wrong (a bug here), not of its peer.
+#: Error classes of a call that was itself wrong (a bug here), or of this rank's
+#: own memory, not of its peer.
 _CALL_ERRORS = (MPI.ERR_BUFFER, MPI.ERR_COUNT, MPI.ERR_TYPE, MPI.ERR_TAG, MPI.ERR_RANK,
-                MPI.ERR_TRUNCATE, MPI.ERR_ARG, MPI.ERR_COMM, MPI.ERR_REQUEST)
+                MPI.ERR_TRUNCATE, MPI.ERR_ARG, MPI.ERR_COMM, MPI.ERR_REQUEST, MPI.ERR_NO_MEM)
 
 
 def _naming_the_peer(call, rank: int, peer: int, doing: str):

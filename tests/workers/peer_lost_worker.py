@@ -6,7 +6,7 @@ Usage: peer_lost_worker.py comm
 ``comm``: on every rank, MPI's calls stand in for ones whose peer was killed
 (they raise MPI's "Other MPI error", as MPICH does when the peer's memory is
 gone mid-message); the communicator names that peer, and leaves alone an
-error of the call itself and a receive from any rank.  Prints "ok" and exits 0.
+error of the call itself or of this rank's memory and a receive from any rank.  Prints "ok" and exits 0.
 
 ``train``: ``mpitrain train`` (param_server) through the command-line entry
 point, where server 0's 6th receive from rank 2 fails so.  Exits with the
@@ -63,7 +63,10 @@ def check_comm():
             raise AssertionError(f"no error {doing} rank {peer}")
     for call in [lambda: comm.recv(buf, ANY_SOURCE, tag=3),     # (no rank to name)
                  lambda: comm_mpi._naming_the_peer(failing(MPI.ERR_TRUNCATE), comm.rank,
-                                                   peer, "received from")()]:
+                                                   peer, "received from")(),
+                 # (this rank's memory ran out: its peer may be well)
+                 lambda: comm_mpi._naming_the_peer(failing(MPI.ERR_NO_MEM), comm.rank,
+                                                   peer, "sent to")()]:
         try:
             call()
         except PeerLost as exc:
