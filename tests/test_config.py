@@ -472,6 +472,15 @@ def test_the_l2_bound_is_at_the_largest_rate_the_schedule_sets(tmp_path):
         assert cfg.optimizer.l2_regularize == 0.5
     assert "optimizer.initial_learning_rate, the largest rate" in _error(
         tmp_path, path.read_text(), ["optimizer.schedule=hand", "optimizer.l2_regularize=2"])
+    # adapt's rate per parameter is gamma / sqrt(K + G): a K above 1 lowers the most
+    # it can be (K = 100: a tenth), and such a config was refused at gamma
+    cfg = load_config(str(path), ["optimizer.schedule=adapt", "optimizer.adapt_k=100",
+                                  "optimizer.l2_regularize=2"])
+    assert cfg.optimizer.l2_regularize == 2
+    assert ("2 x 0.0002 (optimizer.initial_learning_rate / sqrt(optimizer.adapt_k), the "
+            "largest rate) x 20 x 250") in _error(
+        tmp_path, path.read_text(), ["optimizer.schedule=adapt", "optimizer.adapt_k=100",
+                                     "optimizer.l2_regularize=20"])
     # Kaldi's J jobs train at J times the rate with the term scaled by 1/J: the
     # same shrink, so the same bound however many jobs
     cfg = load_config(str(path), ["optimizer.l2_regularize=0.09", "parallel.method=kaldi",
