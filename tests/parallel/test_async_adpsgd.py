@@ -467,5 +467,6 @@ def test_the_others_stop_at_the_budget_while_rank_0_is_late_on_real_ranks(small_
     assert result.returncode == 0, mpi_output(result)
     budget = 30 * 4 * 256
     end = records(run, "end")[-1]
-    # a few steps per rank past it at most (a mix or two to hear of the others)
-    assert budget <= end["frames"] <= budget + 4 * 4 * 256, (end["frames"] / 4 / 256, 30)
+    # a few steps per rank past it at most (a mix or two to hear of the others; 3 on an
+    # idle machine, more when the cores are shared and the mixes lag; 28 without)
+    assert budget <= end["frames"] <= budget + 8 * 4 * 256, (end["frames"] / 4 / 256, 30)
