@@ -963,7 +963,9 @@ def build_parser(*, quiet_errors: bool = False,
                    help="directory holding train/ and dev/ corpora (as synth writes them; "
                         "default: data/synth)")
     p.add_argument("--train", default=None, help="training corpus (default: CORPUS/train)")
-    p.add_argument("--dev", default=None, help="held-out corpus (default: CORPUS/dev)")
+    p.add_argument("--dev", default=None,
+                   help="held-out corpus (default: CORPUS/dev; for --example speech "
+                        "CORPUS/dev_seen where it exists)")
     p.add_argument("--example", default="quickstart",
                    help="example configuration to start from (quickstart, ngsgd, bench, ...)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing mpitrain.yaml")

@@ -47,7 +47,9 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
     """Write ``out_dir/mpitrain.yaml`` from an example with absolute corpus paths.
 
     ``train`` and ``dev`` default to ``corpus/train`` and ``corpus/dev`` (the
-    layout ``mpitrain synth`` writes); ``corpus`` None: the built-in corpus
+    layout ``mpitrain synth`` writes; the ``speech`` example's held-out set is
+    ``corpus/dev_seen`` where that corpus exists, utterances of the training
+    speakers as its recipe asks); ``corpus`` None: the built-in corpus
     (``data/synth``) when neither is given.  ``warn(message)`` hears of a corpus
     directory without a ``corpus.yaml`` (it may be written later).
     """
@@ -71,7 +73,11 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
         raise ValueError(f"--example: no example configuration {example!r}; "
                          f"choose one of {', '.join(examples)}")
     train = train or (os.path.join(corpus, "train") if corpus else None)
-    dev = dev or (os.path.join(corpus, "dev") if corpus else None)
+    if not dev and corpus:
+        dev = os.path.join(corpus, "dev")
+        preferred = _DEV.get(example)
+        if preferred and os.path.isfile(os.path.join(corpus, preferred, "corpus.yaml")):
+            dev = os.path.join(corpus, preferred)
     if not train or not dev:
         raise ValueError("give --corpus DIR, or both --train and --dev")
     if not str(out_dir).strip():
@@ -104,6 +110,12 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
     with atomic_open(target, "w") as f:
         f.write(header + text)
     return target
+
+
+#: The held-out split of ``--corpus`` an example takes, where it exists, instead of
+#: ``dev``: the speech recipe picks its model and stops early on utterances of the
+#: training speakers (Kaldi's valid set), which ``synth --seen-dev-hours`` writes.
+_DEV = {"speech": "dev_seen"}
 
 
 #: How to run what ``init`` wrote, by example (None: every other one trains).

@@ -375,6 +375,31 @@ def test_a_path_starting_with_a_tilde_is_refused_and_nothing_is_made(tmp_path, c
     assert os.listdir(tmp_path) == []
 
 
+def test_init_of_the_speech_example_holds_out_the_training_speakers_where_synth_wrote_them(
+        tmp_path, capsys):
+    """The speech recipe picks best.h5 and stops early on utterances of the training
+    speakers (its data.dev, Kaldi's valid set); init gave it the unseen speakers of
+    CORPUS/dev even where `synth --seen-dev-hours` had written CORPUS/dev_seen."""
+    import yaml
+    corpus = tmp_path / "corpus"
+    for split in ("train", "dev", "dev_seen"):
+        (corpus / split).mkdir(parents=True)
+        (corpus / split / "corpus.yaml").write_text("feat_dim: 4\n")
+
+    def dev_of(example, *extra):
+        out = tmp_path / f"{example}{len(extra)}"
+        assert main(["init", str(out), "--corpus", str(corpus), "--example", example,
+                     *extra]) == 0
+        capsys.readouterr()
+        return yaml.safe_load((out / "mpitrain.yaml").read_text())["data"]["dev"]
+
+    assert dev_of("speech") == str(corpus / "dev_seen")
+    assert dev_of("quickstart") == str(corpus / "dev")          # the others: as before
+    assert dev_of("speech", "--dev", str(corpus / "dev")) == str(corpus / "dev")
+    (corpus / "dev_seen" / "corpus.yaml").unlink()              # none written: dev
+    assert dev_of("speech", "--overwrite") == str(corpus / "dev")
+
+
 def test_init_warns_of_a_corpus_not_written_yet(tmp_path, capsys):
     assert main(["init", str(tmp_path), "--train", str(tmp_path / "t"),
                  "--dev", str(tmp_path / "d")]) == 0
