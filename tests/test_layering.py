@@ -36,7 +36,7 @@ ALLOWED = {
     "train": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
               "plotting", "threads", "words"},
     "bench": {"backend", "comm", "config", "data", "files", "h5io", "nn", "optim", "parallel",
-              "plotting", "starter", "testing", "threads", "train"},
+              "plotting", "starter", "testing", "threads", "train", "words"},
     "process": {"files", "train"},      # train: the stop signals kept for a run
     "cli": {"backend", "bench", "comm", "config", "convert", "data", "export", "files",
             "launch", "nn", "optim",

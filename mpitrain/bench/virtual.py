@@ -27,6 +27,7 @@ import time
 
 from ..comm.single import SingleCommunicator
 from ..comm.virtual import VirtualCluster
+from ..words import plural
 from .machine import environment, load_average
 from .mode import _accuracy_line, _throughput_line
 from .options import BenchOptions
@@ -124,7 +125,7 @@ def run_virtual_bench(cfg, *, out_dir: str, options: BenchOptions, compute,
                        frames_per_rank=done * row["minibatch"],
                        syncs=_syncs(done, row["sync_period"]) if size > 1 else 0)
             throughput.append(row)
-            print(_throughput_line(row) + f", {row['syncs']} syncs (simulated)", file=out,
+            print(_throughput_line(row) + f", {plural(row['syncs'], 'sync')} (simulated)", file=out,
                   flush=True)
         for row in acc:
             row.update(simulated=True, size_wall_seconds=wall, frames_per_rank=row["frames"] / size,

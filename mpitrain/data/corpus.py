@@ -298,8 +298,10 @@ def read_manifest_data(path: str):
                     if os.path.basename(directory) == MANIFEST_NAME else "")
             raise CorpusError(f"{directory}: is a file, not a corpus directory holding "
                               f"{MANIFEST_NAME}{hint}") from None
+        # (a new user's first run: the example configs name a corpus not yet written)
         raise CorpusError(f"{path}: not found; expected a corpus directory "
-                          f"({directory}) holding {MANIFEST_NAME}") from None
+                          f"({directory}) holding {MANIFEST_NAME}, as `mpitrain synth`, "
+                          f"`prepare` or `merge` write") from None
     try:
         return read_yaml(path, what="corpus manifest")
     except ValueError as exc:

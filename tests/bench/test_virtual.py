@@ -129,7 +129,7 @@ def test_a_corpus_that_cannot_be_read_is_refused_before_anything_is_written(
     err = capsys.readouterr().err
     assert err == (f"mpitrain bench: error: {QUICKSTART}: {key}: {tmp_path / 'missing'}/"
                    f"corpus.yaml: not found; expected a corpus directory ({tmp_path / 'missing'}"
-                   ") holding corpus.yaml\n"), err
+                   ") holding corpus.yaml, as `mpitrain synth`, `prepare` or `merge` write\n"), err
     assert os.listdir(tmp_path) == []
 
 

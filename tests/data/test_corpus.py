@@ -61,8 +61,10 @@ def test_a_shard_listed_twice_is_refused(tmp_path, second):
 
 
 def test_load_manifest_of_a_directory_without_corpus(tmp_path):
-    with pytest.raises(CorpusError, match="corpus.yaml: not found"):
+    with pytest.raises(CorpusError, match="corpus.yaml: not found") as info:
         load_manifest(str(tmp_path))
+    # a new user's first run names the commands that write one
+    assert "`mpitrain synth`, `prepare` or `merge`" in str(info.value)
     (tmp_path / "corpus.yaml").write_text("feat_dim: [unclosed\n")
     with pytest.raises(CorpusError, match="corpus.yaml: not valid YAML at line 2"):
         load_manifest(str(tmp_path))
