@@ -5,9 +5,14 @@ matters for testing the GPU code paths without a GPU: every result of an
 operation stays a stand-in array (0-d results too, as in CuPy), and every
 implicit read of a value on the host -- ``float(a)``, ``int(a)``,
 ``bool(a)``, ``a.item()``, ``a.tolist()``, ``cupy.asnumpy(a)``, ``a.get()``
--- is counted in :data:`READS`.  It has no kernel compiler (no
-``RawModule``), so code that would launch a fused kernel takes its array
-expression path instead, on the same device-array discipline.  Within
+-- is counted in :data:`READS`.  What CuPy refuses, it refuses: a host array
+in a device operation (``np.dot(device, host)``, ``device * host``), a host
+array assigned to a basic-indexed slice (``device[...] = host``), and, while
+installed, an implicit conversion to NumPy (``np.asarray(device)``,
+``np.array([device, ...])``); iterating gives 0-d device arrays, as in CuPy.
+It has no kernel compiler (no ``RawModule``), so code that would launch a
+fused kernel takes its array expression path instead, on the same
+device-array discipline.  Within
 :func:`deferred_copies`, asynchronous device-to-host copies land only when
 they are waited for, as on a GPU.  Within :func:`unified_memory`, host reads
 behave as CuPy's under ``CUPY_ENABLE_UMP=1``.  :data:`DEVICE` holds what the
@@ -68,12 +73,72 @@ def _wrap(obj):
 
 
 def _refuse_host_arrays(inputs, name: str) -> None:
-    """CuPy's elementwise operations refuse host arrays (0-d ones too); NumPy
-    scalars and Python numbers are fine."""
+    """CuPy's operations refuse host arrays (0-d ones too, also inside a list such
+    as ``concatenate``'s); NumPy scalars and Python numbers are fine."""
     for value in inputs:
-        if isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
+        if isinstance(value, (list, tuple)):
+            _refuse_host_arrays(value, name)
+        elif isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
             raise TypeError(f"Unsupported type {type(value)} (a host array in the device "
                             f"operation {name})")
+
+
+#: CuPy functions that copy a host array argument to the device instead of refusing it.
+_TAKE_HOST_ARRAYS = frozenset(("take", "atleast_1d", "atleast_2d", "atleast_3d", "real",
+                               "imag", "unique", "histogram"))
+
+
+def _sized(values):
+    """``values`` without 0-d host arrays (also inside lists)."""
+    return [_sized(v) if isinstance(v, (list, tuple)) else v for v in values
+            if not (isinstance(v, np.ndarray) and not isinstance(v, DeviceArray) and v.ndim == 0)]
+
+
+def _holds_device_array(obj) -> bool:
+    if isinstance(obj, DeviceArray):
+        return True
+    return isinstance(obj, (list, tuple)) and any(_holds_device_array(o) for o in obj)
+
+
+#: CuPy's refusal of an implicit copy to the host (``ndarray.__array__``).
+IMPLICIT_CONVERSION = ("Implicit conversion to a NumPy array is not allowed. "
+                       "Please use `.get()` to construct a NumPy array explicitly.")
+
+# NumPy takes an ndarray subclass as it is, without asking its ``__array__``, so
+# the stand-in cannot refuse ``np.asarray(device)`` from inside its class: while
+# it is installed these NumPy functions are replaced by ones that refuse device
+# arrays (also inside lists) and hand anything else to NumPy's own.  NumPy's own
+# functions bind the originals, and the stand-in's internals pass them host arrays.
+_CONVERSIONS = ("array", "asarray", "asanyarray", "ascontiguousarray", "asfortranarray",
+                "asarray_chkfinite", "require", "frombuffer")
+_numpy_conversions = {name: getattr(np, name) for name in _CONVERSIONS}
+_patched = {"depth": 0, "lock": threading.Lock()}
+
+
+def _refusing(name):
+    original = _numpy_conversions[name]
+
+    def convert(obj, *args, **kwargs):
+        if _holds_device_array(obj):
+            raise TypeError(IMPLICIT_CONVERSION)
+        return original(obj, *args, **kwargs)
+    convert.__name__ = convert.__qualname__ = name
+    convert.__doc__ = original.__doc__
+    return convert
+
+
+def _patch_conversions(on: bool) -> None:
+    with _patched["lock"]:          # (installed() may nest)
+        _patched["depth"] += 1 if on else -1
+        for name, original in _numpy_conversions.items():
+            setattr(np, name, _refusing(name) if _patched["depth"] else original)
+
+
+def _basic_index(key) -> bool:
+    """Whether an index is basic (integers, slices, ``...``, ``None``), not advanced."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(k is None or k is Ellipsis or isinstance(k, (int, np.integer, slice))
+               for k in keys)
 
 
 class _Pointer:
@@ -101,8 +166,8 @@ class DeviceArray(np.ndarray):
     """Host memory that answers like a device array (see the module docstring)."""
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        _refuse_host_arrays(inputs, ufunc.__name__)
         out = kwargs.get("out")
+        _refuse_host_arrays(inputs + (out or ()), ufunc.__name__)
         if out is not None:
             kwargs["out"] = _plain(out)
         result = getattr(ufunc, method)(*_plain(inputs), **kwargs)
@@ -111,6 +176,13 @@ class DeviceArray(np.ndarray):
         return _wrap(result)
 
     def __array_function__(self, func, types_, args, kwargs):
+        # CuPy's functions refuse host operands (np.dot(device, host)) and a host
+        # ``out``; a few copy a host argument over (take's indices), and 0-d host
+        # values are taken by some (copyto, full) and not by others: let them by.
+        operands = tuple(args) + tuple(v for k, v in kwargs.items() if k != "out")
+        if func.__name__ not in _TAKE_HOST_ARRAYS:
+            _refuse_host_arrays(_sized(operands), func.__name__)
+        _refuse_host_arrays((kwargs.get("out"),), func.__name__)
         out = kwargs.get("out")
         plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
         result = func(*_plain(args), **plain_kwargs)
@@ -122,6 +194,13 @@ class DeviceArray(np.ndarray):
         return _wrap(np.ndarray.__getitem__(self.view(np.ndarray), _plain(key)))
 
     def __setitem__(self, key, value):
+        # CuPy fills a basic-indexed target from a scalar or a device array only
+        # (a host array there is refused); with an advanced index it
+        # copies a host value to the device.
+        if _basic_index(key) and not isinstance(value, DeviceArray) and np.ndim(value):
+            if isinstance(value, np.ndarray):
+                raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
+            raise TypeError(f"Unsupported type {type(value)}")
         np.ndarray.__setitem__(self.view(np.ndarray), _plain(key), _plain(value))
 
     # -- implicit host reads: counted --------------------------------------------
@@ -427,9 +506,11 @@ def installed():
     sys.modules.setdefault("standin_cupy_device", module)
     reset_counts()
     CUBLAS_CALLS.clear()
+    _patch_conversions(True)
     try:
         yield module
     finally:
+        _patch_conversions(False)
         backend._cupy = saved
         _land_copies()
         _pinned_blocks.clear()

@@ -1,5 +1,6 @@
 """The CuPy stand-in (mpitrain/testing/standin_cupy.py) refuses what CuPy refuses:
-a host array, even a 0-d one, inside a device operation."""
+a host array, even a 0-d one, inside a device operation, a host array into a
+basic-indexed slice, and an implicit conversion of a device array to NumPy."""
 
 import numpy as np
 import pytest
@@ -35,3 +36,67 @@ def test_deferred_copies_land_when_waited_for():
         backend.copy_to_host_async(x * 2, out=out)
         backend.to_host(x)                         # a blocking read waits for the stream
         assert standin_cupy.copies_in_flight() == 0 and out[3] == 6.0
+
+
+def test_implicit_conversions_to_numpy_are_refused_as_cupy_refuses_them():
+    """CuPy's ``ndarray.__array__`` raises: NumPy's conversions of a device array
+    (also inside a list) fail instead of copying it to the host unseen."""
+    with standin_cupy.installed() as cp:
+        device = cp.arange(3, dtype=cp.float32)
+        conversions = [np.asarray, np.array, np.asanyarray, np.ascontiguousarray,
+                       np.asfortranarray, np.asarray_chkfinite, lambda a: np.require(a, "C"),
+                       lambda a: np.array([a[0], a[1]]), lambda a: np.asarray((a, a))]
+        for convert in conversions:
+            with pytest.raises(TypeError, match="Implicit conversion to a NumPy array"):
+                convert(device)
+        assert standin_cupy.READS == {"implicit": 0, "asnumpy": 0}
+        # the explicit reads, and NumPy's conversions of host data, still work
+        assert np.asarray([1.0, 2.0]).tolist() == [1.0, 2.0]
+        assert cp.asnumpy(device).tolist() == device.get().tolist() == [0.0, 1.0, 2.0]
+    assert np.asarray(device).tolist() == [0.0, 1.0, 2.0]      # NumPy's own again
+
+
+def test_host_arrays_in_device_functions_are_refused_as_cupy_refuses_them():
+    with standin_cupy.installed() as cp:
+        device = cp.ones(4, dtype=cp.float32)
+        host = np.ones(4, dtype=np.float32)
+        for call in (lambda: np.dot(device, host), lambda: np.concatenate([device, host]),
+                     lambda: np.where(device > 0, host, device),
+                     lambda: np.add(device, device, out=host),
+                     lambda: np.sum(device, out=np.zeros((), np.float32))):
+            with pytest.raises(TypeError, match="host array"):
+                call()
+        # CuPy copies take's host indices over, and copyto takes a 0-d host value
+        assert isinstance(np.take(device, np.array([0, 1])), cp.ndarray)
+        np.copyto(device, np.asarray(2.0, dtype=np.float32))
+        assert float(np.dot(device, device)) == 16.0
+
+
+def test_a_host_array_into_a_basic_slice_is_refused_as_cupy_refuses_it():
+    """CuPy 12-14 fill a basic-indexed target from a scalar or a device array only;
+    with an advanced index they copy a host value over."""
+    with standin_cupy.installed() as cp:
+        device = cp.zeros(4, dtype=cp.float32)
+        with pytest.raises(ValueError, match="non-scalar numpy.ndarray"):
+            device[...] = np.ones(4, dtype=np.float32)
+        with pytest.raises(ValueError, match="non-scalar numpy.ndarray"):
+            device[1:3] = np.ones(2, dtype=np.float32)
+        with pytest.raises(TypeError, match="Unsupported type"):
+            device[:2] = [1.0, 2.0]
+        device[...] = np.asarray(1.0, dtype=np.float32)
+        device[:2] = cp.full(2, 2.0, dtype=cp.float32)
+        device[np.array([3])] = np.array([5.0], dtype=np.float32)
+        assert cp.asnumpy(device).tolist() == [2.0, 2.0, 1.0, 5.0]
+
+
+def test_iterating_gives_device_arrays_as_cupy_does():
+    """Each element a 0-d device array, whose conversion is a read of its own."""
+    with standin_cupy.installed() as cp:
+        device = cp.arange(3, dtype=cp.float32)
+        elements = list(device)
+        assert all(isinstance(e, cp.ndarray) and e.shape == () for e in elements)
+        assert standin_cupy.READS["implicit"] == 0
+        assert [float(e) for e in elements] == [0.0, 1.0, 2.0]
+        assert standin_cupy.READS["implicit"] == 3 and len(device) == 3
+        with pytest.raises(TypeError, match="iteration over a 0-d array"):
+            iter(device[0])
