@@ -4,18 +4,19 @@ Its arrays are a NumPy subclass that behaves like device arrays where it
 matters for testing the GPU code paths without a GPU: every result of an
 operation stays a stand-in array (0-d results too, as in CuPy), and every
 implicit read of a value on the host -- ``float(a)``, ``int(a)``,
-``bool(a)``, ``a.item()``, ``a.tolist()``, ``cupy.asnumpy(a)``, ``a.get()``
--- is counted in :data:`READS`.  What CuPy refuses, it refuses: a host array
-in a device operation (``np.dot(device, host)``, ``device * host``), a host
-array assigned to a basic-indexed slice (``device[...] = host``), and, while
+``bool(a)``, ``a.item()``, ``a.tolist()``, ``a.tobytes()``, ``str(a)``,
+``f"{a:.3f}"``, ``cupy.asnumpy(a)``, ``a.get()`` -- is counted in
+:data:`READS`.  What CuPy refuses, it refuses: a host array in a device
+operation (``np.dot(device, host)``, ``device * host``), a host array
+assigned to a basic-indexed slice (``device[...] = host``), and, while
 installed, an implicit conversion to NumPy (``np.asarray(device)``,
 ``np.array([device, ...])``); iterating gives 0-d device arrays, as in CuPy.
 It has no kernel compiler (no ``RawModule``), so code that would launch a
 fused kernel takes its array expression path instead, on the same
-device-array discipline.  Within
-:func:`deferred_copies`, asynchronous device-to-host copies land only when
-they are waited for, as on a GPU.  Within :func:`unified_memory`, host reads
-behave as CuPy's under ``CUPY_ENABLE_UMP=1``.  :data:`DEVICE` holds what the
+device-array discipline.  Within :func:`deferred_copies`, asynchronous
+device-to-host copies land only when they are waited for, as on a GPU.
+Within :func:`unified_memory`, host reads behave as CuPy's under
+``CUPY_ENABLE_UMP=1``.  :data:`DEVICE` holds what the
 device reports (compute capability, cuBLAS version); ``cuda.cublas`` is a
 cuBLAS binding whose ``gemmEx`` reads its host scalars during the call, as
 cuBLAS does.
@@ -227,6 +228,23 @@ class DeviceArray(np.ndarray):
     def tolist(self):
         READS["implicit"] += 1
         return self.view(np.ndarray).tolist()
+
+    def tobytes(self, order="C"):
+        READS["implicit"] += 1
+        return self.view(np.ndarray).tobytes(order)
+
+    # CuPy prints a device array by copying it to the host: a read too
+    def __repr__(self):
+        READS["implicit"] += 1
+        return repr(self.view(np.ndarray))
+
+    def __str__(self):
+        READS["implicit"] += 1
+        return str(self.view(np.ndarray))
+
+    def __format__(self, spec):
+        READS["implicit"] += 1
+        return format(self.view(np.ndarray), spec)
 
     def get(self, stream=None, out=None):
         READS["asnumpy"] += 1

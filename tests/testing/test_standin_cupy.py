@@ -100,3 +100,13 @@ def test_iterating_gives_device_arrays_as_cupy_does():
         assert standin_cupy.READS["implicit"] == 3 and len(device) == 3
         with pytest.raises(TypeError, match="iteration over a 0-d array"):
             iter(device[0])
+
+
+def test_printing_a_device_array_is_a_counted_read():
+    """CuPy's repr, str, format and tobytes copy the array to the host (``get()``)."""
+    with standin_cupy.installed() as cp:
+        device = cp.arange(3, dtype=cp.float32)
+        assert (repr(device), str(device), f"{device[1]:.2f}") == (
+            "array([0., 1., 2.], dtype=float32)", "[0. 1. 2.]", "1.00")
+        assert device.tobytes() == np.arange(3, dtype=np.float32).tobytes()
+        assert standin_cupy.READS == {"implicit": 4, "asnumpy": 0}
