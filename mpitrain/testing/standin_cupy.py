@@ -80,6 +80,8 @@ def _refuse_host_arrays(inputs, name: str) -> None:
         if isinstance(value, (list, tuple)):
             _refuse_host_arrays(value, name)
         elif isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
+            if name == "copyto":
+                raise ValueError("non-scalar numpy.ndarray cannot be used for copyto")
             raise TypeError(f"Unsupported type {type(value)} (a host array in the device "
                             f"operation {name})")
 
@@ -87,6 +89,10 @@ def _refuse_host_arrays(inputs, name: str) -> None:
 #: CuPy functions that copy a host array argument to the device instead of refusing it.
 _TAKE_HOST_ARRAYS = frozenset(("take", "atleast_1d", "atleast_2d", "atleast_3d", "real",
                                "imag", "unique", "histogram"))
+#: ... and those that read only a host array's shape and dtype (or none at all).
+_READ_HOST_TEMPLATES = frozenset(("empty_like", "zeros_like", "ones_like", "full_like",
+                                  "result_type", "can_cast", "min_scalar_type", "shape",
+                                  "ndim", "size", "isscalar"))
 
 
 def _sized(values):
@@ -492,6 +498,9 @@ def _build_module():
             def wrapped(*args, **kwargs):
                 if isinstance(value, np.ufunc):
                     _refuse_host_arrays(args, name)
+                elif name not in _TAKE_HOST_ARRAYS | _READ_HOST_TEMPLATES:
+                    # cupy.concatenate([device, host]), cupy.ascontiguousarray(host)...
+                    _refuse_host_arrays(_sized(args + tuple(kwargs.values())), name)
                 return _wrap(value(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()}))
             wrapped.__name__ = name
             return wrapped
@@ -508,6 +517,7 @@ def _build_module():
 
     mod.asarray = _copying("asarray")
     mod.array = _copying("array")
+    mod.asanyarray = _copying("asanyarray")
     mod.__getattr__ = _getattr
     return mod
 
@@ -517,7 +527,8 @@ module = _build_module()
 
 @contextlib.contextmanager
 def installed():
-    """Make the stand-in the backend's CuPy (``backend.select('gpu')`` returns it)."""
+    """Make the stand-in the backend's CuPy (``backend.select('gpu')`` returns it),
+    and NumPy's conversions (``np.asarray``...) refuse its arrays, as CuPy's."""
     from mpitrain import backend
     saved = backend._cupy
     backend._cupy = module

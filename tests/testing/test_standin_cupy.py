@@ -110,3 +110,25 @@ def test_printing_a_device_array_is_a_counted_read():
             "array([0., 1., 2.], dtype=float32)", "[0. 1. 2.]", "1.00")
         assert device.tobytes() == np.arange(3, dtype=np.float32).tobytes()
         assert standin_cupy.READS == {"implicit": 4, "asnumpy": 0}
+
+
+def test_host_arrays_in_the_modules_functions_are_refused_as_cupy_refuses_them():
+    """cupy.concatenate, cupy.dot, cupy.ascontiguousarray... take device arrays only;
+    cupy.asarray and cupy.asanyarray copy host data over, take copies host indices."""
+    with standin_cupy.installed() as cp:
+        device = cp.ones(4, dtype=cp.float32)
+        host = np.ones(4, dtype=np.float32)
+        for call in (lambda: cp.concatenate([device, host]), lambda: cp.dot(device, host),
+                     lambda: cp.ascontiguousarray(host), lambda: cp.stack([host, device])):
+            with pytest.raises(TypeError, match="host array"):
+                call()
+        for call in (lambda: cp.copyto(device, host), lambda: np.copyto(device, host)):
+            with pytest.raises(ValueError, match="non-scalar numpy.ndarray"):
+                call()
+        copied = cp.asanyarray(host)
+        host[0] = 5.0
+        assert float(copied[0]) == 1.0
+        assert float(cp.take(device, np.array([1]))[0]) == 1.0
+        assert cp.zeros_like(host).shape == (4,)
+        cp.copyto(device, np.asarray(3.0, dtype=np.float32))
+        assert float(cp.full(2, np.asarray(2.0, dtype=np.float32)).sum()) == 4.0
