@@ -659,7 +659,7 @@ def cmd_bench(args) -> int:
         try:                        # before an earlier benchmark is cleared (--overwrite)
             check_bench(cfg, options, sizes, options.resolve(max(sizes))[1])
         except BenchSettingsError as exc:
-            raise UsageError(str(exc)) from None
+            raise UsageError(f"{args.config}: {exc}") from None
         problem = out_dir_problem(out_dir, overwrite=args.overwrite)
         if problem:
             raise UsageError(problem)
@@ -686,7 +686,7 @@ def cmd_bench(args) -> int:
     except BenchSettingsError as exc:
         if comm.rank != 0:          # found alike on every rank: rank 0 says it
             return 2
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"{args.config}: {exc}") from None
     try:
         _check_corpus_feeds(cfg, args.config, options.resolve(comm.size)[0], options)
         problem = None

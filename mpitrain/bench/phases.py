@@ -138,6 +138,58 @@ def check_groups(cfg, methods, sizes) -> None:
                                  f"parallel.method {method}: {hint}, or leave the setting out")
 
 
+def check_runs(cfg, options: BenchOptions, methods, sizes) -> None:
+    """Refuse, before anything is measured, a config that one of the benchmark's runs
+    cannot take once its rates are scaled (an L2 bounded at the config's rate but not
+    at N times it): BenchSettingsError naming the run (phase, method, ranks) and the
+    rate scale.  Every size is tried in turn, so the smallest that fails is named."""
+    for ranks in sizes:
+        for method in methods:
+            for phase in options.phases:
+                if phase == "accuracy" and not options.measures_accuracy:
+                    continue    # (skipped with a notice)
+                try:
+                    _with(cfg, **phase_settings(cfg, options, phase, method, ranks))
+                except ValueError as exc:
+                    factor = options.lr_factor(ranks)
+                    scaled = (f" scales the config's rates x{factor:g} (--lr-scale "
+                              f"{options.lr_scale})" if factor != 1.0 else "")
+                    timed = (" times newbob's rates as an exponential schedule"
+                             if phase == "throughput" and cfg.optimizer.schedule == "newbob"
+                             else "")
+                    raise BenchSettingsError(
+                        f"{exc}; the benchmark's {phase} run of {method} on {ranks} "
+                        f"rank(s){scaled}{' and' if scaled and timed else ''}{timed}: "
+                        "lower the setting" + (", or give a smaller --lr-scale or group "
+                                               "sizes" if scaled else "")) from None
+
+
+def phase_settings(cfg, options: BenchOptions, phase: str, method: str, ranks: int) -> dict:
+    """The ``_with`` overrides of the config that decide whether a run of ``phase``
+    can take it (budgets and intervals, set at run time, are valid by construction)."""
+    if phase == "accuracy":
+        return dict(**scaled_rates(cfg, options, ranks), **group_settings(cfg, method, ranks))
+    return throughput_settings(cfg, options, method, ranks)
+
+
+def throughput_settings(cfg, options: BenchOptions, method: str, ranks: int) -> dict:
+    """The ``_with`` overrides of a throughput run of ``method`` on ``ranks`` ranks."""
+    # no held-out set here, so nothing that decides on one: newbob's rate rule and
+    # early stopping (the rate a step is timed at does not change its time)
+    held_out_free = {"training__early_stop__patience": 0}
+    if cfg.optimizer.schedule == "newbob":
+        held_out_free["optimizer__schedule"] = "exponential"
+    # every rank active: a Kaldi job ramp spans the planned run (1000 epochs here), so
+    # it would stay at num_jobs_initial and the group's other ranks would only wait
+    return dict(**scaled_rates(cfg, options, ranks), **held_out_free,
+                parallel__num_jobs_initial=0, parallel__num_jobs_final=0,
+                **straggler_within(cfg, ranks),
+                parallel__method=method, data__dev="",
+                training__max_steps=options.warmup_steps + options.throughput_steps,
+                training__epochs=1000.0, training__log_interval=options.warmup_steps,
+                training__checkpoint_interval=0)
+
+
 def check_bench(cfg, options, sizes, methods) -> None:
     """Everything the benchmark refuses before it measures or writes anything
     (BenchSettingsError, one line; every rank finds it alike)."""
@@ -146,13 +198,7 @@ def check_bench(cfg, options, sizes, methods) -> None:
         raise BenchSettingsError("data.dev: the time-to-accuracy phase needs a held-out "
                                  "corpus (set data.dev, or run with --phases throughput)")
     check_groups(cfg, methods, sizes)
-    # the rates --lr-scale sets for the largest group meet the config's checks too
-    # (the L2 bound): that group's run refused them after the smaller ones were measured
-    try:
-        _with(cfg, **scaled_rates(cfg, options, max(sizes)))
-    except ValueError as exc:
-        raise BenchSettingsError(f"--lr-scale {options.lr_scale}: the rates of "
-                                 f"{max(sizes)} ranks: {exc}") from None
+    check_runs(cfg, options, methods, sizes)
 
 
 class BenchTrainer(Trainer):
@@ -307,20 +353,7 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
         row = measure_throughput(cfg, group, method="bmuf", run_dir="runs/b/t-bmuf-n2",
                                  options=BenchOptions())
     """
-    steps = options.warmup_steps + options.throughput_steps
-    # no held-out set here, so nothing that decides on one: newbob's rate rule and
-    # early stopping (the rate a step is timed at does not change its time)
-    held_out_free = {"training__early_stop__patience": 0}
-    if cfg.optimizer.schedule == "newbob":
-        held_out_free["optimizer__schedule"] = "exponential"
-    # every rank active: a Kaldi job ramp spans the planned run (1000 epochs here), so
-    # it would stay at num_jobs_initial and the group's other ranks would only wait
-    run_cfg = _with(cfg, **scaled_rates(cfg, options, group.size), **held_out_free,
-                    parallel__num_jobs_initial=0, parallel__num_jobs_final=0,
-                    **straggler_within(cfg, group.size),
-                    parallel__method=method, data__dev="", training__max_steps=steps,
-                    training__epochs=1000.0, training__log_interval=options.warmup_steps,
-                    training__checkpoint_interval=0)
+    run_cfg = _with(cfg, **throughput_settings(cfg, options, method, group.size))
     # a method that diverges at this size is a result, not the end of the benchmark
     trainer, result = _run_trainer(run_cfg, group, run_dir, compute=compute,
                                    diverged_ends_it=True)

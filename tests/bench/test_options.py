@@ -211,20 +211,54 @@ def test_an_empty_out_is_one_line_not_the_default_directory(small_corpus, tmp_pa
     assert not (tmp_path / "runs").exists()
 
 
-def test_rates_scaled_for_the_largest_group_are_checked_before_measuring():
-    # an L2 within the bound at the config's rate but not at the rate --lr-scale
-    # sets for the largest group: refused when that group's run began, after the
-    # smaller groups had been measured
+def test_a_run_whose_scaled_rate_the_l2_bound_refuses_is_named_before_measuring():
+    """An L2 within the bound at the config's rate but not at N times it: the
+    benchmark measured the smaller groups, then stopped with a line naming neither
+    the config nor the run."""
     from mpitrain.bench.options import BenchSettingsError
     from mpitrain.bench.phases import check_bench
     from mpitrain.config import load_config
     from ..helpers import QUICKSTART
-    cfg = load_config(QUICKSTART, ["optimizer.l2_regularize=0.5", "training.minibatch=100",
-                                   "optimizer.initial_learning_rate=0.004",
-                                   "optimizer.final_learning_rate=0.0004"])
-    throughput = dict(phases=("throughput",))
-    check_bench(cfg, BenchOptions(**throughput), (1, 4), ("model_averaging",))
-    with pytest.raises(BenchSettingsError, match=r"^--lr-scale linear: the rates of 4 "
-                                                 r"ranks: optimizer\.l2_regularize: 0\.5 "):
-        check_bench(cfg, BenchOptions(lr_scale="linear", **throughput), (1, 4),
-                    ("model_averaging",))
+    # bound at rate 0.004 and 256 frames: 0.488; x2: 0.244; x4: 0.122
+    cfg = load_config(QUICKSTART, ["optimizer.l2_regularize=0.2"])
+    linear = BenchOptions(sizes=(1, 2, 4), lr_scale="linear")
+    with pytest.raises(BenchSettingsError) as info:
+        check_bench(cfg, linear, (1, 2, 4), ("model_averaging", "allreduce"))
+    message = str(info.value)
+    assert message.startswith("optimizer.l2_regularize: 0.2 shrinks the weights by 2 x 0.016 ")
+    assert message.endswith(
+        "; the benchmark's throughput run of model_averaging on 4 rank(s) scales the "
+        "config's rates x4 (--lr-scale linear): lower the setting, or give a smaller "
+        "--lr-scale or group sizes"), message
+    check_bench(cfg, linear, (1, 2), ("model_averaging", "allreduce"))
+    check_bench(cfg, BenchOptions(sizes=(1, 2, 4), lr_scale="sqrt"), (1, 2, 4),
+                ("allreduce",))
+    # the time-to-accuracy runs scale their rates alike
+    accuracy = BenchOptions(sizes=(1, 4), lr_scale="linear", phases=("accuracy",),
+                            target_accuracy=0.5)
+    with pytest.raises(BenchSettingsError, match="the benchmark's accuracy run of allreduce "
+                                                 r"on 4 rank\(s\) scales"):
+        check_bench(cfg, accuracy, (1, 4), ("allreduce",))
+    # newbob's throughput runs are timed on an exponential schedule, whose bound is
+    # at its larger end
+    cfg = load_config(QUICKSTART, ["optimizer.schedule=newbob", "optimizer.l2_regularize=0.2",
+                                   "optimizer.final_learning_rate=0.016"])
+    with pytest.raises(BenchSettingsError, match=r"on 1 rank\(s\) times newbob's rates as an "
+                                                 "exponential schedule: lower the setting$"):
+        check_bench(cfg, BenchOptions(sizes=(1,)), (1,), ("allreduce",))
+
+
+def test_a_refused_bench_run_names_the_config_file(small_corpus, tmp_path, capsys):
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, small_overrides
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2,4", "--methods", "allreduce",
+            "--phases", "throughput", "--lr-scale", "linear", "--steps", "4",
+            "--warmup-steps", "2", "--compute-ms", "2", "--out", str(out)]
+    for item in small_overrides(small_corpus) + ["optimizer.l2_regularize=0.2"]:
+        argv += ["--set", item]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain bench: error: {QUICKSTART}: optimizer.l2_regularize: "
+                          "0.2 shrinks") and err.count("\n") == 1, err
+    assert "throughput run of allreduce on 4 rank(s)" in err and not out.exists()
