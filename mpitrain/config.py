@@ -568,30 +568,46 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
     _check_l2_shrink(cfg, where)
 
 
-def _check_l2_shrink(cfg: RunConfig, where: str) -> None:
-    """L2 shrinks the weights by 2 lr l2 B of themselves a step (optim/sgd.py): at 1
-    or more the term alone zeroes or flips them (max-change then only slows that).
-    lr is the largest rate the schedule sets: the exponential one's larger end;
-    adapt's gamma / sqrt(K) for a K above 1; the others start at the initial rate
-    and only lower it (search tries multiples of it
+def largest_rate(opt: OptimizerConfig) -> tuple:
+    """The largest learning rate the schedule sets and its key under ``optimizer``:
+    the exponential one's larger end; adapt's gamma / sqrt(K) for a K above 1; the
+    others start at the initial rate and only lower it (search tries multiples of it
     in short trials, and goes on at one only where its trial did better); Kaldi's J
-    jobs at J times the rate scale the term by 1/J, and damped and rolled-back rates
-    are lower."""
-    opt, minibatch = cfg.optimizer, cfg.training.minibatch
-    rate, rate_key = opt.initial_learning_rate, "optimizer.initial_learning_rate"
-    if opt.schedule == "exponential" and opt.final_learning_rate > rate:
-        rate, rate_key = opt.final_learning_rate, "optimizer.final_learning_rate"
+    jobs at J times the rate scale the L2 term by 1/J, and damped and rolled-back
+    rates are lower.
+
+    Example::
+
+        largest_rate(cfg.optimizer)     # (0.004, 'initial_learning_rate')
+    """
+    if opt.schedule == "exponential" and opt.final_learning_rate > opt.initial_learning_rate:
+        return opt.final_learning_rate, "final_learning_rate"
     if opt.schedule == "adapt" and opt.adapt_k > 1.0:
         # each parameter's rate is gamma / sqrt(K + G), at most gamma / sqrt(K) (a K
         # below 1 raises it only where the step is small: each is under gamma)
-        rate = opt.initial_learning_rate / math.sqrt(opt.adapt_k)
-        rate_key = "optimizer.initial_learning_rate / sqrt(optimizer.adapt_k)"
+        return (opt.initial_learning_rate / math.sqrt(opt.adapt_k),
+                "initial_learning_rate / sqrt(optimizer.adapt_k)")
+    return opt.initial_learning_rate, "initial_learning_rate"
+
+
+def l2_shrink(cfg: RunConfig, key: str) -> float:
+    """The share of the weights ``optimizer.<key>`` (an L2 setting) takes off them a
+    step at the largest rate: 2 lr l2 B (optim/sgd.py)."""
+    return 2.0 * largest_rate(cfg.optimizer)[0] * getattr(cfg.optimizer, key) \
+        * cfg.training.minibatch
+
+
+def _check_l2_shrink(cfg: RunConfig, where: str) -> None:
+    """At a shrink of 1 or more a step the L2 term alone zeroes or flips the weights
+    (max-change then only slows that)."""
+    opt, minibatch = cfg.optimizer, cfg.training.minibatch
+    rate, rate_key = largest_rate(opt)
     for key in ("l2_regularize", "l2_regularize_output"):
         l2 = getattr(opt, key)
-        shrink = 2.0 * rate * l2 * minibatch
+        shrink = l2_shrink(cfg, key)
         if shrink >= 1.0:
             raise ConfigError(f"{where}optimizer.{key}: {l2:g} shrinks the weights by 2 x "
-                              f"{rate:g} ({rate_key}, the largest rate) x {l2:g} "
+                              f"{rate:g} (optimizer.{rate_key}, the largest rate) x {l2:g} "
                               f"x {minibatch} (training.minibatch) = {shrink:.3g} of "
                               "themselves a step, "
                               f"which zeroes or flips them; expected below "

@@ -48,6 +48,8 @@ import math
 import os
 import sys
 
+from ..config import l2_shrink
+
 #: Weight of a new window in the running mean of the objective.
 MEAN_WEIGHT = 0.3
 
@@ -91,13 +93,12 @@ def divergence_advice(cfg) -> str:
 def _step_suspects(cfg) -> str:
     """The settings of ``cfg`` besides the rate that enlarge the step, with their
     values ('optimizer.l2_regularize (0.5)'); empty when none does."""
-    opt, par, t = cfg.optimizer, cfg.parallel, cfg.training
-    # L2 shrinks the weights by 2 lr l2 B a step (optim/sgd.py): past a tenth of them
-    # a step, it is what blows up (Kaldi's values shrink them by well under 1e-3)
-    shrink = 2 * opt.initial_learning_rate * t.minibatch
+    opt, par = cfg.optimizer, cfg.parallel
+    # past a tenth of the weights a step at the largest rate, L2 is what blows up
+    # (Kaldi's values shrink them by well under 1e-3)
     suspects = [(f"optimizer.{key}", f"{getattr(opt, key):g}")
                 for key in ("l2_regularize", "l2_regularize_output")
-                if shrink * getattr(opt, key) >= 0.1]
+                if l2_shrink(cfg, key) >= 0.1]
     if par.method == "bmuf":
         # its block step is block_lr times the averaged change, carried on by its momentum
         if par.block_lr > 1:

@@ -202,6 +202,20 @@ def test_the_last_words_name_the_settings_that_enlarge_the_step():
         guard.roll_back()
 
 
+def test_an_l2_is_named_at_the_largest_rate_of_a_rising_schedule():
+    # the shrink was taken at the initial rate: an exponential schedule rising
+    # tenfold shrank the weights by a fifth of them a step at its end, unnamed
+    from mpitrain.config import load_config
+    from mpitrain.train.divergence import divergence_advice
+    rising = ["optimizer.initial_learning_rate=0.002", "optimizer.final_learning_rate=0.02",
+              "training.minibatch=256", "optimizer.l2_regularize_output=0.02"]
+    # 2 x 0.02 x 0.02 x 256 = 0.2 of the weights a step at the end (0.02 at the start)
+    assert "optimizer.l2_regularize_output (0.02)" in divergence_advice(
+        load_config(None, rising))
+    # the other schedules start at the initial rate and only lower it
+    assert "l2" not in divergence_advice(load_config(None, rising + ["optimizer.schedule=hand"]))
+
+
 def test_part_of_a_window_is_judged_without_counting():
     guard = _guard(initial_xent=4.8)
     assert guard.part_is_good(xent=None, skipped=0)            # no frames yet
