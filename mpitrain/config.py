@@ -307,6 +307,13 @@ class RunConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def sync_steps(self) -> int:
+        """Minibatches between syncs: ``parallel.average_every_frames`` wins when set."""
+        par = self.parallel
+        if par.average_every_frames:
+            return max(1, par.average_every_frames // self.training.minibatch)
+        return par.average_every
+
 
 # -- validation ----------------------------------------------------------------
 
@@ -613,6 +620,31 @@ def _check_l2_shrink(cfg: RunConfig, where: str) -> None:
                               f"which zeroes or flips them; expected below "
                               f"{1.0 / (2.0 * rate * minibatch):.3g} (Kaldi's values: 1e-5 "
                               "to 1e-3)")
+        _check_block_shrink(cfg, key, shrink, where)
+
+
+def _check_block_shrink(cfg: RunConfig, key: str, shrink: float, where: str) -> None:
+    """BMUF's block step is block_lr times the change of the K local steps between
+    syncs (parallel/bmuf.py), whose L2 part takes 1 - (1 - s)^K of the weights off
+    them: past block_lr 1 that can reach all of them a block, which zeroes or flips
+    them as a step's shrink of 1 would (the block step has no max-change; a run at
+    block_lr 3 and a shrink of 0.05 a step, 8 steps a block, ended at chance)."""
+    par = cfg.parallel
+    if par.method != "bmuf" or par.block_lr <= 1.0 or shrink <= 0.0:
+        return
+    steps = cfg.sync_steps()
+    block = par.block_lr * (1.0 - (1.0 - shrink) ** steps)
+    if block >= 1.0:
+        every = "average_every_frames" if par.average_every_frames else "average_every"
+        l2 = getattr(cfg.optimizer, key)
+        # the L2 at which the block's shrink is 1: (1 - s)^K = 1 - 1/block_lr
+        below = l2 * (1.0 - (1.0 - 1.0 / par.block_lr) ** (1.0 / steps)) / shrink
+        raise ConfigError(f"{where}optimizer.{key}: {l2:g} shrinks the weights by {shrink:.3g} "
+                          f"of themselves a step, and BMUF's block step takes "
+                          f"{par.block_lr:g} (parallel.block_lr) x (1 - (1 - {shrink:.3g})^"
+                          f"{steps} (steps between syncs, parallel.{every})) = {block:.3g} "
+                          "of them a block, which zeroes or flips them; expected below "
+                          f"{below:.3g}, or a lower parallel.block_lr")
 
 
 # parallel.* settings that belong to one method: (key, whether it is set, the method)

@@ -486,3 +486,28 @@ def test_the_l2_bound_is_at_the_largest_rate_the_schedule_sets(tmp_path):
     cfg = load_config(str(path), ["optimizer.l2_regularize=0.09", "parallel.method=kaldi",
                                   "parallel.num_jobs_final=8"])
     assert cfg.optimizer.l2_regularize == 0.09
+
+
+def test_an_l2_that_bmufs_block_step_turns_into_a_zeroing_one_is_refused(tmp_path):
+    # the block step is block_lr times the K local steps' change: at block_lr 3 a
+    # shrink of 0.05 a step took 3 x (1 - 0.95^8) = 1.01 of the weights a block and
+    # the run ended at chance with exit 0
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer: {initial_learning_rate: 0.004}\ntraining: {minibatch: 256}\n"
+                    "parallel: {method: bmuf, block_lr: 3, average_every: 8}\n")
+    msg = _error(tmp_path, path.read_text(), ["optimizer.l2_regularize_output=0.0244"])
+    assert msg == (f"{path}: optimizer.l2_regularize_output: 0.0244 shrinks the weights by "
+                   "0.05 of themselves a step, and BMUF's block step takes 3 "
+                   "(parallel.block_lr) x (1 - (1 - 0.05)^8 (steps between syncs, "
+                   "parallel.average_every)) = 1.01 of them a block, which zeroes or flips "
+                   "them; expected below 0.0241, or a lower parallel.block_lr"), msg
+    assert load_config(str(path), ["optimizer.l2_regularize_output=0.024"])
+    # average_every_frames sets K when given
+    assert "^4 (steps between syncs, parallel.average_every_frames)" in _error(
+        tmp_path, path.read_text(), ["optimizer.l2_regularize=0.05",
+                                     "parallel.average_every_frames=1024"])
+    # a block_lr of 1 or less never takes more than the K steps did; other methods
+    # have no block step
+    for settings in (["parallel.block_lr=1"], ["parallel.method=model_averaging",
+                                               "parallel.block_lr=1"]):
+        assert load_config(str(path), settings + ["optimizer.l2_regularize=0.4"])

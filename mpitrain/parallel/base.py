@@ -144,8 +144,5 @@ class Strategy:
 
 
 def every_steps_from(cfg) -> int:
-    """Minibatches between syncs: ``parallel.average_every_frames`` wins when set."""
-    par = cfg.parallel
-    if par.average_every_frames:
-        return max(1, par.average_every_frames // cfg.training.minibatch)
-    return par.average_every
+    """Minibatches between syncs (the config's rule, which its checks share)."""
+    return cfg.sync_steps()

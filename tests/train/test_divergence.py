@@ -179,10 +179,10 @@ def test_the_last_words_name_the_settings_that_enlarge_the_step():
     plain = divergence_advice(load_config(None, []))
     assert plain == "lower optimizer.initial_learning_rate or the max-change values"
     advice = divergence_advice(load_config(None, [
-        "optimizer.l2_regularize=0.5", "parallel.method=bmuf", "parallel.block_lr=1e6",
+        "optimizer.l2_regularize=0.1", "parallel.method=bmuf", "parallel.block_lr=1.05",
         "training.divergence_factor=1.1"]))
     # (it said to lower the rate whatever had blown the step up)
-    assert "optimizer.l2_regularize (0.5)" in advice and "parallel.block_lr (1e+06)" in advice
+    assert "optimizer.l2_regularize (0.1)" in advice and "parallel.block_lr (1.05)" in advice
     assert "parallel.block_momentum (1 - 1/ranks)" in advice
     assert "raise training.divergence_factor (1.1" in advice
     # with every max-change limit off, lowering "the max-change values" did nothing
@@ -198,7 +198,7 @@ def test_the_last_words_name_the_settings_that_enlarge_the_step():
     # a Kaldi-sized L2 (a shrink of 1e-4 a step) is not named
     assert "l2" not in divergence_advice(load_config(None, ["optimizer.l2_regularize=5e-5"]))
     guard = DivergenceGuard(factor=3.0, max_events=0, max_rollbacks=0, advice=advice)
-    with pytest.raises(Diverged, match=r"optimizer\.l2_regularize \(0\.5\)"):
+    with pytest.raises(Diverged, match=r"optimizer\.l2_regularize \(0\.1\)"):
         guard.roll_back()
 
 
