@@ -579,9 +579,9 @@ def largest_rate(opt: OptimizerConfig) -> tuple:
     """The largest learning rate the schedule sets and its key under ``optimizer``:
     the exponential one's larger end; adapt's gamma / sqrt(K) for a K above 1; the
     others start at the initial rate and only lower it (search tries multiples of it
-    in short trials, and goes on at one only where its trial did better); Kaldi's J
-    jobs at J times the rate scale the L2 term by 1/J, and damped and rolled-back
-    rates are lower.
+    in short trials, below :func:`l2_rate_limit`, and goes on at one only where its
+    trial did better); Kaldi's J jobs at J times the rate scale the L2 term by 1/J,
+    and damped and rolled-back rates are lower.
 
     Example::
 
@@ -597,11 +597,20 @@ def largest_rate(opt: OptimizerConfig) -> tuple:
     return opt.initial_learning_rate, "initial_learning_rate"
 
 
-def l2_shrink(cfg: RunConfig, key: str) -> float:
+def l2_shrink(cfg: RunConfig, key: str, rate: float | None = None) -> float:
     """The share of the weights ``optimizer.<key>`` (an L2 setting) takes off them a
-    step at the largest rate: 2 lr l2 B (optim/sgd.py)."""
-    return 2.0 * largest_rate(cfg.optimizer)[0] * getattr(cfg.optimizer, key) \
-        * cfg.training.minibatch
+    step at ``rate`` (default: the largest rate): 2 lr l2 B (optim/sgd.py)."""
+    if rate is None:
+        rate = largest_rate(cfg.optimizer)[0]
+    return 2.0 * rate * getattr(cfg.optimizer, key) * cfg.training.minibatch
+
+
+def l2_rate_limit(cfg: RunConfig) -> float:
+    """The rate at which an L2 term alone takes all of the weights off them a step
+    (inf without L2): search's trials, which multiply the rate, stay below it."""
+    shrink = max(l2_shrink(cfg, key, 1.0) for key in ("l2_regularize",
+                                                       "l2_regularize_output"))
+    return 1.0 / shrink if shrink > 0 else math.inf
 
 
 def _check_l2_shrink(cfg: RunConfig, where: str) -> None:

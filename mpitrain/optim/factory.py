@@ -3,6 +3,8 @@ place where ``optimizer.name`` and ``optimizer.schedule`` become classes."""
 
 from __future__ import annotations
 
+import math
+
 from .sgd import SGD
 
 
@@ -34,12 +36,14 @@ def build_optimizer(opt_cfg, net, *, minibatch: int = 0):
                               plan_threads=ng.plan_threads, **options)
 
 
-def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int, progress=None):
+def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int, progress=None,
+                   rate_limit: float = math.inf):
     """The schedule of ``optimizer.schedule``; ``planned_steps``: the steps of the
     planned run (search's chunks are no longer); ``frames_per_step``: frames one step
     trains over all ranks (search cuts its chunks by it); ``progress``: step -> the
     fraction of the planned data trained before it, for ``exponential`` (default
-    step / planned_steps).
+    step / planned_steps); ``rate_limit``: the rate search tries no factor at or
+    above (where the L2 term alone zeroes the weights).
 
     Example::
 
@@ -65,7 +69,7 @@ def build_schedule(opt_cfg, *, planned_steps: int, frames_per_step: int, progres
         # score is the same at every rate and one minibatch alone cannot tell them apart
         trial_steps = max(2, round(opt_cfg.search_trial_fraction * chunk_steps))
         return SearchSchedule(initial, factors=opt_cfg.search_factors, chunk_steps=chunk_steps,
-                              trial_steps=trial_steps)
+                              trial_steps=trial_steps, rate_limit=rate_limit)
     if name == "newbob":
         from .newbob import NewbobSchedule
         return NewbobSchedule(initial, start_halving=opt_cfg.newbob_start_halving,

@@ -16,6 +16,11 @@ the next search tries no factor above 1: otherwise a short trial, which does
 not see the divergence, picks the higher rate and the scale's cut is undone
 (factor 2 after a halving retrains at the rate that diverged).
 
+A factor that puts the rate at ``rate_limit`` or above is not tried: there the
+L2 term alone zeroes or flips the weights each step (the config's bound holds
+at the initial rate only), and a model it has worn down to chance scores alike
+at every rate, so the choice among them is noise that can climb past it.
+
 This class decides; running a trial (and putting the weights, the optimizer
 and the reader back afterwards) is the trainer's (``train/search.py``), given
 as the ``trial`` callable, so the objectives arrive already combined over ranks
@@ -41,7 +46,8 @@ class SearchSchedule(Schedule):
 
     name = "search"
 
-    def __init__(self, initial: float, *, factors, chunk_steps: int, trial_steps: int):
+    def __init__(self, initial: float, *, factors, chunk_steps: int, trial_steps: int,
+                 rate_limit: float = math.inf):
         factors = tuple(float(f) for f in factors)
         if initial <= 0 or not factors or min(factors) <= 0:
             raise ValueError(f"search schedule: need initial > 0 and positive factors, got "
@@ -56,6 +62,7 @@ class SearchSchedule(Schedule):
         self.searches = 0
         self.trial_frames = 0        # frames the trials trained on, summed over ranks
         self.held_back = False       # the next search tries no factor above 1
+        self.rate_limit = float(rate_limit)
 
     def rate(self, step: int) -> float:
         return self.current
@@ -70,6 +77,8 @@ class SearchSchedule(Schedule):
         if self.held_back:
             factors = tuple(f for f in factors if f <= 1.0) or (min(factors),)
             self.held_back = False
+        factors = tuple(f for f in factors if self.current * f < self.rate_limit) \
+            or (min(factors),)
         rates = [self.current * f for f in factors]
         objectives = []
         for rate in rates:

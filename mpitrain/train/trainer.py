@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from .. import backend
-from ..config import RunConfig, config_to_yaml
+from ..config import RunConfig, config_to_yaml, l2_rate_limit
 from ..data.batcher import MinibatchStream, plan_chunks
 from ..data.corpus import CorpusError, manifest_path, speaker_cmvn_kind
 from ..data.validate import validate_corpus, validate_slices
@@ -107,7 +107,8 @@ class Trainer(CheckpointResume):
             raise TrainingError(str(exc), agreed=True, setting=True) from None
         self.schedule = build_schedule(cfg.optimizer, planned_steps=self.planned_steps,
                                        frames_per_step=cfg.training.minibatch * comm.size,
-                                       progress=self.rate_progress)
+                                       progress=self.rate_progress,
+                                       rate_limit=l2_rate_limit(cfg))
         self._trials = None       # optimizer.schedule: search, built at the first search
         self.step = 0
         self.frames_seen = 0      # summed over all ranks

@@ -158,3 +158,28 @@ def test_after_a_roll_back_the_next_search_tries_no_higher_rate():
     calls = []
     only_up.search(0, _scripted_trial([1.0], calls))
     assert calls == [0.016]                  # the smallest factor when none is <= 1
+
+
+def test_search_tries_no_rate_at_which_the_l2_term_zeroes_the_weights():
+    # a model worn to chance by a strong L2 scores alike at every rate: the choice was
+    # noise, and it climbed 0.004 -> 0.032, where 2 lr l2 B was 1.6 of the weights
+    sched = SearchSchedule(0.004, factors=(0.5, 1.0, 4.0), chunk_steps=10, trial_steps=2,
+                           rate_limit=0.01)
+    calls = []
+    sched.search(0, _scripted_trial([3.0, 2.0], calls))
+    assert calls == [0.002, 0.004] and sched.rate(0) == 0.004
+    free = SearchSchedule(0.004, factors=(0.5, 1.0, 4.0), chunk_steps=10, trial_steps=2)
+    calls = []
+    free.search(0, _scripted_trial([3.0, 2.0, 1.0], calls))
+    assert calls == [0.002, 0.004, 0.016] and free.rate(0) == 0.016
+
+
+def test_the_rate_where_the_l2_zeroes_the_weights_reaches_search():
+    from mpitrain.config import l2_rate_limit, load_config
+    cfg = load_config(None, ["optimizer.schedule=search", "training.minibatch=256",
+                             "optimizer.l2_regularize=0.01", "optimizer.l2_regularize_output=0.1"])
+    assert l2_rate_limit(cfg) == pytest.approx(1 / (2 * 0.1 * 256))
+    assert l2_rate_limit(load_config(None, [])) == math.inf
+    sched = build_schedule(cfg.optimizer, planned_steps=100, frames_per_step=256,
+                           rate_limit=l2_rate_limit(cfg))
+    assert sched.rate_limit == pytest.approx(1 / 51.2)

@@ -153,3 +153,15 @@ def test_a_trial_scales_the_l2_term_as_the_real_steps_at_its_rate(small_corpus, 
     finally:
         trainer.close()
     assert seen and all(lr == 0.004 and factor == 0.25 for lr, factor in seen), seen
+
+
+def test_the_trainer_gives_search_the_rate_where_the_l2_zeroes_the_weights(small_corpus,
+                                                                          tmp_path):
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + [
+        "optimizer.l2_regularize=0.1"])
+    trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), comm=SingleCommunicator())
+    try:
+        # 2 lr x 0.1 x 128 frames reaches 1 at lr 1 / 25.6
+        assert trainer.schedule.rate_limit == 1 / 25.6
+    finally:
+        trainer.close()
