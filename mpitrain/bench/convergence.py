@@ -147,8 +147,7 @@ def _launcher(ranks: int) -> list[str]:
     return [launcher, *extra, "-n", str(ranks), sys.executable]
 
 
-def train_command(spec: RunSpec, run_dir: str, *, config: str, corpus: str, epochs: float,
-                  eval_frames: int, average_every: int) -> list[str]:
+def train_command(spec: RunSpec, run_dir: str, *, config: str, **options) -> list[str]:
     """The ``mpitrain train`` command line of one run.
 
     Example::
@@ -157,7 +156,18 @@ def train_command(spec: RunSpec, run_dir: str, *, config: str, corpus: str, epoc
                             corpus="data/synth", epochs=2, eval_frames=51200,
                             average_every=8)
     """
-    sets = {
+    # a run that is started again replaces what an unfinished one left there
+    command = _launcher(spec.ranks) + ["-m", "mpitrain", "train", config, "--run-dir", run_dir,
+                                       "--overwrite"]
+    for key, value in train_settings(spec, **options).items():
+        command += ["--set", f"{key}={value}"]
+    return command
+
+
+def train_settings(spec: RunSpec, *, corpus: str, epochs: float, eval_frames: int,
+                   average_every: int) -> dict:
+    """The ``--set`` values of one run, by key."""
+    return {
         "data.train": os.path.join(corpus, "train"),
         "data.dev": os.path.join(corpus, "dev"),
         "optimizer.name": spec.optimizer,
@@ -171,12 +181,19 @@ def train_command(spec: RunSpec, run_dir: str, *, config: str, corpus: str, epoc
         "parallel.average_every": str(average_every),
         "blas_threads": "1",
     }
-    # a run that is started again replaces what an unfinished one left there
-    command = _launcher(spec.ranks) + ["-m", "mpitrain", "train", config, "--run-dir", run_dir,
-                                       "--overwrite"]
-    for key, value in sets.items():
-        command += ["--set", f"{key}={value}"]
-    return command
+
+
+def check_runs(specs: Sequence[RunSpec], *, config: str, **options) -> None:
+    """Refuse, before the first run trains, a config one of ``specs`` cannot take (an
+    L2 within its bound at the config's rate but not at a swept one): RunFailed
+    naming the run, the config file and the key."""
+    from ..config import ConfigError, load_config
+    for spec in specs:
+        sets = [f"{k}={v}" for k, v in train_settings(spec, **options).items()]
+        try:
+            load_config(config, sets)
+        except ConfigError as exc:
+            raise RunFailed(f"{spec.name}: {exc}") from None
 
 
 def _child_env() -> dict:
@@ -355,6 +372,13 @@ def main(argv=None) -> int:
     sweep_ranks, more_ranks = args.ranks[0], args.ranks[1:]
     started = time.perf_counter()
     try:
+        # every run the study may train: the sweep, and each swept rate (the best is
+        # one) times each factor on more ranks
+        check_runs([RunSpec(name, lr, sweep_ranks) for name in OPTIMIZERS
+                    for lr in sweep_lrs[name]]
+                   + [RunSpec(name, lr * factor, ranks) for ranks in more_ranks
+                      for name in OPTIMIZERS for lr in sweep_lrs[name]
+                      for factor in args.lr_factors], **options)
         rows = [run_one(RunSpec(name, lr, sweep_ranks), args.out, rerun=args.rerun,
                         targets=args.targets, **options)
                 for name in OPTIMIZERS for lr in sweep_lrs[name]]

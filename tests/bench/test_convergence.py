@@ -52,3 +52,27 @@ def test_a_run_that_fails_is_one_line_naming_its_log(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("convergence: error: ") and err.count("\n") == 1, err
     assert "exited with status 2; see " in err and "train.log" in err, err
+
+
+def test_a_swept_rate_the_config_cannot_take_is_refused_before_any_run(tmp_path, capsys):
+    """An L2 within its bound at the config's rate but not at a swept one: the study
+    trained the runs before it, then stopped pointing at a log."""
+    from mpitrain.bench.convergence import main
+    from ..helpers import QUICKSTART
+    config = tmp_path / "l2.yaml"
+    # bound at 256 frames: l2 below 1 / (2 x 256 x rate), 0.244 at 0.008
+    config.write_text(open(QUICKSTART).read().replace(
+        "  max_change_per_layer: 0.75", "  l2_regularize: 0.3\n  max_change_per_layer: 0.75"))
+    for split in ("train", "dev"):
+        (tmp_path / "corpus" / split).mkdir(parents=True)
+    out = tmp_path / "out"
+    argv = ["--corpus", str(tmp_path / "corpus"), "--out", str(out), "--config", str(config),
+            "--ranks", "1", "--lrs", "0.002,0.008"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"convergence: error: sgd-lr0.008-1r: {config}: "
+                          "optimizer.l2_regularize: 0.3 shrinks") and err.count("\n") == 1, err
+    assert not out.exists()
+    # the runs on more ranks try each swept rate times each factor
+    assert main(argv[:-4] + ["--ranks", "1,4", "--lrs", "0.002", "--lr-factors", "1,8"]) == 2
+    assert "convergence: error: sgd-lr0.016-4r: " in capsys.readouterr().err
