@@ -572,6 +572,12 @@ class ParameterServer(Strategy):
     def load_state_dict(self, state: dict) -> None:
         if not state:
             return
+        if "average" not in state:
+            # another method's state (BMUF, ADPSGD), met on --resume --accept-changes;
+            # refused on every rank alike (the group is the same on all), before
+            # anything is set, so that every rank starts the server afresh
+            raise ValueError("checkpoint group 'strategy': no 'average': not a parameter "
+                             f"server's state (it holds {', '.join(sorted(state))})")
         updates = state.get("updates", 0)
         if not isinstance(updates, (int, np.integer)) or isinstance(updates, bool) \
                 or updates < 0:

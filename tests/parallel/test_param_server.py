@@ -189,11 +189,12 @@ def test_push_and_pull_carry_raw_buffers_on_virtual_ranks():
 
 # ------------------------------------------------------------ whole runs
 
-def _virtual(corpus, run_dir, size, extra=(), *, slowdown=None, resume=False):
+def _virtual(corpus, run_dir, size, extra=(), *, slowdown=None, resume=False, **trainer_kwargs):
     cfg = load_config(QUICKSTART, small_overrides(corpus) + TINY + [
         "parallel.method=param_server"] + list(extra))
     return train_virtual(cfg, size=size, run_dir=str(run_dir), resume=resume,
-                         compute=ComputeModel(step_seconds=0.002, slowdown=slowdown or {}))
+                         compute=ComputeModel(step_seconds=0.002, slowdown=slowdown or {}),
+                         **trainer_kwargs)
 
 
 def test_one_client_equals_sequential_sgd_bit_for_bit(small_corpus, tmp_path):
@@ -354,6 +355,25 @@ def test_resume_continues_from_the_saved_model_and_counters(small_corpus, tmp_pa
     fresh = [r["xent"] for r in train if r["step"] <= 20]
     resumed = [r["xent"] for r in train if 40 < r["step"] <= 60]
     assert len(fresh) == len(resumed) == 2 and sum(resumed) < sum(fresh), train
+
+
+@pytest.mark.parametrize("before", [["parallel.method=bmuf"], ["parallel.method=adpsgd"]])
+def test_a_switch_to_it_on_resume_starts_the_server_afresh(small_corpus, tmp_path, before):
+    """--resume --accept-changes from a method that saves state of its own (BMUF's
+    block, ADPSGD's iteration): the server's average starts afresh from the
+    checkpoint's model (a KeyError traceback: the saved state has no 'average')."""
+    import io
+    run, log = tmp_path / "run", io.StringIO()
+    common = TINY + ["training.checkpoint_interval=8", "data.dev="]
+    first = load_config(QUICKSTART, small_overrides(small_corpus) + common + before + [
+        "training.max_steps=8"])
+    train_virtual(first, size=2, run_dir=str(run), compute=ComputeModel(step_seconds=0.002))
+    _virtual(small_corpus, run, 2, common + ["training.max_steps=24"], resume=True,
+             accept_changes=True, stream=log)
+    assert "the parallel method's state starts afresh" in log.getvalue(), log.getvalue()
+    assert "no 'average': not a parameter server's state" in log.getvalue()
+    assert records(run, "end")[-1]["steps"] == 24
+    assert (run / "final.h5").exists()
 
 
 @pytest.mark.mpi
