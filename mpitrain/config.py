@@ -597,6 +597,11 @@ def largest_rate(opt: OptimizerConfig) -> tuple:
     return opt.initial_learning_rate, "initial_learning_rate"
 
 
+#: A shrink a step from which an L2 term wears the model down (towards chance, or
+#: into divergence): Kaldi's values (1e-5 to 1e-3) take well under 1e-3 of the weights.
+STRONG_L2_SHRINK = 0.1
+
+
 def l2_shrink(cfg: RunConfig, key: str, rate: float | None = None) -> float:
     """The share of the weights ``optimizer.<key>`` (an L2 setting) takes off them a
     step at ``rate`` (default: the largest rate): 2 lr l2 B (optim/sgd.py)."""

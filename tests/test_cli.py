@@ -903,3 +903,20 @@ def test_settings_the_run_does_not_read_are_noted_at_its_start(small_corpus, tmp
                      "parallel.delay_by_one=true: set, but not read with this run's other "
                      "settings (parallel.method bmuf, optimizer.name sgd, optimizer.schedule "
                      "exponential, model.nonlinearity relu)"]
+
+
+def test_an_l2_strong_enough_to_wear_the_model_down_is_noted_at_the_start(small_corpus,
+                                                                          tmp_path, capsys):
+    # accepted (below the bound of 1 a step), it ended runs at chance without a word
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run"), "--dry-run",
+            "--set", f"data.train={small_corpus}/train", "--set", f"data.dev={small_corpus}/dev",
+            "--set", "optimizer.initial_learning_rate=0.004", "--set", "training.minibatch=250"]
+    assert main(argv + ["--set", "optimizer.l2_regularize=1e-3"]) == 0
+    assert "config:" not in capsys.readouterr().out
+    assert main(argv + ["--set", "optimizer.l2_regularize=0.1"]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("config:")]
+    assert notes == ["config: optimizer.l2_regularize=0.1 takes 0.2 of the weights off them "
+                     "a step at the largest rate (2 x rate x L2 x training.minibatch); from "
+                     "0.1 the model wears down towards chance (Kaldi's values, 1e-5 to 1e-3, "
+                     "take well under 0.001)"], notes

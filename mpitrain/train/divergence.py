@@ -48,7 +48,7 @@ import math
 import os
 import sys
 
-from ..config import l2_shrink
+from ..config import STRONG_L2_SHRINK, l2_shrink
 
 #: Weight of a new window in the running mean of the objective.
 MEAN_WEIGHT = 0.3
@@ -95,10 +95,9 @@ def _step_suspects(cfg) -> str:
     values ('optimizer.l2_regularize (0.5)'); empty when none does."""
     opt, par = cfg.optimizer, cfg.parallel
     # past a tenth of the weights a step at the largest rate, L2 is what blows up
-    # (Kaldi's values shrink them by well under 1e-3)
     suspects = [(f"optimizer.{key}", f"{getattr(opt, key):g}")
                 for key in ("l2_regularize", "l2_regularize_output")
-                if l2_shrink(cfg, key) >= 0.1]
+                if l2_shrink(cfg, key) >= STRONG_L2_SHRINK]
     if par.method == "bmuf":
         # its block step is block_lr times the averaged change, carried on by its momentum
         if par.block_lr > 1:

@@ -18,7 +18,8 @@ import time
 import numpy as np
 
 from .. import backend
-from ..config import RunConfig, config_to_yaml, l2_rate_limit
+from ..config import (STRONG_L2_SHRINK, RunConfig, config_to_yaml, l2_rate_limit,
+                      l2_shrink)
 from ..data.batcher import MinibatchStream, plan_chunks
 from ..data.corpus import CorpusError, manifest_path, speaker_cmvn_kind
 from ..data.validate import validate_corpus, validate_slices
@@ -101,6 +102,7 @@ class Trainer(CheckpointResume):
         self._build_data()
         self._note_blas_threads()
         self._note_unread_settings()
+        self._note_strong_l2()
         try:
             self.strategy = build_strategy(cfg, self.comm, total_steps=self.planned_steps)
         except ValueError as exc:        # from the settings and the rank count: every rank's
@@ -274,6 +276,19 @@ class Trainer(CheckpointResume):
                       f"optimizer.name {self.cfg.optimizer.name}, optimizer.schedule "
                       f"{self.cfg.optimizer.schedule}, model.nonlinearity "
                       f"{self.cfg.model.nonlinearity})")
+
+    def _note_strong_l2(self) -> None:
+        """The note on an L2 term strong enough to wear the model down: accepted
+        (below the bound of 1 a step), it ended runs at chance without a word."""
+        for key in ("l2_regularize", "l2_regularize_output"):
+            shrink = l2_shrink(self.cfg, key)
+            if shrink >= STRONG_L2_SHRINK:
+                value = getattr(self.cfg.optimizer, key)
+                self._say(f"config: optimizer.{key}={value:g} takes {shrink:.2g} of the "
+                          f"weights off them a step at the largest rate (2 x rate x L2 x "
+                          f"training.minibatch); from {STRONG_L2_SHRINK:g} the model wears "
+                          f"down towards chance (Kaldi's values, 1e-5 to 1e-3, take well "
+                          f"under 0.001)")
 
     def _say_frames_left_out(self, used: int, why: str) -> None:
         """The note when an epoch trains on less than 95% of the corpus' frames."""
