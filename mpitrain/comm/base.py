@@ -22,6 +22,8 @@ from typing import Any, Callable, Iterable, Optional
 
 import numpy as np
 
+from .. import backend
+
 #: Reduction names accepted by the buffer and scalar reductions.
 REDUCE_OPS = ("mean", "sum", "max", "min")
 
@@ -90,7 +92,9 @@ def _json_default(obj):
     # numpy scalars and small arrays turn up in metrics; send them as plain values.
     if isinstance(obj, np.generic):
         return obj.item()
-    if isinstance(obj, np.ndarray):
+    # A device array is refused by its device, not by its type: CuPy's is no
+    # numpy.ndarray, but the CPU stand-in's is, and would be read here unseen.
+    if isinstance(obj, np.ndarray) and not backend.is_gpu_array(obj):
         return obj.tolist()
     raise TypeError(f"object of type {type(obj).__name__} cannot be sent between ranks "
                     f"(only JSON-able values: dict, list, str, int, float, bool, None)")
