@@ -21,6 +21,13 @@ device reports (compute capability, cuBLAS version); ``cuda.cublas`` is a
 cuBLAS binding whose ``gemmEx`` reads its host scalars during the call, as
 cuBLAS does.
 
+Being a NumPy subclass, it cannot refuse what NumPy takes from an ndarray
+without asking it: ``host[...] = device`` and ``np.float32(a)`` or
+``np.int64(a)`` of a 0-d array (CuPy: TypeError), ``isinstance(a, np.ndarray)``
+(False for CuPy's) and the buffer protocol (``memoryview(a)``; CuPy 13+ has
+none).  Code decides host or device with ``backend.is_gpu_array`` and reads
+with ``backend.to_host``, never by these.
+
 Example::
 
     from mpitrain import backend
