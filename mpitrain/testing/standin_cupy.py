@@ -129,13 +129,18 @@ _numpy_conversions = {name: getattr(np, name) for name in _CONVERSIONS}
 _patched = {"depth": 0, "lock": threading.Lock()}
 
 
+#: The name of each conversion's data argument, which callers may pass by keyword.
+_DATA_ARGUMENT = {"array": "object", "frombuffer": "buffer"}
+
+
 def _refusing(name):
     original = _numpy_conversions[name]
+    keyword = _DATA_ARGUMENT.get(name, "a")
 
-    def convert(obj, *args, **kwargs):
-        if _holds_device_array(obj):
+    def convert(*args, **kwargs):
+        if _holds_device_array(args[0] if args else kwargs.get(keyword)):
             raise TypeError(IMPLICIT_CONVERSION)
-        return original(obj, *args, **kwargs)
+        return original(*args, **kwargs)
     convert.__name__ = convert.__qualname__ = name
     convert.__doc__ = original.__doc__
     return convert

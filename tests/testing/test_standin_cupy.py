@@ -132,3 +132,14 @@ def test_host_arrays_in_the_modules_functions_are_refused_as_cupy_refuses_them()
         assert cp.zeros_like(host).shape == (4,)
         cp.copyto(device, np.asarray(3.0, dtype=np.float32))
         assert float(cp.full(2, np.asarray(2.0, dtype=np.float32)).sum()) == 4.0
+
+
+def test_numpys_conversions_take_their_data_by_keyword_while_installed():
+    """NumPy's own signatures hold while the refusing conversions stand in for them:
+    ``np.asarray(a=...)`` failed on a missing positional argument."""
+    with standin_cupy.installed() as cp:
+        assert np.asarray(a=[1.0]).tolist() == [1.0]
+        assert np.array(object=[2.0]).tolist() == [2.0]
+        assert np.frombuffer(buffer=b"\x01\x02", dtype=np.uint8).tolist() == [1, 2]
+        with pytest.raises(TypeError, match="Implicit conversion to a NumPy array"):
+            np.asarray(a=cp.ones(2, dtype=cp.float32))
