@@ -443,7 +443,8 @@ def time_to_accuracy(cfg, group, *, method: str, run_dir: str, options: BenchOpt
         ("training.max_steps", cfg.training.max_steps), ("--max-steps", options.max_steps),
         ("--max-frames", math.ceil(options.max_frames / (batch * n)) if options.max_frames
          else 0)) if c}
-    run_cfg = _with(cfg, **scaled_rates(cfg, options, n), **group_settings(cfg, method, n),
+    # (the settings check_runs checked, and the budgets and interval, valid by construction)
+    run_cfg = _with(cfg, **phase_settings(cfg, options, "accuracy", method, n),
                     training__eval_interval=interval,
                     training__max_steps=min(caps.values()) if caps else 0,
                     training__checkpoint_interval=0)
