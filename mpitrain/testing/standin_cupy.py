@@ -138,7 +138,9 @@ def _refusing(name):
     keyword = _DATA_ARGUMENT.get(name, "a")
 
     def convert(*args, **kwargs):
-        if _holds_device_array(args[0] if args else kwargs.get(keyword)):
+        # (inert once uninstalled: a module imported meanwhile may have bound it)
+        if _patched["depth"] and _holds_device_array(args[0] if args else
+                                                     kwargs.get(keyword)):
             raise TypeError(IMPLICIT_CONVERSION)
         return original(*args, **kwargs)
     convert.__name__ = convert.__qualname__ = name

@@ -143,3 +143,15 @@ def test_numpys_conversions_take_their_data_by_keyword_while_installed():
         assert np.frombuffer(buffer=b"\x01\x02", dtype=np.uint8).tolist() == [1, 2]
         with pytest.raises(TypeError, match="Implicit conversion to a NumPy array"):
             np.asarray(a=cp.ones(2, dtype=cp.float32))
+
+
+def test_a_conversion_bound_while_installed_is_numpys_own_once_uninstalled():
+    """A module imported inside ``installed()`` that binds ``np.asarray`` (``from
+    numpy import asarray``) keeps the stand-in's: it refused device arrays after."""
+    with standin_cupy.installed() as cp:
+        bound = np.asarray
+        device = cp.arange(2, dtype=cp.float32)
+    assert bound(device).tolist() == [0.0, 1.0]
+    with standin_cupy.installed():
+        with pytest.raises(TypeError, match="Implicit conversion"):
+            bound(device)
