@@ -632,9 +632,18 @@ def _check_l2_shrink(cfg: RunConfig, where: str) -> None:
                               f"x {minibatch} (training.minibatch) = {shrink:.3g} of "
                               "themselves a step, "
                               f"which zeroes or flips them; expected below "
-                              f"{1.0 / (2.0 * rate * minibatch):.3g} (Kaldi's values: 1e-5 "
+                              f"{_rounded_down(1.0 / (2.0 * rate * minibatch))} (Kaldi's values: 1e-5 "
                               "to 1e-3)")
         _check_block_shrink(cfg, key, shrink, where)
+
+
+def _rounded_down(limit: float) -> str:
+    """``limit`` to 3 significant digits, rounded down: a value below the shown one
+    is below the limit too (rounded to nearest, it could be refused)."""
+    if not math.isfinite(limit) or limit <= 0:
+        return f"{limit:.3g}"
+    unit = 10.0 ** (math.floor(math.log10(limit)) - 2)
+    return f"{math.floor(limit / unit * (1 + 1e-12)) * unit:.3g}"
 
 
 def _check_block_shrink(cfg: RunConfig, key: str, shrink: float, where: str) -> None:
@@ -658,7 +667,7 @@ def _check_block_shrink(cfg: RunConfig, key: str, shrink: float, where: str) -> 
                           f"{par.block_lr:g} (parallel.block_lr) x (1 - (1 - {shrink:.3g})^"
                           f"{steps} (steps between syncs, parallel.{every})) = {block:.3g} "
                           "of them a block, which zeroes or flips them; expected below "
-                          f"{below:.3g}, or a lower parallel.block_lr")
+                          f"{_rounded_down(below)}, or a lower parallel.block_lr")
 
 
 # parallel.* settings that belong to one method: (key, whether it is set, the method)

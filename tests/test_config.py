@@ -455,6 +455,14 @@ def test_an_l2_that_zeroes_or_flips_the_weights_in_one_step_is_refused(tmp_path)
                                          ["optimizer.l2_regularize=1"])
     assert load_config(str(path), ["optimizer.l2_regularize=0.999"]).optimizer \
         .l2_regularize == 0.999
+    # the limit shown is rounded down, so a value below it is accepted: at minibatch
+    # 256 the limit is 0.9765625 (shown to nearest, 0.977 was itself refused)
+    msg = _error(tmp_path, path.read_text(), ["training.minibatch=256",
+                                              "optimizer.l2_regularize=1"])
+    assert msg.endswith("expected below 0.976 (Kaldi's values: 1e-5 to 1e-3)"), msg
+    assert load_config(str(path), ["training.minibatch=256",
+                                   "optimizer.l2_regularize=0.9759"]).optimizer \
+        .l2_regularize == 0.9759
 
 
 def test_the_l2_bound_is_at_the_largest_rate_the_schedule_sets(tmp_path):
