@@ -451,22 +451,29 @@ def test_resume_on_real_ranks_continues_from_each_ranks_checkpoint(small_corpus,
 @pytest.mark.mpi
 def test_the_others_stop_at_the_budget_while_rank_0_is_late_on_real_ranks(small_corpus,
                                                                            tmp_path):
-    """Rank 0's 10th step takes 3 s: the others, at 10 ms a step, went on until it
-    ended, to several times the budget; they now stop there and wait for its call."""
+    """Rank 0's 10th step lasts as long as 60 of its earlier ones (1-3 s on an idle
+    machine; measured in the run, so that the others can take about 60 steps
+    meanwhile however busy the cores are): the others, at 10 ms a step and more, went
+    on until it ended, to twice the budget; they now stop there and wait for
+    its call."""
+    late = 60
     run = tmp_path / "run"
-    args = [str(WORKERS / "late_step_worker.py"), "0", "10", "3.0", "0.01", "--", "train",
-            QUICKSTART, "--run-dir", str(run)]
+    args = [str(WORKERS / "late_step_worker.py"), "0", "10", f"{late}x", "0.01", "--",
+            "train", QUICKSTART, "--run-dir", str(run)]
     for item in small_overrides(small_corpus) + TINY + ASYNC + [
             "training.max_steps=30", "training.checkpoint_interval=0",
             "training.log_interval=5", "training.eval_interval=0"]:
         args += ["--set", item]
     try:
-        result = run_mpi(4, args, timeout=120)
+        result = run_mpi(4, args, timeout=180)
     except MpiTimeoutError as exc:
         pytest.fail(f"asynchronous ADPSGD with a late rank 0 hung: {exc}")
     assert result.returncode == 0, mpi_output(result)
     budget = 30 * 4 * 256
     end = records(run, "end")[-1]
-    # a few steps per rank past it at most (a mix or two to hear of the others; 3 on an
-    # idle machine, more when the cores are shared and the mixes lag; 28 without)
-    assert budget <= end["frames"] <= budget + 8 * 4 * 256, (end["frames"] / 4 / 256, 30)
+    # a few steps per rank past it at most: a mix or two to hear of the others (3 on an
+    # idle machine; more when the cores are shared and a rank that carries the counts
+    # waits for a core while its partners step on), far fewer than the late step's
+    # 60, of which those stepping on took 20-30 past the budget
+    over = (end["frames"] - budget) / 4 / 256
+    assert 0 <= over <= late / 4, (over, late)
