@@ -401,14 +401,16 @@ def test_slow_rank_on_uneven_shards_finishes_and_learns(small_corpus, tmp_path_f
 @pytest.mark.mpi
 def test_slow_checkpoint_writes_neither_starve_rank_0_nor_overshoot_the_budget(small_corpus,
                                                                               tmp_path):
-    """Each checkpoint write of rank 0 takes 0.3 s: the other ranks stepped on meanwhile,
+    """Each checkpoint write of rank 0 lasts 15 of its step intervals as measured in the
+    run (about 0.3 s on an idle machine, longer on a busy one, where a fixed time was
+    fewer of the others' steps): the other ranks stepped on meanwhile,
     so rank 0 fell far behind (a sixth of their steps), was called to few checkpoints
     and could see the budget's end late, and the ranks hardly mixed.  They now wait for the
     file, as at a synchronous checkpoint.  Every step sleeps 15 ms: steps of a
     millisecond's compute let the others take tens of steps while a loaded machine
     held rank 0 back, as if it wrote a file."""
     run = tmp_path / "run"
-    args = [str(WORKERS / "slow_checkpoint_worker.py"), "0.3", "0.015", "--", "train",
+    args = [str(WORKERS / "slow_checkpoint_worker.py"), "15x", "0.015", "--", "train",
             QUICKSTART, "--run-dir", str(run)]
     for item in small_overrides(small_corpus) + TINY + ASYNC + [
             "training.max_steps=40", "training.checkpoint_interval=5",
