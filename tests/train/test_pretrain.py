@@ -377,6 +377,26 @@ def test_a_damaged_newest_checkpoint_is_skipped_on_resume(small_corpus, tmp_path
     assert (run / "pretrain.h5").exists()
 
 
+def test_pretrain_resume_without_a_checkpoint_names_the_way_to_start(small_corpus, tmp_path,
+                                                                    capsys):
+    # a pretraining stopped before its first checkpoint leaves config.yaml and
+    # metrics.jsonl, which a start without --resume refuses ("continue it with
+    # --resume"); --resume said no checkpoint "verifies", with none there
+    run = tmp_path / "run"
+    run.mkdir()
+    argv = _argv("pretrain", run, small_corpus) + ["--resume"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("no pretraining checkpoint (ckpt-*.h5) to continue from; start the "
+                        "run without --resume"), err
+    (run / "config.yaml").write_text("data: {}\n")
+    (run / "metrics.jsonl").write_text("")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(run) in err, err
+    assert err.endswith("start it afresh with --overwrite"), err
+
+
 @pytest.mark.mpi
 def test_averaged_cd1_on_two_ranks_stays_in_sync_and_matches_one_rank(mpiexec):
     result = run_mpi(2, [str(WORKERS / "rbm_worker.py"), "2"], timeout=120)
