@@ -103,6 +103,11 @@ def read_metrics(run_dir) -> dict[str, list[dict]]:
         if path != run_dir and not os.path.isdir(run_dir):
             raise FileNotFoundError(f"{run_dir}: is a file, not a run directory (which "
                                     "holds metrics.jsonl)")
+        if os.path.isfile(os.path.join(run_dir, "bench.json")):
+            # a benchmark's --out: its report plots are there already, its runs under runs/
+            raise FileNotFoundError(f"{run_dir}: a benchmark's report (bench.md, bench.json), "
+                                    "not a run; its runs: "
+                                    f"{os.path.join(run_dir, 'runs', '*')}")
         raise FileNotFoundError(f"{path}: no metrics file (a run directory of "
                                 "`mpitrain train` has one)")
     records: dict[str, list[dict]] = {kind: [] for kind in RECORD_TYPES}

@@ -177,6 +177,20 @@ def test_cli_plot_writes_png_and_reports_bad_runs(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err
 
 
+def test_plot_of_a_benchmarks_report_points_to_its_runs(tmp_path, capsys):
+    # `status` of a bench --out says it is a report whose runs are under runs/;
+    # `plot` said only that it holds no metrics.jsonl
+    bench = tmp_path / "bench"
+    bench.mkdir()
+    (bench / "bench.json").write_text("{}")
+    (bench / "bench.md").write_text("")
+    assert cli_main(["plot", str(bench)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.endswith(f"{bench}: a benchmark's report (bench.md, bench.json), not a run; "
+                        f"its runs: {bench / 'runs' / '*'}"), err
+
+
 def test_a_resumed_or_rolled_back_run_reads_as_one_timeline(tmp_path):
     lines = [
         {"type": "start", "time": 0.0, "step": 0},
