@@ -615,7 +615,12 @@ def cmd_bench(args) -> int:
     from .bench.report import clear_earlier_bench, out_dir_problem, write_report
     from .config import load_config
     with _before_mpi():
-        virtual_sizes = _number_list(args.virtual, "--virtual")
+        virtual_sizes = _number_list(args.virtual or "", "--virtual")
+        if args.virtual is not None and not virtual_sizes:
+            # (an empty list, a variable left unset in a script: not a benchmark of
+            # real ranks in its place)
+            raise UsageError(f"--virtual: expected group sizes, e.g. 1,2,4; got "
+                             f"{args.virtual!r}")
     options = None
 
     def checks():
@@ -1101,7 +1106,7 @@ def build_parser(*, quiet_errors: bool = False,
                    help="learning rates of N ranks: the config's x1, xN or x sqrt(N) (on top "
                         "of the method's own rule: kaldi already scales by its jobs)")
     p.add_argument("--dpi", type=int, default=100, help="resolution of the PNG plots")
-    p.add_argument("--virtual", default="", metavar="1,2,4,...",
+    p.add_argument("--virtual", default=None, metavar="1,2,4,...",
                    help="simulate these group sizes as virtual ranks in this process "
                         "(no mpiexec; --compute-ms is then each step's time, 0: measured)")
     _add_virtual_options(p, network=False)

@@ -563,6 +563,18 @@ def test_a_bench_option_error_under_mpiexec_is_said_once(mpiexec, small_corpus, 
     assert said == [line], result.stderr
 
 
+@pytest.mark.parametrize("sizes", ["", ",", " "])
+def test_bench_virtual_without_sizes_is_refused_not_run_on_real_ranks(tmp_path, capsys, sizes):
+    # an empty --virtual (a variable left unset in a script) ran the benchmark on
+    # this process's one real rank instead, into the same --out
+    from .helpers import QUICKSTART
+    out = tmp_path / "out"
+    assert main(["bench", QUICKSTART, "--virtual", sizes, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == ("mpitrain bench: error: --virtual: expected group "
+                                       f"sizes, e.g. 1,2,4; got {sizes!r}\n")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("virtual", [True, False], ids=["virtual", "one-rank"])
 def test_bench_refuses_an_out_holding_an_earlier_benchmark(small_corpus, tmp_path, capsys,
                                                            virtual):
