@@ -321,6 +321,10 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
             return EXIT_STOPPED
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if getattr(exc, "agreed", False) or comm.size == 1:
+            if comm.size > 1:
+                # the job's status is settled (2): a stop signal while a rank waits in
+                # MPI's finalize would replace it with the signal's
+                ignore_from_now_on()
             if comm.rank != 0:        # every rank stopped here: rank 0 says why
                 return 2
             if getattr(exc, "setting", False) and args.config:

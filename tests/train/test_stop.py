@@ -438,3 +438,23 @@ def test_a_signal_after_the_run_ended_leaves_the_job_complete(small_corpus, tmp_
     assert done.returncode == 0, mpi_output(done)
     assert (run / ("final.h5" if command == "train" else "pretrain.h5")).exists()
     assert not records(run, "stop")
+
+
+@pytest.mark.mpi
+def test_a_signal_after_an_error_every_rank_reached_keeps_the_jobs_status(small_corpus,
+                                                                            tmp_path):
+    """A stop signal on a rank that had stopped with the others at an error (a
+    divergence), while it waited in MPI's finalize for rank 0: it died of the
+    signal and the job's status 2 became the signal's (143)."""
+    run = tmp_path / "run"
+    args = [str(WORKERS / "finalize_signal_worker.py"), "SIGTERM", "3", "--", "pretrain",
+            QUICKSTART, "--run-dir", str(run)]
+    for item in [f"data.train={small_corpus}/train", f"data.dev={small_corpus}/dev",
+                 "data.chunk_frames=20000", "model.hidden_layers=1", "model.hidden_dim=16",
+                 "training.log_interval=4", "pretrain.epochs_gaussian=0.05",
+                 "model.nonlinearity=sigmoid", "pretrain.learning_rate_gaussian=5",
+                 "pretrain.divergence_factor=1.2"]:
+        args += ["--set", item]
+    done = run_mpi(2, args, timeout=120)
+    assert "error:" in done.stderr, mpi_output(done)
+    assert done.returncode == 2, mpi_output(done)
