@@ -212,11 +212,20 @@ def cmd_check(args) -> int:
     return 1 if problems else 0
 
 
+def _require_training_corpus(cfg, config: str) -> None:
+    """A config without ``data.train`` (a variable left unset in ``--set
+    data.train=$DIR``) is named by its file before MPI starts."""
+    if not cfg.data.train:
+        raise UsageError(f"{config}: data.train: no training corpus given (set data.train "
+                         "in the config or with --set data.train=DIR)")
+
+
 def cmd_train(args) -> int:
     from .config import load_config
     if args.virtual:
         with _before_mpi():
             cfg = load_config(args.config, args.set)
+            _require_training_corpus(cfg, args.config)
             _refuse_virtual_under_a_launcher()
         return _train_virtual(args, cfg)
     from .train.trainer import Trainer
@@ -238,6 +247,7 @@ def _start_ranks(args, checks=None):
 
     def prepare():
         cfg = load_config(args.config, args.set)
+        _require_training_corpus(cfg, args.config)
         if checks is not None:
             checks()
         return cfg, rank_settings(cfg, args)
@@ -563,9 +573,7 @@ def _check_corpus_feeds(cfg, config: str, sizes, options) -> None:
     from .data.batcher import plan_chunks
     from .data.corpus import load_manifest
     from .train.setup import balanced_plan
-    if not cfg.data.train:
-        raise UsageError(f"{config}: data.train: no training corpus given (set data.train "
-                         "in the config or with --set data.train=DIR)")
+    _require_training_corpus(cfg, config)
     for key in ("data.train", "data.dev") if options.measures_accuracy else ("data.train",):
         corpus = getattr(cfg.data, key.split(".")[1])
         try:

@@ -111,11 +111,14 @@ def test_a_missing_shard_file(corpus, tmp_path, capsys):
     _refused(corpus, tmp_path, capsys, os.path.basename(path))
 
 
-def test_no_training_corpus_given(corpus, tmp_path, capsys):
+@pytest.mark.parametrize("command", [["train"], ["train", "--virtual", "2"], ["pretrain"]],
+                         ids=["train", "virtual", "pretrain"])
+def test_no_training_corpus_given(corpus, tmp_path, capsys, command):
     run = tmp_path / "run"
-    assert main(["train", QUICKSTART, "--run-dir", str(run), "--set", "data.train="]) == 2
+    assert main([*command, QUICKSTART, "--run-dir", str(run), "--set", "data.train="]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("mpitrain train: error: data.train: no training corpus given"), err
+    assert err.startswith(f"mpitrain {command[0]}: error: {QUICKSTART}: data.train: no "
+                          "training corpus given"), err
     assert err.count("\n") == 1 and not run.exists()
 
 
