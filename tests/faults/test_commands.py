@@ -122,6 +122,37 @@ def test_a_failed_prepare_leaves_no_directory(feats_scp, tmp_path, capsys):
     assert not out.exists()
 
 
+_GOOD_UTTERANCE = "u1 [\n 1 2 3\n 4 5 6 ]\n"
+
+
+@pytest.mark.parametrize("second, said", [
+    ("u1 [\n 1 2 3 ]\n", "utterance 'u1' appears twice"),
+    ("u2 [\n 1 2 ]\n", "utterance 'u2' has feature dimension 2, expected 3"),
+    ("u2 [\n 1 nan 3 ]\n", "utterance 'u2' contains NaN or inf"),
+    ("u2 [\n 1 inf 3 ]\n", "utterance 'u2' contains NaN or inf"),
+], ids=["duplicate", "dimension", "nan", "inf"])
+def test_prepare_refuses_a_bad_utterance_after_good_ones(tmp_path, capsys, second, said):
+    """An utterance that would make a wrong corpus, found after the shards were
+    begun: one line naming the file and the utterance, no corpus left."""
+    (tmp_path / "feats.txt").write_text(_GOOD_UTTERANCE + second)
+    (tmp_path / "ali.txt").write_text("u1 0 1\nu2 1\n")
+    out = tmp_path / "corpus"
+    assert main(["prepare", "--feats", f"ark,t:{tmp_path / 'feats.txt'}",
+                 "--ali", f"ark,t:{tmp_path / 'ali.txt'}", "--out", str(out)]) == 2
+    err = _one_line(capsys, "prepare")
+    assert f"feats.txt: {said}" in err, err
+    assert not out.exists()
+
+
+def test_prepare_of_alignments_holding_none(feats_scp, tmp_path, capsys):
+    (tmp_path / "ali.txt").write_text("")
+    out = tmp_path / "corpus"
+    assert main(["prepare", "--feats", feats_scp, "--ali", f"ark,t:{tmp_path / 'ali.txt'}",
+                 "--out", str(out)]) == 2
+    assert "ali.txt: no alignments found" in _one_line(capsys, "prepare")
+    assert not out.exists()
+
+
 def test_prepare_refuses_an_existing_corpus_without_overwrite(small_corpus, feats_scp,
                                                              tmp_path, capsys):
     import kaldiio
