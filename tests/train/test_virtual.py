@@ -154,9 +154,10 @@ def test_step_time_options_out_of_range_are_refused_before_anything_runs(small_c
         arg for key in small_overrides(small_corpus) for arg in ("--set", key)]
     # --jitter 1e300 ended mid-run in an OverflowError traceback; --compute-ms -1 was
     # taken for 0 (measured) and --slowdown 1=inf for a factor
-    for option, message in ((["--jitter", "1e300"], "jitter: expected a number in [0, 10]"),
+    for option, message in ((["--jitter", "1e300"], "--jitter: expected a number in [0, 10]"),
                             (["--compute-ms", "-1"], "--compute-ms: expected a step time"),
-                            (["--slowdown", "1=inf"], "a finite factor > 0, got 1=inf")):
+                            (["--slowdown", "1=inf"],
+                             "--slowdown: expected a finite factor > 0 for rank 1, got 1=inf")):
         assert main(base + option) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
