@@ -521,7 +521,8 @@ def _add_virtual_options(p, *, network: bool) -> None:
     p.add_argument("--allreduce-algorithm", default="ring", choices=("ring", "tree", "auto"),
                    help="network model: allreduce cost (auto: the cheaper per buffer)")
     p.add_argument("--slowdown", default="", metavar="RANK=FACTOR,...",
-                   help="virtual ranks: slower ranks, e.g. 3=2.0 (rank 3 takes twice as long)")
+                   help="virtual ranks: step-time factors, e.g. 3=2.0 (rank 3 takes twice as "
+                        "long; below 1 a faster rank)")
     p.add_argument("--jitter", type=float, default=0.0,
                    help="virtual ranks: log-normal noise of each step time (sigma of its log)")
     p.add_argument("--jitter-seed", type=int, default=0, help="virtual ranks: seed of the jitter")
