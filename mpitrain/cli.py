@@ -403,6 +403,10 @@ def _train_virtual(args, cfg) -> int:
     if problem:
         raise UsageError(problem)
     try:
+        # (before a dry run too, which would say the plan holds; a step time still to
+        # be measured is measured by train_virtual, after its own checks)
+        network = _network_model(args)
+        compute = _compute_model(args, cfg, args.virtual)
         if args.dry_run:
             lines = plan_virtual(cfg, size=args.virtual, run_dir=run_dir,
                                  resume=args.resume, overwrite=args.overwrite,
@@ -413,8 +417,7 @@ def _train_virtual(args, cfg) -> int:
         # real ranks (train/stop.py); the virtual ranks read the one flag of the process
         with stop_on_signals():
             result = train_virtual(cfg, size=args.virtual, run_dir=run_dir,
-                                   network=_network_model(args),
-                                   compute=_compute_model(args, cfg, args.virtual),
+                                   network=network, compute=compute,
                                    resume=args.resume, overwrite=args.overwrite,
                                    accept_changes=args.accept_changes)
         if result.get("stopped"):

@@ -158,10 +158,11 @@ def test_step_time_options_out_of_range_are_refused_before_anything_runs(small_c
                             (["--compute-ms", "-1"], "--compute-ms: expected a step time"),
                             (["--slowdown", "1=inf"],
                              "--slowdown: expected a finite factor > 0 for rank 1, got 1=inf")):
-        assert main(base + option) == 2
-        err = capsys.readouterr().err
-        assert err.count("\n") == 1 and message in err, err
-        assert not (tmp_path / "run").exists()
+        for dry_run in ([], ["--dry-run"]):     # (a dry run said the plan held)
+            assert main(base + option + dry_run) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and message in err, err
+            assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match="jitter"):
         ComputeModel(step_seconds=0.01, jitter=38.0)
 
