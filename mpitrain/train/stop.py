@@ -158,16 +158,18 @@ def stop_requested() -> bool:
 
 
 _caught_early = False
-#: Set once every rank has passed the run's last barrier (:func:`ignore_from_now_on`).
+#: Set once every rank has passed the run's last barrier, or stopped at an error
+#: every rank reached (:func:`ignore_from_now_on`).
 _run_complete = False
 #: The stop signals :func:`ignore_from_now_on` set to SIG_IGN (not ignored before).
 _ignored_at_the_end: set = set()
 
 
 def ignore_from_now_on() -> None:
-    """The run is complete on every rank (its files written, its status known): a
-    stop signal from here to the process's end has nothing left to save, so it is
-    ignored, through MPI's finalize too, where a rank waits for the slowest one
+    """The run is complete on every rank (its files written, its status known; or
+    every rank stopped at the same error, the status 2): a stop signal from here
+    to the process's end has nothing left to save, so it is ignored, through
+    MPI's finalize too, where a rank waits for the slowest one
     (it died of the signal there, and the launcher failed the finished job).
     SIG_IGN, not a Python handler: the interpreter puts back the default action
     of the signals it handles before MPI's finalize runs.  Ctrl-C and SIGKILL
