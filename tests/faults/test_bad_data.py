@@ -111,11 +111,13 @@ def test_a_missing_shard_file(corpus, tmp_path, capsys):
     _refused(corpus, tmp_path, capsys, os.path.basename(path))
 
 
-@pytest.mark.parametrize("command", [["train"], ["train", "--virtual", "2"], ["pretrain"]],
-                         ids=["train", "virtual", "pretrain"])
+@pytest.mark.parametrize("command", [["train"], ["train", "--virtual", "2"], ["pretrain"],
+                                     ["bench"], ["bench", "--virtual", "1,2"]],
+                         ids=["train", "virtual", "pretrain", "bench", "bench-virtual"])
 def test_no_training_corpus_given(corpus, tmp_path, capsys, command):
     run = tmp_path / "run"
-    assert main([*command, QUICKSTART, "--run-dir", str(run), "--set", "data.train="]) == 2
+    where = "--out" if command[0] == "bench" else "--run-dir"
+    assert main([*command, QUICKSTART, where, str(run), "--set", "data.train="]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"mpitrain {command[0]}: error: {QUICKSTART}: data.train: no "
                           "training corpus given"), err
