@@ -65,7 +65,8 @@ from .checkpoint_clock import CheckpointClock
 from .divergence import MIN_JUDGED_FRAMES
 from .errors import TrainingError, error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import corpus_identity, corpus_places, resume_changes, run_files, take_run_dir
+from .run_dir import (corpus_identity, corpus_places, no_checkpoint_way, resume_changes,
+                      take_run_dir)
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
 from ..words import plural
@@ -501,10 +502,7 @@ class Pretrainer:
             break
         way = None
         if self.is_root and not found:
-            # (a run stopped before its first checkpoint leaves its config and log,
-            # which a start without --resume refuses: name the way out, as train does)
-            way = ("start it afresh with --overwrite" if run_files(self.run_dir)
-                   else "start the run without --resume")
+            way = no_checkpoint_way(self.run_dir, RESULT_NAME)
         chosen, notes, way = self.comm.bcast_obj([chosen, notes, way], root=0)
         if way is not None:
             raise TrainingError(f"{self.run_dir}: no pretraining checkpoint (ckpt-*.h5) to "

@@ -24,8 +24,8 @@ from ..nn.model_file import BEST_MODEL, ModelMismatchError, save_model
 from ..parallel.registry import takes_own_steps
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
-from .run_dir import (corpus_identity, corpus_places, init_from_identity, resume_changes,
-                      run_files)
+from .run_dir import (corpus_identity, corpus_places, init_from_identity,
+                      no_checkpoint_way, resume_changes)
 from ..words import plural
 
 #: Prefixes of the schedule's and the model selection's scalars in the
@@ -146,10 +146,7 @@ class CheckpointResume:
             # (a job that still wrote here until the lock was ours: _open_run_dir)
             self.checkpoints_seen = {os.path.basename(path) for path in found}
             if not found:
-                # (a run stopped before its first checkpoint leaves its config and log,
-                # which a start without --resume refuses: name the way out)
-                way = ("start it afresh with --overwrite" if run_files(self.run_dir)
-                       else "start the run without --resume")
+                way = no_checkpoint_way(self.run_dir, "final.h5")
                 problem = f"{self.run_dir}: no checkpoint (ckpt-*.h5) to continue from; {way}"
             for path in reversed(found):
                 try:

@@ -102,6 +102,21 @@ def run_files(run_dir) -> list:
     return sorted(path for path in found if not os.path.isdir(path))
 
 
+def no_checkpoint_way(run_dir, result: str) -> str:
+    """What a ``--resume`` that finds no checkpoint in ``run_dir`` should do instead;
+    ``result``: the file a finished run wrote (final.h5, pretrain.h5)."""
+    if os.path.isfile(os.path.join(run_dir, result)):
+        # (--overwrite alone would delete the finished result without a word)
+        return (f"the run has finished ({result} is written): nothing to continue; "
+                f"--overwrite trains it again, replacing {result}, or give another "
+                "--run-dir")
+    # a run stopped before its first checkpoint leaves its config and log, which a
+    # start without --resume refuses
+    if run_files(run_dir):
+        return "start it afresh with --overwrite"
+    return "start the run without --resume"
+
+
 def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
     """Why ``run_dir`` cannot be used as asked, as one line; None when it can."""
     if resume and overwrite:

@@ -142,6 +142,15 @@ def test_resume_without_a_checkpoint_names_the_way_to_start(small_corpus, tmp_pa
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(run) in err, err
     assert err.endswith("start it afresh with --overwrite"), err
+    # a finished run whose checkpoints were removed: --overwrite alone would delete
+    # its final.h5, so the line says what that does
+    (run / "final.h5").write_bytes(b"")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("the run has finished (final.h5 is written): nothing to continue; "
+                        "--overwrite trains it again, replacing final.h5, or give another "
+                        "--run-dir"), err
+    assert (run / "final.h5").exists()
 
 
 def _write_corpus(corpus, hours: float, seed: int) -> None:
