@@ -9,7 +9,8 @@ gone mid-message); the communicator names that peer, and leaves alone an
 error of the call itself or of this rank's memory and a receive from any rank.  Prints "ok" and exits 0.
 
 ``train``: ``mpitrain train`` (param_server) through the command-line entry
-point, where server 0's 6th receive from rank 2 fails so.  Exits with the
+point, where server 0's 6th receive from rank 2 fails so; rank 0 first prints
+"ERR_OTHER: " and this MPI's words for that error class.  Exits with the
 command's status.
 """
 
@@ -89,6 +90,9 @@ def train(cli_args):
         return recv(self, buf, source, tag)
 
     comm_mpi.MpiCommunicator.recv = recv_losing_rank_2
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        # (this MPI's words for the error class, which the error line quotes)
+        print(f"ERR_OTHER: {MPI.Get_error_string(MPI.ERR_OTHER)}", flush=True)
     return main(cli_args)
 
 
