@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -60,6 +61,45 @@ def _is_open_mpi(launcher: str) -> bool:
         return False
     text = out.stdout + out.stderr
     return "Open MPI" in text or "OpenRTE" in text
+
+
+def launcher_is_open_mpi() -> bool:
+    """Whether :func:`run_mpi` starts its jobs with Open MPI's launcher, which ends
+    the whole job as soon as one rank exits with a non-zero status (MPICH's lets
+    the other ranks end on their own).
+
+    Example::
+
+        if launcher_is_open_mpi():
+            ...     # the ranks other than the failing one may be ended by the launcher
+    """
+    launcher = find_mpiexec()
+    return launcher is not None and _is_open_mpi(launcher)
+
+
+_RULE = "-" * 20
+#: A line of Open MPI's run-time (PMIx) that says nothing of the job itself.
+_PMIX_NOTE = re.compile(r"^\[[^\]]*:[0-9]+\] PMIX ERROR: ")
+
+
+def without_launcher_report(stderr: str) -> str:
+    """``stderr`` of a job without what the launcher itself says of it: Open MPI's
+    reports between lines of dashes (a rank that exited with a non-zero status,
+    an MPI abort) and its PMIx run time's notes; MPICH's launcher says nothing of
+    a rank's non-zero status, so there the text comes back as it was.
+
+    Example::
+
+        lines = without_launcher_report(result.stderr).splitlines()
+    """
+    kept, inside = [], False
+    for line in stderr.splitlines(keepends=True):
+        if line.strip().startswith(_RULE) and not line.strip().strip("-"):
+            inside = not inside
+            continue
+        if not inside and not _PMIX_NOTE.match(line):
+            kept.append(line)
+    return "".join(kept)
 
 
 def _launcher_args(launcher: str) -> list[str]:

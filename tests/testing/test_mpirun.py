@@ -22,3 +22,25 @@ def test_worker_skip_code_becomes_pytest_skip():
             "skip_worker('nothing to do here')")
     with pytest.raises(pytest.skip.Exception, match="nothing to do here"):
         run_mpi(2, ["-c", code], timeout=60)
+
+
+def test_open_mpi_is_told_by_the_launchers_version_line(tmp_path, monkeypatch):
+    from mpitrain.testing.mpirun import launcher_is_open_mpi
+    for name, line, expected in [("ompi", "mpirun (Open MPI) 5.0.11", True),
+                                 ("hydra", "HYDRA build details:", False)]:
+        fake = tmp_path / name
+        fake.write_text(f"#!/bin/sh\necho '{line}'\n", encoding="utf-8")
+        fake.chmod(0o755)
+        monkeypatch.setenv("MPIEXEC", str(fake))
+        assert launcher_is_open_mpi() is expected
+
+
+def test_the_launchers_own_report_is_taken_out_of_a_jobs_stderr():
+    from mpitrain.testing.mpirun import without_launcher_report
+    said = "mpitrain train: error: training diverged\n"
+    rule = "-" * 74 + "\n"
+    open_mpi = (said + "[vm:16198] PMIX ERROR: PMIX_ERR_UNREACH in file pmix_server.c at "
+                "line 3146\n" + rule + "prterun detected that one or more processes exited "
+                "with non-zero status,\n\n   Exit code:    2\n" + rule)
+    assert without_launcher_report(open_mpi) == said
+    assert without_launcher_report(said + "warning: a -- b\n") == said + "warning: a -- b\n"
