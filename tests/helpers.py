@@ -67,7 +67,8 @@ def records(run_dir, kind):
 
 def mpi_output(result):
     """The tail of an mpiexec run's output, for assertion messages."""
-    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{result.stderr[-6000:]}"
+    stderr = getattr(result, "full_stderr", result.stderr)      # (with the launcher's reports)
+    return f"--- stdout ---\n{result.stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}"
 
 
 def train_on_ranks(nranks, run_dir, corpus, settings=(), *, resume=False, timeout=120):

@@ -137,7 +137,9 @@ def run_mpi(np: int, args: Sequence[str], *, timeout: float = 120,
 
     Skips the calling test when no launcher exists or a worker exits with
     :data:`SKIP_EXIT_CODE`.  Past ``timeout`` seconds the whole process
-    group is killed and :class:`MpiTimeoutError` names the command.
+    group is killed and :class:`MpiTimeoutError` names the command.  The
+    result's ``stderr`` is the ranks' own (see :func:`without_launcher_report`);
+    ``full_stderr`` holds the launcher's reports too.
 
     Example::
 
@@ -167,7 +169,11 @@ def run_mpi(np: int, args: Sequence[str], *, timeout: float = 120,
             f"`{' '.join(command)}` did not finish within {timeout:g} s and was killed "
             f"(a rank hangs?)\n--- stdout ---\n{stdout[-4000:]}\n"
             f"--- stderr ---\n{stderr[-4000:]}") from None
-    result = subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+    # a test reads what the ranks said: Open MPI's launcher adds its own report
+    # of a rank's non-zero status or abort, which MPICH's does not write
+    result = subprocess.CompletedProcess(command, process.returncode, stdout,
+                                         without_launcher_report(stderr))
+    result.full_stderr = stderr
     if skip_on_code and result.returncode == SKIP_EXIT_CODE:
         import pytest
         pytest.skip(_skip_reason(stdout))

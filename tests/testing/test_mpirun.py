@@ -44,3 +44,12 @@ def test_the_launchers_own_report_is_taken_out_of_a_jobs_stderr():
                 "with non-zero status,\n\n   Exit code:    2\n" + rule)
     assert without_launcher_report(open_mpi) == said
     assert without_launcher_report(said + "warning: a -- b\n") == said + "warning: a -- b\n"
+
+
+def test_a_jobs_stderr_is_what_its_ranks_said():
+    # (Open MPI's launcher reports the status 2 in its own box of lines)
+    code = ("import sys; from mpitrain.comm import rank_from_env\n"
+            "if rank_from_env() == 0: sys.stderr.write('said\\n'); sys.exit(2)")
+    result = run_mpi(2, ["-c", code], timeout=60)
+    assert result.returncode != 0
+    assert result.stderr == "said\n", result.full_stderr
