@@ -25,6 +25,17 @@ def mpi_info(comm) -> dict:
     import mpi4py
     from mpi4py import MPI
     major, minor = MPI.Get_version()
-    return {"library_version": MPI.Get_library_version().strip(),
+    return {"library_version": library_version_text(MPI.Get_library_version()),
             "standard": f"{major}.{minor}", "mpi4py": mpi4py.__version__,
             "note": ""}
+
+
+def library_version_text(raw: str) -> str:
+    """MPI's library version string as text: Open MPI's ends in a NUL character
+    (its C string's end), which would follow it into JSON and reports.
+
+    Example::
+
+        library_version_text("Open MPI v5.0.11, ...\\x00")     # 'Open MPI v5.0.11, ...'
+    """
+    return raw.replace("\0", "").strip()

@@ -98,3 +98,10 @@ def test_launcher_announcing_many_tasks_but_world_of_one_is_an_error(tmp_path):
         # e.g. Open MPI 4 in a container without ssh cannot start a singleton at all
         pytest.skip("this MPI library cannot start a process without a launcher here")
     assert "MPI sees a world of 1" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_library_version_is_text_without_open_mpis_nul():
+    from mpitrain.comm.info import library_version_text
+    assert library_version_text("Open MPI v5.0.11, rev: v5.0.11rc1\x00") \
+        == "Open MPI v5.0.11, rev: v5.0.11rc1"
+    assert library_version_text("MPICH Version:      5.0.0\n") == "MPICH Version:      5.0.0"
