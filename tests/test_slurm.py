@@ -8,6 +8,7 @@ unless MPITRAIN_TEST_SLURM=1 says they must run, when they fail instead.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -66,6 +67,12 @@ def _job_env(cluster, **extra):
     return env
 
 
+def _srun_mpi():
+    """The srun plugin train.sbatch picks for this MPI: MPICH speaks PMI-2, Open MPI 5 PMIx."""
+    from mpitrain.testing.mpirun import launcher_is_open_mpi
+    return "pmix" if launcher_is_open_mpi() else "pmi2"
+
+
 def _train_overrides(corpus, **extra):
     values = {"data.train": os.path.join(corpus, "train"), "data.dev": os.path.join(corpus, "dev"),
               "data.chunk_frames": 20000, "model.hidden_dim": 256, "training.epochs": 3,
@@ -118,7 +125,7 @@ def test_train_job_on_two_ranks_learns(slurm, corpus, tmp_path):
                         f"--output={output}", os.path.join(SLURM_DIR, "train.sbatch"),
                         "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
     _, text = _finished_ok(slurm, job, output)
-    assert "srun --mpi=pmi2" in text             # MPICH from PyPI speaks PMI-2 to srun
+    assert f"srun --mpi={_srun_mpi()}" in text    # SRUN_MPI=auto: the plugin of this MPI
     start = _records(run_dir, "start")
     assert [r["ranks"] for r in start] == [2], text
     final = _records(run_dir, "eval")[-1]
@@ -163,6 +170,8 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
                                                             "training.checkpoint_interval": 10}))
     if not os.path.exists(env["MPIEXEC"]):
         env.pop("MPIEXEC")
+    elif _srun_mpi() == "pmix" and os.geteuid() == 0:
+        env["MPIEXEC"] += " --allow-run-as-root"         # as the README says for Open MPI
     job = slurm.sbatch(["--ntasks-per-node=2", "--cpus-per-task=1", f"--output={output}",
                         os.path.join(SLURM_DIR, "train.sbatch"),
                         "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
@@ -183,7 +192,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
     info, text = _finished_ok(slurm, job, output)
     assert info["Restarts"] == "1"
     assert "requeueing to resume from the newest checkpoint" in text
-    assert "mpiexec -n 2" in text
+    assert re.search(r"mpiexec( --allow-run-as-root)? -n 2 ", text), text
     steps = [r["step"] for r in _records(run_dir, "start")]
     assert len(steps) == 2 and steps[0] == 0 and steps[1] > 0, (steps, text)
     assert "--resume" in text.split("restart 1", 1)[1]
@@ -294,7 +303,7 @@ def test_bench_job_writes_its_report(slurm, corpus, tmp_path):
                         "model_averaging", "--phases", "throughput", "--steps", "8",
                         "--warmup-steps", "2"], env=env, cwd=REPO)
     _, text = _finished_ok(slurm, job, output)
-    assert "srun --mpi=pmi2" in text
+    assert f"srun --mpi={_srun_mpi()}" in text
     report = json.loads((out / "bench.json").read_text())
     assert report, text
 
