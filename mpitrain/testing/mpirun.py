@@ -77,29 +77,32 @@ def launcher_is_open_mpi() -> bool:
     return launcher is not None and _is_open_mpi(launcher)
 
 
-_RULE = "-" * 20
+#: The line of dashes above and below each of Open MPI's boxed reports.
+_RULE = "-" * 74
 #: A line of Open MPI's run-time (PMIx) that says nothing of the job itself.
 _PMIX_NOTE = re.compile(r"^\[[^\]]*:[0-9]+\] PMIX ERROR: ")
 
 
 def without_launcher_report(stderr: str) -> str:
-    """``stderr`` of a job without what the launcher itself says of it: Open MPI's
-    reports between lines of dashes (a rank that exited with a non-zero status,
-    an MPI abort) and its PMIx run time's notes; MPICH's launcher says nothing of
-    a rank's non-zero status, so there the text comes back as it was.
+    """``stderr`` of a job without what Open MPI's launcher itself says of it: its
+    reports boxed between two of its lines of dashes (a rank that exited with a
+    non-zero status, an MPI abort) and its PMIx run time's notes.  Only a whole
+    box goes: a rank's own line of dashes, or a box with no closing line, stays
+    with what follows it.
 
     Example::
 
         lines = without_launcher_report(result.stderr).splitlines()
     """
-    kept, inside = [], False
-    for line in stderr.splitlines(keepends=True):
-        if line.strip().startswith(_RULE) and not line.strip().strip("-"):
-            inside = not inside
-            continue
-        if not inside and not _PMIX_NOTE.match(line):
-            kept.append(line)
-    return "".join(kept)
+    lines = stderr.splitlines(keepends=True)
+    rules = [i for i, line in enumerate(lines) if line.rstrip("\r\n") == _RULE]
+    dropped = set()
+    for start, end in zip(rules[::2], rules[1::2]):
+        dropped.update(range(start, end + 1))
+        if end + 1 < len(lines) and not lines[end + 1].strip():
+            dropped.add(end + 1)      # (prterun ends some reports with a blank line)
+    return "".join(line for i, line in enumerate(lines)
+                   if i not in dropped and not _PMIX_NOTE.match(line))
 
 
 def _launcher_args(launcher: str) -> list[str]:
@@ -170,9 +173,9 @@ def run_mpi(np: int, args: Sequence[str], *, timeout: float = 120,
             f"(a rank hangs?)\n--- stdout ---\n{stdout[-4000:]}\n"
             f"--- stderr ---\n{stderr[-4000:]}") from None
     # a test reads what the ranks said: Open MPI's launcher adds its own report
-    # of a rank's non-zero status or abort, which MPICH's does not write
-    result = subprocess.CompletedProcess(command, process.returncode, stdout,
-                                         without_launcher_report(stderr))
+    # of a rank's non-zero status or abort; MPICH's text is kept as it came
+    said = without_launcher_report(stderr) if _is_open_mpi(launcher) else stderr
+    result = subprocess.CompletedProcess(command, process.returncode, stdout, said)
     result.full_stderr = stderr
     if skip_on_code and result.returncode == SKIP_EXIT_CODE:
         import pytest

@@ -44,6 +44,18 @@ def test_the_launchers_own_report_is_taken_out_of_a_jobs_stderr():
                 "with non-zero status,\n\n   Exit code:    2\n" + rule)
     assert without_launcher_report(open_mpi) == said
     assert without_launcher_report(said + "warning: a -- b\n") == said + "warning: a -- b\n"
+    # two reports in a row, a rank's line between them, prterun's blank line after
+    abort = rule + "MPI_ABORT was invoked on rank 0\n" + rule
+    assert without_launcher_report(abort + said + abort + " \n") == said
+
+
+def test_a_ranks_own_lines_of_dashes_are_kept_with_what_follows():
+    from mpitrain.testing.mpirun import without_launcher_report
+    table = "step  loss\n" + "-" * 30 + "\n1     0.5\n" + "-" * 30 + "\n"
+    assert without_launcher_report(table) == table
+    # a lone line of Open MPI's width, no box closed: nothing is taken out
+    lone = "-" * 74 + "\nmpitrain train: error: training diverged\n"
+    assert without_launcher_report(lone) == lone
 
 
 def test_a_jobs_stderr_is_what_its_ranks_said():
@@ -53,3 +65,11 @@ def test_a_jobs_stderr_is_what_its_ranks_said():
     result = run_mpi(2, ["-c", code], timeout=60)
     assert result.returncode != 0
     assert result.stderr == "said\n", result.full_stderr
+
+
+def test_a_ranks_line_of_dashes_does_not_hide_what_the_ranks_say_after_it():
+    code = ("import sys; from mpitrain.comm import rank_from_env\n"
+            "if rank_from_env() == 0: sys.stderr.write('-' * 74 + '\\nsaid\\n')")
+    result = run_mpi(2, ["-c", code], timeout=60)
+    assert result.returncode == 0, result.full_stderr
+    assert result.stderr == "-" * 74 + "\nsaid\n", result.full_stderr
