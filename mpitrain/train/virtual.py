@@ -76,14 +76,16 @@ class ComputeModel:
             raise ValueError(f"compute: step time must be a finite number >= 0 seconds, "
                              f"got {self.step_seconds!r}")
         for rank, factor in self.slowdown.items():
-            if int(rank) != rank or rank < 0 or not 0 < factor < math.inf:
-                raise ValueError(f"slowdown: expected rank=factor with rank >= 0 and "
-                                 f"a finite factor > 0, got {rank}={factor}")
+            if int(rank) != rank or rank < 0:
+                raise ValueError(f"slowdown: expected a rank >= 0, got {rank}={factor:g}")
+            if not 0 < factor < math.inf:
+                raise ValueError(f"slowdown: expected a finite factor > 0 for rank {rank}, "
+                                 f"got {rank}={factor:g}")
         # exp(jitter z - jitter^2 / 2) overflows past about 37 (an OverflowError
         # traceback mid-run); a spread of e^10 is already far beyond any machine's
         if not 0 <= self.jitter <= MAX_JITTER:
             raise ValueError(f"jitter: expected a number in [0, {MAX_JITTER:g}], "
-                             f"got {self.jitter!r}")
+                             f"got {self.jitter:g}")
 
     def step_times(self, rank: int):
         """An endless iterator of this rank's step times, in seconds."""
@@ -212,8 +214,11 @@ def compute_model(cfg, *, step_ms: float = 0.0, slowdown: Optional[dict] = None,
         # (a negative time was taken for 0: measured, without a word)
         raise ValueError(f"--compute-ms: expected a step time in ms >= 0 (0: measured "
                          f"here), got {step_ms!r}")
-    model = ComputeModel(step_seconds=step_ms * 1e-3, slowdown=dict(slowdown or {}),
-                         jitter=jitter, seed=seed)
+    try:
+        model = ComputeModel(step_seconds=step_ms * 1e-3, slowdown=dict(slowdown or {}),
+                             jitter=jitter, seed=seed)
+    except ValueError as exc:       # (named by the options that set them)
+        raise ValueError(f"--{exc}") from None
     if model.step_seconds > 0:
         return model
 
