@@ -10,7 +10,10 @@ implicit read of a value on the host -- ``float(a)``, ``int(a)``,
 operation (``np.dot(device, host)``, ``device * host``), a host array
 assigned to a basic-indexed slice (``device[...] = host``), and, while
 installed, an implicit conversion to NumPy (``np.asarray(device)``,
-``np.array([device, ...])``); iterating gives 0-d device arrays, as in CuPy.
+``np.array([device, ...])``), and a host array of another dtype or shape
+in ``get(out=)``, ``asnumpy(out=)`` or ``set()`` (no cast, no broadcast);
+``asarray`` hands a device array back as it is, as CuPy does; iterating
+gives 0-d device arrays, as in CuPy.
 It has no kernel compiler (no ``RawModule``), so code that would launch a
 fused kernel takes its array expression path instead, on the same
 device-array discipline.  Within :func:`deferred_copies`, asynchronous
@@ -267,6 +270,8 @@ class DeviceArray(np.ndarray):
         return format(self.view(np.ndarray), spec)
 
     def get(self, stream=None, out=None):
+        if out is not None:
+            _check_host_twin(self, out, "obtained from")
         READS["asnumpy"] += 1
         if out is None and _deferred["ump"]:
             return _ump_view(self)
@@ -286,11 +291,28 @@ class DeviceArray(np.ndarray):
         return out
 
     def set(self, array, stream=None):
+        _check_host_twin(self, array, "set to")
+        if not (self.flags.c_contiguous or self.flags.f_contiguous):
+            raise RuntimeError("Cannot set to non-contiguous array")
         self.view(np.ndarray)[...] = array
 
     @property
     def data(self):
         return _Pointer(self)
+
+
+def _check_host_twin(device, host, verb: str) -> None:
+    """CuPy's ``get(out=host)`` and ``set(host)`` take a NumPy array of the device
+    array's own dtype and shape only: nothing is cast or broadcast."""
+    if not isinstance(host, np.ndarray) or isinstance(host, DeviceArray):
+        raise TypeError(f"Only numpy.ndarray can be {verb} cupy.ndarray")
+    if host.dtype != device.dtype:
+        raise TypeError(f"{host.dtype} array cannot be {verb} {device.dtype} array")
+    if host.shape != device.shape:
+        raise ValueError(f"Shape mismatch. Expected shape: {device.shape}, "
+                         f"actual shape: {host.shape}")
+    if not (host.flags.c_contiguous or host.flags.f_contiguous):
+        raise RuntimeError(f"a non-contiguous array cannot be {verb} cupy.ndarray")
 
 
 # Device-to-host copies in flight (``deferred_copies``): they land, in order, when
@@ -385,6 +407,8 @@ class _Stream:
 
 
 def _asnumpy(array, stream=None, order="C", out=None):
+    if out is not None and isinstance(array, DeviceArray):
+        _check_host_twin(array, out, "obtained from")
     READS["asnumpy"] += 1
     if out is None and _deferred["ump"] and isinstance(array, DeviceArray):
         return _ump_view(array)
@@ -520,18 +544,25 @@ def _build_module():
             return wrapped
         return value
 
-    def _copying(name):
-        # CuPy copies host data to the device; a view would alias host memory.
-        def make(obj, dtype=None, **kwargs):
-            if isinstance(obj, DeviceArray) and kwargs.get("copy") is False:
-                return obj if dtype is None else obj.astype(dtype, copy=False)
+    def _copying(name, default_copy):
+        # CuPy copies host data to the device; a view would alias host memory.  A
+        # device array is copied only when asked (array's default) or when its
+        # dtype changes; copy=False refuses a change of dtype (CuPy 14, as NumPy 2).
+        def make(obj, dtype=None, *, copy=default_copy, **kwargs):
+            if isinstance(obj, DeviceArray):
+                same = dtype is None or np.dtype(dtype) == obj.dtype
+                if copy is False and not same:
+                    raise ValueError("Unable to avoid copy while creating an array "
+                                     "as requested.")
+                if not copy and same:
+                    return obj
             return np.array(_plain(obj), dtype=dtype, copy=True).view(DeviceArray)
         make.__name__ = name
         return make
 
-    mod.asarray = _copying("asarray")
-    mod.array = _copying("array")
-    mod.asanyarray = _copying("asanyarray")
+    mod.asarray = _copying("asarray", None)
+    mod.array = _copying("array", True)
+    mod.asanyarray = _copying("asanyarray", None)
     mod.__getattr__ = _getattr
     return mod
 

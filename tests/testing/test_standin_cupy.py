@@ -155,3 +155,44 @@ def test_a_conversion_bound_while_installed_is_numpys_own_once_uninstalled():
     with standin_cupy.installed():
         with pytest.raises(TypeError, match="Implicit conversion"):
             bound(device)
+
+
+def test_get_into_and_set_from_host_arrays_take_the_same_dtype_and_shape_only():
+    """CuPy's ``get(out=)``, ``asnumpy(out=)`` and ``set()`` copy bytes: a host array of
+    another dtype or shape is refused (no cast, no broadcast), as are a non-contiguous
+    host array and, for ``set``, a non-contiguous device array."""
+    with standin_cupy.installed() as cp:
+        device = cp.arange(4, dtype=cp.float32)
+        for call in (lambda: device.get(out=np.empty(4, dtype=np.float64)),
+                     lambda: cp.asnumpy(device, out=np.empty(4, dtype=np.float64)),
+                     lambda: device.set(np.zeros(4, dtype=np.float64)),
+                     lambda: device.get(out=[0.0] * 4)):
+            with pytest.raises(TypeError):
+                call()
+        for call in (lambda: device.get(out=np.empty((1, 4), dtype=np.float32)),
+                     lambda: device.set(np.zeros(1, dtype=np.float32))):
+            with pytest.raises(ValueError, match="Shape mismatch"):
+                call()
+        with pytest.raises(RuntimeError, match="non-contiguous"):
+            device[::2].set(np.zeros(2, dtype=np.float32))
+        with pytest.raises(RuntimeError, match="non-contiguous"):
+            device[:2].get(out=np.empty(4, dtype=np.float32)[::2])
+        out = np.empty(4, dtype=np.float32)
+        assert device.get(out=out) is out and out.tolist() == [0.0, 1.0, 2.0, 3.0]
+        device.set(np.ones(4, dtype=np.float32))
+        assert cp.asnumpy(device).tolist() == [1.0] * 4
+
+
+def test_asarray_of_a_device_array_is_that_array_as_in_cupy():
+    """cupy.asarray and asanyarray hand a device array of the asked dtype back as it
+    is (no copy: writes through either name show in both); cupy.array copies, and
+    ``copy=False`` with another dtype is refused (CuPy 14, as NumPy 2)."""
+    with standin_cupy.installed() as cp:
+        device = cp.zeros(3, dtype=cp.float32)
+        assert cp.asarray(device) is device
+        assert cp.asanyarray(device, dtype=np.float32) is device
+        assert cp.array(device) is not device
+        assert cp.asarray(device, dtype=np.float64).dtype == np.float64
+        with pytest.raises(ValueError, match="Unable to avoid copy"):
+            cp.asarray(device, dtype=np.float64, copy=False)
+        assert cp.asarray(device, copy=False) is device
