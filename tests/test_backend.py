@@ -57,6 +57,27 @@ def test_reduced_precision_gemm_is_close(cp, precision, rtol):
     assert err < rtol
 
 
+def test_precision_sets_the_compute_type_of_cupys_own_matmul(cp):
+    """set_precision reaches into CuPy's private _core._routines_linalg (7: TF32,
+    1: the default) for cupy.matmul outside backend.gemm; fp32 there multiplies
+    in full fp32 (even under CUPY_TF32=1): 8 products of 1 + 2^-20 with itself
+    sum exactly to 8 + 2^-16, which TF32's 10-bit operands would lose."""
+    import importlib
+    linalg = importlib.import_module(cp.__name__ + "._core._routines_linalg")
+    a = cp.full((256, 8), 1 + 2.0 ** -20, dtype=cp.float32)
+    backend.set_precision(cp, "fp32")
+    assert linalg.get_compute_type(np.float32) == 1
+    product = backend.to_host(cp.matmul(a, a.T))
+    assert (product == np.float32(8 + 2.0 ** -16)).all()
+    if backend.compute_capability(cp) >= (8, 0):
+        backend.set_precision(cp, "tf32")
+        try:
+            assert linalg.get_compute_type(np.float32) == 7
+        finally:
+            backend.set_precision(cp, "fp32")
+        assert linalg.get_compute_type(np.float32) == 1
+
+
 @pytest.mark.parametrize("trans_a,trans_b", [(False, False), (True, False), (False, True),
                                              (True, True)])
 def test_bf16_gemm_multiplies_the_rounded_operands(cp, trans_a, trans_b):
