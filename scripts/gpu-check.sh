@@ -4,7 +4,8 @@
 #   2. 2-rank GPU training on the built-in corpus with every parallel method
 #      (ADPSGD lock-step and asynchronous), and model averaging once more with
 #      NG-SGD, with CUDA graphs and with bf16 products, each of which must learn
-#      (held-out accuracy well above chance);
+#      (held-out accuracy well above chance), the CUDA-graph run without falling
+#      back to eager steps (each run's output is kept in $OUT/train-LABEL.out);
 #   3. 2 ranks against 1: per-rank throughput with model averaging every 8
 #      minibatches (bench mode), saying whether the ranks share a GPU;
 #   4. the throughput table against PyTorch and the cuBLAS GEMM bound, and
@@ -70,7 +71,14 @@ else
         if "${launch[@]}" "$PYTHON" -m mpitrain train jobs/configs/quickstart.yaml \
                 --set device=gpu "${settings[@]}" \
                 --set data.train="$OUT/data/train" --set data.dev="$OUT/data/dev" \
-                --set training.epochs=1 --run-dir "$run_dir"; then
+                --set training.epochs=1 --run-dir "$run_dir" 2>&1 | tee "$run_dir.out"; then
+            # a capture that fails falls back to eager steps, which learn as well:
+            # the run's own line is the only sign that graphs were not used
+            if [[ "$label" == *cuda-graph* ]] \
+                    && grep -q "cuda_graph: \(off\|not used\)" "$run_dir.out"; then
+                failures+=("$label ran without CUDA graphs: $(grep -m1 -o \
+                    "cuda_graph: \(off\|not used\).*" "$run_dir.out")")
+            fi
             if ! "$PYTHON" - "$run_dir/metrics.jsonl" <<'EOF'
 import json, sys
 records = [json.loads(line) for line in open(sys.argv[1])]

@@ -12,9 +12,12 @@ import subprocess
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _stand_in(path, log, fail_on=""):
+def _stand_in(path, log, fail_on="", says=("@never@", "")):
+    """A command that logs its arguments, fails on ``fail_on`` in them and prints
+    ``says[1]`` when they hold ``says[0]``."""
     path.write_text(f"""#!/bin/sh
 echo "$(basename "$0") $*" >> {log}
+case "$*" in *{says[0]}*) echo "{says[1]}";; esac
 case "$*" in *{fail_on or "@never@"}*) exit 1;; esac
 exit 0
 """)
@@ -22,10 +25,10 @@ exit 0
     return str(path)
 
 
-def _run(tmp_path, fail_on="", launch_fails_on=""):
+def _run(tmp_path, fail_on="", launch_fails_on="", launch_says=("@never@", "")):
     log = tmp_path / "calls.log"
     env = dict(os.environ, PYTHON=_stand_in(tmp_path / "python", log, fail_on),
-               MPIEXEC=_stand_in(tmp_path / "mpiexec", log, launch_fails_on),
+               MPIEXEC=_stand_in(tmp_path / "mpiexec", log, launch_fails_on, launch_says),
                OUT=str(tmp_path / "out"),
                TESTS="0")
     result = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gpu-check.sh")], env=env,
@@ -66,3 +69,16 @@ def test_a_method_that_fails_fails_the_check_and_is_named(tmp_path):
     assert "  - adpsgd-asynchronous failed" in result.stdout.splitlines()
     # the methods after it still run
     assert any("optimizer.name=ngsgd" in c for c in calls)
+
+
+def test_a_cuda_graph_run_that_fell_back_to_eager_steps_fails_the_check(tmp_path):
+    """A capture that fails turns graphs off with one line and the run still learns:
+    that line fails the check, naming why (a CuPy or CUDA that refuses the capture)."""
+    line = "cuda_graph: off for this run (capture failed: NotImplementedError: no)"
+    result, _ = _run(tmp_path, launch_says=("cuda_graph=true", line))
+    assert result.returncode == 1
+    assert f"  - model_averaging-cuda-graph ran without CUDA graphs: {line}" \
+        in result.stdout.splitlines()
+    # the same line from another run is not the graphs' business
+    result, _ = _run(tmp_path, launch_says=("precision=bf16", line))
+    assert result.returncode == 0, result.stdout
