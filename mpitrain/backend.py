@@ -267,12 +267,12 @@ def set_precision(xp, precision: str) -> None:
     if precision == "tf32" and xp is np:
         raise DeviceError("precision: tf32 needs device: gpu (the CPU computes in fp32; "
                           "bf16 is emulated there)")
-    if precision == "bf16" and xp is not np and xp is _cupy:
-        capability = compute_capability(xp)
-        if capability < BF16_CAPABILITY:
+    if precision in REDUCED_PRECISION_CAPABILITY and xp is not np and xp is _cupy:
+        capability, needed = compute_capability(xp), REDUCED_PRECISION_CAPABILITY[precision]
+        if capability < needed:
             raise UnsupportedSetting(
-                "precision: bf16 needs a GPU of compute capability "
-                f"{BF16_CAPABILITY[0]}.{BF16_CAPABILITY[1]} or newer (bf16 tensor cores); "
+                f"precision: {precision} needs a GPU of compute capability "
+                f"{needed[0]}.{needed[1]} or newer ({precision} tensor cores); "
                 f"{device_name(xp)} has {capability[0]}.{capability[1]}: use fp32 there")
     if xp is not np and xp is _cupy and hasattr(xp, "RawModule"):
         import importlib
@@ -288,10 +288,12 @@ def precision() -> str:
     return _precision
 
 
-#: bf16 products need compute capability 8.0: older GPUs have no bf16 tensor
-#: cores, and cuBLAS refuses bf16 GEMMs on some of them (NOT_SUPPORTED on sm_60,
-#: and on sm_70 before cuBLAS 12.3), which a run would meet at its first step.
-BF16_CAPABILITY = (8, 0)
+#: bf16 and TF32 products need compute capability 8.0.  Older GPUs have no bf16
+#: tensor cores, and cuBLAS refuses bf16 GEMMs on some of them (NOT_SUPPORTED on
+#: sm_60, and on sm_70 before cuBLAS 12.3), which a run would meet at its first
+#: step; nor TF32 ones, where cuBLAS and CuPy's matmul quietly compute in fp32
+#: (CuPy with a warning) and the run would report a precision it never used.
+REDUCED_PRECISION_CAPABILITY = {"bf16": (8, 0), "tf32": (8, 0)}
 
 
 def compute_capability(xp) -> Optional[tuple]:

@@ -103,3 +103,20 @@ def test_bf16_is_refused_on_a_gpu_before_compute_capability_8(monkeypatch):
         backend.select_for_run("gpu", 0, precision="bf16", fused_kernels=True)
         assert backend.precision() == "bf16"
         backend.set_precision(cp, "fp32")
+
+
+def test_tf32_is_refused_on_a_gpu_before_compute_capability_8(monkeypatch):
+    """Before 8.0 there are no TF32 tensor cores: cuBLAS and CuPy's matmul would
+    compute in fp32 while the run's banner and reports said tf32."""
+    with standin_cupy.installed() as cp:
+        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "70")
+        with pytest.raises(backend.UnsupportedSetting) as refused:
+            backend.select_for_run("gpu", 0, precision="tf32", fused_kernels=True)
+        assert str(refused.value) == (
+            "precision: tf32 needs a GPU of compute capability 8.0 or newer (tf32 tensor "
+            "cores); stand-in device has 7.0: use fp32 there")
+        assert backend.precision() == "fp32"
+        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "90")
+        backend.select_for_run("gpu", 0, precision="tf32", fused_kernels=True)
+        assert backend.precision() == "tf32"
+        backend.set_precision(cp, "fp32")
