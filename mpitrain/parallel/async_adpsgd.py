@@ -30,7 +30,11 @@ Every message of a mix also carries the sender's step counts of all ranks
 keeps, per rank, the largest count it has heard of, so it knows a lower bound
 of the steps the ranks took together without asking rank 0, which sees the
 reports only between its own steps (train/async_ring.py stops stepping there
-once that bound reaches the job's budget).
+once that bound reaches the job's budget).  The mixes bring a far rank's counts
+a mix per hop later, and none to a rank whose request waits on a slow partner,
+so the counts also go straight to every rank (``spread_counts``: rank 0's after
+each of its turns, every rank's near the end); at the end each rank sends a last
+one and takes every rank's (``end_news``), so that none is left in flight.
 
 Quiet points (a checkpoint, the end): :meth:`AsyncRingMixing.quiesce`.  An
 active rank waits for the answer it has in flight, then tells every passive
@@ -54,6 +58,8 @@ from .base import Strategy
 #: and the step counts that go just before a request and an answer.
 REQUEST_TAG, ANSWER_TAG, BYE_TAG = 7410, 7411, 7412
 REQUEST_COUNTS_TAG, ANSWER_COUNTS_TAG = 7413, 7414
+#: A rank's step counts of every rank, sent to every rank (spread_counts).
+NEWS_TAG = 7415
 # Kept apart from the other seeded streams (initialisation, shuffling, the lock-step ring).
 _PARTNER_STREAM = 0xAD5
 
@@ -121,6 +127,11 @@ class AsyncRingMixing(Strategy):
         self._counts_in = np.zeros(size, dtype=np.int64)
         self._counts_out = np.zeros(size, dtype=np.int64)
         self._count_sends: list = []    # (buffer, send request) of a passive rank's counts
+        # the counts spread to every rank: (buffer, its sends); the last element of a
+        # message is 1 on a rank's last one
+        self._news_sends: list = []
+        self._news_in = np.zeros(size + 1, dtype=np.int64)
+        self._news_over: set = set()    # the ranks whose last news has come
         self.net = None
         self.sent = self.answer = self.received = None
         self._in_flight = None      # the receives of the answer, the sends of the request
@@ -192,6 +203,52 @@ class AsyncRingMixing(Strategy):
     def known_steps(self) -> int:
         """The steps the ranks took together, as far as this rank knows (never more)."""
         return int(self.counts.sum())
+
+    def spread_counts(self, *, last: bool = False) -> None:
+        """Send every other rank the step counts this rank knows of (a host message
+        of 8 bytes per rank and one more; ``last``: its last one, at the end)."""
+        comm = self.comm
+        if comm.size == 1:
+            return
+        buffer = self._free_news_buffer()
+        buffer[:-1] = self.counts
+        buffer[-1] = int(last)
+        self._news_sends.append((buffer, [comm.isend(buffer, r, tag=NEWS_TAG)
+                                          for r in range(comm.size) if r != comm.rank]))
+
+    def take_news(self) -> None:
+        """Merge the counts spread by the others that have arrived."""
+        comm = self.comm
+        while comm.size > 1:
+            found = comm.iprobe(tag=NEWS_TAG)
+            if found is None:
+                return
+            comm.recv(self._news_in, found[0], tag=NEWS_TAG)
+            self.note_counts(self._news_in[:-1])
+            if self._news_in[-1]:
+                self._news_over.add(found[0])
+
+    def end_news(self) -> None:
+        """At the end, after :meth:`quiesce`: send every rank this rank's last counts
+        and take every rank's up to its last one (a sender's messages come in order),
+        so that none is left in flight."""
+        comm = self.comm
+        if comm.size == 1:
+            return
+        self.spread_counts(last=True)
+        while True:
+            self.take_news()
+            if len(self._news_over) == comm.size - 1:
+                break
+            comm.idle()
+        comm.waitall([r for _, sends in self._news_sends for r in sends])
+        self._news_sends, self._news_over = [], set()
+
+    def _free_news_buffer(self):
+        for index, (_, sends) in enumerate(self._news_sends):
+            if all(request.test() for request in sends):
+                return self._news_sends.pop(index)[0]
+        return np.empty(self.comm.size + 1, dtype=np.int64)
 
     def models_agree(self, step: int) -> bool:
         return self.comm.size == 1

@@ -21,7 +21,9 @@ No collective can run while the ranks take their own numbers of steps, so:
   (parallel/async_adpsgd.py): a rank other than 0 that can tell from them that
   the budget is reached takes no further step and waits for rank 0's call,
   answering its partners meanwhile; rank 0, slow or evaluating, saw the end
-  only between its own steps, and the others trained on until then;
+  only between its own steps, and the others trained on until then; rank 0
+  also sends the counts to every rank after each of its turns, and near the end
+  every rank does after each step (the mixes bring them late);
 - at a quiet point rank 0 sends every rank ``HALT``; each rank, at the end of
   its step, finishes its exchanges (``quiesce``), and then all meet in the
   collective (the checkpoint's gather, or the end's average); at a checkpoint
@@ -57,6 +59,9 @@ CHECKPOINT, STOP, SIGNALLED = 1.0, 2.0, 3.0
 # report: kind, steps, frames, loss sum, correct, frames, skipped, comm seconds,
 # the stop signal's code (stop.py; 0: none)
 _REPORT_SIZE = 9
+#: From this share of the budget on (in the steps a rank knows of, or its own steps
+#: times the ranks) every rank spreads its counts to every rank after each step.
+NEAR_THE_END = 0.75
 
 
 def plan_ring_steps(cfg, rank: int, counts) -> tuple:
@@ -138,6 +143,7 @@ class OwnPaceLoop:
                 if halt is None:
                     # every step (a few bytes): rank 0's view of the job
                     self._send_report(PROGRESS)
+                    self._share_counts()
             if halt == CHECKPOINT:
                 self._checkpoint()
             elif halt == STOP:
@@ -156,6 +162,20 @@ class OwnPaceLoop:
         rate = t.guard.lr_scale * t.schedule.rate(min(ring.own_steps, cap))
         self.rate = self.training_step.run(ring.own_steps, rate, t.stream.next_batch)
         self.own_frames += self.training_step.minibatch
+
+    def _share_counts(self) -> None:
+        """After a step: merge the counts the others spread, and spread this rank's
+        (rank 0's, from every report, after each of its turns; every rank's near the
+        end).  A rank hears the others' counts otherwise only through its mixes: one
+        whose request waits on a slow partner heard nothing meanwhile, a far rank's
+        counts came a mix per hop later, and with every rank's step times very uneven
+        the ranks trained on past the budget."""
+        ring = self.ring
+        ring.take_news()
+        near = NEAR_THE_END * self.t.budget
+        if self.comm.rank == 0 or ring.known_steps() >= near \
+                or ring.own_steps * self.comm.size >= near:
+            ring.spread_counts()
 
     def _wait_for_the_call(self):
         """A rank other than 0 that knows the budget is reached (its last step is
@@ -228,6 +248,7 @@ class OwnPaceLoop:
         t = self.t
         self._send_report(FINAL)
         self.ring.quiesce()
+        self.ring.end_news()
         if self.comm.rank == 0:
             while len(self.finished) < self.comm.size:
                 found = self.comm.iprobe(ANY_SOURCE, REPORT_TAG)
@@ -294,6 +315,7 @@ class OwnPaceLoop:
         t, comm = self.t, self.comm
         self._send_report(PROGRESS)
         self._drain_reports()
+        self._share_counts()
         # the others step on while rank 0 steps or evaluates: when they would reach
         # the budget meanwhile, rank 0 waits for it instead, else it saw the end one
         # slow step (a slow or oversubscribed rank 0) or one evaluation late, and the

@@ -25,8 +25,8 @@ from mpitrain.config import ConfigError, load_config
 from mpitrain.nn.model_file import load_model
 from mpitrain.nn.network import build_network
 from mpitrain.optim.sgd import SGD
-from mpitrain.parallel.async_adpsgd import (AsyncRingMixing, active_ranks, passive_ranks,
-                                            ring_partners)
+from mpitrain.parallel.async_adpsgd import (NEWS_TAG, AsyncRingMixing, active_ranks,
+                                            passive_ranks, ring_partners)
 from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
 from mpitrain.train.virtual import ComputeModel, train_virtual
 
@@ -111,6 +111,25 @@ def test_the_mixes_carry_every_ranks_step_count(size):
         assert heard[rank] == steps and all(0 <= n <= steps for n in heard), (rank, heard)
         # (at least from its partners; farther ranks' counts come a mix later each)
         assert sum(n > 0 for n in heard) >= 2, (rank, heard)
+
+
+def test_spread_counts_reach_every_rank_and_none_is_left_after_the_end():
+    def work(comm):
+        ring = AsyncRingMixing(comm)
+        ring.note_count(comm.rank, 10 * (comm.rank + 1))
+        if comm.rank != 1:          # rank 1 spreads only its last counts
+            ring.spread_counts()
+        comm.barrier()
+        ring.take_news()
+        heard = ring.counts.copy()
+        ring.note_count(comm.rank, 10 * (comm.rank + 1) + 1)
+        ring.end_news()
+        comm.barrier()
+        return heard, ring.counts.copy(), comm.iprobe(tag=NEWS_TAG)
+    out = VirtualCluster(4).run(work)
+    for rank, (heard, last, left) in enumerate(out):
+        assert heard.tolist() == [10, 20 if rank == 1 else 0, 30, 40], (rank, heard)
+        assert last.tolist() == [11, 21, 31, 41] and left is None, (rank, last, left)
 
 
 def test_quiesce_ends_when_the_steps_take_no_simulated_time():
@@ -245,6 +264,26 @@ def test_the_others_stop_at_the_budget_while_rank_0_is_late(small_corpus, tmp_pa
     assert budget <= frames <= budget + 3 * size * 256, (frames / size / 256, budget / size / 256)
     if extra[0].endswith("10"):
         assert len(records(tmp_path, "checkpoint")) >= 2
+
+
+@pytest.mark.parametrize("size,seed", [(4, 8), (8, 3)])
+def test_the_end_lands_near_the_budget_when_every_ranks_steps_are_uneven(small_corpus,
+                                                                        tmp_path, size, seed):
+    """Every rank's step times log-normal with a spread of 2 (most steps short, a few
+    up to 50x): a rank heard the others' counts only through its mixes, so one whose
+    request waited on a slow partner heard nothing meanwhile and a far rank's counts
+    came a mix per hop later; the ranks trained on, 8 steps per rank past the budget on
+    4 ranks, 34 on 8.  Now rank 0 spreads its counts to every rank after each turn,
+    and every rank does after each step near the end."""
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=1", "training.log_interval=10", "training.checkpoint_interval=0"])
+    train_virtual(cfg, size=size, run_dir=str(tmp_path),
+                  compute=ComputeModel(step_seconds=0.002, jitter=2.0, seed=seed))
+    budget = records(tmp_path, "start")[0]["total_steps"] * size * 256
+    frames = records(tmp_path, "end")[-1]["frames"]
+    assert budget <= frames <= budget + 2 * size * 256, (frames / size / 256, budget / size / 256)
+    last = records(tmp_path, "train")[-1]
+    assert last["steps_max"] > 2 * last["steps_min"]        # (the steps were uneven)
 
 
 def test_a_checkpoint_called_while_the_others_wait_for_the_end_is_taken(small_corpus,
