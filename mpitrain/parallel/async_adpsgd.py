@@ -217,12 +217,16 @@ class AsyncRingMixing(Strategy):
                                           for r in range(comm.size) if r != comm.rank]))
 
     def take_news(self) -> None:
-        """Merge the counts spread by the others that have arrived."""
+        """Merge the counts spread by the others that have arrived (until two polls
+        in a row find none: MPI may move only some small messages per poll)."""
         comm = self.comm
-        while comm.size > 1:
+        empty = 0
+        while comm.size > 1 and empty < 2:
             found = comm.iprobe(tag=NEWS_TAG)
             if found is None:
-                return
+                empty += 1
+                continue
+            empty = 0
             comm.recv(self._news_in, found[0], tag=NEWS_TAG)
             self.note_counts(self._news_in[:-1])
             if self._news_in[-1]:
