@@ -60,8 +60,16 @@ CHECKPOINT, STOP, SIGNALLED = 1.0, 2.0, 3.0
 # the stop signal's code (stop.py; 0: none)
 _REPORT_SIZE = 9
 #: From this share of the budget on (in the steps a rank knows of, or its own steps
-#: times the ranks) every rank spreads its counts to every rank after each step.
+#: times the ranks) every rank spreads its counts to every rank after each step; in
+#: a long run only from this many steps per rank before the end (all-to-all
+#: messages every step: enough warning to stop near the budget, cheap over a run).
 NEAR_THE_END = 0.75
+NEAR_THE_END_STEPS_PER_RANK = 16
+
+
+def near_the_end(budget: int, ranks: int) -> float:
+    """The steps of all ranks together from which every rank spreads its counts."""
+    return max(NEAR_THE_END * budget, budget - NEAR_THE_END_STEPS_PER_RANK * ranks)
 
 
 def plan_ring_steps(cfg, rank: int, counts) -> tuple:
@@ -172,7 +180,7 @@ class OwnPaceLoop:
         the ranks trained on past the budget."""
         ring = self.ring
         ring.take_news()
-        near = NEAR_THE_END * self.t.budget
+        near = near_the_end(self.t.budget, self.comm.size)
         if self.comm.rank == 0 or ring.known_steps() >= near \
                 or ring.own_steps * self.comm.size >= near:
             ring.spread_counts()

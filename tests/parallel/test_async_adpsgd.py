@@ -28,6 +28,7 @@ from mpitrain.optim.sgd import SGD
 from mpitrain.parallel.async_adpsgd import (NEWS_TAG, AsyncRingMixing, active_ranks,
                                             passive_ranks, ring_partners)
 from mpitrain.testing.mpirun import MpiTimeoutError, run_mpi
+from mpitrain.train.async_ring import near_the_end
 from mpitrain.train.virtual import ComputeModel, train_virtual
 
 from ..helpers import QUICKSTART, WORKERS, mpi_output, records, small_overrides, train_on_ranks
@@ -130,6 +131,16 @@ def test_spread_counts_reach_every_rank_and_none_is_left_after_the_end():
     for rank, (heard, last, left) in enumerate(out):
         assert heard.tolist() == [10, 20 if rank == 1 else 0, 30, 40], (rank, heard)
         assert last.tolist() == [11, 21, 31, 41] and left is None, (rank, last, left)
+
+
+@pytest.mark.parametrize("budget, ranks, near", [
+    (210, 4, 157.5),             # a short run: its last quarter
+    (100_000, 64, 98_976),       # a long one: its last 16 steps per rank
+])
+def test_the_counts_go_to_every_rank_only_near_the_end(budget, ranks, near):
+    """All-to-all messages after every step are cheap for the last steps, not for a
+    quarter of a long run on many ranks."""
+    assert near_the_end(budget, ranks) == near
 
 
 def test_the_spread_counts_are_taken_even_when_a_poll_finds_none_between_them():
