@@ -43,6 +43,7 @@ rank, size = comm.rank, comm.size
 
 FEAT_DIM, CONTEXT, CLASSES, ROWS, STEPS = 5, 1, 7, 16, 12
 REFERENCE_TAG = 7601
+SERVED_TAG = 7602
 #: name -> (optimizer class, options).  L2 with the whole-model max-change off:
 #: with it on, the whole-buffer step also counted the L2 change of the layers
 #: outside the slice (stale there) in the whole-model norm.
@@ -140,8 +141,14 @@ def check(case):
     sent = serve(ps, net, opt, record)
     assert len(record) == ps.updates == STEPS * len(ps.clients), (len(record), ps.updates)
     assert sent and set(sent) == {own.stop - own.start}, (sent, own)
+    # server 0's view below is of every server's whole serving: a server answers a
+    # SNAPSHOT between pushes, so one still serving would send an earlier slice
     if rank:
+        comm.send(np.zeros(1), 0, tag=SERVED_TAG)
         ps.serve_until_released(net)        # answers server 0's requests below
+    else:
+        for server in ps.servers[1:]:
+            comm.recv(np.zeros(1), server, tag=SERVED_TAG)
     outside = np.ones(net.num_params, dtype=bool)
     outside[own] = False
     # this server computed nothing outside its slice
