@@ -163,15 +163,18 @@ def test_gpu_script_asks_one_gpu_per_task_and_runs_train_sbatch(slurm, corpus, t
 def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
     """USR1 (what Slurm sends near the time limit) requeues; the rerun resumes."""
     run_dir, output = tmp_path / "run", str(tmp_path / "train.out")
+    from mpitrain.testing.mpirun import find_mpiexec
     env = _job_env(slurm, RUN_DIR=str(run_dir), LAUNCHER="mpirun",
-                   MPIEXEC=os.path.join(os.path.dirname(sys.executable), "mpiexec"),
                    MPITRAIN_SET=_train_overrides(corpus, **{"model.hidden_dim": 512,
                                                             "training.epochs": 6,
                                                             "training.checkpoint_interval": 10}))
-    if not os.path.exists(env["MPIEXEC"]):
-        env.pop("MPIEXEC")
-    elif _srun_mpi() == "pmix" and os.geteuid() == 0:
-        env["MPIEXEC"] += " --allow-run-as-root"         # as the README says for Open MPI
+    # the launcher the other MPI tests use ($MPIEXEC, or the venv's), not whatever
+    # mpiexec the job's PATH finds first
+    launcher = find_mpiexec()
+    if launcher is not None:
+        env["MPIEXEC"] = launcher
+        if _srun_mpi() == "pmix" and os.geteuid() == 0:
+            env["MPIEXEC"] += " --allow-run-as-root"     # as the README says for Open MPI
     job = slurm.sbatch(["--ntasks-per-node=2", "--cpus-per-task=1", f"--output={output}",
                         os.path.join(SLURM_DIR, "train.sbatch"),
                         "jobs/configs/quickstart.yaml"], env=env, cwd=REPO)
@@ -192,7 +195,7 @@ def test_requeued_job_resumes_from_its_checkpoint(slurm, corpus, tmp_path):
     info, text = _finished_ok(slurm, job, output)
     assert info["Restarts"] == "1"
     assert "requeueing to resume from the newest checkpoint" in text
-    assert re.search(r"mpiexec( --allow-run-as-root)? -n 2 ", text), text
+    assert re.search(r"(mpiexec|mpirun)( --allow-run-as-root)? -n 2 ", text), text
     steps = [r["step"] for r in _records(run_dir, "start")]
     assert len(steps) == 2 and steps[0] == 0 and steps[1] > 0, (steps, text)
     assert "--resume" in text.split("restart 1", 1)[1]
