@@ -183,7 +183,20 @@ class MetricsLog:
 
 
 def _is_tty(stream) -> bool:
+    """Whether ``stream`` is the terminal the user watches: a terminal that is this
+    process's controlling one.  Open MPI's launcher gives each rank's output a
+    terminal of its own, whatever its own output is (a batch job's log)."""
     try:
-        return bool(stream.isatty())
+        if not stream.isatty():
+            return False
     except (AttributeError, ValueError):
         return False
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):
+        return True             # a stream without a descriptor that says it is one
+    try:
+        os.tcgetpgrp(fd)        # fails on a terminal that is not the controlling one
+    except OSError:
+        return False
+    return True

@@ -37,6 +37,51 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_elsewhere(tmp_path):
                                "\nheld-out: acc 0.5\n")
 
 
+def test_a_terminal_that_is_not_the_controlling_one_gets_plain_lines(tmp_path):
+    # Open MPI's mpirun gives each rank's output a terminal of its own even when its
+    # output goes to a file: the log got "\r" and "\x1b[K" and no line ends
+    import tty
+    master, slave = os.openpty()            # (not this process's controlling terminal)
+    try:
+        tty.setraw(slave)                   # (the bytes as written, no "\r\n")
+        with os.fdopen(os.dup(slave), "w") as stream:
+            assert stream.isatty()
+            log = MetricsLog(tmp_path / "a", stream=stream)
+            log.progress(1, 4, "step 1/4 xent 1.0")
+            log.progress(2, 4, "step 2/4 xent 0.9")
+            log.close()
+        assert os.read(master, 4096) == b"step 1/4 xent 1.0\nstep 2/4 xent 0.9\n"
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+def test_the_controlling_terminal_gets_the_bar(tmp_path):
+    # a process of its own session whose first terminal opened becomes its
+    # controlling one, as a shell's for the commands it starts
+    import subprocess
+    import tty
+    master, slave = os.openpty()
+    try:
+        tty.setraw(slave)
+        child = ("import os, sys\n"
+                 "from mpitrain.train.metrics import MetricsLog\n"
+                 "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+                 "with os.fdopen(fd, 'w') as stream:\n"
+                 "    log = MetricsLog(sys.argv[2], stream=stream)\n"
+                 "    log.progress(1, 4, 'step 1/4 xent 1.0')\n"
+                 "    log.close()\n")
+        subprocess.run([sys.executable, "-c", child, os.ttyname(slave), str(tmp_path / "a")],
+                       check=True, start_new_session=True, timeout=60,
+                       env=dict(os.environ, COLUMNS="80"),
+                       cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+        assert os.read(master, 4096) == (b"\r[#####...............]  25% step 1/4 xent 1.0"
+                                         b"\x1b[K\n")
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
 def test_on_a_narrow_terminal_the_progress_line_keeps_the_step_before_the_bar(tmp_path,
                                                                               monkeypatch):
     # COLUMNS=10 showed "[###....." and nothing of the step or the figures
