@@ -266,6 +266,19 @@ class BenchTrainer(Trainer):
             self.stop_reason = "target" if flags >= 2 else "--max-seconds"
         return bool(flags)
 
+    # the config's own stops end a run before its epochs too: name them, not "epochs"
+    def _stops_early(self) -> bool:
+        stop = super()._stops_early()
+        if stop and self.stop_reason is None:
+            self.stop_reason = "early stopping"
+        return stop
+
+    def _end_schedule_epoch(self, result: dict) -> bool:
+        stop = super()._end_schedule_epoch(result)
+        if stop and self.stop_reason is None:
+            self.stop_reason = f"{self.schedule.name} schedule"
+        return stop
+
 
 def _run_trainer(cfg, group, run_dir: str, *, diverged_ends_it: bool = False, **kwargs):
     """Build, run and close one trainer; rank 0 of the group logs into ``run_dir``.

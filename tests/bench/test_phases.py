@@ -152,6 +152,25 @@ def test_a_run_ended_by_max_seconds_is_named_by_its_flag_as_the_other_budgets(sm
     assert "not reached (--max-seconds)" in (out / "bench.md").read_text()
 
 
+def test_a_run_ended_by_early_stopping_says_so_not_epochs(small_corpus, tmp_path):
+    # the config's early stopping ends a time-to-accuracy run before its epochs
+    import json
+    from mpitrain.cli import main
+    from ..helpers import small_overrides
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "model_averaging",
+            "--phases", "accuracy", "--target-accuracy", "0.999", "--eval-frames", "1024",
+            "--compute-ms", "1", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "training.early_stop.patience=1",
+            "training.early_stop.min_delta=1.0"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    (row,) = json.loads((out / "bench.json").read_text())["accuracy"]
+    assert not row["reached"] and row["stopped_by"] == "early stopping"
+    assert "not reached (early stopping)" in (out / "bench.md").read_text()
+
+
 def test_a_method_that_diverges_is_a_result_and_the_others_are_measured(small_corpus,
                                                                          tmp_path, capsys):
     # (the divergence ended the whole benchmark: the methods after it and the report
