@@ -829,9 +829,15 @@ def cmd_export(args) -> int:
     from .export import export_loglikes
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1 (frames per forward pass), got {args.batch}")
+    # log posteriors use no priors: a scale or a corpus for them would be ignored silently
+    if args.no_priors and (args.prior_scale is not None or args.corpus is not None):
+        given = "--prior-scale" if args.prior_scale is not None else "--corpus"
+        raise UsageError(f"{given}: gives the priors, which --no-priors leaves out; "
+                         "give one or the other")
     args.model = _model_file(args.model, "export", stream=sys.stderr)
     n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
-                        batch=args.batch, prior_scale=args.prior_scale,
+                        batch=args.batch,
+                        prior_scale=1.0 if args.prior_scale is None else args.prior_scale,
                         priors=not args.no_priors, utt2spk=args.utt2spk, cmvn=args.cmvn,
                         scp_commands=args.scp_commands)
     # stderr: stdout may be the archive itself (--out ark:-)
@@ -1151,8 +1157,8 @@ def build_parser(*, quiet_errors: bool = False,
     p.add_argument("--out", required=True, help="wspecifier, e.g. ark:loglikes.ark")
     p.add_argument("--corpus", default=None,
                    help="corpus whose class counts give the priors (default: the model's)")
-    p.add_argument("--prior-scale", type=float, default=1.0,
-                   help="scale of log p(s) in log p(s|x) - scale * log p(s)")
+    p.add_argument("--prior-scale", type=float, default=None,
+                   help="scale of log p(s) in log p(s|x) - scale * log p(s) (default: 1)")
     p.add_argument("--no-priors", action="store_true",
                    help="write log posteriors log p(s|x) (no prior division)")
     p.add_argument("--batch", type=int, default=4096, help="frames per forward pass")

@@ -331,6 +331,14 @@ def test_prior_scale_and_no_priors_follow_the_stated_convention(tiny, capsys):
     assert main(["export", str(tiny[1]), "--feats", f"ark:{tiny[0]}/feats.ark",
                  "--out", f"ark:{tiny[0]}/x.ark", "--prior-scale", "-1"]) == 2
     assert "--prior-scale: expected a number >= 0" in capsys.readouterr().err
+    # --no-priors writes log posteriors: a scale or corpus of priors beside it is refused
+    for extra in (["--prior-scale", "0.5"], ["--corpus", str(tiny[0])]):
+        assert main(["export", str(tiny[1]), "--feats", f"ark:{tiny[0]}/feats.ark",
+                     "--out", f"ark:{tiny[0]}/y.ark", "--no-priors"] + extra) == 2
+        err = capsys.readouterr().err
+        assert f"{extra[0]}: gives the priors, which --no-priors leaves out" in err
+        assert len(err.strip().splitlines()) == 1
+    assert not os.path.exists(f"{tiny[0]}/y.ark")
     assert not (tiny[0] / "x.ark").exists()
 
 
