@@ -268,7 +268,15 @@ def _nothing_imported(report, feats_path, ali_path) -> str:
     if report.length_mismatch:
         # an empty alignment is no utterance whatever the tolerance: no tolerance to offer
         cuttable = [m for m in report.length_mismatch if m[2]]
-        if cuttable:
+        factor = _subsampling_factor(cuttable)
+        if factor:
+            # cutting them to the shorter would pair each label with the wrong frames
+            key, frames, labels = cuttable[0]
+            why = (f"alignments at 1/{factor} of the features' frame rate, as a chain "
+                   f"model's with frame subsampling factor {factor}? one label per feature "
+                   "frame is needed: align at the features' rate, e.g. with a GMM or a "
+                   "non-chain nnet3 model")
+        elif cuttable:
             key, frames, labels = cuttable[0]
             why = (f"a frame shift or subsampling? --length-tolerance {abs(frames - labels)} "
                    "would cut them to the shorter")
@@ -282,6 +290,21 @@ def _nothing_imported(report, feats_path, ali_path) -> str:
         return f"{feats_path}: every utterance with an alignment has no frames; nothing to import"
     return (f"{feats_path}: no utterance has an alignment in {ali_path} (ids differ?); "
             "nothing to import")
+
+
+def _subsampling_factor(mismatches) -> int:
+    """k >= 2 when nine in ten (utt, frames, labels) have about frames / k labels
+    (Kaldi's subsampled frame count is ceil(frames / k); a few bad alignments
+    besides do not hide it), else 0."""
+    if not mismatches:
+        return 0
+    _, frames, labels = mismatches[0]
+    k = round(frames / labels)
+    if k < 2:
+        return 0
+    fits = sum(1 for _, frames, labels in mismatches
+               if labels and abs(labels - -(-frames // k)) <= 1)
+    return k if fits >= 0.9 * len(mismatches) else 0
 
 
 def _write_report(report: ImportReport, out_dir: str) -> None:

@@ -262,6 +262,21 @@ def test_nothing_to_import_says_why(tmp_path):
                      str(tmp_path / "c2"))
 
 
+def test_nothing_to_import_of_subsampled_alignments_offers_no_tolerance(tmp_path):
+    # a chain model's alignment has a label every third frame: --length-tolerance
+    # would cut the features to the labels' count and pair labels with wrong frames
+    rng = np.random.default_rng(3)
+    feats = {f"u{i}": rng.standard_normal((50 + i, 4)).astype(np.float32) for i in range(3)}
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
+    kaldiio.save_ark(str(tmp_path / "ali.ark"),
+                     {k: np.zeros(-(-len(v) // 3), dtype=np.int32) for k, v in feats.items()})
+    with pytest.raises(CorpusError, match=r"u0: 50 frames, 17 labels; alignments at 1/3 of "
+                                          r"the features' frame rate") as e:
+        import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
+                     str(tmp_path / "c"))
+    assert "--length-tolerance" not in str(e.value)
+
+
 def test_nothing_to_import_of_empty_alignments_offers_no_tolerance(tmp_path):
     # it offered --length-tolerance 50, which imports nothing either: an empty
     # alignment is skipped whatever the tolerance
