@@ -140,7 +140,8 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
     """
     parse_wspecifier(out_wspec)          # a bad --out is refused before any work
     _refuse_overwriting_inputs(out_wspec, [("model", model_path), ("--feats", feats_rspec),
-                                           ("--cmvn", cmvn), ("--utt2spk", utt2spk)])
+                                           ("--cmvn", cmvn), ("--utt2spk", utt2spk)],
+                               scp_commands=scp_commands)
     net, stored = load_model(model_path)
     speaker = _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn, scp_commands)
     offsets = np.zeros(net.num_classes, dtype=np.float32)
@@ -177,10 +178,11 @@ def export_loglikes(model_path, feats_rspec: str, out_wspec: str, *, corpus_dir=
     return count
 
 
-def _refuse_overwriting_inputs(out_wspec: str, inputs) -> None:
+def _refuse_overwriting_inputs(out_wspec: str, inputs, *, scp_commands: bool = False) -> None:
     """Refuse an ``--out`` file that this export also reads: the finished output
     would replace it (features, an ark an scp points into, CMVN stats, utt2spk,
-    the model).  ``inputs``: (option, path or rspecifier or None) pairs."""
+    the model).  ``inputs``: (option, path or rspecifier or None) pairs;
+    ``scp_commands`` as for the readers (a command entry reads no file here)."""
     _, ark, scp = parse_wspecifier(out_wspec)
     outputs = [p for p in (ark, scp) if p is not None and not _is_stream(p)]
     if not outputs:
@@ -197,7 +199,8 @@ def _refuse_overwriting_inputs(out_wspec: str, inputs) -> None:
             if kind == "scp":
                 read += [(f"{option} {target}", location)
                          for location in dict.fromkeys(
-                             loc for _, loc, *_ in parse_scp(target) if not is_pipe(loc))]
+                             loc for _, loc, *_ in parse_scp(target, commands=scp_commands)
+                             if not is_pipe(loc))]
         else:
             read.append((option, spec))
     for out in outputs:

@@ -72,6 +72,23 @@ def _export(tiny, *extra):
     return dict(kaldiio.load_ark(str(out)))
 
 
+def test_scp_entries_that_are_commands_run_with_scp_commands(tiny, capsys):
+    # the check that --out is not one of the inputs read the scp too, and refused
+    # its commands even with --scp-commands
+    import kaldiio
+    d, model, feats = tiny
+    for key, matrix in feats.items():
+        kaldiio.save_mat(str(d / f"{key}.mat"), matrix)
+    (d / "cmd.scp").write_text("".join(f"{k} cat {d}/{k}.mat |\n" for k in feats))
+    argv = ["export", str(model), "--feats", f"scp:{d}/cmd.scp", "--out", f"ark:{d}/c.ark"]
+    assert main(argv) == 2
+    assert "run only with --scp-commands" in capsys.readouterr().err
+    assert main(argv + ["--scp-commands"]) == 0
+    got = dict(kaldiio.load_ark(str(d / "c.ark")))
+    want = _export(tiny)
+    assert list(got) == list(feats) and all(np.array_equal(got[k], want[k]) for k in feats)
+
+
 def test_partial_archives_of_a_killed_export_do_not_pile_up(tiny):
     """An export killed mid-write and run again: the partial copies of its --out files
     go; those of other outputs in the directory (other jobs') stay."""
