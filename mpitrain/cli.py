@@ -1091,7 +1091,8 @@ def build_parser(*, quiet_errors: bool = False,
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config value, e.g. --set training.minibatch=512")
     p.add_argument("--sizes", default="", help="group sizes, e.g. 1,2,4 (must include 1); "
-                   "empty: powers of two up to the number of ranks")
+                   "empty: powers of two up to the number of ranks, and that number "
+                   "(1,2,4,6 on 6)")
     p.add_argument("--methods", default="", help="comma-separated parallel methods; "
                    f"empty: all ({', '.join(bench_methods())})")
     p.add_argument("--target-accuracy", type=float, default=None,
