@@ -248,6 +248,7 @@ def import_kaldi(feats: str, ali: str, out_dir: str, *, shards: int = 1,
             report.frames += int(matrix.shape[0])
         if writer is None:
             raise CorpusError(_nothing_imported(report, feats_path, ali_path))
+        _refuse_cuts_to_subsampled_alignments(report, feats_path, ali_path)
         manifest = writer.close()
     except BaseException:
         if writer is not None:
@@ -290,6 +291,22 @@ def _nothing_imported(report, feats_path, ali_path) -> str:
         return f"{feats_path}: every utterance with an alignment has no frames; nothing to import"
     return (f"{feats_path}: no utterance has an alignment in {ali_path} (ids differ?); "
             "nothing to import")
+
+
+def _refuse_cuts_to_subsampled_alignments(report, feats_path, ali_path) -> None:
+    """A tolerance wide enough to take alignments at 1/k of the frame rate cut the
+    features to the labels' count: each label would sit on the wrong frame."""
+    # (utterances of a few frames can look subsampled by chance)
+    cut = [m for m in report.trimmed if m[2] >= 10]
+    factor = _subsampling_factor(cut)
+    if factor:
+        key, frames, labels = cut[0]
+        raise CorpusError(
+            f"{feats_path}: --length-tolerance {report.length_tolerance} would cut "
+            f"{plural(len(cut), 'utterance')} to alignments in {ali_path} at 1/{factor} of "
+            f"the features' frame rate (e.g. {key}: {frames} frames, {labels} labels), "
+            "pairing each label with the wrong frame; align at the features' rate, e.g. "
+            "with a GMM or a non-chain nnet3 model; nothing imported")
 
 
 def _subsampling_factor(mismatches) -> int:

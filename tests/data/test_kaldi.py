@@ -277,6 +277,29 @@ def test_nothing_to_import_of_subsampled_alignments_offers_no_tolerance(tmp_path
     assert "--length-tolerance" not in str(e.value)
 
 
+def test_a_tolerance_that_would_cut_to_subsampled_alignments_is_refused(tmp_path):
+    # an explicit --length-tolerance as wide as the utterances imported them cut to a
+    # third, each label on the wrong frame, without a word
+    rng = np.random.default_rng(3)
+    feats = {f"u{i}": rng.standard_normal((50 + i, 4)).astype(np.float32) for i in range(3)}
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
+    kaldiio.save_ark(str(tmp_path / "ali.ark"),
+                     {k: np.zeros(-(-len(v) // 3), dtype=np.int32) for k, v in feats.items()})
+    with pytest.raises(CorpusError, match=r"--length-tolerance 200 would cut 3 utterances to "
+                                          r"alignments in .* at 1/3 of the features' frame "
+                                          r"rate \(e.g. u0: 50 frames, 17 labels\).*nothing "
+                                          r"imported"):
+        import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
+                     str(tmp_path / "c"), length_tolerance=200)
+    assert not (tmp_path / "c").exists()
+    # a tolerance of a few frames on whole utterances still imports
+    kaldiio.save_ark(str(tmp_path / "ali.ark"),
+                     {k: np.zeros(len(v) - 2, dtype=np.int32) for k, v in feats.items()})
+    report = import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
+                          str(tmp_path / "c"), length_tolerance=2)
+    assert report.imported == 3 and len(report.trimmed) == 3
+
+
 def test_nothing_to_import_of_empty_alignments_offers_no_tolerance(tmp_path):
     # it offered --length-tolerance 50, which imports nothing either: an empty
     # alignment is skipped whatever the tolerance
