@@ -420,6 +420,11 @@ def model_in_run_dir(path) -> tuple:
         raise FileNotFoundError(f"{path}: a corpus directory (it holds corpus.yaml), not a "
                                 "model; give a model file or the run directory that holds "
                                 "one")
+    if os.path.isfile(os.path.join(path, "bench.json")):
+        # a benchmark's --out: each measurement trained in a run directory of its own
+        raise FileNotFoundError(f"{path}: a benchmark's report (bench.md, bench.json), not a "
+                                "model; give one of its runs, "
+                                f"{os.path.join(path, 'runs', '*')}")
     raise FileNotFoundError(f"{path}: a run directory without best.h5 or final.h5")
 
 

@@ -269,3 +269,19 @@ def test_a_corpus_directory_given_as_the_model_is_called_a_corpus(tmp_path, caps
         model_in_run_dir(str(corpus))
     assert main(["eval", str(corpus), str(corpus)]) == 2
     assert "a corpus directory (it holds corpus.yaml), not a model" in capsys.readouterr().err
+
+
+def test_a_benchmarks_report_given_as_the_model_points_to_its_runs(tmp_path, capsys):
+    """`eval`/`export` of a bench --out called it 'a run directory without best.h5 or
+    final.h5', where `status` and `plot` name it a benchmark's report."""
+    from mpitrain.cli import main
+    report = tmp_path / "bench-quickstart"
+    report.mkdir()
+    (report / "bench.json").write_text("{}\n")
+    at = re.escape(str(report))
+    with pytest.raises(FileNotFoundError, match=rf"^{at}: a benchmark's report \(bench.md, "
+                                                rf"bench.json\), not a model; give one of its "
+                                                rf"runs, {at}/runs/\*$"):
+        model_in_run_dir(str(report))
+    assert main(["eval", str(report), str(tmp_path)]) == 2
+    assert "a benchmark's report (bench.md, bench.json), not a model" in capsys.readouterr().err
