@@ -337,10 +337,14 @@ def summary_markdown(report: dict) -> str:
         lines += [f"**Partial report**: sizes {', '.join(map(str, partial['sizes_measured']))} "
                   f"measured of {', '.join(map(str, partial['sizes_planned']))}; the benchmark "
                   "had not finished when this was written.", ""]
-    lines += ["## Throughput and time to target" + (" (simulated)" if simulated else ""), "",
-              "| method | ranks | frames/s | per rank | step ms | comm | throughput speedup "
-              "| frames to target | s to target | time-to-target speedup | stat. efficiency |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    # a throughput-only benchmark (no --target-accuracy) has no time-to-target columns
+    to_target = bool(report["accuracy"])
+    lines += [("## Throughput and time to target" if to_target else "## Throughput")
+              + (" (simulated)" if simulated else ""), "",
+              "| method | ranks | frames/s | per rank | step ms | comm | throughput speedup |"
+              + (" frames to target | s to target | time-to-target speedup | stat. efficiency |"
+                 if to_target else ""),
+              "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|---:|" if to_target else "")]
     bounded = False
     for s in report["speedups"]:
         thr = _by(report["throughput"], s["method"], s["ranks"]) or {}
@@ -361,9 +365,11 @@ def summary_markdown(report: dict) -> str:
             f"{_fmt(thr.get('frames_per_sec_per_rank'), ',.0f')} | "
             f"{_fmt(thr.get('step_seconds') and thr['step_seconds'] * 1e3, '.1f')} | "
             f"{_fmt(thr.get('comm_fraction'), '.1%')} | "
-            f"{_fmt(s['throughput_speedup'], '.2f')} | {frames_text} | {secs_text} | "
-            f"{_bounded(s['time_to_target_speedup'], s.get('target_bound'))} | "
-            f"{_bounded(s['statistical_efficiency'], s.get('target_bound'))} |")
+            f"{_fmt(s['throughput_speedup'], '.2f')} |"
+            + (f" {frames_text} | {secs_text} | "
+               f"{_bounded(s['time_to_target_speedup'], s.get('target_bound'))} | "
+               f"{_bounded(s['statistical_efficiency'], s.get('target_bound'))} |"
+               if to_target else ""))
     if any(r.get("diverged") for r in report["throughput"]):
         lines += ["", "diverged: the throughput run diverged past its roll backs (its "
                       "train.log under runs/ says where); no speed was measured there, "

@@ -174,3 +174,19 @@ def test_a_diverged_one_rank_throughput_leaves_speedups_and_projection_out(tmp_p
     assert "| model_averaging | 1 | diverged |" in summary_markdown(report)
     paths = write_report(report, str(tmp_path / "out"), dpi=30)
     assert os.path.exists(paths["speedup_png"])
+
+
+def test_a_throughput_only_report_has_no_time_to_target_columns():
+    """Without --target-accuracy the table was headed 'Throughput and time to target'
+    with four columns of dashes."""
+    from mpitrain.bench.report import summary_markdown
+    report = _report([_acc(1, 1000, 1.0), _acc(2, 1000, 0.6)])
+    report["environment"] = {"ranks": 2}
+    assert "| frames to target |" in summary_markdown(report)
+    report["accuracy"] = []
+    text = summary_markdown(report)
+    table = text.split("## Throughput\n\n")[1].split("\n\n")[0].splitlines()
+    assert table[0] == ("| method | ranks | frames/s | per rank | step ms | comm | "
+                        "throughput speedup |")
+    assert all(line.count("|") == 8 for line in table), table
+    assert "time to target" not in text.split("## Projection")[0]
