@@ -222,7 +222,7 @@ def _require_training_corpus(cfg, config: str) -> None:
 
 def cmd_train(args) -> int:
     from .config import load_config
-    if args.virtual:
+    if args.virtual is not None:      # (--virtual 0 is refused by its range, not run on real ranks)
         with _before_mpi():
             cfg = load_config(args.config, args.set)
             _require_training_corpus(cfg, args.config)
@@ -1058,7 +1058,7 @@ def build_parser(*, quiet_errors: bool = False,
                    help="check the configuration, the corpus, the run directory (and with "
                         "--resume the checkpoint) on these ranks, print the plan, train and "
                         "write nothing")
-    p.add_argument("--virtual", type=int, default=0, metavar="N",
+    p.add_argument("--virtual", type=int, default=None, metavar="N",
                    help="train as N virtual ranks in this process, on a simulated clock "
                         "(same results as mpiexec -n N; docs/parallel.md)")
     _add_virtual_options(p, network=True)

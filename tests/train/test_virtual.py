@@ -176,6 +176,18 @@ def test_more_virtual_ranks_than_threads_can_hold_are_refused_at_once(small_corp
                  str(tmp_path / "run")] + overrides) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--virtual: expected a number of ranks in [1, 4096]" in err
+
+
+def test_no_virtual_ranks_is_refused_not_trained_on_real_ranks(small_corpus, tmp_path, capsys):
+    from mpitrain.cli import main
+    overrides = [arg for key in small_overrides(small_corpus) for arg in ("--set", key)]
+    # (--virtual 0 read as "not virtual" and trained on this one real rank)
+    assert main(["train", QUICKSTART, "--virtual", "0", "--run-dir", str(tmp_path / "run")]
+                + overrides) == 2
+    err = capsys.readouterr().err
+    assert err == ("mpitrain train: error: --virtual: expected a number of ranks in "
+                   "[1, 4096] (each is a thread of this process with its own model), got 0\n")
+    assert not (tmp_path / "run").exists()
     assert main(["bench", QUICKSTART, "--virtual", "1,99999999", "--out",
                  str(tmp_path / "bench")] + overrides) == 2
     err = capsys.readouterr().err
