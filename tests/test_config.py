@@ -67,6 +67,46 @@ def test_cross_field_check(tmp_path):
     assert "model.pnorm_output_dim" in msg
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("optimizer: {initial_learning_rate: 0.001, final_learning_rate: 10000}\n",
+     "optimizer.final_learning_rate: implausibly larger than optimizer.initial_learning_rate"),
+    ("training: {early_stop: {patience: 2}}\n",
+     "training.early_stop.patience: early stopping watches held-out results; set data.dev"),
+    ("optimizer: {schedule: newbob}\n",
+     "optimizer.schedule: newbob decides on held-out results; set data.dev"),
+    ("optimizer: {schedule: search, search_factors: [2, 3]}\n",
+     "optimizer.search_factors: needs a factor of at most 1 (with only larger ones the rate "
+     "rises at every chunk until the run diverges), got [2.0, 3.0]"),
+    ("parallel: {method: adpsgd, hierarchical: true, asynchronous: true}\n",
+     "parallel.asynchronous: hierarchical ADPSGD mixes lock-step without delay; "
+     "set parallel.asynchronous: false"),
+    ("parallel: {method: adpsgd, hierarchical: true, delay_by_one: true}\n",
+     "parallel.delay_by_one: hierarchical ADPSGD mixes lock-step without delay; "
+     "set parallel.delay_by_one: false"),
+    ("parallel: {method: adpsgd, asynchronous: true, delay_by_one: true}\n",
+     "parallel.delay_by_one: the delay-by-one ring is lock-step; set parallel.asynchronous: "
+     "false or delay_by_one: false"),
+    ("data: {dev: d}\nparallel: {method: param_server}\ntraining: {early_stop: {patience: 2}}\n",
+     "training.early_stop.patience: not available with parallel.method param_server (rank 0 "
+     "evaluates alone while the others train on)"),
+], ids=["final-rate", "early-stop-no-dev", "newbob-no-dev", "search-factors",
+        "hierarchical-async", "hierarchical-delay", "async-delay", "early-stop-own-steps"])
+def test_settings_that_cannot_go_together_are_one_line_naming_the_key(tmp_path, text,
+                                                                        expected):
+    assert _error(tmp_path, text) == f"{tmp_path / 'run.yaml'}: {expected}"
+
+
+def test_a_set_value_that_is_not_yaml_or_under_a_value_names_the_set(tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text("{}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), ["training.seed=[1"])
+    assert str(info.value) == "--set training.seed: value '[1' is not a YAML scalar"
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path), ["training=5", "training.seed=1"])
+    assert str(info.value) == "--set training.seed: training is not a section"
+
+
 def test_pretraining_and_combination_errors_name_the_key(tmp_path):
     msg = _error(tmp_path, "pretrain:\n  learning_rate_gaussian: -0.01\n")
     assert "pretrain.learning_rate_gaussian" in msg
