@@ -582,6 +582,34 @@ def test_bench_virtual_without_sizes_is_refused_not_run_on_real_ranks(tmp_path, 
     assert not out.exists()
 
 
+@pytest.mark.parametrize("options, said", [
+    (["--dpi", "0"], "--dpi must be a positive resolution, got 0"),
+    (["--sizes", "1,-2"], "--sizes: expected positive integers, got [1, -2]"),
+    (["--virtual", "0,1"], "--virtual: expected positive integers, got [0, 1]"),
+    (["--phases", "nope"], "--phases: expected some of throughput, accuracy, got ['nope']"),
+    (["--project-to", "0,4"], "--project-to: expected integers >= 2, got [0, 4]"),
+], ids=["dpi", "sizes", "virtual", "phases", "project-to"])
+def test_bench_options_out_of_range_are_one_line_before_anything_is_written(tmp_path, capsys,
+                                                                          options, said):
+    from .helpers import QUICKSTART
+    out = tmp_path / "out"
+    assert main(["bench", QUICKSTART, *options, "--out", str(out)]) == 2
+    assert capsys.readouterr().err == f"mpitrain bench: error: {said}\n"
+    assert not out.exists()
+
+
+def test_bench_refuses_an_out_whose_runs_is_a_file(small_corpus, tmp_path, capsys):
+    from .helpers import QUICKSTART
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "runs").write_text("")
+    assert main(["bench", QUICKSTART, "--out", str(out), "--virtual", "1",
+                 "--set", f"data.train={small_corpus}/train"]) == 2
+    assert capsys.readouterr().err == (f"mpitrain bench: error: {out / 'runs'}: exists and is "
+                                       "not a directory\n")
+    assert sorted(os.listdir(out)) == ["runs"]
+
+
 @pytest.mark.parametrize("virtual", [True, False], ids=["virtual", "one-rank"])
 def test_bench_refuses_an_out_holding_an_earlier_benchmark(small_corpus, tmp_path, capsys,
                                                            virtual):
