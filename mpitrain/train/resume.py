@@ -129,7 +129,9 @@ class CheckpointResume:
                    "training.max_steps changes nothing; raise training.early_stop.patience "
                    "(--accept-changes) to go on")
         else:
-            how = "raise training.epochs or training.max_steps to go on"
+            # (more epochs change the result: without --accept-changes the
+            # resume would be refused)
+            how = "raise training.epochs (--accept-changes) or training.max_steps to go on"
         self._say(f"resume: the run had ended at step {ckpt_step}{where}; nothing to train "
                   f"({how})")
         return {"steps": ckpt_step, "frames": self.frames_seen, "seconds": 0.0,
