@@ -53,6 +53,11 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
     (``data/synth``) when neither is given.  ``warn(message)`` hears of a corpus
     directory without a ``corpus.yaml`` (it may be written later).
     """
+    for flag, value in (("--corpus", corpus), ("--train", train), ("--dev", dev)):
+        if value is not None and not str(value).strip():
+            # (a variable left unset in a script) not the built-in corpus's path
+            raise ValueError(f"{flag} is empty; name a corpus directory, or leave the "
+                             "option out")
     if corpus is None and bool(train) != bool(dev):
         # one named, the other left to the built-in corpus: a pair that belongs to
         # no one corpus, taken without a word

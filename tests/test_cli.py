@@ -435,6 +435,20 @@ def test_init_with_one_corpus_of_the_pair_named_is_refused(tmp_path, capsys, giv
                  given, str(tmp_path / "c")]) == 0
 
 
+@pytest.mark.parametrize("options, flag", [
+    (["--train", "", "--dev", ""], "--train"),
+    (["--corpus", " "], "--corpus"),
+    (["--train", "c/train", "--dev", ""], "--dev"),
+], ids=["train-and-dev", "corpus", "dev"])
+def test_init_with_an_empty_corpus_option_is_refused(tmp_path, capsys, options, flag):
+    # (a variable left unset in a script) --train "" --dev "" wrote a config of the
+    # built-in data/synth corpus without a word
+    assert main(["init", str(tmp_path / "exp"), *options]) == 2
+    assert capsys.readouterr().err == (f"mpitrain init: error: {flag} is empty; name a corpus "
+                                       "directory, or leave the option out\n")
+    assert not (tmp_path / "exp").exists()
+
+
 def test_example_configs_are_shipped_with_the_package():
     from mpitrain.starter import example_configs
     names = set(example_configs())
