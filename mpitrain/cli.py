@@ -93,6 +93,26 @@ def _refuse_unexpanded_home(args) -> None:
                 raise UsageError(f"{shown} {problem}")
 
 
+#: The output path of commands that would write into the working directory when
+#: it is empty (a variable left unset in a script), with what to name instead.
+_EMPTY_OUTPUT = {
+    "synth": ("out_dir", "OUT_DIR", "the directory to write train/ and dev/ into "
+                                    "(. for this one)"),
+    "merge": ("out_dir", "OUT_DIR", "the merged corpus directory (. for this one)"),
+    "prepare": ("out", "--out", "the corpus directory to write (. for this one)"),
+    "plot": ("out", "--out", "the PNG file, or leave the option out for "
+                             "RUN_DIR/curves.png"),
+}
+
+
+def _refuse_empty_output(args) -> None:
+    """An empty output path is not the working directory nor a default."""
+    name, shown, what = _EMPTY_OUTPUT.get(args.command, (None, None, None))
+    value = getattr(args, name, None) if name else None
+    if isinstance(value, str) and not value.strip():
+        raise UsageError(f"{shown} is empty; name {what}")
+
+
 def _one_process_only(command: str) -> None:
     """A command that is not an MPI one, started as one of several processes by
     mpiexec or srun: every process would do the whole work (and write the same
@@ -1353,6 +1373,7 @@ def _run_command(args, usage_on_error) -> int:
             _one_process_only(args.command)
         with _before_mpi():
             _refuse_unexpanded_home(args)
+            _refuse_empty_output(args)
         status = args.func(args)
         if sys.stdout is not None:      # (None: started with standard output closed)
             sys.stdout.flush()  # a closed reader shows here, not at interpreter exit

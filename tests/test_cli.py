@@ -449,6 +449,26 @@ def test_init_with_an_empty_corpus_option_is_refused(tmp_path, capsys, options, 
     assert not (tmp_path / "exp").exists()
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["synth", ""], "OUT_DIR is empty; name the directory to write train/ and dev/ into "
+                    "(. for this one)"),
+    (["merge", "", "part"], "OUT_DIR is empty; name the merged corpus directory "
+                            "(. for this one)"),
+    (["prepare", "--feats", "ark:f.ark", "--ali", "ark:a.ark", "--out", " "],
+     "--out is empty; name the corpus directory to write (. for this one)"),
+    (["plot", "run", "--out", ""], "--out is empty; name the PNG file, or leave the option "
+                                   "out for RUN_DIR/curves.png"),
+], ids=["synth", "merge", "prepare", "plot"])
+def test_an_empty_output_path_is_refused_not_the_working_directory(tmp_path, monkeypatch,
+                                                                  capsys, argv, said):
+    # (a variable left unset in a script) synth "" wrote train/ and dev/ here, merge ""
+    # wrote corpus.yaml here, plot --out "" drew RUN_DIR/curves.png
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    assert capsys.readouterr().err == f"mpitrain {argv[0]}: error: {said}\n"
+    assert os.listdir(tmp_path) == []
+
+
 def test_example_configs_are_shipped_with_the_package():
     from mpitrain.starter import example_configs
     names = set(example_configs())
