@@ -208,7 +208,7 @@ class Pretrainer:
                                 "in the config or with --set data.train=DIR)", agreed=True)
         if cfg.model.hidden_layers < 1:
             raise TrainingError("model.hidden_layers: pretraining needs at least one hidden "
-                                "layer, got 0", agreed=True)      # (every rank's config)
+                                "layer, got 0", agreed=True, setting=True)  # (every rank's)
         self.manifest, _ = load_manifests(comm, cfg.data.train)
         m = self.manifest
         var = floored_variance(m.cmvn_mean, m.cmvn_var)

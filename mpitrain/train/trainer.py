@@ -90,13 +90,14 @@ class Trainer(CheckpointResume):
                 import matplotlib  # noqa: F401  (checked now, not after hours of training)
             except ImportError as exc:
                 raise TrainingError("training.plot: true needs matplotlib; "
-                                    "pip install matplotlib (or the [plot] extra)") from exc
+                                    "pip install matplotlib (or the [plot] extra)",
+                                    setting=True) from exc
         if cfg.training.tensorboard:     # checked now, on every rank alike
             from .tensorboard import require_tensorboard
             try:
                 require_tensorboard()
             except ValueError as exc:
-                raise TrainingError(str(exc)) from None
+                raise TrainingError(str(exc), setting=True) from None
         self.manifest, self.dev_manifest = load_manifests(comm, cfg.data.train, cfg.data.dev)
         self._build_model()
         self._build_data()
@@ -198,7 +199,8 @@ class Trainer(CheckpointResume):
                 self.dropout_schedule = DropoutSchedule(cfg.model.dropout_schedule
                                                         or str(cfg.model.dropout))
             except ValueError as exc:
-                raise TrainingError(f"model.dropout_schedule: {exc}", agreed=True) from None
+                raise TrainingError(f"model.dropout_schedule: {exc}", agreed=True,
+                                    setting=True) from None
 
             self.net.dropout = DropoutMasks(seed=cfg.training.seed, rank=self.comm.rank)
 

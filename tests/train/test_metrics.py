@@ -125,10 +125,23 @@ def test_tensorboard_without_the_package_is_one_line(small_corpus, tmp_path, mon
     for item in small_overrides(small_corpus, **{"training.tensorboard": "true"}):
         argv += ["--set", item]
     assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert "training.tensorboard: true needs the tensorboard package (pip install " \
-           "tensorboard)" in err and "\n" not in err
-    assert not os.path.exists(tmp_path / "run" / "final.h5")
+    err = capsys.readouterr().err
+    assert err == (f"mpitrain train: error: {QUICKSTART}: training.tensorboard: true needs the "
+                   "tensorboard package (pip install tensorboard)\n")
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_plot_without_matplotlib_is_one_line_naming_the_config(small_corpus, tmp_path,
+                                                               monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    for item in small_overrides(small_corpus, **{"training.plot": "true"}):
+        argv += ["--set", item]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"mpitrain train: error: {QUICKSTART}: training.plot: "
+                                       "true needs matplotlib; pip install matplotlib (or the "
+                                       "[plot] extra)\n")
+    assert not os.path.exists(tmp_path / "run")
 
 
 def test_appending_drops_a_last_line_cut_short(tmp_path):

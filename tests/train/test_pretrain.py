@@ -50,6 +50,16 @@ def test_momentum_rises_in_forty_equal_steps():
     assert momentum_at(10 ** 9, **ramp) == pytest.approx(0.9)
 
 
+def test_pretraining_without_a_hidden_layer_names_the_config_and_key(small_corpus, tmp_path,
+                                                                     capsys):
+    run = tmp_path / "pre"
+    assert main(_argv("pretrain", run, small_corpus, ["model.hidden_layers=0"])) == 2
+    assert capsys.readouterr().err == (f"mpitrain pretrain: error: {QUICKSTART}: "
+                                       "model.hidden_layers: pretraining needs at least one "
+                                       "hidden layer, got 0\n")
+    assert not run.exists()
+
+
 def test_pretrained_stack_initialises_train_which_learns(small_corpus, tmp_path):
     pre = tmp_path / "pre"
     assert main(_argv("pretrain", pre, small_corpus)) == 0
