@@ -39,7 +39,14 @@ def parse_model(text: str) -> list[tuple[int, int]]:
     dims = []
     for part in text.split("-"):
         count, _, width = part.rpartition("x")
-        dims += [int(width)] * (int(count) if count else 1)
+        try:
+            repeat, size = (int(count) if count else 1), int(width)
+        except ValueError:
+            repeat = size = 0
+        if repeat < 1 or size < 1:
+            dims = []
+            break
+        dims += [size] * repeat
     if len(dims) < 2:
         raise ValueError(f"--model: expected dims like 440-4x2048-4000, got {text!r}")
     return list(zip(dims[:-1], dims[1:]))
@@ -108,6 +115,16 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default="440-4x2048-4000",
                         help="ReLU model dims for the step estimate ('' to skip)")
     args = parser.parse_args(argv)
+    # said before the timings, not as a traceback after them
+    for flag in ("threads", "batch", "update_period", "calls"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    layers = []
+    if args.model:
+        try:
+            layers = parse_model(args.model)
+        except ValueError as exc:
+            parser.error(str(exc))
 
     if "numpy" in sys.modules:
         print("warning: numpy was imported before the thread count was set", file=sys.stderr)
@@ -132,7 +149,7 @@ def main(argv=None) -> int:
     if args.model:
         from mpitrain.optim.natural_gradient import default_ranks
         sgd_ms = ng_ms = 0.0
-        for in_dim, out_dim in parse_model(args.model):
+        for in_dim, out_dim in layers:
             rng = np.random.default_rng(in_dim)
             x = rng.standard_normal((n, in_dim + 1)).astype(np.float32)
             w = (rng.standard_normal((out_dim, in_dim + 1)) / in_dim ** 0.5).astype(np.float32)
