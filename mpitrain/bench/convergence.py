@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -317,6 +318,25 @@ def _floats(text: str) -> list[float]:
     return values
 
 
+def _positive_floats(text: str) -> list[float]:
+    values = _floats(text)
+    if not all(0 < v < math.inf for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers, "
+                                         f"got {text!r}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    # (0 or less would evaluate at every step: max(1, frames // ranks))
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _ints(text: str) -> list[int]:
     values = _floats(text)
     if any(v != int(v) or v < 1 for v in values):
@@ -335,14 +355,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "mpitrain, jobs/configs/quickstart.yaml)")
     p.add_argument("--ranks", type=_ints, default=[1, 4],
                    help="rank counts: the first runs the sweep, the others the best rates")
-    p.add_argument("--lrs", type=_floats, default=[0.002, 0.004, 0.008],
+    p.add_argument("--lrs", type=_positive_floats, default=[0.002, 0.004, 0.008],
                    help="initial learning rates swept for SGD (final = initial / 10)")
-    p.add_argument("--ngsgd-lrs", type=_floats, default=None,
+    p.add_argument("--ngsgd-lrs", type=_positive_floats, default=None,
                    help="initial learning rates swept for NG-SGD (default: --lrs)")
     p.add_argument("--epochs", type=float, default=2.0)
-    p.add_argument("--eval-frames", type=int, default=51200,
+    p.add_argument("--eval-frames", type=_positive_int, default=51200,
                    help="frames (all ranks) between held-out evaluations")
-    p.add_argument("--lr-factors", type=_floats, default=[1.0],
+    p.add_argument("--lr-factors", type=_positive_floats, default=[1.0],
                    help="on more ranks, train each best rate times each of these factors")
     p.add_argument("--average-every", type=int, default=8,
                    help="minibatches between model averages on many ranks")

@@ -76,3 +76,26 @@ def test_a_swept_rate_the_config_cannot_take_is_refused_before_any_run(tmp_path,
     # the runs on more ranks try each swept rate times each factor
     assert main(argv[:-4] + ["--ranks", "1,4", "--lrs", "0.002", "--lr-factors", "1,8"]) == 2
     assert "convergence: error: sgd-lr0.016-4r: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("--lrs", "0", "argument --lrs: expected comma-separated positive numbers, got '0'"),
+    ("--ngsgd-lrs", "0.004,-1", "argument --ngsgd-lrs: expected comma-separated positive "
+                                "numbers, got '0.004,-1'"),
+    ("--lr-factors", "0", "argument --lr-factors: expected comma-separated positive numbers, "
+                          "got '0'"),
+    ("--eval-frames", "-5", "argument --eval-frames: expected a positive integer, got '-5'"),
+], ids=["lrs", "ngsgd-lrs", "lr-factors", "eval-frames"])
+def test_rates_and_intervals_out_of_range_are_one_line_before_any_run(tmp_path, capsys,
+                                                                      option, value, said):
+    # a rate of 0 was a traceback of RunSpec; --eval-frames -5 evaluated at every step
+    from mpitrain.bench.convergence import main
+    for split in ("train", "dev"):
+        (tmp_path / "corpus" / split).mkdir(parents=True)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as info:
+        main(["--corpus", str(tmp_path / "corpus"), "--out", str(out), option, value])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        f"python -m mpitrain.bench.convergence: error: {said}"
+    assert not out.exists()
