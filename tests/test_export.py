@@ -183,6 +183,17 @@ def test_an_ark_and_scp_of_the_same_name_are_refused_and_nothing_changes(tiny, c
     assert not [p for p in os.listdir(d) if ".tmp" in p]
 
 
+def test_an_scp_of_an_archive_on_standard_output_is_refused_and_nothing_written(tiny, capsys):
+    d, model, _ = tiny
+    before = sorted(os.listdir(d))
+    assert main(["export", str(model), "--feats", f"ark:{d}/feats.ark",
+                 "--out", f"ark,scp:-,{d}/s.scp"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"mpitrain export: error: --out ark,scp:-,{d}/s.scp: an scp needs "
+                            "the ark written to a file\n")
+    assert captured.out == "" and sorted(os.listdir(d)) == before
+
+
 def test_an_scp_names_an_archive_named_in_latin1_by_its_bytes(tiny):
     # the scp is text, and the archive's name could not be written into it
     from mpitrain.data.kaldi_read import read_feature_matrices
