@@ -512,10 +512,15 @@ def _compute_model(args, cfg, ranks: int):
             continue
         rank, _, factor = item.partition("=")
         try:
-            slowdown[int(rank)] = float(factor)
+            rank, factor = int(rank), float(factor)
         except ValueError:
             raise UsageError(f"--slowdown: expected RANK=FACTOR[,RANK=FACTOR...], e.g. 3=2.0; "
                              f"got {args.slowdown!r}") from None
+        if rank in slowdown:
+            # (the last one was taken without a word: a typo for another rank)
+            raise UsageError(f"--slowdown: rank {rank} is given twice, in {args.slowdown!r}; "
+                             "give each rank one factor")
+        slowdown[rank] = factor
     outside = sorted(r for r in slowdown if not 0 <= r < ranks)
     if outside:
         raise UsageError(f"--slowdown: rank {outside[0]} is not one of the {ranks} virtual "
