@@ -49,7 +49,8 @@ def merge_corpora(out_dir: str, parts, *, num_classes: int | None = None,
         raise ValueError(f"{out_dir}: no part corpora to merge")
     if num_classes is not None and (isinstance(num_classes, bool)
                                     or not isinstance(num_classes, int) or num_classes < 1):
-        raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
+        raise ValueError(f"--num-classes (num_classes=): expected a positive int, "
+                         f"got {num_classes!r}")
     out_dir = os.path.abspath(str(out_dir))
     target = manifest_path(out_dir)
     if os.path.exists(target) and not overwrite:

@@ -167,6 +167,15 @@ def test_merge_command(two_parts, capsys):
     assert load_manifest(str(out)).num_classes == 9
 
 
+def test_merge_with_no_classes_names_the_option_and_writes_nothing(two_parts, capsys):
+    out, _ = two_parts
+    assert main(["merge", str(out), str(out / "part-00000"), str(out / "part-00001"),
+                 "--num-classes", "0"]) == 2
+    assert capsys.readouterr().err == ("mpitrain merge: error: --num-classes (num_classes=): "
+                                       "expected a positive int, got 0\n")
+    assert not os.path.exists(os.path.join(out, "corpus.yaml"))
+
+
 def test_merge_command_counts_one_of_each_in_the_singular(tmp_path, capsys):
     # (it said `1 utterances, ... in 1 shards from 1 parts`)
     out = tmp_path / "train"
