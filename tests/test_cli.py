@@ -54,6 +54,20 @@ def test_missing_corpus_names_the_file(tmp_path, capsys):
     assert "nowhere" in err and "corpus.yaml" in err
 
 
+def test_a_corpus_path_naming_the_directory_of_train_and_dev_names_them(small_corpus, tmp_path,
+                                                                        capsys):
+    # data.train naming what synth wrote (train/ and dev/ inside) said only "not found"
+    code = main(["train", os.path.join(REPO, "jobs", "configs", "quickstart.yaml"),
+                 "--set", f"data.train={small_corpus}", "--run-dir", str(tmp_path / "r")])
+    assert code == 2
+    assert capsys.readouterr().err == (
+        f"mpitrain train: error: {small_corpus}/corpus.yaml: not found; expected a corpus "
+        f"directory ({small_corpus}) holding corpus.yaml, as `mpitrain synth`, `prepare` or "
+        f"`merge` write; it holds the corpora {small_corpus}/dev, {small_corpus}/train: "
+        "name one of them\n")
+    assert not (tmp_path / "r").exists()
+
+
 def test_gpu_without_cupy_or_device_is_a_clear_error(tmp_path, capsys):
     from mpitrain import backend
     if backend.gpu_available():

@@ -299,9 +299,18 @@ def read_manifest_data(path: str):
             raise CorpusError(f"{directory}: is a file, not a corpus directory holding "
                               f"{MANIFEST_NAME}{hint}") from None
         # (a new user's first run: the example configs name a corpus not yet written)
+        hint = ""
+        if os.path.isdir(directory):
+            # the directory synth writes (train/ and dev/) named for one corpus
+            inner = sorted(name for name in os.listdir(directory)
+                           if os.path.isfile(os.path.join(directory, name, MANIFEST_NAME)))
+            if inner:
+                shown = ", ".join(os.path.join(directory, n) for n in inner[:4])
+                hint = (f"; it holds the corpora {shown}{', ...' if len(inner) > 4 else ''}: "
+                        "name one of them")
         raise CorpusError(f"{path}: not found; expected a corpus directory "
                           f"({directory}) holding {MANIFEST_NAME}, as `mpitrain synth`, "
-                          f"`prepare` or `merge` write") from None
+                          f"`prepare` or `merge` write{hint}") from None
     try:
         return read_yaml(path, what="corpus manifest")
     except ValueError as exc:
