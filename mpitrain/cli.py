@@ -951,6 +951,18 @@ class _Parser(argparse.ArgumentParser):
     quiet = False
     hold = False
 
+    #: the command parsers by name (the top-level parser's)
+    commands: dict = {}
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            # said by the command's own parser (`mpitrain train: error:`, its usage),
+            # not by the top level's, which names no command
+            command = self.commands.get(getattr(parsed, "command", None), self)
+            command.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
     def error(self, message):
         if self.hold:
             raise _HeldParseError(self.prog, message, self.format_usage())
@@ -1226,6 +1238,7 @@ def build_parser(*, quiet_errors: bool = False,
     p.set_defaults(func=cmd_status)
     for each in (parser, *sub.choices.values()):
         each.quiet, each.hold = quiet_errors, hold_errors
+    parser.commands = dict(sub.choices)
     return parser
 
 

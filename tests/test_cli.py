@@ -36,6 +36,21 @@ def test_each_subcommand_has_help(name, capsys):
     assert "usage: mpitrain " + name in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv, usage", [
+    (["train", "run.yaml", "--bogus", "x"], "usage: mpitrain train "),
+    (["plot", "runs/a", "--dpi", "0"], "usage: mpitrain plot "),
+], ids=["train", "plot"])
+def test_an_unknown_option_is_named_by_its_command(capsys, argv, usage):
+    # the top-level parser said it: "mpitrain: error: ..." under the usage of no command
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage), err
+    assert err.splitlines()[-1] == (f"mpitrain {argv[0]}: error: unrecognized arguments: "
+                                    f"{' '.join(argv[2:])}")
+
+
 def test_bad_config_is_one_line_and_exit_2(tmp_path):
     cfg = tmp_path / "bad.yaml"
     cfg.write_text("optimizer:\n  momentum: 2\n")
@@ -762,7 +777,7 @@ def test_the_log_names_each_ranks_host_and_the_rank_the_others_wait_for(small_co
      "mpitrain train: error: {good}: training.epochs: expected a number in (0, 1e+06], got -1"),
     (["train", "{good}", "--slowdown", "1=2"], "mpitrain train: error: --slowdown and --jitter "),
     (["train", "{good}", "--no-such-option"],
-     "mpitrain: error: unrecognized arguments: --no-such-option"),
+     "mpitrain train: error: unrecognized arguments: --no-such-option"),
     (["train", "{good}", "--virtual", "2"],
      "mpitrain train: error: --virtual simulates every rank in this one process; run it "
      "without mpiexec or srun (this is one of 3 processes)"),

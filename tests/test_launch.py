@@ -196,7 +196,7 @@ def test_a_command_line_wrong_on_one_rank_only_is_said_by_rank_0(mpiexec, tmp_pa
             "{rank=1}--no-such-option"]
     result, statuses, said = _run(mpiexec, tmp_path, 3, argv)
     assert result.returncode == 2, result.stderr
-    assert said == ["mpitrain train: error: rank 1: mpitrain: unrecognized arguments: "
+    assert said == ["mpitrain train: error: rank 1: mpitrain train: unrecognized arguments: "
                     "--no-such-option (ranks 0, 2 could start)"], result.stderr
     assert statuses == {"rank-0": "2", "rank-1": "2", "rank-2": "2"}, statuses
 
