@@ -787,6 +787,12 @@ def load_config(path=None, overrides=()) -> RunConfig:
                 plain, str) else f"the value {_shown(data)}"
             raise ConfigError(f"{path}: expected a mapping of sections (data, model, "
                               f"optimizer, ...) at the top level, got {kind}")
+        if {"feat_dim", "num_classes", "shards"} <= set(data):
+            # (said as an unknown key 'class_counts' of a run configuration)
+            directory = os.path.dirname(os.fspath(path)) or "."
+            raise ConfigError(f"{path}: a corpus manifest, not a run configuration; name "
+                              f"its directory ({directory}) as data.train or data.dev in "
+                              "a config (`mpitrain init` writes one)")
     data = _merge(data, parse_overrides(overrides))
     cfg = from_dict(RunConfig, data, where=where)
     _cross_checks(cfg, where)

@@ -107,6 +107,19 @@ def test_a_set_value_that_is_not_yaml_or_under_a_value_names_the_set(tmp_path):
     assert str(info.value) == "--set training.seed: training is not a section"
 
 
+def test_a_corpus_manifest_given_as_the_config_is_named_as_one(tmp_path):
+    # said as "class_counts: unknown key" of a run configuration
+    from mpitrain.data.synthetic import synthesize
+    synthesize(str(tmp_path / "c"), hours=0.01, speakers=2, shards=1, dev_hours=0.005,
+               dev_speakers=1)
+    path = tmp_path / "c" / "train" / "corpus.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(str(path))
+    assert str(info.value) == (f"{path}: a corpus manifest, not a run configuration; name its "
+                               f"directory ({tmp_path / 'c' / 'train'}) as data.train or "
+                               "data.dev in a config (`mpitrain init` writes one)")
+
+
 def test_pretraining_and_combination_errors_name_the_key(tmp_path):
     msg = _error(tmp_path, "pretrain:\n  learning_rate_gaussian: -0.01\n")
     assert "pretrain.learning_rate_gaussian" in msg
