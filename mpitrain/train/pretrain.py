@@ -507,6 +507,12 @@ class Pretrainer:
         if way is not None:
             raise TrainingError(f"{self.run_dir}: no pretraining checkpoint (ckpt-*.h5) to "
                                 f"continue from; {way}", agreed=True)
+        if chosen is None and notes and all("is 'mpitrain-checkpoint'" in note
+                                            for note in notes):
+            # (each checkpoint "not an mpitrain pretraining checkpoint": a model's)
+            raise TrainingError(f"{self.run_dir}: a train run's directory (its checkpoints "
+                                "are a model's); pretrain in a run directory of its own",
+                                agreed=True)
         if chosen is None:
             raise TrainingError(f"{self.run_dir}: no pretraining checkpoint (ckpt-*.h5) "
                                 "verifies" + (": " + "; ".join(notes) if notes else ""),

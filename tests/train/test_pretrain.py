@@ -530,6 +530,22 @@ def test_train_resume_in_a_pretraining_directory_points_to_its_stack(small_corpu
     assert f"--set model.init_from={pre}/pretrain.h5" in err, err
 
 
+def test_pretrain_resume_in_a_train_run_directory_says_what_it_holds(small_corpus, tmp_path,
+                                                                     capsys):
+    # (each of the model's checkpoints was listed as "not an mpitrain pretraining
+    # checkpoint", with no word of what the directory holds)
+    run = tmp_path / "run"
+    assert main(_argv("train", run, small_corpus, ["training.max_steps=20",
+                                                   "training.checkpoint_interval=10"])) == 0
+    before = sorted(os.listdir(run))
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus) + ["--resume"]) == 2
+    assert capsys.readouterr().err == (f"mpitrain pretrain: error: {run}: a train run's "
+                                       "directory (its checkpoints are a model's); pretrain "
+                                       "in a run directory of its own\n")
+    assert sorted(os.listdir(run)) == before
+
+
 def test_a_gaussian_layer_exploded_in_its_first_window_stops_there(small_corpus, tmp_path,
                                                                    capsys):
     """The first window was the yardstick even when it had exploded already (10^10
