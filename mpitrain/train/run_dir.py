@@ -138,6 +138,11 @@ def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
         if not os.access(run_dir, os.W_OK):
             return f"{run_dir}: run directory is not writable (a resumed run writes there)"
         return None
+    if os.path.isfile(os.path.join(run_dir, "corpus.yaml")):
+        # the run's checkpoints and models would lie among the shards, and a corpus
+        # reader or `merge` of the directory would meet them
+        return (f"{run_dir}: a corpus directory (it holds corpus.yaml), not a place for a "
+                "run; choose another --run-dir")
     files = run_files(run_dir) if os.path.isdir(run_dir) else []
     if files and not overwrite:
         names = ", ".join(os.path.basename(p) for p in files[:4])

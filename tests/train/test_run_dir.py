@@ -6,6 +6,8 @@ import shutil
 from mpitrain.config import RunConfig
 from mpitrain.train.run_dir import changed_settings, clear_run, run_dir_problem, run_files
 
+from ..helpers import QUICKSTART
+
 
 def _run(tmp_path):
     d = tmp_path / "run"
@@ -37,6 +39,21 @@ def test_a_file_and_a_missing_resume_directory_are_refused(tmp_path):
     assert "not a directory" in run_dir_problem(str(f), resume=False, overwrite=False)
     assert "does not exist" in run_dir_problem(str(tmp_path / "nope"), resume=True,
                                                overwrite=False)
+
+
+def test_a_corpus_directory_is_refused_as_a_new_runs_directory(tmp_path, small_corpus):
+    """`--run-dir data/train` wrote checkpoints and models among the shards."""
+    from mpitrain.cli import main
+    corpus = tmp_path / "train"
+    shutil.copytree(os.path.join(small_corpus, "train"), corpus)
+    for overwrite in (False, True):
+        assert run_dir_problem(str(corpus), resume=False, overwrite=overwrite) == (
+            f"{corpus}: a corpus directory (it holds corpus.yaml), not a place for a run; "
+            "choose another --run-dir")
+    before = sorted(os.listdir(corpus))
+    assert main(["train", QUICKSTART, "--set",
+                 f"data.train={corpus}", "--set", "data.dev=", "--run-dir", str(corpus)]) == 2
+    assert sorted(os.listdir(corpus)) == before
 
 
 def test_clear_run_removes_the_run_files_only(tmp_path):
