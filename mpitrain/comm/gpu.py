@@ -50,6 +50,24 @@ CUDA_AWARE_ENV = "MPITRAIN_CUDA_AWARE_MPI"
 NCCL_INIT_TIMEOUT_ENV = "MPITRAIN_NCCL_INIT_TIMEOUT"
 DEFAULT_NCCL_INIT_TIMEOUT_S = 120.0
 
+
+_SAYS_YES, _SAYS_NO = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def cuda_aware_setting() -> tuple:
+    """What MPITRAIN_CUDA_AWARE_MPI asks: ``(True, None)`` probe the device
+    Allreduce, ``(None, None)`` ask the library (unset), ``(False, why)`` skip it
+    (a value it cannot read is said, not taken for unset)."""
+    setting = os.environ.get(CUDA_AWARE_ENV, "").strip()
+    if not setting:
+        return None, None
+    if setting.lower() in _SAYS_YES:
+        return True, None
+    if setting.lower() in _SAYS_NO:
+        return False, f"disabled by {CUDA_AWARE_ENV}={setting}"
+    return False, f"not tried: {CUDA_AWARE_ENV}={setting!r} is neither 1 nor 0"
+
+
 # ------------------------------------------------------------------ MPI paths
 
 class HostPath:
@@ -544,17 +562,12 @@ def check_cuda_aware_mpi(mpi_comm, cupy) -> tuple[bool, str]:
         aware, why_not = check_cuda_aware_mpi(MPI.COMM_WORLD, cupy)
     """
     size = mpi_comm.Get_size()
-    setting = os.environ.get(CUDA_AWARE_ENV, "").strip()
-    claimed = {"1": True, "0": False}.get(setting)
-    if claimed is False:
-        error = f"disabled by {CUDA_AWARE_ENV}=0"
-    elif claimed is None:
+    claimed, error = cuda_aware_setting()
+    if claimed is None:
         claimed = query_cuda_support()
         error = None if claimed else (
             "not claimed by the library" if claimed is False else
             f"support cannot be queried from the library (set {CUDA_AWARE_ENV}=1 to probe it)")
-    else:
-        error = None
     failures = _failures(mpi_comm, error)
     if failures:
         return False, _describe(failures, size, "CUDA-aware MPI {error}{where}")

@@ -22,3 +22,18 @@ def test_staged_buffer_holds_the_device_data_when_mpi_reads_it():
         staged, token = path.enter(cp.full(6, 7, dtype=cp.float32), copy_in=True)
         np.testing.assert_array_equal(staged, np.full(6, 7, dtype=np.float32))
         path.leave(buf, token, copy_out=False)
+
+
+def test_the_cuda_aware_variable_is_read_or_its_value_said(monkeypatch):
+    """MPITRAIN_CUDA_AWARE_MPI=yes was taken for unset, without a word."""
+    from mpitrain.comm.gpu import CUDA_AWARE_ENV, cuda_aware_setting
+    for value, wanted in [("", (None, None)), ("1", (True, None)), ("yes", (True, None)),
+                          ("True", (True, None)),
+                          ("0", (False, f"disabled by {CUDA_AWARE_ENV}=0")),
+                          ("off", (False, f"disabled by {CUDA_AWARE_ENV}=off")),
+                          ("maybe", (False, f"not tried: {CUDA_AWARE_ENV}='maybe' is "
+                                            "neither 1 nor 0"))]:
+        monkeypatch.setenv(CUDA_AWARE_ENV, value)
+        assert cuda_aware_setting() == wanted, value
+    monkeypatch.delenv(CUDA_AWARE_ENV)
+    assert cuda_aware_setting() == (None, None)
