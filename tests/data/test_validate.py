@@ -158,6 +158,18 @@ def test_shard_disagrees_with_the_manifest(corpus):
                        path, "shards[0].frames")
 
 
+def test_a_held_out_shard_storing_fewer_frames_than_listed_is_named(corpus):
+    # The held-out check scans the frames the manifest lists; a shard storing
+    # fewer is named, not read past its end.
+    def change(data):
+        data["shards"][0]["frames"] += 3
+        data["shards"][1]["frames"] -= 3
+    path = edit_manifest(corpus, change)
+    problems = validate_corpus(load_manifest(corpus))
+    assert any(shard(corpus) in p and "dataset 'feats' has" in p and "shards[0].frames" in p
+               and path in p for p in problems), problems
+
+
 def test_slice_beyond_the_shards_utterances(corpus):
     manifest = load_manifest(corpus)
     info = manifest.shards[0]
