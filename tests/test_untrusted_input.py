@@ -24,6 +24,7 @@ from mpitrain.cli import main
 from mpitrain.data.check import check_corpus
 from mpitrain.data.corpus import CorpusError
 from mpitrain.data.writer import CorpusWriter
+from mpitrain.h5io import write_checksums
 from mpitrain.data.kaldi import import_kaldi, read_alignments, read_feature_matrices
 from mpitrain.data.shards import ShardReader, write_shard
 from mpitrain.nn.affine import Affine
@@ -478,6 +479,23 @@ def _option_of_another_kind(f):
     _set_components(f, specs)
 
 
+def _normalize_target_beyond_float32(f):
+    specs = json.loads(f.attrs["components"])
+    specs[1] = {"kind": "normalize", "in_dim": 8, "out_dim": 8, "target_rms": 1e300}
+    _set_components(f, specs)
+    # summed again, as a file written that way would be: loaded, it overflowed
+    # in the forward pass
+    del f.attrs["checksum"]
+    f.visititems(lambda _, obj: obj.attrs.pop("sha256", None))
+    write_checksums(f, "model.h5", what="model")
+
+
+def _option_beyond_a_float(f):
+    specs = json.loads(f.attrs["components"])
+    specs[1] = {"kind": "pnorm", "in_dim": 8, "out_dim": 8, "p": 10 ** 400}
+    _set_components(f, specs)
+
+
 def _priors_negative(f):
     f["class_priors"][...] = -np.abs(f["class_priors"][...]) - 0.01
 
@@ -516,6 +534,10 @@ def _version_not_int(f):
     (_unknown_option, ["component 0 (affine): field 'init_scale': expected a finite number"]),
     (_elementwise_of_another_width, ["component 1: field 'out_dim' is 4, but relu keeps"]),
     (_option_of_another_kind, ["component 1: field 'p' is not an option of relu"]),
+    # (an OverflowError traceback from the forward pass)
+    (_normalize_target_beyond_float32, ["component 1: Normalize target_rms must be in (0, "]),
+    # (an OverflowError traceback from the layer's constructor)
+    (_option_beyond_a_float, ["component 1 (pnorm): field 'p': expected a finite number"]),
     # (export scored every class as never seen, -1.8e19, and exited 0)
     (_priors_negative, ["dataset 'class_priors' holds a negative value"]),
     # (an AttributeError traceback from the checksum's walk)

@@ -116,11 +116,24 @@ def _component_specs(group, path) -> list:
                                  f"[1, {MAX_LAYER_DIM}], got {dim!r}")
         for key, value in spec.items():
             # Options are plain numbers or flags; anything else is not ours.
-            if key != "kind" and not (isinstance(value, (bool, int))
-                                      or (isinstance(value, float) and math.isfinite(value))):
+            if key != "kind" and not _finite_option(value):
+                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
                 raise ValueError(f"{where} ({spec['kind']}): field '{key}': expected a finite "
-                                 f"number, got {value!r}")
+                                 f"number, got {shown}")
     return specs
+
+
+def _finite_option(value) -> bool:
+    """A flag, or a number a float holds (JSON's integers have no bound, and the
+    layers take their options as floats)."""
+    if isinstance(value, bool):
+        return True
+    if isinstance(value, (int, float)):
+        try:
+            return math.isfinite(float(value))
+        except OverflowError:
+            return False
+    return False
 
 
 def _build_components(specs, path) -> list:

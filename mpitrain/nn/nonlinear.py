@@ -12,6 +12,8 @@ from .kernels import relu_backward
 
 # the p-norm's scale floor: a group of zeros gives 0 (any positive scale does)
 TINY = 1e-30
+# the largest float32
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class _Elementwise(Component):
@@ -158,8 +160,11 @@ class Normalize(_Elementwise):
 
     def __init__(self, dim: int, *, target_rms: float = 1.0):
         super().__init__(dim)
-        if target_rms <= 0:
-            raise ValueError(f"Normalize target_rms must be > 0, got {target_rms}")
+        # The rows it gives are float32: a larger target cannot be reached, and its
+        # square overflows the forward pass's arithmetic.
+        if not 0 < target_rms <= FLOAT32_MAX:
+            raise ValueError(f"Normalize target_rms must be in (0, {FLOAT32_MAX:.4g}] (a "
+                             f"float32), got {target_rms}")
         self.target_rms = float(target_rms)
 
     def forward(self, x, *, out=None):
