@@ -241,23 +241,34 @@ class DivergenceGuard:
                 **mean, **pool}
 
     def load_state_dict(self, state: dict) -> None:
-        self.rollbacks = int(state.get("rollbacks", 0))
-        self.lr_scale = float(state.get("lr_scale", 1.0))
-        self.skipped_total = int(state.get("skipped_total", 0))
-        self.exploded_total = int(state.get("exploded_total", 0))
-        mean = state.get("running_mean")       # absent: written before any good window
-        self.running_mean = self.initial_xent if mean is None else float(mean)
-        self.pool_loss = float(state.get("pool_loss", 0.0))
-        self.pool_frames = int(state.get("pool_frames", 0))
-        if not (math.isfinite(self.lr_scale) and 0.0 < self.lr_scale <= 1.0) \
-                or self.rollbacks < 0 or self.skipped_total < 0 or self.exploded_total < 0 \
-                or not (0 <= self.pool_frames < MIN_JUDGED_FRAMES
-                        and math.isfinite(self.pool_loss) and self.pool_loss >= 0) \
-                or not (self.running_mean is None
-                        or (math.isfinite(self.running_mean) and self.running_mean >= 0)):
-            raise ValueError(f"checkpoint group 'trainer': expected lr_scale in (0, 1], "
-                             f"non-negative counts, a finite running_mean >= 0 and a pool "
-                             f"of under {MIN_JUDGED_FRAMES} frames, got {state!r}")
+        def number(key, default, kind, ok, expected):
+            value = state.get(key, default)
+            try:
+                value = kind(value)
+                good = ok(value)
+            except (TypeError, ValueError, OverflowError):
+                good = False
+            if not good:
+                # the field alone: the group holds the corpus digest and much else
+                raise ValueError(f"checkpoint group 'trainer': field '{key}': expected "
+                                 f"{expected}, got {state.get(key, default)!r}")
+            return value
+        count = "a non-negative count"
+        self.rollbacks = number("rollbacks", 0, int, lambda v: v >= 0, count)
+        self.lr_scale = number("lr_scale", 1.0, float,
+                               lambda v: math.isfinite(v) and 0.0 < v <= 1.0,
+                               "a number in (0, 1]")
+        self.skipped_total = number("skipped_total", 0, int, lambda v: v >= 0, count)
+        self.exploded_total = number("exploded_total", 0, int, lambda v: v >= 0, count)
+        # absent: written before any good window
+        self.running_mean = self.initial_xent if state.get("running_mean") is None else \
+            number("running_mean", None, float, lambda v: math.isfinite(v) and v >= 0,
+                   "a finite number >= 0")
+        self.pool_loss = number("pool_loss", 0.0, float, lambda v: math.isfinite(v) and v >= 0,
+                                "a finite number >= 0")
+        self.pool_frames = number("pool_frames", 0, int,
+                                  lambda v: 0 <= v < MIN_JUDGED_FRAMES,
+                                  f"a count under {MIN_JUDGED_FRAMES}")
 
 
 def restart_advice(run_dir: str, cfg=None) -> str:

@@ -264,7 +264,10 @@ class CheckpointResume:
         ``settings_changed`` (``--resume --accept-changes``): a part whose saved
         state does not fit the new settings (another method, optimizer or
         schedule, momentum switched on) starts afresh, and the log says so."""
-        self.guard.load_state_dict(ckpt.trainer_state)
+        try:
+            self.guard.load_state_dict(ckpt.trainer_state)
+        except ValueError as exc:
+            raise TrainingError(f"{ckpt.path}: {exc}", agreed=True) from None
         self._load_part(ckpt, "the rate schedule", self._load_schedule_state, settings_changed)
         self.strategy.bind(self.net)
         if self._load_part(ckpt, "the parallel method's state",

@@ -496,6 +496,30 @@ def test_a_checkpoint_whose_reader_position_does_not_exist_is_refused(small_corp
     assert _snapshot(run) == before
 
 
+@pytest.mark.parametrize("field,value", [("lr_scale", -1.0), ("exploded_total", -2)])
+def test_a_checkpoint_whose_divergence_state_is_crafted_is_named_by_file_and_field(
+        small_corpus, tmp_path, capsys, field, value):
+    """The 'trainer' group's divergence counts out of range (its checksum made to
+    match): one line naming the checkpoint and the field (it named no file and
+    printed the whole group)."""
+    import h5py
+
+    from mpitrain.h5io import write_checksums
+    run = tmp_path / "run"
+    assert _train(run, small_corpus, ["training.max_steps=10"]) == 0
+    ckpt = list_checkpoints(str(run))[-1]
+    with h5py.File(ckpt, "r+") as f:
+        f["trainer"].attrs[field] = value
+        write_checksums(f, ckpt, what="checkpoint")
+    before = _snapshot(run)
+    capsys.readouterr()
+    assert _train(run, small_corpus, ["training.max_steps=20"], flags=["--resume"]) == 2
+    err = _one_line(capsys.readouterr().err)
+    assert f"{ckpt}: checkpoint group 'trainer': field '{field}': expected " in err, err
+    assert "corpus_data" not in err, err
+    assert _snapshot(run) == before
+
+
 def test_an_early_stopped_run_goes_on_as_its_resume_line_says(small_corpus, tmp_path, capsys):
     """The resume line of a run that early stopping ended said to raise
     training.epochs, which trained to the next evaluation and stopped there again
