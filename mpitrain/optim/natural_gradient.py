@@ -498,6 +498,12 @@ class OnlineNaturalGradient(Preconditioner):
         for key in ("t", "rank", "W", "d", "rho"):
             if key not in state:
                 raise ValueError(f"OnlineNaturalGradient state: missing field {key!r}")
+        for key, kind in (("t", int), ("rank", int), ("rho", float)):
+            try:
+                kind(state[key])
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"OnlineNaturalGradient state: field {key!r} must be a "
+                                 f"number, got {state[key]!r}") from None
         w = np.asarray(state["W"])
         d = np.asarray(state["d"], dtype=np.float64)
         rank = int(state["rank"])

@@ -112,7 +112,11 @@ class NaturalGradientSGD(SGD):
                                  f"{w.shape}; its layer gives rows of {self._dims[key]} columns")
             # a state of another rank would be taken as it is and keep that rank
             # until the next reset: the configured rank would be ignored unsaid
-            rank = int(saved[key].get("rank", 0))
+            try:
+                rank = int(saved[key].get("rank", 0))
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"optimizer state: preconditioner '{key}': field 'rank' must "
+                                 f"be a number, got {saved[key].get('rank')!r}") from None
             if w.size and isinstance(p, OnlineNaturalGradient) and rank != p.rank:
                 raise ValueError(f"optimizer state: preconditioner '{key}' has rank {rank}; "
                                  f"the settings give it rank {p.rank} "

@@ -316,8 +316,18 @@ class SGD(ReplayableOptimizer):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        skipped = int(state.get("num_skipped", 0))
-        self._calls = int(state.get("num_steps", 0)) + skipped
+        counts = {}
+        for key in ("num_skipped", "num_steps"):
+            value = state.get(key, 0)
+            try:
+                counts[key] = int(value)
+            except (TypeError, ValueError, OverflowError):
+                counts[key] = -1
+            if counts[key] < 0:
+                raise ValueError(f"optimizer state: field {key!r} must be a non-negative "
+                                 f"count, got {value!r}")
+        skipped = counts["num_skipped"]
+        self._calls = counts["num_steps"] + skipped
         if self._device is not None:
             self._device.skipped[...] = skipped
         else:

@@ -558,6 +558,11 @@ def test_load_state_dict_rejects_bad_fields():
         prec.load_state_dict(dict(state, W=np.full_like(state["W"], np.nan)))
     with pytest.raises(ValueError, match="must be finite"):
         prec.load_state_dict(dict(state, rho=np.inf))
+    # text where a count belongs: the field is named (it said "invalid literal for
+    # int() with base 10")
+    for key in ("rank", "t", "rho"):
+        with pytest.raises(ValueError, match=f"field '{key}' must be a number, got 'x'"):
+            prec.load_state_dict(dict(state, **{key: "x"}))
 
 
 def test_reset_forgets_everything():

@@ -38,6 +38,25 @@ def test_state_of_a_preconditioner_for_another_dimension_is_refused():
         fresh.load_state_dict(bad)
 
 
+def test_state_with_text_or_negative_counts_is_refused_naming_the_field():
+    """A crafted checkpoint (its checksum made to match) with text where the rank
+    or the step count belongs, or a negative count: the field is named (it said
+    "invalid literal for int() with base 10: 'x'", or took -1 steps)."""
+    _, opt = _trained()
+    state = opt.state_dict()
+    fresh = _trained(steps=0)[1]
+    saved = state["preconditioners"]["layer1_in"]
+    bad = dict(state, preconditioners=dict(state["preconditioners"],
+                                           layer1_in=dict(saved, rank="x")))
+    with pytest.raises(ValueError, match="preconditioner 'layer1_in': field 'rank' must be "
+                                         "a number, got 'x'"):
+        fresh.load_state_dict(bad)
+    for value in ("x", -1):
+        with pytest.raises(ValueError, match="field 'num_steps' must be a non-negative count"):
+            fresh.load_state_dict(dict(state, num_steps=value))
+    fresh.load_state_dict(state)                      # the sound state: accepted
+
+
 def test_state_of_another_rank_is_refused():
     """Saved estimates of another rank were taken as they were, so a changed
     rank_in or rank_out (``--resume --accept-changes``) was ignored until the
