@@ -454,6 +454,10 @@ def _read_text_matrix(src: Input, key: str, dtype=np.float32) -> np.ndarray:
             return np.array(rows[:1], dtype=dtype)
         if len({len(row) for row in rows}) > 1:
             raise ValueError("rows of different lengths")
+        # Python's float() takes '1_0' as 10; Kaldi's reader refuses it
+        bad = next((v for row in rows for v in row if "_" in v), None)
+        if bad is not None:
+            raise ValueError(f"could not convert string to float: {bad[:40]!r}")
         return np.array(rows, dtype=dtype)
     except ValueError as exc:    # also UnicodeDecodeError
         raise CorpusError(f"{src.name}: entry {key!r}: not a Kaldi text matrix ({exc})") \
@@ -604,10 +608,11 @@ def parse_scp(target: str, *, commands: bool = False) -> list[tuple]:
                 entries.append((key, location, None, ranges))
                 continue
             ark, offset = location, None
-            if ":" in location:
-                head, tail = location.rsplit(":", 1)
-                if tail.isdigit():
-                    ark, offset = head, int(tail)
+            # an offset of ASCII digits, as Kaldi parses it (Python's isdigit also
+            # takes other scripts' digits and superscripts)
+            found = _OFFSET.fullmatch(location)
+            if found:
+                ark, offset = found.group(1), int(found.group(2))
             entries.append((key, ark, offset, ranges))
     return entries
 
@@ -817,28 +822,22 @@ def as_pdf_ids(name: str, key: str, labels: np.ndarray) -> np.ndarray:
 _INT64_MIN, _INT64_MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
 
-def _is_int_token(token: str) -> bool:
-    try:
-        int(token)
-        return True
-    except ValueError:
-        return False
-
-
 def _text_alignments(src: Input, alignments: dict) -> None:
     for lineno, raw in enumerate(src.lines(), 1):
-        # Decoded leniently: a line that is not text fails below as a bad pdf id.
-        parts = raw.decode("utf-8", errors="replace").split()
+        # Split at ASCII whitespace as Kaldi splits (not at a no-break space), and
+        # decoded leniently: a line that is not text fails below as a bad pdf id.
+        parts = [part.decode("utf-8", errors="replace") for part in raw.split()]
         if not parts:
             continue
         # Kaldi writes "utt 3 3 5"; kaldiio's text mode brackets it: "utt [ 3 3 5 ]".
         key, values = parts[0], [v for v in parts[1:] if v not in ("[", "]")]
-        try:
-            numbers = [int(v) for v in values]
-        except ValueError:
-            bad = next(v for v in values if not _is_int_token(v))
+        # ASCII digits only, as Kaldi reads them (Python's int() takes '1_0', and
+        # other scripts' digits)
+        bad = next((v for v in values if not _INTEGER.fullmatch(v)), None)
+        if bad is not None:
             raise CorpusError(f"{src.name}:{lineno}: utterance {key!r}: expected integer pdf "
-                              f"ids, got {bad[:40]!r}") from None
+                              f"ids, got {bad[:40]!r}")
+        numbers = [int(v) for v in values]
         # a number beyond int64 (a damaged file) would overflow the array below
         huge = next((n for n in numbers if not _INT64_MIN <= n <= _INT64_MAX), None)
         if huge is not None:

@@ -370,6 +370,33 @@ def test_scp_ranges_cut_rows_and_columns_as_kaldi_does(tmp_path):
         dict(read_alignments(f"scp:{tmp_path}/ali_seg.scp"))
 
 
+def test_numbers_are_ascii_digits_as_kaldi_reads_them(tmp_path):
+    """Python's int() and float() take '1_0' as 10 and other scripts' digits
+    ('\u0663', fullwidth '\uff13') as digits, and isdigit() superscripts: a text
+    alignment's pdf id, a text matrix's value or an scp offset so written was
+    read as a number (or an scp offset '\u00b2' failed naming no file).  Kaldi
+    refuses them; so does the reader, naming the file and the utterance."""
+    (tmp_path / "ok.txt").write_text("u 3 +3 0\n")
+    assert read_alignments(f"ark,t:{tmp_path}/ok.txt")["u"].tolist() == [3, 3, 0]
+    for token in ("0_3", "\u0663", "\uff13"):
+        (tmp_path / "ali.txt").write_text(f"u 1 {token} 2\n", encoding="utf-8")
+        with pytest.raises(CorpusError) as err:
+            read_alignments(f"ark,t:{tmp_path}/ali.txt")
+        assert f"ali.txt:1: utterance 'u': expected integer pdf ids, got {token!r}" \
+            in str(err.value), err.value
+    (tmp_path / "m.ark").write_bytes(b"u  [\n  1 2\n  1_0 4 ]\n")
+    with pytest.raises(CorpusError, match="entry 'u': not a Kaldi text matrix .*'1_0'"):
+        list(read_feature_matrices(f"ark:{tmp_path}/m.ark"))
+    kaldiio.save_ark(str(tmp_path / "f.ark"), {"u": np.ones((2, 3), np.float32)},
+                     scp=str(tmp_path / "f.scp"))
+    ark = (tmp_path / "f.scp").read_text().split()[1].rsplit(":", 1)[0]
+    for tail in ("\u00b2", "\u0663"):
+        (tmp_path / "bad.scp").write_text(f"u {ark}:{tail}\n", encoding="utf-8")
+        with pytest.raises(CorpusError, match="bad.scp: utterance 'u' points to .*not a "
+                                              "readable file"):
+            list(read_feature_matrices(f"scp:{tmp_path}/bad.scp"))
+
+
 def _kaldi_copy_to_mat(data: bytes) -> np.ndarray:
     """Kaldi's CompressedMatrix::CopyToMat, one element at a time, each C++
     operation in its own type (float32, or float64 where a double constant enters),
