@@ -436,6 +436,11 @@ def _check_value(key: str, tp, meta, raw, where: str, *, limits: bool = True):
             value = str(value)
         if not isinstance(value, str):
             raise bad
+        if "\0" in value:
+            # a double-quoted "\0": no path or name holds one (the OS refuses it
+            # later with "embedded null byte", naming nothing)
+            raise ConfigError(f"{where}{key}: expected text without a NUL character "
+                              f"(\\0), got {value!r}")
     elif tp is tuple:
         # a list of integers (or numbers); the field's range applies to each
         items = meta.get("items") or int

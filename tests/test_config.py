@@ -332,6 +332,15 @@ def test_a_value_is_named_as_it_was_written(tmp_path):
              "normalize", "init_from", "dropout", "dropout_schedule"))))
 
 
+def test_a_nul_character_in_a_text_setting_is_named(tmp_path):
+    """A double-quoted "\\0" in a path reached the OS, whose "embedded null byte"
+    was the whole error line, naming neither the file nor the key."""
+    msg = _error(tmp_path, 'data:\n  train: "data/tr\\0ain"\n')
+    assert msg.endswith("data.train: expected text without a NUL character (\\0), got "
+                        "'data/tr\\x00ain'"), msg
+    assert "run.yaml" in msg
+
+
 def test_numbers_yaml_reads_as_other_numbers_are_refused(tmp_path):
     # YAML 1.1 reads 010 as octal 8 and 1:30 in base 60 as 90: the run took them
     msg = _error(tmp_path, "training:\n  minibatch: 010\n")
