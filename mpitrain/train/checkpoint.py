@@ -61,8 +61,9 @@ def _numbered(run_dir) -> list:
     found = []
     for path in glob.glob(os.path.join(glob.escape(os.fspath(run_dir)), "ckpt-*.h5")):
         m = _NAME.search(os.path.basename(path))
-        # a directory of that name is not a checkpoint: never counted, never removed
-        if m and not os.path.isdir(path):
+        # a directory of that name is not a checkpoint: never counted, never removed;
+        # nor is a named pipe or a device (opening a pipe waits for a writer for ever)
+        if m and not (os.path.exists(path) and not os.path.isfile(path)):
             found.append((int(m.group(1)), path))
     return sorted(found)
 
@@ -134,6 +135,12 @@ def save_checkpoint(path, *, net, step: int, frames_seen: int, config_yaml: str,
     """
     if trainer_state is not None:
         _trainer_scalars(trainer_state)
+    if os.path.exists(path) and not os.path.isfile(path):
+        # a pipe or a device is written as a stream (files.written_in_place): the
+        # checkpoint would wait for a reader for ever, or be lost in /dev/null
+        raise ValueError(f"{path}: is not a regular file (a directory, named pipe or "
+                         "device), so no checkpoint can be written there; move it out "
+                         "of the run directory")
     with atomic_h5_file(path, checksum=True, what="checkpoint") as f:
         f.attrs["format"] = FORMAT
         f.attrs["step"] = int(step)

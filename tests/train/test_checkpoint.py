@@ -290,6 +290,35 @@ def test_a_directory_named_like_a_checkpoint_is_neither_counted_nor_removed(tmp_
     assert (tmp_path / "ckpt-00000050.h5" / "mine.txt").exists()
 
 
+def test_a_named_pipe_named_like_a_checkpoint_is_never_opened(tmp_path):
+    """A named pipe (or a link to one) where a checkpoint belongs: opening it to
+    read its progress waited for a writer for ever (``--resume`` hung), and a
+    checkpoint written there waited for a reader."""
+    import subprocess
+    import sys
+    write(tmp_path, 100)
+    os.mkfifo(tmp_path / "ckpt-00000200.h5")
+    os.symlink(tmp_path / "ckpt-00000200.h5", tmp_path / "ckpt-00000300.h5")
+    script = (
+        "import sys\n"
+        "from mpitrain.train.checkpoint import checkpoint_path, list_checkpoints\n"
+        "from tests.train.test_checkpoint import write\n"
+        "print([p.rsplit('/', 1)[1] for p in list_checkpoints(sys.argv[1])])\n"
+        "for step in (200, 300):\n"
+        "    try:\n"
+        "        write(sys.argv[1], step)\n"
+        "    except ValueError as exc:\n"
+        "        print(exc)\n")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], cwd=root,
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and lines[0] == "['ckpt-00000100.h5']", done
+    for step, said in zip((200, 300), lines[1:]):
+        assert said.startswith(f"{tmp_path}/ckpt-00000{step}.h5: is not a regular file"), said
+    assert len(lines) == 3 and os.path.islink(tmp_path / "ckpt-00000300.h5")
+
+
 def test_rotation_drops_checkpoints_of_an_abandoned_timeline(tmp_path):
     # resumed from 200 after 300 and 400 were skipped: the next save is at 250
     for step in (100, 200, 300, 400):
