@@ -112,3 +112,28 @@ def test_a_file_of_4_byte_lengths_is_read_and_its_heaps_not_walked_as_8_byte(tmp
     assert not walks
     with open(path, "rb") as raw:
         assert h5io._size_of_lengths(raw.fileno(), path.stat().st_size) == 4
+
+
+def test_a_named_pipe_is_refused_without_waiting_for_a_writer(tmp_path):
+    """HDF5 opened a named pipe given as a shard, model or checkpoint and waited
+    for a writer for ever (`merge`, `eval`, `export` and `convert` hung); it is
+    one line naming the file."""
+    import subprocess
+    import sys
+    os.mkfifo(tmp_path / "pipe.h5")
+    script = (
+        "import sys\n"
+        "from mpitrain.data.shards import ShardReader\n"
+        "from mpitrain.nn.model_file import load_model\n"
+        "for read in (ShardReader, load_model):\n"
+        "    try:\n"
+        "        read(sys.argv[1])\n"
+        "    except ValueError as exc:\n"
+        "        print(exc)\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "pipe.h5")],
+                          cwd=root, capture_output=True, text=True, timeout=60)
+    lines = done.stdout.splitlines()
+    assert done.returncode == 0 and len(lines) == 2, done
+    for line in lines:
+        assert line.startswith(f"{tmp_path}/pipe.h5: ") and "not a regular file" in line, line
