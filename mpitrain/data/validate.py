@@ -80,7 +80,11 @@ class ShardCheck(ShardFile):
         self._scannable = False
         if not os.path.isfile(self.path):
             where = f" (listed as {listed_as})" if listed_as else ""
-            self.problems.append(f"{self.path}: shard file is missing{where}")
+            # (a directory or a pipe there is not "missing": the user looks for the file)
+            what = ("is a directory, not a shard file" if os.path.isdir(self.path) else
+                    "is not a regular file (a named pipe, socket or device), not a shard "
+                    "file" if os.path.exists(self.path) else "shard file is missing")
+            self.problems.append(f"{self.path}: {what}{where}")
             return
         try:
             self._file = h5_reader(self.path)

@@ -191,6 +191,17 @@ def test_missing_shard_file(corpus):
                        "shards[1].path")
 
 
+def test_a_directory_or_a_pipe_where_a_shard_belongs_is_not_called_missing(corpus):
+    os.remove(shard(corpus, 1))
+    os.mkdir(shard(corpus, 1))
+    one_problem_naming(validate_shard(corpus, 1), shard(corpus, 1),
+                       "is a directory, not a shard file", "shards[1].path")
+    os.rmdir(shard(corpus, 1))
+    os.mkfifo(shard(corpus, 1))
+    one_problem_naming(validate_shard(corpus, 1), shard(corpus, 1),
+                       "is not a regular file (a named pipe", "shards[1].path")
+
+
 def test_not_hdf5(corpus):
     overwrite(shard(corpus), 0, b"\0" * 64)
     one_problem_naming(validate_shard(corpus), shard(corpus), "cannot open as HDF5")
