@@ -415,7 +415,8 @@ def decompress(kind: str, header: bytes, body: bytes) -> np.ndarray:
     low, span = (f32(v) for v in np.frombuffer(header[:8], dtype="<f4"))
     rows, cols = (int(v) for v in np.frombuffer(header[8:16], dtype="<i4"))
     if rows * cols == 0:
-        return np.zeros((0, 0), dtype=f32)
+        # its declared shape, as an FM's: rows without columns are refused alike
+        return np.zeros((rows, cols), dtype=f32)
     if kind in ("CM2", "CM3"):
         # increment = range * (1.0 / 65535.0): a double product stored in a float
         step = f32(np.float64(span) * (1.0 / (65535.0 if kind == "CM2" else 255.0)))

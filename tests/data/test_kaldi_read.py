@@ -453,6 +453,20 @@ def test_compressed_matrices_decode_as_kaldis_copy_to_mat_bit_for_bit(tmp_path, 
     assert np.abs(got - matrix).max() < 0.1 * np.abs(matrix).max()
 
 
+@pytest.mark.parametrize("token", [b"CM ", b"CM2 ", b"CM3 "])
+def test_a_compressed_matrix_of_rows_without_columns_is_refused_as_an_fm_one(tmp_path,
+                                                                            token):
+    """A compressed header declaring 20 x 0 was read as Kaldi's empty 0 x 0 matrix:
+    `export` wrote the utterance as one of no frames and `prepare` skipped it,
+    where the same shape as a float matrix (FM) is refused; Kaldi aborts on both."""
+    import struct
+    header = struct.pack("<ffii", 0.0, 1.0, 20, 0)
+    (tmp_path / "c.ark").write_bytes(b"u \0B" + token + header)
+    with pytest.raises(CorpusError, match="utterance 'u': feature matrix has 20 rows and "
+                                          "no columns"):
+        list(read_feature_matrices(f"ark:{tmp_path}/c.ark"))
+
+
 @pytest.mark.parametrize("encoding", ["ascii", "latin-1"])
 def test_an_scp_names_its_archives_by_their_bytes_under_any_locale(tmp_path, encoding):
     """The location in an scp was decoded as UTF-8: under a Latin-1 (or ASCII) locale
