@@ -595,6 +595,12 @@ def _yaml_problem(exc) -> str:
     return type(exc).__name__
 
 
+#: The most a YAML file (a config, a corpus manifest, an import report) is read to:
+#: far above any of them, and a bound on a file named by mistake (a feature archive
+#: given as the config, a manifest linked to /dev/zero), which was read whole.
+MAX_YAML_BYTES = 1 << 30
+
+
 def read_yaml(path, *, what: str = "YAML file", as_written: bool = False):
     """Parse a YAML file; one-line ValueError naming the file for every way it can fail
     (``as_written``: as :func:`parse_yaml` says).
@@ -606,13 +612,16 @@ def read_yaml(path, *, what: str = "YAML file", as_written: bool = False):
     path = os.fspath(path)
     try:
         with open(path, "rb") as fh:
-            raw = fh.read()
+            raw = fh.read(MAX_YAML_BYTES + 1)
     except FileNotFoundError:
         raise ValueError(f"{path}: {what} not found") from None
     except IsADirectoryError:
         raise ValueError(f"{path}: is a directory, expected a {what}") from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    if len(raw) > MAX_YAML_BYTES:
+        raise ValueError(f"{path}: holds over {MAX_YAML_BYTES >> 20} MiB, far more than a "
+                         f"{what}; is it the file meant?")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

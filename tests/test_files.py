@@ -335,3 +335,20 @@ def test_a_named_pipe_is_written_in_place_and_a_link_through_to_its_target(tmp_p
     assert (tmp_path / "link.txt").is_symlink()
     assert (tmp_path / "real" / "x.txt").read_text() == "new"
     assert sorted(os.listdir(tmp_path / "real")) == ["x.txt"]
+
+
+def test_a_yaml_file_is_read_to_a_bound(tmp_path, monkeypatch):
+    """A file named by mistake as a config or manifest (a feature archive, a link to
+    /dev/zero) was read whole: the process ran out of memory, killed without a
+    word.  Past the bound it is one line naming the file."""
+    from mpitrain import files
+    monkeypatch.setattr(files, "MAX_YAML_BYTES", 1024)
+    path = tmp_path / "run.yaml"
+    path.write_text("# " + "x" * 2000 + "\ntraining: {epochs: 1}\n")
+    with pytest.raises(ValueError) as err:
+        files.read_yaml(path, what="config file")
+    assert str(err.value).startswith(f"{path}: holds over ")
+    assert "far more than a config file; is it the file meant?" in str(err.value)
+    assert "\n" not in str(err.value)
+    path.write_text("training: {epochs: 1}\n")
+    assert files.read_yaml(path) == {"training": {"epochs": 1}}
