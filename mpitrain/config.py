@@ -878,7 +878,11 @@ def config_from_yaml(text: str) -> RunConfig:
     """The configuration stored in a checkpoint: types checked, not ranges nor the
     settings' cross-checks, which a later version may have tightened (a run started
     with `training.epochs: 2e6` resumes, its settings compared with the config's)."""
-    data = parse_yaml(text, where="stored config")
+    try:
+        data = parse_yaml(text, where="stored config")
+    except ValueError as exc:
+        # (its readers say "the stored config:" before the reason)
+        raise ValueError(str(exc).removeprefix("stored config: ")) from None
     if isinstance(data, dict):
         for (section, key), value in _BEFORE_ADDED.items():
             if isinstance(data.get(section), dict) and key not in data[section]:

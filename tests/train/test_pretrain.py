@@ -627,6 +627,7 @@ def test_the_divergence_factors_help_names_the_gaussian_layers_yardstick():
     ("reader", "field 'ranks/00000/reader/epoch': expected a non-negative int, got -1"),
     ("position", "field 'ranks/00000/reader/steps_in_epoch' is missing"),
     ("config", "the stored config: config: expected a mapping, got 1"),
+    ("config_text", ".h5: the stored config: not valid YAML at line 1"),
     ("judging", "checkpoint attributes 'window_first', 'pool_error', 'pool_frames': "
                 "expected an error >= 0, a finite sum >= 0 and frames in [0, 1000), "
                 "got -1.0, "),
@@ -658,6 +659,8 @@ def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
             f.attrs["window_first"] = -1.0
         elif craft == "rate_factor":
             f["ranks/00000/momentum"].attrs["rate_factor"] = 1.5
+        elif craft == "config_text":
+            f.attrs["config"] = "training: [1"
         else:
             f.attrs["config"] = "1"
         del f.attrs["checksum"]
