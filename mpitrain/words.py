@@ -1,6 +1,17 @@
-"""Counts in words for the lines shown to users: `1 shard`, `2 shards`."""
+"""Counts and values in words for the lines shown to users: `1 shard`, `2 shards`,
+`2` for a NumPy integer read from a file (not `np.int64(2)`)."""
+
+import numpy as np
 
 
 def plural(n, noun: str, nouns: str = "") -> str:
     """``n noun``: the singular for 1, otherwise ``nouns`` (default: noun + 's')."""
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
+
+
+def shown(value) -> str:
+    """``repr`` of a value read from a file, a NumPy scalar as the Python value it
+    holds (NumPy 2 writes ``np.int64(2)``, which reads as if it were another value)."""
+    if isinstance(value, np.generic):
+        value = value.item()
+    return repr(value)

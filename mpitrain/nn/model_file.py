@@ -25,6 +25,7 @@ import numpy as np
 from ..backend import to_host
 from ..h5io import (atomic_h5_file, link_problem, open_h5_for_reading, reading_errors,
                     require_dataset, verify_file)
+from ..words import shown
 from .network import ABSOLUTE_VARIANCE_FLOOR, Network, build_component
 
 FORMAT = "mpitrain-model"
@@ -71,7 +72,7 @@ def _int_attr(group, name, path, low, high) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) \
             or not low <= int(value) <= high:
         raise ValueError(f"{path}: model attribute '{name}': expected an int in "
-                         f"[{low}, {high}], got {value!r}")
+                         f"[{low}, {high}], got {shown(value)}")
     return int(value)
 
 
@@ -84,7 +85,7 @@ def check_version(group, path, *, what: str, newest: int) -> None:
     if not isinstance(version, (int, np.integer)) or isinstance(version, (bool, np.bool_)) \
             or int(version) < 1:
         raise ValueError(f"{path}: {what} attribute 'version': expected a positive int, "
-                         f"got {version!r}")
+                         f"got {shown(version)}")
     if int(version) > newest:
         raise ValueError(f"{path}: {what} format version {int(version)} is newer than this "
                          f"mpitrain reads (up to {newest}); use a newer mpitrain")
@@ -229,13 +230,15 @@ def read_stored_model(group, path) -> StoredModel:
             stored = read_stored_model(f, "final.h5")
     """
     fmt = group.attrs.get("format")
+    if isinstance(fmt, bytes):      # a fixed-length string, as other HDF5 writers store it
+        fmt = fmt.decode("utf-8", "replace")
     if isinstance(fmt, str) and fmt in _PRETRAINING_FORMATS:
         raise ValueError(f"{path}: {_PRETRAINING_FORMATS[fmt]} of `mpitrain pretrain`, not a "
                          "model: train a model from the run's pretrain.h5 (--set "
                          "model.init_from=RUN/pretrain.h5) and give that")
     if not isinstance(fmt, str) or fmt != FORMAT:
         raise ValueError(f"{path}: not an mpitrain model (attribute 'format' is "
-                         f"{fmt!r}, expected {FORMAT!r})")
+                         f"{shown(fmt)}, expected {FORMAT!r})")
     # before the checksum is verified: a newer format may sum its contents otherwise
     check_version(group, path, what="model", newest=VERSION)
     components = _build_components(_component_specs(group, path), path)

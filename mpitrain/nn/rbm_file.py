@@ -20,6 +20,7 @@ import numpy as np
 from ..backend import to_host
 from ..h5io import (atomic_h5_file, link_problem, open_h5_for_reading, reading_errors,
                     require_dataset, verify_file)
+from ..words import shown
 from .model_file import (MAX_CONTEXT, MAX_FEAT_DIM, MAX_LAYER_DIM, MAX_PARAMS, _speaker_cmvn,
                          check_cmvn_scale, check_version)
 from .rbm import RBM, UNRECORDED, VISIBLE_TYPES, RBMStack
@@ -53,7 +54,7 @@ def _int_attr(group, name, path, low, high) -> int:
     if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) \
             or not low <= int(value) <= high:
         raise ValueError(f"{path}: RBM stack attribute '{name}': expected an int in "
-                         f"[{low}, {high}], got {value!r}")
+                         f"[{low}, {high}], got {shown(value)}")
     return int(value)
 
 

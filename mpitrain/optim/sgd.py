@@ -52,6 +52,7 @@ import numpy as np
 
 from .. import backend
 from ..backend import to_host
+from ..words import shown
 from . import kernels
 from .base import ReplayableOptimizer
 
@@ -325,7 +326,7 @@ class SGD(ReplayableOptimizer):
                 counts[key] = -1
             if counts[key] < 0:
                 raise ValueError(f"optimizer state: field {key!r} must be a non-negative "
-                                 f"count, got {value!r}")
+                                 f"count, got {shown(value)}")
         skipped = counts["num_skipped"]
         self._calls = counts["num_steps"] + skipped
         if self._device is not None:

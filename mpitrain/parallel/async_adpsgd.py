@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..words import shown
 from .adpsgd import TOPOLOGIES, restore_own_model
 from .base import Strategy
 
@@ -378,7 +379,7 @@ class AsyncRingMixing(Strategy):
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) \
                     or value < 0:
                 raise ValueError(f"checkpoint rank state 'strategy/{key}' must be a "
-                                 f"non-negative int, got {value!r}")
+                                 f"non-negative int, got {shown(value)}")
         if not restore_own_model(self.net, state):
             return
         for key in ("own_steps", "requests", "mixes"):

@@ -42,6 +42,7 @@ from ..files import remove_stale_temporaries
 from ..h5io import (atomic_h5_file, dataset_problem, h5_reader, h5py_module, link_problem,
                     open_h5_for_reading, read_state, reading_errors, verify_file, write_state)
 from ..nn.model_file import ModelMismatchError, read_stored_model, write_model_group
+from ..words import shown
 
 __all__ = ["Checkpoint", "MIN_KEEP", "checkpoint_path", "gather_rank_states",
            "list_checkpoints", "load_checkpoint", "load_latest_good_checkpoint",
@@ -233,7 +234,7 @@ def _count_attr(f, name: str, path, *, low: int = 0, high: int = 1 << 62) -> int
     if not isinstance(value, (int, np.integer)) or isinstance(value, (bool, np.bool_)) \
             or not low <= int(value) <= high:
         raise ValueError(f"{path}: checkpoint attribute '{name}': expected an int in "
-                         f"[{low}, {high}], got {value!r}")
+                         f"[{low}, {high}], got {shown(value)}")
     return int(value)
 
 
@@ -291,7 +292,7 @@ def check_reader_state(reader, name: str, path, *, complete: bool = False) -> No
     for key, value in reader.items():
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{path}: field '{name}/reader/{key}': expected a "
-                             f"non-negative int, got {value!r}")
+                             f"non-negative int, got {shown(value)}")
 
 
 def _own_models_on_every_rank_or_none(rank_group, names, path) -> None:

@@ -69,7 +69,7 @@ from .run_dir import (corpus_identity, corpus_places, no_checkpoint_way, resume_
                       take_run_dir)
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
-from ..words import plural
+from ..words import plural, shown
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
 RESULT_NAME = "pretrain.h5"
@@ -468,7 +468,7 @@ class Pretrainer:
                 value = f.attrs.get(name)
                 if not isinstance(value, (int, np.integer)) or int(value) < 0:
                     raise ValueError(f"{path}: checkpoint attribute '{name}': expected a "
-                                     f"non-negative int, got {value!r}")
+                                     f"non-negative int, got {shown(value)}")
                 attrs[name] = int(value)
             attrs["judging"] = _read_judging(f.attrs, path)
             attrs["config"] = str(f.attrs.get("config", ""))

@@ -285,3 +285,20 @@ def test_a_benchmarks_report_given_as_the_model_points_to_its_runs(tmp_path, cap
         model_in_run_dir(str(report))
     assert main(["eval", str(report), str(tmp_path)]) == 2
     assert "a benchmark's report (bench.md, bench.json), not a model" in capsys.readouterr().err
+
+
+def test_values_read_from_the_file_are_shown_as_numbers_and_a_fixed_length_format_loads(
+        tmp_path):
+    """A fixed-length string 'format' (as other HDF5 writers store text) was refused
+    as "attribute 'format' is np.bytes_(b'mpitrain-model'), expected 'mpitrain-model'",
+    and a wrong count was shown as np.int64(-5)."""
+    path = tmp_path / "old.h5"
+    write_old_format(path, small_net())
+    with h5py.File(path, "a") as f:
+        f.attrs["format"] = np.bytes_(f.attrs["format"].encode())
+        assert isinstance(f.attrs["format"], bytes)
+    assert load_model(path)[0].feat_dim == 4
+    with h5py.File(path, "a") as f:
+        f.attrs["feat_dim"] = np.int64(-5)
+    assert error_of(path).endswith("model attribute 'feat_dim': expected an int in "
+                                   "[1, 65536], got -5")
