@@ -1,3 +1,5 @@
+import numpy as np
+
 from mpitrain.words import plural
 
 
@@ -6,3 +8,9 @@ def test_plural_is_singular_for_one_only():
     assert [plural(n, "step") for n in (0, 2, 10)] == ["0 steps", "2 steps", "10 steps"]
     assert plural(1, "unseen speaker") == "1 unseen speaker"
     assert plural(3, "child", "children") == "3 children"
+
+
+def test_a_numpy_scalar_is_shown_as_the_value_it_holds():
+    from mpitrain.words import shown
+    assert [shown(v) for v in (np.int64(-5), np.float64(40.0), np.bytes_(b"m"), "m", 3)] == \
+        ["-5", "40.0", "b'm'", "'m'", "3"]
