@@ -1,5 +1,7 @@
 """The corpus manifest: class priors, and errors naming the file and the field."""
 
+import os
+
 import numpy as np
 import pytest
 import yaml
@@ -116,3 +118,13 @@ def test_check_reports_a_split_it_cannot_read(small_corpus, tmp_path, monkeypatc
     assert main(["check", str(corpus)]) == 1
     captured = capsys.readouterr()
     assert "train/corpus.yaml: not found" in captured.err + captured.out
+
+
+def test_a_named_pipe_as_the_manifest_is_refused_without_waiting(tmp_path):
+    """`mkfifo DIR/corpus.yaml`: check, eval and train waited for a writer forever."""
+    corpus = tmp_path / "c"
+    corpus.mkdir()
+    os.mkfifo(corpus / "corpus.yaml")
+    with pytest.raises(CorpusError, match=r"corpus.yaml: not a regular file \(a directory, "
+                                          r"named pipe or device\)"):
+        load_manifest(str(corpus))
