@@ -88,6 +88,33 @@ def test_combination_is_never_worse_than_the_best_single_model(combined_run, sma
     assert found["combined_xent"] <= found["best_single_xent"]
 
 
+def test_the_weights_gradient_is_the_held_out_gradient_dotted_with_each_model(small_corpus):
+    """dL/dalpha_m = grad L(theta(alpha)) . theta_m, L the cross-entropy per frame:
+    against central differences of L itself (a scale or sign slip would still let
+    the line search end no worse than the best single model)."""
+    from mpitrain.nn.network import build_network
+    dev = load_manifest(os.path.join(small_corpus, "dev"))
+    net = build_network(feat_dim=dev.feat_dim, num_classes=dev.num_classes, left_context=2,
+                        right_context=2, hidden_layers=1, hidden_dim=16)
+    net.init_params(seed=1)
+    net.set_cmvn(np.array(dev.cmvn_mean), np.array(dev.cmvn_var))
+    rng = np.random.default_rng(0)
+    models = [(net.params + 0.3 * rng.standard_normal(net.num_params)).astype(np.float32)
+              for _ in range(3)]
+    cfg = SimpleNamespace(training=SimpleNamespace(combine_models=5, combine_every=0,
+                                                   combine_frames=2000))
+    combination = FinalCombination(cfg, SingleCommunicator(), sync_period=1, total_steps=2)
+    chunks = load_eval_chunks(dev, net, max_frames=2000)
+    alpha, h = np.array([0.5, 0.3, 0.2]), 1e-3
+    _, _, grad, _ = combination._objective(net, chunks, models, alpha, gradient=True)
+    for m in range(3):
+        step = h * np.eye(3)[m]
+        up, _, _, _ = combination._objective(net, chunks, models, alpha + step, gradient=False)
+        down, _, _, _ = combination._objective(net, chunks, models, alpha - step,
+                                               gradient=False)
+        assert grad[m] == pytest.approx((up - down) / (2 * h), rel=2e-3)
+
+
 def test_with_bmuf_the_combination_is_evaluated_kept_and_checkpointed(small_corpus, tmp_path):
     """BMUF's model is w_g, not the point the ranks train from: the combination went
     to final.h5 only, while the last evaluation, best.h5 and the final checkpoint
