@@ -611,3 +611,31 @@ def test_a_rank_gone_mid_message_is_named_in_one_line(small_corpus, tmp_path):
         f"lost) or the link to it broke while rank 0 received from it (MPI: {said[0]}); "
         "the job ends: --resume continues from the newest checkpoint"], \
         mpi_output(done)
+
+
+def test_the_hand_schedule_counts_the_servers_updates(small_corpus, tmp_path, monkeypatch):
+    """You & Xu's ASGD-hand: the rate is multiplied by f after every minibatch the
+    server applies, whichever client sent it, so update t (0-based) steps at
+    r0 f^t / (1 + its staleness)."""
+    applied = []
+    apply = ParameterServer.apply
+
+    def recording(self, net, optimizer, lr, push):
+        # the rate the optimizer is asked to step at
+        step = optimizer.step
+        optimizer.step = lambda rate: (applied.append((self.updates, rate, push.staleness)),
+                                       step(rate))
+        try:
+            apply(self, net, optimizer, lr, push)
+        finally:
+            del optimizer.step
+
+    monkeypatch.setattr(ParameterServer, "apply", recording)
+    _virtual(small_corpus, tmp_path / "run", 3, [
+        "optimizer.schedule=hand", "optimizer.hand_factor=0.99",
+        "optimizer.initial_learning_rate=0.004", "training.max_steps=12",
+        "training.log_interval=10", "training.checkpoint_interval=0"])
+    assert [t for t, _, _ in applied] == list(range(24))      # 12 minibatches per client
+    assert any(staleness for _, _, staleness in applied)
+    for t, lr, staleness in applied:
+        assert lr == pytest.approx(0.004 * 0.99 ** t / (1 + staleness), rel=1e-12)
