@@ -156,7 +156,9 @@ def test_two_nodes_of_two_real_ranks_train_to_the_end(small_corpus, tmp_path):
 
 def test_the_final_model_is_the_mean_over_nodes_however_many_ranks_each_has():
     """Nodes {0, 1} and {2}: the mixing keeps the mean of the two nodes' models;
-    the final Allreduce over ranks gave the node of two ranks twice the weight."""
+    the final Allreduce over ranks gave the node of two ranks twice the weight.
+    The model scored by a held-out evaluation during training (average_models_)
+    is that mean as well."""
     def work(comm):
         net = build_network(feat_dim=5, num_classes=4, left_context=1, right_context=1,
                             hidden_layers=1, hidden_dim=16)
@@ -164,11 +166,15 @@ def test_the_final_model_is_the_mean_over_nodes_however_many_ranks_each_has():
         opt = SGD(net)
         strategy = NodeRingMixing(comm, topology="fixed_ring", seed=1, ranks_per_node=2)
         strategy.setup(net, opt)
-        net.params[...] = 1.0 if comm.rank < 2 else 4.0        # the nodes' own models
+        own = np.full_like(net.params, 1.0 if comm.rank < 2 else 4.0)   # the nodes' models
+        evaluated = own.copy()
+        strategy.average_models_(evaluated, 5)
+        net.params[...] = own
         strategy.finalize(net, opt, 0)
         final = net.params.copy()
         strategy.close()
-        return final
+        return evaluated, final
 
-    for final in VirtualCluster(3).run(work):
+    for evaluated, final in VirtualCluster(3).run(work):
+        np.testing.assert_array_equal(evaluated, np.full_like(evaluated, 2.5))
         np.testing.assert_array_equal(final, np.full_like(final, 2.5))   # not (1+1+4)/3
