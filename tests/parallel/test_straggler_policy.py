@@ -42,6 +42,25 @@ def test_the_average_weights_each_model_by_its_minibatches():
         assert np.array_equal(params, results[0])
 
 
+def test_a_short_last_period_weights_each_model_by_the_minibatches_it_trained():
+    """K = 4, quotas 4 and 2: rank 1 trains at positions 0 and 2.  A run ending
+    after 3 steps of the period (finalize), or an evaluation there (average_models_),
+    weighs the models 3 : 2, the minibatches each trained, not 4 : 2."""
+    def work(comm):
+        strategy = ModelAveraging(comm, every_steps=4, straggler_policy="adapt")
+        strategy.quotas = [4, 2]
+        assert [strategy._trains_at(p, 2) for p in range(4)] == [True, False, True, False]
+        evaluated = np.full(3, 1.0 if comm.rank == 0 else 6.0, dtype=np.float32)
+        strategy.average_models_(evaluated, 7)          # 3 steps into the second period
+        net = _Net(np.full(3, 1.0 if comm.rank == 0 else 6.0))
+        strategy.finalize(net, _Optimizer(), 7)
+        return evaluated, net.params
+
+    for evaluated, final in VirtualCluster(2).run(work):
+        assert np.allclose(evaluated, (3 * 1.0 + 2 * 6.0) / 5, rtol=1e-6)
+        assert np.allclose(final, (3 * 1.0 + 2 * 6.0) / 5, rtol=1e-6)
+
+
 def test_equal_quotas_average_exactly_as_without_the_policy():
     def work(comm, policy):
         strategy = ModelAveraging(comm, every_steps=8, straggler_policy=policy)
