@@ -49,12 +49,16 @@ def test_cd1_statistics_match_a_float64_computation(visible, xp):
     assert float(sq_err) == pytest.approx(err, rel=1e-4)
 
 
-def test_step_applies_momentum_rate_scaling_and_weight_decay():
+@pytest.mark.parametrize("visible", ["gaussian", "bernoulli"])
+def test_step_applies_momentum_rate_scaling_and_weight_decay(visible):
+    # eqn:step for both kinds of visible units (the Gaussian one's guard aside)
     rng = np.random.default_rng(2)
-    rbm = RBM(4, 3, visible="gaussian")
+    rbm = RBM(4, 3, visible=visible)
     rbm.init_params(seed=3)
     cd = ContrastiveDivergence(rbm, weight_decay=0.01)
     v0, u = rng.standard_normal((6, 4)).astype(np.float32), rng.random((6, 3), dtype=np.float32)
+    if visible == "bernoulli":
+        v0 = (v0 > 0).astype(np.float32)
     start = rbm.params.astype(np.float64).copy()
     cd.delta[...] = 0.25
     rbm.statistics_(v0, u)
