@@ -53,6 +53,20 @@ def _train(xp, grads, decay, **options):
     return start, backend.to_host(net.params), opt
 
 
+def test_k_is_added_under_the_square_root():
+    # gamma g / sqrt(K + g^2) with K = adapt_k, not 1
+    net = _net(np)
+    cfg = OptimizerConfig(schedule="adapt", adapt_k=4.0, max_change_per_layer=0.0,
+                          max_change_output=0.0, max_change=0.0)
+    opt = build_optimizer(cfg, net)
+    g = _gradients(1, net.num_params)[0]
+    start = net.params.astype(np.float64)
+    net.grads[...] = g
+    opt.step(GAMMA)
+    expected = start - GAMMA * g.astype(np.float64) / np.sqrt(4.0 + g.astype(np.float64) ** 2)
+    np.testing.assert_allclose(net.params, expected, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("decay", [0.0, 0.9])
 def test_update_equals_the_formula_on_a_scripted_gradient_sequence(decay):
     grads = _gradients(5, _net(np).num_params)
