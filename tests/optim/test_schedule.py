@@ -93,6 +93,16 @@ def test_newbob_halves_then_stops_on_a_scripted_sequence():
     assert sched.halving and sched.stopped
 
 
+def test_newbob_does_not_stop_before_it_halves():
+    # QuickNet: the accuracy test only ends a run that is already halving, so an
+    # epoch with a small accuracy gain but a large cross-entropy gain goes on
+    sched = NewbobSchedule(0.004, start_halving=0.005, stop=0.001)
+    sched.end_epoch(2.0, 0.5)
+    decision = sched.end_epoch(1.8, 0.5001)         # xent 10% better, acc +0.01%
+    assert not decision["stopped"] and not sched.stopped and not sched.halving
+    assert sched.rate(0) == 0.004
+
+
 def test_newbob_state_continues_it():
     a = NewbobSchedule(0.004, start_halving=0.005, stop=0.001)
     a.end_epoch(2.0, 0.5)
