@@ -125,12 +125,13 @@ class _JobsAveraging:
         return 0.25
 
     def max_change_factor(self, step=0):
-        return 1.0
+        return 2 ** -0.5       # (Kaldi's first iteration)
 
 
 def test_a_trial_scales_the_l2_term_as_the_real_steps_at_its_rate(small_corpus, tmp_path):
     # a trial at the strategy's rate (J lr) must shrink the weights as real steps
-    # there do: with the L2 term scaled by the strategy's 1/J, not by 1
+    # there do: with the L2 term scaled by the strategy's 1/J, not by 1; and it
+    # clips the whole model's change as they do (Kaldi's first iteration: M/sqrt(2))
     cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + [
         "optimizer.l2_regularize=0.001"])
     trainer = Trainer(cfg, run_dir=str(tmp_path / "run"), comm=SingleCommunicator())
@@ -140,7 +141,7 @@ def test_a_trial_scales_the_l2_term_as_the_real_steps_at_its_rate(small_corpus, 
         step = optimizer.step
 
         def recording_step(lr):
-            seen.append((lr, optimizer.l2_factor))
+            seen.append((lr, optimizer.l2_factor, optimizer.max_change_factor))
             return step(lr)
 
         optimizer.step = recording_step
@@ -152,7 +153,8 @@ def test_a_trial_scales_the_l2_term_as_the_real_steps_at_its_rate(small_corpus, 
         trials.run(0.001, steps=2, step=0)
     finally:
         trainer.close()
-    assert seen and all(lr == 0.004 and factor == 0.25 for lr, factor in seen), seen
+    assert seen and all(lr == 0.004 and factor == 0.25 and clip == 2 ** -0.5
+                        for lr, factor, clip in seen), seen
 
 
 def test_the_trainer_gives_search_the_rate_where_the_l2_zeroes_the_weights(small_corpus,
