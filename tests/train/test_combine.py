@@ -35,6 +35,20 @@ def test_projection_onto_the_simplex():
     assert p.min() >= 0 and p.sum() == pytest.approx(1.0)
 
 
+def test_snapshots_are_the_last_models_at_sync_points_spaced_by_combine_every():
+    cfg = SimpleNamespace(training=SimpleNamespace(combine_models=3, combine_every=4,
+                                                   combine_frames=100))
+    combination = FinalCombination(cfg, SingleCommunicator(), sync_period=2, total_steps=20)
+    net = SimpleNamespace(params=np.zeros(2, dtype=np.float32))
+    for step in range(1, 21):
+        net.params[...] = step
+        combination.observe(step, net)
+    # sync points 2, 4, ...; kept at least 4 steps apart: 2, 6, 10, 14, 18; the last 3
+    assert [s for s, _ in combination.snapshots] == [10, 14, 18]
+    assert [float(p[0]) for _, p in combination.snapshots] == [10.0, 14.0, 18.0]
+    assert float(combination.own_last[0]) == 20.0
+
+
 @pytest.fixture(scope="module")
 def combined_run(small_corpus, tmp_path_factory):
     run = tmp_path_factory.mktemp("combine") / "run"
