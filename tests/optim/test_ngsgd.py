@@ -23,6 +23,18 @@ def _trained(seed=3, steps=3):
     return net, opt
 
 
+def test_each_side_gets_kaldis_rank_capped_at_half_its_dimension():
+    """In: min(rank_in, (I + 1) div 2), out: min(rank_out, (O + 1) div 2), I and O
+    the layer's dimensions (odd ones here, where (I + 1) div 2 and I div 2 differ)."""
+    net = build_network(feat_dim=1, num_classes=7, left_context=1, right_context=1,
+                        hidden_layers=1, hidden_dim=9)
+    # layer 0: 3 -> 9, layer 1: 9 -> 7
+    for rank_in, rank_out, expected in ((20, 20, [2, 5, 5, 4]), (1, 3, [1, 3, 1, 3])):
+        opt = NaturalGradientSGD(net, rank_in=rank_in, rank_out=rank_out)
+        assert [opt.preconditioners[key].rank for key in
+                ("layer0_in", "layer0_out", "layer1_in", "layer1_out")] == expected
+
+
 def test_state_of_a_preconditioner_for_another_dimension_is_refused():
     """A checkpoint whose W does not fit its layer (damaged, or another model's)
     is refused when loaded, naming the preconditioner, instead of failing in a
