@@ -42,6 +42,26 @@ def test_the_average_weights_each_model_by_its_minibatches():
         assert np.array_equal(params, results[0])
 
 
+def test_averaged_momentum_is_weighted_as_the_models():
+    class WithMomentum(_Optimizer):
+        def __init__(self, value):
+            self.delta = np.full(2, value, dtype=np.float32)
+
+        def momentum_buffer(self):
+            return self.delta
+
+    def work(comm):
+        strategy = ModelAveraging(comm, every_steps=8, straggler_policy="adapt",
+                                  average_momentum=True)
+        strategy.quotas = [8, 4]
+        optimizer = WithMomentum(1.0 if comm.rank == 0 else 4.0)
+        strategy.average(_Net([0.0, 0.0]), optimizer)
+        return optimizer.delta
+
+    for momentum in VirtualCluster(2).run(work):
+        assert np.allclose(momentum, (8 * 1.0 + 4 * 4.0) / 12, rtol=1e-6)
+
+
 def test_a_short_last_period_weights_each_model_by_the_minibatches_it_trained():
     """K = 4, quotas 4 and 2: rank 1 trains at positions 0 and 2.  A run ending
     after 3 steps of the period (finalize), or an evaluation there (average_models_),
