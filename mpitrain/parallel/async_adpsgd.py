@@ -13,8 +13,9 @@ wait for each other, and a slow rank delays only the mixes it takes part in::
     passive j, after each of its steps, for each request s that has arrived:
         w_j <- (w_j + s) / 2;  answer m = w_j
 
-The two changes, (s - w_j)/2 on j and (w_j - s)/2 on i, are exact negatives,
-so every mix keeps the mean of the models over the ranks.  The steps i took
+The two changes, (s - w_j)/2 on j and (w_j - s)/2 on i, are negatives of each
+other, so every mix keeps the mean of the models over the ranks (up to float32
+rounding: j stores the rounded mean, i adds a rounded difference).  The steps i took
 while its request was in flight stay in w_i: its mix is as stale as the
 steps it took meanwhile (AD-PSGD's bounded staleness), and its computing
 never waits for the network.
