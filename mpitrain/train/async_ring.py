@@ -65,6 +65,9 @@ _REPORT_SIZE = 9
 #: messages every step: enough warning to stop near the budget, cheap over a run).
 NEAR_THE_END = 0.75
 NEAR_THE_END_STEPS_PER_RANK = 16
+#: Rank 0 waits for an end it foresaw at most this many times the time it foresaw
+#: it in (its step or its evaluation), then steps on.
+WAIT_SLACK = 2.0
 
 
 def near_the_end(budget: int, ranks: int) -> float:
@@ -330,7 +333,7 @@ class OwnPaceLoop:
         # job trained up to a third more than its budget
         step_seconds = comm.wtime() - self._turn_end
         if self._end_is_near(step_seconds):
-            self._wait_for_the_end()
+            self._wait_for_the_end(step_seconds)
         total = self.ring.known_steps()
         per_rank = sum(self.steps_of) // comm.size
         halt = None
@@ -345,9 +348,9 @@ class OwnPaceLoop:
         if halt is None and mark >= self.next_eval and t.dev_manifest is not None:
             step = self.eval_every or t.steps_per_epoch
             self.next_eval = (mark // step + 1) * step
-            if self._end_is_near(self._eval_seconds):
+            if self._end_is_near(self._eval_seconds) \
+                    and self._wait_for_the_end(self._eval_seconds):
                 # the end's evaluation of the averaged model comes first
-                self._wait_for_the_end()
                 halt = STOP if self.ring.known_steps() >= t.budget else None
             else:
                 started = comm.wtime()
@@ -382,16 +385,24 @@ class OwnPaceLoop:
             return False
         return done / elapsed * seconds >= left
 
-    def _wait_for_the_end(self) -> None:
+    def _wait_for_the_end(self, seconds: float) -> bool:
         """Rank 0: take reports, not stepping, until the budget is reached (or a rank
-        reports a stop signal).  Nobody waits for rank 0 meanwhile: it is an
-        active rank, which only asks."""
+        reports a stop signal); False when that did not come within WAIT_SLACK times
+        the ``seconds`` it was foreseen in (rank 0 then goes on).  The pace it was
+        foreseen from is that of one turn, and a wrong one (the others slowed down,
+        or reports that came together looked like a burst of steps) kept rank 0 from
+        stepping, checkpointing and evaluating for up to half of the run.  Nobody
+        waits for rank 0 meanwhile: it is an active rank, which only asks."""
+        give_up = self.comm.wtime() + WAIT_SLACK * seconds
         while self.ring.known_steps() < self.t.budget and not self.signalled:
+            if self.comm.wtime() > give_up:
+                return False
             found = self.comm.iprobe(ANY_SOURCE, REPORT_TAG)
             if found is None:
                 self.comm.idle()
                 continue
             self._receive_report(found[0])
+        return True
 
     def _log(self) -> None:
         t, comm = self.t, self.comm

@@ -298,6 +298,45 @@ def test_the_others_stop_at_the_budget_while_rank_0_is_late(small_corpus, tmp_pa
         assert len(records(tmp_path, "checkpoint")) >= 2
 
 
+class _OthersSlowDown(ComputeModel):
+    """Rank 0's ``late``-th step takes ``factor`` times as long; the other ranks' steps
+    take ``slow`` times as long from their ``after``-th on: the pace rank 0 saw over
+    its long step is not the pace that follows."""
+
+    def __init__(self, late: int, factor: float, after: int, slow: float):
+        super().__init__(step_seconds=0.002)
+        self.late, self.factor, self.after, self.slow = late, factor, after, slow
+
+    def step_times(self, rank):
+        for k in itertools.count(1):
+            if rank == 0:
+                yield self.step_seconds * (self.factor if k == self.late else 1.0)
+            else:
+                yield self.step_seconds * (self.slow if k >= self.after else 1.0)
+
+
+def test_rank_0_waits_for_the_end_no_longer_than_the_step_it_skipped(small_corpus,
+                                                                    tmp_path):
+    """Rank 0 foresees the end from the others' pace since its last turn, and waits for
+    it instead of stepping; when the pace changed (here they slow down 20x; under MPI,
+    reports that came together after a while looked like a burst of steps) it waited
+    for half the run, calling no checkpoint and no evaluation (one of 4 ranks on 2
+    cores: no checkpoint from 231 to 420 steps per rank at checkpoint_interval 10).
+    It waits about twice the time it foresaw, then steps on."""
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=2", "training.log_interval=10", "training.checkpoint_interval=5"])
+    train_virtual(cfg, size=4, run_dir=str(tmp_path),
+                  compute=_OthersSlowDown(late=20, factor=100.0, after=90, slow=20.0))
+    steps = [r["step"] for r in records(tmp_path, "checkpoint")]
+    # one long gap: rank 0's long step (the others took 70 steps each meanwhile);
+    # after it the checkpoints come again every few steps
+    gaps = [i for i, (a, b) in enumerate(zip(steps, steps[1:])) if b - a > 3 * 5]
+    assert len(gaps) == 1 and len(steps) - gaps[0] - 1 >= 4, steps
+    budget = records(tmp_path, "start")[0]["total_steps"] * 4 * 256
+    frames = records(tmp_path, "end")[-1]["frames"]
+    assert budget <= frames <= budget + 3 * 4 * 256, (frames / 4 / 256, budget / 4 / 256)
+
+
 @pytest.mark.parametrize("size,seed", [(4, 8), (8, 3)])
 def test_the_end_lands_near_the_budget_when_every_ranks_steps_are_uneven(small_corpus,
                                                                         tmp_path, size, seed):
