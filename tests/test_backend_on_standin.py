@@ -88,35 +88,23 @@ def test_a_blocking_read_under_unified_memory_waits_and_copies():
         np.testing.assert_array_equal(host, np.full(4, 7.0, dtype=np.float32))
 
 
-def test_bf16_is_refused_on_a_gpu_before_compute_capability_8(monkeypatch):
-    """cuBLAS's bf16 GEMMs need bf16 tensor cores (8.0): before them cuBLAS may
-    refuse the product at the first step (NOT_SUPPORTED)."""
+@pytest.mark.parametrize("precision, older, newer", [("bf16", "75", "80"), ("tf32", "70", "90")])
+def test_reduced_precision_is_refused_on_a_gpu_before_compute_capability_8(
+        monkeypatch, precision, older, newer):
+    """cuBLAS's bf16 GEMMs need bf16 tensor cores (8.0): before them cuBLAS may refuse
+    the product at the first step (NOT_SUPPORTED).  Nor are there TF32 tensor cores:
+    cuBLAS and CuPy's matmul would compute in fp32 while the run said tf32."""
     with standin_cupy.installed() as cp:
-        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "75")
+        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", older)
         with pytest.raises(backend.UnsupportedSetting) as refused:
-            backend.select_for_run("gpu", 0, precision="bf16", fused_kernels=True)
+            backend.select_for_run("gpu", 0, precision=precision, fused_kernels=True)
         assert str(refused.value) == (
-            "precision: bf16 needs a GPU of compute capability 8.0 or newer (bf16 tensor "
-            "cores); stand-in device has 7.5: use fp32 there")
-        backend.select_for_run("gpu", 0, precision="fp32", fused_kernels=True)
-        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "80")
-        backend.select_for_run("gpu", 0, precision="bf16", fused_kernels=True)
-        assert backend.precision() == "bf16"
-        backend.set_precision(cp, "fp32")
-
-
-def test_tf32_is_refused_on_a_gpu_before_compute_capability_8(monkeypatch):
-    """Before 8.0 there are no TF32 tensor cores: cuBLAS and CuPy's matmul would
-    compute in fp32 while the run's banner and reports said tf32."""
-    with standin_cupy.installed() as cp:
-        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "70")
-        with pytest.raises(backend.UnsupportedSetting) as refused:
-            backend.select_for_run("gpu", 0, precision="tf32", fused_kernels=True)
-        assert str(refused.value) == (
-            "precision: tf32 needs a GPU of compute capability 8.0 or newer (tf32 tensor "
-            "cores); stand-in device has 7.0: use fp32 there")
+            f"precision: {precision} needs a GPU of compute capability 8.0 or newer "
+            f"({precision} tensor cores); stand-in device has {older[0]}.{older[1]}: use "
+            "fp32 there")
         assert backend.precision() == "fp32"
-        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", "90")
-        backend.select_for_run("gpu", 0, precision="tf32", fused_kernels=True)
-        assert backend.precision() == "tf32"
+        backend.select_for_run("gpu", 0, precision="fp32", fused_kernels=True)
+        monkeypatch.setitem(standin_cupy.DEVICE, "compute_capability", newer)
+        backend.select_for_run("gpu", 0, precision=precision, fused_kernels=True)
+        assert backend.precision() == precision
         backend.set_precision(cp, "fp32")
