@@ -262,14 +262,21 @@ def test_nothing_to_import_says_why(tmp_path):
                      str(tmp_path / "c2"))
 
 
-def test_nothing_to_import_of_subsampled_alignments_offers_no_tolerance(tmp_path):
-    # a chain model's alignment has a label every third frame: --length-tolerance
-    # would cut the features to the labels' count and pair labels with wrong frames
+def _features_and_chain_alignments(tmp_path) -> dict:
+    """feats.ark and ali.ark of 3 utterances, a label every third frame (a chain
+    model's alignment, frame subsampling factor 3)."""
     rng = np.random.default_rng(3)
     feats = {f"u{i}": rng.standard_normal((50 + i, 4)).astype(np.float32) for i in range(3)}
     kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
     kaldiio.save_ark(str(tmp_path / "ali.ark"),
                      {k: np.zeros(-(-len(v) // 3), dtype=np.int32) for k, v in feats.items()})
+    return feats
+
+
+def test_nothing_to_import_of_subsampled_alignments_offers_no_tolerance(tmp_path):
+    # a chain model's alignment has a label every third frame: --length-tolerance
+    # would cut the features to the labels' count and pair labels with wrong frames
+    _features_and_chain_alignments(tmp_path)
     with pytest.raises(CorpusError, match=r"u0: 50 frames, 17 labels; alignments at 1/3 of "
                                           r"the features' frame rate") as e:
         import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
@@ -280,11 +287,7 @@ def test_nothing_to_import_of_subsampled_alignments_offers_no_tolerance(tmp_path
 def test_a_tolerance_that_would_cut_to_subsampled_alignments_is_refused(tmp_path):
     # an explicit --length-tolerance as wide as the utterances imported them cut to a
     # third, each label on the wrong frame, without a word
-    rng = np.random.default_rng(3)
-    feats = {f"u{i}": rng.standard_normal((50 + i, 4)).astype(np.float32) for i in range(3)}
-    kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
-    kaldiio.save_ark(str(tmp_path / "ali.ark"),
-                     {k: np.zeros(-(-len(v) // 3), dtype=np.int32) for k, v in feats.items()})
+    feats = _features_and_chain_alignments(tmp_path)
     with pytest.raises(CorpusError, match=r"--length-tolerance 200 would cut 3 utterances to "
                                           r"alignments in .* at 1/3 of the features' frame "
                                           r"rate \(e.g. u0: 50 frames, 17 labels\).*nothing "
