@@ -32,6 +32,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -269,10 +270,10 @@ def _nothing_imported(report, feats_path, ali_path) -> str:
     if report.length_mismatch:
         # an empty alignment is no utterance whatever the tolerance: no tolerance to offer
         cuttable = [m for m in report.length_mismatch if m[2]]
-        factor = _subsampling_factor(cuttable)
+        factor, example = _subsampling(cuttable)
         if factor:
             # cutting them to the shorter would pair each label with the wrong frames
-            key, frames, labels = cuttable[0]
+            key, frames, labels = example
             why = (f"alignments at 1/{factor} of the features' frame rate, as a chain "
                    f"model's with frame subsampling factor {factor}? one label per feature "
                    "frame is needed: align at the features' rate, e.g. with a GMM or a "
@@ -298,9 +299,8 @@ def _refuse_cuts_to_subsampled_alignments(report, feats_path, ali_path) -> None:
     features to the labels' count: each label would sit on the wrong frame."""
     # (utterances of a few frames can look subsampled by chance)
     cut = [m for m in report.trimmed if m[2] >= 10]
-    factor = _subsampling_factor(cut)
+    factor, (key, frames, labels) = _subsampling(cut)
     if factor:
-        key, frames, labels = cut[0]
         raise CorpusError(
             f"{feats_path}: --length-tolerance {report.length_tolerance} would cut "
             f"{plural(len(cut), 'utterance')} to alignments in {ali_path} at 1/{factor} of "
@@ -309,19 +309,18 @@ def _refuse_cuts_to_subsampled_alignments(report, feats_path, ali_path) -> None:
             "with a GMM or a non-chain nnet3 model; nothing imported")
 
 
-def _subsampling_factor(mismatches) -> int:
-    """k >= 2 when nine in ten (utt, frames, labels) have about frames / k labels
-    (Kaldi's subsampled frame count is ceil(frames / k); a few bad alignments
-    besides do not hide it), else 0."""
-    if not mismatches:
-        return 0
-    _, frames, labels = mismatches[0]
-    k = round(frames / labels)
-    if k < 2:
-        return 0
-    fits = sum(1 for _, frames, labels in mismatches
-               if labels and abs(labels - -(-frames // k)) <= 1)
-    return k if fits >= 0.9 * len(mismatches) else 0
+def _subsampling(mismatches) -> tuple:
+    """``(k, an example)`` when nine in ten (utt, frames, labels) have about
+    frames / k labels for one k >= 2 (Kaldi's subsampled frame count is
+    ceil(frames / k)), else ``(0, (None, 0, 0))``.  k is the commonest ratio, so
+    a few bad alignments besides, the first among them too, do not hide it."""
+    ratios = Counter(round(frames / labels) for _, frames, labels in mismatches if labels)
+    k = ratios.most_common(1)[0][0] if ratios else 0
+    fitting = [m for m in mismatches if m[2] and abs(m[2] - -(-m[1] // k)) <= 1] \
+        if k >= 2 else []
+    if not fitting or len(fitting) < 0.9 * len(mismatches):
+        return 0, (None, 0, 0)
+    return k, fitting[0]
 
 
 def _write_report(report: ImportReport, out_dir: str) -> None:

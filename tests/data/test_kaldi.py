@@ -262,21 +262,24 @@ def test_nothing_to_import_says_why(tmp_path):
                      str(tmp_path / "c2"))
 
 
-def _features_and_chain_alignments(tmp_path) -> dict:
-    """feats.ark and ali.ark of 3 utterances, a label every third frame (a chain
-    model's alignment, frame subsampling factor 3)."""
+def _features_with_alignments_at_a_third(tmp_path, count, *, whole=()):
+    """feats.ark of ``count`` utterances u0, u1, ... of 50, 51, ... frames and ali.ark
+    with a label every third frame, as a chain model's (those in ``whole``: a label
+    for every frame but the last); returns the features."""
     rng = np.random.default_rng(3)
-    feats = {f"u{i}": rng.standard_normal((50 + i, 4)).astype(np.float32) for i in range(3)}
+    feats = {f"u{i}": rng.standard_normal((50 + i, 4)).astype(np.float32)
+             for i in range(count)}
     kaldiio.save_ark(str(tmp_path / "feats.ark"), feats)
     kaldiio.save_ark(str(tmp_path / "ali.ark"),
-                     {k: np.zeros(-(-len(v) // 3), dtype=np.int32) for k, v in feats.items()})
+                     {k: np.zeros(len(v) - 1 if k in whole else -(-len(v) // 3),
+                                  dtype=np.int32) for k, v in feats.items()})
     return feats
 
 
 def test_nothing_to_import_of_subsampled_alignments_offers_no_tolerance(tmp_path):
     # a chain model's alignment has a label every third frame: --length-tolerance
     # would cut the features to the labels' count and pair labels with wrong frames
-    _features_and_chain_alignments(tmp_path)
+    feats = _features_with_alignments_at_a_third(tmp_path, 3)
     with pytest.raises(CorpusError, match=r"u0: 50 frames, 17 labels; alignments at 1/3 of "
                                           r"the features' frame rate") as e:
         import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
@@ -287,7 +290,7 @@ def test_nothing_to_import_of_subsampled_alignments_offers_no_tolerance(tmp_path
 def test_a_tolerance_that_would_cut_to_subsampled_alignments_is_refused(tmp_path):
     # an explicit --length-tolerance as wide as the utterances imported them cut to a
     # third, each label on the wrong frame, without a word
-    feats = _features_and_chain_alignments(tmp_path)
+    feats = _features_with_alignments_at_a_third(tmp_path, 3)
     with pytest.raises(CorpusError, match=r"--length-tolerance 200 would cut 3 utterances to "
                                           r"alignments in .* at 1/3 of the features' frame "
                                           r"rate \(e.g. u0: 50 frames, 17 labels\).*nothing "
@@ -301,6 +304,24 @@ def test_a_tolerance_that_would_cut_to_subsampled_alignments_is_refused(tmp_path
     report = import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
                           str(tmp_path / "c"), length_tolerance=2)
     assert report.imported == 3 and len(report.trimmed) == 3
+
+
+def test_subsampled_alignments_are_named_when_the_first_one_is_not(tmp_path):
+    # one alignment at the features' rate (a frame short) read first, eleven at a
+    # third: the first alone gave the ratio, so the cut went through without a word
+    # and the refusal offered --length-tolerance 1
+    _features_with_alignments_at_a_third(tmp_path, 12, whole={"u0"})
+    with pytest.raises(CorpusError, match=r"u1: 51 frames, 17 labels; alignments at 1/3 of "
+                                          r"the features' frame rate") as e:
+        import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
+                     str(tmp_path / "c"))
+    assert "--length-tolerance" not in str(e.value)
+    with pytest.raises(CorpusError, match=r"--length-tolerance 200 would cut 12 utterances "
+                                          r"to alignments in .* at 1/3 of the features' frame "
+                                          r"rate \(e.g. u1: 51 frames, 17 labels\)"):
+        import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
+                     str(tmp_path / "c"), length_tolerance=200)
+    assert not (tmp_path / "c").exists()
 
 
 def test_nothing_to_import_of_empty_alignments_offers_no_tolerance(tmp_path):
