@@ -9,9 +9,11 @@ def plural(n, noun: str, nouns: str = "") -> str:
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
 
 
-def shown(value) -> str:
+def shown(value, *, limit: int = 0) -> str:
     """``repr`` of a value read from a file, a NumPy scalar as the Python value it
-    holds (NumPy 2 writes ``np.int64(2)``, which reads as if it were another value)."""
+    holds (NumPy 2 writes ``np.int64(2)``, which reads as if it were another value);
+    ``limit``: at most that many characters and ``...`` (a crafted value can be long)."""
     if isinstance(value, np.generic):
         value = value.item()
-    return repr(value)
+    text = repr(value)
+    return text[:limit] + "..." if limit and len(text) > limit else text

@@ -14,3 +14,10 @@ def test_a_numpy_scalar_is_shown_as_the_value_it_holds():
     from mpitrain.words import shown
     assert [shown(v) for v in (np.int64(-5), np.float64(40.0), np.bytes_(b"m"), "m", 3)] == \
         ["-5", "40.0", "b'm'", "'m'", "3"]
+
+
+def test_a_long_value_is_cut_to_the_limit():
+    from mpitrain.words import shown
+    assert shown("x" * 50, limit=10) == "'xxxxxxxxx..."
+    assert shown("x" * 8, limit=10) == "'xxxxxxxx'"
+    assert shown(10 ** 60) == "1" + "0" * 60

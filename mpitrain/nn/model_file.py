@@ -118,9 +118,8 @@ def _component_specs(group, path) -> list:
         for key, value in spec.items():
             # Options are plain numbers or flags; anything else is not ours.
             if key != "kind" and not _finite_option(value):
-                shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
                 raise ValueError(f"{where} ({spec['kind']}): field '{key}': expected a finite "
-                                 f"number, got {shown}")
+                                 f"number, got {shown(value, limit=40)}")
     return specs
 
 
