@@ -572,7 +572,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from mpitrain import backend
     try:
         rows = run(args, log=log)
-    except backend.UnsupportedSetting as exc:      # (bf16 on a GPU without it)
+    except backend.UnsupportedSetting as exc:      # (bf16 or tf32 on a GPU without it)
         print(f"python -m mpitrain.bench.throughput: error: --precision: {exc}",
               file=sys.stderr)
         return 2

@@ -133,8 +133,8 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
 def select_device(cfg, comm):
     """The run's array module, with its precision and fused kernels
     (backend.select_for_run).  On GPUs, collective: a setting that some rank's
-    GPU cannot run (``precision: bf16`` before compute capability 8.0) stops
-    every rank together, before anything else is set up."""
+    GPU cannot run (``precision: bf16`` or ``tf32`` before compute capability
+    8.0) stops every rank together, before anything else is set up."""
     refusal = None
     try:
         xp = backend.select_for_run(cfg.device, comm.device_rank, precision=cfg.precision,
