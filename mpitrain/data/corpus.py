@@ -301,14 +301,13 @@ def read_manifest_data(path: str):
                               f"{MANIFEST_NAME}{hint}") from None
         # (a new user's first run: the example configs name a corpus not yet written)
         hint = ""
-        if os.path.isdir(directory):
+        inner = sorted(name for name in _names_in(directory)
+                       if os.path.isfile(os.path.join(directory, name, MANIFEST_NAME)))
+        if inner:
             # the directory synth writes (train/ and dev/) named for one corpus
-            inner = sorted(name for name in os.listdir(directory)
-                           if os.path.isfile(os.path.join(directory, name, MANIFEST_NAME)))
-            if inner:
-                shown = ", ".join(os.path.join(directory, n) for n in inner[:4])
-                hint = (f"; it holds the corpora {shown}{', ...' if len(inner) > 4 else ''}: "
-                        "name one of them")
+            shown = ", ".join(os.path.join(directory, n) for n in inner[:4])
+            hint = (f"; it holds the corpora {shown}{', ...' if len(inner) > 4 else ''}: "
+                    "name one of them")
         raise CorpusError(f"{path}: not found; expected a corpus directory "
                           f"({directory}) holding {MANIFEST_NAME}, as `mpitrain synth`, "
                           f"`prepare` or `merge` write{hint}") from None
@@ -321,6 +320,15 @@ def read_manifest_data(path: str):
         return read_yaml(path, what="corpus manifest")
     except ValueError as exc:
         raise CorpusError(str(exc)) from None
+
+
+def _names_in(directory) -> list:
+    """The names in ``directory``; none when it cannot be listed (missing, or
+    searchable but not readable: the not-found line is said all the same)."""
+    try:
+        return os.listdir(directory)
+    except OSError:
+        return []
 
 
 def speaker_cmvn_kind(speaker_cmvn: dict | None) -> str:

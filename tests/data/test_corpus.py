@@ -104,6 +104,24 @@ def test_a_manifest_that_cannot_be_read_is_not_called_missing(tmp_path, monkeypa
         read_manifest_data(str(tmp_path / "c" / "corpus.yaml"))
 
 
+def test_a_corpus_directory_that_cannot_be_listed_is_still_said_missing(tmp_path,
+                                                                       monkeypatch):
+    # a directory one may enter but not list (mode 311): the hint that looks for
+    # corpora inside it raised PermissionError, and the not-found line was lost
+    import os as os_module
+    from mpitrain.data.corpus import read_manifest_data
+    (tmp_path / "c").mkdir()
+
+    def unlistable(path="."):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os_module, "listdir", unlistable)
+    with pytest.raises(CorpusError) as info:
+        read_manifest_data(str(tmp_path / "c" / "corpus.yaml"))
+    assert str(info.value).startswith(f"{tmp_path}/c/corpus.yaml: not found; expected a "
+                                      f"corpus directory ({tmp_path}/c)"), info.value
+
+
 def test_check_reports_a_split_it_cannot_read(small_corpus, tmp_path, monkeypatch, capsys):
     import os as os_module
     import shutil
