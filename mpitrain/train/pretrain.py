@@ -59,6 +59,7 @@ from ..nn.network import floored_variance
 from ..nn.rbm import RBM, ContrastiveDivergence, RBMStack, valid_rate_factor
 from ..nn.rbm_file import load_rbm_stack, read_stack_group, save_rbm_stack, write_stack_group
 from ..parallel.model_averaging import ModelAveraging
+from .checkpoint import FORMAT as TRAIN_CHECKPOINT_FORMAT
 from .checkpoint import (MIN_KEEP, check_reader_state, checkpoint_path, gather_rank_states,
                          list_checkpoints, rotate_checkpoints)
 from .checkpoint_clock import CheckpointClock
@@ -162,6 +163,16 @@ def _at_layer_end(path) -> bool:
                         and isinstance(step, (int, np.integer)) and step == 0)
     except (OSError, ValueError, RuntimeError, TypeError, KeyError):
         return False
+
+
+class _NotPretraining(ValueError):
+    """A file named like a checkpoint that is not a pretraining one (``format``: the
+    format it says it is, e.g. a train run's)."""
+
+    def __init__(self, path, fmt):
+        super().__init__(f"{path}: not an mpitrain pretraining checkpoint (attribute "
+                         f"'format' is {fmt!r})")
+        self.format = fmt
 
 
 def _read_judging(attrs, path):
@@ -461,8 +472,7 @@ class Pretrainer:
     def _read_checkpoint(self, path) -> dict:
         with open_h5_for_reading(path, "checkpoint") as f, reading_errors(path, "checkpoint"):
             if f.attrs.get("format") != CHECKPOINT_FORMAT:
-                raise ValueError(f"{path}: not an mpitrain pretraining checkpoint (attribute "
-                                 f"'format' is {f.attrs.get('format')!r})")
+                raise _NotPretraining(path, f.attrs.get("format"))
             attrs = {}
             for name in ("layer", "layer_step", "layer_steps", "frames_seen", "num_ranks"):
                 value = f.attrs.get(name)
@@ -491,25 +501,27 @@ class Pretrainer:
         found = list_checkpoints(self.run_dir) if self.is_root else []
         # (a job that still wrote here until the lock was ours: _open_run_dir)
         self._checkpoints_seen = {os.path.basename(path) for path in found}
-        chosen, notes = None, []
+        chosen, notes, formats = None, [], []
         for path in reversed(found):
             try:
                 self._read_checkpoint(path)
             except (ValueError, OSError) as exc:
                 notes.append(f"skipped {os.path.basename(path)}: {exc}")
+                formats.append(exc.format if isinstance(exc, _NotPretraining) else None)
                 continue
             chosen = path
             break
         way = None
         if self.is_root and not found:
             way = no_checkpoint_way(self.run_dir, RESULT_NAME)
-        chosen, notes, way = self.comm.bcast_obj([chosen, notes, way], root=0)
+        # every checkpoint a train run's (not a list of them, each "not a pretraining one")
+        train_run = bool(formats) and all(f == TRAIN_CHECKPOINT_FORMAT for f in formats)
+        chosen, notes, way, train_run = self.comm.bcast_obj([chosen, notes, way, train_run],
+                                                            root=0)
         if way is not None:
             raise TrainingError(f"{self.run_dir}: no pretraining checkpoint (ckpt-*.h5) to "
                                 f"continue from; {way}", agreed=True)
-        if chosen is None and notes and all("is 'mpitrain-checkpoint'" in note
-                                            for note in notes):
-            # (each checkpoint "not an mpitrain pretraining checkpoint": a model's)
+        if chosen is None and train_run:
             raise TrainingError(f"{self.run_dir}: a train run's directory (its checkpoints "
                                 "are a model's); pretrain in a run directory of its own",
                                 agreed=True)
