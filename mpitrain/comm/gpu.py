@@ -65,7 +65,7 @@ def cuda_aware_setting() -> tuple:
         return True, None
     if setting.lower() in _SAYS_NO:
         return False, f"disabled by {CUDA_AWARE_ENV}={setting}"
-    return False, f"not tried: {CUDA_AWARE_ENV}={setting!r} is neither 1 nor 0"
+    return False, f"not tried: {CUDA_AWARE_ENV}={setting!r} is neither 1 (yes) nor 0 (no)"
 
 
 # ------------------------------------------------------------------ MPI paths

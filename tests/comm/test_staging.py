@@ -32,7 +32,7 @@ def test_the_cuda_aware_variable_is_read_or_its_value_said(monkeypatch):
                           ("0", (False, f"disabled by {CUDA_AWARE_ENV}=0")),
                           ("off", (False, f"disabled by {CUDA_AWARE_ENV}=off")),
                           ("maybe", (False, f"not tried: {CUDA_AWARE_ENV}='maybe' is "
-                                            "neither 1 nor 0"))]:
+                                            "neither 1 (yes) nor 0 (no)"))]:
         monkeypatch.setenv(CUDA_AWARE_ENV, value)
         assert cuda_aware_setting() == wanted, value
     monkeypatch.delenv(CUDA_AWARE_ENV)
