@@ -612,14 +612,18 @@ def read_yaml(path, *, what: str = "YAML file", as_written: bool = False):
     path = os.fspath(path)
     try:
         with open(path, "rb") as fh:
-            raw = fh.read(MAX_YAML_BYTES + 1)
+            info = os.fstat(fh.fileno())
+            # (a regular file's size says it at once: no gigabyte read on every rank)
+            raw = b"" if stat.S_ISREG(info.st_mode) and info.st_size > MAX_YAML_BYTES \
+                else fh.read(MAX_YAML_BYTES + 1)
+            too_big = len(raw) > MAX_YAML_BYTES or info.st_size > MAX_YAML_BYTES
     except FileNotFoundError:
         raise ValueError(f"{path}: {what} not found") from None
     except IsADirectoryError:
         raise ValueError(f"{path}: is a directory, expected a {what}") from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
-    if len(raw) > MAX_YAML_BYTES:
+    if too_big:
         raise ValueError(f"{path}: holds over {MAX_YAML_BYTES >> 20} MiB, far more than a "
                          f"{what}; is it the file meant?")
     try:

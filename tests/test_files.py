@@ -352,3 +352,18 @@ def test_a_yaml_file_is_read_to_a_bound(tmp_path, monkeypatch):
     assert "\n" not in str(err.value)
     path.write_text("training: {epochs: 1}\n")
     assert files.read_yaml(path) == {"training": {"epochs": 1}}
+    # a regular file is refused by its size, before a byte of it is read
+    path.write_text("# " + "x" * 2000 + "\n")
+    reads = []
+    real_open = open
+
+    def counting_open(name, mode="r", *args, **kwargs):
+        handle = real_open(name, mode, *args, **kwargs)
+        if os.fspath(name) == str(path):
+            real_read = handle.read
+            handle.read = lambda *a: reads.append(a) or real_read(*a)
+        return handle
+    monkeypatch.setattr("builtins.open", counting_open)
+    with pytest.raises(ValueError, match="holds over "):
+        files.read_yaml(path, what="config file")
+    assert reads == []
