@@ -299,7 +299,8 @@ class RunConfig:
     fused_kernels: bool = _opt(True, help="GPU: fused CUDA kernels for the elementwise work of "
                                           "a step; false: plain CuPy array expressions")
     cuda_graph: bool = _opt(False, help="GPU: replay steps whose work is fixed from a captured "
-                                        "CUDA graph (not with the allreduce method)")
+                                        "CUDA graph (not with the allreduce method or "
+                                        "hierarchical adpsgd, nor with dropout)")
     blas_threads: int = _opt(0, min=0, max=1024,
                              help="BLAS threads per rank; 0: the cores this rank may "
                                   "use / the ranks using them too (1 with device: gpu)")
