@@ -632,9 +632,23 @@ class DeviceTransport:
             self.nccl = None
 
 
-def _forced_route_error(route: str, why_not: str) -> RuntimeError:
-    return RuntimeError(f"device transport {route!r} was requested (device_transport) but "
-                        f"cannot be used: {why_not}")
+class ForcedRouteError(RuntimeError):
+    """A route forced by ``device_transport`` that cannot be used.
+
+    Every rank raises it at the same point, with the same reason (the ranks
+    agreed on the outcome), so the job ends without an abort and one rank
+    alone says why (``agreed``); the setting is the configuration's
+    (``setting``).  The command line reads both attributes, as on
+    ``mpitrain.train.errors.TrainingError``.
+    """
+
+    agreed = True
+    setting = True
+
+
+def _forced_route_error(route: str, why_not: str) -> ForcedRouteError:
+    return ForcedRouteError(f"device transport {route!r} was requested (device_transport) "
+                            f"but cannot be used: {why_not}")
 
 
 def choose_device_transport(mpi_comm, cupy, *, prefer: str = "auto") -> DeviceTransport:

@@ -85,3 +85,22 @@ def test_each_rank_takes_its_own_gpu_of_those_it_sees(scenario, gpus):
             assert "ranks 0 and 2 share GPU 0" in line, _output(result)
         else:
             assert "share" not in line, _output(result)
+
+
+def test_a_forced_route_that_cannot_be_used_stops_every_rank_with_one_line(small_corpus,
+                                                                          tmp_path):
+    """Every rank finds the route unusable at the same point: rank 0 says so once,
+    naming the config file, and every rank exits with status 2 (no abort)."""
+    try:
+        result = run_mpi(2, [str(WORKERS / "forced_route_worker.py"), small_corpus,
+                             str(tmp_path / "run")], timeout=120)
+    except MpiTimeoutError as exc:
+        pytest.fail(f"the job hung: {exc}")
+    assert result.returncode == 2, _output(result)
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, _output(result)
+    assert errors[0].startswith("mpitrain train: error: ") and "quickstart.yaml: device " \
+        "transport 'cuda-aware-mpi' was requested (device_transport) but cannot be used: " \
+        "CUDA-aware MPI " in errors[0], _output(result)
+    assert "MPI_Abort" not in result.stderr + result.stdout, _output(result)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
