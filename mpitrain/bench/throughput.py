@@ -506,6 +506,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         parser.error(f"--precision: expected some of fp32, tf32, bf16, got {args.precision}")
     if args.device == "cpu" and args.precision != ["fp32"]:
         parser.error("--precision: tf32 and bf16 need --device gpu")
+    if args.cuda_graph and args.device != "gpu":
+        parser.error("--cuda-graph needs --device gpu")
     if args.device == "gpu":
         args.threads = "1"   # the host only launches work (and BLAS only tiny matrices)
     if args.minibatch < 0:
@@ -577,6 +579,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return 2
     print(format_table(rows))
+    for row in rows:
+        graph = row.get("cuda_graph")
+        if graph is not None and not graph["replays"]:
+            # asked for and off (a capture that failed, an old cuBLAS): eager figures
+            print(f"# {row['model']} {row['precision']}: CUDA graphs not used: "
+                  f"{graph['off_because'] or 'no step was replayed'}")
     for row in rows:
         if row.get("cpu_fraction_of_bound") is not None:
             print(f"# {row['model']} threads=1 on thread CPU time: mpitrain "

@@ -471,6 +471,9 @@ class _Device:
     def use(self) -> None:
         _set_device(self.id)
 
+    def synchronize(self) -> None:
+        """Every stream of the device has finished: host work always has."""
+
     @property
     def compute_capability(self) -> str:
         capability = DEVICE["compute_capability"]

@@ -74,3 +74,25 @@ def test_delayed_updates_are_a_third_contender(capsys):
                                 "--minibatch", "8", "--rounds", "1", "--steps", "2",
                                 "--delayed-updates"]) == 0
     assert "with delayed_updates: NG-SGD" in capsys.readouterr().out
+
+
+def test_cuda_graph_needs_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        ngsgd_overhead.main(["--cuda-graph", "--rounds", "1", "--steps", "1"])
+    assert "--cuda-graph needs --device gpu" in capsys.readouterr().err
+
+
+def test_cuda_graphs_asked_for_and_not_used_are_said_not_claimed(capsys):
+    """On the stand-in device (no kernel compiler) the graphs stay off: the line and
+    the JSON say so and why, instead of labelling eager steps as CUDA graphs."""
+    from mpitrain.testing import standin_cupy
+    with standin_cupy.installed():
+        assert ngsgd_overhead.main(["--device", "gpu", "--cuda-graph", "--hidden", "16",
+                                    "--layers", "1", "--classes", "5", "--minibatch", "8",
+                                    "--rounds", "1", "--steps", "2"]) == 0
+        result = ngsgd_overhead.measure(**TINY, device="gpu", cuda_graph=True)
+    out = capsys.readouterr().out
+    assert "(CUDA graphs not used: needs the fused GPU kernels" in out, out
+    assert "(CUDA graphs)" not in out, out
+    assert result["cuda_graph"] is False
+    assert result["cuda_graph_off_because"].startswith("needs the fused GPU kernels")

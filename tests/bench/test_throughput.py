@@ -244,3 +244,21 @@ def test_bf16_on_a_gpu_without_it_is_one_line(monkeypatch, capsys):
     assert len(err) == 1 and err[0].startswith(
         "python -m mpitrain.bench.throughput: error: --precision: precision: bf16 needs a "
         "GPU of compute capability 8.0 or newer"), err
+
+
+def test_cuda_graph_needs_a_gpu(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--cuda-graph"])
+    assert "--cuda-graph needs --device gpu" in capsys.readouterr().err
+
+
+def test_cuda_graphs_asked_for_and_not_used_are_said_under_the_table(capsys):
+    """On the stand-in device (no kernel compiler) the graphs stay off: the figures
+    are eager steps', and a line under the table says so and why."""
+    from mpitrain.testing import standin_cupy
+    with standin_cupy.installed():
+        assert tp.main(["--device", "gpu", "--models", "quick", "--rounds", "1",
+                        "--steps", "1", "--warmup", "1", "--frames", "2000",
+                        "--no-torch", "--cuda-graph"]) == 0
+    out = capsys.readouterr().out
+    assert "# quick fp32: CUDA graphs not used: needs the fused GPU kernels" in out, out
