@@ -351,15 +351,7 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
             return EXIT_STOPPED
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
         if getattr(exc, "agreed", False) or comm.size == 1:
-            if comm.size > 1:
-                # the job's status is settled (2): a stop signal while a rank waits in
-                # MPI's finalize would replace it with the signal's
-                ignore_from_now_on()
-            if comm.rank != 0:        # every rank stopped here: rank 0 says why
-                return 2
-            if getattr(exc, "setting", False) and args.config:
-                raise UsageError(f"{args.config}: {exc}") from None
-            raise
+            return _stopped_together(exc, comm, args.config)
         from .comm.base import PeerLost
         from .train.errors import error_message     # (a MemoryError says nothing)
         advice = ("; the job ends: --resume continues from the newest checkpoint"
@@ -763,8 +755,8 @@ def cmd_bench(args) -> int:
             _print_projection(report)
             print("wrote " + ", ".join(paths.values()))
     except (ValueError, OSError, RuntimeError, MemoryError) as exc:
-        if comm.size == 1:
-            raise
+        if getattr(exc, "agreed", False) or comm.size == 1:
+            return _stopped_together(exc, comm, args.config)
         print(f"mpitrain bench: rank {comm.rank}: error: {_one_line(exc)}", file=sys.stderr,
               flush=True)
         comm.abort(2)           # (the line above says why: no second copy of it)
@@ -772,6 +764,21 @@ def cmd_bench(args) -> int:
         _end_every_rank(comm, "bench", exc)
         raise
     return 0
+
+
+def _stopped_together(exc, comm, config) -> int:
+    """An error every rank met at the same point (or the only rank's): rank 0 raises
+    it for the one line, the others end with status 2."""
+    from .train.stop import ignore_from_now_on
+    if comm.size > 1:
+        # the job's status is settled (2): a stop signal while a rank waits in
+        # MPI's finalize would replace it with the signal's
+        ignore_from_now_on()
+    if comm.rank != 0:        # every rank stopped here: rank 0 says why
+        return 2
+    if getattr(exc, "setting", False) and config:
+        raise UsageError(f"{config}: {exc}") from None
+    raise exc
 
 
 def _model_file(path: str, command: str, *, stream=None) -> str:

@@ -131,7 +131,7 @@ def test_bf16_refused_by_one_ranks_gpu_stops_the_others_naming_it(monkeypatch):
         size = 2
 
         def allgather_obj(self, obj):
-            return [obj, "precision: bf16 needs ...; T4 has 7.5: use fp32 there"]
+            return [obj, ("precision: bf16 needs ...; T4 has 7.5: use fp32 there", True)]
 
     cfg = RunConfig()
     cfg.device, cfg.precision = "gpu", "bf16"
@@ -141,6 +141,36 @@ def test_bf16_refused_by_one_ranks_gpu_stops_the_others_naming_it(monkeypatch):
         backend.set_precision(backend.select("gpu"), "fp32")
     assert stopped.value.agreed and stopped.value.setting
     assert str(stopped.value).endswith("use fp32 there (rank 1 of 2)")
+
+
+@pytest.mark.mpi
+def test_gpu_without_cupy_or_device_on_every_rank_is_said_once(mpiexec, small_corpus,
+                                                               tmp_path):
+    """Each rank printed its own line and the job was aborted."""
+    from mpitrain import backend
+    from mpitrain.testing.mpirun import run_mpi
+    from .helpers import small_overrides
+    if backend.gpu_available():
+        pytest.skip("a GPU is present: the error path cannot be exercised")
+    argv = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(tmp_path / "r")]
+    for item in small_overrides(small_corpus) + ["device=gpu"]:
+        argv += ["--set", item]
+    result = run_mpi(2, argv, timeout=120, cwd=REPO)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("mpitrain train: error: ") \
+        and "device: gpu" in lines[0], result.stderr
+    assert not (tmp_path / "r").exists()
+    # bench mode too (it looked for the GPUs' names on its own)
+    argv[2:3] = ["bench"]
+    argv[argv.index("--run-dir"):argv.index("--run-dir") + 2] = ["--out", str(tmp_path / "b"),
+                                                                 "--sizes", "1,2"]
+    result = run_mpi(2, argv, timeout=120, cwd=REPO)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("mpitrain bench: error: ") \
+        and "device: gpu" in lines[0], result.stderr
+    assert not (tmp_path / "b").exists()
 
 
 def test_check_reports_problems_and_fails(tmp_path, capsys):

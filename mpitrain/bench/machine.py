@@ -143,11 +143,20 @@ def environment(world, cfg) -> dict:
     """
     from mpitrain.comm.info import mpi_info
     host = socket.gethostname()
-    gpu = "not used (device: cpu)"
+    gpu, missing = "not used (device: cpu)", None
     if cfg.device == "gpu":
         from mpitrain import backend
-        gpu = backend.device_name(backend.select("gpu", world.device_rank))
-    per_rank = world.allgather_obj({"host": host, "gpu": gpu})
+        try:
+            gpu = backend.device_name(backend.select("gpu", world.device_rank))
+        except backend.DeviceError as exc:
+            missing = str(exc)
+    per_rank = world.allgather_obj({"host": host, "gpu": gpu, "missing": missing})
+    lacking = [rank for rank, r in enumerate(per_rank) if r["missing"]]
+    if lacking:
+        # no CuPy or no GPU: said once by rank 0, not by every rank
+        from mpitrain.train.errors import TrainingError, some_ranks
+        raise TrainingError(per_rank[lacking[0]]["missing"] + some_ranks(lacking, world.size),
+                            agreed=True)
     hosts = sorted({r["host"] for r in per_rank})
     ranks_per_host = {h: sum(r["host"] == h for r in per_rank) for h in hosts}
     cores = os.cpu_count() or 1

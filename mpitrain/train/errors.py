@@ -33,6 +33,13 @@ class TrainingError(RuntimeError):
         self.setting = setting
 
 
+def some_ranks(ranks: list, size: int) -> str:
+    """`` (ranks 1, 3 of 4)`` after a reason some ranks gave; nothing when all did."""
+    if len(ranks) == size:
+        return ""
+    return f" (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} of {size})"
+
+
 def error_record(exc: BaseException) -> dict:
     """The fields of the ``error`` record a run writes as it ends on ``exc``, so that
     ``status`` says how it ended (a failure, or Ctrl-C) rather than that it was cut off.

@@ -17,7 +17,7 @@ from .. import backend
 from ..data.corpus import load_manifest
 from ..data.sharding import plan_shards
 from ..files import working_directory
-from .errors import TrainingError
+from .errors import TrainingError, some_ranks
 from .evaluate import shard_offsets_reader
 from .selection import held_out_identity
 from ..words import plural
@@ -134,21 +134,24 @@ def select_device(cfg, comm):
     """The run's array module, with its precision and fused kernels
     (backend.select_for_run).  On GPUs, collective: a setting that some rank's
     GPU cannot run (``precision: bf16`` or ``tf32`` before compute capability
-    8.0) stops every rank together, before anything else is set up."""
-    refusal = None
+    8.0), or a rank without CuPy or a GPU, stops every rank together, before
+    anything else is set up."""
+    refusal, of_a_setting = None, False
     try:
         xp = backend.select_for_run(cfg.device, comm.device_rank, precision=cfg.precision,
                                     fused_kernels=cfg.fused_kernels)
     except backend.UnsupportedSetting as exc:
-        xp, refusal = None, str(exc)
+        xp, refusal, of_a_setting = None, str(exc), True
     except backend.DeviceError as exc:
-        raise TrainingError(str(exc)) from None
+        if cfg.device != "gpu":     # (tf32 on the CPU: the same on every rank)
+            raise TrainingError(str(exc), agreed=True, setting=True) from None
+        # no CuPy or no GPU, on some ranks or all: said once, not by each rank
+        xp, refusal = None, str(exc)
     if cfg.device == "gpu":         # (every rank's config says the same)
-        refusals = comm.allgather_obj(refusal)
-        refused = [rank for rank, reason in enumerate(refusals) if reason]
+        refusals = comm.allgather_obj((refusal, of_a_setting))
+        refused = [rank for rank, (reason, _) in enumerate(refusals) if reason]
         if refused:
-            where = "" if len(refused) == comm.size else \
-                f" (rank{'s' if len(refused) > 1 else ''} " \
-                f"{', '.join(map(str, refused))} of {comm.size})"
-            raise TrainingError(refusals[refused[0]] + where, agreed=True, setting=True)
+            reason, setting = refusals[refused[0]]
+            raise TrainingError(reason + some_ranks(refused, comm.size), agreed=True,
+                                setting=setting)
     return xp
