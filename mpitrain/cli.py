@@ -13,6 +13,7 @@ import math
 import os
 import shlex
 import signal
+import stat
 import sys
 import time
 import traceback
@@ -240,6 +241,24 @@ def _require_training_corpus(cfg, config: str) -> None:
                          "in the config or with --set data.train=DIR)")
 
 
+def _refuse_a_config_one_rank_would_take(config) -> None:
+    """Under a launcher every rank reads the configuration itself: a pipe
+    (``train <(sed ... cfg.yaml)``, ``/dev/stdin``) is taken by one rank, and the
+    others read nothing (said as a config without data.train) or wait for a writer
+    that never comes (a named pipe).  A regular file, or a link to one, is read."""
+    from .launch import several_ranks
+    if config is None or not several_ranks():
+        return
+    try:
+        mode = os.stat(config).st_mode
+    except OSError:
+        return              # (load_config says why)
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        raise UsageError(f"{config}: not a regular file (a pipe or a device), and under an "
+                         "MPI launcher every rank reads the config itself: write it to a "
+                         "file and name that")
+
+
 def cmd_train(args) -> int:
     from .config import load_config
     if args.virtual is not None:      # (--virtual 0 is refused by its range, not run on real ranks)
@@ -266,6 +285,7 @@ def _start_ranks(args, checks=None):
     from .launch import rank_settings, start_ranks
 
     def prepare():
+        _refuse_a_config_one_rank_would_take(args.config)
         cfg = load_config(args.config, args.set)
         _require_training_corpus(cfg, args.config)
         if checks is not None:

@@ -1065,3 +1065,42 @@ def test_an_l2_strong_enough_to_wear_the_model_down_is_noted_at_the_start(small_
                      "a step at the largest rate (2 x rate x L2 x training.minibatch); from "
                      "0.1 the model wears down towards chance (Kaldi's values, 1e-5 to 1e-3, "
                      "take well under 0.001)"], notes
+
+
+def test_a_config_through_a_pipe_is_refused_under_a_launcher(tmp_path, monkeypatch):
+    # `mpiexec -n 2 python -m mpitrain train <(sed ... cfg.yaml)`: every rank reads the
+    # config itself, one took the pipe's text and the other read nothing, said as
+    # "data.train: no training corpus given"
+    import argparse
+    from types import SimpleNamespace
+
+    from mpitrain import cli, launch
+    monkeypatch.setattr(launch, "several_ranks", lambda: True)
+    # (a stand-in: prepare on this rank, then the one line rank 0 would say)
+    prepared = []
+    monkeypatch.setattr(launch, "start_ranks", lambda prepare, **_: (
+        prepared.append(prepare()), SimpleNamespace(rank=0), None, "prepared")[1:])
+    config = open(QUICKSTART, "rb").read()
+    read_end, write_end = os.pipe()
+    os.write(write_end, config)
+    os.close(write_end)
+    try:
+        args = argparse.Namespace(config=f"/dev/fd/{read_end}", set=[], command="train",
+                                  run_dir=str(tmp_path / "run"), resume=False,
+                                  overwrite=False)
+        with pytest.raises(cli.UsageError, match=rf"^/dev/fd/{read_end}: not a regular file "
+                                                 r"\(a pipe or a device\), and under an MPI "
+                                                 r"launcher every rank reads the config "
+                                                 r"itself: write it to a file"):
+            cli._start_ranks(args)
+        assert os.read(read_end, len(config) + 1) == config       # (left unread)
+        assert not prepared
+    finally:
+        os.close(read_end)
+    # a file, or a link to one, is read as ever
+    (tmp_path / "link.yaml").symlink_to(QUICKSTART)
+    for path in (QUICKSTART, str(tmp_path / "link.yaml")):
+        args.config = path
+        with pytest.raises(cli.UsageError, match="^prepared$"):
+            cli._start_ranks(args)
+    assert len(prepared) == 2
