@@ -369,6 +369,10 @@ class OwnPaceLoop:
             self._halt[0] = halt
             comm.waitall([comm.isend(self._halt, r, tag=HALT_TAG)
                           for r in range(1, comm.size)])
+        # the steps the others reported meanwhile (an evaluation's worth) are counted
+        # before the pace's start, not as if taken during rank 0's next step, when
+        # they foretold an end that was an evaluation or more away
+        self._drain_reports()
         self._turn_end, self._others_then = comm.wtime(), self._others()
         return halt
 

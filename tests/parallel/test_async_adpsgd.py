@@ -337,6 +337,33 @@ def test_rank_0_waits_for_the_end_no_longer_than_the_step_it_skipped(small_corpu
     assert budget <= frames <= budget + 3 * 4 * 256, (frames / 4 / 256, budget / 4 / 256)
 
 
+def test_the_steps_taken_during_rank_0s_evaluation_do_not_foretell_the_end(small_corpus,
+                                                                          tmp_path,
+                                                                          monkeypatch):
+    """The reports of the steps the others took while rank 0 evaluated were taken
+    after its next step, as if taken during it: a pace ten times the true one
+    foretold the end, and rank 0 waited twice the evaluation after each of them,
+    neither stepping nor evaluating (evaluations at 10, 25, 71 and 105 steps per
+    rank, rank 0 13 steps of 105)."""
+    from mpitrain.train.async_ring import OwnPaceLoop
+    evaluate = OwnPaceLoop._evaluate
+
+    def slow_evaluation(loop, per_rank):       # as long as 20 steps
+        evaluate(loop, per_rank)
+        loop.comm.advance(20 * 0.002)
+
+    monkeypatch.setattr(OwnPaceLoop, "_evaluate", slow_evaluation)
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=2", "training.log_interval=10", "training.eval_interval=2560"])
+    train_virtual(cfg, size=4, run_dir=str(tmp_path), compute=ComputeModel(step_seconds=0.002))
+    steps = [r["step"] for r in records(tmp_path, "eval")]
+    # one every 10 steps per rank, and the 20 steps' worth the others take meanwhile
+    assert max(b - a for a, b in zip(steps, steps[1:])) <= 20, steps
+    budget = records(tmp_path, "start")[0]["total_steps"] * 4 * 256
+    frames = records(tmp_path, "end")[-1]["frames"]
+    assert budget <= frames <= budget + 3 * 4 * 256, (frames / 4 / 256, budget / 4 / 256)
+
+
 @pytest.mark.parametrize("size,seed", [(4, 8), (8, 3)])
 def test_the_end_lands_near_the_budget_when_every_ranks_steps_are_uneven(small_corpus,
                                                                         tmp_path, size, seed):
