@@ -37,7 +37,7 @@ def _import_cupy():
         except ImportError as exc:
             raise DeviceError(
                 "device: gpu needs CuPy; install it with "
-                "`pip install cupy-cuda12x` (or the build matching your CUDA)") from exc
+                "`pip install cupy-cuda12x` for CUDA 12, `cupy-cuda13x` for CUDA 13") from exc
         _cupy = cupy
     return _cupy
 
