@@ -928,6 +928,12 @@ def cmd_plot(args) -> int:
     from .train.run_dir import NEUTRAL_SETTINGS, unused_settings
     out = args.out or (os.path.join(args.run_dirs[0], "curves.png")
                        if len(args.run_dirs) == 1 else "curves.png")
+    # a directory is found before drawing: the rename at the end said only
+    # "Is a directory", or "Not a directory" of a name ending in a slash
+    if os.path.isdir(out) or (args.out and out.endswith(("/", os.sep))):
+        raise UsageError(f"--out {out}: names a directory; name the PNG file to write, e.g. "
+                         f"{os.path.join(out, 'curves.png')}" if args.out else
+                         f"{out}: is a directory; name the PNG file to write with --out")
     # several runs (a sweep): each named with the settings it differs in that
     # change what is trained
     labels = labels_with_settings(args.run_dirs, ignore=NEUTRAL_SETTINGS,

@@ -361,6 +361,24 @@ def test_plot_under_a_file_is_one_line_naming_it(tmp_path, capsys):
                   "a directory\n"
 
 
+def test_plot_into_a_directory_is_one_line_saying_so(tmp_path, capsys):
+    # (the rename at the end said "cannot write DIR: Is a directory", and of
+    # "DIR/" "Not a directory")
+    write_run(tmp_path / "r1", acc_at_end=0.6)
+    for out in (str(tmp_path), str(tmp_path / "new") + "/"):
+        assert cli_main(["plot", str(tmp_path / "r1"), "--out", out]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"mpitrain plot: error: --out {out}: names a directory; name the PNG "
+                       f"file to write, e.g. {os.path.join(out, 'curves.png')}\n")
+    assert not (tmp_path / "new").exists()
+    # the default RUN_DIR/curves.png taken by a directory
+    (tmp_path / "r1" / "curves.png").mkdir()
+    assert cli_main(["plot", str(tmp_path / "r1")]) == 2
+    assert capsys.readouterr().err == (f"mpitrain plot: error: {tmp_path / 'r1' / 'curves.png'}: "
+                                       "is a directory; name the PNG file to write with --out\n")
+    assert sorted(os.listdir(tmp_path / "r1")) == ["curves.png", "metrics.jsonl"]
+
+
 def test_a_backend_matplotlib_does_not_know_leaves_plot_drawing(tmp_path):
     # (MPLBACKEND=nonsense failed matplotlib's import: plot ended on its long list
     # of backends, a bench lost its pictures after measuring)
