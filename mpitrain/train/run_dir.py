@@ -1,9 +1,10 @@
 """The run directory: what counts as a run in it, and when it may be (re)used.
 
 A run directory holds one run: ``config.yaml``, ``metrics.jsonl``, ``pretrain.h5``,
-``ckpt-*.h5``, ``best.h5``, ``final.h5`` and ``curves.png`` (and
-``error-rank-*.json`` of a rank other than 0 that failed: train/errors.py).  A new run refuses a
-directory holding another one (``--resume`` continues it, ``--overwrite``
+``ckpt-*.h5``, ``best.h5``, ``final.h5``, ``curves.png`` and
+``tensorboard/events.out.tfevents.*`` (and ``error-rank-*.json`` of a rank other
+than 0 that failed: train/errors.py).  A new run refuses a directory holding
+another one (``--resume`` continues it, ``--overwrite``
 replaces it); ``--resume`` refuses to apply settings that change the result
 unless ``--accept-changes`` is given, and then lists each difference.
 Nothing is written until the run has been validated, so a failed start
@@ -28,6 +29,7 @@ from ..config import dump_config
 from ..files import dotted_keys, nearest_existing, path_text, remove_stale_temporaries
 from ..h5io import stored_checksum
 from .errors import TrainingError, remove_rank_errors
+from .tensorboard import DIRECTORY as TENSORBOARD_DIRECTORY
 
 #: Files a run writes (checkpoints are matched separately).
 RUN_FILES = ("config.yaml", "metrics.jsonl", "best.h5", "final.h5", "curves.png",
@@ -98,6 +100,10 @@ def run_files(run_dir) -> list:
     found = [os.path.join(run_dir, name) for name in RUN_FILES
              if os.path.exists(os.path.join(run_dir, name))]
     found += glob.glob(os.path.join(glob.escape(os.fspath(run_dir)), "ckpt-*.h5"))
+    # training.tensorboard's event files: left by --overwrite, TensorBoard showed
+    # the replaced run's curves under this directory's name
+    found += glob.glob(os.path.join(glob.escape(os.fspath(run_dir)), TENSORBOARD_DIRECTORY,
+                                    "events.out.tfevents.*"))
     # a directory of a checkpoint's name is the user's, not a file of the run
     return sorted(path for path in found if not os.path.isdir(path))
 
@@ -209,6 +215,10 @@ def clear_run(run_dir) -> list:
     removed = run_files(run_dir)
     for path in removed:
         os.remove(path)
+    try:
+        os.rmdir(os.path.join(run_dir, TENSORBOARD_DIRECTORY))
+    except OSError:
+        pass            # absent, or it holds files of the user's
     return removed
 
 

@@ -63,6 +63,23 @@ def test_clear_run_removes_the_run_files_only(tmp_path):
     assert sorted(os.listdir(d)) == ["notes.txt"]
 
 
+def test_clear_run_removes_the_tensorboard_event_files_of_the_run(tmp_path):
+    # (--overwrite of a run that had training.tensorboard: true left its event
+    # files, and TensorBoard drew the replaced run's curves as the new one's)
+    d = _run(tmp_path)
+    (d / "tensorboard").mkdir()
+    (d / "tensorboard" / "events.out.tfevents.1.host.1.0").write_text("x")
+    assert len(run_files(str(d))) == 5
+    assert len(clear_run(str(d))) == 5
+    assert sorted(os.listdir(d)) == ["notes.txt"]
+    # a file of the user's there keeps the directory
+    (d / "tensorboard").mkdir()
+    (d / "tensorboard" / "events.out.tfevents.2.host.2.0").write_text("x")
+    (d / "tensorboard" / "mine.txt").write_text("x")
+    assert len(clear_run(str(d))) == 1
+    assert os.listdir(d / "tensorboard") == ["mine.txt"]
+
+
 def test_a_directory_named_like_a_checkpoint_is_not_a_run_file(tmp_path):
     # --overwrite removed the run's files with os.remove: it failed on the directory
     d = _run(tmp_path)
