@@ -110,7 +110,12 @@ class DropoutSchedule:
         pts = self.points
         for (f0, v0), (f1, v1) in zip(pts, pts[1:]):
             if f <= f1:
-                return v0 if f1 == f0 else v0 + (v1 - v0) * (f - f0) / (f1 - f0)
+                if f1 == f0:
+                    return v0
+                # kept between the ends: rounding took '0,0.2@0.6,0' to -2.8e-17
+                # at the end of training, which the masks refuse
+                v = v0 + (v1 - v0) * (f - f0) / (f1 - f0)
+                return min(max(v, min(v0, v1)), max(v0, v1))
         return pts[-1][1]
 
 
