@@ -279,7 +279,7 @@ def _features_with_alignments_at_a_third(tmp_path, count, *, whole=()):
 def test_nothing_to_import_of_subsampled_alignments_offers_no_tolerance(tmp_path):
     # a chain model's alignment has a label every third frame: --length-tolerance
     # would cut the features to the labels' count and pair labels with wrong frames
-    feats = _features_with_alignments_at_a_third(tmp_path, 3)
+    _features_with_alignments_at_a_third(tmp_path, 3)
     with pytest.raises(CorpusError, match=r"u0: 50 frames, 17 labels; alignments at 1/3 of "
                                           r"the features' frame rate") as e:
         import_kaldi(f"ark:{tmp_path}/feats.ark", f"ark:{tmp_path}/ali.ark",
