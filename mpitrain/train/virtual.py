@@ -48,6 +48,8 @@ from .trainer import Trainer
 
 #: The largest --jitter: the sigma of the log of a step time's factor.
 MAX_JITTER = 10.0
+#: The largest --slowdown factor: a rank a million times slower is past any straggler.
+MAX_SLOWDOWN = 1e6
 #: The most virtual ranks: each is a thread of this process holding its own model.
 MAX_VIRTUAL_RANKS = 4096
 
@@ -78,9 +80,10 @@ class ComputeModel:
         for rank, factor in self.slowdown.items():
             if int(rank) != rank or rank < 0:
                 raise ValueError(f"slowdown: expected a rank >= 0, got {rank}={factor:g}")
-            if not 0 < factor < math.inf:
-                raise ValueError(f"slowdown: expected a finite factor > 0 for rank {rank}, "
-                                 f"got {rank}={factor:g}")
+            # (a factor of 1e308 ran, and its simulated times came out 300 digits long)
+            if not 0 < factor <= MAX_SLOWDOWN:
+                raise ValueError(f"slowdown: expected a factor in (0, {MAX_SLOWDOWN:g}] for "
+                                 f"rank {rank}, got {rank}={factor:g}")
         # exp(jitter z - jitter^2 / 2) overflows past about 37 (an OverflowError
         # traceback mid-run); a spread of e^10 is already far beyond any machine's
         if not 0 <= self.jitter <= MAX_JITTER:

@@ -157,7 +157,11 @@ def test_step_time_options_out_of_range_are_refused_before_anything_runs(small_c
     for option, message in ((["--jitter", "1e300"], "--jitter: expected a number in [0, 10]"),
                             (["--compute-ms", "-1"], "--compute-ms: expected a step time"),
                             (["--slowdown", "1=inf"],
-                             "--slowdown: expected a finite factor > 0 for rank 1, got 1=inf"),
+                             "--slowdown: expected a factor in (0, 1e+06] for rank 1, got 1=inf"),
+                            # (1e308 ran, its simulated times 300 digits long)
+                            (["--slowdown", "1=1e308"],
+                             "--slowdown: expected a factor in (0, 1e+06] for rank 1, "
+                             "got 1=1e+308"),
                             # (the last factor was taken without a word)
                             (["--slowdown", "0=2,0=3"],
                              "--slowdown: rank 0 is given twice, in '0=2,0=3'; give each rank "
