@@ -79,6 +79,11 @@ def _check_shard(directory, index, rel, frames, utts, feat_dim, num_classes, tot
     if shard.problems:
         totals.complete = False
     for utt in ids:
+        # (what the corpus writer refuses: export writes the ids as Kaldi archive keys)
+        if not utt or any(letter.isspace() for letter in utt):
+            problems.append(f"{path}: dataset '{UTT_IDS}': utterance id {utt!r} is empty or "
+                            "holds whitespace, which a Kaldi id cannot")
+            break
         if utt in totals.utt_ids:
             where = "twice in this shard" if totals.utt_ids[utt] == path else \
                 f"also in {totals.utt_ids[utt]}"

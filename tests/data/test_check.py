@@ -368,3 +368,13 @@ def test_utterance_ids_that_are_not_utf8_are_named(corpus):
     one_problem_naming(validate_corpus(load_manifest(corpus)), path, "dataset 'feats'")
     with ShardReader(path) as reader, pytest.raises(CorpusError, match="is not UTF-8"):
         reader.utt_ids
+
+
+@pytest.mark.parametrize("bad_id", ["", "utt 7"])
+def test_an_empty_or_spaced_utterance_id_is_named(corpus, bad_id):
+    """The corpus writer refuses such ids (export writes them as Kaldi archive keys);
+    one edited into a shard passed `check`."""
+    with h5py.File(shard(corpus), "a") as f:
+        f["utt_ids"][1] = bad_id
+    one_problem_naming(check_corpus(corpus), shard(corpus), "dataset 'utt_ids'",
+                       f"utterance id {bad_id!r} is empty or holds whitespace")
