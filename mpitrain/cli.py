@@ -817,10 +817,10 @@ def _model_file(path: str, command: str, *, stream=None) -> str:
 def cmd_eval(args) -> int:
     from .nn.model_file import load_model
     from .train.evaluate import evaluate_chunks, iter_eval_chunks, overflow_site
+    if args.max_frames < 0:     # (before "using RUN/best.h5" is said)
+        raise UsageError(f"--max-frames must be >= 0 (0: all frames), got {args.max_frames}")
     args.model = _model_file(args.model, "eval")
     net, _ = load_model(args.model)
-    if args.max_frames < 0:
-        raise UsageError(f"--max-frames must be >= 0 (0: all frames), got {args.max_frames}")
     # every corpus is checked before any is scored: a bad one is said before a
     # long scoring of the others, not after it
     manifests = [_eval_corpus(corpus_dir, net, args.model) for corpus_dir in args.corpus_dir]
@@ -886,6 +886,9 @@ def cmd_export(args) -> int:
         given = "--prior-scale" if args.prior_scale is not None else "--corpus"
         raise UsageError(f"{given}: gives the priors, which --no-priors leaves out; "
                          "give one or the other")
+    if args.prior_scale is not None and not 0 <= args.prior_scale < math.inf:
+        # (before "using RUN/best.h5" is said)
+        raise UsageError(f"--prior-scale: expected a number >= 0, got {args.prior_scale}")
     args.model = _model_file(args.model, "export", stream=sys.stderr)
     n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
                         batch=args.batch,

@@ -516,3 +516,23 @@ def test_an_out_that_is_no_wspecifier_is_one_line_naming_the_option(tiny, capsys
     assert err == (f"mpitrain export: error: --out {wspec}: expected ark:PATH or "
                    "ark,scp:ARK,SCP\n")
     assert not os.path.exists(d / "out.ark") and not os.path.exists(d / "out.scp")
+
+
+def test_a_bad_option_is_said_before_the_model_of_a_run_directory_is_named(tiny, capsys):
+    """`export RUN --prior-scale nan` and `eval RUN --max-frames -1` said `using
+    RUN/final.h5 (...)` before the refusal: two lines for one error."""
+    import shutil
+    d, model, _ = tiny
+    run = d / "run"
+    run.mkdir()
+    shutil.copy(model, run / "final.h5")
+    capsys.readouterr()
+    assert main(["export", str(run), "--feats", f"ark:{d}/feats.ark", "--out",
+                 f"ark:{d}/x.ark", "--prior-scale", "nan"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--prior-scale: expected a number >= 0, got nan" in err, err
+    assert main(["eval", str(run), str(d), "--max-frames", "-1"]) == 2
+    captured = capsys.readouterr()
+    assert "using" not in captured.out + captured.err
+    assert captured.err.count("\n") == 1 and "--max-frames must be >= 0" in captured.err
+    assert not (d / "x.ark").exists()
