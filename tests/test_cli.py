@@ -152,25 +152,18 @@ def test_gpu_without_cupy_or_device_on_every_rank_is_said_once(mpiexec, small_co
     from .helpers import small_overrides
     if backend.gpu_available():
         pytest.skip("a GPU is present: the error path cannot be exercised")
-    argv = ["-m", "mpitrain", "train", QUICKSTART, "--run-dir", str(tmp_path / "r")]
-    for item in small_overrides(small_corpus) + ["device=gpu"]:
-        argv += ["--set", item]
-    result = run_mpi(2, argv, timeout=120, cwd=REPO)
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and lines[0].startswith("mpitrain train: error: ") \
-        and "device: gpu" in lines[0], result.stderr
-    assert not (tmp_path / "r").exists()
-    # bench mode too (it looked for the GPUs' names on its own)
-    argv[2:3] = ["bench"]
-    argv[argv.index("--run-dir"):argv.index("--run-dir") + 2] = ["--out", str(tmp_path / "b"),
-                                                                 "--sizes", "1,2"]
-    result = run_mpi(2, argv, timeout=120, cwd=REPO)
-    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and lines[0].startswith("mpitrain bench: error: ") \
-        and "device: gpu" in lines[0], result.stderr
-    assert not (tmp_path / "b").exists()
+    sets = [arg for item in small_overrides(small_corpus) + ["device=gpu"]
+            for arg in ("--set", item)]
+    # bench mode too: it looked for the GPUs' names on its own
+    for command, out in (("train", ["--run-dir", str(tmp_path / "r")]),
+                         ("bench", ["--out", str(tmp_path / "r"), "--sizes", "1,2"])):
+        result = run_mpi(2, ["-m", "mpitrain", command, QUICKSTART, *out, *sets],
+                         timeout=120, cwd=REPO)
+        lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+        assert result.returncode == 2, result.stderr
+        assert len(lines) == 1 and lines[0].startswith(f"mpitrain {command}: error: ") \
+            and "device: gpu" in lines[0], result.stderr
+        assert not (tmp_path / "r").exists()
 
 
 def test_check_reports_problems_and_fails(tmp_path, capsys):
