@@ -59,11 +59,10 @@ CHECKPOINT, STOP, SIGNALLED = 1.0, 2.0, 3.0
 # report: kind, steps, frames, loss sum, correct, frames, skipped, comm seconds,
 # the stop signal's code (stop.py; 0: none)
 _REPORT_SIZE = 9
-#: From this share of the budget on (in the steps a rank knows of, or its own steps
-#: times the ranks) every rank spreads its counts to every rank after each step; in
-#: a long run only from this many steps per rank before the end (all-to-all
-#: messages every step: enough warning to stop near the budget, cheap over a run).
-NEAR_THE_END = 0.75
+#: From this many steps per rank before the budget on (in the steps a rank knows of,
+#: or its own steps times the ranks) every rank spreads its counts to every rank
+#: after each step: all-to-all messages every step, enough warning to stop near the
+#: budget (a rank judges it from its own view, which may be stale), cheap over a run.
 NEAR_THE_END_STEPS_PER_RANK = 16
 #: Rank 0 waits for an end it foresaw at most this many times the time it foresaw
 #: it in (its step or its evaluation), then steps on.
@@ -72,7 +71,7 @@ WAIT_SLACK = 2.0
 
 def near_the_end(budget: int, ranks: int) -> float:
     """The steps of all ranks together from which every rank spreads its counts."""
-    return max(NEAR_THE_END * budget, budget - NEAR_THE_END_STEPS_PER_RANK * ranks)
+    return max(0, budget - NEAR_THE_END_STEPS_PER_RANK * ranks)
 
 
 def plan_ring_steps(cfg, rank: int, counts) -> tuple:

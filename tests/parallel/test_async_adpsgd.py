@@ -134,12 +134,14 @@ def test_spread_counts_reach_every_rank_and_none_is_left_after_the_end():
 
 
 @pytest.mark.parametrize("budget, ranks, near", [
-    (210, 4, 157.5),             # a short run: its last quarter
-    (100_000, 64, 98_976),       # a long one: its last 16 steps per rank
+    (210, 4, 146),               # the last 16 steps per rank
+    (100_000, 64, 98_976),
+    (40, 4, 0),                  # a run shorter than that: from the start
 ])
 def test_the_counts_go_to_every_rank_only_near_the_end(budget, ranks, near):
     """All-to-all messages after every step are cheap for the last steps, not for a
-    quarter of a long run on many ranks."""
+    quarter of a long run on many ranks (a share of the budget was the mark, and a
+    straggling rank 0's late counts left a short run's ranks below it)."""
     assert near_the_end(budget, ranks) == near
 
 
@@ -382,6 +384,21 @@ def test_the_end_lands_near_the_budget_when_every_ranks_steps_are_uneven(small_c
     assert budget <= frames <= budget + 2 * size * 256, (frames / size / 256, budget / size / 256)
     last = records(tmp_path, "train")[-1]
     assert last["steps_max"] > 2 * last["steps_min"]        # (the steps were uneven)
+
+
+def test_the_end_lands_near_the_budget_with_a_straggling_rank_0(small_corpus, tmp_path):
+    """Rank 0 twenty times slower and every step uneven: rank 0 spread its counts
+    seldom, and a rank whose own view stayed below three quarters of the budget (the
+    first mark) never spread its steps: the others ended 2.5 steps per rank late."""
+    size = 6
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=1", "training.log_interval=10", "training.checkpoint_interval=2"])
+    train_virtual(cfg, size=size, run_dir=str(tmp_path),
+                  compute=ComputeModel(step_seconds=0.002, slowdown={0: 20.0}, jitter=2.0,
+                                       seed=2))
+    budget = records(tmp_path, "start")[0]["total_steps"] * size * 256
+    frames = records(tmp_path, "end")[-1]["frames"]
+    assert budget <= frames <= budget + 2 * size * 256, (frames / size / 256, budget / size / 256)
 
 
 def test_a_checkpoint_called_while_the_others_wait_for_the_end_is_taken(small_corpus,
