@@ -13,7 +13,6 @@ import math
 import os
 import shlex
 import signal
-import stat
 import sys
 import time
 import traceback
@@ -246,14 +245,9 @@ def _refuse_a_config_one_rank_would_take(config) -> None:
     (``train <(sed ... cfg.yaml)``, ``/dev/stdin``) is taken by one rank, and the
     others read nothing (said as a config without data.train) or wait for a writer
     that never comes (a named pipe).  A regular file, or a link to one, is read."""
+    from .files import special_file
     from .launch import several_ranks
-    if config is None or not several_ranks():
-        return
-    try:
-        mode = os.stat(config).st_mode
-    except OSError:
-        return              # (load_config says why)
-    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+    if config is not None and several_ranks() and special_file(config):
         raise UsageError(f"{config}: not a regular file (a pipe or a device), and under an "
                          "MPI launcher every rank reads the config itself: write it to a "
                          "file and name that")

@@ -128,6 +128,17 @@ def written_in_place(path) -> bool:
     return stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)
 
 
+def special_file(path) -> bool:
+    """True for a path that is neither a regular file nor a directory (a named pipe,
+    socket or device, links followed): reading one may wait for a writer for ever,
+    or be what one rank of many takes.  False for a path that does not exist."""
+    try:
+        mode = os.stat(os.fspath(path)).st_mode
+    except (OSError, TypeError, ValueError):
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
+
+
 def rename_target(path) -> str:
     """Where a file written for ``path`` is renamed to: a symbolic link's target, so
     that the link stays and names the new file, as when a program writes through it

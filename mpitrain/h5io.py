@@ -41,9 +41,8 @@ import contextlib
 import hashlib
 import os
 import re
-import stat
 
-from .files import atomic_open
+from .files import atomic_open, special_file
 
 
 def h5py_module():
@@ -100,11 +99,7 @@ def h5_reader(path):
     temporary file and renames it), so its reads need no lock; the lock would
     only stop ranks on such a filesystem from reading their corpus at all.
     """
-    try:
-        mode = os.stat(path).st_mode
-    except (OSError, TypeError, ValueError):
-        mode = None                  # HDF5 names what is wrong with the path
-    if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+    if special_file(path):
         # HDF5 would open a named pipe and wait for a writer for ever
         raise OSError("not a regular file (a named pipe, socket or device)")
     f = h5py_module().File(path, "r", locking=False)

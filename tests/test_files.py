@@ -367,3 +367,11 @@ def test_a_yaml_file_is_read_to_a_bound(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="holds over "):
         files.read_yaml(path, what="config file")
     assert reads == []
+
+
+def test_special_files_are_pipes_sockets_and_devices_only(tmp_path):
+    from mpitrain.files import special_file
+    (tmp_path / "f").write_text("x")
+    os.mkfifo(tmp_path / "p")
+    assert [special_file(tmp_path / n) for n in ("f", "p", "missing")] == [False, True, False]
+    assert special_file(tmp_path) is False and special_file(os.devnull) is True

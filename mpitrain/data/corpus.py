@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import stat
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -286,7 +285,7 @@ def read_manifest_data(path: str):
         data = read_manifest_data("data/train/corpus.yaml")   # dict, not yet validated
     """
     try:
-        mode = os.stat(path).st_mode
+        os.stat(path)
     except PermissionError:
         raise CorpusError(f"{path}: cannot be read (permission denied on it or on a "
                           "directory above it)") from None
@@ -311,7 +310,7 @@ def read_manifest_data(path: str):
         raise CorpusError(f"{path}: not found; expected a corpus directory "
                           f"({directory}) holding {MANIFEST_NAME}, as `mpitrain synth`, "
                           f"`prepare` or `merge` write{hint}") from None
-    if not stat.S_ISREG(mode):
+    if not os.path.isfile(path):
         # (a named pipe would be waited on for a writer that never comes)
         raise CorpusError(f"{path}: not a regular file (a directory, named pipe or "
                           "device); a corpus manifest is the file `merge` or `prepare` "
