@@ -872,7 +872,7 @@ def _eval_corpus(corpus_dir: str, net, model: str):
 
 
 def cmd_export(args) -> int:
-    from .export import export_loglikes
+    from .export import check_prior_scale, export_loglikes
     if args.batch < 1:
         raise UsageError(f"--batch must be >= 1 (frames per forward pass), got {args.batch}")
     # log posteriors use no priors: a scale or a corpus for them would be ignored silently
@@ -880,9 +880,11 @@ def cmd_export(args) -> int:
         given = "--prior-scale" if args.prior_scale is not None else "--corpus"
         raise UsageError(f"{given}: gives the priors, which --no-priors leaves out; "
                          "give one or the other")
-    if args.prior_scale is not None and not 0 <= args.prior_scale < math.inf:
-        # (before "using RUN/best.h5" is said)
-        raise UsageError(f"--prior-scale: expected a number >= 0, got {args.prior_scale}")
+    if args.prior_scale is not None:
+        try:
+            check_prior_scale(args.prior_scale)     # (before "using RUN/best.h5" is said)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     args.model = _model_file(args.model, "export", stream=sys.stderr)
     n = export_loglikes(args.model, args.feats, args.out, corpus_dir=args.corpus,
                         batch=args.batch,

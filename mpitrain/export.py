@@ -24,6 +24,7 @@ utterance is done, so an error never leaves a partial archive behind.
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import os
 import sys
@@ -237,10 +238,15 @@ def _speaker_cmvn(net, model_path, feats_rspec, utt2spk, cmvn, scp_commands):
                             scp_commands=scp_commands)
 
 
+def check_prior_scale(scale) -> None:
+    """ValueError naming --prior-scale unless it is a finite number >= 0."""
+    if not 0 <= scale < math.inf:
+        raise ValueError(f"--prior-scale: expected a number >= 0, got {scale}")
+
+
 def _offsets(net, model_path, priors, corpus_dir, scale, warn):
     """Per-class offsets from the model's priors or the corpus' counts, with the warning."""
-    if not np.isfinite(scale) or scale < 0:
-        raise ValueError(f"--prior-scale: expected a number >= 0, got {scale}")
+    check_prior_scale(scale)
     unseen = None
     source = str(model_path)
     if corpus_dir is not None:
