@@ -59,6 +59,21 @@ def write_run(run_dir, *, acc_at_end, steps=5):
         fh.write("\n".join(json.dumps(line) for line in lines) + "\n")
 
 
+def resume_without_a_checkpoint_is_advised(main, argv, run, capsys, nothing: str) -> None:
+    """``--resume`` in an empty run directory ends with ``nothing`` (no checkpoint, start
+    without --resume); with a run begun and stopped before its first checkpoint
+    (config.yaml and metrics.jsonl there), one line names --overwrite."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(nothing), err
+    (run / "config.yaml").write_text("data: {}\n")
+    (run / "metrics.jsonl").write_text("")
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(run) in err, err
+    assert err.endswith("start it afresh with --overwrite"), err
+
+
 def records(run_dir, kind):
     """The ``kind`` records of a run's metrics.jsonl, in order."""
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:

@@ -24,7 +24,8 @@ from mpitrain.nn.rbm_file import load_rbm_stack
 from mpitrain.testing.mpirun import run_mpi
 from mpitrain.train.pretrain import momentum_at
 
-from ..helpers import QUICKSTART, WORKERS, small_overrides
+from ..helpers import (QUICKSTART, WORKERS, resume_without_a_checkpoint_is_advised,
+                       small_overrides)
 
 TINY = ["model.hidden_layers=2", "model.hidden_dim=32", "pretrain.epochs_gaussian=0.25",
         "pretrain.epochs_per_layer=0.25", "pretrain.average_every_frames=1000"]
@@ -394,17 +395,10 @@ def test_pretrain_resume_without_a_checkpoint_names_the_way_to_start(small_corpu
     # --resume"); --resume said no checkpoint "verifies", with none there
     run = tmp_path / "run"
     run.mkdir()
-    argv = _argv("pretrain", run, small_corpus) + ["--resume"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.endswith("no pretraining checkpoint (ckpt-*.h5) to continue from; start the "
-                        "run without --resume"), err
-    (run / "config.yaml").write_text("data: {}\n")
-    (run / "metrics.jsonl").write_text("")
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(run) in err, err
-    assert err.endswith("start it afresh with --overwrite"), err
+    resume_without_a_checkpoint_is_advised(
+        main, _argv("pretrain", run, small_corpus) + ["--resume"], run, capsys,
+        "no pretraining checkpoint (ckpt-*.h5) to continue from; start the run without "
+        "--resume")
 
 
 @pytest.mark.mpi

@@ -19,7 +19,8 @@ from mpitrain.comm.single import SingleCommunicator
 from mpitrain.config import load_config
 from mpitrain.train.trainer import Trainer
 
-from ..helpers import QUICKSTART, small_overrides, train_in_process
+from ..helpers import (QUICKSTART, resume_without_a_checkpoint_is_advised, small_overrides,
+                       train_in_process)
 
 
 @pytest.mark.parametrize("method", ["model_averaging", "bmuf"])
@@ -132,16 +133,9 @@ def test_resume_without_a_checkpoint_names_the_way_to_start(small_corpus, tmp_pa
     for item in small_overrides(small_corpus) + ["model.hidden_dim=16"]:
         argv += ["--set", item]
     run.mkdir()
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.endswith("no checkpoint (ckpt-*.h5) to continue from; start the run "
-                        "without --resume"), err
-    (run / "config.yaml").write_text("data: {}\n")
-    (run / "metrics.jsonl").write_text("")
-    assert main(argv) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(run) in err, err
-    assert err.endswith("start it afresh with --overwrite"), err
+    resume_without_a_checkpoint_is_advised(
+        main, argv, run, capsys,
+        "no checkpoint (ckpt-*.h5) to continue from; start the run without --resume")
     # a finished run whose checkpoints were removed: --overwrite alone would delete
     # its final.h5, so the line says what that does
     (run / "final.h5").write_bytes(b"")
