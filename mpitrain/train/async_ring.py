@@ -344,7 +344,10 @@ class OwnPaceLoop:
                 * t.cfg.training.log_interval
         frames_per_rank = sum(self.frames_of) // comm.size
         mark = frames_per_rank if self.eval_every else per_rank
-        if halt is None and mark >= self.next_eval and t.dev_manifest is not None:
+        # a reported stop signal comes first: the cluster kills the job soon, and an
+        # evaluation of a large held-out set could take the grace the checkpoint needs
+        if halt is None and mark >= self.next_eval and t.dev_manifest is not None \
+                and not self.signalled:
             step = self.eval_every or t.steps_per_epoch
             self.next_eval = (mark // step + 1) * step
             if self._end_is_near(self._eval_seconds) \

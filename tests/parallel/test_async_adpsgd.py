@@ -15,6 +15,7 @@ learns, and the others stop at the budget while rank 0 is late.
 """
 
 import itertools
+import signal
 import re
 
 import numpy as np
@@ -364,6 +365,49 @@ def test_the_steps_taken_during_rank_0s_evaluation_do_not_foretell_the_end(small
     budget = records(tmp_path, "start")[0]["total_steps"] * 4 * 256
     frames = records(tmp_path, "end")[-1]["frames"]
     assert budget <= frames <= budget + 3 * 4 * 256, (frames / 4 / 256, budget / 4 / 256)
+
+
+def test_rank_0_does_not_evaluate_once_a_rank_reported_a_stop_signal(small_corpus, tmp_path,
+                                                                    monkeypatch):
+    """A stop signal is the cluster's warning that the job is killed soon: rank 0,
+    having taken a report of one, called the stop (and its checkpoint) only after an
+    evaluation that was due, which on a large held-out set can outlast the grace."""
+    from mpitrain.train import async_ring
+    from mpitrain.train.async_ring import OwnPaceLoop
+    from mpitrain.train.stop import STOP_SIGNALS
+
+    class RankOneSignalled:                     # SIGTERM on rank 1 from its 12th step
+        code_now = 0
+
+        def code(self):
+            return self.code_now
+
+    fake = RankOneSignalled()
+    monkeypatch.setattr(async_ring, "requested", fake)
+    send_report, evaluate = OwnPaceLoop._send_report, OwnPaceLoop._evaluate
+
+    def reporting(loop, kind):
+        if loop.comm.rank == 1 and loop.ring.own_steps >= 12:
+            fake.code_now = STOP_SIGNALS.index(signal.SIGTERM) + 1
+        send_report(loop, kind)
+        fake.code_now = 0
+
+    evaluated_after_the_signal = []
+
+    def evaluating(loop, per_rank):
+        if loop.signalled:
+            evaluated_after_the_signal.append(per_rank)
+        evaluate(loop, per_rank)
+
+    monkeypatch.setattr(OwnPaceLoop, "_send_report", reporting)
+    monkeypatch.setattr(OwnPaceLoop, "_evaluate", evaluating)
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=2", "training.log_interval=10", "training.eval_interval=256"])
+    train_virtual(cfg, size=4, run_dir=str(tmp_path), compute=ComputeModel(step_seconds=0.002))
+    [stop] = records(tmp_path, "stop")
+    assert stop["signal"] == "SIGTERM" and stop["ranks"] == 1
+    assert len(records(tmp_path, "eval")) >= 5          # evaluations were due every step
+    assert evaluated_after_the_signal == []
 
 
 @pytest.mark.parametrize("size,seed", [(4, 8), (8, 3)])
