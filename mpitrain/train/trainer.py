@@ -50,6 +50,11 @@ from ..words import plural
 # counted as they are).
 _PROBLEMS_GATHERED = 1000
 
+#: How far above the commonest class's share of the held-out frames a final
+#: accuracy must be to count as learned (a model of the priors alone scores at
+#: most that share; a learning model passes it within its first epoch).
+NOTHING_LEARNED_MARGIN = 0.005
+
 
 class Trainer(CheckpointResume):
     """Example::
@@ -670,8 +675,27 @@ class Trainer(CheckpointResume):
         self.log.say(f"done: {plural(self.step, 'step')}, {self.frames_seen} frames in "
                      f"{format_duration(result['seconds'])}{trouble}; model "
                      f"{self.run_dir}/final.h5{best}")
+        self._note_nothing_learned(result)
         self._ran = True
         return result
+
+    def _note_nothing_learned(self, result: dict) -> None:
+        """The note on a final model no better than always answering the commonest
+        class: a diverging setting (a large rate, BMUF's block_lr far past 1) can
+        settle there, where the divergence guard sees a steady objective, and the run
+        ended with status 0 and a model that only knows the class priors."""
+        counts = self.dev_manifest.class_counts if self.dev_manifest is not None else []
+        if "dev_acc" not in result or not sum(counts):
+            return
+        commonest = max(counts) / sum(counts)
+        if result["dev_acc"] <= commonest + NOTHING_LEARNED_MARGIN:
+            block_lr = (", parallel.block_lr" if self.cfg.parallel.method == "bmuf"
+                        and self.cfg.parallel.block_lr > 1.0 else "")
+            self._say(f"warning: the final model's held-out accuracy {result['dev_acc']:.4f} "
+                      f"is no better than always answering the commonest class "
+                      f"({commonest:.4f} of the held-out frames): it learned nothing "
+                      f"but the class priors; look for a rate too large "
+                      f"(optimizer.initial_learning_rate{block_lr}) or too few steps")
 
     def _end_on_signal(self, run_start: float) -> dict:
         """A signal stopped the loop where every rank holds what a periodic checkpoint

@@ -723,3 +723,21 @@ def test_an_evaluation_between_averages_scores_the_model_the_method_would_keep(
                   size=ranks, run_dir=str(stopped), compute=compute)
     between = [r for r in records(longer, "eval") if r["step"] == step]
     assert between[0]["dev_xent"] == records(stopped, "end")[0]["dev_xent"]
+
+
+def test_a_final_model_of_the_priors_alone_is_named(small_corpus, tmp_path, capsys):
+    """A setting that settles at the class priors (BMUF's block_lr far past 1, a rate
+    too large) keeps a steady objective the divergence guard does not flag, and the
+    run ended with status 0 and no word; a model that learned gets no such note."""
+    train_in_process(tmp_path / "stalled", small_corpus,
+                     TINY + ["training.max_steps=1", "training.minibatch=16"])
+    out = capsys.readouterr().out
+    [end] = records(tmp_path / "stalled", "end")
+    warned = [line for line in out.splitlines() if "no better than always answering" in line]
+    assert len(warned) == 1 and f"{end['dev_acc']:.4f}" in warned[0], out
+    assert "optimizer.initial_learning_rate" in warned[0]
+    train_in_process(tmp_path / "learned", small_corpus, TINY + ["training.max_steps=60"])
+    out = capsys.readouterr().out
+    counts = load_manifest(os.path.join(small_corpus, "dev")).class_counts
+    assert records(tmp_path / "learned", "end")[0]["dev_acc"] > 2 * max(counts) / sum(counts)
+    assert "no better than always answering" not in out
