@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 
 from .files import Written, parse_yaml, read_yaml, unexpanded_home, write_yaml, yaml_text
 from .parallel.registry import METHODS as STRATEGY_METHODS, takes_own_steps
+from .words import cut, shown
 
 
 # float32's smallest normal number: the least value a float32 setting keeps
@@ -363,7 +364,7 @@ def _shown(value, depth: int = 0) -> str:
             return "nothing (an empty value)"
         if isinstance(plain, bool) and text.lower() != str(plain).lower():
             return f"{text} (which YAML reads as {str(plain).lower()})"
-        return text
+        return cut(text)
     if isinstance(value, bool):
         return str(value).lower()
     if value is None:
@@ -380,14 +381,14 @@ def _shown(value, depth: int = 0) -> str:
             return "[...]"
         parts = [_shown(v, depth + 1) for v in value[:11]]
         return "[" + ", ".join(parts[:10]) + (", ..." if len(parts) > 10 else "") + "]"
-    return repr(value)
+    return shown(value)
 
 
 def _key_text(key) -> str:
     """A mapping key as written (``1``, ``true``: keys YAML reads as other than text)."""
     if isinstance(key, Written):
-        return key.text
-    return key if isinstance(key, str) else _shown(key)
+        return cut(key.text)
+    return cut(key) if isinstance(key, str) else _shown(key)
 
 
 def _check_value(key: str, tp, meta, raw, where: str, *, limits: bool = True):
@@ -402,7 +403,7 @@ def _check_value(key: str, tp, meta, raw, where: str, *, limits: bool = True):
         expected = "one of " + ", ".join(repr(c) for c in meta["choices"])
     bad = ConfigError(f"{where}{key}: expected {expected}, got {_shown(raw)}")
     if tp in (int, float) and text is not None and _MISREAD_NUMBER.fullmatch(text):
-        raise ConfigError(f"{where}{key}: expected {expected}, got {text}, which YAML "
+        raise ConfigError(f"{where}{key}: expected {expected}, got {cut(text)}, which YAML "
                           f"reads as {value} (a leading 0 is octal, colons count in base "
                           "60); write the number without them")
     if tp is bool:
@@ -431,7 +432,7 @@ def _check_value(key: str, tp, meta, raw, where: str, *, limits: bool = True):
             # a path or a schedule as typed: YAML reads `0.3`, `2024`, `010`, `yes`
             # or `2024-01-01` as other things
             value = text
-            bad = ConfigError(f"{where}{key}: expected {expected}, got {value!r}")
+            bad = ConfigError(f"{where}{key}: expected {expected}, got {shown(value)}")
         elif isinstance(value, (int, float)) and not isinstance(value, bool) \
                 and math.isfinite(value):
             value = str(value)
@@ -441,7 +442,7 @@ def _check_value(key: str, tp, meta, raw, where: str, *, limits: bool = True):
             # a double-quoted "\0": no path or name holds one (the OS refuses it
             # later with "embedded null byte", naming nothing)
             raise ConfigError(f"{where}{key}: expected text without a NUL character "
-                              f"(\\0), got {value!r}")
+                              f"(\\0), got {shown(value)}")
     elif tp is tuple:
         # a list of integers (or numbers); the field's range applies to each
         items = meta.get("items") or int
@@ -736,10 +737,11 @@ def parse_overrides(overrides) -> dict:
                         f"['training.epochs=1'], got {overrides!r}")
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"--set {item}: expected KEY=VALUE, e.g. optimizer.momentum=0.9")
+            raise ConfigError(f"--set {cut(item)}: expected KEY=VALUE, e.g. "
+                              "optimizer.momentum=0.9")
         key, text = item.split("=", 1)
         if not all(part.strip() for part in key.split(".")):
-            raise ConfigError(f"--set {item}: expected KEY=VALUE with a key such as "
+            raise ConfigError(f"--set {cut(item)}: expected KEY=VALUE with a key such as "
                               "optimizer.momentum, got no key or an empty part of one")
         if _names_text(key.strip()) and text.strip()[:1] not in ("'", '"'):
             # a path or a name as typed: YAML would cut it at ' #' or refuse ': '
@@ -749,14 +751,15 @@ def parse_overrides(overrides) -> dict:
                 value = parse_yaml(text, where=f"--set {key}", as_written=True) \
                     if text.strip() else Written("", "")
             except ValueError:
-                raise ConfigError(f"--set {key}: value {text!r} is not a YAML scalar") \
+                raise ConfigError(f"--set {cut(key)}: value {shown(text)} is not a YAML "
+                                  "scalar") \
                     from None
         node = nested
         parts = key.strip().split(".")
         for part in parts[:-1]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {part} is not a section")
+                raise ConfigError(f"--set {cut(key)}: {cut(part)} is not a section")
         node[parts[-1]] = value
     return nested
 
@@ -812,6 +815,11 @@ PATH_SETTINGS = ("data.train", "data.dev", "model.init_from")
 _VARIABLE = re.compile(r"\$(\{|[A-Za-z_])")
 
 
+#: The most characters of a path setting an error shows (more than a value: a real
+#: path may be long, and it is what the user must find).
+PATH_SHOWN = 240
+
+
 def _check_paths(cfg: RunConfig, where: str) -> None:
     """Paths are taken as written: ``~`` and ``$VARIABLES`` left in a path (the shell
     expands neither inside a YAML file), and a path that the locale's encoding
@@ -823,13 +831,15 @@ def _check_paths(cfg: RunConfig, where: str) -> None:
         try:
             os.fsencode(value)
         except UnicodeEncodeError:
-            raise ConfigError(f"{where}{key}: {value!r} cannot be a file name in this "
+            raise ConfigError(f"{where}{key}: {shown(value, limit=PATH_SHOWN)} cannot be a "
+                              "file name in this "
                               f"locale's encoding ({sys.getfilesystemencoding()}); run "
                               "under a UTF-8 locale, e.g. LC_ALL=C.UTF-8") from None
         if _named_in_utf8_alone(value):
             # (a config written where names are UTF-8, run under a Latin-1 locale: the
             # same text names other bytes, and the corpus was "not found")
-            raise ConfigError(f"{where}{key}: {value}: not found in this locale's "
+            raise ConfigError(f"{where}{key}: {cut(value, PATH_SHOWN)}: not found in this "
+                              "locale's "
                               f"encoding ({sys.getfilesystemencoding()}), but its UTF-8 "
                               "spelling names a file; run under a UTF-8 locale, e.g. "
                               "LC_ALL=C.UTF-8")
@@ -837,7 +847,8 @@ def _check_paths(cfg: RunConfig, where: str) -> None:
         if problem:
             raise ConfigError(f"{where}{key}: {problem}")
         if _VARIABLE.search(value) and not os.path.exists(value):
-            raise ConfigError(f"{where}{key}: {value}: does not exist; mpitrain does not "
+            raise ConfigError(f"{where}{key}: {cut(value, PATH_SHOWN)}: does not exist; "
+                              "mpitrain does not "
                               "expand $VARIABLES in paths: write the path out (or give it "
                               f"with --set {key}=\"$VARIABLE/...\", which the shell expands)")
 

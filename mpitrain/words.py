@@ -1,7 +1,11 @@
 """Counts and values in words for the lines shown to users: `1 shard`, `2 shards`,
-`2` for a NumPy integer read from a file (not `np.int64(2)`)."""
+`2` for a NumPy integer read from a file (not `np.int64(2)`), and a value cut
+short where it is long (a crafted file or setting may hold megabytes)."""
 
 import sys
+
+#: The most characters of a value an error line shows; the rest is counted, not shown.
+SHOWN_LIMIT = 60
 
 
 def plural(n, noun: str, nouns: str = "") -> str:
@@ -9,14 +13,33 @@ def plural(n, noun: str, nouns: str = "") -> str:
     return f"{n} {noun if n == 1 else (nouns or noun + 's')}"
 
 
-def shown(value, *, limit: int = 0) -> str:
+def cut(text: str, limit: int = SHOWN_LIMIT) -> str:
+    """``text`` whole when it has at most ``limit`` characters, else its first
+    ``limit`` and how many there were, so that an error stays one readable line.
+
+    Example::
+
+        cut("x" * 100, 4)     # "xxxx... (100 characters)"
+    """
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def shown(value, *, limit: int = SHOWN_LIMIT) -> str:
     """``repr`` of a value read from a file, a NumPy scalar as the Python value it
     holds (NumPy 2 writes ``np.int64(2)``, which reads as if it were another value);
-    ``limit``: at most that many characters and ``...`` (a crafted value can be long)."""
+    at most ``limit`` characters of it (:func:`cut`)."""
     # (NumPy is not imported here: the command line loads this module before it, and
     # a NumPy scalar exists only once NumPy is loaded)
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.generic):
         value = value.item()
-    text = repr(value)
-    return text[:limit] + "..." if limit and len(text) > limit else text
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4 * limit:
+        # (repr of an int of more than 4300 digits raises; none that long is read whole)
+        return f"an integer of about {int(value.bit_length() * 0.30103) + 1} digits"
+    if isinstance(value, (str, bytes)) and len(value) > limit:
+        # (cut before repr: a 10 MB text is not copied)
+        return f"{value[:limit]!r}... ({len(value)} characters)"
+    return cut(repr(value), limit)

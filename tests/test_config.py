@@ -581,3 +581,22 @@ def test_an_l2_that_bmufs_block_step_turns_into_a_zeroing_one_is_refused(tmp_pat
     for settings in (["parallel.block_lr=1"], ["parallel.method=model_averaging",
                                                "parallel.block_lr=1"]):
         assert load_config(str(path), settings + ["optimizer.l2_regularize=0.4"])
+
+
+@pytest.mark.parametrize("text,overrides", [
+    ("optimizer:\n  schedule: " + "z" * 10 ** 6 + "\n", ()),
+    ("model:\n  hidden_dim: '" + "x" * 10 ** 6 + "'\n", ()),
+    ("", ["model.hidden_dim=" + "x" * 10 ** 6]),
+    ("", ["model." + "k" * 10 ** 6 + "=3"]),
+    ("", ["model.hidden_dim=" + "9" * 10 ** 6]),
+    ("", ["data.train=$HOME" + "a" * 10 ** 6]),
+    ("", ["model.dropout_schedule=0,0.1@" + "5" * 10 ** 6 + ",0"]),
+])
+def test_a_huge_value_is_shown_cut_short_in_one_line(tmp_path, text, overrides):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(str(path), overrides)
+    message = str(err.value)
+    assert "\n" not in message and len(message) < 600
+    assert "(1000" in message and "characters)" in message

@@ -26,7 +26,7 @@ ALLOWED = {
     "optim": {"backend", "words"},
     "data": {"backend", "files", "h5io", "words"},
     "parallel": {"backend", "words"},
-    "config": {"files", "nn", "parallel"},
+    "config": {"files", "nn", "parallel", "words"},
     "plotting": {"files"},
     "starter": {"files"},
     "launch": {"comm", "files"},

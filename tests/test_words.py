@@ -18,6 +18,15 @@ def test_a_numpy_scalar_is_shown_as_the_value_it_holds():
 
 def test_a_long_value_is_cut_to_the_limit():
     from mpitrain.words import shown
-    assert shown("x" * 50, limit=10) == "'xxxxxxxxx..."
+    assert shown("x" * 50, limit=10) == "'xxxxxxxxxx'... (50 characters)"
     assert shown("x" * 8, limit=10) == "'xxxxxxxx'"
-    assert shown(10 ** 60) == "1" + "0" * 60
+    assert shown(10 ** 50) == "1" + "0" * 50
+    assert shown(list(range(100)), limit=10) == "[0, 1, 2, ... (390 characters)"
+
+
+def test_a_huge_value_is_shown_short_without_being_copied_whole():
+    from mpitrain.words import SHOWN_LIMIT, shown
+    text = shown("y" * 10 ** 7)
+    assert text == repr("y" * SHOWN_LIMIT) + "... (10000000 characters)"
+    # (repr of an int this long raises ValueError in Python 3.11 and later)
+    assert shown(10 ** 5000) == "an integer of about 5001 digits"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import get_array_module
+from ..words import shown
 
 _MASK32 = 0xFFFFFFFF
 # odd constant spreading neighbouring element indices over the 32 bits
@@ -39,7 +40,7 @@ def parse_dropout_schedule(text: str) -> list:
     pieces = [p.strip() for p in str(text).split(",")]
     if not pieces or any(not p for p in pieces):
         raise ValueError(f"expected comma-separated value[@fraction] pieces, e.g. "
-                         f"'0,0.2@0.5,0', got {text!r}")
+                         f"'0,0.2@0.5,0', got {shown(text)}")
     values, fractions = [], []
     for piece in pieces:
         value, _, at = piece.partition("@")
@@ -47,17 +48,17 @@ def parse_dropout_schedule(text: str) -> list:
             v = float(value)
             f = float(at) if at else None
         except ValueError:
-            raise ValueError(f"{piece!r} in {text!r} is not value[@fraction]") from None
+            raise ValueError(f"{shown(piece)} in {shown(text)} is not value[@fraction]") from None
         if not 0.0 <= v < 1.0:
-            raise ValueError(f"dropout proportion {v:g} in {text!r} is not in [0, 1)")
+            raise ValueError(f"dropout proportion {v:g} in {shown(text)} is not in [0, 1)")
         if f is not None and not 0.0 <= f <= 1.0:
-            raise ValueError(f"fraction {f:g} in {text!r} is not in [0, 1]")
+            raise ValueError(f"fraction {f:g} in {shown(text)} is not in [0, 1]")
         values.append(v)
         fractions.append(f)
     if len(values) == 1:
         return [(0.0, values[0]), (1.0, values[0])]
     if fractions[0] not in (None, 0.0) or fractions[-1] not in (None, 1.0):
-        raise ValueError(f"{text!r}: the first point is at fraction 0 and the last at 1")
+        raise ValueError(f"{shown(text)}: the first point is at fraction 0 and the last at 1")
     fractions[0], fractions[-1] = 0.0, 1.0
     # points without a fraction are spaced evenly between their neighbours
     i = 0
@@ -72,7 +73,7 @@ def parse_dropout_schedule(text: str) -> list:
             i = j
         i += 1
     if any(b < a for a, b in zip(fractions, fractions[1:])):
-        raise ValueError(f"{text!r}: fractions must not decrease")
+        raise ValueError(f"{shown(text)}: fractions must not decrease")
     return list(zip(fractions, values))
 
 
