@@ -20,7 +20,7 @@ import warnings
 
 from .process import (NamedStdout, fill_closed_standard_descriptors, interrupt_held,
                       silence_stdout, stop_signals_kept)
-from .words import plural
+from .words import plural, shown as shown_value, words_cut
 
 
 class UsageError(Exception):
@@ -521,10 +521,10 @@ def _compute_model(args, cfg, ranks: int):
             rank, factor = int(rank), float(factor)
         except ValueError:
             raise UsageError(f"--slowdown: expected RANK=FACTOR[,RANK=FACTOR...], e.g. 3=2.0; "
-                             f"got {args.slowdown!r}") from None
+                             f"got {shown_value(args.slowdown)}") from None
         if rank in slowdown:
             # (the last one was taken without a word: a typo for another rank)
-            raise UsageError(f"--slowdown: rank {rank} is given twice, in {args.slowdown!r}; "
+            raise UsageError(f"--slowdown: rank {rank} is given twice, in {shown_value(args.slowdown)}; "
                              "give each rank one factor")
         slowdown[rank] = factor
     outside = sorted(r for r in slowdown if not 0 <= r < ranks)
@@ -563,7 +563,7 @@ def _number_list(text: str, flag: str, kind=int) -> tuple:
         return tuple(kind(item) for item in text.split(",") if item.strip())
     except ValueError:
         raise UsageError(f"{flag}: expected comma-separated numbers, e.g. 1,2,4; "
-                         f"got {text!r}") from None
+                         f"got {shown_value(text)}") from None
 
 
 def _bench_options(args, virtual_sizes):
@@ -668,7 +668,7 @@ def cmd_bench(args) -> int:
             # (an empty list, a variable left unset in a script: not a benchmark of
             # real ranks in its place)
             raise UsageError(f"--virtual: expected group sizes, e.g. 1,2,4; got "
-                             f"{args.virtual!r}")
+                             f"{shown_value(args.virtual)}")
     options = None
 
     def checks():
@@ -996,6 +996,9 @@ class _Parser(argparse.ArgumentParser):
         return parsed
 
     def error(self, message):
+        # argparse quotes a bad value whole ("invalid int value: '...'"): a value of
+        # megabytes (a variable holding a file) would fill the screen
+        message = words_cut(message)
         if self.hold:
             raise _HeldParseError(self.prog, message, self.format_usage())
         if self.quiet:
@@ -1274,8 +1277,13 @@ def build_parser(*, quiet_errors: bool = False,
     return parser
 
 
+#: Longer than any path a user gives: a run of characters this long in an error is
+#: a value nothing cut short (a file name of megabytes from a variable gone wrong).
+LONGEST_WORD = 1024
+
+
 def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
+    return words_cut(" ".join(str(exc).split()), LONGEST_WORD) or type(exc).__name__
 
 
 def _tell(line: str) -> None:

@@ -2,6 +2,7 @@
 `2` for a NumPy integer read from a file (not `np.int64(2)`), and a value cut
 short where it is long (a crafted file or setting may hold megabytes)."""
 
+import re
 import sys
 
 #: The most characters of a value an error line shows; the rest is counted, not shown.
@@ -25,6 +26,12 @@ def cut(text: str, limit: int = SHOWN_LIMIT) -> str:
     if len(text) <= limit:
         return text
     return f"{text[:limit]}... ({len(text)} characters)"
+
+
+def words_cut(text: str, limit: int = SHOWN_LIMIT) -> str:
+    """``text`` with each run of more than ``limit`` non-blank characters cut
+    (:func:`cut`): for a message built elsewhere (argparse's) that quotes a value whole."""
+    return re.sub(r"\S{%d,}" % (limit + 1), lambda m: cut(m.group(), limit), str(text))
 
 
 def shown(value, *, limit: int = SHOWN_LIMIT) -> str:

@@ -1097,3 +1097,17 @@ def test_a_config_through_a_pipe_is_refused_under_a_launcher(tmp_path, monkeypat
         with pytest.raises(cli.UsageError, match="^prepared$"):
             cli._start_ranks(args)
     assert len(prepared) == 2
+
+
+@pytest.mark.parametrize("argv", [
+    ["export", "model.h5", "--feats", "f.scp", "--out", "o.ark", "--prior-scale", "x" * 10 ** 6],
+    ["train", "y" * 10 ** 6],
+], ids=["argparse", "config-path"])
+def test_a_huge_command_line_value_is_cut_short_in_the_error(argv, capsys):
+    try:
+        assert main(argv) == 2
+    except SystemExit as end:           # (argparse's own error)
+        assert end.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith(f"mpitrain {argv[0]}: error: ") and len(last) < 1500
+    assert "(1000" in last and "characters)" in last
