@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import backend
+from ..state_fields import float32_buffer
 
 
 class LimitedMemoryAdagrad:
@@ -73,13 +74,17 @@ class LimitedMemoryAdagrad:
             return {}
         return {"sum": np.array(backend.to_host(self.sum))}
 
-    def load_state_dict(self, state: dict) -> None:
+    def check_state(self, state: dict):
+        """The memory G of a saved state, checked (None without memory): G sums squared
+        float32 gradients, so it is >= 0 and, like any float32, finite."""
         if self.sum is None:
-            return
-        if "sum" not in state:
+            return None
+        if not isinstance(state, dict) or "sum" not in state:
             raise ValueError("optimizer state has no 'adapt/sum' (adapt_decay > 0)")
-        saved = np.asarray(state["sum"])
-        if saved.shape != tuple(self.sum.shape):
-            raise ValueError(f"optimizer state 'adapt/sum' has shape {saved.shape}; expected "
-                             f"{tuple(self.sum.shape)}")
-        self.sum[...] = backend.to_device(saved.astype(np.float32), self.xp)
+        return float32_buffer(state["sum"], tuple(self.sum.shape),
+                              "optimizer state: field 'adapt/sum'", low=0.0)
+
+    def load_state_dict(self, state: dict) -> None:
+        saved = self.check_state(state)
+        if saved is not None:
+            self.sum[...] = backend.to_device(saved, self.xp)

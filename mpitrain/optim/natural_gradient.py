@@ -48,6 +48,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .. import backend
+from ..state_fields import FLOAT32_MAX, count, float32_buffer, number
+from ..words import shown
 from . import kernels
 
 #: The simple variant's least alpha: its leave-one-out values stay inside (0, N-1)
@@ -60,6 +62,17 @@ NUM_INITIAL_UPDATES = 10      # updates on every call while t <= 10
 CONDITION_THRESHOLD = 1.0e6   # c_1 > 1e6 c_r asks for a reorthogonalisation check
 ORTHOGONALITY_TOLERANCE = 1.0e-3
 CHOLESKY_INVERSE_LIMIT = 100.0
+#: The longest row of W a saved state may hold: W = diag(sqrt e) R has rows of norm
+#: sqrt(e) < 1; float32 rounding and a reorthogonalisation within its tolerance
+#: leave them at most a little longer
+MAX_W_ROW_NORM = 1.01
+
+
+def _kind(value) -> str:
+    """What a field holds, for an error: an array's shape and dtype, else the value."""
+    if isinstance(value, np.ndarray):
+        return f"an array of shape {value.shape} and dtype {value.dtype}"
+    return shown(value)
 
 
 class Preconditioner(ABC):
@@ -495,37 +508,49 @@ class OnlineNaturalGradient(Preconditioner):
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        where = "OnlineNaturalGradient state"
         for key in ("t", "rank", "W", "d", "rho"):
             if key not in state:
-                raise ValueError(f"OnlineNaturalGradient state: missing field {key!r}")
-        for key, kind in (("t", int), ("rank", int), ("rho", float)):
-            try:
-                kind(state[key])
-            except (TypeError, ValueError, OverflowError):
-                raise ValueError(f"OnlineNaturalGradient state: field {key!r} must be a "
-                                 f"number, got {state[key]!r}") from None
-        w = np.asarray(state["W"])
-        d = np.asarray(state["d"], dtype=np.float64)
-        rank = int(state["rank"])
-        if int(state["t"]) < 0:
-            raise ValueError(f"OnlineNaturalGradient state: field 't' must be >= 0, got {state['t']}")
-        self.reset()
-        self.t = int(state["t"])
+                raise ValueError(f"{where}: missing field {key!r}")
+        t = count(state, "t", where)
+        rank = count(state, "rank", where)
+        w, d = state["W"], state["d"]
+        for key, array in (("W", w), ("d", d)):
+            if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
+                raise ValueError(f"{where}: field {key!r}: expected an array of floats, got "
+                                 f"{_kind(array)}")
         if w.size == 0:
+            # (not started: its rho is 0.0, and nothing else is read)
+            number(state, "rho", where, low=0.0)
+            self.reset()
+            self.t = t
             return
         if w.ndim != 2 or w.shape[0] != rank or d.shape != (rank,) or not 0 < rank < w.shape[1]:
-            raise ValueError("OnlineNaturalGradient state: fields 'W', 'd', 'rank' must be "
+            raise ValueError(f"{where}: fields 'W', 'd', 'rank' must be "
                              f"(rank, D), (rank,) and 0 < rank < D, got W {w.shape}, "
                              f"d {d.shape}, rank {rank}")
-        if not (np.all(d > 0) and float(state["rho"]) > 0):
-            raise ValueError("OnlineNaturalGradient state: fields 'd' and 'rho' must be > 0")
-        if not (np.all(np.isfinite(w)) and np.all(np.isfinite(d))
-                and math.isfinite(float(state["rho"]))):
-            raise ValueError("OnlineNaturalGradient state: fields 'W', 'd' and 'rho' must be "
-                             "finite")
+        # d and rho are a Fisher estimate of float32 rows, whose squared norm is a
+        # float32 (a larger one is not finite, and its update is dropped): positive,
+        # and at most float32's largest (the update squares d + rho in float64)
+        rho = number(state, "rho", where, low=0.0, low_open=True, high=FLOAT32_MAX)
+        if not (np.all(np.isfinite(d)) and np.all(d > 0) and np.all(d <= FLOAT32_MAX)):
+            bad = d[~((d > 0) & (d <= FLOAT32_MAX))]
+            raise ValueError(f"{where}: field 'd': expected finite numbers in (0, "
+                             f"{FLOAT32_MAX:g}], got {shown(float(bad[0]))}")
+        # W = diag(sqrt e) R with e < 1 and R's rows orthonormal: no row is longer than 1
+        # (a little more after float32 rounding); a longer one scales every step up
+        if not np.all(np.isfinite(w)):
+            raise ValueError(f"{where}: field 'W' holds a value that is not finite")
+        norms = np.sqrt(np.sum(np.square(w, dtype=np.float64), axis=1))
+        if not np.all(norms <= MAX_W_ROW_NORM):
+            raise ValueError(f"{where}: field 'W': a row of norm "
+                             f"{float(np.max(norms)):.4g}; expected rows of norm below 1 "
+                             "(W = diag(sqrt e) R)")
+        self.reset()
+        self.t = t
         self._rank = rank
-        self._d = d.copy()
-        self._rho = float(state["rho"])
+        self._d = d.astype(np.float64)
+        self._rho = rho
         self._set_w(np.array(w), np)
         if "pending_gram" in state:
             self._load_pending(state, w.shape[1])
@@ -533,14 +558,23 @@ class OnlineNaturalGradient(Preconditioner):
     def _load_pending(self, state: dict, dim: int) -> None:
         """Restore a delayed update saved by :meth:`state_dict`."""
         rank = self._rank
+        where = "OnlineNaturalGradient state"
         gram = np.asarray(state["pending_gram"])
         j_rows = np.asarray(state.get("pending_J", np.zeros(0)))
-        x_sq = np.asarray(state.get("pending_x_sq", np.nan), dtype=np.float64).reshape(())
-        num_rows = int(state.get("pending_rows", 0))
+        num_rows = count(state, "pending_rows", where, default=0)
         if gram.shape != (2 * rank, 2 * rank) or j_rows.shape != (rank, dim) or num_rows < 1:
             raise ValueError("OnlineNaturalGradient state: fields 'pending_gram', 'pending_J' "
                              "and 'pending_rows' must be (2 rank, 2 rank), (rank, D) and >= 1, "
                              f"got {gram.shape}, {j_rows.shape} and {num_rows}")
+        # (all three are float32 on the device: the Gram matrix, J, and ||X||^2 >= 0)
+        gram = float32_buffer(gram, gram.shape, f"{where}: field 'pending_gram'")
+        j_rows = float32_buffer(j_rows, j_rows.shape, f"{where}: field 'pending_J'")
+        x_sq = state.get("pending_x_sq", np.nan)
+        if not (isinstance(x_sq, np.ndarray) and x_sq.dtype.kind == "f" and x_sq.size == 1
+                and 0 <= float(x_sq.reshape(())) <= FLOAT32_MAX):
+            raise ValueError(f"{where}: field 'pending_x_sq': expected one float in [0, "
+                             f"{FLOAT32_MAX:g}], got {_kind(x_sq)}")
+        x_sq = np.asarray(x_sq, dtype=np.float64).reshape(())
         self._wj[rank:] = backend.to_device(j_rows.astype(self._wj.dtype), np)
         self._pending = (backend.HostCopy(gram.astype(self._wj.dtype)),
                          backend.HostCopy(x_sq), num_rows, dim)

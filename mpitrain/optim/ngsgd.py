@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..state_fields import count
+from ..words import shown
 from .natural_gradient import JointFisherUpdates, OnlineNaturalGradient, SimpleNaturalGradient
 from .sgd import SGD
 
@@ -103,20 +105,22 @@ class NaturalGradientSGD(SGD):
         saved = state.get("preconditioners", {})
         # every side is checked before any is loaded: a refused state (which the
         # trainer may answer by starting afresh) must leave no side half loaded
+        if not isinstance(saved, dict):
+            raise ValueError("optimizer state: 'preconditioners' is not a group")
         for key, p in self.preconditioners.items():
-            if key not in saved:
+            if not isinstance(saved.get(key), dict):
                 raise ValueError(f"optimizer state has no preconditioner '{key}'")
-            w = np.asarray(saved[key].get("W", np.zeros((0, 0))))
+            w = saved[key].get("W", np.zeros((0, 0)))
+            if not isinstance(w, np.ndarray):
+                raise ValueError(f"optimizer state: preconditioner '{key}': field 'W' is "
+                                 f"{shown(w)}, not an array")
             if w.size and (w.ndim != 2 or w.shape[1] != self._dims[key]):
                 raise ValueError(f"optimizer state: preconditioner '{key}' has W of shape "
                                  f"{w.shape}; its layer gives rows of {self._dims[key]} columns")
             # a state of another rank would be taken as it is and keep that rank
             # until the next reset: the configured rank would be ignored unsaid
-            try:
-                rank = int(saved[key].get("rank", 0))
-            except (TypeError, ValueError, OverflowError):
-                raise ValueError(f"optimizer state: preconditioner '{key}': field 'rank' must "
-                                 f"be a number, got {saved[key].get('rank')!r}") from None
+            rank = count(saved[key], "rank", f"optimizer state: preconditioner '{key}'",
+                         default=0)
             if w.size and isinstance(p, OnlineNaturalGradient) and rank != p.rank:
                 raise ValueError(f"optimizer state: preconditioner '{key}' has rank {rank}; "
                                  f"the settings give it rank {p.rank} "
@@ -125,7 +129,10 @@ class NaturalGradientSGD(SGD):
         # the momentum and counters as a fresh optimizer's, as the refusal says
         try:
             for key, p in self.preconditioners.items():
-                p.load_state_dict(saved[key])
+                try:
+                    p.load_state_dict(saved[key])
+                except ValueError as exc:
+                    raise ValueError(f"optimizer state: preconditioner '{key}': {exc}") from None
             super().load_state_dict(state)
         except ValueError:
             self.reset_preconditioners()

@@ -52,7 +52,7 @@ import numpy as np
 
 from .. import backend
 from ..backend import to_host
-from ..words import shown
+from ..state_fields import count, float32_buffer
 from . import kernels
 from .base import ReplayableOptimizer
 
@@ -317,25 +317,24 @@ class SGD(ReplayableOptimizer):
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        counts = {}
-        for key in ("num_skipped", "num_steps"):
-            value = state.get(key, 0)
-            try:
-                counts[key] = int(value)
-            except (TypeError, ValueError, OverflowError):
-                counts[key] = -1
-            if counts[key] < 0:
-                raise ValueError(f"optimizer state: field {key!r} must be a non-negative "
-                                 f"count, got {shown(value)}")
+        counts = {key: count(state, key, "optimizer state", default=0)
+                  for key in ("num_skipped", "num_steps")}
+        delta = None
+        if self.delta is not None:
+            if "delta" not in state:
+                raise ValueError("optimizer state has no 'delta' (momentum) buffer")
+            delta = float32_buffer(state["delta"], tuple(self.delta.shape),
+                                   "optimizer state: field 'delta' (momentum)")
+        adapt = state.get("adapt", {})
+        if self.gradient_scaling is not None:
+            self.gradient_scaling.check_state(adapt)
         skipped = counts["num_skipped"]
         self._calls = counts["num_steps"] + skipped
         if self._device is not None:
             self._device.skipped[...] = skipped
         else:
             self._skipped = skipped
-        if self.delta is not None:
-            if "delta" not in state:
-                raise ValueError("optimizer state has no 'delta' (momentum) buffer")
-            self.delta[...] = backend.to_device(state["delta"], self.net.xp)
+        if delta is not None:
+            self.delta[...] = backend.to_device(delta, self.net.xp)
         if self.gradient_scaling is not None:
-            self.gradient_scaling.load_state_dict(state.get("adapt", {}))
+            self.gradient_scaling.load_state_dict(adapt)

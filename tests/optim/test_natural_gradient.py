@@ -554,15 +554,51 @@ def test_load_state_dict_rejects_bad_fields():
     with pytest.raises(ValueError, match="'W'"):
         prec.load_state_dict(dict(state, d=np.ones(5)))
     # a damaged checkpoint: NaN in W (or an infinite rho) made every output NaN
-    with pytest.raises(ValueError, match="must be finite"):
+    with pytest.raises(ValueError, match="field 'W' holds a value that is not finite"):
         prec.load_state_dict(dict(state, W=np.full_like(state["W"], np.nan)))
-    with pytest.raises(ValueError, match="must be finite"):
+    with pytest.raises(ValueError, match="field 'rho': expected a finite number"):
         prec.load_state_dict(dict(state, rho=np.inf))
     # text where a count belongs: the field is named (it said "invalid literal for
     # int() with base 10")
     for key in ("rank", "t", "rho"):
-        with pytest.raises(ValueError, match=f"field '{key}' must be a number, got 'x'"):
+        with pytest.raises(ValueError, match=f"field '{key}': expected .*, got 'x'"):
             prec.load_state_dict(dict(state, **{key: "x"}))
+
+
+@pytest.mark.parametrize("change,named", [
+    # (a forged checkpoint, its checksum recomputed: all were taken, and training went
+    # on with outputs scaled to nothing, overflowing, or NaN from the first update)
+    ({"rho": 1e300}, "field 'rho': expected a finite number in (0, 3.40282e+38], got 1e+300"),
+    ({"rho": -1.0}, "field 'rho': expected a finite number in (0,"),
+    ({"rho": "1e-3"}, "field 'rho': expected a finite number in (0,"),
+    ({"d": np.array([1.0, 1e300])}, "field 'd': expected finite numbers in (0, 3.40282e+38], "
+                                    "got 1e+300"),
+    ({"d": np.array([1.0, -2.0])}, "field 'd': expected finite numbers"),
+    ({"d": np.array([1, 2])}, "field 'd': expected an array of floats"),
+    ({"W": "x"}, "field 'W': expected an array of floats, got 'x'"),
+    ({"t": -1}, "field 't': expected an int in [0,"),
+    ({"t": 5.5}, "field 't': expected an int in [0,"),
+    ({"rank": True}, "field 'rank': expected an int"),
+    ({"pending_rows": 3, "pending_J": np.zeros((2, 6)), "pending_gram": np.zeros((4, 4)),
+      "pending_x_sq": np.array(-1.0)}, "field 'pending_x_sq': expected one float in [0,"),
+])
+def test_load_state_dict_refuses_what_no_update_produces(change, named):
+    prec = OnlineNaturalGradient(rank=2)
+    prec.precondition(np.random.default_rng(16).standard_normal((8, 6)))
+    state = prec.state_dict()
+    with pytest.raises(ValueError) as err:
+        prec.load_state_dict(dict(state, **change))
+    assert named in str(err.value)
+
+
+def test_load_state_dict_refuses_a_row_of_w_longer_than_one():
+    prec = OnlineNaturalGradient(rank=2)
+    prec.precondition(np.random.default_rng(16).standard_normal((8, 6)))
+    state = prec.state_dict()
+    assert np.all(np.linalg.norm(state["W"], axis=1) < 1)
+    with pytest.raises(ValueError, match="field 'W': a row of norm 445.5; expected rows of "
+                                         "norm below 1"):
+        prec.load_state_dict(dict(state, W=state["W"] * 1e3))
 
 
 def test_reset_forgets_everything():

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from mpitrain.nn.network import build_network
+from mpitrain.optim.adapt import LimitedMemoryAdagrad
 from mpitrain.optim.sgd import SGD
 
 
@@ -265,3 +266,32 @@ def test_max_change_per_sample_bounds_the_data_term_before_the_l2_term_is_added(
     change = np.float64(net.params) - before
     # the data term is scaled by about 1e-9 * 32 / (lr tau): what is left is -lr 2 l2 B w
     np.testing.assert_allclose(change, -lr * 2 * 0.01 * 32 * before, rtol=1e-4, atol=1e-8)
+
+
+@pytest.mark.parametrize("change,named", [
+    # (a forged checkpoint, its checksum recomputed: a float64 momentum of 1e300 turned
+    # into infinity in the float32 buffer, and the next step made every weight NaN)
+    (lambda s: dict(s, delta=np.full_like(s["delta"], 1e300, dtype=np.float64)),
+     "field 'delta' (momentum): expected finite floats in [-3.40282e+38, 3.40282e+38]"),
+    (lambda s: dict(s, delta=s["delta"][:3]), "field 'delta' (momentum): expected ("),
+    (lambda s: dict(s, delta=s["delta"].astype(np.int32)), "field 'delta' (momentum)"),
+    (lambda s: dict(s, adapt={"sum": -np.ones_like(s["adapt"]["sum"])}),
+     "field 'adapt/sum': expected finite floats in [0, 3.40282e+38]"),
+    (lambda s: dict(s, adapt={"sum": np.full(s["adapt"]["sum"].shape, 1e300)}),
+     "field 'adapt/sum': expected finite floats in [0,"),
+    (lambda s: dict(s, num_steps=2.5), "field 'num_steps': expected an int in [0,"),
+    (lambda s: dict(s, num_skipped="3"), "field 'num_skipped': expected an int in [0,"),
+])
+def test_a_state_no_step_produces_is_refused_and_nothing_loaded(change, named):
+    net = _net()
+    opt = SGD(net, momentum=0.5,
+              gradient_scaling=LimitedMemoryAdagrad(net.params, decay=0.9))
+    _set_grads(net, [1.0] * len(net.param_slices))
+    opt.step(0.01)
+    state = opt.state_dict()
+    fresh = SGD(net, momentum=0.5,
+                gradient_scaling=LimitedMemoryAdagrad(net.params, decay=0.9))
+    with pytest.raises(ValueError) as err:
+        fresh.load_state_dict(change(state))
+    assert named in str(err.value)
+    assert not np.any(fresh.delta) and fresh.num_steps == 0
