@@ -848,3 +848,20 @@ def test_a_wide_stored_shard_is_refused(tmp_path):
     write_shard(path, ["a"], [np.zeros((1, 70000), np.float32)], [np.zeros(1, np.int32)])
     with pytest.raises(CorpusError, match=r"wide.h5: dataset 'feats' has 70000 columns; at most"):
         ShardReader(path)
+
+
+@pytest.mark.parametrize("name,value,part", [
+    ("format", "x" * 10 ** 7, "attribute 'format' is 'xxxx"),
+    ("step", "5" * 10 ** 7, "checkpoint attribute 'step': expected an int"),
+])
+def test_a_huge_checkpoint_attribute_is_shown_cut_short(checkpoint, name, value, part):
+    # (the error held all 10 MB of it, checksum recomputed or not)
+    with h5py.File(checkpoint, "a") as f:
+        f.attrs[name] = value
+        del f.attrs["checksum"]
+        write_checksums(f, str(checkpoint), what="checkpoint")
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(checkpoint)
+    message = str(err.value)
+    assert message.startswith(str(checkpoint)) and part in message
+    assert "(10000000 characters)" in message and len(message) < len(str(checkpoint)) + 300

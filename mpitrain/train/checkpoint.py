@@ -110,7 +110,7 @@ def _trainer_scalars(state: dict) -> dict:
     for key, value in state.items():
         if not isinstance(key, str) or not (value is None or isinstance(
                 value, (bool, int, float, str, np.bool_, np.integer, np.floating))):
-            raise TypeError(f"trainer_state[{key!r}]: expected a scalar, got "
+            raise TypeError(f"trainer_state[{shown(key)}]: expected a scalar, got "
                             f"{type(value).__name__}")
     return state
 
@@ -333,7 +333,7 @@ def _trainer_state(f, path) -> dict:
         if isinstance(value, str) and not key.startswith(_TEXT_PREFIX):
             # (the resume's int() and float() of it named neither file nor field)
             raise ValueError(f"{path}: field 'trainer/{key}': expected a number, got "
-                             f"{value[:40]!r}")
+                             f"{shown(value)}")
     return state
 
 
@@ -365,13 +365,19 @@ def load_checkpoint(path, *, xp=None, ranks=None, into=None) -> Checkpoint:
         fmt = f.attrs.get("format")
         if not isinstance(fmt, str) or fmt != FORMAT:
             raise ValueError(f"{path}: not an mpitrain checkpoint (attribute 'format' is "
-                             f"{fmt!r})")
+                             f"{shown(fmt)})")
         if "model" not in f or "ranks" not in f:
             raise ValueError(f"{path}: checkpoint lacks the 'model' or 'ranks' group")
         attrs = {"step": _count_attr(f, "step", path),
                  "frames_seen": _count_attr(f, "frames_seen", path),
                  "num_ranks": _count_attr(f, "num_ranks", path, low=1, high=MAX_RANKS),
                  "config": f.attrs.get("config")}
+        named = _NAME.search(os.path.basename(os.fspath(path)))
+        if named and int(named.group(1)) != attrs["step"]:
+            # (a copy under another checkpoint's name, or a crafted file: resumed, it
+            # takes its place in the order by its name and its step by the attribute)
+            raise ValueError(f"{path}: checkpoint attribute 'step' is {attrs['step']}, but "
+                             f"the file's name says step {int(named.group(1))}")
         if not isinstance(attrs["config"], str):
             raise ValueError(f"{path}: checkpoint attribute 'config': expected YAML text, "
                              f"got {type(attrs['config']).__name__}")

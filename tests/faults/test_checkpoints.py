@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from mpitrain.cli import main
+from mpitrain.h5io import write_checksums
 from mpitrain.nn.model_file import load_model
 from mpitrain.train.checkpoint import checkpoint_path
 
@@ -18,9 +19,9 @@ TINY = ["model.hidden_dim=32", "model.hidden_layers=2", "training.log_interval=5
         "training.checkpoint_interval=10"]
 
 
-def _train(run_dir, corpus, steps, resume=False):
+def _train(run_dir, corpus, steps, resume=False, extra=()):
     argv = ["train", QUICKSTART, "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
-    for item in small_overrides(corpus) + TINY + [f"training.max_steps={steps}"]:
+    for item in small_overrides(corpus) + TINY + [f"training.max_steps={steps}", *extra]:
         argv += ["--set", item]
     return main(argv)
 
@@ -84,3 +85,72 @@ def test_temporaries_of_an_interrupted_write_are_removed_on_restart(run, small_c
     assert "removed 1 temporary file(s) left by an interrupted write" in capsys.readouterr().out
     assert not stale.exists() and mine.exists()
     assert not [p for p in run.iterdir() if ".tmp-" in p.name]
+
+
+def _forge(path, edit):
+    """Change a checkpoint as a crafted file would, its checksum recomputed to match."""
+    with h5py.File(path, "r+") as f:
+        edit(f)
+        del f.attrs["checksum"]
+        write_checksums(f, str(path), what="checkpoint")
+
+
+@pytest.fixture
+def ngsgd_run(small_corpus, tmp_path, capsys):
+    run_dir = tmp_path / "ngsgd"
+    assert _train(run_dir, small_corpus, 20, extra=NGSGD) == 0
+    capsys.readouterr()
+    return run_dir
+
+
+NGSGD = ["optimizer.name=ngsgd", "optimizer.momentum=0.5"]
+_SIDE = "ranks/00000/optimizer/preconditioners/layer0_in"
+
+
+@pytest.mark.parametrize("edit,named", [
+    # (each was taken, and training went on: outputs overflowing to NaN at the first
+    # Fisher update, or a momentum of infinity in the float32 buffer)
+    (lambda f: f[_SIDE].attrs.__setitem__("rho", 1e300),
+     "preconditioner 'layer0_in': OnlineNaturalGradient state: field 'rho': expected a "
+     "finite number in (0, 3.40282e+38], got 1e+300"),
+    (lambda f: f[_SIDE].attrs.__setitem__("rho", -0.5),
+     "preconditioner 'layer0_in': OnlineNaturalGradient state: field 'rho'"),
+    (lambda f: f[_SIDE].attrs.__setitem__("t", 2.5),
+     "preconditioner 'layer0_in': OnlineNaturalGradient state: field 't': expected an int"),
+    (lambda f: f["ranks/00000/optimizer/delta"].__setitem__(
+        slice(None), np.full(f["ranks/00000/optimizer/delta"].shape, -1e300)),
+     "field 'delta' (momentum): expected finite floats"),
+    (lambda f: f["ranks/00000/optimizer"].attrs.__setitem__("num_steps", "12"),
+     "field 'num_steps': expected an int in [0,"),
+])
+def test_a_forged_optimizer_state_is_refused_on_resume_naming_file_and_field(
+        ngsgd_run, small_corpus, capsys, edit, named):
+    newest = checkpoint_path(ngsgd_run, 20)
+    if "delta" in named:
+        # (stored as float32: a float64 dataset holds what float32 cannot)
+        with h5py.File(newest, "r+") as f:
+            shape = f["ranks/00000/optimizer/delta"].shape
+            del f["ranks/00000/optimizer/delta"]
+            f["ranks/00000/optimizer/delta"] = np.zeros(shape, np.float64)
+    _forge(newest, edit)
+    metrics = (ngsgd_run / "metrics.jsonl").read_bytes()
+    assert _train(ngsgd_run, small_corpus, 30, resume=True, extra=NGSGD) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain train: error: {newest}: ") and err.count("\n") == 1, err
+    assert named in err
+    assert (ngsgd_run / "metrics.jsonl").read_bytes() == metrics
+    assert not (ngsgd_run / "ckpt-00000030.h5").exists()
+
+
+def test_a_checkpoint_whose_step_is_not_its_name_is_skipped(run, small_corpus, capsys):
+    # (a copy of step 10's checkpoint under step 20's name was resumed as step 10,
+    # its name keeping it first in the order)
+    with open(checkpoint_path(run, 10), "rb") as old, \
+            open(checkpoint_path(run, 20), "wb") as newest:
+        newest.write(old.read())
+    assert _train(run, small_corpus, 30, resume=True) == 0
+    out = capsys.readouterr().out
+    assert "resume: skipped ckpt-00000020.h5: " in out
+    assert "ckpt-00000020.h5: checkpoint attribute 'step' is 10, but the file's name says " \
+        "step 20" in out
+    assert f"resumed from {checkpoint_path(run, 10)} at step 10" in out
