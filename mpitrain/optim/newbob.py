@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 
+from ..state_fields import count, flag, number
 from .schedule import Schedule
 
 #: The factor on the rate at each halving epoch.
@@ -41,7 +42,7 @@ class NewbobSchedule(Schedule):
         if initial <= 0 or start_halving < 0 or stop < 0:
             raise ValueError(f"newbob schedule: need initial > 0 and thresholds >= 0, got "
                              f"{initial}, {start_halving}, {stop}")
-        self.current = float(initial)
+        self.initial = self.current = float(initial)
         self.start_halving, self.stop = float(start_halving), float(stop)
         self.last_xent = self.last_acc = None
         self.halving = False
@@ -80,14 +81,20 @@ class NewbobSchedule(Schedule):
                 "halving": self.halving, "stopped": self._stopped, "epochs": self.epochs}
 
     def load_state_dict(self, state: dict) -> None:
+        where = "newbob schedule state"
         if "rate" not in state:
-            raise ValueError("newbob schedule state: missing 'rate'")
-        rate = float(state["rate"])
-        if not (math.isfinite(rate) and rate > 0):
-            raise ValueError(f"newbob schedule state: rate must be > 0, got {rate!r}")
-        self.current = rate
-        self.last_xent = None if state.get("last_xent") is None else float(state["last_xent"])
-        self.last_acc = None if state.get("last_acc") is None else float(state["last_acc"])
-        self.halving = bool(state.get("halving", False))
-        self._stopped = bool(state.get("stopped", False))
-        self.epochs = int(state.get("epochs", 0))
+            raise ValueError(f"{where}: missing 'rate'")
+        # the rate only halves from the initial one, once an epoch at most
+        epochs = count(state, "epochs", where, default=0)
+        rate = number(state, "rate", where, low=0.0, low_open=True, high=self.initial)
+        if rate < self.initial * HALVING ** min(epochs, 2000):
+            raise ValueError(f"{where}: field 'rate': {rate:g} is below the initial rate "
+                             f"{self.initial:g} halved once per epoch ({epochs} epochs)")
+        # (held-out cross-entropy is >= 0, accuracy a fraction)
+        last_xent = number(state, "last_xent", where, default=None, low=0.0)
+        last_acc = number(state, "last_acc", where, default=None, low=0.0, high=1.0)
+        halving = flag(state, "halving", where, default=False)
+        stopped = flag(state, "stopped", where, default=False)
+        self.current, self.epochs = rate, epochs
+        self.last_xent, self.last_acc = last_xent, last_acc
+        self.halving, self._stopped = halving, stopped

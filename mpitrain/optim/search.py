@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 
+from ..state_fields import count, flag, number
 from .schedule import Schedule
 
 
@@ -57,7 +58,7 @@ class SearchSchedule(Schedule):
                              f"{chunk_steps}, {trial_steps}")
         self.factors = factors
         self.chunk_steps, self.trial_steps = int(chunk_steps), int(trial_steps)
-        self.current = float(initial)
+        self.initial = self.current = float(initial)
         self.searched_at = -1        # the step whose chunk already has its rate
         self.searches = 0
         self.trial_frames = 0        # frames the trials trained on, summed over ranks
@@ -104,13 +105,21 @@ class SearchSchedule(Schedule):
                 "held_back": int(self.held_back)}
 
     def load_state_dict(self, state: dict) -> None:
+        where = "search schedule state"
         if "rate" not in state:
-            raise ValueError("search schedule state: missing 'rate'")
-        rate = float(state["rate"])
-        if not (math.isfinite(rate) and rate > 0):
-            raise ValueError(f"search schedule state: rate must be > 0, got {rate!r}")
-        self.current = rate
-        self.searched_at = int(state.get("searched_at", -1))
-        self.searches = int(state.get("searches", 0))
-        self.trial_frames = int(state.get("trial_frames", 0))
-        self.held_back = bool(state.get("held_back", 0))
+            raise ValueError(f"{where}: missing 'rate'")
+        searches = count(state, "searches", where, default=0)
+        # each search multiplies the rate by one of the factors: no more than the
+        # largest to the number of searches (in logarithms: that power overflows)
+        rate = number(state, "rate", where, low=0.0, low_open=True)
+        grown = math.log(rate / self.initial)
+        if grown > searches * math.log(max(max(self.factors), 1.0)) + 1e-9 \
+                or grown < searches * math.log(min(min(self.factors), 1.0)) - 1e-9:
+            raise ValueError(f"{where}: field 'rate': {rate:g} is not the initial rate "
+                             f"{self.initial:g} times {searches} of the factors "
+                             f"{list(self.factors)}")
+        searched_at = count(state, "searched_at", where, default=-1, low=-1)
+        trial_frames = count(state, "trial_frames", where, default=0)
+        held_back = flag(state, "held_back", where, default=False)
+        self.current, self.searched_at, self.searches = rate, searched_at, searches
+        self.trial_frames, self.held_back = trial_frames, held_back

@@ -49,6 +49,7 @@ import os
 import sys
 
 from ..config import STRONG_L2_SHRINK, l2_shrink
+from ..words import shown
 
 #: Weight of a new window in the running mean of the objective.
 MEAN_WEIGHT = 0.3
@@ -244,14 +245,17 @@ class DivergenceGuard:
         def number(key, default, kind, ok, expected):
             value = state.get(key, default)
             try:
+                # (a count of 2.5 is no count: int() would take it for 2)
+                good = not isinstance(value, (bool, str)) and (
+                    kind is not int or isinstance(value, int))
                 value = kind(value)
-                good = ok(value)
+                good = good and ok(value)
             except (TypeError, ValueError, OverflowError):
                 good = False
             if not good:
                 # the field alone: the group holds the corpus digest and much else
                 raise ValueError(f"checkpoint group 'trainer': field '{key}': expected "
-                                 f"{expected}, got {state.get(key, default)!r}")
+                                 f"{expected}, got {shown(state.get(key, default))}")
             return value
         count = "a non-negative count"
         self.rollbacks = number("rollbacks", 0, int, lambda v: v >= 0, count)

@@ -193,3 +193,43 @@ def test_the_rate_where_the_l2_zeroes_the_weights_reaches_search():
     sched = build_schedule(cfg.optimizer, planned_steps=100, frames_per_step=256,
                            rate_limit=l2_rate_limit(cfg))
     assert sched.rate_limit == pytest.approx(1 / 51.2)
+
+
+@pytest.mark.parametrize("change,named", [
+    # (a forged checkpoint, checksum recomputed: each went on at a rate or with a
+    # figure the schedule never reaches)
+    ({"rate": 1e300}, "field 'rate': expected a finite number in (0, 0.004]"),
+    ({"rate": 0.004 / 2 ** 5, "epochs": 2}, "is below the initial rate 0.004 halved once"),
+    ({"rate": "0.004"}, "field 'rate': expected a finite number"),
+    ({"last_acc": 7.0}, "field 'last_acc': expected a finite number in [0, 1]"),
+    ({"last_xent": -1.0}, "field 'last_xent': expected a finite number in [0,"),
+    ({"epochs": -3}, "field 'epochs': expected an int in [0,"),
+    ({"halving": 2}, "field 'halving': expected 0 or 1, got 2"),
+])
+def test_newbob_refuses_a_saved_state_it_cannot_reach(change, named):
+    from mpitrain.optim.newbob import NewbobSchedule
+    sched = NewbobSchedule(0.004, start_halving=0.005, stop=0.001)
+    sched.end_epoch(2.0, 0.5)
+    with pytest.raises(ValueError) as err:
+        sched.load_state_dict(dict(sched.state_dict(), **change))
+    assert named in str(err.value) and "newbob schedule state" in str(err.value)
+    assert sched.rate(0) == 0.004 and sched.epochs == 1
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"rate": 1e30, "searches": 3}, "field 'rate': 1e+30 is not the initial rate 0.008 "
+                                   "times 3 of the factors [0.5, 1.0, 2.0]"),
+    ({"rate": 1e300}, "field 'rate': expected a finite number in (0, 3.40282e+38]"),
+    ({"rate": 0.008 * 16, "searches": 3}, "is not the initial rate"),
+    ({"rate": -0.1}, "field 'rate': expected a finite number in (0,"),
+    ({"searches": 1.5}, "field 'searches': expected an int"),
+    ({"searched_at": -7}, "field 'searched_at': expected an int in [-1,"),
+    ({"trial_frames": "many"}, "field 'trial_frames': expected an int in [0,"),
+])
+def test_search_refuses_a_saved_state_it_cannot_reach(change, named):
+    from mpitrain.optim.search import SearchSchedule
+    sched = SearchSchedule(0.008, factors=(0.5, 1.0, 2.0), chunk_steps=10, trial_steps=2)
+    sched.load_state_dict(dict(sched.state_dict(), rate=0.008 * 8, searches=3))  # reachable
+    with pytest.raises(ValueError) as err:
+        sched.load_state_dict(dict(sched.state_dict(), **change))
+    assert named in str(err.value) and "search schedule state" in str(err.value)

@@ -87,6 +87,12 @@ def test_state_round_trip_and_bad_state_refused():
         other.load_state_dict({"lr_scale": float("nan")})
     with pytest.raises(ValueError, match="running_mean"):
         other.load_state_dict({"running_mean": float("inf")})
+    # a crafted count of 2.5 was taken as 2; a huge value was echoed whole
+    with pytest.raises(ValueError, match="field 'rollbacks': expected a non-negative count, "
+                                         "got 2.5"):
+        other.load_state_dict({"rollbacks": 2.5})
+    with pytest.raises(ValueError, match=r"got '1{60}'\.\.\. \(100000 characters\)$"):
+        other.load_state_dict({"skipped_total": "1" * 100000})
 
 
 def test_a_resumed_run_judges_its_first_window_as_the_straight_run(small_corpus, tmp_path):
