@@ -20,7 +20,7 @@ import warnings
 
 from .process import (NamedStdout, fill_closed_standard_descriptors, interrupt_held,
                       silence_stdout, stop_signals_kept)
-from .words import plural, shown as shown_value, words_cut
+from .words import DefaultsFormatter, plural, shown as shown_value, words_cut
 
 
 class UsageError(Exception):
@@ -1006,22 +1006,6 @@ class _Parser(argparse.ArgumentParser):
         super().error(message)
 
 
-class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows '(default: X)' unless the help already says what the default is.
-
-    Example::
-
-        argparse.ArgumentParser(formatter_class=_DefaultsFormatter)
-    """
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        # a default of None means "computed", which the help text describes itself
-        if action.default is None or "default:" in text or "default " in text:
-            return text
-        return super()._get_help_string(action)
-
-
 MODEL_HELP = ("a model file (best.h5, final.h5 or a checkpoint) or a run directory "
               "(its best.h5, else its final.h5)")
 
@@ -1031,7 +1015,7 @@ def build_parser(*, quiet_errors: bool = False,
     """The command line parser; ``quiet_errors``: a bad command line ends this
     process with exit status 2 and no message (another rank prints it);
     ``hold_errors``: it raises :class:`_HeldParseError` instead."""
-    fmt = _DefaultsFormatter
+    fmt = DefaultsFormatter
     parser = _Parser(
         prog="mpitrain", formatter_class=fmt,
         description="Train DNN acoustic models on many MPI ranks "

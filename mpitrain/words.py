@@ -1,7 +1,9 @@
 """Counts and values in words for the lines shown to users: `1 shard`, `2 shards`,
-`2` for a NumPy integer read from a file (not `np.int64(2)`), and a value cut
-short where it is long (a crafted file or setting may hold megabytes)."""
+`2` for a NumPy integer read from a file (not `np.int64(2)`), a value cut
+short where it is long (a crafted file or setting may hold megabytes), and
+the defaults of command-line options in their ``--help``."""
 
+import argparse
 import re
 import sys
 
@@ -50,3 +52,20 @@ def shown(value, *, limit: int = SHOWN_LIMIT) -> str:
         # (cut before repr: a 10 MB text is not copied)
         return f"{value[:limit]!r}... ({len(value)} characters)"
     return cut(repr(value), limit)
+
+
+class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` that shows '(default: X)' unless the help already says what the
+    default is; a default of None means "computed", which the help describes.
+    Used by ``python -m mpitrain`` and each ``python -m mpitrain.bench.NAME``.
+
+    Example::
+
+        argparse.ArgumentParser(formatter_class=DefaultsFormatter)
+    """
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default is None or "default:" in text or "default " in text:
+            return text
+        return super()._get_help_string(action)

@@ -8,7 +8,9 @@ The benchmarks (each ``python -m mpitrain.bench.NAME``, docs/benchmarks.md):
 - ``ddp_compare``: mpitrain's parallel methods against PyTorch DDP;
 - ``collectives``: our allreduce against the bare mpi4py call;
 - ``convergence``: SGD and NG-SGD training runs, learning-rate sweeps;
-- ``precondition``: the NG preconditioner alone, next to a GEMM.
+- ``precondition``: the NG preconditioner alone, next to a GEMM;
+- ``soak``: whether a long run's memory and step time stayed flat (reads its
+  ``metrics.jsonl``).
 
 ``mpitrain bench`` (speedup curves from the trainer itself): ``options``
 (what to measure), ``mode`` (the runner), ``phases`` (throughput and time to

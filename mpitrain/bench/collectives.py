@@ -26,14 +26,15 @@ from typing import Optional, Sequence
 import numpy as np
 
 from mpitrain.files import atomic_open, check_json_option
+from mpitrain.words import DefaultsFormatter
 
 METHODS = ("bare", "ours_sum", "ours_mean")
 MB = 1_000_000
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mpitrain.bench.collectives",
+        prog="python -m mpitrain.bench.collectives", formatter_class=DefaultsFormatter,
         description="allreduce_ of one flat float32 buffer vs the bare mpi4py Allreduce")
     parser.add_argument("--sizes", default="1,8,21.6,82.7",
                         help="buffer sizes in MB (10^6 bytes), comma-separated")
@@ -42,6 +43,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--skip", type=int, default=3,
                         help="untimed warm-up repetitions per size and method")
     parser.add_argument("--json", default=None, help="also write the rows to this file")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_json_option(parser, args.json)
     try:

@@ -40,6 +40,7 @@ from typing import Optional, Sequence
 from ..files import atomic_open
 from ..plotting import plot_runs, read_metrics
 from ..starter import example_configs
+from ..words import DefaultsFormatter
 
 #: The directory that holds this mpitrain package (the source tree's root, or
 #: site-packages), put on the runs' PYTHONPATH.
@@ -347,7 +348,7 @@ def _ints(text: str) -> list[int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mpitrain.bench.convergence",
                                 description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsFormatter)
     p.add_argument("--corpus", required=True, help="output of `mpitrain synth` (train/ and dev/)")
     p.add_argument("--out", required=True, help="directory for run directories and summaries")
     p.add_argument("--config", default=None,
@@ -359,7 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="initial learning rates swept for SGD (final = initial / 10)")
     p.add_argument("--ngsgd-lrs", type=_positive_floats, default=None,
                    help="initial learning rates swept for NG-SGD (default: --lrs)")
-    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--epochs", type=float, default=2.0,
+                   help="training.epochs of every run")
     p.add_argument("--eval-frames", type=_positive_int, default=51200,
                    help="frames (all ranks) between held-out evaluations")
     p.add_argument("--lr-factors", type=_positive_floats, default=[1.0],

@@ -43,6 +43,7 @@ import os
 
 from mpitrain.files import atomic_open, check_json_option
 from mpitrain.threads import BLAS_ENV
+from mpitrain.words import DefaultsFormatter
 
 # One BLAS thread per rank unless the caller says otherwise: set before numpy loads.
 for _name in BLAS_ENV:
@@ -65,12 +66,13 @@ from .steps import TrainerSteps  # noqa: E402
 POOL_BATCHES = 16   # minibatches per rank, walked in turn by every contender
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mpitrain.bench.ddp_compare",
+        prog="python -m mpitrain.bench.ddp_compare", formatter_class=DefaultsFormatter,
         description="mpitrain allreduce / model averaging vs PyTorch DDP / "
                     "PeriodicModelAverager, same model and batches, one run")
-    parser.add_argument("--model", default="quickstart", choices=sorted(MODELS))
+    parser.add_argument("--model", default="quickstart", choices=sorted(MODELS),
+                        help="the model and minibatch timed")
     parser.add_argument("--every", type=int, default=8,
                         help="steps between model averages (both libraries)")
     parser.add_argument("--steps", type=int, default=16, help="timed steps per round")
@@ -79,6 +81,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1,
                         help="BLAS and torch threads per rank")
     parser.add_argument("--json", default=None, help="also write the result to this file")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_json_option(parser, args.json)
     if min(args.every, args.steps, args.rounds, args.threads) < 1 or args.skip < 0:

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from ..files import atomic_open, check_json_option
+from ..words import DefaultsFormatter
 from .machine import device_problem
 
 
@@ -114,8 +115,9 @@ def _setting(contender: dict) -> str:
     return " and ".join(words) or "Kaldi's order on the training thread"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mpitrain.bench.ngsgd_overhead",
+                                formatter_class=DefaultsFormatter,
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=2048, help="hidden layer width (default 2048)")
     p.add_argument("--layers", type=int, default=4, help="hidden layers (default 4)")
@@ -124,7 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7,
                    help="interleaved rounds of both optimizers (default 7)")
     p.add_argument("--steps", type=int, default=5, help="steps per round (default 5)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "gpu"))
+    p.add_argument("--device", default="cpu", choices=("cpu", "gpu"),
+                   help="gpu: the steps on the GPU, with CuPy")
     p.add_argument("--cuda-graph", action="store_true",
                    help="GPU: replay fixed steps from captured CUDA graphs")
     p.add_argument("--reset-every", type=int, default=0, metavar="K",
@@ -136,6 +139,11 @@ def main(argv=None) -> int:
                    help="optimizer.ngsgd.plan_threads of the NG-SGD contenders, one each "
                         "(default 0)")
     p.add_argument("--json", default=None, help="also write the result here")
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
     args = p.parse_args(argv)
     check_json_option(p, args.json)
     try:

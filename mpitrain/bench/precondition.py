@@ -27,6 +27,7 @@ import sys
 import time
 
 from mpitrain.threads import BLAS_ENV
+from mpitrain.words import DefaultsFormatter
 
 
 def parse_model(text: str) -> list[tuple[int, int]]:
@@ -105,15 +106,22 @@ def _ms(value) -> str:
     return "none timed" if value is None else f"{value:.2f}"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitrain.bench.precondition",
+                                     formatter_class=DefaultsFormatter,
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
     parser.add_argument("--batch", type=int, default=512, help="minibatch rows N")
-    parser.add_argument("--update-period", type=int, default=4)
+    parser.add_argument("--update-period", type=int, default=4,
+                        help="calls per Fisher update in steady state (optimizer.ngsgd's)")
     parser.add_argument("--calls", type=int, default=40, help="timed calls per shape")
     parser.add_argument("--model", default="440-4x2048-4000",
                         help="ReLU model dims for the step estimate ('' to skip)")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     # said before the timings, not as a traceback after them
     for flag in ("threads", "batch", "update_period", "calls"):

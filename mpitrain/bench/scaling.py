@@ -39,6 +39,7 @@ import os
 
 from mpitrain.files import atomic_open, check_json_option
 from mpitrain.threads import BLAS_ENV
+from mpitrain.words import DefaultsFormatter
 
 # One BLAS thread per rank unless the caller says otherwise: set before numpy loads.
 for _name in BLAS_ENV:
@@ -60,11 +61,12 @@ METHODS = ("model_averaging", "allreduce", "kaldi", "bmuf")
 CHUNK_FRAMES = 20_000   # per rank: the data each rank trains on, round after round
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mpitrain.bench.scaling",
+        prog="python -m mpitrain.bench.scaling", formatter_class=DefaultsFormatter,
         description="training throughput on 1 rank vs all ranks for each parallel method")
-    parser.add_argument("--model", default="quickstart", choices=sorted(MODELS))
+    parser.add_argument("--model", default="quickstart", choices=sorted(MODELS),
+                        help="the model and minibatch timed")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help="comma-separated subset of " + ",".join(METHODS))
     parser.add_argument("--every", type=int, default=8,
@@ -77,6 +79,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         help="untimed warm-up steps per contender before the first round")
     parser.add_argument("--threads", type=int, default=1, help="BLAS threads per rank")
     parser.add_argument("--json", default=None, help="also write the result to this file")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_json_option(parser, args.json)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -29,6 +29,7 @@ import statistics
 import sys
 
 from ..plotting import read_metrics
+from ..words import DefaultsFormatter
 
 #: Defaults of what counts as flat.
 MAX_GROWTH_MB = 50.0
@@ -100,14 +101,23 @@ def _slower(factor: float) -> str:
     return f"x{factor:.3f} slower" if factor >= 1 else f"x{1 / factor:.3f} faster"
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m mpitrain.bench.soak",
+                                     formatter_class=DefaultsFormatter,
                                      description="check that a long run's memory and speed "
-                                                 "stayed flat")
-    parser.add_argument("run_dir")
-    parser.add_argument("--max-growth-mb", type=float, default=MAX_GROWTH_MB)
-    parser.add_argument("--max-slowdown", type=float, default=MAX_SLOWDOWN)
-    args = parser.parse_args(argv)
+                                                 "stayed flat (exit status 1 if not)")
+    parser.add_argument("run_dir", help="the run directory (its metrics.jsonl)")
+    parser.add_argument("--max-growth-mb", type=float, default=MAX_GROWTH_MB,
+                        help="flat: rank 0's resident memory grew by less than this many MiB "
+                             "from the first quarter to the last")
+    parser.add_argument("--max-slowdown", type=float, default=MAX_SLOWDOWN,
+                        help="flat: the last quarter's CPU time per step (wall time for a run "
+                             "without it) is below this factor of the first quarter's")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         summary = summarize(args.run_dir, max_growth_mb=args.max_growth_mb,
                             max_slowdown=args.max_slowdown)

@@ -52,6 +52,7 @@ import numpy as np
 
 from mpitrain.files import atomic_open, check_json_option
 from mpitrain.data.splice import splice, splice_indices
+from mpitrain.words import DefaultsFormatter
 
 from . import machine
 from .models import THROUGHPUT_MODELS as MODELS
@@ -470,9 +471,9 @@ def _time_pieces(stepper: MpitrainSteps, steps: int, clock) -> dict:
     return {k: 1e3 * statistics.median(s[k] for s in samples) for k in samples[0]}
 
 
-def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m mpitrain.bench.throughput",
+        prog="python -m mpitrain.bench.throughput", formatter_class=DefaultsFormatter,
         description="single-rank training frames/s: mpitrain vs PyTorch vs the GEMM bound")
     parser.add_argument("--threads", default="1,2", help="BLAS thread counts, comma-separated")
     parser.add_argument("--models", default="small,large",
@@ -499,6 +500,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     parser.add_argument("--minibatch", type=int, default=0,
                         help="override the models' minibatch size; 0: the model's own")
     parser.add_argument("--json", default=None, help="also write the results to this file")
+    return parser
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_json_option(parser, args.json)
     args.precision = [p.strip() for p in args.precision.split(",") if p.strip()]
