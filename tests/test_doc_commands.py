@@ -18,6 +18,7 @@ import shlex
 import pytest
 
 from mpitrain.cli import build_parser
+from mpitrain.config import reference_markdown
 
 from .helpers import REPO
 
@@ -106,6 +107,24 @@ def _words(rest: str) -> list:
         words = rest.split()
     return ["1" if re.fullmatch(r"[A-Z][A-Z0-9_]*", word) else word
             for word in words if not re.fullmatch(r"\$\w+", word)]
+
+
+def test_every_documented_set_names_a_config_key():
+    keys = set(re.findall(r"^\| `([^`]+)` \|", reference_markdown(), re.M))
+    assert {"data.train", "parallel.method", "optimizer.ngsgd.reset_on_average"} <= keys
+    settings = []
+    for where, command, rest, _ in documented_commands():
+        words = _words(rest)
+        settings += [(where, value) for option, value in zip(words, words[1:])
+                     if option == "--set"]
+        settings += [(where, word[len("--set="):]) for word in words if word.startswith("--set=")]
+    for path, text, _ in _sources():      # MPITRAIN_SET="key=value ..." for the Slurm scripts
+        for value in re.findall(r'MPITRAIN_SET="([^"]*)"', text):
+            settings += [(path.relative_to(REPO).as_posix(), word) for word in value.split()]
+    assert len(settings) > 50
+    unknown = [f"{where}  ({value})" for where, value in settings
+               if "=" in value and value.split("=")[0] not in keys]
+    assert not unknown, "\n".join(unknown)
 
 
 def test_the_documentation_shows_commands_of_every_kind():
