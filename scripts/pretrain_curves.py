@@ -42,14 +42,18 @@ def ints(text):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out")
-    parser.add_argument("--hours", type=float, default=0.5)
-    parser.add_argument("--seeds", default="1,2,3")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("out", metavar="OUT_DIR",
+                        help="gets the corpus, the stacks, one directory per run and the plots")
+    parser.add_argument("--hours", type=float, default=0.5,
+                        help="hours of the synthetic training corpus")
+    parser.add_argument("--seeds", default="1,2,3", help="training.seed values, comma-separated")
     parser.add_argument("--ranks", default="1,4", help="virtual rank counts, comma-separated")
     parser.add_argument("--optimizer", default="sgd",
                         help="optimizer.name values, comma-separated: sgd, ngsgd")
-    parser.add_argument("--inits", default="random,rbm")
+    parser.add_argument("--inits", default="random,rbm",
+                        help="random (no pretraining), rbm (model.init_from the seed's stack)")
     args = parser.parse_args()
     seeds, rank_counts = ints(args.seeds), ints(args.ranks)
     optimizers, inits = args.optimizer.split(","), args.inits.split(",")

@@ -2,6 +2,7 @@
 # Create .venv (if missing) and install mpitrain with MPICH from PyPI, so no
 # system MPI is needed.  Safe to run again: it only installs what is missing.
 # On a cluster with its own MPI, see docs/user-guide.md instead.
+# PYTHON: the interpreter that creates .venv (default python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

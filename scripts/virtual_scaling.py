@@ -310,14 +310,19 @@ def plot(runs: list, path: str, title: str) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", metavar="LABEL=DIR")
-    p.add_argument("--baseline", action="append", default=[], metavar="OPTIMIZER=LABEL")
+    p.add_argument("runs", nargs="+", metavar="LABEL=PATH",
+                   help="a `bench --virtual` output directory or a copy of its bench.json "
+                        "(PATH#METHOD: one method of a run that measured several)")
+    p.add_argument("--baseline", action="append", default=[], metavar="OPTIMIZER=LABEL",
+                   help="the one-rank baseline of an optimizer (sgd, ngsgd): that run's N = 1 "
+                        "point; repeat for each optimizer (default: each run's own N = 1)")
     p.add_argument("--out", required=True, help="path prefix of OUT.json, OUT.md, OUT.png")
     p.add_argument("--png", default="", help="where the plot goes (default OUT.png)")
     p.add_argument("--plot", default="", help="LABEL,LABEL,...: runs on the plot (default all)")
     p.add_argument("--also-targets", default="",
                    help="lower targets to tabulate from the same evaluations, e.g. 0.65,0.6")
-    p.add_argument("--title", default="Simulated time to target on virtual ranks")
+    p.add_argument("--title", default="Simulated time to target on virtual ranks",
+                   help="the plot's title")
     args = p.parse_args(argv)
     runs = [load_any(*item.rsplit("=", 1)) for item in args.runs]
     add_speedups(runs, dict(item.split("=", 1) for item in args.baseline))
