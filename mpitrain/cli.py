@@ -550,7 +550,7 @@ def _add_virtual_options(p, *, network: bool) -> None:
                    help="network model: allreduce cost (auto: the cheaper per buffer)")
     p.add_argument("--slowdown", default="", metavar="RANK=FACTOR,...",
                    help="virtual ranks: step-time factors, e.g. 3=2.0 (rank 3 takes twice as "
-                        "long; below 1 a faster rank)")
+                        "long; below 1 a faster rank); empty: none")
     p.add_argument("--jitter", type=float, default=0.0,
                    help="virtual ranks: log-normal noise of each step time (sigma of its log)")
     p.add_argument("--jitter-seed", type=int, default=0, help="virtual ranks: seed of the jitter")

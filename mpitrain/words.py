@@ -56,7 +56,8 @@ def shown(value, *, limit: int = SHOWN_LIMIT) -> str:
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """``--help`` that shows '(default: X)' unless the help already says what the
-    default is; a default of None means "computed", which the help describes.
+    default is; a default of None means "computed", and an empty one (a string, a
+    list) nothing given, which the help describes.
     Used by ``python -m mpitrain`` and each ``python -m mpitrain.bench.NAME``.
 
     Example::
@@ -66,6 +67,6 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default is None or "default:" in text or "default " in text:
+        if action.default in (None, "", []) or "default:" in text or "default " in text:
             return text
         return super()._get_help_string(action)

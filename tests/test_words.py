@@ -30,3 +30,23 @@ def test_a_huge_value_is_shown_short_without_being_copied_whole():
     assert text == repr("y" * SHOWN_LIMIT) + "... (10000000 characters)"
     # (repr of an int this long raises ValueError in Python 3.11 and later)
     assert shown(10 ** 5000) == "an integer of about 5001 digits"
+
+
+def test_help_shows_each_default_but_not_an_empty_or_computed_one():
+    import argparse
+
+    from mpitrain.cli import build_parser
+    from mpitrain.words import DefaultsFormatter
+    parser = argparse.ArgumentParser(formatter_class=DefaultsFormatter)
+    parser.add_argument("--count", type=int, default=3, help="how many")
+    parser.add_argument("--names", default="", help="names; empty: all")
+    parser.add_argument("--set", action="append", default=[], help="settings")
+    parser.add_argument("--corpus", default=None, help="the corpus (default: the model's)")
+    text = " ".join(parser.format_help().split())
+    assert "how many (default: 3)" in text
+    assert "empty: all --set" in text and "settings --corpus" in text
+    assert "(default: the model's)" in text and "None" not in text
+    # every command of the command line: '(default: )' and '(default: [])' said nothing
+    for name, command in build_parser().commands.items():
+        text = " ".join(command.format_help().split())
+        assert "(default: )" not in text and "(default: [])" not in text, name
