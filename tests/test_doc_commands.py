@@ -182,3 +182,19 @@ def test_every_benchmark_option_says_what_it_does_and_its_default(name):
             following = block.find("\n  -", 1)
             block = block[:following] if following > 0 else block
             assert "default" in block, f"{name}: {shown}'s default is not shown"
+
+
+def test_max_change_share_script_names_a_missing_corpus_in_one_line(tmp_path, capsys):
+    # (it trained at import time, from a fixed path: --help trained, and a missing
+    # corpus was a traceback)
+    import sys
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import max_change_share
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    with pytest.raises(SystemExit) as exc:
+        max_change_share.main(["--corpus", str(tmp_path / "none")])
+    assert exc.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"--corpus: {tmp_path / 'none' / 'train'}/corpus.yaml not found" in error
