@@ -237,3 +237,17 @@ def apply_blas_threads(requested: int, *, device: str, ranks_on_node: int,
     from threadpoolctl import threadpool_limits
     threadpool_limits(threads)
     return threads
+
+
+def planned_blas_threads(requested: int, *, device: str, ranks_on_node: int = 1,
+                         env: Optional[Mapping[str, str]] = None) -> int:
+    """The BLAS threads :func:`apply_blas_threads` will give each rank, told before
+    the ranks start (a batch script's banner): the user's BLAS variables where the
+    policy leaves them alone, else the policy's count."""
+    env = os.environ if env is None else env
+    if requested == 0 and device != "gpu":
+        for name in BLAS_ENV:
+            if _a_thread_count(env.get(name, "")):
+                return int(env[name].split(",")[0])
+    return blas_threads(requested, device=device, ranks_on_node=ranks_on_node)
+

@@ -29,6 +29,7 @@ ALLOWED = {
     "parallel": {"backend", "state_fields", "words"},
     "config": {"files", "nn", "parallel", "words"},
     "plotting": {"files"},
+    "thread_plan": {"config", "threads"},
     "starter": {"files"},
     "launch": {"comm", "files"},
     "inference": {"backend", "data", "export", "files", "nn"},

@@ -598,6 +598,30 @@ def test_mpitrain_set_over_several_lines_sets_every_line(tmp_path, script):
         in launched, launched
 
 
+@pytest.mark.parametrize("script", ["train.sbatch", "bench.sbatch", "train-gpu.sbatch"])
+def test_the_banner_says_the_blas_threads_the_ranks_will_use(tmp_path, script):
+    """On a GPU the ranks use one BLAS thread (mpitrain.threads); the banner said
+    --cpus-per-task's count whatever the device."""
+    import shutil
+    shutil.copy(os.path.join(REPO, "jobs", "configs", "quickstart.yaml"), tmp_path / "run.yaml")
+    home = {"MPITRAIN_HOME": REPO} if script.endswith("-gpu.sbatch") else {}
+    gpu = script.endswith("-gpu.sbatch")
+
+    def banner(env_extra=(), args=()):
+        result = _launched(tmp_path, script, dict(
+            home, RUN_DIR=str(tmp_path / "run"), BENCH_OUT=str(tmp_path / "bench"),
+            PYTHON=sys.executable, PYTHONPATH=REPO, SLURM_CPUS_PER_TASK="4", **dict(env_extra)),
+            args=("run.yaml", *args))
+        assert result.returncode == 0, result.stdout + result.stderr
+        return next(line for line in result.stdout.splitlines() if " ranks, " in line)
+
+    assert f"2 ranks, {1 if gpu else 4} BLAS thread(s) each" in banner(), banner()
+    assert "2 ranks, 1 BLAS thread(s) each" in banner({"DEVICE": "gpu"})
+    assert "2 ranks, 1 BLAS thread(s) each" in banner(args=("--set", "device=gpu"))
+    assert "2 ranks, 3 BLAS thread(s) each" in banner({"MPITRAIN_SET": "blas_threads=3"})
+    assert "2 ranks, 2 BLAS thread(s) each" in banner({"DEVICE": "cpu", "BLAS_THREADS": "2"})
+
+
 def test_a_job_submitted_with_export_none_gives_the_ranks_the_scripts_environment(
         slurm, corpus, tmp_path):
     # `sbatch --export=NONE` (as many sites ask) leaves SLURM_EXPORT_ENV=NONE in the

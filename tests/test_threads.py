@@ -200,3 +200,31 @@ def test_current_blas_threads_follows_the_limit():
         assert current_blas_threads() == 1
     with threadpool_limits(2):
         assert current_blas_threads() == 2
+
+
+def test_the_planned_threads_are_those_a_rank_applies(monkeypatch):
+    """What a batch script's banner says: the user's BLAS variables on the CPU, one
+    thread on a GPU whatever they say, blas_threads when set."""
+    from mpitrain.threads import planned_blas_threads
+    monkeypatch.setattr("mpitrain.threads.available_cores", lambda: 8)
+    env = {"OMP_NUM_THREADS": "4", "OPENBLAS_NUM_THREADS": "4"}
+    assert planned_blas_threads(0, device="cpu", env=env) == 4
+    assert planned_blas_threads(0, device="gpu", env=env) == 1
+    assert planned_blas_threads(3, device="gpu", env=env) == 3
+    assert planned_blas_threads(0, device="cpu", ranks_on_node=2, env={}) == 4
+
+
+def test_the_threads_query_reads_the_config_and_its_settings(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="4", OPENBLAS_NUM_THREADS="4",
+               MKL_NUM_THREADS="4")
+    config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "jobs",
+                          "configs", "quickstart.yaml")
+
+    def query(*args):
+        return subprocess.run([sys.executable, "-m", "mpitrain.thread_plan", config, *args],
+                              env=env, capture_output=True, text=True, timeout=60)
+    assert query().stdout == "4\n"
+    # (the other options of train are passed over)
+    assert query("--run-dir", "runs/x", "--set", "device=gpu", "--resume").stdout == "1\n"
+    bad = query("--set", "device=tpu")
+    assert bad.returncode == 2 and bad.stdout == "" and "device" in bad.stderr, bad
