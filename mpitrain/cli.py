@@ -312,7 +312,6 @@ def _run_on_ranks(command: str, runner_class, args, *, default_suffix: str) -> i
 def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> int:
     from .comm.abort import install_abort_hook
     from .files import working_directory
-    from .train.run_dir import run_dir_problem
 
     def checks():
         _refuse_virtual_only_options(args)
@@ -322,22 +321,42 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
     _limit_blas_threads(cfg, comm)
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0] + default_suffix)
-    problem, root_cwd = comm.bcast_obj(
-        (run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite),
-         working_directory()) if comm.rank == 0 else None, root=0)
-    if comm.rank != 0:
-        run_dir = _as_rank_0_names_it(run_dir, root_cwd)
-    if problem:
+    lock, problem = _judge_run_dir(run_dir, args) if comm.rank == 0 else (None, None)
+    try:
+        problem, root_cwd = comm.bcast_obj((problem, working_directory()), root=0)
         if comm.rank != 0:
-            return 2
-        raise UsageError(problem)
+            run_dir = _as_rank_0_names_it(run_dir, root_cwd)
+        if problem:
+            if comm.rank != 0:
+                return 2
+            raise UsageError(problem)
+        return _run_judged(command, runner_class, args, comm, cfg, run_dir, lock)
+    finally:
+        if lock is not None:
+            lock.release()      # (the runner released it already, unless it failed to start)
+
+
+def _judge_run_dir(run_dir: str, args):
+    """Rank 0's ``(lock, problem)`` of the run directory: a directory that another run
+    is using is said as that, before its files or its checkpoint are judged (the
+    lock is then held for the run: train/run_dir.py)."""
+    from .train.run_dir import lock_a_used_run_dir, run_dir_problem
+    problem = run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite)
+    if problem and not os.path.isdir(run_dir):
+        return None, problem
+    lock, held = lock_a_used_run_dir(run_dir) if os.path.isdir(run_dir) else (None, None)
+    return lock, held or problem
+
+
+def _run_judged(command: str, runner_class, args, comm, cfg, run_dir: str, lock) -> int:
     from .train.stop import EXIT_STOPPED, ignore_from_now_on, stop_on_signals
     try:
         # SIGTERM, SIGUSR1, SIGUSR2, SIGHUP: a checkpoint at the next point where the ranks
         # agree, then exit status EXIT_STOPPED on every rank (train/stop.py)
         with stop_on_signals():
             runner = runner_class(cfg, run_dir=run_dir, comm=comm, resume=args.resume,
-                                  overwrite=args.overwrite, accept_changes=args.accept_changes)
+                                  overwrite=args.overwrite, accept_changes=args.accept_changes,
+                                  lock=lock)
             try:
                 if args.dry_run:
                     result = {}
@@ -414,9 +433,7 @@ def _end_every_rank(comm, command: str, exc: BaseException) -> None:
 
 def _train_virtual(args, cfg) -> int:
     """``train --virtual N``: N virtual ranks in this process, on a simulated clock."""
-    from .train.run_dir import run_dir_problem
-    from .train.stop import EXIT_STOPPED, stop_on_signals
-    from .train.virtual import MAX_VIRTUAL_RANKS, plan_virtual, train_virtual
+    from .train.virtual import MAX_VIRTUAL_RANKS
     if not 1 <= args.virtual <= MAX_VIRTUAL_RANKS:
         raise UsageError(f"--virtual: expected a number of ranks in [1, {MAX_VIRTUAL_RANKS}] "
                          f"(each is a thread of this process with its own model), got "
@@ -425,9 +442,19 @@ def _train_virtual(args, cfg) -> int:
     _refuse_sleeping_stragglers(args, cfg, args.virtual)
     run_dir = args.run_dir or os.path.join(
         "runs", os.path.splitext(os.path.basename(args.config))[0])
-    problem = run_dir_problem(run_dir, resume=args.resume, overwrite=args.overwrite)
-    if problem:
-        raise UsageError(problem)
+    lock, problem = _judge_run_dir(run_dir, args)
+    try:
+        if problem:
+            raise UsageError(problem)
+        return _train_virtual_judged(args, cfg, run_dir, lock)
+    finally:
+        if lock is not None:
+            lock.release()      # (rank 0's trainer released it already, unless it failed)
+
+
+def _train_virtual_judged(args, cfg, run_dir: str, lock) -> int:
+    from .train.stop import EXIT_STOPPED, stop_on_signals
+    from .train.virtual import plan_virtual, train_virtual
     try:
         # (before a dry run too, which would say the plan holds; a step time still to
         # be measured is measured by train_virtual, after its own checks)
@@ -436,7 +463,7 @@ def _train_virtual(args, cfg) -> int:
         if args.dry_run:
             lines = plan_virtual(cfg, size=args.virtual, run_dir=run_dir,
                                  resume=args.resume, overwrite=args.overwrite,
-                                 accept_changes=args.accept_changes)
+                                 accept_changes=args.accept_changes, lock=lock)
             print("\n".join(lines + [_dry_run_line(run_dir)]), flush=True)
             return 0
         # a stop signal: a checkpoint at the next step where the ranks agree, as on
@@ -445,7 +472,7 @@ def _train_virtual(args, cfg) -> int:
             result = train_virtual(cfg, size=args.virtual, run_dir=run_dir,
                                    network=network, compute=compute,
                                    resume=args.resume, overwrite=args.overwrite,
-                                   accept_changes=args.accept_changes)
+                                   accept_changes=args.accept_changes, lock=lock)
         if result.get("stopped"):
             return EXIT_STOPPED
     except (ValueError, RuntimeError) as exc:

@@ -206,12 +206,15 @@ class Pretrainer:
     """
 
     def __init__(self, cfg, *, run_dir: str, comm, resume: bool = False,
-                 overwrite: bool = False, accept_changes: bool = False, stream=None):
+                 overwrite: bool = False, accept_changes: bool = False, stream=None,
+                 lock=None):
         self.cfg, self.run_dir, self.comm = cfg, run_dir, comm
         self.is_root = comm.rank == 0
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
         self._stream_out, self.log, self._pending = stream, None, []
-        self._lock = None            # rank 0's lock on the run directory, while it runs
+        # rank 0's lock on the run directory, while it runs (``lock``: taken by the
+        # command line before the run is judged, run_dir.lock_a_used_run_dir)
+        self._lock = lock if comm.rank == 0 else None
         self._checkpoints_seen = None  # rank 0, resuming: the checkpoints there when it chose
         self.xp = select_device(cfg, comm)      # the same precision and kernels as `train`
         if not cfg.data.train:
@@ -398,6 +401,7 @@ class Pretrainer:
     def _open_run_dir(self) -> None:
         self._lock, lines = take_run_dir(self.comm, self.run_dir, self.cfg,
                                          resume=self.resuming, overwrite=self.overwrite,
+                                         lock=self._lock,
                                          seen=self._checkpoints_seen)
         self._pending[:0] = lines
         self.log = MetricsLog(self.run_dir, enabled=self.is_root, stream=self._stream_out,

@@ -18,11 +18,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import json
 import os
+import re
 import stat
+import time
 import zlib
 
 from ..config import dump_config
@@ -404,6 +407,16 @@ def resume_changes(old_cfg, new_cfg, old_state: dict, now_identity: dict, *,
 #: the filesystem cannot lock at all.
 HELD_ERRNOS = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
+#: The line a run's rank 0 writes into ``.lock`` while it holds it (cleared when it
+#: releases the lock): its process, host and the time it took the lock.
+HOLDER_LINE = re.compile(r"^pid (\d+) on (\S+) since (.+)$")
+
+
+def holder_line() -> str:
+    """What this process writes into a run directory's ``.lock`` while it holds it."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S %z")
+    return f"pid {os.getpid()} on {os.uname().nodename} since {since}"
+
 
 class RunDirLock:
     """An exclusive lock on a run directory, held by rank 0 while its run uses it,
@@ -413,6 +426,14 @@ class RunDirLock:
     :meth:`moved` tells whether the directory was removed or moved away since
     (a write would then make a new directory of the same name, without the
     run's config and log).
+
+    The lock is the kernel's (flock; over NFS the file server's), never a
+    process id judged alive or dead: a run killed with SIGKILL, or whose node
+    was lost, holds it no more, and one on another host holds it while it runs
+    there.  ``.lock`` holds :func:`holder_line` while a run holds it, to name
+    that run, and is emptied when the run releases it: a line found there by a
+    run that took the lock was left by a run that never released it (killed),
+    which :meth:`left_by` says.
 
     Example::
 
@@ -430,6 +451,13 @@ class RunDirLock:
         #: None, or the line to say when the filesystem cannot lock (then the run
         #: goes on without the lock)
         self.unguarded = None
+        #: True when acquire() was refused because another process holds the lock
+        self.held_elsewhere = False
+        #: what .lock held when this process took it (restored when a start that
+        #: was refused releases it: the line of a killed run stays for `status`)
+        self._previous = ""
+        #: set once the run writes its files here: release() then empties .lock
+        self.in_use = False
 
     def acquire(self):
         import fcntl
@@ -460,18 +488,39 @@ class RunDirLock:
                     "on this run directory would not be noticed")
             else:
                 fh.seek(0)
-                holder = fh.read(200).strip() or "another process"
+                holder = " ".join(fh.read(200).split()) or "a run still starting"
                 fh.close()
+                self.held_elsewhere = True
                 return (f"{os.path.dirname(self.path)}: another run is using this directory "
                         f"({holder}); wait for it to end, or choose another --run-dir")
         fh.seek(0)
+        self._previous = fh.read(200).strip()
+        fh.seek(0)
         fh.truncate()
-        fh.write(f"pid {os.getpid()} on {os.uname().nodename}\n")
+        fh.write(holder_line() + "\n")
         fh.flush()
         self._fh = fh
         st = os.fstat(fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
         return None
+
+    def left_by(self):
+        """The line to say when the lock was taken over from a run that had not
+        released it (killed, its node lost); None when it had, or none held it."""
+        if self.unguarded:
+            return None
+        found = HOLDER_LINE.match(" ".join(self._previous.split()))
+        if not found:
+            return None     # (released, or written by a version that never cleared it)
+        pid, host, since = found.groups()
+        what = f"the lock of pid {pid} on {host} since {since}, which never released it"
+        if host == os.uname().nodename:
+            return f"took over {what} (it was killed or crashed; it holds the lock no more)"
+        # (no process id of another host is judged here: the file server released
+        # its lock, which it does when that process or its host is gone)
+        return (f"took over {what} (killed, or its node lost; a run still going there "
+                "would hold it, unless this filesystem does not share locks between "
+                "hosts: NFS mounted with local_lock or nolock)")
 
     def _identity_now(self):
         # the lock file under its name (kept open, its inode cannot be reused: a
@@ -494,11 +543,38 @@ class RunDirLock:
 
     def release(self) -> None:
         if self._fh is not None:
+            # a run that used the directory empties .lock (a line left there says its
+            # run never released it); a start refused puts back what was there
+            with contextlib.suppress(OSError, ValueError):
+                self._fh.seek(0)
+                self._fh.truncate()
+                if not self.in_use and self._previous:
+                    self._fh.write(self._previous + "\n")
+                self._fh.flush()
             self._fh.close()          # closing drops the lock
             self._fh, self._identity = None, None
 
 
-def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None):
+def lock_a_used_run_dir(run_dir):
+    """``(lock, problem)``, on rank 0 before anything else about ``run_dir`` is
+    judged (its files, its checkpoint's settings): the lock of a directory a run
+    has used (its ``.lock`` is there), taken now so that one in use by another run
+    is said as that.  ``lock``: held, for :func:`take_run_dir`; None when there is
+    no ``.lock`` (no run can hold it: take_run_dir locks the directory) or one that
+    cannot be taken for another reason (take_run_dir says it, after the checks).
+    ``problem``: the one line when another run holds it."""
+    path = os.path.join(run_dir, RunDirLock.NAME)
+    if os.path.islink(path) or not os.path.isfile(path):
+        return None, None
+    lock = RunDirLock(run_dir)
+    problem = lock.acquire()
+    if problem:
+        return None, problem if lock.held_elsewhere else None
+    return lock, None
+
+
+def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None,
+                 lock=None):
     """Rank 0 makes and locks ``run_dir``, checks what another job wrote there since
     ``seen`` (:func:`written_meanwhile`), removes stale temporaries (and with
     ``overwrite`` on a new run the previous run's files) and writes ``cfg`` as
@@ -506,15 +582,21 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
     agreed :class:`~mpitrain.train.errors.TrainingError` (a job started on a directory
     in use ends in rank 0's line alone, not in its error and MPI's abort).
 
+    ``lock``: rank 0's lock taken before (:func:`lock_a_used_run_dir`), if any.
+
     Returns ``(lock, lines)``: rank 0's :class:`RunDirLock` (None elsewhere) and the
     lines to say about what it found.
     """
-    lock, lines, problem = None, [], None
-    if comm.rank == 0:
+    lines, problem = [], None
+    if comm.rank != 0:
+        lock = None
+    else:
         os.makedirs(run_dir, exist_ok=True)
-        lock = RunDirLock(run_dir)
-        problem = lock.acquire() or written_meanwhile(run_dir, resume=resume,
-                                                      overwrite=overwrite, seen=seen)
+        if lock is None:
+            lock = RunDirLock(run_dir)
+            problem = lock.acquire()
+        problem = problem or written_meanwhile(run_dir, resume=resume,
+                                               overwrite=overwrite, seen=seen)
         if not problem:
             # an earlier start's failures and interrupted writes; before the other
             # ranks go on, which may fail at once and write their error files
@@ -531,8 +613,11 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
             lock.release()
         raise TrainingError(problem, agreed=True)
     if comm.rank == 0:
+        lock.in_use = True
         if lock.unguarded:
             lines.append(lock.unguarded)
+        if lock.left_by():
+            lines.append(lock.left_by())
         if overwrite and not resume:
             removed = clear_run(run_dir)
             if removed:

@@ -28,7 +28,8 @@ from .errors import rank_error_files
 from .metrics import format_duration
 
 #: What :class:`~mpitrain.train.run_dir.RunDirLock` writes into ``.lock``.
-_HOLDER = re.compile(r"^pid (\d+) on (\S+)$")
+#: (without "since ...": written by an older version)
+_HOLDER = re.compile(r"^pid (\d+) on (\S+)(?: since .+)?$")
 #: The largest process id a system gives (a pid_t is a 32-bit int).
 _MAX_PID = 2**31 - 1
 

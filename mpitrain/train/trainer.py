@@ -65,11 +65,14 @@ class Trainer(CheckpointResume):
     """
 
     def __init__(self, cfg: RunConfig, *, run_dir: str, comm, resume: bool = False,
-                 overwrite: bool = False, accept_changes: bool = False, stream=None):
+                 overwrite: bool = False, accept_changes: bool = False, stream=None,
+                 lock=None):
         self.cfg, self.run_dir, self.comm = cfg, run_dir, comm
         self.is_root = comm.rank == 0
         self.resuming, self.overwrite, self.accept_changes = resume, overwrite, accept_changes
-        self._lock = None            # rank 0's lock on the run directory, while it runs
+        # rank 0's lock on the run directory, while it runs (``lock``: taken by the
+        # command line before the run is judged, run_dir.lock_a_used_run_dir)
+        self._lock = lock if comm.rank == 0 else None
         self.checkpoints_seen = None  # rank 0, resuming: the checkpoints there when it chose
         self._ran = False            # run() returned (on every rank)
         self._stopped_together = False   # every rank stopped at the same step (diverged)
@@ -414,6 +417,7 @@ class Trainer(CheckpointResume):
         """Rank 0 writes the run directory once the run has been validated."""
         self._lock, lines = take_run_dir(self.comm, self.run_dir, self.cfg,
                                          resume=self.resuming, overwrite=self.overwrite,
+                                         lock=self._lock,
                                          seen=self.checkpoints_seen)
         self._pending_lines[:0] = lines
         self.log = MetricsLog(self.run_dir, enabled=self.is_root, stream=self._stream_out,

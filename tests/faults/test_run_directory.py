@@ -392,6 +392,41 @@ def test_a_second_run_on_a_directory_in_use_is_refused(finished_run, small_corpu
                   flags=["--resume"]) == 0
 
 
+def test_a_directory_in_use_is_said_before_its_files_or_checkpoint_are_judged(
+        finished_run, small_corpus, capsys):
+    """A resume with changed settings into a directory another run holds was refused
+    for the settings (and, once they were accepted, for the lock); a new run there
+    was told to --resume it."""
+    from mpitrain.train.run_dir import RunDirLock
+    holder = RunDirLock(str(finished_run))
+    assert holder.acquire() is None
+    before = _snapshot(finished_run)
+    capsys.readouterr()
+    try:
+        for settings, flags in ((["optimizer.initial_learning_rate=0.01"], ["--resume"]),
+                                (["model.hidden_dim=16"], ["--resume", "--dry-run"]),
+                                ([], [])):
+            assert _train(finished_run, small_corpus, settings, flags=flags) == 2
+            err = _one_line(capsys.readouterr().err)
+            assert f"{finished_run}: another run is using this directory (pid {os.getpid()} " \
+                   f"on {os.uname().nodename} since " in err, (flags, err)
+        assert _snapshot(finished_run) == before
+    finally:
+        holder.release()
+
+
+def test_a_run_killed_holding_the_lock_is_taken_over_with_a_note(finished_run, small_corpus,
+                                                                 capsys):
+    from ..train.test_run_dir import _killed_holder
+    pid = _killed_holder(finished_run)
+    capsys.readouterr()
+    assert _train(finished_run, small_corpus, ["training.max_steps=30"],
+                  flags=["--resume"]) == 0
+    out = capsys.readouterr().out
+    assert f"took over the lock of pid {pid} on {os.uname().nodename} since " in out, out
+    assert (finished_run / ".lock").read_text() == ""        # released
+
+
 def test_a_lock_file_that_is_a_symbolic_link_is_never_written_through(small_corpus, tmp_path,
                                                                        capsys):
     """Taking the lock wrote its pid line into whatever a .lock link named (a file

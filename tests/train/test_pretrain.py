@@ -439,6 +439,25 @@ def test_pretraining_refuses_a_directory_in_use(small_corpus, tmp_path, capsys):
         holder.release()
 
 
+def test_a_resume_with_changed_settings_into_a_directory_in_use_says_it_is_in_use(
+        small_corpus, tmp_path, capsys):
+    # (it was refused for the settings first, and for the lock once they were accepted)
+    from mpitrain.train.run_dir import RunDirLock
+    run = tmp_path / "pre"
+    assert main(_argv("pretrain", run, small_corpus)) == 0
+    holder = RunDirLock(str(run))
+    assert holder.acquire() is None
+    capsys.readouterr()
+    try:
+        assert main(_argv("pretrain", run, small_corpus, ["pretrain.learning_rate=0.5"])
+                    + ["--resume"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{run}: another run is using this directory " \
+            f"(pid {os.getpid()} on " in err, err
+    finally:
+        holder.release()
+
+
 def test_a_checkpoint_written_after_the_resume_chose_its_own_is_not_trained_past(
         small_corpus, tmp_path, monkeypatch, capsys):
     # the checkpoint is chosen before the lock is this job's: a job still pretraining
@@ -453,6 +472,8 @@ def test_a_checkpoint_written_after_the_resume_chose_its_own_is_not_trained_past
     for name in newer:
         os.remove(run / name)
     os.remove(run / "pretrain.h5")
+    # (a directory without .lock: one with it is locked before the checkpoint is chosen)
+    os.remove(run / ".lock")
     real = RunDirLock.acquire
 
     def the_other_job_wrote_meanwhile(self):

@@ -294,3 +294,78 @@ def test_rank_0_clears_the_directory_before_the_other_ranks_go_on(tmp_path):
                          ".ckpt-00000010.h5.tmp-1"], lines
     finally:
         lock.release()
+
+
+def _killed_holder(run_dir):
+    """A process that took ``run_dir``'s lock and was killed (SIGKILL) holding it."""
+    import subprocess
+    import sys
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from mpitrain.train.run_dir import "
+         "RunDirLock; assert RunDirLock(sys.argv[1]).acquire() is None; print(flush=True); "
+         "time.sleep(600)", str(run_dir)], stdout=subprocess.PIPE)
+    child.stdout.readline()           # (it holds the lock now)
+    child.kill()
+    child.wait()
+    return child.pid
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_note(tmp_path):
+    from mpitrain.train.run_dir import RunDirLock
+    pid = _killed_holder(tmp_path)
+    lock = RunDirLock(str(tmp_path))
+    assert lock.acquire() is None
+    note = lock.left_by()
+    assert note.startswith(f"took over the lock of pid {pid} on {os.uname().nodename} since ") \
+        and "killed" in note, note
+    lock.in_use = True
+    lock.release()
+    # a run that released the lock leaves nothing to take over
+    assert (tmp_path / ".lock").read_text() == ""
+    lock = RunDirLock(str(tmp_path))
+    assert lock.acquire() is None and lock.left_by() is None
+    lock.release()
+
+
+def test_a_lock_left_on_another_host_is_taken_over_without_judging_its_pid(tmp_path):
+    """No process id of another host is looked up here (a pid that does not exist on
+    this host may run there): the lock alone, which the file server holds for that
+    host's process, says whether the directory is in use."""
+    from mpitrain.train.run_dir import RunDirLock
+    (tmp_path / ".lock").write_text("pid 4 on other-node since 2025-01-02 03:04:05 +0000\n")
+    lock = RunDirLock(str(tmp_path))
+    assert lock.acquire() is None
+    note = lock.left_by()
+    assert note.startswith("took over the lock of pid 4 on other-node since 2025-01-02 ") \
+        and "its node lost" in note and "does not share locks between hosts" in note, note
+    lock.release()
+
+
+def test_a_start_refused_after_taking_the_lock_leaves_the_killed_runs_line(tmp_path):
+    # (`status` names the rank 0 of a run cut off by that line)
+    from mpitrain.train.run_dir import RunDirLock
+    line = "pid 4 on other-node since 2025-01-02 03:04:05 +0000"
+    (tmp_path / ".lock").write_text(line + "\n")
+    lock = RunDirLock(str(tmp_path))
+    assert lock.acquire() is None
+    assert (tmp_path / ".lock").read_text().startswith(f"pid {os.getpid()} on ")
+    lock.release()
+    assert (tmp_path / ".lock").read_text() == line + "\n"
+
+
+def test_a_held_lock_is_refused_naming_its_holder_and_when_it_took_it(tmp_path):
+    from mpitrain.train.run_dir import RunDirLock, lock_a_used_run_dir
+    assert lock_a_used_run_dir(str(tmp_path)) == (None, None)     # (no run used it)
+    assert not (tmp_path / ".lock").exists()
+    holder = RunDirLock(str(tmp_path))
+    assert holder.acquire() is None
+    try:
+        lock, problem = lock_a_used_run_dir(str(tmp_path))
+        assert lock is None and problem.startswith(
+            f"{tmp_path}: another run is using this directory (pid {os.getpid()} on "
+            f"{os.uname().nodename} since "), problem
+    finally:
+        holder.release()
+    lock, problem = lock_a_used_run_dir(str(tmp_path))
+    assert problem is None and lock is not None
+    lock.release()
