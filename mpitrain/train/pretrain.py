@@ -66,8 +66,8 @@ from .checkpoint_clock import CheckpointClock
 from .divergence import MIN_JUDGED_FRAMES
 from .errors import TrainingError, error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
-from .run_dir import (corpus_identity, corpus_places, no_checkpoint_way, resume_changes,
-                      take_run_dir)
+from .run_dir import (ACCEPT_CHANGES_NEW_RUN, corpus_identity, corpus_places,
+                      no_checkpoint_way, resume_changes, take_run_dir)
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
 from ..words import plural, shown
@@ -247,6 +247,8 @@ class Pretrainer:
         self._stop = None            # (signal code, ranks that got it) once agreed (stop.py)
         if resume:
             self._resume()
+        elif accept_changes:
+            self._say(ACCEPT_CHANGES_NEW_RUN)
         self._window_first = None
         self._pool = [0.0, 0]        # small windows not judged yet: error sum, frames
         self._first_step = 0         # the global step this process began at (its ETA)

@@ -126,6 +126,13 @@ def no_checkpoint_way(run_dir, result: str) -> str:
     return "start the run without --resume"
 
 
+#: The line a new run (no --resume) given --accept-changes says: one command line
+#: serves a job's first start and its requeues (train.sbatch adds --resume once
+#: the directory holds a checkpoint), so it is not refused; nor silently dropped.
+ACCEPT_CHANGES_NEW_RUN = ("--accept-changes: a new run, no checkpoint to compare its "
+                          "settings with (it applies when the run is continued with --resume)")
+
+
 def run_dir_problem(run_dir, *, resume: bool, overwrite: bool) -> str | None:
     """Why ``run_dir`` cannot be used as asked, as one line; None when it can."""
     if resume and overwrite:

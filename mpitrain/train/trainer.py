@@ -37,7 +37,7 @@ from .evaluate import evaluate_chunks, load_eval_chunks
 from .errors import TrainingError, error_record, record_failure_alone
 from .metrics import MetricsLog, format_duration, resident_mb
 from .resume import CheckpointResume
-from .run_dir import take_run_dir, unused_settings
+from .run_dir import ACCEPT_CHANGES_NEW_RUN, take_run_dir, unused_settings
 from .search import RateTrials
 from .selection import ModelSelection, held_out_identity, save_best_model
 from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
@@ -151,6 +151,8 @@ class Trainer(CheckpointResume):
             self._resume()
             self._initial = None
         else:
+            if accept_changes:
+                self._say(ACCEPT_CHANGES_NEW_RUN)
             self.strategy.setup(self.net, self.optimizer)
             # what a roll back before the first checkpoint returns to
             self._initial = self._state_snapshot()

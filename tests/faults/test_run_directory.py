@@ -427,6 +427,22 @@ def test_a_run_killed_holding_the_lock_is_taken_over_with_a_note(finished_run, s
     assert (finished_run / ".lock").read_text() == ""        # released
 
 
+def test_accept_changes_on_a_new_run_says_there_is_nothing_to_compare(small_corpus, tmp_path,
+                                                                      capsys):
+    """--accept-changes without --resume was dropped without a word; it is not refused
+    either: a batch script passes the same options to a job's first start and to its
+    requeues, which add --resume once there is a checkpoint."""
+    from mpitrain.train.run_dir import ACCEPT_CHANGES_NEW_RUN
+    run = tmp_path / "run"
+    for flags in (["--accept-changes", "--dry-run"], ["--accept-changes"],
+                  ["--accept-changes", "--overwrite"]):
+        assert _train(run, small_corpus, flags=flags) == 0, flags
+        out = capsys.readouterr().out
+        assert out.count(ACCEPT_CHANGES_NEW_RUN) == 1, (flags, out)
+    assert _train(run, small_corpus, ["training.max_steps=30"], flags=["--resume"]) == 0
+    assert ACCEPT_CHANGES_NEW_RUN not in capsys.readouterr().out
+
+
 def test_a_lock_file_that_is_a_symbolic_link_is_never_written_through(small_corpus, tmp_path,
                                                                        capsys):
     """Taking the lock wrote its pid line into whatever a .lock link named (a file

@@ -439,6 +439,16 @@ def test_pretraining_refuses_a_directory_in_use(small_corpus, tmp_path, capsys):
         holder.release()
 
 
+def test_accept_changes_on_a_new_pretraining_says_there_is_nothing_to_compare(
+        small_corpus, tmp_path, capsys):
+    # (as train: dropped without a word before)
+    from mpitrain.train.run_dir import ACCEPT_CHANGES_NEW_RUN
+    run = tmp_path / "pre"
+    for flags in (["--dry-run"], []):
+        assert main(_argv("pretrain", run, small_corpus) + ["--accept-changes"] + flags) == 0
+        assert capsys.readouterr().out.count(ACCEPT_CHANGES_NEW_RUN) == 1, flags
+
+
 def test_a_resume_with_changed_settings_into_a_directory_in_use_says_it_is_in_use(
         small_corpus, tmp_path, capsys):
     # (it was refused for the settings first, and for the lock once they were accepted)
