@@ -405,6 +405,7 @@ def test_a_directory_in_use_is_said_before_its_files_or_checkpoint_are_judged(
     try:
         for settings, flags in ((["optimizer.initial_learning_rate=0.01"], ["--resume"]),
                                 (["model.hidden_dim=16"], ["--resume", "--dry-run"]),
+                                (["training.seed=3"], ["--resume", "--virtual", "2"]),
                                 ([], [])):
             assert _train(finished_run, small_corpus, settings, flags=flags) == 2
             err = _one_line(capsys.readouterr().err)
