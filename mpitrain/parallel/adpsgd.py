@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..state_fields import count, flag, float32_buffer
 from .base import Strategy
 
 #: ``parallel.topology`` values.
@@ -241,13 +242,9 @@ class RingMixing(Strategy):
         return {"iteration": int(self.iteration)}
 
     def load_state_dict(self, state: dict) -> None:
-        iteration = state.get("iteration", 0)
-        if not isinstance(iteration, (int, np.integer)) or isinstance(iteration, bool) \
-                or iteration < 0:
-            raise ValueError(f"checkpoint group 'strategy': ADPSGD 'iteration' must be a "
-                             f"non-negative int, got {iteration!r}")
+        iteration = count(state, "iteration", "checkpoint group 'strategy' (ADPSGD)", default=0)
         self.drain()
-        self.iteration = int(iteration)
+        self.iteration = iteration
         self._final_local = None
         if self.held is not None:
             # nothing held, as at the start, unless the rank's own state follows (a
@@ -280,24 +277,28 @@ class RingMixing(Strategy):
         return state
 
     def load_rank_state_dict(self, state: dict) -> None:
-        restored = restore_own_model(self.net, state)
+        # every field checked before anything is set
+        own = checked_own_model(self.net, state)
         if self.delay_by_one:
             state = state if isinstance(state, dict) else {}
             held = state.get("held_gradient")
-            self._held_bounds = self._loaded_bounds(state.get("held_step_bounds"))
-            if state.get("held_gradient_finite", 1) == 0:
+            bounds = self._loaded_bounds(state.get("held_step_bounds"))
+            finite = flag(state, "held_gradient_finite", _RANK_STATE, default=1)
+            if finite and held is not None:
+                held = float32_buffer(held, tuple(self.held.shape),
+                                      f"{_RANK_STATE}: field 'held_gradient'")
+        if own is not None:
+            self.net.params[...] = self.net.xp.asarray(own)
+        if self.delay_by_one:
+            self._held_bounds = bounds
+            if not finite:
                 self.held[...] = np.nan
             elif held is None:          # (a run that did not delay: nothing held)
                 self.held[...] = 0
                 self._held_bounds = None
             else:
-                held = np.asarray(held)
-                if held.shape != self.held.shape or held.dtype.kind != "f":
-                    raise ValueError(f"checkpoint rank state 'strategy/held_gradient' has "
-                                     f"shape {held.shape} and dtype {held.dtype}; expected "
-                                     f"{self.held.shape} floats like the model's parameters")
                 self.held[...] = self.net.xp.asarray(held)
-        if restored:
+        if own is not None:
             self.restart_exchange()
 
     def _loaded_bounds(self, saved):
@@ -306,11 +307,10 @@ class RingMixing(Strategy):
         layers = bounded_layers(self.net)
         if saved is None or not layers:
             return _BOUNDS_UNKNOWN
-        saved = np.asarray(saved)
-        if saved.shape != (len(layers),) or saved.dtype.kind != "f":
-            raise ValueError(f"checkpoint rank state 'strategy/held_step_bounds' has shape "
-                             f"{saved.shape} and dtype {saved.dtype}; expected "
-                             f"({len(layers)},) floats, one per affine layer")
+        # (a layer's bound is a product of row norms: >= 0)
+        saved = float32_buffer(saved, (len(layers),),
+                               f"{_RANK_STATE}: field 'held_step_bounds' (one per affine "
+                               "layer)", low=0.0)
         xp = self.net.xp
         return [float(b) if xp is np else xp.asarray(b, dtype=self.net.params.dtype)
                 for b in saved]
@@ -323,6 +323,10 @@ class RingMixing(Strategy):
         self._start_exchange(self.iteration + 1)
 
 
+#: How errors name a rank's part of a checkpoint's strategy state.
+_RANK_STATE = "checkpoint rank state 'strategy'"
+
+
 def bounded_layers(net) -> list:
     """The layers whose backward gives a ``step_bound`` (nnet2's max-change-per-sample
     is on); none for a bare pair of buffers."""
@@ -330,21 +334,27 @@ def bounded_layers(net) -> list:
             if getattr(layer, "track_step_bound", False)]
 
 
+def checked_own_model(net, state):
+    """A rank's own model from its checkpointed strategy state (``params``), checked
+    (the model's shape, finite in float32); None when the state holds none."""
+    params = state.get("params") if isinstance(state, dict) else None
+    if params is None:
+        return None
+    return float32_buffer(params, tuple(net.params.shape),
+                          f"{_RANK_STATE}: field 'params' (the rank's own model)")
+
+
 def restore_own_model(net, state) -> bool:
     """Put a rank's own model from its checkpointed strategy state (``params``) into
-    ``net``; False when the state holds none.  A wrong shape or type raises.
+    ``net``; False when the state holds none.  A wrong shape, type or value raises,
+    and nothing is set.
 
     Example::
 
         restore_own_model(net, {"params": saved})      # True
     """
-    params = state.get("params") if isinstance(state, dict) else None
+    params = checked_own_model(net, state)
     if params is None:
         return False
-    params = np.asarray(params)
-    if params.shape != net.params.shape or params.dtype.kind != "f":
-        raise ValueError(f"checkpoint rank state 'strategy/params' has shape "
-                         f"{params.shape} and dtype {params.dtype}; expected "
-                         f"{net.params.shape} floats like the model's parameters")
     net.params[...] = net.xp.asarray(params)
     return True

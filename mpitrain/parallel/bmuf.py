@@ -19,6 +19,7 @@ Symbols in the code: K is ``every_steps``, w0 is ``start``, Delta is
 
 from __future__ import annotations
 
+from ..state_fields import float32_buffer
 from .base import Strategy, every_steps_from
 
 
@@ -106,12 +107,16 @@ class BlockMomentum(Strategy):
                 "global_model": to_host(self.global_model)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Every buffer checked (the model's shape, finite in float32) before any is set."""
+        shape = tuple(self.start.shape)
+        saved = {}
         for key in ("start", "delta", "global_model"):
             if key not in state:
                 raise ValueError(f"checkpoint group 'strategy' lacks BMUF state '{key}'")
-        self.start[...] = self._xp.asarray(state["start"])
-        self.delta[...] = self._xp.asarray(state["delta"])
-        self.global_model[...] = self._xp.asarray(state["global_model"])
+            saved[key] = float32_buffer(state[key], shape,
+                                        f"checkpoint group 'strategy': field '{key}' (BMUF)")
+        for key, value in saved.items():
+            getattr(self, key)[...] = self._xp.asarray(value)
 
     def resume(self, net) -> None:
         # A checkpoint's model is w_g; training continues from the block start.

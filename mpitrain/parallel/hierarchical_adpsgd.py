@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import socket
 
+from ..state_fields import count
 from .adpsgd import RingMixing, restore_own_model
 from .base import Strategy
 
@@ -142,9 +143,12 @@ class NodeRingMixing(Strategy):
         return {"iteration": int(self.iteration)}
 
     def load_state_dict(self, state: dict) -> None:
+        # (checked on every rank, a node's leader or not: all refuse a file alike)
+        iteration = count(state, "iteration", "checkpoint group 'strategy' (ADPSGD)",
+                          default=0)
         if self.ring is not None:
             self.ring.load_state_dict(state)
-        self.iteration = int(state.get("iteration", 0))
+        self.iteration = iteration
         self._final_local = None
 
     def resume(self, net) -> None:

@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..state_fields import float32_buffer
+from ..words import shown
 from .base import Strategy, every_steps_from
 
 #: ``parallel.straggler_policy`` values.
@@ -163,10 +165,23 @@ class ModelAveraging(Strategy):
     def load_state_dict(self, state: dict) -> None:
         if not self.adapt or "quotas" not in state:
             return
-        quotas = [int(q) for q in np.asarray(state["quotas"])]
+        # a quota is a number of a period's K minibatches, at least one; a time is
+        # a smoothed measure of seconds, one per rank
+        where = "checkpoint group 'strategy' (straggler_policy adapt)"
+        quotas = state["quotas"]
+        if not isinstance(quotas, np.ndarray) or quotas.ndim != 1 \
+                or quotas.dtype.kind not in "iu" or not quotas.size \
+                or not (quotas.min() >= 1 and quotas.max() <= self.every_steps):
+            got = f"{quotas.dtype} {quotas.tolist()}"[:80] if isinstance(quotas, np.ndarray) \
+                else shown(quotas)
+            raise ValueError(f"{where}: field 'quotas': expected ints in [1, "
+                             f"{self.every_steps}] (parallel.average_every), got {got}")
+        # (checked as float32's range; kept as stored, in float64)
+        float32_buffer(state.get("step_seconds"), quotas.shape,
+                       f"{where}: field 'step_seconds'", low=0.0)
         if len(quotas) == self.comm.size:        # another number of ranks: start afresh
-            self.quotas = quotas
-            self.step_seconds = [float(t) for t in np.asarray(state["step_seconds"])]
+            self.quotas = [int(q) for q in quotas]
+            self.step_seconds = [float(t) for t in state["step_seconds"]]
 
     def average_models_(self, params, step: int) -> None:
         # weighted as the period's end weighs them (straggler_policy adapt: by the

@@ -79,6 +79,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..state_fields import COUNT_MAX, count, float32_buffer
+from ..words import shown
 from .base import Strategy
 
 #: Message tags of the protocol (apart from ADPSGD's and the checkpoint gather's).
@@ -217,21 +219,41 @@ class ModelAverage:
                 "average_samples": int(self.samples),
                 "average_switched_at": -1 if self.switched_at is None else int(self.switched_at)}
 
-    def load_state_dict(self, state: dict) -> None:
-        mode = state.get("average_mode", EXPONENTIAL)
-        if mode not in (EXPONENTIAL, UNIFORM):
-            raise ValueError(f"checkpoint group 'strategy': 'average_mode' must be "
-                             f"{EXPONENTIAL!r} or {UNIFORM!r}, got {mode!r}")
-        average = np.asarray(state["average"])
-        if average.shape != self.average.shape:
-            raise ValueError(f"checkpoint group 'strategy': 'average' has shape "
-                             f"{average.shape}, expected {self.average.shape}")
+    def load_state_dict(self, state: dict, *, updates: int = COUNT_MAX) -> None:
+        mode, average, samples, switched = checked_average(state, self.average.shape,
+                                                           updates=updates)
         xp = _array_module(self.average)
         self.average[...] = xp.asarray(average)
-        self.mode = mode
-        self.samples = int(state.get("average_samples", 0))
-        switched = int(state.get("average_switched_at", -1))
+        self.mode, self.samples = mode, samples
         self.switched_at = None if switched < 0 else switched
+
+
+def checked_average(state: dict, shape: tuple, *, updates: int) -> tuple:
+    """(mode, average, samples, switched_at) of a saved state, checked against what
+    the server can reach after ``updates`` updates: the average a float32 model
+    of ``shape``; exponential, nothing sampled, never switched; or uniform
+    since update t0 <= t, holding 1..t - t0 + 1 samples."""
+    where = "checkpoint group 'strategy'"
+    mode = state.get("average_mode", EXPONENTIAL)
+    if mode not in (EXPONENTIAL, UNIFORM):
+        raise ValueError(f"{where}: 'average_mode' must be "
+                         f"{EXPONENTIAL!r} or {UNIFORM!r}, got {shown(mode)}")
+    average = float32_buffer(state["average"], tuple(shape),
+                             f"{where}: field 'average' (param_server)")
+    if mode == EXPONENTIAL:
+        samples = count(state, "average_samples", where, default=0, high=0)
+        switched = count(state, "average_switched_at", where, default=-1, low=-1, high=-1)
+    else:
+        switched = count(state, "average_switched_at", where, high=updates)
+        samples = count(state, "average_samples", where, low=1,
+                        high=updates - switched + 1)
+    return mode, average, samples, switched
+
+
+def _described(value) -> str:
+    if isinstance(value, np.ndarray):
+        return f"shape {value.shape} and dtype {value.dtype}"
+    return shown(value)
 
 
 def _array_module(array):
@@ -303,6 +325,7 @@ class ParameterServer(Strategy):
         self.client_steps = [0] * len(self.clients)
         self.sent_version = {c: 0 for c in self.clients}
         self.average = None
+        self._num_params = None     # the model's size, known once bound
         self.current = None      # theta once finalize put theta_bar into the network
         self._saved_client_steps = None
         self._header = np.zeros(HEADER_SIZE, dtype=np.float64)
@@ -315,6 +338,7 @@ class ParameterServer(Strategy):
         self.bind(net)
 
     def bind(self, net) -> None:
+        self._num_params = int(net.num_params)
         if self.slices is None:
             self.slices = split_by_layers([sl.stop - sl.start for _, sl in net.param_slices],
                                           len(self.servers))
@@ -578,21 +602,29 @@ class ParameterServer(Strategy):
             # anything is set, so that every rank starts the server afresh
             raise ValueError("checkpoint group 'strategy': no 'average': not a parameter "
                              f"server's state (it holds {', '.join(sorted(state))})")
-        updates = state.get("updates", 0)
-        if not isinstance(updates, (int, np.integer)) or isinstance(updates, bool) \
-                or updates < 0:
-            raise ValueError(f"checkpoint group 'strategy': param_server 'updates' must be "
-                             f"a non-negative int, got {updates!r}")
-        self.updates = int(updates)
-        steps = [int(s) for s in np.asarray(state.get("client_steps", []), dtype=np.int64)]
+        # every field checked before anything is set
+        where = "checkpoint group 'strategy'"
+        updates = count(state, "updates", where, default=0)
+        steps = state.get("client_steps", np.zeros(0, np.int64))
+        if not isinstance(steps, np.ndarray) or steps.ndim != 1 or steps.dtype.kind not in "iu" \
+                or (steps.size and not (steps.min() >= 0 and steps.max() <= COUNT_MAX)):
+            raise ValueError(f"{where}: field 'client_steps': expected a list of non-negative "
+                             f"ints, got {_described(steps)}")
+        current = state.get("current")
+        if self._num_params is None:
+            raise RuntimeError("param_server: bind(net) must come before load_state_dict")
+        # (on clients too, which keep none of it: every rank refuses a file alike)
+        checked_average(state, (self._num_params,), updates=updates)
+        if current is not None:
+            current = float32_buffer(current, (self._num_params,),
+                                     f"{where}: field 'current' (param_server)")
+        self.updates = updates
+        steps = [int(s) for s in steps]
         self._saved_client_steps = steps
         self.client_steps = steps if len(steps) == len(self.clients) else \
             [0] * len(self.clients)
         if self.is_server:
-            if self.average is None:
-                raise RuntimeError("param_server: bind(net) must come before load_state_dict")
-            self.average.load_state_dict(state)
-            current = state.get("current")
+            self.average.load_state_dict(state, updates=updates)
             if current is not None:
                 xp = _array_module(self.average.average)
-                self.current = xp.asarray(np.asarray(current, dtype=np.float32))
+                self.current = xp.asarray(current)
