@@ -22,11 +22,12 @@ from ..config import config_from_yaml
 from ..h5io import open_h5_for_reading
 from ..nn.model_file import BEST_MODEL, ModelMismatchError, save_model
 from ..parallel.registry import takes_own_steps
+from ..state_fields import count, flag
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
 from .run_dir import (corpus_identity, corpus_places, init_from_identity,
                       no_checkpoint_way, resume_changes)
-from ..words import plural
+from ..words import plural, shown
 
 #: Prefixes of the schedule's and the model selection's scalars in the
 #: checkpoint's group 'trainer'.
@@ -67,6 +68,34 @@ def later_best_model(path: str, select_by: str, after_step: int):
     except (OSError, ValueError, TypeError, OverflowError, KeyError, RuntimeError):
         return None
     return value, step, frames
+
+
+def checked_plan(trainer_state: dict, step: int) -> dict:
+    """The plan's counts in a checkpoint's trainer state, checked against what the
+    trainer writes at ``step``: ``planned_steps`` and ``steps_per_epoch`` at least 1
+    (0: a checkpoint from before they were stored), ``complete_at`` 0 (not ended)
+    or at least 1, ``stopped_early`` a flag.  ValueError naming the field."""
+    where = "the trainer's state"
+    plan = {key: count(trainer_state, key, where, low=low) if key in trainer_state else 0
+            for key, low in (("planned_steps", 1), ("steps_per_epoch", 1), ("complete_at", 0))}
+    plan["stopped_early"] = flag(trainer_state, "stopped_early", where, default=0)
+    if plan["stopped_early"] and not plan["complete_at"]:
+        raise ValueError(f"{where}: field 'stopped_early' is 1 in a run that had not ended "
+                         "(no 'complete_at')")
+    return plan
+
+
+def check_reader_against_step(reader: dict, steps_per_epoch: int, step: int) -> None:
+    """A rank's reader in lock step reads one minibatch a step at most: it stands no
+    further than ``step`` minibatches in (``epoch * steps_per_epoch + steps_in_epoch``);
+    ValueError naming the field otherwise (a missing one: the reader's own check)."""
+    if not isinstance(reader, dict) or not {"epoch", "steps_in_epoch"} <= set(reader):
+        return
+    read = reader["epoch"] * steps_per_epoch + reader["steps_in_epoch"]
+    if read > step:
+        raise ValueError(f"field 'epoch': epoch {shown(reader['epoch'])} and "
+                         f"{reader['steps_in_epoch']} steps into it ({steps_per_epoch} steps "
+                         f"an epoch) is past the checkpoint's step {step}")
 
 
 class CheckpointResume:
@@ -208,13 +237,18 @@ class CheckpointResume:
 
     def _resume(self) -> None:
         ckpt, notes, changes = self._choose_checkpoint()
+        try:
+            plan = checked_plan(ckpt.trainer_state, ckpt.step)
+        except ValueError as exc:
+            # (the same group on every rank: all refuse it alike)
+            raise TrainingError(f"{ckpt.path}: {exc}", agreed=True) from None
         for line in notes:
             self._say(f"resume: {line}")
         if changes:
             self._say("resume: settings changed (--accept-changes): " + "; ".join(changes))
             self._record("config_change", changes=changes)
-        complete_at = int(ckpt.trainer_state.get("complete_at", 0))
-        old_planned = int(ckpt.trainer_state.get("planned_steps", 0)) or complete_at
+        complete_at = plan["complete_at"]
+        old_planned = plan["planned_steps"] or complete_at
         # compared as fractions of the plans: another number of ranks plans other counts
         asks_more = complete_at and self.total_steps * old_planned > \
             complete_at * self.planned_steps
@@ -226,11 +260,14 @@ class CheckpointResume:
         if complete_at and not changes and not asks_more:
             # a requeued job's --resume of a run that had ended: leave its results alone
             self.step, self.frames_seen = ckpt.step, ckpt.frames_seen
-            self._load_selection_state(ckpt)
+            try:
+                self._load_selection_state(ckpt)
+            except ValueError as exc:
+                raise TrainingError(f"{ckpt.path}: {exc}", agreed=True) from None
             best = {} if self.selection.best_step < 0 else {
                 "best_step": self.selection.best_step, "best_value": self.selection.best_value,
                 "select_by": self.selection.select_by}
-            early = "" if not ckpt.trainer_state.get("stopped_early") else \
+            early = "" if not plan["stopped_early"] else \
                 "schedule" if ckpt.trainer_state.get(SCHEDULE_PREFIX + "stopped") else "eval"
             self._complete = (ckpt.step, best, old_planned, early)
             return
@@ -284,6 +321,8 @@ class CheckpointResume:
                             lambda c: self.optimizer.load_state_dict(state["optimizer"]),
                             settings_changed, every_rank=False)
             try:
+                if not self._takes_own_steps():
+                    check_reader_against_step(state["reader"], self.steps_per_epoch, ckpt.step)
                 self.stream.load_state_dict(state["reader"])
             except ValueError as exc:
                 raise ValueError(f"{ckpt.path}: ranks/{self.comm.rank:05d}/reader: "
@@ -297,7 +336,7 @@ class CheckpointResume:
         # N -> M ranks, or settings that split the data otherwise: the data was
         # re-planned; the same fraction of the schedule is done; per-rank state
         # cannot carry over.
-        old_planned = int(ckpt.trainer_state.get("planned_steps", 0))
+        old_planned = checked_plan(ckpt.trainer_state, ckpt.step)["planned_steps"]
         if old_planned <= 0:
             raise TrainingError(
                 f"{ckpt.path}: {replanned}, and the checkpoint predates re-planning the "
@@ -402,7 +441,7 @@ class CheckpointResume:
             with contextlib.suppress(ValueError):
                 saved = config_from_yaml(ckpt.config_yaml).training.select_by
                 state["by_xent"] = int(saved == "xent")
-        self.selection.load_state_dict(state)
+        self.selection.load_state_dict(state, at_step=ckpt.step)
 
     def _load_schedule_state(self, ckpt) -> None:
         saved = {k[len(SCHEDULE_PREFIX):]: v for k, v in ckpt.trainer_state.items()

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 from ..h5io import atomic_h5_file
 from ..nn.model_file import BEST_MODEL, write_model_group
+from ..state_fields import COUNT_MAX, FLOAT32_MAX, count, flag, number
 _KEYS = {"acc": "dev_acc", "xent": "dev_xent"}
 
 
@@ -169,22 +170,30 @@ class ModelSelection:
                 "by_xent": int(self.select_by == "xent"),
                 "held_out_frames": self.held_out_frames, "held_out_set": self.figures_set}
 
-    def load_state_dict(self, state: dict) -> None:
-        """ValueError (nothing loaded) for a selection made by the other figure: its
-        best value is not one of ``select_by``'s."""
+    def load_state_dict(self, state: dict, *, at_step: int = COUNT_MAX) -> None:
+        """ValueError (nothing loaded) for a selection made by the other figure (its best
+        value is not one of ``select_by``'s), or a field no evaluation up to step
+        ``at_step`` gives: a figure out of its range (accuracy in [0, 1], cross-entropy
+        >= 0), a best step or more evaluations without a gain than steps so far."""
+        where = "the model selection"
         if "by_xent" in state:          # (checkpoints from before it was stored: alike)
-            saved = "xent" if int(state["by_xent"]) else "acc"
+            saved = "xent" if flag(state, "by_xent", where) else "acc"
             if saved != self.select_by:
                 raise ValueError(f"it selected the best model by {saved}, now by "
                                  f"{self.select_by}")
-        self.best_step = int(state.get("best_step", -1))
-        started = self.best_step >= 0
-        self.best_value = float(state["best_value"]) if started else math.nan
-        self.reference = float(state["reference"]) if started and state.get(
-            "counting", 1) else math.nan
-        self.since_gain = int(state.get("since_gain", 0))
-        self.held_out_frames = int(state.get("held_out_frames", 0))
-        self.figures_set = int(state.get("held_out_set", 0))
+        best_step = count(state, "best_step", where, default=-1, low=-1, high=at_step)
+        started = best_step >= 0
+        top = 1.0 if self.select_by == "acc" else FLOAT32_MAX
+        best_value = number(state, "best_value", where, low=0.0, high=top) \
+            if started else math.nan
+        counting = flag(state, "counting", where, default=1)
+        reference = number(state, "reference", where, low=0.0, high=top) \
+            if started and counting else math.nan
+        since_gain = count(state, "since_gain", where, default=0, high=at_step)
+        frames = count(state, "held_out_frames", where, default=0)
+        figures_set = count(state, "held_out_set", where, default=0, high=0xFFFFFFFF)
+        self.best_step, self.best_value, self.reference = best_step, best_value, reference
+        self.since_gain, self.held_out_frames, self.figures_set = since_gain, frames, figures_set
 
 
 def held_out_identity(manifest) -> int:

@@ -154,3 +154,70 @@ def test_a_checkpoint_whose_step_is_not_its_name_is_skipped(run, small_corpus, c
     assert "ckpt-00000020.h5: checkpoint attribute 'step' is 10, but the file's name says " \
         "step 20" in out
     assert f"resumed from {checkpoint_path(run, 10)} at step 10" in out
+
+
+_TRAINER = "trainer"
+_READER = "ranks/00000/reader"
+
+
+def _set_attr(group, key, value):
+    return lambda f: f[group].attrs.__setitem__(key, value)
+
+
+@pytest.mark.parametrize("edit,named", [
+    # (each was taken by int() or float(): a best step past the checkpoint, an accuracy
+    # of 1.5 no evaluation gives, counts cut short, a reader epochs ahead of the step)
+    (_set_attr(_TRAINER, "selection_best_step", 25),
+     "the model selection: field 'best_step': expected an int in [-1, 20], got 25"),
+    (_set_attr(_TRAINER, "selection_best_value", 1.5),
+     "the model selection: field 'best_value': expected a finite number in [0, 1], got 1.5"),
+    (_set_attr(_TRAINER, "selection_since_gain", 2.5),
+     "the model selection: field 'since_gain': expected an int in [0, 20], got 2.5"),
+    (_set_attr(_TRAINER, "selection_held_out_frames", -3),
+     "the model selection: field 'held_out_frames': expected an int in [0,"),
+    (_set_attr(_TRAINER, "selection_by_xent", 2),
+     "the model selection: field 'by_xent': expected 0 or 1, got 2"),
+    (_set_attr(_TRAINER, "planned_steps", 2.5),
+     "the trainer's state: field 'planned_steps': expected an int in [1,"),
+    (_set_attr(_TRAINER, "steps_per_epoch", 0),
+     "the trainer's state: field 'steps_per_epoch': expected an int in [1,"),
+    (_set_attr(_TRAINER, "complete_at", -1),
+     "the trainer's state: field 'complete_at': expected an int in [0,"),
+    (_set_attr(_TRAINER, "stopped_early", 2),
+     "the trainer's state: field 'stopped_early': expected 0 or 1, got 2"),
+    (_set_attr(_TRAINER, "complete_at", 20.5),
+     "the trainer's state: field 'complete_at': expected an int in [0,"),
+    (_set_attr(_READER, "epoch", 100),
+     "ranks/00000/reader: field 'epoch': epoch 100 and"),
+])
+def test_a_forged_trainer_field_is_refused_on_resume_naming_file_and_field(
+        run, small_corpus, capsys, edit, named):
+    newest = checkpoint_path(run, 20)
+    _forge(newest, edit)
+    metrics = (run / "metrics.jsonl").read_bytes()
+    assert _train(run, small_corpus, 30, resume=True) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain train: error: {newest}: ") and err.count("\n") == 1, err
+    assert named in err, err
+    assert (run / "metrics.jsonl").read_bytes() == metrics
+    assert not (run / "ckpt-00000030.h5").exists()
+
+
+def test_a_forged_bmuf_buffer_is_refused_on_resume(small_corpus, tmp_path, capsys):
+    # (a float64 block start of 1e300 passed the file's finite check and became
+    # infinity in the float32 model the resumed run trained from)
+    run_dir, bmuf = tmp_path / "bmuf", ["parallel.method=bmuf", "parallel.average_every=5"]
+    assert _train(run_dir, small_corpus, 20, extra=bmuf) == 0
+    newest = checkpoint_path(run_dir, 20)
+    capsys.readouterr()
+
+    def edit(f):
+        shape = f["strategy/start"].shape
+        del f["strategy/start"]
+        f["strategy/start"] = np.full(shape, 1e300)
+    _forge(newest, edit)
+    assert _train(run_dir, small_corpus, 30, resume=True, extra=bmuf) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain train: error: {newest}: ") and err.count("\n") == 1, err
+    assert "field 'start' (BMUF): expected finite floats in [-3.40282e+38, 3.40282e+38]" in err
+    assert not (run_dir / "ckpt-00000030.h5").exists()
