@@ -82,6 +82,9 @@ def _layer_specs(group, path) -> list:
     return specs
 
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
 def read_stack_group(group, path, *, xp=np) -> RBMStack:
     """The stack in an HDF5 group, every size checked before it is read.
 
@@ -114,6 +117,12 @@ def read_stack_group(group, path, *, xp=np) -> RBMStack:
             raise ValueError(f"{path}: dataset '{name}' has shape {data.shape} and dtype "
                              f"{data.dtype}; expected ({length},) floats")
         arrays[name] = data[...]
+        outside = ~(np.abs(arrays[name]) <= _FLOAT32_MAX)
+        if name.startswith("layer_") and outside.any():
+            # (a float64 of 1e300 is finite in the file and infinite in the float32 layer)
+            index = int(np.flatnonzero(outside)[0])
+            raise ValueError(f"{path}: dataset '{name}' holds {arrays[name][index]:g} at index "
+                             f"{index}; expected finite floats within float32's range")
     check_cmvn_scale(arrays["cmvn_scale"], path)
     rbms = []
     for i, spec in enumerate(specs):

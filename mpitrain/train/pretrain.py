@@ -70,6 +70,7 @@ from .run_dir import (ACCEPT_CHANGES_NEW_RUN, corpus_identity, corpus_places,
                       no_checkpoint_way, resume_changes, take_run_dir)
 from .stop import STOP_SIGNALS, StopPoll, agreed_stop, requested, signal_name
 from .setup import balanced_plan, load_manifests, no_minibatch_error, select_device
+from ..state_fields import float32_buffer
 from ..words import plural, shown
 
 CHECKPOINT_FORMAT = "mpitrain-pretrain-checkpoint"
@@ -146,6 +147,11 @@ def _check_rank_state(state: dict, stack, layer: int, name: str, path) -> None:
                else "no dataset")
         raise ValueError(f"{path}: '{name}/momentum/delta' has {got}; expected {want} floats "
                          f"like layer {layer + 1}'s parameters")
+    try:
+        # (a float64 of 1e300 passes the file's finite check, and is infinite as float32)
+        float32_buffer(delta, want, f"field '{name}/momentum/delta'")
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     factor = momentum.get("rate_factor", 1.0)
     if not valid_rate_factor(factor):
         raise ValueError(f"{path}: '{name}/momentum/rate_factor' is {factor!r}; expected a "
@@ -494,6 +500,15 @@ class Pretrainer:
                                if key.startswith("corpus_")
                                and isinstance(f.attrs[key], (int, np.integer))}
             stack = read_stack_group(f["stack"], path, xp=self.xp)
+            # the layer in training is one of the stack's (its count: at the end), and
+            # its step one of its planned steps
+            if attrs["layer"] > len(stack.rbms):
+                raise ValueError(f"{path}: checkpoint attribute 'layer' is {attrs['layer']}, "
+                                 f"but the stack holds {len(stack.rbms)} layers")
+            if attrs["layer_steps"] and attrs["layer_step"] > attrs["layer_steps"]:
+                raise ValueError(f"{path}: checkpoint attribute 'layer_step' is "
+                                 f"{attrs['layer_step']}, past the layer's "
+                                 f"{attrs['layer_steps']} planned steps ('layer_steps')")
             same_ranks = attrs["num_ranks"] == self.comm.size
             name = f"ranks/{self.comm.rank:05d}"
             rank = read_state(f["ranks"][f"{self.comm.rank:05d}"], path, what="checkpoint") \

@@ -657,6 +657,14 @@ def test_the_divergence_factors_help_names_the_gaussian_layers_yardstick():
                 "expected an error >= 0, a finite sum >= 0 and frames in [0, 1000), "
                 "got -1.0, "),
     ("rate_factor", "'ranks/00000/momentum/rate_factor' is 1.5; expected a number in (0, 1]"),
+    # (each was taken: a float64 of 1e300 is infinite in the float32 layer or momentum,
+    # and a layer or step past the stack's or the plan's)
+    ("momentum_huge", "field 'ranks/00000/momentum/delta': expected finite floats in "
+                      "[-3.40282e+38, 3.40282e+38]"),
+    ("stack_huge", "dataset 'layer_000' holds 1e+300 at index 0; expected finite floats "
+                   "within float32's range"),
+    ("layer", "checkpoint attribute 'layer' is 7, but the stack holds"),
+    ("layer_step", "checkpoint attribute 'layer_step' is 100001, past the layer's"),
 ])
 def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
         small_corpus, tmp_path, capsys, craft, named):
@@ -684,6 +692,14 @@ def test_a_crafted_pretraining_checkpoint_is_one_line_naming_file_and_field(
             f.attrs["window_first"] = -1.0
         elif craft == "rate_factor":
             f["ranks/00000/momentum"].attrs["rate_factor"] = 1.5
+        elif craft in ("momentum_huge", "stack_huge"):
+            name = "ranks/00000/momentum/delta" if craft == "momentum_huge" \
+                else "stack/layer_000"
+            huge = np.full(f[name].shape, 1e300)
+            del f[name]
+            f[name] = huge
+        elif craft in ("layer", "layer_step"):
+            f.attrs[craft] = 7 if craft == "layer" else 100001
         elif craft == "config_text":
             f.attrs["config"] = "training: [1"
         else:
