@@ -419,6 +419,17 @@ HELD_ERRNOS = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 HOLDER_LINE = re.compile(r"^pid (\d+) on (\S+) since (.+)$")
 
 
+def _process_exists(pid: int) -> bool:
+    """Whether a process of this id runs on this host (one of another user's too)."""
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True
+    except (OSError, OverflowError):
+        return False
+    return True
+
+
 def holder_line() -> str:
     """What this process writes into a run directory's ``.lock`` while it holds it."""
     since = time.strftime("%Y-%m-%d %H:%M:%S %z")
@@ -522,6 +533,12 @@ class RunDirLock:
         pid, host, since = found.groups()
         what = f"the lock of pid {pid} on {host} since {since}, which never released it"
         if host == os.uname().nodename:
+            if _process_exists(int(pid)):
+                # it holds no lock here, so its line came with a copy of its directory
+                # (or its pid was reused): two runs may now go on from one checkpoint
+                return (f"took over {what} here; that process still runs: if this "
+                        "directory is a copy of a run still going, both now train on "
+                        "from the same checkpoint")
             return f"took over {what} (it was killed or crashed; it holds the lock no more)"
         # (no process id of another host is judged here: the file server released
         # its lock, which it does when that process or its host is gone)

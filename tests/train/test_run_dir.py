@@ -369,3 +369,18 @@ def test_a_held_lock_is_refused_naming_its_holder_and_when_it_took_it(tmp_path):
     lock, problem = lock_a_used_run_dir(str(tmp_path))
     assert problem is None and lock is not None
     lock.release()
+
+
+def test_a_lock_line_of_a_process_still_running_is_said_as_a_copy(tmp_path):
+    """A directory copied while its run goes on holds that run's lock line, but not
+    its lock: the take-over said the run was killed, while it trained on beside the
+    copy from the same checkpoint."""
+    from mpitrain.train.run_dir import RunDirLock
+    since = "2026-01-02 03:04:05 +0000"
+    (tmp_path / ".lock").write_text(f"pid {os.getpid()} on {os.uname().nodename} since {since}\n")
+    lock = RunDirLock(str(tmp_path))
+    assert lock.acquire() is None
+    note = lock.left_by()
+    assert note.startswith(f"took over the lock of pid {os.getpid()} ") and "still runs" in note \
+        and "copy" in note and "killed" not in note, note
+    lock.release()
