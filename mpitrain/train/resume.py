@@ -441,7 +441,7 @@ class CheckpointResume:
             with contextlib.suppress(ValueError):
                 saved = config_from_yaml(ckpt.config_yaml).training.select_by
                 state["by_xent"] = int(saved == "xent")
-        self.selection.load_state_dict(state, at_step=ckpt.step)
+        self.selection.load_state_dict(state)
 
     def _load_schedule_state(self, ckpt) -> None:
         saved = {k[len(SCHEDULE_PREFIX):]: v for k, v in ckpt.trainer_state.items()

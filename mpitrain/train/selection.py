@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 from ..h5io import atomic_h5_file
 from ..nn.model_file import BEST_MODEL, write_model_group
-from ..state_fields import COUNT_MAX, FLOAT32_MAX, count, flag, number
+from ..state_fields import FLOAT32_MAX, count, flag, number
 _KEYS = {"acc": "dev_acc", "xent": "dev_xent"}
 
 
@@ -170,18 +170,23 @@ class ModelSelection:
                 "by_xent": int(self.select_by == "xent"),
                 "held_out_frames": self.held_out_frames, "held_out_set": self.figures_set}
 
-    def load_state_dict(self, state: dict, *, at_step: int = COUNT_MAX) -> None:
+    def load_state_dict(self, state: dict) -> None:
         """ValueError (nothing loaded) for a selection made by the other figure (its best
-        value is not one of ``select_by``'s), or a field no evaluation up to step
-        ``at_step`` gives: a figure out of its range (accuracy in [0, 1], cross-entropy
-        >= 0), a best step or more evaluations without a gain than steps so far."""
+        value is not one of ``select_by``'s), or a field no evaluation gives: a figure
+        out of its range (accuracy in [0, 1], cross-entropy >= 0), a count that is not
+        a whole number >= 0.
+
+        The best step and the evaluations without a gain are not bounded by the
+        checkpoint's step: a roll back returns to an older checkpoint and keeps the
+        best model found past it (and its count), as does a resume that finds a later
+        best.h5; the checkpoints written after that hold a best step ahead of theirs."""
         where = "the model selection"
         if "by_xent" in state:          # (checkpoints from before it was stored: alike)
             saved = "xent" if flag(state, "by_xent", where) else "acc"
             if saved != self.select_by:
                 raise ValueError(f"it selected the best model by {saved}, now by "
                                  f"{self.select_by}")
-        best_step = count(state, "best_step", where, default=-1, low=-1, high=at_step)
+        best_step = count(state, "best_step", where, default=-1, low=-1)
         started = best_step >= 0
         top = 1.0 if self.select_by == "acc" else FLOAT32_MAX
         best_value = number(state, "best_value", where, low=0.0, high=top) \
@@ -189,7 +194,7 @@ class ModelSelection:
         counting = flag(state, "counting", where, default=1)
         reference = number(state, "reference", where, low=0.0, high=top) \
             if started and counting else math.nan
-        since_gain = count(state, "since_gain", where, default=0, high=at_step)
+        since_gain = count(state, "since_gain", where, default=0)
         frames = count(state, "held_out_frames", where, default=0)
         figures_set = count(state, "held_out_set", where, default=0, high=0xFFFFFFFF)
         self.best_step, self.best_value, self.reference = best_step, best_value, reference

@@ -345,6 +345,33 @@ def test_a_best_model_written_after_the_checkpoint_stays_the_best(small_corpus, 
     assert end["type"] == "end" and end["best_step"] == step, end
 
 
+def test_a_checkpoint_written_before_a_later_best_step_resumes(small_corpus, tmp_path, capsys):
+    # a run killed after it wrote best.h5 past its newest checkpoint, resumed and ended
+    # (training.max_steps) before that best step: its final checkpoint holds a best
+    # step ahead of its own (as one written after a roll back does), and the next
+    # --resume refused it as forged
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                                 "training.checkpoint_interval=8",
+                                                 "training.eval_interval=1024",
+                                                 "training.max_steps=16"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    with h5py.File(run / "best.h5", "r") as f:
+        best = int(f.attrs["selected_at_step"])
+    assert best > 10, best              # (the model learns: a later evaluation is best)
+    for name in ("ckpt-00000016.h5", "final.h5"):   # cut off between steps 8 and 16
+        os.remove(run / name)
+    assert main(argv + ["--resume", "--set", "training.max_steps=10"]) == 0
+    with h5py.File(run / "ckpt-00000010.h5", "r") as f:
+        assert int(f["trainer"].attrs["selection_best_step"]) == best
+    capsys.readouterr()
+    assert main(argv + ["--resume"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert f"resumed from {run}/ckpt-00000010.h5 at step 10" in out, out
+
+
 def test_an_accepted_l2_that_would_zero_the_weights_is_refused_naming_it(small_corpus,
                                                                           tmp_path, capsys):
     # --resume --accept-changes --set optimizer.l2_regularize=1e30 went on, each step
