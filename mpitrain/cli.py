@@ -1024,8 +1024,9 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         # argparse quotes a bad value whole ("invalid int value: '...'"): a value of
-        # megabytes (a variable holding a file) would fill the screen
-        message = words_cut(message)
+        # megabytes (a variable holding a file) would fill the screen; cut where no
+        # path is that long (a stray path's end, its file name, is what the user reads)
+        message = words_cut(message, LONGEST_WORD)
         if self.hold:
             raise _HeldParseError(self.prog, message, self.format_usage())
         if self.quiet:

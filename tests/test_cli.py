@@ -1111,3 +1111,13 @@ def test_a_huge_command_line_value_is_cut_short_in_the_error(argv, capsys):
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith(f"mpitrain {argv[0]}: error: ") and len(last) < 1500
     assert "(1000" in last and "characters)" in last
+
+
+def test_a_stray_long_path_is_named_whole_in_a_command_line_error(capsys):
+    # cut at 60 characters, the error hid the path's end: the file name passed
+    path = "/scratch/users/someone/experiments/2024/a-run-with-a-rather-long-name/" \
+        "ckpt-00000120.h5"
+    with pytest.raises(SystemExit) as end:
+        main(["train", "run.yaml", path])
+    assert end.value.code == 2
+    assert f"unrecognized arguments: {path}" in capsys.readouterr().err
