@@ -691,7 +691,10 @@ class Trainer(CheckpointResume):
         settle there, where the divergence guard sees a steady objective, and the run
         ended with status 0 and a model that only knows the class priors."""
         counts = self.dev_manifest.class_counts if self.dev_manifest is not None else []
-        if "dev_acc" not in result or not sum(counts):
+        # (the counts are the whole held-out set's: a part, training.eval_max_frames,
+        # may have a commonest class of its own, far more common)
+        if "dev_acc" not in result or not sum(counts) \
+                or result.get("dev_frames", 0) < sum(counts):
             return
         commonest = max(counts) / sum(counts)
         if result["dev_acc"] <= commonest + NOTHING_LEARNED_MARGIN:

@@ -736,6 +736,10 @@ def test_a_final_model_of_the_priors_alone_is_named(small_corpus, tmp_path, caps
     warned = [line for line in out.splitlines() if "no better than always answering" in line]
     assert len(warned) == 1 and f"{end['dev_acc']:.4f}" in warned[0], out
     assert "optimizer.initial_learning_rate" in warned[0]
+    # judged only on the whole held-out set, whose class counts the corpus holds
+    train_in_process(tmp_path / "part", small_corpus, TINY + [
+        "training.max_steps=1", "training.minibatch=16", "training.eval_max_frames=500"])
+    assert "no better than always answering" not in capsys.readouterr().out
     train_in_process(tmp_path / "learned", small_corpus, TINY + ["training.max_steps=60"])
     out = capsys.readouterr().out
     counts = load_manifest(os.path.join(small_corpus, "dev")).class_counts
