@@ -23,7 +23,7 @@ ALLOWED = {
     "h5io": {"files"},
     "testing": {"backend"},
     "comm": {"backend"},
-    "nn": {"backend", "h5io", "files", "words"},
+    "nn": {"backend", "h5io", "files", "state_fields", "words"},
     "optim": {"backend", "state_fields", "words"},
     "data": {"backend", "files", "h5io", "words"},
     "parallel": {"backend", "state_fields", "words"},

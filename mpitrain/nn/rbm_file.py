@@ -20,6 +20,7 @@ import numpy as np
 from ..backend import to_host
 from ..h5io import (atomic_h5_file, link_problem, open_h5_for_reading, reading_errors,
                     require_dataset, verify_file)
+from ..state_fields import FLOAT32_MAX
 from ..words import shown
 from .model_file import (MAX_CONTEXT, MAX_FEAT_DIM, MAX_LAYER_DIM, MAX_PARAMS, _speaker_cmvn,
                          check_cmvn_scale, check_version)
@@ -82,9 +83,6 @@ def _layer_specs(group, path) -> list:
     return specs
 
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-
-
 def read_stack_group(group, path, *, xp=np) -> RBMStack:
     """The stack in an HDF5 group, every size checked before it is read.
 
@@ -117,7 +115,7 @@ def read_stack_group(group, path, *, xp=np) -> RBMStack:
             raise ValueError(f"{path}: dataset '{name}' has shape {data.shape} and dtype "
                              f"{data.dtype}; expected ({length},) floats")
         arrays[name] = data[...]
-        outside = ~(np.abs(arrays[name]) <= _FLOAT32_MAX)
+        outside = ~(np.abs(arrays[name]) <= FLOAT32_MAX)
         if name.startswith("layer_") and outside.any():
             # (a float64 of 1e300 is finite in the file and infinite in the float32 layer)
             index = int(np.flatnonzero(outside)[0])

@@ -48,7 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .. import backend
-from ..state_fields import FLOAT32_MAX, count, float32_buffer, number
+from ..state_fields import FLOAT32_MAX, count, described, float32_buffer, number
 from ..words import shown
 from . import kernels
 
@@ -66,13 +66,6 @@ CHOLESKY_INVERSE_LIMIT = 100.0
 #: sqrt(e) < 1; float32 rounding and a reorthogonalisation within its tolerance
 #: leave them at most a little longer
 MAX_W_ROW_NORM = 1.01
-
-
-def _kind(value) -> str:
-    """What a field holds, for an error: an array's shape and dtype, else the value."""
-    if isinstance(value, np.ndarray):
-        return f"an array of shape {value.shape} and dtype {value.dtype}"
-    return shown(value)
 
 
 class Preconditioner(ABC):
@@ -518,7 +511,7 @@ class OnlineNaturalGradient(Preconditioner):
         for key, array in (("W", w), ("d", d)):
             if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
                 raise ValueError(f"{where}: field {key!r}: expected an array of floats, got "
-                                 f"{_kind(array)}")
+                                 f"{described(array)}")
         if w.size == 0:
             # (not started: its rho is 0.0, and nothing else is read)
             number(state, "rho", where, low=0.0)
@@ -573,7 +566,7 @@ class OnlineNaturalGradient(Preconditioner):
         if not (isinstance(x_sq, np.ndarray) and x_sq.dtype.kind == "f" and x_sq.size == 1
                 and 0 <= float(x_sq.reshape(())) <= FLOAT32_MAX):
             raise ValueError(f"{where}: field 'pending_x_sq': expected one float in [0, "
-                             f"{FLOAT32_MAX:g}], got {_kind(x_sq)}")
+                             f"{FLOAT32_MAX:g}], got {described(x_sq)}")
         x_sq = np.asarray(x_sq, dtype=np.float64).reshape(())
         self._wj[rank:] = backend.to_device(j_rows.astype(self._wj.dtype), np)
         self._pending = (backend.HostCopy(gram.astype(self._wj.dtype)),

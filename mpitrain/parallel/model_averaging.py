@@ -38,8 +38,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..state_fields import float32_buffer
-from ..words import shown
+from ..state_fields import float32_buffer, int_array
 from .base import Strategy, every_steps_from
 
 #: ``parallel.straggler_policy`` values.
@@ -168,14 +167,9 @@ class ModelAveraging(Strategy):
         # a quota is a number of a period's K minibatches, at least one; a time is
         # a smoothed measure of seconds, one per rank
         where = "checkpoint group 'strategy' (straggler_policy adapt)"
-        quotas = state["quotas"]
-        if not isinstance(quotas, np.ndarray) or quotas.ndim != 1 \
-                or quotas.dtype.kind not in "iu" or not quotas.size \
-                or not (quotas.min() >= 1 and quotas.max() <= self.every_steps):
-            got = f"{quotas.dtype} {quotas.tolist()}"[:80] if isinstance(quotas, np.ndarray) \
-                else shown(quotas)
-            raise ValueError(f"{where}: field 'quotas': expected ints in [1, "
-                             f"{self.every_steps}] (parallel.average_every), got {got}")
+        # (at most parallel.average_every)
+        quotas = int_array(state["quotas"], f"{where}: field 'quotas'", low=1,
+                           high=self.every_steps, empty=False)
         # (checked as float32's range; kept as stored, in float64)
         float32_buffer(state.get("step_seconds"), quotas.shape,
                        f"{where}: field 'step_seconds'", low=0.0)

@@ -79,7 +79,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..state_fields import COUNT_MAX, count, float32_buffer
+from ..state_fields import COUNT_MAX, count, float32_buffer, int_array
 from ..words import shown
 from .base import Strategy
 
@@ -248,12 +248,6 @@ def checked_average(state: dict, shape: tuple, *, updates: int) -> tuple:
         samples = count(state, "average_samples", where, low=1,
                         high=updates - switched + 1)
     return mode, average, samples, switched
-
-
-def _described(value) -> str:
-    if isinstance(value, np.ndarray):
-        return f"shape {value.shape} and dtype {value.dtype}"
-    return shown(value)
 
 
 def _array_module(array):
@@ -606,10 +600,7 @@ class ParameterServer(Strategy):
         where = "checkpoint group 'strategy'"
         updates = count(state, "updates", where, default=0)
         steps = state.get("client_steps", np.zeros(0, np.int64))
-        if not isinstance(steps, np.ndarray) or steps.ndim != 1 or steps.dtype.kind not in "iu" \
-                or (steps.size and not (steps.min() >= 0 and steps.max() <= COUNT_MAX)):
-            raise ValueError(f"{where}: field 'client_steps': expected a list of non-negative "
-                             f"ints, got {_described(steps)}")
+        int_array(steps, f"{where}: field 'client_steps'")
         current = state.get("current")
         if self._num_params is None:
             raise RuntimeError("param_server: bind(net) must come before load_state_dict")

@@ -49,7 +49,7 @@ import os
 import sys
 
 from ..config import STRONG_L2_SHRINK, l2_shrink
-from ..words import shown
+from ..state_fields import count, number
 
 #: Weight of a new window in the running mean of the objective.
 MEAN_WEIGHT = 0.3
@@ -242,38 +242,19 @@ class DivergenceGuard:
                 **mean, **pool}
 
     def load_state_dict(self, state: dict) -> None:
-        def number(key, default, kind, ok, expected):
-            value = state.get(key, default)
-            try:
-                # (a count of 2.5 is no count: int() would take it for 2)
-                good = not isinstance(value, (bool, str)) and (
-                    kind is not int or isinstance(value, int))
-                value = kind(value)
-                good = good and ok(value)
-            except (TypeError, ValueError, OverflowError):
-                good = False
-            if not good:
-                # the field alone: the group holds the corpus digest and much else
-                raise ValueError(f"checkpoint group 'trainer': field '{key}': expected "
-                                 f"{expected}, got {shown(state.get(key, default))}")
-            return value
-        count = "a non-negative count"
-        self.rollbacks = number("rollbacks", 0, int, lambda v: v >= 0, count)
-        self.lr_scale = number("lr_scale", 1.0, float,
-                               lambda v: math.isfinite(v) and 0.0 < v <= 1.0,
-                               "a number in (0, 1]")
-        self.skipped_total = number("skipped_total", 0, int, lambda v: v >= 0, count)
-        self.exploded_total = number("exploded_total", 0, int, lambda v: v >= 0, count)
+        # (the field alone is named: the group holds the corpus digest and much else)
+        where = "checkpoint group 'trainer'"
+        self.rollbacks = count(state, "rollbacks", where, default=0)
+        self.lr_scale = number(state, "lr_scale", where, default=1.0, low=0.0, low_open=True,
+                               high=1.0)
+        self.skipped_total = count(state, "skipped_total", where, default=0)
+        self.exploded_total = count(state, "exploded_total", where, default=0)
         # absent: written before any good window
         self.running_mean = self.initial_xent if state.get("running_mean") is None else \
-            number("running_mean", None, float, lambda v: math.isfinite(v) and v >= 0,
-                   "a finite number >= 0")
-        self.pool_loss = number("pool_loss", 0.0, float, lambda v: math.isfinite(v) and v >= 0,
-                                "a finite number >= 0")
-        self.pool_frames = number("pool_frames", 0, int,
-                                  lambda v: 0 <= v < MIN_JUDGED_FRAMES,
-                                  f"a count under {MIN_JUDGED_FRAMES}")
-
+            number(state, "running_mean", where, low=0.0)
+        self.pool_loss = number(state, "pool_loss", where, default=0.0, low=0.0)
+        self.pool_frames = count(state, "pool_frames", where, default=0,
+                                 high=MIN_JUDGED_FRAMES - 1)
 
 def restart_advice(run_dir: str, cfg=None) -> str:
     """What to do after a run that cannot roll back diverged: resume with a lower

@@ -46,7 +46,7 @@ def _refused(load, named):
     (_huge, "expected finite floats in [-3.40282e+38, 3.40282e+38] (a float32 buffer), "
             "got 1e+300"),
     (lambda v: v[:5], "expected ("),
-    (lambda v: v.astype(np.int64), "expected (67,) floats, got shape (67,) and dtype int64"),
+    (lambda v: v.astype(np.int64), "expected (67,) floats, got an array of shape (67,) and dtype int64"),
 ])
 def test_bmuf_refuses_a_forged_buffer_and_sets_none(key, change, named):
     net = _net()
@@ -103,7 +103,7 @@ def test_the_running_average_refuses_what_the_server_cannot_reach(change, named)
     (lambda s: dict(s, updates=10.0), "field 'updates': expected an int"),
     (lambda s: dict(s, updates=4), "field 'average_switched_at': expected an int in [0, 4]"),
     (lambda s: dict(s, client_steps=np.array([3.5])), "field 'client_steps': expected a list "
-                                                      "of non-negative ints"),
+                                                      "of ints in [0, "),
     (lambda s: dict(s, client_steps=np.array([-1])), "field 'client_steps'"),
     (lambda s: dict(s, current=_huge(s["current"])), "field 'current' (param_server): "
                                                      "expected finite floats"),
@@ -214,9 +214,9 @@ def test_async_adpsgd_refuses_a_forged_own_model_and_keeps_its_counters():
 # ------------------------------------------------------- model averaging: straggler adapt
 
 @pytest.mark.parametrize("change,named", [
-    (lambda s: dict(s, quotas=np.array([8, 0])), "field 'quotas': expected ints in [1, 8]"),
-    (lambda s: dict(s, quotas=np.array([8, 9])), "field 'quotas': expected ints in [1, 8]"),
-    (lambda s: dict(s, quotas=np.array([8.0, 3.5])), "field 'quotas': expected ints"),
+    (lambda s: dict(s, quotas=np.array([8, 0])), "field 'quotas': expected a list of ints in [1, 8]"),
+    (lambda s: dict(s, quotas=np.array([8, 9])), "field 'quotas': expected a list of ints in [1, 8]"),
+    (lambda s: dict(s, quotas=np.array([8.0, 3.5])), "field 'quotas': expected a list of ints"),
     (lambda s: dict(s, step_seconds=np.array([0.01, -1.0])),
      "field 'step_seconds': expected finite floats in [0,"),
     (lambda s: dict(s, step_seconds=np.array([0.01, 1e300])), "field 'step_seconds'"),

@@ -88,7 +88,7 @@ def test_state_round_trip_and_bad_state_refused():
     with pytest.raises(ValueError, match="running_mean"):
         other.load_state_dict({"running_mean": float("inf")})
     # a crafted count of 2.5 was taken as 2; a huge value was echoed whole
-    with pytest.raises(ValueError, match="field 'rollbacks': expected a non-negative count, "
+    with pytest.raises(ValueError, match=r"field 'rollbacks': expected an int in \[0, \d+\], "
                                          "got 2.5"):
         other.load_state_dict({"rollbacks": 2.5})
     with pytest.raises(ValueError, match=r"got '1{60}'\.\.\. \(100000 characters\)$"):
