@@ -18,7 +18,9 @@ directly.
 Features are read by :func:`mpitrain.data.kaldi_read.read_feature_matrices`,
 the reader ``prepare`` uses (any rspecifier, pipes included), which accepts
 only Kaldi matrices and refuses every other record (pickles above all) by key.  Output files are written under temporary names and renamed when every
-utterance is done, so an error never leaves a partial archive behind.
+utterance is done, so an error never leaves a partial archive behind; an scp
+replaced with its archive goes before the archive is renamed, so a kill between
+the two renames never leaves the old scp indexing the new archive.
 """
 
 from __future__ import annotations
@@ -32,8 +34,9 @@ import sys
 import numpy as np
 
 from . import backend
-from .files import (commit, discard, disk_full_error, remove_stale_temporaries, rename_target,
-                    temporary_path, written_in_place)
+from .files import (commit, discard, disk_full_error, flush_to_disk,
+                    remove_stale_temporaries, rename_target, temporary_path,
+                    written_in_place)
 from .data.cmvn import SpeakerCmvn
 from .data.kaldi_read import (is_pipe, parse_scp, read_feature_matrices, split_offset,
                               split_rspecifier)
@@ -392,6 +395,14 @@ class ArkWriter:
                 raise OSError(f"--out {self.ark.strip()}: another export wrote {name} at the "
                               "same time (the partial copy is gone); give each export an "
                               "--out of its own")
+        for name in self._targets:
+            flush_to_disk(self._tmp[name])
+        if self.scp in self._final and self.ark in self._final:
+            # the scp of an export before indexes the archive about to be replaced: it
+            # goes first, so that a kill between the two renames leaves no scp whose
+            # offsets point into an archive it does not index
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._final[self.scp])
         for name in self._targets:
             commit(self._tmp[name], self._final[name])
 

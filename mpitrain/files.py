@@ -280,10 +280,15 @@ def _fsync_directory(directory: str) -> None:
             os.close(fd)
 
 
-def commit(tmp: str, path) -> None:
-    """Flush ``tmp`` to disk and rename it over ``path`` (then flush the directory)."""
+def flush_to_disk(tmp: str) -> None:
+    """Flush the written file ``tmp`` to disk."""
     with open(tmp, "rb") as fh:
         os.fsync(fh.fileno())
+
+
+def commit(tmp: str, path) -> None:
+    """Flush ``tmp`` to disk and rename it over ``path`` (then flush the directory)."""
+    flush_to_disk(tmp)
     try:
         os.replace(tmp, os.fspath(path))
     except OSError as exc:

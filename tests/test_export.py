@@ -536,3 +536,32 @@ def test_a_bad_option_is_said_before_the_model_of_a_run_directory_is_named(tiny,
     assert "using" not in captured.out + captured.err
     assert captured.err.count("\n") == 1 and "--max-frames must be >= 0" in captured.err
     assert not (d / "x.ark").exists()
+
+
+def test_an_export_killed_between_its_two_renames_leaves_no_scp_of_another_archive(
+        tmp_path, monkeypatch):
+    """Over the ark and scp of an export before: killed after the new archive took its
+    place, the old scp (offsets into the old archive) must not be left beside it."""
+    import kaldiio
+    from mpitrain import export
+    out = f"ark,scp:{tmp_path}/ll.ark,{tmp_path}/ll.scp"
+    with export.ArkWriter(out) as writer:
+        for i in range(3):
+            writer.write(f"old{i}", np.ones((5 + i, 4), np.float32))
+    renamed = []
+    real_commit = export.commit
+
+    def killed_before_the_scp(tmp, path):
+        if str(path).endswith(".scp"):
+            raise KeyboardInterrupt        # stands for SIGKILL: nothing after it runs
+        real_commit(tmp, path)
+        renamed.append(path)
+
+    monkeypatch.setattr(export, "commit", killed_before_the_scp)
+    writer = export.ArkWriter(out)
+    writer.write("new0", np.full((2, 4), 7, np.float32))
+    with pytest.raises(KeyboardInterrupt):
+        writer.close()
+    assert renamed == [f"{tmp_path}/ll.ark"]
+    assert not os.path.exists(tmp_path / "ll.scp")
+    assert list(kaldiio.load_ark(str(tmp_path / "ll.ark")))[0][0] == "new0"
