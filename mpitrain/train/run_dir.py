@@ -29,7 +29,8 @@ import time
 import zlib
 
 from ..config import dump_config
-from ..files import dotted_keys, nearest_existing, path_text, remove_stale_temporaries
+from ..files import (disk_full_error, dotted_keys, nearest_existing, path_text,
+                     remove_stale_temporaries)
 from ..h5io import stored_checksum
 from .errors import TrainingError, remove_rank_errors
 from .tensorboard import DIRECTORY as TENSORBOARD_DIRECTORY
@@ -513,10 +514,13 @@ class RunDirLock:
                         f"({holder}); wait for it to end, or choose another --run-dir")
         fh.seek(0)
         self._previous = fh.read(200).strip()
-        fh.seek(0)
-        fh.truncate()
-        fh.write(holder_line() + "\n")
-        fh.flush()
+        try:
+            self._write_holder(fh)
+        except OSError as exc:
+            with contextlib.suppress(OSError):     # (closing flushes the line again)
+                fh.close()
+            full = disk_full_error(exc, self.path)
+            return str(full) if full else f"cannot write {self.path}: {exc.strerror or exc}"
         self._fh = fh
         st = os.fstat(fh.fileno())
         self._identity = (st.st_dev, st.st_ino)
@@ -545,6 +549,14 @@ class RunDirLock:
         return (f"took over {what} (killed, or its node lost; a run still going there "
                 "would hold it, unless this filesystem does not share locks between "
                 "hosts: NFS mounted with local_lock or nolock)")
+
+    @staticmethod
+    def _write_holder(fh) -> None:
+        """Who holds the lock, for the refusal another start of the run prints."""
+        fh.seek(0)
+        fh.truncate()
+        fh.write(holder_line() + "\n")
+        fh.flush()
 
     def _identity_now(self):
         # the lock file under its name (kept open, its inode cannot be reused: a
@@ -611,10 +623,11 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
     Returns ``(lock, lines)``: rank 0's :class:`RunDirLock` (None elsewhere) and the
     lines to say about what it found.
     """
-    lines, problem = [], None
+    lines, problem, made = [], None, False
     if comm.rank != 0:
         lock = None
     else:
+        made = not os.path.lexists(run_dir)
         os.makedirs(run_dir, exist_ok=True)
         if lock is None:
             lock = RunDirLock(run_dir)
@@ -635,6 +648,8 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
     if problem:
         if lock is not None:
             lock.release()
+            if made:
+                _remove_made_run_dir(run_dir)
         raise TrainingError(problem, agreed=True)
     if comm.rank == 0:
         lock.in_use = True
@@ -647,5 +662,20 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
             if removed:
                 lines.insert(0, f"--overwrite: removed the previous run's {len(removed)} "
                                 "file(s)")
-        dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+        try:
+            dump_config(cfg, os.path.join(run_dir, "config.yaml"))
+        except BaseException:
+            lock.release()
+            if made:
+                _remove_made_run_dir(run_dir)
+            raise
     return lock, lines
+
+
+def _remove_made_run_dir(run_dir) -> None:
+    """Remove the run directory a start made and could not write (a full disk), so
+    that a failed start leaves none; not when anything but the lock file is in it."""
+    with contextlib.suppress(OSError):
+        if os.listdir(run_dir) == [RunDirLock.NAME]:
+            os.remove(os.path.join(run_dir, RunDirLock.NAME))
+        os.rmdir(run_dir)

@@ -139,6 +139,50 @@ def test_a_failed_start_leaves_no_run_directory(small_corpus, tmp_path, capsys):
     assert not run.exists()
 
 
+def test_a_full_disk_at_the_lock_file_names_it_and_leaves_no_run_directory(small_corpus,
+                                                                            tmp_path):
+    # the lock file's pid line was the first write of a run; on a full disk (here a
+    # file size limit of 0, which fails every write alike) the error named no file,
+    # "[Errno 28] No space left on device", and the new directory stayed
+    import subprocess
+    import sys
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus) + TINY:
+        argv += ["--set", item]
+    code = ("import resource, sys\n"
+            "from mpitrain.cli import main\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    out = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert _one_line(out.stderr) == (f"mpitrain train: error: cannot write {run}/.lock: "
+                                     "File too large\n")
+    assert not run.exists()
+
+
+def test_a_full_disk_at_config_yaml_leaves_no_run_directory(small_corpus, tmp_path, capsys,
+                                                            monkeypatch):
+    from mpitrain.files import DiskFullError
+    from mpitrain.train import run_dir as run_dir_module
+    run = tmp_path / "run"
+
+    def full(cfg, path):
+        raise DiskFullError(28, f"no space left on device writing {path}")
+
+    monkeypatch.setattr(run_dir_module, "dump_config", full)
+    assert _train(run, small_corpus) == 2
+    assert _one_line(capsys.readouterr().err).endswith(
+        f"no space left on device writing {run}/config.yaml\n")
+    assert not run.exists()
+    kept = tmp_path / "kept"            # a directory that was there stays, with its files
+    kept.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    assert _train(kept, small_corpus) == 2
+    assert (kept / "notes.txt").read_text() == "mine"
+
+
 def test_resume_without_a_run_directory_or_checkpoint(small_corpus, tmp_path, capsys):
     assert _train(tmp_path / "nothing", small_corpus, flags=["--resume"]) == 2
     assert "does not exist" in _one_line(capsys.readouterr().err)
