@@ -100,6 +100,7 @@ class MetricsLog:
         # for records added to a run after its own log was closed
         self.start = time.monotonic() if start is None else start
         self._fh = None
+        self._write_failed = False
         self._board = None
         self._bar_open = False      # a progress line is on screen without its newline
         if enabled:
@@ -120,8 +121,9 @@ class MetricsLog:
             self._fh.write(json.dumps(record) + "\n")
             self._fh.flush()
         except OSError as exc:                  # a full disk: name the file
-            raise disk_full_error(exc, self._fh.name) or OSError(
-                exc.errno, f"{self._fh.name}: {exc.strerror}") from exc
+            self._write_failed = True
+            raise disk_full_error(exc, self._fh.name) or WriteError(
+                exc.errno, f"cannot write {self._fh.name}: {exc.strerror}") from exc
         if self._board is not None:
             self._board.record(kind, fields)
 
@@ -175,8 +177,14 @@ class MetricsLog:
         if self.enabled:
             self._end_bar()
         if self._fh is not None:
-            self._fh.close()
-            self._fh = None
+            fh, self._fh = self._fh, None
+            try:
+                fh.close()
+            except OSError:
+                # closing writes the record that failed once more: the failed write's
+                # error, which names the file, is the one to tell
+                if not self._write_failed:
+                    raise
         if self._board is not None:
             self._board.close()
             self._board = None

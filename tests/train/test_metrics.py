@@ -189,6 +189,28 @@ def test_a_full_disk_while_logging_names_the_metrics_file(tmp_path):
         log.write("train", step=1)
 
 
+def test_closing_the_log_after_a_failed_write_keeps_the_error_naming_the_file(tmp_path):
+    # the record that failed stays in the file object's buffer, and closing it tried to
+    # write it again: "[Errno 28] No space left on device", naming nothing, replaced
+    # the one-line error (a real full disk at the start record; here a size limit)
+    import subprocess
+    import sys
+    code = ("import resource, sys\n"
+            "from mpitrain.train.metrics import MetricsLog\n"
+            "log = MetricsLog(sys.argv[1])\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))\n"
+            "try:\n"
+            "    try:\n"
+            "        log.write('start', step=0)\n"
+            "    finally:\n"
+            "        log.close()\n"
+            "except OSError as exc:\n"
+            "    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout == f"cannot write {tmp_path}/metrics.jsonl: File too large\n", out.stderr
+
+
 def test_a_console_that_cannot_be_written_is_named(tmp_path, monkeypatch):
     # `train > log.txt` with log.txt's disk full stopped with "[Errno 28] No space left
     # on device", naming nothing; a reader that left (`| head`) stays a quiet SIGPIPE
