@@ -34,7 +34,7 @@ import sys
 import numpy as np
 
 from . import backend
-from .files import (commit, discard, disk_full_error, flush_to_disk,
+from .files import (WriteError, commit, discard, disk_full_error, flush_to_disk,
                     remove_stale_temporaries, rename_target, temporary_path,
                     written_in_place)
 from .data.cmvn import SpeakerCmvn
@@ -387,7 +387,11 @@ class ArkWriter:
 
     def close(self) -> None:
         """Flush and rename the files into place (the ark before its scp)."""
-        self._close_files()
+        try:
+            self._close_files()
+        except BaseException:
+            self.abort()
+            raise
         for name in self._targets:
             if not os.path.exists(self._tmp[name]):
                 # an export of the same --out started later took it as a killed one's
@@ -406,6 +410,14 @@ class ArkWriter:
         for name in self._targets:
             commit(self._tmp[name], self._final[name])
 
+    def _written_as(self, handle) -> str:
+        """The --out file that ``handle`` writes (under its temporary name or not)."""
+        written = getattr(handle, "name", None)
+        for name, tmp in self._tmp.items():
+            if tmp == written:
+                return name
+        return written if isinstance(written, str) else self.ark.strip()
+
     def abort(self) -> None:
         """Close and delete whatever was written to files."""
         with contextlib.suppress(Exception):
@@ -415,7 +427,7 @@ class ArkWriter:
 
     def _close_files(self) -> None:
         files, self._files = self._files, []
-        for handle in files:
+        for index, handle in enumerate(files):
             # a pipe's close waits for its command and returns its status
             try:
                 status = handle.close()
@@ -425,6 +437,14 @@ class ArkWriter:
                     raise
                 self._files = [handle]
                 raise OSError(self._why_the_reader_left()) from None
+            except OSError as exc:
+                # the last buffered bytes met a full disk: name the file, not the errno
+                self._files = files[index + 1:]
+                if exc.errno is None:
+                    raise
+                name = self._written_as(handle)
+                raise disk_full_error(exc, name) or WriteError(
+                    exc.errno, f"cannot write {name}: {exc.strerror or exc}") from exc
             if status:
                 raise OSError(f"--out {self.ark.strip()}: the command failed with exit "
                               f"status {status >> 8 or status}")

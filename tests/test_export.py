@@ -565,3 +565,30 @@ def test_an_export_killed_between_its_two_renames_leaves_no_scp_of_another_archi
     assert renamed == [f"{tmp_path}/ll.ark"]
     assert not os.path.exists(tmp_path / "ll.scp")
     assert list(kaldiio.load_ark(str(tmp_path / "ll.ark")))[0][0] == "new0"
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["ark", "scp"])
+def test_a_full_disk_when_the_files_are_closed_names_the_file_and_leaves_no_temporary(
+        tmp_path, failing):
+    # the last buffered bytes are written when a file is closed: a disk that filled
+    # then gave "[Errno 28] No space left on device" and left both temporaries
+    import errno
+    from mpitrain.export import ArkWriter
+    from mpitrain.files import DiskFullError
+
+    class LastBytesMeetAFullDisk:
+        def __init__(self, fh):
+            self.fh, self.name = fh, fh.name
+
+        def close(self):
+            self.fh.close()
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    writer = ArkWriter(f"ark,scp:{tmp_path}/ll.ark,{tmp_path}/ll.scp")
+    writer.write("u1", np.zeros((2, 3), np.float32))
+    writer._files[failing] = LastBytesMeetAFullDisk(writer._files[failing])
+    name = ["ll.ark", "ll.scp"][failing]
+    with pytest.raises(DiskFullError, match=f"^no space left on device writing {tmp_path}/{name}$"):
+        with writer:
+            pass
+    assert os.listdir(tmp_path) == []
