@@ -27,13 +27,14 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
 import numpy as np
 
 from .export import UNSEEN_PRIOR, UNSEEN_SCORE, prior_offsets
-from .files import atomic_path, commit, discard, output_file_problem, temporary_path
+from .files import atomic_path, discard, output_file_problem
 from .nn.model_file import load_model
 
 FORMATS = ("onnx", "torch")
@@ -288,6 +289,7 @@ def _write_torch(model: _Parts, out: str) -> None:
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out}: exists and is not a directory (convert --to torch writes "
                          "a directory: model.py and weights.npz)")
+    made = not os.path.lexists(out)
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as exc:
@@ -299,21 +301,26 @@ def _write_torch(model: _Parts, out: str) -> None:
         arrays[f"affine{i}_weight"], arrays[f"affine{i}_bias"] = w, b
     if model.priors is not None:
         arrays["priors"] = model.priors
-    tmp = temporary_path(os.path.join(out, "weights.npz"))
-    try:
-        with open(tmp, "wb") as fh:
-            np.savez(fh, **arrays)
-        commit(tmp, os.path.join(out, "weights.npz"))
-    except BaseException:
-        discard(tmp)
-        raise
     source = _MODULE.format(specs=repr(model.specs), feat_dim=model.feat_dim,
                             left=model.left, right=model.right,
                             num_classes=model.specs[-1]["out_dim"],
                             speaker_cmvn=repr(model.speaker_cmvn), floor=Normalize.FLOOR,
                             pnorm_tiny=TINY, unseen_prior=UNSEEN_PRIOR,
                             unseen_score=UNSEEN_SCORE)
-    _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
+    try:
+        # (atomic_path: a failed write, a full disk above all, names the file)
+        with atomic_path(os.path.join(out, "weights.npz")) as tmp:
+            with open(tmp, "wb") as fh:
+                np.savez(fh, **arrays)
+        _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
+    except BaseException:
+        if made:
+            # the directory this conversion made goes with it: nothing half-written
+            for name in ("weights.npz", "model.py"):
+                discard(os.path.join(out, name))
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise
 
 
 def _atomic_bytes(path: str, data: bytes) -> None:

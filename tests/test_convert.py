@@ -234,3 +234,25 @@ def test_onnx_target_in_folders_not_yet_made_is_written_there(tmp_path):
     target = tmp_path / "new" / "deeper" / "m.onnx"
     assert main(["convert", str(model), "--to", "onnx", str(target)]) == 0
     assert target.is_file() and os.listdir(target.parent) == ["m.onnx"]
+
+
+def test_torch_form_on_a_full_disk_is_one_line_naming_the_file_and_leaves_nothing(
+        tmp_path, capsys, monkeypatch):
+    # weights.npz was written through a temporary of its own, whose failure said
+    # "[Errno 28] No space left on device" and left the directory made for it
+    import errno
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+    out = tmp_path / "torch"
+
+    def full(fh, **arrays):
+        fh.write(b"PK")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(np, "savez", full)
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 2
+    assert capsys.readouterr().err == ("mpitrain convert: error: no space left on device "
+                                       f"writing {out / 'weights.npz'}\n")
+    assert not out.exists()
+    out.mkdir()                          # a directory that was there stays
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 2
+    assert os.listdir(out) == []
