@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -111,9 +112,17 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
                  "`mpitrain synth` or `mpitrain prepare`)")
     header = (f"# Written by `mpitrain init` from the example '{example}'.\n"
               f"# Run it from this directory: {run_command(example)}\n")
+    made = not os.path.lexists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
-    with atomic_open(target, "w") as f:
-        f.write(header + text)
+    try:
+        with atomic_open(target, "w") as f:
+            f.write(header + text)
+    except BaseException:
+        if made:
+            # (a full disk: the directory made for the config goes with it)
+            with contextlib.suppress(OSError):
+                os.rmdir(out_dir)
+        raise
     return target
 
 

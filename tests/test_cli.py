@@ -392,6 +392,29 @@ def test_init_into_a_file_or_no_directory_is_one_line(small_corpus, tmp_path, ca
                                        "one)\n")
 
 
+def test_init_on_a_full_disk_leaves_no_directory(small_corpus, tmp_path, capsys, monkeypatch):
+    # the directory made for mpitrain.yaml stayed, empty, after "no space left on device"
+    import contextlib
+    import errno
+    from mpitrain import starter
+    from mpitrain.files import DiskFullError
+
+    @contextlib.contextmanager
+    def full(path, mode="w"):
+        raise DiskFullError(errno.ENOSPC, f"no space left on device writing {path}")
+        yield
+
+    monkeypatch.setattr(starter, "atomic_open", full)
+    exp = tmp_path / "exp"
+    assert main(["init", str(exp), "--corpus", small_corpus]) == 2
+    assert capsys.readouterr().err == ("mpitrain init: error: no space left on device "
+                                       f"writing {exp / 'mpitrain.yaml'}\n")
+    assert not exp.exists()
+    exp.mkdir()                          # a directory that was there stays
+    assert main(["init", str(exp), "--corpus", small_corpus]) == 2
+    assert exp.is_dir()
+
+
 def test_an_empty_run_dir_or_set_key_is_one_line(tmp_path, capsys, monkeypatch):
     # --run-dir '' (an unset variable in a batch script) trained into runs/<config>;
     # --set =3 said ": unknown key"
