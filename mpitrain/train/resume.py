@@ -98,6 +98,25 @@ def check_reader_against_step(reader: dict, steps_per_epoch: int, step: int) -> 
                          f"an epoch) is past the checkpoint's step {step}")
 
 
+def best_model_problem(path: str, checkpoint_path: str) -> str | None:
+    """Why ``path`` (the run's best.h5) cannot hold a best model of the run whose
+    checkpoint is ``checkpoint_path``: missing, unreadable, or a model of other
+    layers (another run's file copied in); None when it can."""
+    if not os.path.isfile(path):
+        return "is missing"
+    try:
+        with open_h5_for_reading(path, "model") as f:
+            theirs = dict(f.attrs)
+        with open_h5_for_reading(checkpoint_path, "checkpoint") as f:
+            ours = dict(f["model"].attrs)
+    except (OSError, ValueError, TypeError, KeyError, RuntimeError):
+        return "cannot be read"
+    for key in ("feat_dim", "left_context", "right_context", "components"):
+        if str(theirs.get(key)) != str(ours.get(key)):
+            return f"is not a model of this run (its {key} differs), another run's file"
+    return None
+
+
 class CheckpointResume:
     """Checkpoint state out of and back into a :class:`~mpitrain.train.trainer.Trainer`
     (a base class of it: the methods use the trainer's attributes)."""
@@ -284,10 +303,22 @@ class CheckpointResume:
         checkpoint leaves a best model the checkpoint's selection does not know:
         as after a roll back, it stays the best so far, so that what the run says
         of best.h5 is what the file holds."""
-        found = None
+        found = problem = None
+        path = os.path.join(self.run_dir, BEST_MODEL)
+        if self.is_root and (self.selection.best_step >= 0 or os.path.lexists(path)):
+            problem = best_model_problem(path, ckpt.path)
+        problem = self.comm.bcast_obj(problem, root=0)
+        if problem:
+            # the model selected before is lost: the next evaluation's becomes best.h5
+            # (early stopping counts on from the checkpoint, as before)
+            lost = (f"; the model selected before ({self.selection.describe()}) is lost"
+                    if self.selection.best_step >= 0 else "")
+            self.selection.forget_best()
+            self._say(f"resume: {path} {problem}{lost}; the next held-out evaluation "
+                      f"writes {BEST_MODEL}")
+            return
         if self.is_root:
-            found = later_best_model(os.path.join(self.run_dir, BEST_MODEL),
-                                     self.selection.select_by, ckpt.step)
+            found = later_best_model(path, self.selection.select_by, ckpt.step)
         found = self.comm.bcast_obj(found, root=0)
         if found and self.selection.keep_later_best(*found):
             value, step, _ = found

@@ -142,6 +142,11 @@ class ModelSelection:
             return "no held-out evaluation yet"
         return f"held-out {self.select_by} {self.best_value:.4f} at step {self.best_step}"
 
+    def forget_best(self) -> None:
+        """The best model's file is lost: the next evaluation's model is the best so
+        far.  Early stopping, which counts from its own reference, goes on as it was."""
+        self.best_value, self.best_step = math.nan, -1
+
     def keep_later_best(self, value: float, step: int, frames: int) -> bool:
         """Take a best model found after the state this selection was loaded from
         (best.h5 of a run cut off past its newest checkpoint) when its figure is

@@ -9,6 +9,7 @@ run.
 import io
 import json
 import os
+import shutil
 
 import h5py
 import numpy as np
@@ -370,6 +371,46 @@ def test_a_checkpoint_written_before_a_later_best_step_resumes(small_corpus, tmp
     assert main(argv + ["--resume"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert f"resumed from {run}/ckpt-00000010.h5 at step 10" in out, out
+
+
+@pytest.mark.parametrize("damage", ["removed", "another run's"])
+def test_a_best_model_lost_or_replaced_before_the_resume_is_said_and_written_anew(
+        small_corpus, tmp_path, capsys, damage):
+    # best.h5 removed (or another run's copied over it) between a kill and the resume:
+    # the run ended naming "best RUN/best.h5 (held-out acc X at step S)", a file that
+    # was not there (or another run's model, of other layers, kept as this run's best)
+    run = tmp_path / "run"
+    settings = small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "training.checkpoint_interval=8",
+        "training.eval_interval=1024", "training.max_steps=16"]
+
+    def argv(run_dir, extra=()):
+        out = ["train", QUICKSTART, "--run-dir", str(run_dir)]
+        for item in settings + list(extra):
+            out += ["--set", item]
+        return out
+
+    assert main(argv(run)) == 0
+    for name in ("ckpt-00000016.h5", "final.h5", "best.h5"):     # cut off past step 8
+        os.remove(run / name)
+    if damage == "another run's":
+        assert main(argv(tmp_path / "other", ["model.hidden_dim=24"])) == 0
+        shutil.copy(tmp_path / "other" / "best.h5", run / "best.h5")
+        why = "is not a model of this run (its components differs), another run's file"
+    else:
+        why = "is missing"
+    capsys.readouterr()
+    # (a rate that changes nothing: the resumed evaluations only tie the checkpoint's best)
+    assert main(argv(run, ["optimizer.initial_learning_rate=1e-20",
+                           "optimizer.final_learning_rate=1e-20"])
+                + ["--resume", "--accept-changes"]) == 0
+    out = capsys.readouterr().out
+    assert f"resume: {run}/best.h5 {why}; the model selected before (held-out acc " in out, out
+    with h5py.File(run / "best.h5", "r") as f:
+        step = int(f.attrs["selected_at_step"])
+        assert '"out_dim": 16' in str(f.attrs["components"])
+    assert step > 8, step
+    assert f"at step {step})" in out.strip().splitlines()[-1], out
 
 
 def test_an_accepted_l2_that_would_zero_the_weights_is_refused_naming_it(small_corpus,
