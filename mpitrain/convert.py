@@ -308,11 +308,13 @@ def _write_torch(model: _Parts, out: str) -> None:
                             pnorm_tiny=TINY, unseen_prior=UNSEEN_PRIOR,
                             unseen_score=UNSEEN_SCORE)
     try:
-        # (atomic_path: a failed write, a full disk above all, names the file)
+        # (atomic_path: a failed write, a full disk above all, names the file) both
+        # files are written before either is renamed into place: a failed model.py
+        # left new weights beside an earlier conversion's module
         with atomic_path(os.path.join(out, "weights.npz")) as tmp:
             with open(tmp, "wb") as fh:
                 np.savez(fh, **arrays)
-        _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
+            _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
     except BaseException:
         if made:
             # the directory this conversion made goes with it: nothing half-written

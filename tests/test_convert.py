@@ -256,3 +256,26 @@ def test_torch_form_on_a_full_disk_is_one_line_naming_the_file_and_leaves_nothin
     out.mkdir()                          # a directory that was there stays
     assert main(["convert", str(model), "--to", "torch", str(out)]) == 2
     assert os.listdir(out) == []
+
+
+def test_torch_form_over_an_earlier_one_that_fails_at_model_py_keeps_the_earlier_pair(
+        tmp_path, monkeypatch):
+    # weights.npz was renamed into place before model.py was written: a failure
+    # there left new weights beside the earlier conversion's module
+    import errno
+
+    from mpitrain import convert
+    out = tmp_path / "torch"
+    out.mkdir()
+    (out / "weights.npz").write_bytes(b"earlier weights")
+    (out / "model.py").write_text("earlier module\n")
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(convert, "_atomic_bytes", full)
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 2
+    assert (out / "weights.npz").read_bytes() == b"earlier weights"
+    assert (out / "model.py").read_text() == "earlier module\n"
+    assert sorted(os.listdir(out)) == ["model.py", "weights.npz"]
