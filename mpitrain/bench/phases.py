@@ -4,7 +4,8 @@
    number of steps without held-out evaluation; frames/s in total and per
    rank, and the share of each step spent inside the communicator (waiting
    for a slower rank included) versus computing, from the trainer's own
-   progress windows with the first (warm-up) dropped.  A run that diverges
+   progress windows with the first (warm-up) dropped, timed where the ranks
+   have summed each window (every rank done with its steps).  A run that diverges
    (past its roll backs) gives a row marked ``diverged``, without figures.
 2. Time to accuracy (:func:`time_to_accuracy`): training with the config's
    schedule and epochs until the held-out frame accuracy reaches the target
@@ -31,10 +32,11 @@ Example::
 from __future__ import annotations
 
 import glob
-import json
 import math
 import os
 from typing import Optional, Sequence
+
+import numpy as np
 
 from ..config import config_from_dict
 from ..parallel.registry import build_strategy
@@ -226,6 +228,7 @@ class BenchTrainer(Trainer):
                                         compute.step_times(self.comm.rank))
         self.points, self.stop_reason = [], None
         self.outside_seconds, self._t0 = 0.0, None
+        self.windows = []
 
     # Times come from the communicator's clock: wall time under MPI, simulated
     # time on virtual ranks.
@@ -235,6 +238,13 @@ class BenchTrainer(Trainer):
     def run(self) -> dict:
         self._t0 = self.comm.wtime()
         return super().run()
+
+    def on_progress(self, frames: int, sum_seconds: float) -> None:
+        # after the ranks summed the window: the group's pace, the wait for its
+        # slowest rank at the sum included (the train record's window ends before it)
+        self.windows.append({"steps": self._steps_trained, "frames": frames,
+                             "seconds": self.comm.wtime(), "comm": self.comm.comm_time,
+                             "sum_seconds": sum_seconds})
 
     def _log_eval(self, *, final: bool = False) -> dict:
         # the whole evaluation is untimed, not only the held-out pass: the average it
@@ -314,35 +324,34 @@ def _run_trainer(cfg, group, run_dir: str, *, diverged_ends_it: bool = False, **
     return trainer, result
 
 
-def _records(run_dir: str, kind: str) -> list:
-    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as fh:
-        return [r for r in map(json.loads, fh) if r.get("type") == kind]
+def throughput_from_windows(windows: Sequence[dict], *, ranks: int,
+                            comm_seconds: Optional[float] = None,
+                            overhead_seconds: float = 0.0) -> dict:
+    """Frames/s and the compute/communication split over a run's progress windows
+    (:meth:`BenchTrainer.on_progress`: cumulative ``steps``, ``seconds`` and
+    ``comm`` taken where the ranks summed a window, ``frames`` of all ranks in the
+    window), dropping the first window (warm-up).
 
-
-def throughput_from_records(records: Sequence[dict], *, ranks: int) -> dict:
-    """Frames/s and compute/communication split from the trainer's progress records,
-    dropping the first window (warm-up).
-
-    Each record covers the steps since the previous one: its frames are the
-    difference of the cumulative ``frames``, its seconds those frames over its
-    ``frames_per_sec``, its communication seconds ``comm_fraction`` of that.
+    The time between two such points is the group's: every rank had finished its
+    steps by then, the slowest included.  ``overhead_seconds``: the sums' own cost
+    in the measured windows (not training), taken out of the time and of the
+    communication.  ``comm_seconds``: the ranks' mean time inside the communicator
+    over the measured windows, that cost taken out (default: this rank's, less it).
 
     Example::
 
-        throughput_from_records(_records(run_dir, "train"), ranks=2)["frames_per_sec"]
+        throughput_from_windows(trainer.windows, ranks=2)["frames_per_sec"]
     """
-    if len(records) < 2:
+    if len(windows) < 2:
         raise ValueError("throughput: need at least two progress records (warm-up and one "
-                         f"measured window), got {len(records)}")
-    frames = seconds = comm = steps = 0.0
-    for prev, rec in zip(records, records[1:]):
-        window = rec["frames"] - prev["frames"]
-        elapsed = window / rec["frames_per_sec"]
-        frames += window
-        seconds += elapsed
-        comm += rec["comm_fraction"] * elapsed
-        steps += rec["step"] - prev["step"]
-    comm_fraction = comm / seconds
+                         f"measured window), got {len(windows)}")
+    first, last = windows[0], windows[-1]
+    frames = float(sum(w["frames"] for w in windows[1:]))
+    seconds = last["seconds"] - first["seconds"] - overhead_seconds
+    steps = last["steps"] - first["steps"]
+    comm = last["comm"] - first["comm"] - overhead_seconds if comm_seconds is None \
+        else comm_seconds
+    comm_fraction = min(1.0, max(0.0, comm / seconds))
     step_s = seconds / steps
     return {"frames_per_sec": frames / seconds, "frames_per_sec_per_rank": frames / seconds / ranks,
             "measured_steps": int(steps), "measured_seconds": seconds,
@@ -351,7 +360,7 @@ def throughput_from_records(records: Sequence[dict], *, ranks: int) -> dict:
             "comm_seconds_per_step": step_s * comm_fraction}
 
 
-#: The figures :func:`throughput_from_records` gives (None in a diverged point's row).
+#: The figures :func:`throughput_from_windows` gives (None in a diverged point's row).
 THROUGHPUT_FIGURES = ("frames_per_sec", "frames_per_sec_per_rank", "measured_steps",
                       "measured_seconds", "step_seconds", "comm_fraction",
                       "compute_seconds_per_step", "comm_seconds_per_step")
@@ -379,8 +388,21 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
         # backs training steps again) time something else
         row.update(dict.fromkeys(THROUGHPUT_FIGURES), diverged=result["diverged"],
                    steps=int(result["steps"]))
-    elif group.rank == 0:
-        row.update(throughput_from_records(_records(run_dir, "train"), ranks=group.size))
+    else:
+        # every rank alike (its windows are the group's).  A window's sum cost the
+        # rank that came last no wait: the least any rank spent in it is its own
+        # cost, which a step of training does not have (the sums are every few
+        # steps here; on many virtual ranks their latency would read as the method's)
+        windows = trainer.windows
+        sums = np.array([w["sum_seconds"] for w in windows[1:]] or [0.0])
+        group.allreduce_(sums, op="min")
+        overhead = float(sums.sum()) if len(windows) >= 2 else 0.0
+        comm = np.array([windows[-1]["comm"] - windows[0]["comm"] - overhead]
+                        if len(windows) >= 2 else [0.0])
+        group.allreduce_(comm, op="sum")
+        row.update(throughput_from_windows(windows, ranks=group.size,
+                                           comm_seconds=float(comm[0]) / group.size,
+                                           overhead_seconds=overhead))
     return row
 
 

@@ -140,7 +140,8 @@ def ratio_bound(base_upper: bool, size_upper: bool):
 
 def _notes(env: dict, options: BenchOptions) -> list:
     notes = [
-        "Frames/s: the trainer's progress windows after the first (warm-up); per rank = "
+        "Frames/s: the trainer's progress windows after the first (warm-up), each timed "
+        "where the ranks summed it, so the slowest rank's pace counts; per rank = "
         "total / ranks. comm = time inside the communicator, waiting for slower ranks "
         "included; compute = the rest of the step.",
         "Time to target: training seconds (held-out evaluations and checkpoints excluded) "

@@ -798,6 +798,7 @@ class Trainer(CheckpointResume):
                     sums[5 + comm.size + requested.code() - 1] = 1
                 sums[-1] = clock.flag()
                 comm.allreduce_(sums, op="sum")
+                self.on_progress(int(sums[2]), comm.wtime() - now)
                 self._stop_agreed(sums[5 + comm.size:-1])
                 clock.hear(sums[-1])
                 stop_poll.heard(self.step)
@@ -931,7 +932,16 @@ class Trainer(CheckpointResume):
                   + (", stopping" if decision.get("stopped") else ""))
         return self.schedule.stopped
 
-    # -- hook for callers that stop early (benchmark mode) ------------------------------
+    # -- hooks for callers that time or stop early (benchmark mode) -------------------
+    def on_progress(self, frames: int, sum_seconds: float) -> None:
+        """Called on every rank right after the ranks summed a progress window (every
+        ``training.log_interval`` steps and at the last step): ``frames`` were trained
+        by all ranks in the window; ``sum_seconds`` this rank spent from the window's
+        end to here (the sum, and the wait in it for slower ranks).  Every rank has
+        then finished the window's steps, so time taken here paces the whole group
+        (the window of a ``train`` record ends before that sum, where a rank ahead of
+        a slower one has not waited yet)."""
+
     def on_eval(self, result: dict) -> bool:
         """Called on every rank after each held-out evaluation inside the loop.
 

@@ -4,7 +4,7 @@ intervals (and the default rank counts of its options)."""
 import pytest
 
 from mpitrain.bench.options import default_sizes
-from mpitrain.bench.phases import eval_interval_per_rank, first_crossing, throughput_from_records
+from mpitrain.bench.phases import eval_interval_per_rank, first_crossing, throughput_from_windows
 
 from ..helpers import QUICKSTART
 
@@ -28,19 +28,26 @@ def test_first_crossing_interpolates_linearly():
 
 
 def test_throughput_windows_drop_the_warmup():
-    records = [  # cumulative frames; the first window is warm-up
-        {"step": 5, "frames": 1280, "frames_per_sec": 100.0, "comm_fraction": 0.9},
-        {"step": 10, "frames": 2560, "frames_per_sec": 1280.0, "comm_fraction": 0.25},
-        {"step": 20, "frames": 5120, "frames_per_sec": 1280.0, "comm_fraction": 0.5}]
-    # windows: 1280 frames in 1 s (0.25 s comm), 2560 frames in 2 s (1 s comm)
-    got = throughput_from_records(records, ranks=2)
+    windows = [  # cumulative steps, seconds and comm; frames per window; the first is warm-up
+        {"steps": 5, "frames": 1280, "seconds": 12.8, "comm": 0.9},
+        {"steps": 10, "frames": 1280, "seconds": 13.8, "comm": 1.15},
+        {"steps": 20, "frames": 2560, "seconds": 15.8, "comm": 2.15}]
+    # 3840 frames in 3 s, 1.25 s of it in the communicator
+    got = throughput_from_windows(windows, ranks=2)
     assert got["frames_per_sec"] == pytest.approx(3840 / 3)
     assert got["frames_per_sec_per_rank"] == pytest.approx(3840 / 3 / 2)
     assert got["comm_fraction"] == pytest.approx(1.25 / 3)
     assert got["step_seconds"] == pytest.approx(3 / 15)
     assert got["compute_seconds_per_step"] == pytest.approx(3 / 15 * (1 - 1.25 / 3))
+    # the ranks' mean time in the communicator, when given, is the one counted
+    assert throughput_from_windows(windows, ranks=2, comm_seconds=1.5)["comm_fraction"] == \
+        pytest.approx(0.5)
+    # the sums' own cost is neither training time nor the method's communication
+    got = throughput_from_windows(windows, ranks=2, overhead_seconds=0.5)
+    assert got["frames_per_sec"] == pytest.approx(3840 / 2.5)
+    assert got["comm_fraction"] == pytest.approx(0.75 / 2.5)
     with pytest.raises(ValueError, match="two progress records"):
-        throughput_from_records(records[:1], ranks=1)
+        throughput_from_windows(windows[:1], ranks=1)
 
 
 def test_eval_interval_and_sizes():

@@ -182,3 +182,46 @@ def test_a_group_that_leaves_a_rank_no_minibatch_is_refused_before_measuring(sma
     assert err.count("\n") == 1 and ": a group of 16 ranks leaves rank " in err \
         and "no complete minibatch of 4000 frames" in err, err
     assert not out.exists()
+
+
+def test_a_slow_rank_paces_the_measured_throughput_of_every_method(small_corpus, tmp_path):
+    # every rank takes the same steps, so a group of 2 with one rank 3x slow runs at the
+    # slow rank's pace whatever the method; a method that averages every 4 steps with
+    # log lines every 2 hid the wait at each log line between averages (the window
+    # ended before it) and came out 1.8x faster than the slow rank can step
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "model_averaging,allreduce",
+            "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
+            "--compute-ms", "2", "--slowdown", "1=3", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "parallel.average_every=4"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    for row in report["throughput"]:
+        if row["ranks"] == 2:
+            assert row["step_seconds"] >= 0.006, row
+            assert row["frames_per_sec"] <= 2 * 256 / 0.006, row
+            # each rank computes its own steps: 2 ms and 6 ms, 4 ms on the mean
+            assert row["compute_seconds_per_step"] == pytest.approx(0.004, rel=1e-6), row
+
+
+def test_the_progress_sums_of_a_throughput_run_are_not_counted_as_the_methods(small_corpus,
+                                                                             tmp_path):
+    # the benchmark sums its progress every --warmup-steps steps; on many virtual ranks
+    # with a slow link that sum's latency would read as the method's communication.
+    # Averaging every 100 steps, the 10 measured steps hold no average: 4 ranks are 4x one
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,4", "--methods", "model_averaging",
+            "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
+            "--compute-ms", "2", "--latency-us", "1000", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "parallel.average_every=100"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    report = json.loads((out / "bench.json").read_text())
+    four = [r for r in report["throughput"] if r["ranks"] == 4][0]
+    assert four["comm_fraction"] == pytest.approx(0, abs=1e-9), four
+    assert four["step_seconds"] == pytest.approx(0.002, rel=1e-9), four
+    speedup = [s for s in report["speedups"] if s["ranks"] == 4][0]["throughput_speedup"]
+    assert speedup == pytest.approx(4, rel=1e-9)
