@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 
 import numpy as np
 
@@ -211,6 +212,11 @@ def out_dir_problem(out_dir: str, *, overwrite: bool):
     if os.path.exists(os.path.join(out_dir, "runs")) and \
             not os.path.isdir(os.path.join(out_dir, "runs")):
         return f"{os.path.join(out_dir, 'runs')}: exists and is not a directory"
+    cannot = _cannot_write_in(out_dir)
+    if cannot:
+        # (found when the first run made its directory, after the checks and the
+        # header, as an OS error naming no option)
+        return f"{out_dir}: --out cannot be written ({cannot}); choose another --out"
     found = earlier_bench(out_dir)
     if found and not overwrite:
         runs_dir = os.path.join(out_dir, "runs")
@@ -220,6 +226,31 @@ def out_dir_problem(out_dir: str, *, overwrite: bool):
         return (f"{out_dir}: holds an earlier benchmark ({what}); replace it with "
                 "--overwrite, or choose another --out")
     return None
+
+
+def _cannot_write_in(out_dir: str):
+    """Why a file cannot be made in ``out_dir`` (made with its missing parents, if need
+    be), as the system says it; None when one can.  A file made and the directories
+    made to try are removed again.  (Permission bits alone do not tell: root passes
+    them, and a read-only or virtual file system refuses whoever asks.)"""
+    made, path = [], os.path.abspath(out_dir)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        made.append(path)
+        path = os.path.dirname(path)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".bench-probe-")
+        os.close(fd)
+        os.remove(probe)
+        return None
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        for path in made:               # the deepest first
+            try:
+                os.rmdir(path)
+            except OSError:
+                pass
 
 
 def clear_earlier_bench(out_dir: str) -> list:

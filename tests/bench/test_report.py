@@ -190,3 +190,31 @@ def test_a_throughput_only_report_has_no_time_to_target_columns():
                         "throughput speedup |")
     assert all(line.count("|") == 8 for line in table), table
     assert "time to target" not in text.split("## Projection")[0]
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_measuring(small_corpus, tmp_path,
+                                                                   capsys):
+    # (the first run's directory failed after the checks and the header, with an OS
+    # error naming no option; a file system that refuses even root, as /proc does)
+    from mpitrain.bench.report import out_dir_problem
+    from mpitrain.cli import main
+    from ..helpers import QUICKSTART, small_overrides
+    out = "/proc/mpitrain-bench-out/b"
+    assert out_dir_problem(out, overwrite=False).startswith(f"{out}: --out cannot be written (")
+    argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "allreduce", "--phases",
+            "throughput", "--steps", "2", "--warmup-steps", "1", "--compute-ms", "1",
+            "--out", out]
+    for item in small_overrides(small_corpus):
+        argv += ["--set", item]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "bench (virtual ranks)" not in captured.out
+    assert f"error: {out}: --out cannot be written (" in captured.err
+    assert len(captured.err.strip().splitlines()) == 1
+    # a directory that can be written is left as it was: nothing made, nothing left
+    fresh = tmp_path / "a" / "b"
+    assert out_dir_problem(str(fresh), overwrite=False) is None
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "kept").mkdir()
+    assert out_dir_problem(str(tmp_path / "kept"), overwrite=False) is None
+    assert os.listdir(tmp_path / "kept") == []
