@@ -34,16 +34,46 @@ _HOLDER = re.compile(r"^pid (\d+) on (\S+)(?: since .+)?$")
 _MAX_PID = 2**31 - 1
 
 
+#: The names a benchmark gives its run directories under ``OUT/runs/`` (bench/report.py).
+_BENCH_RUN = re.compile(r"(throughput|accuracy)-\w+-n\d+(-r\d+)?")
+
+
+def _benchmark_lines(run_dir: str):
+    """What a benchmark's ``--out`` is (runs/bench-<config> by default, so in
+    ``status runs/*``): not a run, but it holds one run directory per measurement.
+    A report marked partial, or runs without a report, are of a benchmark that
+    stopped (a time limit, a signal) or is still running.  None for a run."""
+    if os.path.exists(metrics_path(run_dir)):
+        return None
+    runs = os.path.join(run_dir, "runs")
+    see = f"its runs: status {os.path.join(runs, '*')}"
+    report = os.path.join(run_dir, "bench.json")
+    if os.path.isfile(report):
+        try:
+            with open(report, encoding="utf-8") as fh:
+                partial = json.load(fh).get("partial")
+            done, planned = partial["sizes_measured"], partial["sizes_planned"]
+            sizes = (f"group sizes {', '.join(map(str, done))} of "
+                     f"{', '.join(map(str, planned))}")
+        except (OSError, ValueError, AttributeError, KeyError, TypeError):
+            partial = None      # (a complete report has no "partial"; the rest as it was)
+        if partial:
+            return [f"{run_dir}: a benchmark's partial report (bench.md, bench.json: {sizes}; "
+                    f"it stopped before the rest, or is still running), not a run; {see}"]
+        return [f"{run_dir}: a benchmark's report (bench.md, bench.json), not a run; {see}"]
+    if os.path.isdir(runs) and any(_BENCH_RUN.fullmatch(name) for name in os.listdir(runs)):
+        return [f"{run_dir}: a benchmark without a report (it stopped before its first group "
+                f"size was done, or is still running), not a run; {see}"]
+    return None
+
+
 def run_status(run_dir, *, now: float | None = None) -> list:
     """Lines saying where the run in ``run_dir`` stands (the first names it).
     A directory without ``metrics.jsonl`` raises FileNotFoundError naming it."""
     run_dir = os.fspath(run_dir)
-    if not os.path.exists(metrics_path(run_dir)) and \
-            os.path.isfile(os.path.join(run_dir, "bench.json")):
-        # a benchmark's --out (runs/bench-<config> by default, so in `status runs/*`):
-        # not a run, but it holds one run directory per measurement
-        return [f"{run_dir}: a benchmark's report (bench.md, bench.json), not a run; its "
-                f"runs: status {os.path.join(run_dir, 'runs', '*')}"]
+    bench = _benchmark_lines(run_dir)
+    if bench:
+        return bench
     records = read_metrics(run_dir)
     if os.path.isfile(run_dir):             # its metrics.jsonl named: the directory
         run_dir = os.path.dirname(run_dir) or "."

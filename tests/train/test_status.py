@@ -325,3 +325,30 @@ def test_a_failure_on_a_rank_other_than_0_is_named_by_status(mpiexec, small_corp
                     + sum((["--set", s] for s in settings), [])) == 0
         assert not [n for n in os.listdir(run) if n.startswith("error-rank-")]
         assert run_status(run)[0].startswith(f"{run}: ended: 40 steps")
+
+
+def test_a_benchmark_stopped_halfway_is_said_to_be_partial(tmp_path, capsys):
+    # a benchmark stopped by a time limit or a signal keeps a partial report, or, before
+    # its first size was done, only runs: status said "a benchmark's report" of the
+    # first as of a finished one, and an error about a missing metrics.jsonl of the other
+    partial = tmp_path / "partial"
+    _write(partial / "runs" / "throughput-bmuf-n1", [START])
+    (partial / "bench.json").write_text(json.dumps(
+        {"partial": {"sizes_measured": [1, 2], "sizes_planned": [1, 2, 4]}}))
+    (partial / "bench.md").write_text("")
+    early = tmp_path / "early"
+    _write(early / "runs" / "accuracy-model_averaging-n1", [START])
+    assert main(["status", str(partial), str(early)]) == 0
+    out, err = capsys.readouterr()
+    assert err == ""
+    lines = out.splitlines()
+    assert lines[0] == (f"{partial}: a benchmark's partial report (bench.md, bench.json: "
+                        "group sizes 1, 2 of 1, 2, 4; it stopped before the rest, or is still "
+                        f"running), not a run; its runs: status {partial}/runs/*"), lines
+    assert lines[1] == (f"{early}: a benchmark without a report (it stopped before its first "
+                        "group size was done, or is still running), not a run; its runs: "
+                        f"status {early}/runs/*"), lines
+    # a directory with neither is no benchmark: the error names what a run has
+    (tmp_path / "other").mkdir()
+    assert main(["status", str(tmp_path / "other")]) == 2
+    assert "no metrics file" in capsys.readouterr().err
