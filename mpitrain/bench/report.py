@@ -362,8 +362,10 @@ def summary_markdown(report: dict) -> str:
              f"{', oversubscribed' if env.get('oversubscribed') else ''}), device "
              f"{env.get('device')}; MPI: "
              f"{' '.join((env.get('mpi', {}).get('library_version') or 'none').splitlines()[0].split())}"
-             f"; load average at start {env.get('load_average_at_start')}, at end "
-             f"{env.get('load_average_at_end')}", ""]
+             f"; load average at start {env.get('load_average_at_start')}"
+             # (a partial report is written before the end)
+             + (f", at end {env['load_average_at_end']}"
+                if env.get("load_average_at_end") is not None else ""), ""]
     partial = report.get("partial")
     if partial:
         lines += [f"**Partial report**: sizes {', '.join(map(str, partial['sizes_measured']))} "
