@@ -35,13 +35,7 @@ g++.
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
 import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -51,9 +45,10 @@ from mpitrain.nn import kernels as nn_kernels
 from mpitrain.optim import kernels as optim_kernels
 from mpitrain.testing import standin_cupy
 
+from . import cuda_emulation
+from .cuda_emulation import HEADER, SANITIZE_ENV
 from .test_kernel_launch_args import _SCALARS, _signatures
 
-HEADER = Path(__file__).with_name("cuda_on_cpu.h")
 #: every raw_module source of the package, compiled into one library
 SOURCES = {"nn": nn_kernels.SOURCE, "optim_sumsq": optim_kernels.SUMSQ_SOURCE,
            "optim_sgd": optim_kernels.SGD_SOURCE, "bf16": backend.BF16_SOURCE}
@@ -96,11 +91,7 @@ extern "C" __global__ void faulty_read_past_the_end(const float* x, const int n,
 }
 """
 
-#: set (to "address") in the subprocesses that rerun this file under the sanitizers
-SANITIZE_ENV = "MPITRAIN_KERNELS_SANITIZE"
-#: where those subprocesses find (or build) the library, so that it is built once
-BUILD_DIR_ENV = "MPITRAIN_KERNELS_BUILD_DIR"
-COMPILER = shutil.which(os.environ.get("CXX", "g++"))
+COMPILER = cuda_emulation.COMPILER
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++)")
 
@@ -124,43 +115,14 @@ def _program() -> str:
     return "".join(parts)
 
 
-def _build(directory: Path, sanitize: str) -> ctypes.CDLL:
-    program = _program()
-    flags = ["-std=c++20", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wno-sign-compare",
-             f"-I{HEADER.parent}"]
-    if sanitize:
-        flags += [f"-fsanitize={sanitize},undefined", "-fno-sanitize-recover=all",
-                  "-fno-omit-frame-pointer"]
-    digest = hashlib.sha256((program + HEADER.read_text() + " ".join(flags)).encode())
-    library = directory / f"kernels_{digest.hexdigest()[:16]}.so"
-    if not library.exists():
-        source = directory / f"kernels_{digest.hexdigest()[:16]}.cpp"
-        source.write_text(program)
-        partial = library.with_suffix(f".{os.getpid()}.tmp")
-        built = subprocess.run([COMPILER, *flags, str(source), "-o", str(partial)],
-                               capture_output=True, text=True)
-        assert built.returncode == 0, built.stderr
-        partial.rename(library)
-    return ctypes.CDLL(str(library))
-
-
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
-    given = os.environ.get(BUILD_DIR_ENV)
-    return Path(given) if given else tmp_path_factory.mktemp("cuda_on_cpu")
+    return cuda_emulation.build_dir(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
 def library(build_dir):
-    return _build(build_dir, os.environ.get(SANITIZE_ENV, ""))
-
-
-def _extent(array) -> int:
-    """Bytes from an array's first element to the end of its last (its data pointer on)."""
-    if array.size == 0:
-        return 0
-    assert all(s >= 0 for s in array.strides), "a negative stride"
-    return int(sum((n - 1) * s for n, s in zip(array.shape, array.strides))) + array.itemsize
+    return cuda_emulation.build(_program(), build_dir, cuda_emulation.sanitizing())
 
 
 def _scalar(value) -> np.generic:
@@ -185,27 +147,20 @@ class _EmulatedModule:
             self.launches.append((name, tuple(grid), tuple(block)))
             assert len(grid) == len(block) == 1, f"{name}: only 1-D launches are emulated"
             assert len(args) == len(signature), f"{name}: {len(args)} arguments"
-            slots, sizes, keep = [], [], []
+            arguments = []
             for i, ((ctype, pointer), arg) in enumerate(zip(signature, args)):
                 want = np.dtype(_SCALARS[ctype])
                 if pointer:
                     assert isinstance(arg, standin_cupy.DeviceArray) and arg.dtype == want, \
                         f"{name} argument {i}: not a {want} device array"
-                    cell = ctypes.c_void_p(arg.__array_interface__["data"][0])
-                    sizes.append(_extent(arg))
+                    arguments.append(arg)
                 else:
                     value = _scalar(arg)
                     assert value.dtype == want, f"{name} argument {i}: a {value.dtype}, not {want}"
-                    cell = ctypes.create_string_buffer(value.tobytes(), want.itemsize)
-                    sizes.append(-1)
-                keep.append(cell)
-                slots.append(ctypes.cast(ctypes.pointer(cell), ctypes.c_void_p))
-            function = getattr(self.lib, f"launch_{name}")
-            function.restype = ctypes.c_char_p
-            error = function(ctypes.c_uint(grid[0]), ctypes.c_uint(block[0]),
-                             (ctypes.c_void_p * len(slots))(*slots),
-                             (ctypes.c_longlong * len(sizes))(*sizes), ctypes.c_int(len(slots)))
-            assert not error, f"{name}: {error.decode()}"
+                    arguments.append(value.tobytes())
+            error = cuda_emulation.launch(getattr(self.lib, f"launch_{name}"), grid[0], block[0],
+                                          arguments)
+            assert not error, f"{name}: {error}"
         return launch
 
 
@@ -448,18 +403,9 @@ def test_the_emulation_reports_races_divergent_barriers_and_writes_out_of_bounds
                 module.get_function(kernel)((grid,), (256,), args)
 
 
-def _run_sanitized(build_dir, keyword: str) -> subprocess.CompletedProcess:
-    """This file's tests selected by ``keyword``, in a Python whose allocations go
-    through AddressSanitizer, on the library built with the sanitizers."""
-    runtime = subprocess.run([COMPILER, "-print-file-name=libasan.so"], capture_output=True,
-                             text=True).stdout.strip()
-    if not os.path.isabs(runtime):
-        pytest.skip(f"no AddressSanitizer runtime for {COMPILER}")
-    env = dict(os.environ, LD_PRELOAD=runtime, ASAN_OPTIONS="detect_leaks=0",
-               **{SANITIZE_ENV: "address", BUILD_DIR_ENV: str(build_dir)})
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider",
-                           "-k", keyword, __file__], cwd=Path(__file__).parents[1], env=env,
-                          capture_output=True, text=True, timeout=600)
+def _run_sanitized(build_dir, keyword: str):
+    """This file's tests selected by ``keyword``, under AddressSanitizer."""
+    return cuda_emulation.run_sanitized(__file__, build_dir, keyword)
 
 
 @pytest.mark.skipif(bool(os.environ.get(SANITIZE_ENV)), reason="(the sanitized run itself)")
