@@ -29,10 +29,13 @@ BUILD_DIR_ENV = "MPITRAIN_KERNELS_BUILD_DIR"
 COMPILER = shutil.which(os.environ.get("CXX", "g++"))
 
 
-def build(program: str, directory: Path, sanitize: str, *, stem: str = "kernels") -> ctypes.CDLL:
+def build(program: str, directory: Path, sanitize: str, *, stem: str = "kernels",
+          optimize: str = "-O1") -> ctypes.CDLL:
     """``program`` (C++ that includes headers of this directory) compiled into a shared
-    library in ``directory``, or the one already built there from the same text."""
-    flags = ["-std=c++20", "-O1", "-g", "-fPIC", "-shared", "-Wall", "-Wno-sign-compare",
+    library in ``directory``, or the one already built there from the same text
+    (``optimize``: -O0 compiles many small kernels several times faster, under the
+    sanitizers most of all)."""
+    flags = ["-std=c++20", optimize, "-g", "-fPIC", "-shared", "-Wall", "-Wno-sign-compare",
              f"-I{HERE}"]
     if sanitize:
         flags += [f"-fsanitize={sanitize},undefined", "-fno-sanitize-recover=all",
@@ -52,9 +55,14 @@ def build(program: str, directory: Path, sanitize: str, *, stem: str = "kernels"
 
 
 def build_dir(tmp_path_factory) -> Path:
-    """The directory of a test module's libraries (the sanitized rerun's is given)."""
+    """The directory of the libraries, one for the session (so that a library two
+    test files use is built once), or the one a sanitized rerun is given."""
     given = os.environ.get(BUILD_DIR_ENV)
-    return Path(given) if given else tmp_path_factory.mktemp("cuda_on_cpu")
+    if given:
+        return Path(given)
+    directory = tmp_path_factory.getbasetemp() / "cuda_on_cpu"
+    directory.mkdir(exist_ok=True)
+    return directory
 
 
 def extent(array) -> int:
