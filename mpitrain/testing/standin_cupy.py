@@ -13,7 +13,9 @@ installed, an implicit conversion to NumPy (``np.asarray(device)``,
 ``np.array([device, ...])``), and a host array of another dtype or shape
 in ``get(out=)``, ``asnumpy(out=)`` or ``set()`` (no cast, no broadcast);
 ``asarray`` hands a device array back as it is, as CuPy does; iterating
-gives 0-d device arrays, as in CuPy.
+gives 0-d device arrays, and an element (``a[k]``) is a 0-d view of the
+array's memory, as in CuPy (NumPy's is a copy: a write into it, ``out=``
+included, reached the array on a GPU only).
 It has no kernel compiler (no ``RawModule``), so code that would launch a
 fused kernel takes its array expression path instead, on the same
 device-array discipline.  Within :func:`deferred_copies`, asynchronous
@@ -215,7 +217,14 @@ class DeviceArray(np.ndarray):
         return _wrap(result)
 
     def __getitem__(self, key):
-        return _wrap(np.ndarray.__getitem__(self.view(np.ndarray), _plain(key)))
+        plain = self.view(np.ndarray)
+        found = np.ndarray.__getitem__(plain, _plain(key))
+        if isinstance(found, np.generic):
+            # an element is a 0-d view of the array's memory in CuPy (writes through
+            # it land in the array), not NumPy's copy
+            index = key if isinstance(key, tuple) else (key,)
+            found = np.ndarray.__getitem__(plain, _plain(index) + (Ellipsis,))
+        return _wrap(found)
 
     def __setitem__(self, key, value):
         # CuPy fills a basic-indexed target from a scalar or a device array only

@@ -196,3 +196,19 @@ def test_asarray_of_a_device_array_is_that_array_as_in_cupy():
         with pytest.raises(ValueError, match="Unable to avoid copy"):
             cp.asarray(device, dtype=np.float64, copy=False)
         assert cp.asarray(device, copy=False) is device
+
+
+def test_an_element_is_a_view_of_the_arrays_memory_as_in_cupy():
+    # NumPy's a[k] is a copy: a kernel's out= into it, or a write through it, left
+    # the array as it was on the stand-in and changed it on a GPU (the natural
+    # gradient's fixed scalar cells are written that way)
+    with standin_cupy.installed() as cp:
+        cells = cp.zeros(3, dtype=cp.float32)
+        cell = cells[1]
+        assert isinstance(cell, standin_cupy.DeviceArray) and cell.shape == ()
+        cp.multiply(cp.float32(2), cp.float32(3), out=cell)
+        grid = cp.zeros((2, 3), dtype=cp.float64)
+        grid[1, 2][...] = 7
+        grid[(0, 1)][...] = 5
+        assert cells.tolist() == [0.0, 6.0, 0.0]
+        assert grid.tolist() == [[0.0, 5.0, 0.0], [0.0, 0.0, 7.0]]
