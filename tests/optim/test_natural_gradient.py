@@ -1353,3 +1353,24 @@ def test_the_graph_key_follows_the_preconditioners_buffers():
             step()
         assert opt.graph_key() != key            # (the old buffers are still held)
         assert held
+
+
+def test_on_a_device_the_norms_and_gamma_land_in_the_fixed_cells():
+    """A captured CUDA graph replays the step's kernels on the addresses they were
+    recorded with: ||X||^2, ||Xhat||^2 and gamma must be written into the
+    preconditioner's fixed cells, and gamma handed on is the cell itself."""
+    from mpitrain.testing import standin_cupy
+    rng = np.random.default_rng(2)
+    X = rng.standard_normal((64, 30)).astype(np.float32)
+    with standin_cupy.installed() as xp:
+        prec = OnlineNaturalGradient(rank=6, update_period=4)
+        for _ in range(3):
+            rows = backend.to_device(X, xp)
+            x_sq = float(np.sum(X.astype(np.float64) ** 2))
+            xhat, gamma = prec.precondition(rows)
+            cells = backend.to_host(prec._cells)
+            xhat_sq = float(np.sum(backend.to_host(xhat).astype(np.float64) ** 2))
+            # float32 sums of 1920 squares: a few ulps of the float64 sums
+            np.testing.assert_allclose(cells[:2], [x_sq, xhat_sq], rtol=1e-5)
+            np.testing.assert_allclose(cells[2], np.sqrt(x_sq / xhat_sq), rtol=1e-5)
+            assert np.shares_memory(gamma, prec._cells)
