@@ -648,7 +648,9 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
     if problem:
         if lock is not None:
             lock.release()
-            if made:
+            # (not when another job holds the lock: it made the directory between
+            # this start's look and its makedirs, and the lock file is its own)
+            if made and not lock.held_elsewhere:
                 _remove_made_run_dir(run_dir)
         raise TrainingError(problem, agreed=True)
     if comm.rank == 0:

@@ -634,3 +634,30 @@ def test_an_early_stopped_run_goes_on_as_its_resume_line_says(small_corpus, tmp_
     ends = [r for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
             if r["type"] == "end"]
     assert ends[-1]["steps"] == 20, ends
+
+
+def test_a_start_refused_by_a_job_that_made_the_run_directory_meanwhile_leaves_it_alone(
+        tmp_path, monkeypatch):
+    # two jobs started on one new run directory: the second found no directory, the
+    # first made and locked it before the second's makedirs.  The second, refused,
+    # took the directory for one it made itself and removed the first job's lock
+    # file, then the directory: the first trained on unguarded, then failed at its
+    # config.yaml
+    from mpitrain.comm.single import SingleCommunicator
+    from mpitrain.config import RunConfig
+    from mpitrain.train import run_dir as run_dir_module
+    from mpitrain.train.errors import TrainingError
+    run = tmp_path / "run"
+    first, _ = run_dir_module.take_run_dir(SingleCommunicator(), str(run), RunConfig(),
+                                           resume=False, overwrite=False)
+    (run / "config.yaml").unlink()      # the first job, between its lock and its config
+    real = os.path.lexists
+    monkeypatch.setattr(run_dir_module.os.path, "lexists",
+                        lambda p: False if os.fspath(p) == str(run) else real(p))
+    with pytest.raises(TrainingError, match="another run is using this directory"):
+        run_dir_module.take_run_dir(SingleCommunicator(), str(run), RunConfig(),
+                                    resume=False, overwrite=False)
+    monkeypatch.undo()
+    assert sorted(os.listdir(run)) == [".lock"]
+    assert first.moved() is None
+    first.release()
