@@ -314,6 +314,10 @@ def _write_torch(model: _Parts, out: str) -> None:
         with atomic_path(os.path.join(out, "weights.npz")) as tmp:
             with open(tmp, "wb") as fh:
                 np.savez(fh, **arrays)
+                # flushed here, before model.py is renamed: a flush that fails (a quota
+                # met only then) would otherwise leave the new module beside old weights
+                fh.flush()
+                os.fsync(fh.fileno())
             _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
     except BaseException:
         if made:

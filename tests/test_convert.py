@@ -279,3 +279,31 @@ def test_torch_form_over_an_earlier_one_that_fails_at_model_py_keeps_the_earlier
     assert (out / "weights.npz").read_bytes() == b"earlier weights"
     assert (out / "model.py").read_text() == "earlier module\n"
     assert sorted(os.listdir(out)) == ["model.py", "weights.npz"]
+
+
+def test_torch_form_over_an_earlier_one_that_fails_at_weights_npz_keeps_the_earlier_pair(
+        tmp_path, monkeypatch, capsys):
+    # model.py was renamed into place inside the weights' write, before weights.npz was
+    # flushed and renamed: a failure there (a quota met at the flush) left the new
+    # module beside the earlier conversion's weights
+    import errno
+
+    out = tmp_path / "torch"
+    out.mkdir()
+    (out / "weights.npz").write_bytes(b"earlier weights")
+    (out / "model.py").write_text("earlier module\n")
+    model = _model(tmp_path / "m.h5", _layers("relu"))
+    real = os.fsync
+
+    def full_at_weights(fd):
+        if "weights.npz" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", full_at_weights)
+    assert main(["convert", str(model), "--to", "torch", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out / "weights.npz") in err, err
+    assert (out / "weights.npz").read_bytes() == b"earlier weights"
+    assert (out / "model.py").read_text() == "earlier module\n"
+    assert sorted(os.listdir(out)) == ["model.py", "weights.npz"]
