@@ -797,8 +797,11 @@ class Trainer(CheckpointResume):
                 if requested.code():
                     sums[5 + comm.size + requested.code() - 1] = 1
                 sums[-1] = clock.flag()
+                # (timed from here: the read of the sums above waits for a device's
+                # queued steps, which is training, not the sum)
+                summing = comm.wtime()
                 comm.allreduce_(sums, op="sum")
-                self.on_progress(int(sums[2]), comm.wtime() - now)
+                self.on_progress(int(sums[2]), comm.wtime() - summing)
                 self._stop_agreed(sums[5 + comm.size:-1])
                 clock.hear(sums[-1])
                 stop_poll.heard(self.step)
@@ -936,11 +939,12 @@ class Trainer(CheckpointResume):
     def on_progress(self, frames: int, sum_seconds: float) -> None:
         """Called on every rank right after the ranks summed a progress window (every
         ``training.log_interval`` steps and at the last step): ``frames`` were trained
-        by all ranks in the window; ``sum_seconds`` this rank spent from the window's
-        end to here (the sum, and the wait in it for slower ranks).  Every rank has
-        then finished the window's steps, so time taken here paces the whole group
-        (the window of a ``train`` record ends before that sum, where a rank ahead of
-        a slower one has not waited yet)."""
+        by all ranks in the window; ``sum_seconds`` this rank spent in the sum (and the
+        wait in it for slower ranks), not in the read of its sums before it (which
+        waits for a device's queued steps).  Every rank has then finished the
+        window's steps, so time taken here paces the whole group (the window of a
+        ``train`` record ends before that sum, where a rank ahead of a slower one has
+        not waited yet)."""
 
     def on_eval(self, result: dict) -> bool:
         """Called on every rank after each held-out evaluation inside the loop.

@@ -228,3 +228,34 @@ def test_the_progress_sums_of_a_throughput_run_are_not_counted_as_the_methods(sm
     assert four["step_seconds"] == pytest.approx(0.002, rel=1e-9), four
     speedup = [s for s in report["speedups"] if s["ranks"] == 4][0]["throughput_speedup"]
     assert speedup == pytest.approx(4, rel=1e-9)
+
+
+def test_a_device_drained_at_the_progress_read_counts_as_training_time(small_corpus, tmp_path,
+                                                                      monkeypatch):
+    # on a GPU the steps of a window are queued, and the read of its sums before they
+    # are added up waits for them: that wait is the steps' compute.  It was timed as
+    # the sum's own cost and taken out, and the rank came out faster than it steps
+    from mpitrain.bench.phases import BenchTrainer
+    real = BenchTrainer._new_training_step
+
+    def queued(self):
+        step = real(self)
+        take = step.take_sums
+
+        def drained():
+            self.comm.advance(0.004)        # 2 steps of 2 ms still queued at the read
+            return take()
+        step.take_sums = drained
+        return step
+
+    monkeypatch.setattr(BenchTrainer, "_new_training_step", queued)
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "model_averaging",
+            "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
+            "--compute-ms", "2", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "parallel.average_every=100"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    row = json.loads((out / "bench.json").read_text())["throughput"][0]
+    assert row["step_seconds"] == pytest.approx(0.004, rel=1e-6), row
