@@ -400,7 +400,13 @@ class ArkWriter:
                               "same time (the partial copy is gone); give each export an "
                               "--out of its own")
         for name in self._targets:
-            flush_to_disk(self._tmp[name])
+            try:
+                flush_to_disk(self._tmp[name])
+            except OSError as exc:
+                # (a quota, or a network file system's full disk, is told at the flush)
+                self.abort()
+                raise disk_full_error(exc, name) or WriteError(
+                    exc.errno, f"cannot write {name}: {exc.strerror or exc}") from exc
         if self.scp in self._final and self.ark in self._final:
             # the scp of an export before indexes the archive about to be replaced: it
             # goes first, so that a kill between the two renames leaves no scp whose

@@ -592,3 +592,26 @@ def test_a_full_disk_when_the_files_are_closed_names_the_file_and_leaves_no_temp
         with writer:
             pass
     assert os.listdir(tmp_path) == []
+
+
+def test_a_flush_that_fails_after_the_files_are_closed_names_the_file_and_leaves_no_temporary(
+        tmp_path, monkeypatch):
+    # a quota or a network file system's full disk is told at the flush to disk, after
+    # the close: the error was a bare "[Errno 122] Disk quota exceeded" and both
+    # temporaries stayed
+    import errno
+    from mpitrain.export import ArkWriter
+    real = os.fsync
+
+    def full(fd):
+        if ".ll.ark" in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
+        real(fd)
+
+    writer = ArkWriter(f"ark,scp:{tmp_path}/ll.ark,{tmp_path}/ll.scp")
+    writer.write("utt1", np.zeros((3, 4), np.float32))
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(OSError) as caught:
+        writer.close()
+    assert f"{tmp_path}/ll.ark" in str(caught.value), caught.value
+    assert os.listdir(tmp_path) == []
