@@ -27,14 +27,13 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 
 import numpy as np
 
 from .export import UNSEEN_PRIOR, UNSEEN_SCORE, prior_offsets
-from .files import atomic_path, discard, output_file_problem
+from .files import atomic_path, output_file_problem, removed_if_failed
 from .nn.model_file import load_model
 
 FORMATS = ("onnx", "torch")
@@ -285,17 +284,22 @@ def load(path=None):
 
 
 def _write_torch(model: _Parts, out: str) -> None:
-    from .nn.nonlinear import TINY, Normalize
     if os.path.exists(out) and not os.path.isdir(out):
         raise ValueError(f"{out}: exists and is not a directory (convert --to torch writes "
                          "a directory: model.py and weights.npz)")
-    made = not os.path.lexists(out)
-    try:
-        os.makedirs(out, exist_ok=True)
-    except OSError as exc:
-        # (makedirs names no more than the path, e.g. "[Errno 20] Not a directory")
-        problem = output_file_problem(os.path.join(out, "weights.npz")) or exc.strerror
-        raise ValueError(f"{out}: cannot make the directory: {problem}") from None
+    # the directory this conversion made goes with a failure: nothing half-written
+    with removed_if_failed(out, expected=("weights.npz", "model.py")):
+        try:
+            os.makedirs(out, exist_ok=True)
+        except OSError as exc:
+            # (makedirs names no more than the path, e.g. "[Errno 20] Not a directory")
+            problem = output_file_problem(os.path.join(out, "weights.npz")) or exc.strerror
+            raise ValueError(f"{out}: cannot make the directory: {problem}") from None
+        _write_torch_files(model, out)
+
+
+def _write_torch_files(model: _Parts, out: str) -> None:
+    from .nn.nonlinear import TINY, Normalize
     arrays = {"cmvn_mean": model.cmvn_mean, "cmvn_scale": model.cmvn_scale}
     for i, (w, b) in enumerate(model.affine):
         arrays[f"affine{i}_weight"], arrays[f"affine{i}_bias"] = w, b
@@ -307,26 +311,17 @@ def _write_torch(model: _Parts, out: str) -> None:
                             speaker_cmvn=repr(model.speaker_cmvn), floor=Normalize.FLOOR,
                             pnorm_tiny=TINY, unseen_prior=UNSEEN_PRIOR,
                             unseen_score=UNSEEN_SCORE)
-    try:
-        # (atomic_path: a failed write, a full disk above all, names the file) both
-        # files are written before either is renamed into place: a failed model.py
-        # left new weights beside an earlier conversion's module
-        with atomic_path(os.path.join(out, "weights.npz")) as tmp:
-            with open(tmp, "wb") as fh:
-                np.savez(fh, **arrays)
-                # flushed here, before model.py is renamed: a flush that fails (a quota
-                # met only then) would otherwise leave the new module beside old weights
-                fh.flush()
-                os.fsync(fh.fileno())
-            _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
-    except BaseException:
-        if made:
-            # the directory this conversion made goes with it: nothing half-written
-            for name in ("weights.npz", "model.py"):
-                discard(os.path.join(out, name))
-            with contextlib.suppress(OSError):
-                os.rmdir(out)
-        raise
+    # (atomic_path: a failed write, a full disk above all, names the file) both
+    # files are written before either is renamed into place: a failed model.py
+    # left new weights beside an earlier conversion's module
+    with atomic_path(os.path.join(out, "weights.npz")) as tmp:
+        with open(tmp, "wb") as fh:
+            np.savez(fh, **arrays)
+            # flushed here, before model.py is renamed: a flush that fails (a quota
+            # met only then) would otherwise leave the new module beside old weights
+            fh.flush()
+            os.fsync(fh.fileno())
+        _atomic_bytes(os.path.join(out, "model.py"), source.encode("utf-8"))
 
 
 def _atomic_bytes(path: str, data: bytes) -> None:

@@ -348,6 +348,38 @@ def atomic_path(path):
         raise
 
 
+def remove_made_directory(path, expected=()) -> None:
+    """Remove a directory a failed command made: the ``expected`` files in it, then
+    the directory, and only while nothing else is in it (a file someone else put
+    there, or a job that made it meanwhile and holds it, keeps it)."""
+    with contextlib.suppress(OSError):
+        if set(os.listdir(path)) <= set(expected):
+            for name in expected:
+                discard(os.path.join(path, name))
+        os.rmdir(path)
+
+
+@contextlib.contextmanager
+def removed_if_failed(path, expected=()):
+    """Within the block, a failure (a full disk above all) removes directory
+    ``path`` if it was not there before the block (:func:`remove_made_directory`):
+    a command that fails leaves no directory of its own behind.
+
+    Example::
+
+        with removed_if_failed("model_torch", expected=("weights.npz", "model.py")):
+            os.makedirs("model_torch", exist_ok=True)
+            ...
+    """
+    made = not os.path.lexists(path)
+    try:
+        yield
+    except BaseException:
+        if made:
+            remove_made_directory(path, expected)
+        raise
+
+
 def working_directory() -> str:
     """This process's working directory, or '' when it was removed while the process
     runs in it (os.getcwd fails then)."""

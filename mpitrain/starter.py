@@ -14,13 +14,12 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 from pathlib import Path
 
-from .files import atomic_open, output_file_problem
+from .files import atomic_open, output_file_problem, removed_if_failed
 
 DEFAULT_CONFIG = "mpitrain.yaml"
 DEFAULT_EXAMPLE = "quickstart"
@@ -112,17 +111,11 @@ def write_starter(out_dir, *, corpus: str | None = None, train: str | None = Non
                  "`mpitrain synth` or `mpitrain prepare`)")
     header = (f"# Written by `mpitrain init` from the example '{example}'.\n"
               f"# Run it from this directory: {run_command(example)}\n")
-    made = not os.path.lexists(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    try:
+    # (a full disk: the directory made for the config goes with it)
+    with removed_if_failed(out_dir):
+        os.makedirs(out_dir, exist_ok=True)
         with atomic_open(target, "w") as f:
             f.write(header + text)
-    except BaseException:
-        if made:
-            # (a full disk: the directory made for the config goes with it)
-            with contextlib.suppress(OSError):
-                os.rmdir(out_dir)
-        raise
     return target
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
+
 from .words import shown
 
 #: The largest float32: a value that a float32 buffer takes, or a statistic of
@@ -84,7 +86,6 @@ def flag(state, key: str, where: str, *, default=_MISSING) -> bool:
 def described(value) -> str:
     """What a field holds, for an error: an array's shape and dtype (not its values,
     which a forged file may make huge), else the value cut short."""
-    import numpy as np
     if isinstance(value, np.ndarray):
         return f"an array of shape {value.shape} and dtype {value.dtype}"
     return shown(value)
@@ -94,7 +95,6 @@ def int_array(value, where: str, *, low: int = 0, high: int = COUNT_MAX,
               empty: bool = True):
     """``value`` as a 1-D array of ints, each in [low, high] (``empty``: may hold
     none); ValueError naming ``where`` otherwise."""
-    import numpy as np
     good = isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype.kind in "iu" \
         and (value.size > 0 or empty) \
         and (not value.size or (value.min() >= low and value.max() <= high))
@@ -108,7 +108,6 @@ def float32_buffer(value, shape: tuple, where: str, *, low: float = -FLOAT32_MAX
     """``value`` as a float32 array of ``shape`` for a float32 buffer: an array of
     floats, each finite and in [low, FLOAT32_MAX] (a float64 of 1e300 would be
     infinite there); ValueError naming ``where`` otherwise."""
-    import numpy as np
     if not isinstance(value, np.ndarray) or value.dtype.kind != "f" \
             or tuple(value.shape) != tuple(shape):
         raise ValueError(f"{where}: expected {tuple(shape)} floats, got {described(value)}")

@@ -375,3 +375,23 @@ def test_special_files_are_pipes_sockets_and_devices_only(tmp_path):
     os.mkfifo(tmp_path / "p")
     assert [special_file(tmp_path / n) for n in ("f", "p", "missing")] == [False, True, False]
     assert special_file(tmp_path) is False and special_file(os.devnull) is True
+
+
+def test_a_failed_block_removes_only_the_directory_it_made_and_only_when_empty(tmp_path):
+    from mpitrain.files import removed_if_failed
+    made, there, shared = tmp_path / "made", tmp_path / "there", tmp_path / "shared"
+    there.mkdir()
+    for directory, extra in ((made, None), (there, None), (shared, "notes.txt")):
+        with pytest.raises(OSError):
+            with removed_if_failed(directory, expected=("model.py",)):
+                directory.mkdir(exist_ok=True)
+                (directory / "model.py").write_text("half")
+                if extra:                   # someone else's file: the directory stays
+                    (directory / extra).write_text("theirs")
+                raise OSError(28, "No space left on device")
+    assert not made.exists()
+    assert there.is_dir()                   # it was there before: kept, with what it holds
+    assert sorted(os.listdir(shared)) == ["model.py", "notes.txt"]
+    with removed_if_failed(made):           # a block that succeeds keeps what it made
+        made.mkdir()
+    assert made.is_dir()

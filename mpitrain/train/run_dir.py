@@ -30,7 +30,7 @@ import zlib
 
 from ..config import dump_config
 from ..files import (disk_full_error, dotted_keys, nearest_existing, path_text,
-                     remove_stale_temporaries)
+                     remove_made_directory, remove_stale_temporaries)
 from ..h5io import stored_checksum
 from .errors import TrainingError, remove_rank_errors
 from .tensorboard import DIRECTORY as TENSORBOARD_DIRECTORY
@@ -651,7 +651,7 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
             # (not when another job holds the lock: it made the directory between
             # this start's look and its makedirs, and the lock file is its own)
             if made and not lock.held_elsewhere:
-                _remove_made_run_dir(run_dir)
+                remove_made_directory(run_dir, expected=(RunDirLock.NAME,))
         raise TrainingError(problem, agreed=True)
     if comm.rank == 0:
         lock.in_use = True
@@ -669,15 +669,6 @@ def take_run_dir(comm, run_dir, cfg, *, resume: bool, overwrite: bool, seen=None
         except BaseException:
             lock.release()
             if made:
-                _remove_made_run_dir(run_dir)
+                remove_made_directory(run_dir, expected=(RunDirLock.NAME,))
             raise
     return lock, lines
-
-
-def _remove_made_run_dir(run_dir) -> None:
-    """Remove the run directory a start made and could not write (a full disk), so
-    that a failed start leaves none; not when anything but the lock file is in it."""
-    with contextlib.suppress(OSError):
-        if os.listdir(run_dir) == [RunDirLock.NAME]:
-            os.remove(os.path.join(run_dir, RunDirLock.NAME))
-        os.rmdir(run_dir)
