@@ -312,18 +312,25 @@ def test_accepted_ngsgd_ranks_start_the_estimates_afresh(small_corpus, tmp_path,
         assert saved["layer0_in/W"].shape[0] == 3 and saved["layer0_out/W"].shape[0] == 5
 
 
+def _train_16_steps_best_past_8(run, corpus, extra=()):
+    """`train` 16 steps of a small model, checkpoints every 8, evaluations every 4:
+    the argv (``extra`` settings last) and its best.h5 selected past step 8."""
+    argv = ["train", QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
+                                           "training.checkpoint_interval=8",
+                                           "training.eval_interval=1024",
+                                           "training.max_steps=16"] + list(extra):
+        argv += ["--set", item]
+    assert main(argv) == 0
+    return argv
+
+
 def test_a_best_model_written_after_the_checkpoint_stays_the_best(small_corpus, tmp_path,
                                                                   capsys):
     # a run killed after it wrote best.h5 past its newest checkpoint: the resumed
     # run said the checkpoint's best (step <= 8) while best.h5 held a later model
     run = tmp_path / "run"
-    argv = ["train", QUICKSTART, "--run-dir", str(run)]
-    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
-                                                 "training.checkpoint_interval=8",
-                                                 "training.eval_interval=1024",
-                                                 "training.max_steps=16"]:
-        argv += ["--set", item]
-    assert main(argv) == 0
+    argv = _train_16_steps_best_past_8(run, small_corpus)
 
     def selected(path):
         with h5py.File(path, "r") as f:
@@ -352,13 +359,7 @@ def test_a_checkpoint_written_before_a_later_best_step_resumes(small_corpus, tmp
     # step ahead of its own (as one written after a roll back does), and the next
     # --resume refused it as forged
     run = tmp_path / "run"
-    argv = ["train", QUICKSTART, "--run-dir", str(run)]
-    for item in small_overrides(small_corpus) + ["model.hidden_dim=16", "model.hidden_layers=1",
-                                                 "training.checkpoint_interval=8",
-                                                 "training.eval_interval=1024",
-                                                 "training.max_steps=16"]:
-        argv += ["--set", item]
-    assert main(argv) == 0
+    argv = _train_16_steps_best_past_8(run, small_corpus)
     with h5py.File(run / "best.h5", "r") as f:
         best = int(f.attrs["selected_at_step"])
     assert best > 10, best              # (the model learns: a later evaluation is best)
@@ -380,30 +381,20 @@ def test_a_best_model_lost_or_replaced_before_the_resume_is_said_and_written_ane
     # the run ended naming "best RUN/best.h5 (held-out acc X at step S)", a file that
     # was not there (or another run's model, of other layers, kept as this run's best)
     run = tmp_path / "run"
-    settings = small_overrides(small_corpus) + [
-        "model.hidden_dim=16", "model.hidden_layers=1", "training.checkpoint_interval=8",
-        "training.eval_interval=1024", "training.max_steps=16"]
-
-    def argv(run_dir, extra=()):
-        out = ["train", QUICKSTART, "--run-dir", str(run_dir)]
-        for item in settings + list(extra):
-            out += ["--set", item]
-        return out
-
-    assert main(argv(run)) == 0
+    argv = _train_16_steps_best_past_8(run, small_corpus)
     for name in ("ckpt-00000016.h5", "final.h5", "best.h5"):     # cut off past step 8
         os.remove(run / name)
     if damage == "another run's":
-        assert main(argv(tmp_path / "other", ["model.hidden_dim=24"])) == 0
+        _train_16_steps_best_past_8(tmp_path / "other", small_corpus, ["model.hidden_dim=24"])
         shutil.copy(tmp_path / "other" / "best.h5", run / "best.h5")
         why = "is not a model of this run (its components differs), another run's file"
     else:
         why = "is missing"
     capsys.readouterr()
     # (a rate that changes nothing: the resumed evaluations only tie the checkpoint's best)
-    assert main(argv(run, ["optimizer.initial_learning_rate=1e-20",
-                           "optimizer.final_learning_rate=1e-20"])
-                + ["--resume", "--accept-changes"]) == 0
+    assert main(argv + ["--resume", "--accept-changes",
+                        "--set", "optimizer.initial_learning_rate=1e-20",
+                        "--set", "optimizer.final_learning_rate=1e-20"]) == 0
     out = capsys.readouterr().out
     assert f"resume: {run}/best.h5 {why}; the model selected before (held-out acc " in out, out
     with h5py.File(run / "best.h5", "r") as f:
