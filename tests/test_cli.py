@@ -1144,3 +1144,28 @@ def test_a_stray_long_path_is_named_whole_in_a_command_line_error(capsys):
         main(["train", "run.yaml", path])
     assert end.value.code == 2
     assert f"unrecognized arguments: {path}" in capsys.readouterr().err
+
+
+@pytest.mark.mpi
+def test_a_program_started_by_a_script_that_began_mpi_alone_runs_as_one_process(tmp_path):
+    # a script that imports mpi4py (MPI started without a launcher) and then runs
+    # `mpitrain status`: Open MPI 4 had put PMIX_RANK into the script's environment,
+    # and the command took itself for one of several ranks ("status runs as one
+    # process; start it without mpiexec or srun"), status 2
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"type": "start", "step": 0}\n'
+                                       '{"type": "end", "steps": 4, "seconds": 1.0}\n')
+    script = ("import subprocess, sys\n"
+              "from mpi4py import MPI\n"
+              "MPI.COMM_WORLD.Barrier()\n"
+              "done = subprocess.run([sys.executable, '-m', 'mpitrain', 'status', sys.argv[1]])\n"
+              "raise SystemExit(done.returncode)\n")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE",
+                        "MPI_LOCALNRANKS", "HYDI_CONTROL_FD", "SLURM_PROCID")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", script, str(run)], cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "runs as one process" not in done.stderr, done.stderr

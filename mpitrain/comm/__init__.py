@@ -71,9 +71,20 @@ def launched_by_mpi(env: Optional[Mapping[str, str]] = None) -> bool:
         launched_by_mpi({})                                   # False
     """
     env = os.environ if env is None else env
-    if any(name in env for name in _LAUNCHER_VARS):
+    inherited = _inherited_from_singleton(env)
+    if any(name in env for name in _LAUNCHER_VARS if name not in inherited):
         return True
     return (_slurm_step_size(env) or 0) > 1
+
+
+def _inherited_from_singleton(env: Mapping[str, str]) -> tuple:
+    """The launcher variables of ``env`` that no launcher set: Open MPI 4 started
+    without a launcher (a singleton, e.g. a script that imported mpi4py) puts
+    PMIX_RANK and OMPI_MCA_ess=singleton into its own environment, which the
+    programs it starts inherit; a launched rank has OMPI_MCA_ess=^singleton."""
+    if env.get("OMPI_MCA_ess") == "singleton" and not any(name in env for name in _SIZE_VARS):
+        return ("PMIX_RANK",)
+    return ()
 
 
 def world_size_from_env(env: Optional[Mapping[str, str]] = None) -> Optional[int]:

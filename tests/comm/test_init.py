@@ -33,6 +33,14 @@ def test_launcher_detection_from_environment():
     # A batch script has SLURM variables but a one-task step: not an MPI launch.
     assert not launched_by_mpi({"SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1"})
     assert launched_by_mpi({"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "8"})
+    # started by a process that began Open MPI 4 on its own (a singleton): its
+    # environment, PMIX_RANK with it, is inherited, no launcher set it
+    singleton = {"OMPI_MCA_ess": "singleton", "PMIX_RANK": "0", "PMIX_NAMESPACE": "1265303553",
+                 "OMPI_MCA_orte_ess_num_procs": "1"}
+    assert not launched_by_mpi(singleton)
+    assert launched_by_mpi({"OMPI_MCA_ess": "^singleton", "PMIX_RANK": "0",
+                            "OMPI_COMM_WORLD_SIZE": "2"})       # mpirun's rank
+    assert launched_by_mpi(dict(singleton, SLURM_PROCID="1", SLURM_STEP_NUM_TASKS="2"))
     assert world_size_from_env({"PMI_SIZE": "6"}) == 6
     assert world_size_from_env({"HYDI_CONTROL_FD": "7"}) is None
     assert local_rank_from_env({"OMPI_COMM_WORLD_LOCAL_RANK": "2"}) == 2
