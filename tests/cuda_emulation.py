@@ -4,8 +4,10 @@ Shared by the tests that run the package's kernels without a GPU
 (test_cuda_kernels_on_cpu: the raw kernels; test_cupy_kernels_on_cpu: the
 elementwise and reduction kernels, wrapped as CuPy wraps them): building a
 program into a shared library once per content, launching one of its
-``launch_<name>`` entry points with buffers copied between canaries, and
-rerunning a test file under AddressSanitizer.
+``launch_<name>`` entry points with buffers copied between canaries,
+rerunning a test file under AddressSanitizer; and the package's raw kernel
+sources as one program, with a RawModule whose kernels run in it
+(:class:`EmulatedModule`).
 """
 
 from __future__ import annotations
@@ -13,12 +15,19 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+from mpitrain import backend
+from mpitrain.nn import kernels as nn_kernels
+from mpitrain.optim import kernels as optim_kernels
+from mpitrain.testing import standin_cupy
 
 HERE = Path(__file__).parent
 HEADER = HERE / "cuda_on_cpu.h"
@@ -113,3 +122,122 @@ def sanitizing() -> str:
     """The sanitizer this process runs under ("" outside the sanitized reruns)."""
     return os.environ.get(SANITIZE_ENV, "")
 
+
+#: NumPy types of the C scalar types the kernels take
+SCALAR_TYPES = {"int": np.int32, "long long": np.int64, "float": np.float32,
+            "double": np.float64, "unsigned int": np.uint32, "unsigned short": np.uint16}
+
+
+def kernel_signatures(source: str) -> dict:
+    """{kernel name: [(C type without const, is pointer), ...]} of a CUDA source."""
+    found = {}
+    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', source):
+        types = []
+        for param in params.split(","):
+            words = param.replace("*", " * ").replace("const", " ").split()[:-1]
+            pointer = "*" in words
+            types.append((" ".join(w for w in words if w != "*"), pointer))
+        found[name] = types
+    return found
+
+
+#: every raw_module source of the package, compiled into one library
+RAW_SOURCES = {"nn": nn_kernels.SOURCE, "optim_sumsq": optim_kernels.SUMSQ_SOURCE,
+           "optim_sgd": optim_kernels.SGD_SOURCE, "bf16": backend.BF16_SOURCE}
+
+#: kernels with the faults the emulation must report, compiled with the package's
+FAULTY_SOURCE = r"""
+#define THREADS 256
+// reads a neighbour's shared slot with no barrier after the writes
+extern "C" __global__ void faulty_race(float* out)
+{
+    __shared__ float s[THREADS];
+    s[threadIdx.x] = (float)threadIdx.x;
+    out[threadIdx.x] = s[(threadIdx.x + 1) % THREADS];
+}
+// half of the block waits at one barrier, half at another
+extern "C" __global__ void faulty_divergent_barrier(float* out)
+{
+    if (threadIdx.x < THREADS / 2)
+        __syncthreads();
+    else
+        __syncthreads();
+    out[threadIdx.x] = 1.0f;
+}
+// half of the block returns before a barrier
+extern "C" __global__ void faulty_barrier_after_return(float* out)
+{
+    if (threadIdx.x < THREADS / 2) return;
+    __syncthreads();
+    out[threadIdx.x] = 1.0f;
+}
+// no bound: the last block writes past the end
+extern "C" __global__ void faulty_unbounded_write(float* out, const int n)
+{
+    out[blockIdx.x * THREADS + threadIdx.x] = (float)n;
+}
+// reads the element after the last (seen by AddressSanitizer only)
+extern "C" __global__ void faulty_read_past_the_end(const float* x, const int n, float* out)
+{
+    if (blockIdx.x * THREADS + threadIdx.x == n) out[0] = x[n];
+}
+"""
+
+
+def _wrapper(name: str, signature) -> str:
+    """C++ that launches kernel ``name`` with its arguments read from ``void** a``."""
+    unpacked = ", ".join(f"*({ctype}{'*' if pointer else ''}*)a[{i}]"
+                         for i, (ctype, pointer) in enumerate(signature))
+    return (f'extern "C" const char* launch_{name}(unsigned int grid, unsigned int threads, '
+            "void** args, const long long* bytes, int count)\n{\n"
+            "    return cuda_on_cpu::run(grid, threads, args, bytes, count, "
+            f"[](void** a) {{ {name}({unpacked}); }});\n}}\n")
+
+
+def raw_program() -> str:
+    """The package's raw kernels and the faulty ones, each with its launcher."""
+    parts = [f'#include "{HEADER.name}"\n']
+    for source_name, source in {**RAW_SOURCES, "faulty": FAULTY_SOURCE}.items():
+        # (#line: a fault is reported at the line of the package's own source)
+        parts += ["#undef THREADS\n", f'#line 1 "{source_name}"\n', source]
+        parts += [_wrapper(kernel, signature) for kernel, signature in kernel_signatures(source).items()]
+    return "".join(parts)
+
+
+def _scalar(value) -> np.generic:
+    """A scalar argument as CuPy passes it: a NumPy scalar as it is, a Python int or
+    float as an int64 or a double."""
+    if isinstance(value, np.generic):
+        return value
+    return {int: np.int64, float: np.float64}[type(value)](value)
+
+
+class EmulatedModule:
+    """A RawModule whose kernels run in the emulation, recording each launch."""
+
+    def __init__(self, lib, source: str, launches: list):
+        self.lib, self.signatures, self.launches = lib, kernel_signatures(source), launches
+
+    def get_function(self, name: str):
+        assert name in self.signatures, f"{name} is not in the source it is taken from"
+        signature = self.signatures[name]
+
+        def run(grid, block, args):
+            self.launches.append((name, tuple(grid), tuple(block)))
+            assert len(grid) == len(block) == 1, f"{name}: only 1-D launches are emulated"
+            assert len(args) == len(signature), f"{name}: {len(args)} arguments"
+            arguments = []
+            for i, ((ctype, pointer), arg) in enumerate(zip(signature, args)):
+                want = np.dtype(SCALAR_TYPES[ctype])
+                if pointer:
+                    assert isinstance(arg, standin_cupy.DeviceArray) and arg.dtype == want, \
+                        f"{name} argument {i}: not a {want} device array"
+                    arguments.append(arg)
+                else:
+                    value = _scalar(arg)
+                    assert value.dtype == want, f"{name} argument {i}: a {value.dtype}, not {want}"
+                    arguments.append(value.tobytes())
+            error = launch(getattr(self.lib, f"launch_{name}"), grid[0], block[0],
+                                          arguments)
+            assert not error, f"{name}: {error}"
+        return run

@@ -46,73 +46,12 @@ from mpitrain.optim import kernels as optim_kernels
 from mpitrain.testing import standin_cupy
 
 from . import cuda_emulation
-from .cuda_emulation import HEADER, SANITIZE_ENV
-from .test_kernel_launch_args import _SCALARS, _signatures
+from .cuda_emulation import SANITIZE_ENV
 
-#: every raw_module source of the package, compiled into one library
-SOURCES = {"nn": nn_kernels.SOURCE, "optim_sumsq": optim_kernels.SUMSQ_SOURCE,
-           "optim_sgd": optim_kernels.SGD_SOURCE, "bf16": backend.BF16_SOURCE}
-
-#: kernels with the faults the emulation must report, compiled with the package's
-FAULTY_SOURCE = r"""
-#define THREADS 256
-// reads a neighbour's shared slot with no barrier after the writes
-extern "C" __global__ void faulty_race(float* out)
-{
-    __shared__ float s[THREADS];
-    s[threadIdx.x] = (float)threadIdx.x;
-    out[threadIdx.x] = s[(threadIdx.x + 1) % THREADS];
-}
-// half of the block waits at one barrier, half at another
-extern "C" __global__ void faulty_divergent_barrier(float* out)
-{
-    if (threadIdx.x < THREADS / 2)
-        __syncthreads();
-    else
-        __syncthreads();
-    out[threadIdx.x] = 1.0f;
-}
-// half of the block returns before a barrier
-extern "C" __global__ void faulty_barrier_after_return(float* out)
-{
-    if (threadIdx.x < THREADS / 2) return;
-    __syncthreads();
-    out[threadIdx.x] = 1.0f;
-}
-// no bound: the last block writes past the end
-extern "C" __global__ void faulty_unbounded_write(float* out, const int n)
-{
-    out[blockIdx.x * THREADS + threadIdx.x] = (float)n;
-}
-// reads the element after the last (seen by AddressSanitizer only)
-extern "C" __global__ void faulty_read_past_the_end(const float* x, const int n, float* out)
-{
-    if (blockIdx.x * THREADS + threadIdx.x == n) out[0] = x[n];
-}
-"""
 
 COMPILER = cuda_emulation.COMPILER
 
 pytestmark = pytest.mark.skipif(COMPILER is None, reason="no C++ compiler (g++)")
-
-
-def _wrapper(name: str, signature) -> str:
-    """C++ that launches kernel ``name`` with its arguments read from ``void** a``."""
-    unpacked = ", ".join(f"*({ctype}{'*' if pointer else ''}*)a[{i}]"
-                         for i, (ctype, pointer) in enumerate(signature))
-    return (f'extern "C" const char* launch_{name}(unsigned int grid, unsigned int threads, '
-            "void** args, const long long* bytes, int count)\n{\n"
-            "    return cuda_on_cpu::run(grid, threads, args, bytes, count, "
-            f"[](void** a) {{ {name}({unpacked}); }});\n}}\n")
-
-
-def _program() -> str:
-    parts = [f'#include "{HEADER.name}"\n']
-    for source_name, source in {**SOURCES, "faulty": FAULTY_SOURCE}.items():
-        # (#line: a fault is reported at the line of the package's own source)
-        parts += ["#undef THREADS\n", f'#line 1 "{source_name}"\n', source]
-        parts += [_wrapper(kernel, signature) for kernel, signature in _signatures(source).items()]
-    return "".join(parts)
 
 
 @pytest.fixture(scope="module")
@@ -122,46 +61,7 @@ def build_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def library(build_dir):
-    return cuda_emulation.build(_program(), build_dir, cuda_emulation.sanitizing())
-
-
-def _scalar(value) -> np.generic:
-    """A scalar argument as CuPy passes it: a NumPy scalar as it is, a Python int or
-    float as an int64 or a double."""
-    if isinstance(value, np.generic):
-        return value
-    return {int: np.int64, float: np.float64}[type(value)](value)
-
-
-class _EmulatedModule:
-    """A RawModule whose kernels run in the emulation, recording each launch."""
-
-    def __init__(self, lib, source: str, launches: list):
-        self.lib, self.signatures, self.launches = lib, _signatures(source), launches
-
-    def get_function(self, name: str):
-        assert name in self.signatures, f"{name} is not in the source it is taken from"
-        signature = self.signatures[name]
-
-        def launch(grid, block, args):
-            self.launches.append((name, tuple(grid), tuple(block)))
-            assert len(grid) == len(block) == 1, f"{name}: only 1-D launches are emulated"
-            assert len(args) == len(signature), f"{name}: {len(args)} arguments"
-            arguments = []
-            for i, ((ctype, pointer), arg) in enumerate(zip(signature, args)):
-                want = np.dtype(_SCALARS[ctype])
-                if pointer:
-                    assert isinstance(arg, standin_cupy.DeviceArray) and arg.dtype == want, \
-                        f"{name} argument {i}: not a {want} device array"
-                    arguments.append(arg)
-                else:
-                    value = _scalar(arg)
-                    assert value.dtype == want, f"{name} argument {i}: a {value.dtype}, not {want}"
-                    arguments.append(value.tobytes())
-            error = cuda_emulation.launch(getattr(self.lib, f"launch_{name}"), grid[0], block[0],
-                                          arguments)
-            assert not error, f"{name}: {error}"
-        return launch
+    return cuda_emulation.build(cuda_emulation.raw_program(), build_dir, cuda_emulation.sanitizing())
 
 
 @pytest.fixture
@@ -173,8 +73,8 @@ def launches(library, monkeypatch):
     monkeypatch.setattr(optim_kernels, "_KERNELS", {})
 
     def raw_module(xp, name, source):
-        assert SOURCES.get(name) == source, f"{name}: a source this test did not compile"
-        return _EmulatedModule(library, source, recorded)
+        assert cuda_emulation.RAW_SOURCES.get(name) == source, f"{name}: a source this test did not compile"
+        return cuda_emulation.EmulatedModule(library, source, recorded)
     monkeypatch.setattr(backend, "raw_module", raw_module)
     return recorded
 
@@ -389,7 +289,7 @@ def test_a_huge_finite_gradient_is_clipped_not_skipped(launches):
 @pytest.mark.skipif(bool(os.environ.get(SANITIZE_ENV)),
                     reason="(its write out of bounds would stop the sanitized run)")
 def test_the_emulation_reports_races_divergent_barriers_and_writes_out_of_bounds(library):
-    module = _EmulatedModule(library, FAULTY_SOURCE, [])
+    module = cuda_emulation.EmulatedModule(library, cuda_emulation.FAULTY_SOURCE, [])
     with standin_cupy.installed() as cp:
         out = cp.zeros(300, dtype=cp.float32)
         for kernel, grid, args, message in [
@@ -425,7 +325,7 @@ def test_address_sanitizer_catches_a_read_past_a_buffer(build_dir):
 
 @pytest.mark.skipif(not os.environ.get(SANITIZE_ENV), reason="run by the test above")
 def test_sanitized_only_a_read_past_a_buffer(library):
-    module = _EmulatedModule(library, FAULTY_SOURCE, [])
+    module = cuda_emulation.EmulatedModule(library, cuda_emulation.FAULTY_SOURCE, [])
     with standin_cupy.installed() as cp:
         module.get_function("faulty_read_past_the_end")(
             (2,), (256,), (cp.ones(300, dtype=cp.float32), np.int32(300),

@@ -60,8 +60,6 @@ from mpitrain.optim.natural_gradient import OnlineNaturalGradient, SimpleNatural
 from mpitrain.testing import standin_cupy
 
 from . import cuda_emulation
-from .test_cuda_kernels_on_cpu import SOURCES, _EmulatedModule
-from .test_cuda_kernels_on_cpu import _program as _raw_program
 
 PACKAGE = Path(backend.__file__).parent
 pytestmark = pytest.mark.skipif(cuda_emulation.COMPILER is None,
@@ -307,7 +305,7 @@ def libraries(build_dir):
     sanitize = cuda_emulation.sanitizing()
     return (cuda_emulation.build(program(), build_dir, sanitize, stem="cupy_kernels",
                                  optimize="-O0"),
-            cuda_emulation.build(_raw_program(), build_dir, sanitize))
+            cuda_emulation.build(cuda_emulation.raw_program(), build_dir, sanitize))
 
 
 # -- CuPy's call, on the stand-in --------------------------------------------------------
@@ -372,8 +370,8 @@ class Emulation:
             mp.setattr(optim_kernels, "_KERNELS", {})
 
             def raw_module(xp, name, source):
-                assert SOURCES.get(name) == source, f"{name}: a source this test did not compile"
-                return _EmulatedModule(emulation.raw_library, source, emulation.raw_launches)
+                assert cuda_emulation.RAW_SOURCES.get(name) == source, f"{name}: a source this test did not compile"
+                return cuda_emulation.EmulatedModule(emulation.raw_library, source, emulation.raw_launches)
             mp.setattr(backend, "raw_module", raw_module)
             mp.setattr(standin_cupy.module, "ElementwiseKernel",
                        lambda *a, **k: EmulatedKernel(emulation, Spec.elementwise(*a, **k)),

@@ -12,7 +12,6 @@ the CUDA source it was compiled from.
 
 from __future__ import annotations
 
-import re
 
 import numpy as np
 import pytest
@@ -22,28 +21,13 @@ from mpitrain.nn import kernels as nn_kernels
 from mpitrain.optim import kernels as optim_kernels
 from mpitrain.testing import standin_cupy
 
-_SCALARS = {"int": np.int32, "long long": np.int64, "float": np.float32,
-            "double": np.float64, "unsigned int": np.uint32, "unsigned short": np.uint16}
-
-
-def _signatures(source: str) -> dict:
-    """{kernel name: [(C type without const, is pointer), ...]} of a CUDA source."""
-    found = {}
-    for name, params in re.findall(r'extern "C" __global__ void (\w+)\(([^)]*)\)', source):
-        types = []
-        for param in params.split(","):
-            words = param.replace("*", " * ").replace("const", " ").split()[:-1]
-            pointer = "*" in words
-            types.append((" ".join(w for w in words if w != "*"), pointer))
-        found[name] = types
-    return found
-
+from .cuda_emulation import SCALAR_TYPES, kernel_signatures
 
 class _Recorder:
     """A RawModule whose functions record their launches instead of running."""
 
     def __init__(self, source: str, launches: list):
-        self.signatures = _signatures(source)
+        self.signatures = kernel_signatures(source)
         self.launches = launches
 
     def get_function(self, name: str):
@@ -76,12 +60,12 @@ def _check(launches, names):
             where = f"{name} argument {i} ({ctype}{'*' if pointer else ''})"
             if pointer:
                 assert isinstance(arg, standin_cupy.DeviceArray), f"{where}: got {type(arg).__name__}"
-                assert arg.dtype == _SCALARS[ctype], f"{where}: got a {arg.dtype} array"
+                assert arg.dtype == SCALAR_TYPES[ctype], f"{where}: got a {arg.dtype} array"
                 assert arg.flags.c_contiguous or arg.ndim == 2, where
             else:
                 # (a Python int or float goes as int64 or double: right for those only)
                 python = {"long long": int, "double": float}.get(ctype)
-                assert type(arg) in (_SCALARS[ctype], python), \
+                assert type(arg) in (SCALAR_TYPES[ctype], python), \
                     f"{where}: got {type(arg).__name__}"
 
 
@@ -124,7 +108,7 @@ def test_the_bf16_operand_copy_launch(launches):
 def test_a_wrong_argument_type_is_caught():
     """The check itself: a Python int, a float64 scalar and a float64 array in
     the places of an int, a float and a float* are each named."""
-    signature = _signatures('extern "C" __global__ void k(const float* x, const int n, '
+    signature = kernel_signatures('extern "C" __global__ void k(const float* x, const int n, '
                             'float scale)')["k"]
     assert signature == [("float", True), ("int", False), ("float", False)]
     with standin_cupy.installed() as cp:
