@@ -785,14 +785,13 @@ class Trainer(CheckpointResume):
             if self._combination is not None:
                 self._combination.observe(self.step, self.net, self.strategy.result_params())
             if self.step % cfg.training.log_interval == 0 or last:
-                now = comm.wtime()
                 comm_now = comm.comm_time
                 loss_sum, correct_sum, frames, skipped = training_step.take_sums()
                 # and each rank's time in communication, in a slot of its own; then
                 # whether a signal asked this rank to stop (train/stop.py), by signal;
                 # last, whether rank 0's clock says a checkpoint is due
                 sums = np.zeros(5 + comm.size + len(STOP_SIGNALS) + 1, dtype=np.float64)
-                sums[:5] = [loss_sum, correct_sum, frames, comm_now - comm_at_window, skipped]
+                sums[:5] = [loss_sum, correct_sum, frames, 0.0, skipped]
                 sums[5 + comm.rank] = comm_now - comm_at_window
                 if requested.code():
                     sums[5 + comm.size + requested.code() - 1] = 1
@@ -800,8 +799,16 @@ class Trainer(CheckpointResume):
                 # (timed from here: the read of the sums above waits for a device's
                 # queued steps, which is training, not the sum)
                 summing = comm.wtime()
+                # sums[3]: this rank's time outside the communicator in the window, up to
+                # the sum (the read above included); the rest of the group's window, to the
+                # end of the sum, is communication and waiting for slower ranks
+                sums[3] = (summing - window_start) - (comm_now - comm_at_window)
                 comm.allreduce_(sums, op="sum")
-                self.on_progress(int(sums[2]), comm.wtime() - summing)
+                # the window ends here, where every rank has done its steps: a rank ahead
+                # of a slower one has waited for it (before the sum it had not, between
+                # averages, and its window read faster than the group trains)
+                summed, comm_at_sum = comm.wtime(), comm.comm_time
+                self.on_progress(int(sums[2]), summed - summing)
                 self._stop_agreed(sums[5 + comm.size:-1])
                 clock.hear(sums[-1])
                 stop_poll.heard(self.step)
@@ -809,22 +816,23 @@ class Trainer(CheckpointResume):
                 # the others wait for the slowest rank: it spent the least time communicating
                 # (none is named for a window without communication)
                 slowest = int(np.argmin(rank_comm)) if rank_comm.max() > 0 else None
-                elapsed = now - window_start
+                elapsed = summed - window_start
                 # (the steps since the start undercount after a roll back: the first
                 # line after a roll back to step 0 gave 10x the time left)
-                per_step = (now - run_start) / max(self._steps_trained, 1)
+                per_step = (summed - run_start) / max(self._steps_trained, 1)
                 skipped = int(sums[4])
                 # a NaN window is reported, not warned; so is a window of no time on
                 # a virtual rank that sat its steps out (Kaldi's idle jobs)
                 with np.errstate(all="ignore"):
                     xent = sums[0] / sums[2]
                     record = {"step": self.step, "epoch": self.stream.epoch,
-                              "frames": self.frames_seen, "seconds": now - run_start,
+                              "frames": self.frames_seen, "seconds": summed - run_start,
                               "steps_trained": self._steps_trained,
                               "xent": float(xent),
                               "acc": sums[1] / sums[2], "lr": lr,
                               "frames_per_sec": sums[2] / elapsed,
-                              "comm_fraction": min(1.0, sums[3] / comm.size / elapsed),
+                              "comm_fraction": min(1.0, max(
+                                  0.0, 1.0 - sums[3] / comm.size / elapsed)),
                               "slowest_rank": slowest,
                               "slowest_host": None if slowest is None
                               else self.placement[slowest][0],
@@ -848,7 +856,9 @@ class Trainer(CheckpointResume):
                     f"fr/s comm {record['comm_fraction']:.1%} "
                     f"ETA {format_duration(per_step * (self.total_steps - self.step))}"
                     + trouble)
-                window_start, comm_at_window = comm.wtime(), comm.comm_time
+                # (the next window from the end of this one: rank 0's record and line
+                # are part of the run's time)
+                window_start, comm_at_window = summed, comm_at_sum
                 cpu_at_window, steps_at_window = time.process_time(), self.step
                 if verdict == ROLL_BACK:
                     self._roll_back(f"{self.guard.events} non-finite or exploding "
@@ -943,8 +953,7 @@ class Trainer(CheckpointResume):
         wait in it for slower ranks), not in the read of its sums before it (which
         waits for a device's queued steps).  Every rank has then finished the
         window's steps, so time taken here paces the whole group (the window of a
-        ``train`` record ends before that sum, where a rank ahead of a slower one has
-        not waited yet)."""
+        ``train`` record ends here too)."""
 
     def on_eval(self, result: dict) -> bool:
         """Called on every rank after each held-out evaluation inside the loop.

@@ -134,6 +134,39 @@ def test_train_virtual_on_the_command_line_reports_simulated_time(small_corpus, 
     assert virtual["time"] >= end["time"] > 0
 
 
+@pytest.mark.parametrize("method", ["model_averaging", "kaldi", "bmuf"])
+def test_a_slow_rank_paces_the_progress_records_of_methods_that_average_less_often(
+        small_corpus, tmp_path, method):
+    """Every rank takes the same steps, so 2 ranks with rank 1 3x slow train at rank
+    1's pace.  Averaging every 4 steps with a progress line every 2, rank 0 (which
+    writes the records) waits for rank 1 at the progress sum between averages: a
+    window that ended before that sum read 2 steps of 2 ms, 3x the group's pace."""
+    from mpitrain.cli import main
+    run = tmp_path / "run"
+    argv = ["train", QUICKSTART, "--virtual", "2", "--run-dir", str(run),
+            "--compute-ms", "2", "--slowdown", "1=3"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=16",
+            f"parallel.method={method}", "parallel.average_every=4",
+            "training.log_interval=2", "data.dev=", "training.checkpoint_interval=0"] + (
+            ["parallel.num_jobs_initial=2", "parallel.num_jobs_final=2"]
+            if method == "kaldi" else []):
+        argv += ["--set", item]
+    assert main(argv) == 0
+    train = _records(run, "train")
+    assert [r["step"] for r in train] == list(range(2, 17, 2))
+    for record in train:
+        # 2 steps of rank 1's 6 ms, 256 frames a step on each rank, and a little
+        # network time: never more than the slow rank's pace
+        assert record["frames_per_sec"] <= 2 * 2 * 256 / 0.012 * (1 + 1e-9), record
+        assert record["frames_per_sec"] >= 2 * 2 * 256 / 0.0125, record
+        # rank 0 computes 4 ms and rank 1 12 ms of the window; the rest is waiting
+        window = 2 * 2 * 256 / record["frames_per_sec"]
+        assert record["comm_fraction"] == pytest.approx(1 - 0.008 / window, rel=1e-6), record
+    # the records' seconds are the group's: a window ends where the ranks summed it
+    assert train[-1]["seconds"] == pytest.approx(_records(run, "end")[0]["seconds"], abs=1e-3)
+
+
 def test_compute_model_jitter_is_seeded_and_keeps_the_mean():
     model = ComputeModel(step_seconds=0.01, slowdown={1: 3.0}, jitter=0.2, seed=5)
     first = [t for t, _ in zip(model.step_times(1), range(2000))]
