@@ -1191,7 +1191,8 @@ def build_parser(*, quiet_errors: bool = False,
     p.add_argument("--warmup-steps", type=int, default=10, help="throughput: steps not measured")
     p.add_argument("--repeats", type=int, default=1,
                    help="throughput: runs per method and size, in rotating order; the "
-                        "median run kept (of an even count, the slower middle one)")
+                        "median run kept (of an even count, the slower middle one); on "
+                        "virtual ranks with --jitter each its own draw of step times")
     p.add_argument("--eval-frames", type=int, default=0,
                    help="frames of all ranks together between held-out evaluations (unlike "
                         "training.eval_interval, which counts frames per rank); 0: "

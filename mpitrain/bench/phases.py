@@ -218,14 +218,16 @@ class BenchTrainer(Trainer):
     """
 
     def __init__(self, cfg, *, target: Optional[float] = None, max_seconds: float = 0.0,
-                 compute=None, **kwargs):
+                 compute=None, repeat: int = 0, **kwargs):
         super().__init__(cfg, **kwargs)
         self.target, self.max_seconds = target, max_seconds
         if compute is not None:
-            # virtual ranks: each minibatch charges the compute model's step time
+            # virtual ranks: each minibatch charges the compute model's step time (each
+            # repeat of a throughput run its own jitter draw: the same one N times
+            # measured nothing)
             from ..train.virtual import ClockedStream
             self.stream = ClockedStream(self.stream, self.comm,
-                                        compute.step_times(self.comm.rank))
+                                        compute.step_times(self.comm.rank, repeat=repeat))
         self.points, self.stop_reason = [], None
         self.outside_seconds, self._t0 = 0.0, None
         self.windows = []
@@ -367,8 +369,10 @@ THROUGHPUT_FIGURES = ("frames_per_sec", "frames_per_sec_per_rank", "measured_ste
 
 
 def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchOptions,
-                       compute=None) -> dict:
+                       compute=None, repeat: int = 0) -> dict:
     """Phase 1 for one method on ``group``; the dict is complete on group rank 0.
+    ``repeat``: the index of this run among the method's repeats (on virtual ranks
+    its own jitter draw).
 
     Example::
 
@@ -377,7 +381,7 @@ def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchO
     """
     run_cfg = _with(cfg, **throughput_settings(cfg, options, method, group.size))
     # a method that diverges at this size is a result, not the end of the benchmark
-    trainer, result = _run_trainer(run_cfg, group, run_dir, compute=compute,
+    trainer, result = _run_trainer(run_cfg, group, run_dir, compute=compute, repeat=repeat,
                                    diverged_ends_it=True)
     row = {"method": method, "ranks": group.size, "minibatch": run_cfg.training.minibatch,
            "num_params": int(trainer.net.num_params),
@@ -525,7 +529,7 @@ def throughput_phase(cfg, group, *, methods, options: BenchOptions, out_dir: str
             name = f"throughput-{method}-n{group.size}" + (
                 f"-r{rep + 1}" if options.repeats > 1 else "")
             runs[method].append(measure_throughput(
-                cfg, group, method=method, options=options, compute=compute,
+                cfg, group, method=method, options=options, compute=compute, repeat=rep,
                 run_dir=os.path.join(out_dir, "runs", name)))
     rows = []
     for method in methods:

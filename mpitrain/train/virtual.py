@@ -11,7 +11,8 @@ train) advances that rank's clock by the step time of :class:`ComputeModel`:
     t_step(rank, k) = step_seconds * slowdown[rank] * exp(jitter * z - jitter^2 / 2)
 
 with z ~ N(0, 1) drawn from a generator seeded by (seed, rank), so the
-jitter has mean 1 and the same seed gives the same times.  ``step_seconds``
+jitter has mean 1 and the same seed gives the same times (a benchmark's
+repeat k > 0 of a run: seeded by (seed, rank, k), a draw of its own).  ``step_seconds``
 is given (``--compute-ms``, e.g. a GPU's step) or measured once on this
 machine for the model (:func:`measure_step_seconds`).  Communication time
 comes from the network model at each collective
@@ -90,13 +91,16 @@ class ComputeModel:
             raise ValueError(f"jitter: expected a number in [0, {MAX_JITTER:g}], "
                              f"got {self.jitter:g}")
 
-    def step_times(self, rank: int):
-        """An endless iterator of this rank's step times, in seconds."""
+    def step_times(self, rank: int, repeat: int = 0):
+        """An endless iterator of this rank's step times, in seconds.  ``repeat``:
+        a benchmark's repeat of a run, each its own jitter draw (from the seed,
+        the rank and the repeat; repeat 0 is the draw of a single run)."""
         base = self.step_seconds * float(self.slowdown.get(rank, 1.0))
         if not self.jitter:
             while True:
                 yield base
-        rng = np.random.default_rng([int(self.seed), int(rank)])
+        rng = np.random.default_rng([int(self.seed), int(rank)] +
+                                    ([int(repeat)] if repeat else []))
         shift = self.jitter ** 2 / 2      # keeps the mean factor at 1
         while True:
             yield base * math.exp(self.jitter * rng.standard_normal() - shift)

@@ -259,3 +259,27 @@ def test_a_device_drained_at_the_progress_read_counts_as_training_time(small_cor
     assert main(argv) == 0
     row = json.loads((out / "bench.json").read_text())["throughput"][0]
     assert row["step_seconds"] == pytest.approx(0.004, rel=1e-6), row
+
+
+def test_each_repeat_on_jittered_virtual_ranks_is_its_own_draw(small_corpus, tmp_path):
+    # with the jitter seed the same every repeat, the repeats were one run N times
+    # (identical frames/s): each repeat draws its own step times, from the seed and
+    # the repeat's index, so a second benchmark gives the same repeats again
+    def repeats(out):
+        argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "model_averaging",
+                "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
+                "--repeats", "3", "--compute-ms", "2", "--jitter", "0.5",
+                "--out", str(out), "--dpi", "30"]
+        for item in small_overrides(small_corpus) + [
+                "model.hidden_dim=16", "model.hidden_layers=1", "parallel.average_every=4"]:
+            argv += ["--set", item]
+        assert main(argv) == 0
+        report = json.loads((out / "bench.json").read_text())
+        return {r["ranks"]: r["repeat_frames_per_sec"] for r in report["throughput"]}
+
+    first = repeats(tmp_path / "a")
+    for size in (1, 2):
+        # (the clock's rounding alone moves the last digits)
+        rates = sorted(first[size])
+        assert all(b / a - 1 > 1e-6 for a, b in zip(rates, rates[1:])), first
+    assert repeats(tmp_path / "b") == first

@@ -180,6 +180,17 @@ def test_compute_model_jitter_is_seeded_and_keeps_the_mean():
         ComputeModel(step_seconds=0.01, slowdown={2: 0.0})
 
 
+def test_each_repeat_of_a_jittered_compute_model_draws_its_own_times():
+    # a benchmark's repeats: the same seed and another repeat index give other times,
+    # the same index the same ones; repeat 0 is the model's one stream
+    model = ComputeModel(step_seconds=0.01, jitter=0.5, seed=5)
+    draws = [[t for t, _ in zip(model.step_times(1, repeat=r), range(50))] for r in range(3)]
+    assert draws[0] == [t for t, _ in zip(model.step_times(1), range(50))]
+    assert draws[0] != draws[1] != draws[2] != draws[0]
+    assert draws[2] == [t for t, _ in zip(model.step_times(1, repeat=2), range(50))]
+    assert next(ComputeModel(step_seconds=0.01).step_times(1, repeat=3)) == 0.01
+
+
 def test_step_time_options_out_of_range_are_refused_before_anything_runs(small_corpus,
                                                                            tmp_path, capsys):
     from mpitrain.cli import main
