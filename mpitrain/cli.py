@@ -270,8 +270,9 @@ def cmd_pretrain(args) -> int:
     return _run_on_ranks("pretrain", Pretrainer, args, default_suffix="-pretrain")
 
 
-def _start_ranks(args, checks=None):
-    """Load the configuration, make the other ``checks`` before MPI, start MPI and
+def _start_ranks(args, checks=None, load=None):
+    """Load the configuration (``load(args)``, default: as written, with ``--set``),
+    make the other ``checks`` before MPI, start MPI and
     agree with the other ranks (mpitrain/launch.py); returns ``(comm, cfg)``.
     Raises UsageError on rank 0 and _SaidByRank0 elsewhere when any rank could
     not start or the ranks' settings differ."""
@@ -280,7 +281,7 @@ def _start_ranks(args, checks=None):
 
     def prepare():
         _refuse_a_config_one_rank_would_take(args.config)
-        cfg = load_config(args.config, args.set)
+        cfg = load(args) if load is not None else load_config(args.config, args.set)
         _require_training_corpus(cfg, args.config)
         if checks is not None:
             checks()
@@ -593,6 +594,36 @@ def _number_list(text: str, flag: str, kind=int) -> tuple:
                          f"got {shown_value(text)}") from None
 
 
+def _load_bench_config(args):
+    """The configuration a benchmark runs: each of its runs takes one of ``--methods``
+    as ``parallel.method``, so the config's own method (not benchmarked) does not
+    decide which settings it may hold: one that another method refuses (ADPSGD's
+    ``parallel.hierarchical`` on a model-averaging config) is read with the first
+    method benchmarked that takes it; whether every method benchmarked takes it is
+    checked with the groups (:func:`mpitrain.bench.phases.check_groups`)."""
+    from .bench.options import bench_methods
+    from .config import ConfigError, load_config
+    try:
+        return load_config(args.config, args.set)
+    except ConfigError as exc:
+        mine = exc
+    methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip())) \
+        or bench_methods()
+    errors = []
+    for method in methods:
+        try:
+            return load_config(args.config, list(args.set or []) + [f"parallel.method={method}"])
+        except ConfigError as exc:
+            errors.append(exc)
+    if all(str(e) == str(mine) for e in errors):
+        raise mine          # (not a matter of the method)
+    # every method benchmarked refuses it: said of the first of them, not of the
+    # config's own method, which the benchmark does not run
+    raise ConfigError(f"{errors[0]}; the benchmark runs the config with parallel.method "
+                      f"{methods[0]} (--methods {','.join(methods)}): benchmark a method "
+                      "that takes the setting, or leave it out") from None
+
+
 def _bench_options(args, virtual_sizes):
     from .bench.options import BenchOptions
     return BenchOptions(
@@ -688,7 +719,6 @@ def cmd_bench(args) -> int:
     from .bench.options import BenchSettingsError
     from .bench.phases import check_bench
     from .bench.report import clear_earlier_bench, out_dir_problem, write_report
-    from .config import load_config
     with _before_mpi():
         virtual_sizes = _number_list(args.virtual or "", "--virtual")
         if args.virtual is not None and not virtual_sizes:
@@ -729,7 +759,7 @@ def cmd_bench(args) -> int:
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
     if virtual_sizes:
         with _before_mpi():
-            cfg = load_config(args.config, args.set)
+            cfg = _load_bench_config(args)
             checks()
             _refuse_sleeping_stragglers(args, cfg, max(virtual_sizes))
         from .bench.virtual import run_virtual_bench
@@ -753,7 +783,7 @@ def cmd_bench(args) -> int:
         print("wrote " + ", ".join(paths.values()))
         return 0
     from .comm.abort import install_abort_hook
-    comm, cfg = _start_ranks(args, checks)
+    comm, cfg = _start_ranks(args, checks, load=_load_bench_config)
     install_abort_hook(comm)
     _limit_blas_threads(cfg, comm)
     if options.sizes and max(options.sizes) > comm.size:

@@ -283,3 +283,38 @@ def test_each_repeat_on_jittered_virtual_ranks_is_its_own_draw(small_corpus, tmp
         rates = sorted(first[size])
         assert all(b / a - 1 > 1e-6 for a, b in zip(rates, rates[1:])), first
     assert repeats(tmp_path / "b") == first
+
+
+def test_a_setting_of_the_methods_benchmarked_is_taken_whatever_the_configs_own_method(
+        small_corpus, tmp_path, capsys):
+    # the benchmark runs its --methods, not the config's parallel.method: ADPSGD's
+    # hierarchical exchange on a model-averaging config was refused at the config
+    # ("works with parallel.method adpsgd, not model_averaging") and said nothing of how
+    def bench(out, methods, *extra):
+        argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", methods,
+                "--phases", "throughput", "--steps", "4", "--warmup-steps", "2",
+                "--compute-ms", "2", "--out", str(out), "--dpi", "30"]
+        for item in small_overrides(small_corpus) + [
+                "model.hidden_dim=16", "model.hidden_layers=1", "parallel.hierarchical=true",
+                "parallel.ranks_per_node=2"] + list(extra):
+            argv += ["--set", item]
+        return main(argv)
+
+    assert bench(tmp_path / "a", "adpsgd") == 0
+    report = json.loads((tmp_path / "a" / "bench.json").read_text())
+    assert [r["method"] for r in report["throughput"]] == ["adpsgd", "adpsgd"]
+    assert report["config"]["parallel"]["hierarchical"] is True
+    with open(tmp_path / "a" / "runs" / "throughput-adpsgd-n2" / "config.yaml") as fh:
+        assert "hierarchical: true" in fh.read()
+    capsys.readouterr()
+    # a method among them that cannot take it: one line naming the ones that can
+    assert bench(tmp_path / "b", "adpsgd,allreduce") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "parallel.hierarchical: true works with parallel.method " \
+        "adpsgd, not allreduce" in err and "(--methods adpsgd)" in err, err
+    # none that can: said of the method benchmarked, not of the config's own
+    assert bench(tmp_path / "c", "allreduce") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "works with parallel.method adpsgd, not allreduce" in err \
+        and "model_averaging" not in err, err
+    assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
