@@ -167,6 +167,37 @@ def test_a_slow_rank_paces_the_progress_records_of_methods_that_average_less_oft
     assert train[-1]["seconds"] == pytest.approx(_records(run, "end")[0]["seconds"], abs=1e-3)
 
 
+def test_a_device_drained_at_the_progress_read_is_computing_in_the_records(small_corpus,
+                                                                            tmp_path,
+                                                                            monkeypatch):
+    # on a GPU a window's steps are queued, and the read of its sums waits for them:
+    # that wait is the steps' compute, not communication
+    from mpitrain.train.trainer import Trainer
+    real = Trainer._new_training_step
+
+    def queued(self):
+        step = real(self)
+        take = step.take_sums
+
+        def drained():
+            self.comm.advance(0.004)        # 2 steps of 2 ms still queued at the read
+            return take()
+        step.take_sums = drained
+        return step
+
+    monkeypatch.setattr(Trainer, "_new_training_step", queued)
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
+        "model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=8",
+        "parallel.average_every=100", "training.log_interval=2", "data.dev=",
+        "training.checkpoint_interval=0"])
+    run = tmp_path / "run"
+    train_virtual(cfg, size=2, run_dir=str(run), compute=ComputeModel(step_seconds=0.002))
+    for record in _records(run, "train"):
+        # 2 steps of 2 ms and the 4 ms read; only the sums' latency is communication
+        assert record["frames_per_sec"] == pytest.approx(2 * 2 * 256 / 0.008, rel=0.01), record
+        assert record["comm_fraction"] < 0.01, record
+
+
 def test_compute_model_jitter_is_seeded_and_keeps_the_mean():
     model = ComputeModel(step_seconds=0.01, slowdown={1: 3.0}, jitter=0.2, seed=5)
     first = [t for t, _ in zip(model.step_times(1), range(2000))]
