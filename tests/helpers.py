@@ -138,3 +138,22 @@ def locale_env(tmp_path, encoding: str) -> dict:
     if not made:
         pytest.skip("no Latin-1 locale: localedef cannot compile en_US.ISO-8859-1 here")
     return dict(env, LOCPATH=str(where), LC_ALL="en_US.ISO-8859-1")
+
+
+def drain_queued_steps_at_the_read(monkeypatch, trainer_class, seconds: float) -> None:
+    """Make each read of a window's sums by ``trainer_class``'s training steps take
+    ``seconds`` of simulated time first: on a GPU a window's steps are queued, and
+    that read waits for them (virtual ranks only: the communicator's clock)."""
+    real = trainer_class._new_training_step
+
+    def queued(self):
+        step = real(self)
+        take = step.take_sums
+
+        def drained():
+            self.comm.advance(seconds)
+            return take()
+        step.take_sums = drained
+        return step
+
+    monkeypatch.setattr(trainer_class, "_new_training_step", queued)

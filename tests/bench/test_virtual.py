@@ -13,7 +13,7 @@ import pytest
 
 from mpitrain.cli import main
 
-from ..helpers import QUICKSTART, small_overrides
+from ..helpers import QUICKSTART, drain_queued_steps_at_the_read, small_overrides
 
 
 def test_bench_virtual_writes_the_report_with_simulated_points(small_corpus, tmp_path, capsys):
@@ -236,19 +236,8 @@ def test_a_device_drained_at_the_progress_read_counts_as_training_time(small_cor
     # are added up waits for them: that wait is the steps' compute.  It was timed as
     # the sum's own cost and taken out, and the rank came out faster than it steps
     from mpitrain.bench.phases import BenchTrainer
-    real = BenchTrainer._new_training_step
-
-    def queued(self):
-        step = real(self)
-        take = step.take_sums
-
-        def drained():
-            self.comm.advance(0.004)        # 2 steps of 2 ms still queued at the read
-            return take()
-        step.take_sums = drained
-        return step
-
-    monkeypatch.setattr(BenchTrainer, "_new_training_step", queued)
+    # 2 steps of 2 ms still queued at the read
+    drain_queued_steps_at_the_read(monkeypatch, BenchTrainer, 0.004)
     out = tmp_path / "bench"
     argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "model_averaging",
             "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",

@@ -21,7 +21,7 @@ from mpitrain.nn.model_file import load_model
 from mpitrain.testing.mpirun import run_mpi
 from mpitrain.train.virtual import ComputeModel, measure_step_seconds, train_virtual
 
-from ..helpers import QUICKSTART, WORKERS, small_overrides
+from ..helpers import QUICKSTART, WORKERS, drain_queued_steps_at_the_read, small_overrides
 
 METHODS = ["model_averaging", "allreduce", "bmuf", "kaldi"]
 # a tiny model, several averages and a last short block (30 % 4), a checkpoint on the way
@@ -173,19 +173,8 @@ def test_a_device_drained_at_the_progress_read_is_computing_in_the_records(small
     # on a GPU a window's steps are queued, and the read of its sums waits for them:
     # that wait is the steps' compute, not communication
     from mpitrain.train.trainer import Trainer
-    real = Trainer._new_training_step
-
-    def queued(self):
-        step = real(self)
-        take = step.take_sums
-
-        def drained():
-            self.comm.advance(0.004)        # 2 steps of 2 ms still queued at the read
-            return take()
-        step.take_sums = drained
-        return step
-
-    monkeypatch.setattr(Trainer, "_new_training_step", queued)
+    # 2 steps of 2 ms still queued at the read
+    drain_queued_steps_at_the_read(monkeypatch, Trainer, 0.004)
     cfg = load_config(QUICKSTART, small_overrides(small_corpus) + [
         "model.hidden_dim=16", "model.hidden_layers=1", "training.max_steps=8",
         "parallel.average_every=100", "training.log_interval=2", "data.dev=",
