@@ -1,9 +1,19 @@
-"""``python -m mpitrain``: pick BLAS threads before numpy loads, then run the CLI."""
+"""``python -m mpitrain``: keep stop signals from the first moment (train and
+pretrain), pick BLAS threads before numpy loads, then run the CLI."""
 
-from .threads import preset_blas_env
+import sys
 
-preset_blas_env()
+from .process import stop_signals_kept
 
-from .cli import main  # noqa: E402  (after the BLAS environment is set)
+# (before the command line's modules load: a stop signal meanwhile ended the rank
+# with the signal's status, which a batch script does not requeue)
+with stop_signals_kept(sys.argv[1:]):
+    from .threads import preset_blas_env
 
-raise SystemExit(main())
+    preset_blas_env()
+
+    from .cli import main
+
+    status = main()
+
+raise SystemExit(status)

@@ -43,7 +43,7 @@ ALLOWED = {
     "cli": {"backend", "bench", "comm", "config", "convert", "data", "export", "files",
             "launch", "nn", "optim",
             "parallel", "plotting", "process", "starter", "threads", "train", "words"},
-    "__main__": {"cli", "threads"},
+    "__main__": {"cli", "process", "threads"},      # process: stop signals kept at once
     "__init__": {"inference"},
 }
 #: third-party modules only one component may import.

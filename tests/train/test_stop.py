@@ -300,6 +300,40 @@ def test_a_signal_while_python_loads_the_modules_is_kept_too(small_corpus, tmp_p
     assert (tmp_path / "run" / "ckpt-00000001.h5").exists()
 
 
+_SIGNALLED_WHILE_THE_CLI_LOADS = """
+import os, signal, sys
+class Term:
+    def find_spec(self, name, path=None, target=None):
+        if name == "mpitrain.cli":
+            os.kill(os.getpid(), signal.SIGTERM)        # preempted as the rank starts
+        return None
+sys.meta_path.insert(0, Term())
+"""
+
+
+def test_a_signal_while_python_m_mpitrain_loads_the_command_line_is_kept(small_corpus,
+                                                                         tmp_path):
+    """`python -m mpitrain train` (train.sbatch's command): SIGTERM while it imported
+    the command line's modules, before they installed the handlers (about a tenth
+    of a second of every rank's start, more on a loaded node), ended the rank with
+    status 143, which train.sbatch does not requeue."""
+    import subprocess
+    import sys
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(_SIGNALLED_WHILE_THE_CLI_LOADS)
+    argv = ["train", QUICKSTART, "--run-dir", str(tmp_path / "run")]
+    for item in TINY + small_overrides(small_corpus) + ["training.max_steps=8",
+                                                        "training.checkpoint_interval=1000"]:
+        argv += ["--set", item]
+    done = subprocess.run([sys.executable, "-m", "mpitrain", *argv], capture_output=True,
+                          text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=f"{hooks}{os.pathsep}{REPO}"))
+    assert done.returncode == EXIT_STOPPED, (done.returncode, done.stderr)
+    assert "stopped at step 1 of 8 on SIGTERM" in done.stdout, done.stdout
+    assert (tmp_path / "run" / "ckpt-00000001.h5").exists()
+
+
 def test_the_poll_comes_about_every_poll_seconds_and_never_after_the_log_line():
     # rank 0 sets the steps between polls from its own step time at each poll
     from mpitrain.train.stop import StopPoll
