@@ -16,7 +16,8 @@ No collective can run while the ranks take their own numbers of steps, so:
   ``training.max_steps`` per rank: the frames a synchronous run would train);
 - a rank that a signal asked to stop (train/stop.py) says so in its next
   report; rank 0 then calls the end of this attempt as it calls a quiet point,
-  and the trainer writes its checkpoint there;
+  and the trainer writes its checkpoint there (rank 0's own signal counts at
+  once while it waits for the end and after its evaluation);
 - the mixes also carry every rank's step count as its sender last heard of it
   (parallel/async_adpsgd.py): a rank other than 0 that can tell from them that
   the budget is reached takes no further step and waits for rank 0's call,
@@ -358,6 +359,9 @@ class OwnPaceLoop:
                 started = comm.wtime()
                 self._evaluate(per_rank)
                 self._eval_seconds = comm.wtime() - started
+                # a signal during the evaluation is the stop of this turn, not of the
+                # next, after one more step of rank 0
+                self._note_own_signal()
         if halt is None and self.signalled:
             halt = SIGNALLED        # (its checkpoint stands for one due now)
         steps_due = self.next_checkpoint and per_rank >= self.next_checkpoint
@@ -401,6 +405,11 @@ class OwnPaceLoop:
         waits for rank 0 meanwhile: it is an active rank, which only asks."""
         give_up = self.comm.wtime() + WAIT_SLACK * seconds
         while self.ring.known_steps() < self.t.budget and not self.signalled:
+            # (its own signal too: it reports one only after its next step, and the
+            # wait could outlast the cluster's grace, as a long evaluation would)
+            self._note_own_signal()
+            if self.signalled:
+                break
             if self.comm.wtime() > give_up:
                 return False
             found = self.comm.iprobe(ANY_SOURCE, REPORT_TAG)
@@ -409,6 +418,11 @@ class OwnPaceLoop:
                 continue
             self._receive_report(found[0])
         return True
+
+    def _note_own_signal(self) -> None:
+        """Rank 0: a stop signal it received since its report counts at once."""
+        if requested.code():
+            self.signalled.setdefault(0, requested.code())
 
     def _log(self) -> None:
         t, comm = self.t, self.comm

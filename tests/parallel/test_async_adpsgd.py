@@ -410,6 +410,101 @@ def test_rank_0_does_not_evaluate_once_a_rank_reported_a_stop_signal(small_corpu
     assert evaluated_after_the_signal == []
 
 
+def test_rank_0_stops_on_its_own_signal_while_it_waits_for_the_end(small_corpus, tmp_path,
+                                                                    monkeypatch):
+    """Rank 0, foreseeing the end, waits for the others' reports instead of stepping;
+    a stop signal of its own meanwhile was heard only in its report after its next
+    step, so it waited on (up to twice the step or evaluation it skipped, beyond a
+    cluster's grace after a long evaluation) and then either ended the run as if no
+    signal had come or stepped once more first."""
+    import threading
+
+    from mpitrain.train import async_ring
+    from mpitrain.train.async_ring import OwnPaceLoop
+    from mpitrain.train.stop import STOP_SIGNALS
+
+    class RankZeroSignalled:                    # SIGTERM on rank 0 as it starts to wait
+        thread = None
+
+        def code(self):
+            if threading.current_thread() is self.thread:
+                return STOP_SIGNALS.index(signal.SIGTERM) + 1
+            return 0
+
+    fake = RankZeroSignalled()
+    monkeypatch.setattr(async_ring, "requested", fake)
+    wait, end = OwnPaceLoop._wait_for_the_end, OwnPaceLoop._end
+    steps_at = {}
+
+    def waiting(loop, seconds):
+        if fake.thread is None:
+            fake.thread = threading.current_thread()
+            steps_at["wait"] = loop.ring.own_steps
+        return wait(loop, seconds)
+
+    def ending(loop):
+        if loop.comm.rank == 0:
+            steps_at["end"] = loop.ring.own_steps
+        end(loop)
+
+    monkeypatch.setattr(OwnPaceLoop, "_wait_for_the_end", waiting)
+    monkeypatch.setattr(OwnPaceLoop, "_end", ending)
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=2", "training.log_interval=10", "training.checkpoint_interval=5"])
+    train_virtual(cfg, size=4, run_dir=str(tmp_path),
+                  compute=_OthersSlowDown(late=20, factor=100.0, after=90, slow=20.0))
+    assert "wait" in steps_at
+    [stop] = records(tmp_path, "stop")
+    assert stop["signal"] == "SIGTERM" and stop["ranks"] == 1
+    assert steps_at["end"] == steps_at["wait"], steps_at
+
+
+def test_rank_0_stops_on_a_signal_that_came_during_its_evaluation_at_once(small_corpus,
+                                                                           tmp_path,
+                                                                           monkeypatch):
+    """A stop signal reaching rank 0 while it evaluates (a large held-out set) was heard
+    in its report after one more step, by when the others could have reached the
+    budget; it stops in the turn of the evaluation."""
+    import threading
+
+    from mpitrain.train import async_ring
+    from mpitrain.train.async_ring import OwnPaceLoop
+    from mpitrain.train.stop import STOP_SIGNALS
+
+    class RankZeroSignalled:
+        thread = None
+
+        def code(self):
+            if threading.current_thread() is self.thread:
+                return STOP_SIGNALS.index(signal.SIGTERM) + 1
+            return 0
+
+    fake = RankZeroSignalled()
+    monkeypatch.setattr(async_ring, "requested", fake)
+    evaluate, end = OwnPaceLoop._evaluate, OwnPaceLoop._end
+    steps_at = {}
+
+    def evaluating(loop, per_rank):
+        evaluate(loop, per_rank)
+        if fake.thread is None and len(records(tmp_path, "eval")) == 2:
+            fake.thread = threading.current_thread()        # came during the second
+            steps_at["eval"] = loop.ring.own_steps
+
+    def ending(loop):
+        if loop.comm.rank == 0:
+            steps_at["end"] = loop.ring.own_steps
+        end(loop)
+
+    monkeypatch.setattr(OwnPaceLoop, "_evaluate", evaluating)
+    monkeypatch.setattr(OwnPaceLoop, "_end", ending)
+    cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
+        "training.epochs=2", "training.log_interval=10", "training.eval_interval=2560"])
+    train_virtual(cfg, size=4, run_dir=str(tmp_path), compute=ComputeModel(step_seconds=0.002))
+    [stop] = records(tmp_path, "stop")
+    assert stop["signal"] == "SIGTERM" and stop["ranks"] == 1
+    assert steps_at["end"] == steps_at["eval"], steps_at
+
+
 @pytest.mark.parametrize("size,seed", [(4, 8), (8, 3)])
 def test_the_end_lands_near_the_budget_when_every_ranks_steps_are_uneven(small_corpus,
                                                                         tmp_path, size, seed):
