@@ -410,6 +410,38 @@ def test_rank_0_does_not_evaluate_once_a_rank_reported_a_stop_signal(small_corpu
     assert evaluated_after_the_signal == []
 
 
+class _OneThreadSignalled:
+    """In place of ``async_ring.requested``: SIGTERM for the virtual rank whose thread
+    is set in ``thread`` (none until then), no signal for the others."""
+    thread = None
+
+    def code(self):
+        import threading
+
+        from mpitrain.train.stop import STOP_SIGNALS
+        if threading.current_thread() is self.thread:
+            return STOP_SIGNALS.index(signal.SIGTERM) + 1
+        return 0
+
+
+def _signal_one_thread_and_count_rank_0s_steps(monkeypatch):
+    """The fake signal request (:class:`_OneThreadSignalled`) installed, and a dict
+    whose "end" becomes rank 0's own steps when the end of the run comes."""
+    from mpitrain.train import async_ring
+    from mpitrain.train.async_ring import OwnPaceLoop
+    fake, steps_at = _OneThreadSignalled(), {}
+    monkeypatch.setattr(async_ring, "requested", fake)
+    end = OwnPaceLoop._end
+
+    def ending(loop):
+        if loop.comm.rank == 0:
+            steps_at["end"] = loop.ring.own_steps
+        end(loop)
+
+    monkeypatch.setattr(OwnPaceLoop, "_end", ending)
+    return fake, steps_at
+
+
 def test_rank_0_stops_on_its_own_signal_while_it_waits_for_the_end(small_corpus, tmp_path,
                                                                     monkeypatch):
     """Rank 0, foreseeing the end, waits for the others' reports instead of stepping;
@@ -419,36 +451,18 @@ def test_rank_0_stops_on_its_own_signal_while_it_waits_for_the_end(small_corpus,
     signal had come or stepped once more first."""
     import threading
 
-    from mpitrain.train import async_ring
     from mpitrain.train.async_ring import OwnPaceLoop
-    from mpitrain.train.stop import STOP_SIGNALS
 
-    class RankZeroSignalled:                    # SIGTERM on rank 0 as it starts to wait
-        thread = None
-
-        def code(self):
-            if threading.current_thread() is self.thread:
-                return STOP_SIGNALS.index(signal.SIGTERM) + 1
-            return 0
-
-    fake = RankZeroSignalled()
-    monkeypatch.setattr(async_ring, "requested", fake)
-    wait, end = OwnPaceLoop._wait_for_the_end, OwnPaceLoop._end
-    steps_at = {}
+    fake, steps_at = _signal_one_thread_and_count_rank_0s_steps(monkeypatch)
+    wait = OwnPaceLoop._wait_for_the_end
 
     def waiting(loop, seconds):
-        if fake.thread is None:
+        if fake.thread is None:         # SIGTERM on rank 0 as it starts to wait
             fake.thread = threading.current_thread()
             steps_at["wait"] = loop.ring.own_steps
         return wait(loop, seconds)
 
-    def ending(loop):
-        if loop.comm.rank == 0:
-            steps_at["end"] = loop.ring.own_steps
-        end(loop)
-
     monkeypatch.setattr(OwnPaceLoop, "_wait_for_the_end", waiting)
-    monkeypatch.setattr(OwnPaceLoop, "_end", ending)
     cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
         "training.epochs=2", "training.log_interval=10", "training.checkpoint_interval=5"])
     train_virtual(cfg, size=4, run_dir=str(tmp_path),
@@ -467,22 +481,10 @@ def test_rank_0_stops_on_a_signal_that_came_during_its_evaluation_at_once(small_
     budget; it stops in the turn of the evaluation."""
     import threading
 
-    from mpitrain.train import async_ring
     from mpitrain.train.async_ring import OwnPaceLoop
-    from mpitrain.train.stop import STOP_SIGNALS
 
-    class RankZeroSignalled:
-        thread = None
-
-        def code(self):
-            if threading.current_thread() is self.thread:
-                return STOP_SIGNALS.index(signal.SIGTERM) + 1
-            return 0
-
-    fake = RankZeroSignalled()
-    monkeypatch.setattr(async_ring, "requested", fake)
-    evaluate, end = OwnPaceLoop._evaluate, OwnPaceLoop._end
-    steps_at = {}
+    fake, steps_at = _signal_one_thread_and_count_rank_0s_steps(monkeypatch)
+    evaluate = OwnPaceLoop._evaluate
 
     def evaluating(loop, per_rank):
         evaluate(loop, per_rank)
@@ -490,13 +492,7 @@ def test_rank_0_stops_on_a_signal_that_came_during_its_evaluation_at_once(small_
             fake.thread = threading.current_thread()        # came during the second
             steps_at["eval"] = loop.ring.own_steps
 
-    def ending(loop):
-        if loop.comm.rank == 0:
-            steps_at["end"] = loop.ring.own_steps
-        end(loop)
-
     monkeypatch.setattr(OwnPaceLoop, "_evaluate", evaluating)
-    monkeypatch.setattr(OwnPaceLoop, "_end", ending)
     cfg = load_config(QUICKSTART, small_overrides(small_corpus) + TINY + ASYNC + [
         "training.epochs=2", "training.log_interval=10", "training.eval_interval=2560"])
     train_virtual(cfg, size=4, run_dir=str(tmp_path), compute=ComputeModel(step_seconds=0.002))
