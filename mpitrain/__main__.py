@@ -1,19 +1,26 @@
-"""``python -m mpitrain``: keep stop signals from the first moment (train and
-pretrain), pick BLAS threads before numpy loads, then run the CLI."""
+"""``python -m mpitrain`` and the ``mpitrain`` command: keep stop signals from the
+first moment (train and pretrain), pick BLAS threads before numpy loads, then run
+the CLI."""
 
 import sys
 
 from .process import stop_signals_kept
 
-# (before the command line's modules load: a stop signal meanwhile ended the rank
-# with the signal's status, which a batch script does not requeue)
-with stop_signals_kept(sys.argv[1:]):
-    from .threads import preset_blas_env
 
-    preset_blas_env()
+def main(argv=None) -> int:
+    """The command line, with stop signals kept while its modules load (a stop
+    signal meanwhile ended the rank with the signal's status, which a batch script
+    does not requeue)."""
+    words = sys.argv[1:] if argv is None else argv
+    with stop_signals_kept(words):
+        from .threads import preset_blas_env
 
-    from .cli import main
+        preset_blas_env()
 
-    status = main()
+        from .cli import main as cli_main
 
-raise SystemExit(status)
+        return cli_main(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

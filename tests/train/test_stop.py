@@ -311,12 +311,22 @@ sys.meta_path.insert(0, Term())
 """
 
 
-def test_a_signal_while_python_m_mpitrain_loads_the_command_line_is_kept(small_corpus,
-                                                                         tmp_path):
-    """`python -m mpitrain train` (train.sbatch's command): SIGTERM while it imported
-    the command line's modules, before they installed the handlers (about a tenth
-    of a second of every rank's start, more on a loaded node), ended the rank with
-    status 143, which train.sbatch does not requeue."""
+def _console_script_code():
+    """What the installed ``mpitrain`` command runs: pip's script imports the entry
+    point pyproject.toml names and calls it."""
+    import tomllib
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        entry = tomllib.load(f)["project"]["scripts"]["mpitrain"]
+    module, function = entry.split(":")
+    return f"import sys; from {module} import {function}; sys.exit({function}())"
+
+
+@pytest.mark.parametrize("launch", ["python -m mpitrain", "mpitrain"])
+def test_a_signal_while_the_command_line_loads_is_kept(launch, small_corpus, tmp_path):
+    """`python -m mpitrain train` (train.sbatch's command) and the `mpitrain` command:
+    SIGTERM while they imported the command line's modules, before those installed
+    the handlers (about a tenth of a second of every rank's start, more on a loaded
+    node), ended the rank with status 143, which train.sbatch does not requeue."""
     import subprocess
     import sys
     hooks = tmp_path / "hooks"
@@ -326,7 +336,9 @@ def test_a_signal_while_python_m_mpitrain_loads_the_command_line_is_kept(small_c
     for item in TINY + small_overrides(small_corpus) + ["training.max_steps=8",
                                                         "training.checkpoint_interval=1000"]:
         argv += ["--set", item]
-    done = subprocess.run([sys.executable, "-m", "mpitrain", *argv], capture_output=True,
+    start = ["-m", "mpitrain"] if launch == "python -m mpitrain" else \
+        ["-c", _console_script_code()]
+    done = subprocess.run([sys.executable, *start, *argv], capture_output=True,
                           text=True, timeout=300,
                           env=dict(os.environ, PYTHONPATH=f"{hooks}{os.pathsep}{REPO}"))
     assert done.returncode == EXIT_STOPPED, (done.returncode, done.stderr)
