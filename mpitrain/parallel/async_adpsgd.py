@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..words import shown
+from ..state_fields import COUNT_MAX, count
 from .adpsgd import TOPOLOGIES, restore_own_model
 from .base import Strategy
 
@@ -62,6 +62,8 @@ REQUEST_TAG, ANSWER_TAG, BYE_TAG = 7410, 7411, 7412
 REQUEST_COUNTS_TAG, ANSWER_COUNTS_TAG = 7413, 7414
 #: A rank's step counts of every rank, sent to every rank (spread_counts).
 NEWS_TAG = 7415
+#: How errors name a rank's part of a checkpoint's strategy state.
+_RANK_STATE = "checkpoint rank state 'strategy'"
 # Kept apart from the other seeded streams (initialisation, shuffling, the lock-step ring).
 _PARTNER_STREAM = 0xAD5
 
@@ -375,14 +377,18 @@ class AsyncRingMixing(Strategy):
                 "requests": int(self.requests), "mixes": int(self.mixes)}
 
     def load_rank_state_dict(self, state: dict) -> None:
-        for key in ("own_steps", "requests", "mixes"):
-            value = state.get(key, 0) if isinstance(state, dict) else 0
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) \
-                    or value < 0:
-                raise ValueError(f"checkpoint rank state 'strategy/{key}' must be a "
-                                 f"non-negative int, got {shown(value)}")
+        # every field checked before anything is set: a count of steps beyond what
+        # the rank took ended the job at once, at a step of the forged count
+        state = state if isinstance(state, dict) else {}
+        own_steps = count(state, "own_steps", _RANK_STATE, default=0)
+        # an active rank sends one request after a step at most, and a checkpoint
+        # comes at a quiet point, where each has been answered (a mix); a passive
+        # rank sends none
+        requests = count(state, "requests", _RANK_STATE, default=0,
+                         high=own_steps if self.active else 0)
+        mixes = count(state, "mixes", _RANK_STATE, default=0,
+                      high=requests if self.active else COUNT_MAX)
         if not restore_own_model(self.net, state):
             return
-        for key in ("own_steps", "requests", "mixes"):
-            setattr(self, key, int(state.get(key, 0)))
+        self.own_steps, self.requests, self.mixes = own_steps, requests, mixes
         self._final_local = None

@@ -22,7 +22,7 @@ from ..config import config_from_yaml
 from ..h5io import open_h5_for_reading
 from ..nn.model_file import BEST_MODEL, ModelMismatchError, save_model
 from ..parallel.registry import takes_own_steps
-from ..state_fields import count, flag
+from ..state_fields import count, flag, is_number
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
 from .run_dir import (corpus_identity, corpus_places, init_from_identity,
@@ -96,6 +96,35 @@ def check_reader_against_step(reader: dict, steps_per_epoch: int, step: int) -> 
         raise ValueError(f"field 'epoch': epoch {shown(reader['epoch'])} and "
                          f"{reader['steps_in_epoch']} steps into it ({steps_per_epoch} steps "
                          f"an epoch) is past the checkpoint's step {step}")
+
+
+def check_reader_against_own_steps(reader: dict, own_steps, steps_per_epoch: int) -> None:
+    """Asynchronous ADPSGD: a rank reads one minibatch for each of its own steps (a
+    re-plan seeks its reader to them too), so its reader stands exactly
+    ``own_steps`` minibatches in; ValueError naming the field otherwise (a missing
+    or malformed field: the reader's or the strategy's own check)."""
+    if not isinstance(reader, dict) or not {"epoch", "steps_in_epoch"} <= set(reader) \
+            or not is_number(own_steps) or own_steps != int(own_steps):
+        return
+    read = reader["epoch"] * steps_per_epoch + reader["steps_in_epoch"]
+    if read != own_steps:
+        raise ValueError(f"field 'epoch': epoch {shown(reader['epoch'])} and "
+                         f"{reader['steps_in_epoch']} steps into it ({steps_per_epoch} steps "
+                         f"an epoch) is not the rank's own {shown(own_steps)} steps (field "
+                         "'strategy/own_steps')")
+
+
+def check_own_steps_against_step(own_steps: list, step: int) -> None:
+    """Asynchronous ADPSGD writes its checkpoints at the mean of the ranks' own steps
+    (``own_steps``, one per rank; None where a rank's state holds none, an older
+    file: not judged); ValueError naming the field otherwise."""
+    if not own_steps or any(steps is None for steps in own_steps):
+        return
+    mean = sum(own_steps) // len(own_steps)
+    if mean != step:
+        raise ValueError(f"field 'ranks/*/strategy/own_steps': the ranks' own steps "
+                         f"{shown(list(own_steps))} make step {mean} (their mean), not the "
+                         f"checkpoint's step {step}")
 
 
 def best_model_problem(path: str, checkpoint_path: str) -> str | None:
@@ -351,17 +380,31 @@ class CheckpointResume:
             self._load_part(ckpt, "the optimizer state",
                             lambda c: self.optimizer.load_state_dict(state["optimizer"]),
                             settings_changed, every_rank=False)
+            own_steps = self._saved_own_steps(state)
             try:
                 if not self._takes_own_steps():
                     check_reader_against_step(state["reader"], self.steps_per_epoch, ckpt.step)
+                elif own_steps is not None:
+                    check_reader_against_own_steps(state["reader"], own_steps,
+                                                   self.steps_per_epoch)
                 self.stream.load_state_dict(state["reader"])
             except ValueError as exc:
                 raise ValueError(f"{ckpt.path}: ranks/{self.comm.rank:05d}/reader: "
                                  f"{exc}") from None
             self._resumed_window = state.get("window")
-            self._load_part(ckpt, "the parallel method's per-rank state",
-                            lambda c: self.strategy.load_rank_state_dict(
-                                state.get("strategy", {})), settings_changed, every_rank=False)
+            loaded = self._load_part(ckpt, "the parallel method's per-rank state",
+                                     lambda c: self.strategy.load_rank_state_dict(
+                                         state.get("strategy", {})), settings_changed,
+                                     every_rank=False)
+            if self._each_rank_own_pace():
+                # (collective, on every rank alike whatever its state holds; every rank
+                # gets the same list: all refuse a file alike)
+                every = self.comm.allgather_obj(
+                    int(own_steps) if loaded and own_steps is not None else None)
+                try:
+                    check_own_steps_against_step(every, ckpt.step)
+                except ValueError as exc:
+                    raise TrainingError(f"{ckpt.path}: {exc}", agreed=True) from None
             self.step = ckpt.step
             return
         # N -> M ranks, or settings that split the data otherwise: the data was
@@ -394,6 +437,19 @@ class CheckpointResume:
                   "optimizer state (momentum, natural-gradient statistics) starts afresh")
         self._record("rank_change", from_ranks=ckpt.num_ranks, to_ranks=self.comm.size,
                      from_step=ckpt.step, to_step=self.step)
+
+    def _each_rank_own_pace(self) -> bool:
+        """Asynchronous ADPSGD: each rank counts its own steps (a parameter server's
+        clients are counted by the server)."""
+        return self._takes_own_steps() and self.cfg.parallel.method == "adpsgd"
+
+    def _saved_own_steps(self, rank_state: dict):
+        """The steps this rank had taken at the checkpoint, where each rank takes its
+        own (asynchronous ADPSGD); None for another method or an older file."""
+        if not self._each_rank_own_pace():
+            return None
+        saved = rank_state.get("strategy")
+        return saved.get("own_steps") if isinstance(saved, dict) else None
 
     def _epochs_scale(self, ckpt) -> float:
         """The checkpoint's training.epochs over this job's: the share of the old plan

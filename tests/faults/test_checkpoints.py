@@ -13,7 +13,7 @@ from mpitrain.h5io import write_checksums
 from mpitrain.nn.model_file import load_model
 from mpitrain.train.checkpoint import checkpoint_path
 
-from ..helpers import QUICKSTART, small_overrides
+from ..helpers import QUICKSTART, records, small_overrides
 
 TINY = ["model.hidden_dim=32", "model.hidden_layers=2", "training.log_interval=5",
         "training.checkpoint_interval=10"]
@@ -221,3 +221,79 @@ def test_a_forged_bmuf_buffer_is_refused_on_resume(small_corpus, tmp_path, capsy
     assert err.startswith(f"mpitrain train: error: {newest}: ") and err.count("\n") == 1, err
     assert "field 'start' (BMUF): expected finite floats in [-3.40282e+38, 3.40282e+38]" in err
     assert not (run_dir / "ckpt-00000030.h5").exists()
+
+
+ASYNC = ["parallel.method=adpsgd", "parallel.asynchronous=true"]
+
+
+def _train_virtual(run_dir, corpus, steps, resume=False):
+    argv = ["train", QUICKSTART, "--run-dir", str(run_dir), "--virtual", "2"] + \
+        (["--resume"] if resume else [])
+    for item in small_overrides(corpus) + TINY + ASYNC + [f"training.max_steps={steps}"]:
+        argv += ["--set", item]
+    return main(argv)
+
+
+def _add_to_attr(group, key, change):
+    return lambda f: f[group].attrs.__setitem__(key, int(f[group].attrs[key]) + change)
+
+
+def _both(*edits):
+    def edit(f):
+        for one in edits:
+            one(f)
+    return edit
+
+
+_OWN0, _OWN1 = "ranks/00000/strategy", "ranks/00001/strategy"
+
+
+@pytest.mark.parametrize("edit,named", [
+    # (a rank's own steps were taken as they stood: a count of a million ended the job
+    # at once, at "step 500010" of 40, its checkpoint named so)
+    (_add_to_attr(_OWN1, "own_steps", 80),
+     "ranks/00001/reader: field 'epoch': epoch 0 and "),
+    # the reader moved with it: the ranks' steps no longer make the checkpoint's step
+    (_both(_add_to_attr(_OWN0, "own_steps", 4), _add_to_attr(_READER, "steps_in_epoch", 4)),
+     "field 'ranks/*/strategy/own_steps': the ranks' own steps ["),
+    # rank 0 is active (one request a step at most, each answered by a quiet point),
+    # rank 1 passive (no request)
+    (_add_to_attr(_OWN0, "requests", 1000), "field 'requests': expected an int in [0, "),
+    (_add_to_attr(_OWN1, "requests", 1), "field 'requests': expected an int in [0, 0]"),
+    (_add_to_attr(_OWN0, "mixes", 1), "field 'mixes': expected an int in [0, "),
+])
+def test_a_forged_asynchronous_adpsgd_count_is_refused_on_resume(small_corpus, tmp_path,
+                                                                 capsys, edit, named):
+    run_dir = tmp_path / "async"
+    assert _train_virtual(run_dir, small_corpus, 20) == 0
+    newest = checkpoint_path(run_dir, 20)
+    # (a legitimate file resumes: the ranks' own steps make its step)
+    (run_dir / "final.h5").unlink()
+    capsys.readouterr()
+    _forge(newest, edit)
+    metrics = (run_dir / "metrics.jsonl").read_bytes()
+    assert _train_virtual(run_dir, small_corpus, 40, resume=True) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain train: error: {newest}: ") and err.count("\n") == 1, err
+    assert named in err, err
+    assert (run_dir / "metrics.jsonl").read_bytes() == metrics
+    assert not list(run_dir.glob("ckpt-0000004*.h5"))
+
+
+def test_an_asynchronous_adpsgd_checkpoint_resumes_across_rank_counts(small_corpus, tmp_path):
+    # the extremes the checks must take: a re-plan seeks each rank's reader to its own
+    # steps, and the next checkpoint's step is the mean of the ranks' again
+    run_dir = tmp_path / "async"
+    assert _train_virtual(run_dir, small_corpus, 20) == 0
+    (run_dir / "final.h5").unlink()
+    argv = ["train", QUICKSTART, "--run-dir", str(run_dir), "--resume", "--virtual", "3"]
+    for item in small_overrides(small_corpus) + TINY + ASYNC + ["training.max_steps=30"]:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    (run_dir / "final.h5").unlink()
+    # (step 30 of 3 ranks is step 45 of 2)
+    assert _train_virtual(run_dir, small_corpus, 60, resume=True) == 0
+    (run_dir / "final.h5").unlink()
+    assert _train_virtual(run_dir, small_corpus, 70, resume=True) == 0
+    changes = [(r["from_ranks"], r["to_ranks"]) for r in records(run_dir, "rank_change")]
+    assert changes == [(2, 3), (3, 2)] and len(records(run_dir, "start")) == 4
