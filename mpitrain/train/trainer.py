@@ -787,40 +787,41 @@ class Trainer(CheckpointResume):
             if self.step % cfg.training.log_interval == 0 or last:
                 comm_now = comm.comm_time
                 loss_sum, correct_sum, frames, skipped = training_step.take_sums()
-                # and each rank's time in communication, in a slot of its own; then
+                # and each rank's own time in the window, in a slot of its own; then
                 # whether a signal asked this rank to stop (train/stop.py), by signal;
                 # last, whether rank 0's clock says a checkpoint is due
-                sums = np.zeros(5 + comm.size + len(STOP_SIGNALS) + 1, dtype=np.float64)
-                sums[:5] = [loss_sum, correct_sum, frames, 0.0, skipped]
-                sums[5 + comm.rank] = comm_now - comm_at_window
+                sums = np.zeros(4 + comm.size + len(STOP_SIGNALS) + 1, dtype=np.float64)
+                sums[:4] = [loss_sum, correct_sum, frames, skipped]
                 if requested.code():
-                    sums[5 + comm.size + requested.code() - 1] = 1
+                    sums[4 + comm.size + requested.code() - 1] = 1
                 sums[-1] = clock.flag()
                 # (timed from here: the read of the sums above waits for a device's
                 # queued steps, which is training, not the sum)
                 summing = comm.wtime()
-                # sums[3]: this rank's time outside the communicator in the window, up to
-                # the sum (the read above included); the rest of the group's window, to the
-                # end of the sum, is communication and waiting for slower ranks
-                sums[3] = (summing - window_start) - (comm_now - comm_at_window)
+                # this rank's time outside the communicator in the window, up to the sum
+                # (the read above included); the rest of the group's window, to the end
+                # of the sum, is communication and waiting for slower ranks
+                sums[4 + comm.rank] = (summing - window_start) - (comm_now - comm_at_window)
                 comm.allreduce_(sums, op="sum")
                 # the window ends here, where every rank has done its steps: a rank ahead
                 # of a slower one has waited for it (before the sum it had not, between
                 # averages, and its window read faster than the group trains)
                 summed, comm_at_sum = comm.wtime(), comm.comm_time
                 self.on_progress(int(sums[2]), summed - summing)
-                self._stop_agreed(sums[5 + comm.size:-1])
+                self._stop_agreed(sums[4 + comm.size:-1])
                 clock.hear(sums[-1])
                 stop_poll.heard(self.step)
-                rank_comm = sums[5:5 + comm.size]
-                # the others wait for the slowest rank: it spent the least time communicating
-                # (none is named for a window without communication)
-                slowest = int(np.argmin(rank_comm)) if rank_comm.max() > 0 else None
+                rank_own = sums[4:4 + comm.size]
+                # the rank the others waited for, at an average or at this sum: the one
+                # longest on its own steps (its time communicating was no sign: between
+                # averages no rank had any, and the waits at this sum come after it)
+                slowest = int(np.argmax(rank_own)) \
+                    if comm.size > 1 and rank_own.max() > 0 else None
                 elapsed = summed - window_start
                 # (the steps since the start undercount after a roll back: the first
                 # line after a roll back to step 0 gave 10x the time left)
                 per_step = (summed - run_start) / max(self._steps_trained, 1)
-                skipped = int(sums[4])
+                skipped = int(sums[3])
                 # a NaN window is reported, not warned; so is a window of no time on
                 # a virtual rank that sat its steps out (Kaldi's idle jobs)
                 with np.errstate(all="ignore"):
@@ -832,7 +833,7 @@ class Trainer(CheckpointResume):
                               "acc": sums[1] / sums[2], "lr": lr,
                               "frames_per_sec": sums[2] / elapsed,
                               "comm_fraction": min(1.0, max(
-                                  0.0, 1.0 - sums[3] / comm.size / elapsed)),
+                                  0.0, 1.0 - rank_own.sum() / comm.size / elapsed)),
                               "slowest_rank": slowest,
                               "slowest_host": None if slowest is None
                               else self.placement[slowest][0],

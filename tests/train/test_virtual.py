@@ -10,6 +10,7 @@ simulated step and network times.
 
 import json
 import os
+import socket
 
 import numpy as np
 import pytest
@@ -163,6 +164,10 @@ def test_a_slow_rank_paces_the_progress_records_of_methods_that_average_less_oft
         # rank 0 computes 4 ms and rank 1 12 ms of the window; the rest is waiting
         window = 2 * 2 * 256 / record["frames_per_sec"]
         assert record["comm_fraction"] == pytest.approx(1 - 0.008 / window, rel=1e-6), record
+        # rank 0 waited for rank 1, at the average or at this sum: a window between
+        # averages, where no rank had communicated before the sum, named no rank
+        assert record["slowest_rank"] == 1, record
+        assert record["slowest_host"] == socket.gethostname(), record
     # the records' seconds are the group's: a window ends where the ranks summed it
     assert train[-1]["seconds"] == pytest.approx(_records(run, "end")[0]["seconds"], abs=1e-3)
 
