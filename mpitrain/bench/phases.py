@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..config import config_from_dict
-from ..parallel.registry import build_strategy
+from ..parallel.registry import build_strategy, straggler_of
 from ..train.errors import TrainingError
 from ..train.trainer import Trainer
 from .options import BenchOptions, BenchSettingsError, check_benchable
@@ -221,6 +221,10 @@ class BenchTrainer(Trainer):
                  compute=None, repeat: int = 0, **kwargs):
         super().__init__(cfg, **kwargs)
         self.target, self.max_seconds = target, max_seconds
+        if repeat and self.strategy.straggler is not None:
+            # real ranks slowed by parallel.straggler: each repeat its own jitter draw
+            # (the same one N times measured nothing)
+            self.strategy.straggler = straggler_of(cfg, self.comm, repeat=repeat)
         if compute is not None:
             # virtual ranks: each minibatch charges the compute model's step time (each
             # repeat of a throughput run its own jitter draw: the same one N times
@@ -371,8 +375,8 @@ THROUGHPUT_FIGURES = ("frames_per_sec", "frames_per_sec_per_rank", "measured_ste
 def measure_throughput(cfg, group, *, method: str, run_dir: str, options: BenchOptions,
                        compute=None, repeat: int = 0) -> dict:
     """Phase 1 for one method on ``group``; the dict is complete on group rank 0.
-    ``repeat``: the index of this run among the method's repeats (on virtual ranks
-    its own jitter draw).
+    ``repeat``: the index of this run among the method's repeats (with a jitter, its
+    own draw: of the virtual ranks' step times, or of ``parallel.straggler``).
 
     Example::
 

@@ -53,11 +53,17 @@ def build_strategy(cfg, comm, *, total_steps: int = 0):
         module = "hierarchical_adpsgd"  # allreduce inside a node, the ring across
     strategy = importlib.import_module(f"{__package__}.{module}").build(
         cfg, comm, total_steps=total_steps)
+    strategy.straggler = straggler_of(cfg, comm)
+    return strategy
+
+
+def straggler_of(cfg, comm, *, repeat: int = 0):
+    """This rank's ``parallel.straggler`` slowdown (None if it is not slowed);
+    ``repeat``: a benchmark's repeat of a run, its own jitter draw."""
     from .straggler import build_straggler
     slow = cfg.parallel.straggler
-    strategy.straggler = build_straggler(slow.ranks, comm, slowdown=slow.slowdown,
-                                         jitter=slow.jitter, seed=cfg.training.seed)
-    return strategy
+    return build_straggler(slow.ranks, comm, slowdown=slow.slowdown, jitter=slow.jitter,
+                           seed=cfg.training.seed, repeat=repeat)
 
 
 def data_share(cfg, *, rank: int, size: int) -> tuple:

@@ -6,6 +6,8 @@ fraction of up to ``jitter``::
 
     sleep = compute x (slowdown - 1 + jitter x u),   u ~ U[0, 1) from (seed, rank)
 
+(a benchmark's repeat k > 0 of a run: u from (seed, rank, k), a draw of its own).
+
 ``compute`` is the step's wall time less the time spent inside communicator
 calls (a gradient allreduce waits for the other ranks; that is not compute).
 On a GPU the device is synchronised first, so its queued work counts.
@@ -36,8 +38,9 @@ class StragglerRankError(ValueError):
 
 
 def build_straggler(ranks, comm, *, slowdown: float = 2.0, jitter: float = 0.0,
-                    seed: int = 0):
+                    seed: int = 0, repeat: int = 0):
     """This rank's :class:`Straggler`, or None when ``comm.rank`` is not listed.
+    ``repeat``: a benchmark's repeat of a run (its own jitter draw; 0: a single run's).
 
     Raises :class:`StragglerRankError` naming ``parallel.straggler.ranks`` when a
     listed rank is not in the job.
@@ -53,7 +56,7 @@ def build_straggler(ranks, comm, *, slowdown: float = 2.0, jitter: float = 0.0,
             f"{comm.size} rank(s) (ranks 0..{comm.size - 1})")
     if comm.rank not in {int(r) for r in ranks}:
         return None
-    return Straggler(comm, slowdown=slowdown, jitter=jitter, seed=seed)
+    return Straggler(comm, slowdown=slowdown, jitter=jitter, seed=seed, repeat=repeat)
 
 
 class Straggler:
@@ -64,14 +67,18 @@ class Straggler:
         slow = Straggler(comm, slowdown=2.0, jitter=0.5, seed=1)   # 2x to 2.5x
     """
 
-    def __init__(self, comm, *, slowdown: float = 2.0, jitter: float = 0.0, seed: int = 0):
+    def __init__(self, comm, *, slowdown: float = 2.0, jitter: float = 0.0, seed: int = 0,
+                 repeat: int = 0):
         if not slowdown >= 1.0:
             raise ValueError(f"slowdown must be >= 1, got {slowdown}")
         if not jitter >= 0.0:
             raise ValueError(f"jitter must be >= 0, got {jitter}")
         self.comm = comm
         self.slowdown, self.jitter = float(slowdown), float(jitter)
-        self._rng = np.random.default_rng([int(seed), _JITTER_STREAM, int(comm.rank)])
+        # (a repeat's draw is seeded apart, so each of a benchmark's repeats measures
+        # another run, and the same command gives the same repeats)
+        self._rng = np.random.default_rng([int(seed), _JITTER_STREAM, int(comm.rank)] +
+                                          ([int(repeat)] if repeat else []))
         self._started = self._comm_at_start = 0.0
         self.slept = 0.0            # seconds slept so far
         self.steps = 0

@@ -296,3 +296,39 @@ def test_time_to_target_leaves_out_the_writing_of_best_h5(small_corpus, tmp_path
     assert len(points) == 3 and comm.offset >= 200     # best.h5 written at each one
     assert all(p["seconds"] < 100 for p in points)
     assert row["training_seconds"] < 100 and row["outside_seconds"] >= 200
+
+
+def test_each_repeat_on_real_ranks_with_a_straggler_jitter_is_its_own_draw(small_corpus,
+                                                                         tmp_path,
+                                                                         monkeypatch):
+    # parallel.straggler's jitter was drawn from the seed and the rank alone, so every
+    # repeat of a throughput run slept the same: each repeat draws its own, from the
+    # repeat's index too, and the same command gives the same repeats
+    import itertools
+    from types import SimpleNamespace
+    from mpitrain.cli import main
+    from mpitrain.parallel import straggler as straggler_module
+    from ..helpers import small_overrides
+    steps = 4           # --warmup-steps + --steps of each run
+    slept = []
+    # each step computes 1 s on this clock; the sleep is recorded, not slept
+    clock = itertools.count()
+    monkeypatch.setattr(straggler_module, "time", SimpleNamespace(
+        perf_counter=lambda: float(next(clock)), sleep=slept.append))
+
+    def repeats(out):
+        slept.clear()
+        argv = ["bench", QUICKSTART, "--sizes", "1", "--methods", "model_averaging",
+                "--phases", "throughput", "--steps", "2", "--warmup-steps", "2",
+                "--repeats", "3", "--out", str(out), "--dpi", "30"]
+        for item in small_overrides(small_corpus) + [
+                "model.hidden_dim=16", "model.hidden_layers=1",
+                "parallel.straggler.ranks=[0]", "parallel.straggler.jitter=0.5"]:
+            argv += ["--set", item]
+        assert main(argv) == 0
+        assert len(slept) == 3 * steps, slept
+        return [slept[k * steps:(k + 1) * steps] for k in range(3)]
+
+    first = repeats(tmp_path / "a")
+    assert first[0] != first[1] and first[1] != first[2] and first[0] != first[2], first
+    assert repeats(tmp_path / "b") == first

@@ -68,6 +68,26 @@ def test_jitter_is_a_seeded_extra_fraction(sleeps):
     assert not np.array_equal(a, pauses(seed=1, rank=2))
 
 
+def test_each_repeat_of_a_benchmark_draws_its_own_jitter(sleeps):
+    # a benchmark's repeats of a run with the same seed were one draw N times: each
+    # repeat is seeded apart, and the first is a single run's draw
+    clock, _ = sleeps
+
+    def pauses(**repeat):
+        slow = Straggler(_Comm(), slowdown=2.0, jitter=0.5, seed=1, **repeat)
+        out = []
+        for _ in range(10):
+            slow.step_started()
+            clock["now"] += 1.0
+            out.append(slow.step_finished())
+        return out
+
+    draws = [pauses(repeat=k) for k in range(3)]
+    assert draws[0] == pauses()
+    assert draws[0] != draws[1] and draws[1] != draws[2] and draws[0] != draws[2]
+    assert draws == [pauses(repeat=k) for k in range(3)]
+
+
 def test_slowdown_one_does_not_sleep(sleeps):
     clock, slept = sleeps
     slow = Straggler(_Comm(), slowdown=1.0)
