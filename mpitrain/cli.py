@@ -595,24 +595,34 @@ def _number_list(text: str, flag: str, kind=int) -> tuple:
 
 
 def _load_bench_config(args):
-    """The configuration a benchmark runs: each of its runs takes one of ``--methods``
-    as ``parallel.method``, so the config's own method (not benchmarked) does not
-    decide which settings it may hold: one that another method refuses (ADPSGD's
-    ``parallel.hierarchical`` on a model-averaging config) is read with the first
-    method benchmarked that takes it; whether every method benchmarked takes it is
-    checked with the groups (:func:`mpitrain.bench.phases.check_groups`)."""
+    """``(cfg, note)``: the configuration a benchmark runs.  Each of its runs takes
+    one of ``--methods`` as ``parallel.method``, so the config's own method (not
+    benchmarked) does not decide which settings it may hold: one that another
+    method refuses (ADPSGD's ``parallel.hierarchical`` on a model-averaging config)
+    is read with the first method benchmarked that takes it; whether every method
+    benchmarked takes it is checked with the groups
+    (:func:`mpitrain.bench.phases.check_groups`).  The settings of the config's own
+    method, when it is not benchmarked, are left out (those given,
+    :func:`mpitrain.bench.phases.without_own_method_settings`), said in ``note``."""
     from .bench.options import bench_methods
+    from .bench.phases import without_own_method_settings
     from .config import ConfigError, load_config
-    try:
-        return load_config(args.config, args.set)
-    except ConfigError as exc:
-        mine = exc
     methods = tuple(dict.fromkeys(m.strip() for m in args.methods.split(",") if m.strip())) \
         or bench_methods()
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        mine = exc
+    else:
+        run_cfg, left_out = without_own_method_settings(cfg, methods)
+        return run_cfg, (f"bench: {', '.join(left_out)}: a setting of parallel.method "
+                         f"{cfg.parallel.method}, which the benchmark does not run (it runs "
+                         f"{', '.join(methods)}): left out of its runs" if left_out else "")
     errors = []
     for method in methods:
         try:
-            return load_config(args.config, list(args.set or []) + [f"parallel.method={method}"])
+            return load_config(args.config,
+                               list(args.set or []) + [f"parallel.method={method}"]), ""
         except ConfigError as exc:
             errors.append(exc)
     if all(str(e) == str(mine) for e in errors):
@@ -757,10 +767,18 @@ def cmd_bench(args) -> int:
             _refuse_virtual_only_options(args)
     out_dir = args.out or os.path.join(
         "runs", "bench-" + os.path.splitext(os.path.basename(args.config))[0])
+    notes = []
+
+    def load(args):
+        cfg, note = _load_bench_config(args)
+        notes[:] = [note] if note else []
+        return cfg
     if virtual_sizes:
         with _before_mpi():
-            cfg = _load_bench_config(args)
+            cfg = load(args)
             checks()
+            for note in notes:
+                print(note, flush=True)
             _refuse_sleeping_stragglers(args, cfg, max(virtual_sizes))
         from .bench.virtual import run_virtual_bench
         compute = _compute_model(args, cfg, max(virtual_sizes))     # (its options checked)
@@ -783,8 +801,10 @@ def cmd_bench(args) -> int:
         print("wrote " + ", ".join(paths.values()))
         return 0
     from .comm.abort import install_abort_hook
-    comm, cfg = _start_ranks(args, checks, load=_load_bench_config)
+    comm, cfg = _start_ranks(args, checks, load=load)
     install_abort_hook(comm)
+    for note in notes if comm.rank == 0 else ():
+        print(note, flush=True)
     _limit_blas_threads(cfg, comm)
     if options.sizes and max(options.sizes) > comm.size:
         if comm.rank != 0:          # every rank knows it alike: rank 0 says it

@@ -539,7 +539,7 @@ def _cross_checks(cfg: RunConfig, where: str) -> None:
         raise ConfigError(f"{where}training.early_stop.patience: early stopping watches "
                           "held-out results; set data.dev")
     par = cfg.parallel
-    for key, is_set, method in _ONE_METHOD_SETTINGS:
+    for key, is_set, method in ONE_METHOD_SETTINGS:
         value = getattr(par, key)
         if is_set(value) and par.method != method:
             shown = str(value).lower() if isinstance(value, bool) else value
@@ -677,8 +677,9 @@ def _check_block_shrink(cfg: RunConfig, key: str, shrink: float, where: str) -> 
                           f"{_rounded_down(below)}, or a lower parallel.block_lr")
 
 
-# parallel.* settings that belong to one method: (key, whether it is set, the method)
-_ONE_METHOD_SETTINGS = (
+#: parallel.* settings that one method alone takes, refused with the others: (key,
+#: whether it is set, the method).
+ONE_METHOD_SETTINGS = (
     ("straggler_policy", lambda value: value != "none", "model_averaging"),
     ("servers", lambda value: value > 1, "param_server"),
     ("asynchronous", bool, "adpsgd"),

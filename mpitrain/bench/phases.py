@@ -38,7 +38,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..config import config_from_dict
+from ..config import ONE_METHOD_SETTINGS, ParallelConfig, config_from_dict
 from ..parallel.registry import build_strategy, straggler_of
 from ..train.errors import TrainingError
 from ..train.trainer import Trainer
@@ -103,6 +103,30 @@ def straggler_within(cfg, ranks: int) -> dict:
     slow = tuple(cfg.parallel.straggler.ranks)
     inside = tuple(r for r in slow if r < ranks)
     return {"parallel__straggler__ranks": inside} if inside != slow else {}
+
+
+def without_own_method_settings(cfg, methods) -> tuple:
+    """``(cfg, left_out)``: a benchmark runs each of ``methods`` as ``parallel.method``,
+    so when the config's own method is not among them, its settings that only it
+    takes (``parallel.servers`` of a ``param_server`` config) concern no run and
+    are left out (set to their defaults); ``left_out``: those settings as given
+    (``"parallel.servers=2"``), empty when none.
+
+    Example::
+
+        cfg, left_out = without_own_method_settings(cfg, ("model_averaging",))
+    """
+    own = cfg.parallel.method
+    if own in methods:
+        return cfg, []
+    defaults = ParallelConfig()
+    given = {key: getattr(cfg.parallel, key) for key, is_set, method in ONE_METHOD_SETTINGS
+             if method == own and is_set(getattr(cfg.parallel, key))}
+    if not given:
+        return cfg, []
+    left_out = [f"parallel.{key}={str(value).lower() if isinstance(value, bool) else value}"
+                for key, value in given.items()]
+    return _with(cfg, **{f"parallel__{key}": getattr(defaults, key) for key in given}), left_out
 
 
 def group_settings(cfg, method: str, ranks: int) -> dict:

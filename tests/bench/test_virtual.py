@@ -307,3 +307,35 @@ def test_a_setting_of_the_methods_benchmarked_is_taken_whatever_the_configs_own_
     assert err.count("\n") == 1 and "works with parallel.method adpsgd, not allreduce" in err \
         and "model_averaging" not in err, err
     assert not (tmp_path / "b").exists() and not (tmp_path / "c").exists()
+
+
+@pytest.mark.parametrize("own", [["parallel.method=param_server", "parallel.servers=2"],
+                                 ["parallel.method=adpsgd", "parallel.hierarchical=true",
+                                  "parallel.ranks_per_node=2"]])
+def test_a_setting_of_the_configs_own_method_not_benchmarked_is_left_out_of_the_runs(
+        small_corpus, tmp_path, capsys, own):
+    # a config written for one method, benchmarked with others: that method's own
+    # settings (the parameter server's servers) concern no run of the benchmark, and
+    # were refused ("works with parallel.method param_server, not model_averaging")
+    out = tmp_path / "bench"
+    argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "model_averaging",
+            "--phases", "throughput", "--steps", "2", "--warmup-steps", "2",
+            "--compute-ms", "2", "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(small_corpus) + [
+            "model.hidden_dim=16", "model.hidden_layers=1"] + own:
+        argv += ["--set", item]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    setting = own[1].split("=")[0]
+    # said once
+    assert said.count(f"{own[1]}: a setting of parallel.method {own[0].split('=')[1]}, "
+                      "which the benchmark does not run (it runs model_averaging): left "
+                      "out of its runs") == 1, said
+    report = json.loads((out / "bench.json").read_text())
+    assert [r["method"] for r in report["throughput"]] == ["model_averaging"] * 2
+    # the runs, and the report's config, hold the setting's default
+    from mpitrain.config import ParallelConfig, load_config
+    key = setting.split(".")[1]
+    run = load_config(str(out / "runs" / "throughput-model_averaging-n2" / "config.yaml"))
+    assert getattr(run.parallel, key) == getattr(ParallelConfig(), key)
+    assert report["config"]["parallel"][key] == getattr(ParallelConfig(), key)
