@@ -93,7 +93,9 @@ def launch(function, grid: int, block: int, arguments) -> str:
             cell = ctypes.create_string_buffer(argument, len(argument))
             sizes.append(-1)
         else:
-            cell = ctypes.c_void_p(argument.__array_interface__["data"][0])
+            address = (argument.data.ptr if isinstance(argument, standin_cupy.DeviceArray)
+                       else argument.__array_interface__["data"][0])
+            cell = ctypes.c_void_p(address)
             sizes.append(extent(argument))
         keep.append(cell)
         slots.append(ctypes.cast(ctypes.pointer(cell), ctypes.c_void_p))

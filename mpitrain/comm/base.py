@@ -93,7 +93,7 @@ def _json_default(obj):
     if isinstance(obj, np.generic):
         return obj.item()
     # A device array is refused by its device, not by its type: CuPy's is no
-    # numpy.ndarray, but the CPU stand-in's is, and would be read here unseen.
+    # numpy.ndarray, but a CPU stand-in's may be one, and would be read here unseen.
     if isinstance(obj, np.ndarray) and not backend.is_gpu_array(obj):
         return obj.tolist()
     raise TypeError(f"object of type {type(obj).__name__} cannot be sent between ranks "

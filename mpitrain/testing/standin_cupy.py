@@ -1,17 +1,28 @@
 """A stand-in for CuPy on machines without a GPU: host memory behind CuPy's interface.
 
-Its arrays are a NumPy subclass that behaves like device arrays where it
-matters for testing the GPU code paths without a GPU: every result of an
-operation stays a stand-in array (0-d results too, as in CuPy), and every
-implicit read of a value on the host -- ``float(a)``, ``int(a)``,
-``bool(a)``, ``a.item()``, ``a.tolist()``, ``a.tobytes()``, ``str(a)``,
-``f"{a:.3f}"``, ``cupy.asnumpy(a)``, ``a.get()`` -- is counted in
-:data:`READS`.  What CuPy refuses, it refuses: a host array in a device
-operation (``np.dot(device, host)``, ``device * host``), a host array
-assigned to a basic-indexed slice (``device[...] = host``), and, while
-installed, an implicit conversion to NumPy (``np.asarray(device)``,
-``np.array([device, ...])``), and a host array of another dtype or shape
-in ``get(out=)``, ``asnumpy(out=)`` or ``set()`` (no cast, no broadcast);
+Its arrays hold host memory behind a class of their own (no NumPy
+subclass, so NumPy asks them before it takes their data) and behave like
+device arrays where it matters for testing the GPU code paths without a
+GPU: every result of an operation stays a stand-in array (0-d results too,
+as in CuPy), and every implicit read of a value on the host -- ``float(a)``,
+``int(a)``, ``bool(a)``, ``bytes(a)``, ``host[k] = a`` of a 0-d array,
+``a.item()``, ``a.tolist()``, ``a.tobytes()``, ``str(a)``, ``f"{a:.3f}"``,
+``cupy.asnumpy(a)``, ``a.get()`` -- is counted in :data:`READS`.  What CuPy
+refuses, it refuses: a host array in a device operation (``np.dot(device,
+host)``, ``device * host``), a host array assigned to a basic-indexed slice
+(``device[...] = host``), a host array of another dtype or shape in
+``get(out=)``, ``asnumpy(out=)`` or ``set()`` (no cast, no broadcast), a
+device scalar as an index (``range(a)``: CuPy has no ``__index__``), and,
+while installed, any implicit conversion to NumPy (CuPy's ``__array__``
+raises): ``np.asarray(device)``, ``np.array([device, ...])``, ``host[...] =
+device``, ``np.copyto(host, device)``, ``np.float32(a)`` or ``np.int64(a)``
+of a 0-d array, h5py writing a device array.  As CuPy's, its arrays are no
+``numpy.ndarray`` (``isinstance(a, np.ndarray)`` is False) and lend no
+buffer (``memoryview(a)``, ``struct`` or ``ctypes`` reading them: CuPy's
+buffer refuses outside unified memory), nor NumPy's ``__array_interface__``
+or ``ctypes``.  Outside :func:`installed` they convert to NumPy, so that a
+test can look at what it kept; code decides host or device with
+``backend.is_gpu_array`` and reads with ``backend.to_host``.
 ``asarray`` hands a device array back as it is, as CuPy does; iterating
 gives 0-d device arrays, and an element (``a[k]``) is a 0-d view of the
 array's memory, as in CuPy (NumPy's is a copy: a write into it, ``out=``
@@ -25,13 +36,6 @@ Within :func:`unified_memory`, host reads behave as CuPy's under
 device reports (compute capability, cuBLAS version); ``cuda.cublas`` is a
 cuBLAS binding whose ``gemmEx`` reads its host scalars during the call, as
 cuBLAS does.
-
-Being a NumPy subclass, it cannot refuse what NumPy takes from an ndarray
-without asking it: ``host[...] = device`` and ``np.float32(a)`` or
-``np.int64(a)`` of a 0-d array (CuPy: TypeError), ``isinstance(a, np.ndarray)``
-(False for CuPy's) and the buffer protocol (``memoryview(a)``; CuPy 13+ has
-none).  Code decides host or device with ``backend.is_gpu_array`` and reads
-with ``backend.to_host``, never by these.
 
 Example::
 
@@ -51,6 +55,7 @@ import threading
 import types
 
 import numpy as np
+from numpy.lib.mixins import NDArrayOperatorsMixin
 
 #: Host reads of stand-in arrays: implicit conversions, and explicit copies.
 READS = {"implicit": 0, "asnumpy": 0}
@@ -62,9 +67,9 @@ def reset_counts() -> None:
 
 
 def _plain(obj):
-    """Unwrap stand-in arrays (also inside lists and tuples) to plain NumPy arrays."""
+    """Unwrap stand-in arrays (also inside lists and tuples) to their NumPy arrays."""
     if isinstance(obj, DeviceArray):
-        return obj.view(np.ndarray)
+        return obj._host
     if isinstance(obj, (list, tuple)):
         return type(obj)(_plain(o) for o in obj)
     return obj
@@ -72,12 +77,10 @@ def _plain(obj):
 
 def _wrap(obj):
     """Results back as stand-in arrays; scalars become 0-d arrays as in CuPy."""
-    if isinstance(obj, DeviceArray):
-        return obj
     if isinstance(obj, np.ndarray):
-        return obj.view(DeviceArray)
+        return DeviceArray._holding(obj)
     if isinstance(obj, np.generic):
-        return np.asarray(obj).view(DeviceArray)
+        return DeviceArray._holding(np.array(obj))
     if isinstance(obj, tuple):
         return tuple(_wrap(o) for o in obj)
     if isinstance(obj, list):
@@ -91,7 +94,7 @@ def _refuse_host_arrays(inputs, name: str) -> None:
     for value in inputs:
         if isinstance(value, (list, tuple)):
             _refuse_host_arrays(value, name)
-        elif isinstance(value, np.ndarray) and not isinstance(value, DeviceArray):
+        elif isinstance(value, np.ndarray):
             if name == "copyto":
                 raise ValueError("non-scalar numpy.ndarray cannot be used for copyto")
             raise TypeError(f"Unsupported type {type(value)} (a host array in the device "
@@ -110,54 +113,14 @@ _READ_HOST_TEMPLATES = frozenset(("empty_like", "zeros_like", "ones_like", "full
 def _sized(values):
     """``values`` without 0-d host arrays (also inside lists)."""
     return [_sized(v) if isinstance(v, (list, tuple)) else v for v in values
-            if not (isinstance(v, np.ndarray) and not isinstance(v, DeviceArray) and v.ndim == 0)]
-
-
-def _holds_device_array(obj) -> bool:
-    if isinstance(obj, DeviceArray):
-        return True
-    return isinstance(obj, (list, tuple)) and any(_holds_device_array(o) for o in obj)
+            if not (isinstance(v, np.ndarray) and v.ndim == 0)]
 
 
 #: CuPy's refusal of an implicit copy to the host (``ndarray.__array__``).
 IMPLICIT_CONVERSION = ("Implicit conversion to a NumPy array is not allowed. "
                        "Please use `.get()` to construct a NumPy array explicitly.")
 
-# NumPy takes an ndarray subclass as it is, without asking its ``__array__``, so
-# the stand-in cannot refuse ``np.asarray(device)`` from inside its class: while
-# it is installed these NumPy functions are replaced by ones that refuse device
-# arrays (also inside lists) and hand anything else to NumPy's own.  NumPy's own
-# functions bind the originals, and the stand-in's internals pass them host arrays.
-_CONVERSIONS = ("array", "asarray", "asanyarray", "ascontiguousarray", "asfortranarray",
-                "asarray_chkfinite", "require", "frombuffer")
-_numpy_conversions = {name: getattr(np, name) for name in _CONVERSIONS}
-_patched = {"depth": 0, "lock": threading.Lock()}
-
-
-#: The name of each conversion's data argument, which callers may pass by keyword.
-_DATA_ARGUMENT = {"array": "object", "frombuffer": "buffer"}
-
-
-def _refusing(name):
-    original = _numpy_conversions[name]
-    keyword = _DATA_ARGUMENT.get(name, "a")
-
-    def convert(*args, **kwargs):
-        # (inert once uninstalled: a module imported meanwhile may have bound it)
-        if _patched["depth"] and _holds_device_array(args[0] if args else
-                                                     kwargs.get(keyword)):
-            raise TypeError(IMPLICIT_CONVERSION)
-        return original(*args, **kwargs)
-    convert.__name__ = convert.__qualname__ = name
-    convert.__doc__ = original.__doc__
-    return convert
-
-
-def _patch_conversions(on: bool) -> None:
-    with _patched["lock"]:          # (installed() may nest)
-        _patched["depth"] += 1 if on else -1
-        for name, original in _numpy_conversions.items():
-            setattr(np, name, _refusing(name) if _patched["depth"] else original)
+_installed = {"depth": 0, "lock": threading.Lock()}     # (installed() may nest)
 
 
 def _basic_index(key) -> bool:
@@ -172,7 +135,7 @@ class _Pointer:
 
     def __init__(self, array):
         self._array = array
-        self.ptr = array.__array_interface__["data"][0]
+        self.ptr = array._host.__array_interface__["data"][0]
 
     def copy_to_host_async(self, dst_ptr: int, nbytes: int, stream=None) -> None:
         import ctypes
@@ -188,15 +151,54 @@ class _Pointer:
             copy()
 
 
-class DeviceArray(np.ndarray):
-    """Host memory that answers like a device array (see the module docstring)."""
+#: NumPy array attributes a CuPy array lacks (``ctypes`` would reach host memory).
+_HOST_ONLY = frozenset(("ctypes", "getfield", "setfield", "setflags", "resize", "to_device"))
+
+
+def _method(bound, name):
+    """A NumPy array's method on stand-in arrays: host arrays refused (0-d ones
+    taken), results wrapped, and an ``out`` handed back as it was given."""
+    def call(*args, **kwargs):
+        if name not in _TAKE_HOST_ARRAYS:
+            _refuse_host_arrays(_sized(args + tuple(kwargs.values())), name)
+        result = bound(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
+        out = kwargs.get("out")
+        return out if isinstance(out, DeviceArray) else _wrap(result)
+    call.__name__ = name
+    return call
+
+
+class DeviceArray(NDArrayOperatorsMixin):
+    """Host memory that answers like a device array (see the module docstring).
+
+    Not a NumPy subclass, so that NumPy asks before it takes one: ``__array__``
+    refuses while installed, and there is no buffer protocol."""
+
+    __slots__ = ("_host", "__weakref__")
+
+    def __new__(cls, shape, dtype=float, memptr=None, strides=None, order="C"):
+        if memptr is not None:
+            raise NotImplementedError("the stand-in allocates its own memory")
+        return cls._holding(np.ndarray(shape, dtype, strides=strides, order=order))
+
+    @classmethod
+    def _holding(cls, host: np.ndarray) -> "DeviceArray":
+        array = object.__new__(cls)
+        array._host = host
+        return array
+
+    def __array__(self, dtype=None, copy=None):
+        if _installed["depth"]:
+            raise TypeError(IMPLICIT_CONVERSION)
+        # (NumPy's own conversion once uninstalled: a test looks at what it kept)
+        host = self._host if dtype is None else self._host.astype(dtype, copy=False)
+        return host.copy() if copy else host
 
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
         out = kwargs.get("out")
         _refuse_host_arrays(inputs + (out or ()), ufunc.__name__)
-        if out is not None:
-            kwargs["out"] = _plain(out)
-        result = getattr(ufunc, method)(*_plain(inputs), **kwargs)
+        result = getattr(ufunc, method)(*_plain(inputs),
+                                        **{k: _plain(v) for k, v in kwargs.items()})
         if out is not None:
             return out[0] if len(out) == 1 else out
         return _wrap(result)
@@ -205,26 +207,115 @@ class DeviceArray(np.ndarray):
         # CuPy's functions refuse host operands (np.dot(device, host)) and a host
         # ``out``; a few copy a host argument over (take's indices), and 0-d host
         # values are taken by some (copyto, full) and not by others: let them by.
+        name = func.__name__
+        if name == "copyto" and isinstance(args[0] if args else kwargs.get("dst"), np.ndarray):
+            raise TypeError("copyto: a host array cannot be the destination of a device "
+                            "array (use .get(out=))")
         operands = tuple(args) + tuple(v for k, v in kwargs.items() if k != "out")
-        if func.__name__ not in _TAKE_HOST_ARRAYS:
-            _refuse_host_arrays(_sized(operands), func.__name__)
-        _refuse_host_arrays((kwargs.get("out"),), func.__name__)
+        if name not in _TAKE_HOST_ARRAYS:
+            _refuse_host_arrays(_sized(operands), name)
         out = kwargs.get("out")
-        plain_kwargs = {k: _plain(v) for k, v in kwargs.items()}
-        result = func(*_plain(args), **plain_kwargs)
-        if out is not None and isinstance(out, DeviceArray):
-            return out
-        return _wrap(result)
+        _refuse_host_arrays((out,), name)
+        result = func(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
+        return out if isinstance(out, DeviceArray) else _wrap(result)
+
+    # -- what a CuPy array has -------------------------------------------------------
+    @property
+    def shape(self):
+        return self._host.shape
+
+    @shape.setter
+    def shape(self, value):
+        self._host.shape = value
+
+    @property
+    def dtype(self):
+        return self._host.dtype
+
+    @property
+    def ndim(self):
+        return self._host.ndim
+
+    @property
+    def size(self):
+        return self._host.size
+
+    @property
+    def nbytes(self):
+        return self._host.nbytes
+
+    @property
+    def itemsize(self):
+        return self._host.itemsize
+
+    @property
+    def strides(self):
+        return self._host.strides
+
+    @property
+    def flags(self):
+        return self._host.flags
+
+    @property
+    def T(self):
+        return DeviceArray._holding(self._host.T)
+
+    @property
+    def data(self):
+        return _Pointer(self)
+
+    @property
+    def device(self):
+        return _Device()
+
+    @property
+    def __cuda_array_interface__(self):
+        # (what a CUDA-aware MPI is given: the address of the memory)
+        host = self._host
+        return {"shape": host.shape, "typestr": host.dtype.str, "version": 3,
+                "data": (host.__array_interface__["data"][0], False),
+                "strides": None if host.flags.c_contiguous else host.strides}
+
+    def __getattr__(self, name):
+        # the rest of NumPy's array methods (reshape, sum, astype, fill...), on
+        # device arrays; never its special names (``__array_interface__`` would let
+        # NumPy read the memory without asking) nor what CuPy has not
+        if name.startswith("_") or name in _HOST_ONLY:
+            raise AttributeError(f"'ndarray' (stand-in device array) has no attribute "
+                                 f"{name!r}")
+        value = getattr(self._host, name)
+        if callable(value):
+            return _method(value, name)
+        return _wrap(value)
+
+    def astype(self, dtype, *args, copy=True, **kwargs):
+        if not copy and np.dtype(dtype) == self.dtype:
+            return self
+        return DeviceArray._holding(self._host.astype(dtype, *args, **kwargs))
+
+    def __len__(self):
+        return len(self._host)
+
+    def __iter__(self):
+        if self._host.ndim == 0:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(len(self._host)))
+
+    def __copy__(self):
+        return DeviceArray._holding(self._host.copy())
+
+    def __deepcopy__(self, memo):
+        return DeviceArray._holding(self._host.copy())
 
     def __getitem__(self, key):
-        plain = self.view(np.ndarray)
-        found = np.ndarray.__getitem__(plain, _plain(key))
+        plain = self._host
+        found = plain[_plain(key)]
         if isinstance(found, np.generic):
             # an element is a 0-d view of the array's memory in CuPy (writes through
             # it land in the array), not NumPy's copy
             index = key if isinstance(key, tuple) else (key,)
-            found = np.ndarray.__getitem__(plain, _plain(index) + (Ellipsis,))
-        return _wrap(found)
+            found = plain[_plain(index) + (Ellipsis,)]
+        return DeviceArray._holding(found)
 
     def __setitem__(self, key, value):
         # CuPy fills a basic-indexed target from a scalar or a device array only
@@ -234,49 +325,53 @@ class DeviceArray(np.ndarray):
             if isinstance(value, np.ndarray):
                 raise ValueError("non-scalar numpy.ndarray cannot be used for fill")
             raise TypeError(f"Unsupported type {type(value)}")
-        np.ndarray.__setitem__(self.view(np.ndarray), _plain(key), _plain(value))
+        self._host[_plain(key)] = _plain(value)
 
     # -- implicit host reads: counted --------------------------------------------
     def __float__(self):
         READS["implicit"] += 1
-        return float(self.view(np.ndarray))
+        return float(self._host)
 
     def __int__(self):
         READS["implicit"] += 1
-        return int(self.view(np.ndarray))
+        return int(self._host)
 
-    def __index__(self):
+    def __complex__(self):
         READS["implicit"] += 1
-        return self.view(np.ndarray).__index__()
+        return complex(self._host)
 
     def __bool__(self):
         READS["implicit"] += 1
-        return bool(self.view(np.ndarray))
+        return bool(self._host)
 
     def item(self, *args):
         READS["implicit"] += 1
-        return self.view(np.ndarray).item(*args)
+        return self._host.item(*args)
 
     def tolist(self):
         READS["implicit"] += 1
-        return self.view(np.ndarray).tolist()
+        return self._host.tolist()
 
     def tobytes(self, order="C"):
         READS["implicit"] += 1
-        return self.view(np.ndarray).tobytes(order)
+        return self._host.tobytes(order)
+
+    def __bytes__(self):
+        READS["implicit"] += 1
+        return bytes(self._host)
 
     # CuPy prints a device array by copying it to the host: a read too
     def __repr__(self):
         READS["implicit"] += 1
-        return repr(self.view(np.ndarray))
+        return repr(self._host)
 
     def __str__(self):
         READS["implicit"] += 1
-        return str(self.view(np.ndarray))
+        return str(self._host)
 
     def __format__(self, spec):
         READS["implicit"] += 1
-        return format(self.view(np.ndarray), spec)
+        return format(self._host, spec)
 
     def get(self, stream=None, out=None):
         if out is not None:
@@ -286,34 +381,30 @@ class DeviceArray(np.ndarray):
             return _ump_view(self)
         _land_copies()
         if out is None:
-            return np.array(self.view(np.ndarray))
+            return np.array(self._host)
         if _deferred["on"] and _deferred["early_get"] and _is_pinned(out):
             # CuPy 12 on a stream other than the legacy one: an async copy, not waited for
-            source = np.array(self.view(np.ndarray))
+            source = np.array(self._host)
 
             def copy():
                 out[...] = source
             with _deferred["lock"]:
                 _deferred["queue"].append(copy)
             return out
-        out[...] = self.view(np.ndarray)
+        out[...] = self._host
         return out
 
     def set(self, array, stream=None):
         _check_host_twin(self, array, "set to")
         if not (self.flags.c_contiguous or self.flags.f_contiguous):
             raise RuntimeError("Cannot set to non-contiguous array")
-        self.view(np.ndarray)[...] = array
-
-    @property
-    def data(self):
-        return _Pointer(self)
+        self._host[...] = array
 
 
 def _check_host_twin(device, host, verb: str) -> None:
     """CuPy's ``get(out=host)`` and ``set(host)`` take a NumPy array of the device
     array's own dtype and shape only: nothing is cast or broadcast."""
-    if not isinstance(host, np.ndarray) or isinstance(host, DeviceArray):
+    if not isinstance(host, np.ndarray):
         raise TypeError(f"Only numpy.ndarray can be {verb} cupy.ndarray")
     if host.dtype != device.dtype:
         raise TypeError(f"{host.dtype} array cannot be {verb} {device.dtype} array")
@@ -381,7 +472,7 @@ def queue_device_work(work) -> None:
 def _ump_view(array):
     # CuPy 13+ with CUPY_ENABLE_UMP=1: get() without ``out`` hands back the device
     # memory itself as a NumPy array, without waiting for the stream.
-    return np.asarray(array.view(np.ndarray))
+    return array._host.view()
 
 
 @contextlib.contextmanager
@@ -551,7 +642,9 @@ def _build_module():
                 elif name not in _TAKE_HOST_ARRAYS | _READ_HOST_TEMPLATES:
                     # cupy.concatenate([device, host]), cupy.ascontiguousarray(host)...
                     _refuse_host_arrays(_sized(args + tuple(kwargs.values())), name)
-                return _wrap(value(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()}))
+                result = value(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
+                out = kwargs.get("out")
+                return out if isinstance(out, DeviceArray) else _wrap(result)
             wrapped.__name__ = name
             return wrapped
         return value
@@ -568,7 +661,7 @@ def _build_module():
                                      "as requested.")
                 if not copy and same:
                     return obj
-            return np.array(_plain(obj), dtype=dtype, copy=True).view(DeviceArray)
+            return DeviceArray._holding(np.array(_plain(obj), dtype=dtype, copy=True))
         make.__name__ = name
         return make
 
@@ -592,11 +685,13 @@ def installed():
     sys.modules.setdefault("standin_cupy_device", module)
     reset_counts()
     CUBLAS_CALLS.clear()
-    _patch_conversions(True)
+    with _installed["lock"]:
+        _installed["depth"] += 1
     try:
         yield module
     finally:
-        _patch_conversions(False)
+        with _installed["lock"]:
+            _installed["depth"] -= 1
         backend._cupy = saved
         _land_copies()
         _pinned_blocks.clear()

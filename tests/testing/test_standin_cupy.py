@@ -44,7 +44,7 @@ def test_implicit_conversions_to_numpy_are_refused_as_cupy_refuses_them():
     with standin_cupy.installed() as cp:
         device = cp.arange(3, dtype=cp.float32)
         conversions = [np.asarray, np.array, np.asanyarray, np.ascontiguousarray,
-                       np.asfortranarray, np.asarray_chkfinite, lambda a: np.require(a, "C"),
+                       np.asfortranarray, np.asarray_chkfinite, lambda a: np.require(a, requirements="C"),
                        lambda a: np.array([a[0], a[1]]), lambda a: np.asarray((a, a))]
         for convert in conversions:
             with pytest.raises(TypeError, match="Implicit conversion to a NumPy array"):
@@ -212,3 +212,66 @@ def test_an_element_is_a_view_of_the_arrays_memory_as_in_cupy():
         grid[(0, 1)][...] = 5
         assert cells.tolist() == [0.0, 6.0, 0.0]
         assert grid.tolist() == [[0.0, 5.0, 0.0], [0.0, 0.0, 7.0]]
+
+
+def test_a_device_array_is_no_numpy_array_and_lends_no_buffer_as_in_cupy():
+    """CuPy's arrays are no numpy.ndarray and have no buffer protocol: code that
+    decided host or device by isinstance, or read a device array through
+    memoryview, struct or ctypes, worked on the stand-in only."""
+    import ctypes
+    import struct
+    with standin_cupy.installed() as cp:
+        device = cp.arange(4, dtype=cp.float32)
+        assert not isinstance(device, np.ndarray) and isinstance(device, cp.ndarray)
+        for read in (lambda: memoryview(device), lambda: struct.unpack("4f", device),
+                     lambda: (ctypes.c_float * 4).from_buffer(device)):
+            with pytest.raises(TypeError):
+                read()
+        # nor NumPy's ways around the device: its array interface, ctypes, tofile
+        for name in ("__array_interface__", "__array_struct__", "ctypes"):
+            assert not hasattr(device, name), name
+        assert device.data.ptr and device.__cuda_array_interface__["shape"] == (4,)
+        assert standin_cupy.READS == {"implicit": 0, "asnumpy": 0}
+
+
+def test_numpy_asks_before_it_takes_a_device_array_into_host_memory():
+    """``host[...] = device``, ``np.copyto(host, device)``, ``np.float32(a)`` and
+    h5py writing a device array are TypeErrors with CuPy; a NumPy subclass let
+    NumPy copy it over unasked.  Nothing of the host array is written."""
+    import io
+
+    import h5py
+    with standin_cupy.installed() as cp:
+        device = cp.arange(4, dtype=cp.float32)
+        host = np.zeros(4, dtype=np.float32)
+        with h5py.File(io.BytesIO(), "w") as h5:
+            dataset = h5.create_dataset("x", shape=(4,), dtype="f4")
+            for write in (lambda: host.__setitem__(Ellipsis, device),
+                          lambda: host.__setitem__(slice(1, 3), device[:2]),
+                          lambda: np.copyto(host, device), lambda: np.float32(device[1]),
+                          lambda: np.int64(device.astype(cp.int64)[1]),
+                          lambda: h5.create_dataset("y", data=device),
+                          lambda: dataset.__setitem__(Ellipsis, device)):
+                with pytest.raises(TypeError):
+                    write()
+            assert "y" not in h5 and not dataset[...].any()
+        assert not host.any()
+        assert standin_cupy.READS == {"implicit": 0, "asnumpy": 0}
+
+
+def test_a_device_scalar_is_read_by_float_and_int_but_is_no_index_as_in_cupy():
+    """CuPy's ``__float__``, ``__int__`` and ``__bytes__`` copy to the host (counted
+    reads: ``host[k] = a`` of a 0-d array is one); it has no ``__index__``, so a
+    device scalar cannot stand for a Python integer (``range(a)``, ``h[a]``)."""
+    import operator
+    with standin_cupy.installed() as cp:
+        device = cp.arange(4, dtype=cp.int64)
+        host = np.zeros(4, dtype=np.float32)
+        host[0] = device[3]
+        assert host[0] == 3.0 and standin_cupy.READS["implicit"] == 1
+        assert (int(device[2]), bytes(device[:1])) == (2, np.int64(0).tobytes())
+        assert standin_cupy.READS["implicit"] == 3
+        for use in (lambda: operator.index(device[1]), lambda: range(device[1]),
+                    lambda: [0, 1][device[1]]):
+            with pytest.raises(TypeError):
+                use()
