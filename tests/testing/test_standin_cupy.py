@@ -262,7 +262,8 @@ def test_numpy_asks_before_it_takes_a_device_array_into_host_memory():
 def test_a_device_scalar_is_read_by_float_and_int_but_is_no_index_as_in_cupy():
     """CuPy's ``__float__``, ``__int__`` and ``__bytes__`` copy to the host (counted
     reads: ``host[k] = a`` of a 0-d array is one); it has no ``__index__``, so a
-    device scalar cannot stand for a Python integer (``range(a)``, ``h[a]``)."""
+    device scalar cannot stand for a Python integer (``range(a)``, ``h[a]``), and no
+    ``__round__`` (``round(a)``)."""
     import operator
     with standin_cupy.installed() as cp:
         device = cp.arange(4, dtype=cp.int64)
@@ -272,6 +273,6 @@ def test_a_device_scalar_is_read_by_float_and_int_but_is_no_index_as_in_cupy():
         assert (int(device[2]), bytes(device[:1])) == (2, np.int64(0).tobytes())
         assert standin_cupy.READS["implicit"] == 3
         for use in (lambda: operator.index(device[1]), lambda: range(device[1]),
-                    lambda: [0, 1][device[1]]):
+                    lambda: [0, 1][device[1]], lambda: round(device[1])):
             with pytest.raises(TypeError):
                 use()
