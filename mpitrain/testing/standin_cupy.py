@@ -20,8 +20,10 @@ of a 0-d array, h5py writing a device array.  As CuPy's, its arrays are no
 ``numpy.ndarray`` (``isinstance(a, np.ndarray)`` is False) and lend no
 buffer (``memoryview(a)``, ``struct`` or ``ctypes`` reading them: CuPy's
 buffer refuses outside unified memory), nor NumPy's ``__array_interface__``
-or ``ctypes``.  Outside :func:`installed` they convert to NumPy, so that a
-test can look at what it kept; code decides host or device with
+or ``ctypes``; their ``__cuda_array_interface__`` (what mpi4py hands a
+CUDA-aware MPI) is withdrawn by :data:`CUDA_ARRAY_INTERFACE` for a test of
+an MPI without CUDA support.  Outside :func:`installed` they convert to
+NumPy, so that a test can look at what it kept; code decides host or device with
 ``backend.is_gpu_array`` and reads with ``backend.to_host``.
 ``asarray`` hands a device array back as it is, as CuPy does; iterating
 gives 0-d device arrays, and an element (``a[k]``) is a 0-d view of the
@@ -151,6 +153,13 @@ class _Pointer:
             copy()
 
 
+#: Whether device arrays hand their address out through ``__cuda_array_interface__``,
+#: as CuPy's always do.  mpi4py gives that address to MPI, which can read it only when
+#: built with CUDA support: a test standing for an MPI without it turns this off, so
+#: that mpi4py refuses a device array (TypeError) where on a GPU the MPI would crash or
+#: read device memory as host memory.  Tests change it with ``monkeypatch.setitem``.
+CUDA_ARRAY_INTERFACE = {"offered": True}
+
 #: NumPy array attributes a CuPy array lacks (``ctypes`` would reach host memory).
 _HOST_ONLY = frozenset(("ctypes", "getfield", "setfield", "setflags", "resize", "to_device"))
 
@@ -271,6 +280,9 @@ class DeviceArray(NDArrayOperatorsMixin):
     @property
     def __cuda_array_interface__(self):
         # (what a CUDA-aware MPI is given: the address of the memory)
+        if not CUDA_ARRAY_INTERFACE["offered"]:
+            raise AttributeError("'ndarray' (stand-in device array): no "
+                                 "__cuda_array_interface__ for an MPI without CUDA support")
         host = self._host
         return {"shape": host.shape, "typestr": host.dtype.str, "version": 3,
                 "data": (host.__array_interface__["data"][0], False),

@@ -234,6 +234,19 @@ def test_a_device_array_is_no_numpy_array_and_lends_no_buffer_as_in_cupy():
         assert standin_cupy.READS == {"implicit": 0, "asnumpy": 0}
 
 
+def test_the_cuda_array_interface_is_withdrawn_for_an_mpi_without_cuda_support(monkeypatch):
+    # mpi4py hands a device array to MPI through __cuda_array_interface__; a test of
+    # an MPI built without CUDA support turns it off, so that mpi4py refuses the array
+    with standin_cupy.installed() as cp:
+        device = cp.arange(4, dtype=cp.float32)
+        monkeypatch.setitem(standin_cupy.CUDA_ARRAY_INTERFACE, "offered", False)
+        assert not hasattr(device, "__cuda_array_interface__")
+        assert not hasattr(device[1:], "__cuda_array_interface__")
+        assert device.data.ptr          # (NCCL takes the address itself)
+        monkeypatch.setitem(standin_cupy.CUDA_ARRAY_INTERFACE, "offered", True)
+        assert device[1:].__cuda_array_interface__["shape"] == (3,)
+
+
 def test_numpy_asks_before_it_takes_a_device_array_into_host_memory():
     """``host[...] = device``, ``np.copyto(host, device)``, ``np.float32(a)`` and
     h5py writing a device array are TypeErrors with CuPy; a NumPy subclass let
