@@ -20,8 +20,9 @@ def test_device_routes_with_a_stand_in_device():
     result = run_mpi(2, [str(WORKERS / "device_route_worker.py")], timeout=120)
     assert result.returncode == 0, _output(result)
     passed = [line[3:] for line in result.stdout.splitlines() if line.startswith("ok ")]
-    assert passed == ["host-staged route", "point to point before setup",
-                      "forced route refused", "cuda-aware route", "forced host-staged"]
+    assert passed == ["device arrays are no host memory", "host-staged route",
+                      "point to point before setup", "forced route refused",
+                      "cuda-aware route", "forced host-staged"]
 
 
 # (scenario of nccl_setup_worker.py, what rank 0 reports); the worker checks

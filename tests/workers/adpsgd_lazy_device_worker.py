@@ -6,12 +6,15 @@ Run by tests/parallel/test_adpsgd.py.  A stand-in device (fake_cupy.py) whose
 in-place writes are queued, as kernels on a stream are, and run only at a
 stream synchronisation or a blocking copy to the host: MPI that reads device
 memory (the CUDA-aware route) or a staging copy then sees a buffer only if
-the code synchronised before handing it over.  Lock-step ADPSGD, with and
-without delay-by-one, over host staging and the CUDA-aware route, must end
-with the parameters of the same run on NumPy, bit for bit.  Rank 0 prints one
-"ok <check>" line per combination; a failed assertion aborts the job.
+the code synchronised before handing it over.  MPI takes device arrays on the
+CUDA-aware route only (the stand-in MPI is CUDA-aware there alone).
+Lock-step ADPSGD, with and without delay-by-one, over host staging and the
+CUDA-aware route, must end with the parameters of the same run on NumPy, bit
+for bit.  Rank 0 prints one "ok <check>" line per combination; a failed
+assertion aborts the job.
 """
 
+import contextlib
 import os
 
 import numpy as np
@@ -19,80 +22,55 @@ from mpi4py import MPI
 
 import fake_cupy
 from fake_cupy import install
-from mpitrain import backend
 from mpitrain.comm.abort import install_abort_hook
 from mpitrain.comm.mpi import MpiCommunicator
 from mpitrain.parallel.adpsgd import RingMixing
+from mpitrain.testing import standin_cupy
 
 world = MPI.COMM_WORLD
 rank = world.Get_rank()
-QUEUE = []          # the stream: writes waiting to run
 
 
-def run_queue():
-    while QUEUE:
-        QUEUE.pop(0)()
+class LateArray(fake_cupy.CountedDeviceArray):
+    """Device memory whose in-place writes run when the stream is synchronised
+    (queued with the stand-in's device work, which its stream, events and
+    blocking reads wait for)."""
 
+    __slots__ = ()
 
-class LateArray(fake_cupy.FakeDeviceArray):
-    """Device memory whose in-place writes run when the stream is synchronised."""
-
-    def _memory(self):
-        return self.view(np.ndarray)
-
-    def _later(self, ufunc, other):
-        other = other.view(np.ndarray) if isinstance(other, np.ndarray) else other
-        QUEUE.append(lambda: ufunc(self._memory(), other, out=self._memory()))
+    def _later(self, write):
+        standin_cupy.queue_device_work(write)
         return self
 
     def __setitem__(self, index, value):
-        value = value.view(np.ndarray) if isinstance(value, np.ndarray) else value
-        QUEUE.append(lambda: np.ndarray.__setitem__(self._memory(), index, value))
+        self._later(lambda: standin_cupy.DeviceArray.__setitem__(self, index, value))
 
     def __iadd__(self, other):
-        return self._later(np.add, other)
+        return self._later(lambda: np.add(self, other, out=self))
 
     def __isub__(self, other):
-        return self._later(np.subtract, other)
+        return self._later(lambda: np.subtract(self, other, out=self))
 
     def __imul__(self, other):
-        return self._later(np.multiply, other)
+        return self._later(lambda: np.multiply(self, other, out=self))
 
-    def get(self, out=None):            # a blocking copy waits for the stream
-        run_queue()
-        fake_cupy.counts["get"] += 1
-        out[...] = self._memory()
-        return out
-
-    def set(self, array):
-        fake_cupy.counts["set"] += 1
-        self._memory()[...] = array
-
-    def copy(self):
-        run_queue()
-        return np.array(self._memory()).view(LateArray)
+    def copy(self):                     # a copy on the stream follows the queued writes
+        fake.cuda.get_current_stream().synchronize()
+        return late(fake.asnumpy(self))
 
 
-class Stream:
-    ptr = 0
-
-    def synchronize(self):
-        fake_cupy.counts["sync"] += 1
-        run_queue()
-
-    def record(self):
-        return fake_cupy._Event()
+def late(values, dtype=None):
+    return LateArray._holding(np.array(values, dtype=dtype))
 
 
+# (held for the worker's life: a context let go of would end with it)
+DEVICE_WORK = contextlib.ExitStack()
+DEVICE_WORK.enter_context(standin_cupy.deferred_copies())
 fake = install(device_id=rank)
-fake.ndarray = LateArray
-fake.get_array_module = lambda *arrays: fake if any(
-    isinstance(a, LateArray) for a in arrays) else np
-fake.cuda.get_current_stream = Stream
-fake.empty_like = lambda a: np.full_like(a.view(np.ndarray), np.nan).view(LateArray)
-fake.zeros_like = lambda a: np.zeros_like(a.view(np.ndarray)).view(LateArray)
-fake.asarray = lambda a: np.array(a).view(LateArray)
-backend.is_gpu_array = lambda a: isinstance(a, LateArray)
+fake.empty_like = lambda a: late(np.full(a.shape, np.nan, a.dtype))
+fake.zeros_like = lambda a: late(np.zeros(a.shape, a.dtype))
+fake.asarray = lambda a, dtype=None: late(a if isinstance(a, np.ndarray) or np.isscalar(a)
+                                          else fake.asnumpy(a), dtype)
 install_abort_hook(MpiCommunicator())
 
 
@@ -102,10 +80,8 @@ class Net:
     def __init__(self, xp, size=64):
         start = np.arange(size, dtype=np.float32) * (rank + 1)
         self.xp = xp
-        self.params = start if xp is np else start.view(LateArray)
-        self.grads = np.zeros(size, np.float32)
-        if xp is not np:
-            self.grads = self.grads.view(LateArray)
+        self.params = start if xp is np else late(start)
+        self.grads = np.zeros(size, np.float32) if xp is np else late(np.zeros(size, np.float32))
 
 
 def train(xp, delay_by_one, comm, steps=8, lr=np.float32(0.1)):
@@ -114,25 +90,23 @@ def train(xp, delay_by_one, comm, steps=8, lr=np.float32(0.1)):
     ring.setup(net, None)
     for k in range(steps):
         gradient = np.random.default_rng([rank, k]).standard_normal(64).astype(np.float32)
-        net.grads[...] = gradient if xp is np else gradient.view(LateArray)
+        net.grads[...] = gradient if xp is np else late(gradient)
         ring.reduce_gradients(net)
         params, grads = net.params, net.grads
         if xp is np:
             params -= lr * grads
         else:                           # the optimizer's kernel, run with the stream
-            QUEUE.append(lambda: np.subtract(params.view(np.ndarray),
-                                             lr * grads.view(np.ndarray),
-                                             out=params.view(np.ndarray)))
+            standin_cupy.queue_device_work(lambda: np.subtract(params, lr * grads, out=params))
         ring.after_update(net, None, k + 1)
     ring.drain()
-    Stream().synchronize()
-    return np.array(net.params.view(np.ndarray))
+    return net.params if xp is np else fake.asnumpy(net.params)
 
 
 for delay_by_one in (False, True):
     expected = train(np, delay_by_one, MpiCommunicator(world.Dup()))
     for aware, route in (("0", "host-staged"), ("1", "cuda-aware-mpi")):
         os.environ["MPITRAIN_CUDA_AWARE_MPI"] = aware
+        fake_cupy.set_cuda_aware_mpi(aware == "1")
         comm = MpiCommunicator(world.Dup())
         comm.setup_device_transport(fake)
         assert comm.transport == route, comm.transport

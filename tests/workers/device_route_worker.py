@@ -4,7 +4,10 @@ A stand-in for cupy (fake_cupy.py: host memory behind a cupy-like interface,
 ``get``/``set``, pinned allocation, stream synchronisation) is installed into
 mpitrain.backend, so the route choice, the pinned staging path and the
 CUDA-aware path run for real under ``mpiexec``; only the memory is host
-memory.  Run by tests/comm/test_gpu.py with 2 ranks.
+memory.  Its device arrays are no host memory to NumPy or mpi4py (checked
+first), and MPI takes them only while the stand-in MPI is CUDA-aware, so a
+route that hands one to MPI unstaged fails here.  Run by tests/comm/test_gpu.py
+with 2 ranks.
 """
 
 import os
@@ -12,7 +15,8 @@ import os
 import numpy as np
 from mpi4py import MPI
 
-from fake_cupy import FakeDeviceArray, counts, device, install
+from fake_cupy import CountedDeviceArray, counts, device, install, set_cuda_aware_mpi
+from mpitrain.comm import gpu
 from mpitrain.comm.abort import install_abort_hook
 from mpitrain.comm.mpi import MpiCommunicator
 
@@ -35,33 +39,74 @@ def exercise(comm, nonblocking_collectives=True):
     triangle = size * (size + 1) / 2
     buf = device(base * (rank + 1))
     comm.allreduce_(buf, op="mean")
-    np.testing.assert_allclose(buf.view(np.ndarray), base * triangle / size, rtol=1e-6)
-    assert isinstance(buf, FakeDeviceArray)
+    np.testing.assert_allclose(fake.asnumpy(buf), base * triangle / size, rtol=1e-6)
+    assert isinstance(buf, CountedDeviceArray) and not isinstance(buf, np.ndarray)
 
     if nonblocking_collectives:
         first, second = device(base * (rank + 1)), device([rank] * 5, np.float64)
         requests = [comm.iallreduce_(first, op="sum"), comm.iallreduce_(second, op="max")]
         comm.waitall(requests)
-        np.testing.assert_allclose(first.view(np.ndarray), base * triangle, rtol=1e-6)
-        assert (second.view(np.ndarray) == size - 1).all()
+        np.testing.assert_allclose(fake.asnumpy(first), base * triangle, rtol=1e-6)
+        assert (fake.asnumpy(second) == size - 1).all()
 
     buf = device([rank] * 40) if rank == 0 else device(np.full(40, -1.0))
     comm.bcast_(buf, root=0)
-    assert (buf.view(np.ndarray) == 0).all()
+    assert (fake.asnumpy(buf) == 0).all()
 
     right, left = (rank + 1) % size, (rank - 1) % size
     recv = device(np.zeros(17))
     comm.sendrecv(device([rank] * 17), right, recv, left, tag=4)
-    assert (recv.view(np.ndarray) == left).all()
+    assert (fake.asnumpy(recv) == left).all()
 
     inbox = device(np.zeros(9))
     receiving = comm.irecv(inbox, source=left, tag=8)
     sending = comm.isend(device([rank * 10] * 9), right, tag=8)
     comm.waitall([sending, receiving])
-    assert (inbox.view(np.ndarray) == left * 10).all() and receiving.source == left
+    assert (fake.asnumpy(inbox) == left * 10).all() and receiving.source == left
+
+    # blocking point to point: even ranks send first, odd ranks receive first
+    back = device(np.zeros(6))
+    for turn in ((0, 1) if rank % 2 == 0 else (1, 0)):
+        if turn == 0:
+            comm.send(device([rank + 100] * 6), right, tag=9)
+        else:
+            assert comm.recv(back, source=left, tag=9) == (left, 9)
+    assert (fake.asnumpy(back) == left + 100).all()
 
 
 install_abort_hook(MpiCommunicator())
+
+# 0. A device array is no host memory: NumPy, the buffer protocol and an MPI
+# without CUDA support (mpi4py) refuse it, as on a GPU; a CUDA-aware MPI takes it.
+probe = device([rank + 1.0] * 4)
+for host_use in (lambda: np.asarray(probe), lambda: memoryview(probe),
+                 lambda: world.Allreduce(MPI.IN_PLACE, probe, op=MPI.SUM),
+                 lambda: world.Bcast(probe, root=0),
+                 lambda: world.Isend(probe[1:], dest=(rank + 1) % size)):
+    try:
+        host_use()
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("a device array passed as host memory")
+set_cuda_aware_mpi(True)
+world.Allreduce(MPI.IN_PLACE, probe, op=MPI.SUM)
+assert (fake.asnumpy(probe) == size * (size + 1) / 2).all()
+set_cuda_aware_mpi(False)
+# a staging route that forgot to stage is caught
+unstaged = MpiCommunicator(world.Dup(), device_transport="host-staged")
+staging_enter = gpu.PinnedStagingPath.enter
+gpu.PinnedStagingPath.enter = lambda path, buf, *, copy_in: (buf, None)
+try:
+    unstaged.allreduce_(device([1.0] * 4), op="sum")
+except TypeError:
+    pass
+else:
+    raise AssertionError("a host-staged route handed a device array to MPI unnoticed")
+finally:
+    gpu.PinnedStagingPath.enter = staging_enter
+unstaged.free()
+ok("device arrays are no host memory")
 
 # 1. No NCCL, MPICH without GPU support: the pinned staging route.
 staged = MpiCommunicator(world.Dup(), device_transport="auto")
@@ -83,7 +128,7 @@ ok("host-staged route")
 lazy = MpiCommunicator(world.Dup())
 recv = device(np.zeros(3))
 lazy.sendrecv(device([rank] * 3), (rank + 1) % size, recv, (rank - 1) % size)
-assert (recv.view(np.ndarray) == (rank - 1) % size).all()
+assert (fake.asnumpy(recv) == (rank - 1) % size).all()
 assert lazy.transport == "host" and lazy.transport_reason == "", lazy.transport
 ok("point to point before setup")
 
@@ -100,6 +145,7 @@ ok("forced route refused")
 
 # 4. The probe override: device arrays go straight to MPI after a stream sync.
 os.environ["MPITRAIN_CUDA_AWARE_MPI"] = "1"
+set_cuda_aware_mpi(True)
 aware = MpiCommunicator(world.Dup(), device_transport="auto")
 assert aware.setup_device_transport(fake) == "cuda-aware-mpi"
 before = dict(counts)
@@ -111,7 +157,7 @@ assert counts["sync"] > before["sync"], counts
 before = dict(counts)
 buf = device(np.arange(50, dtype=np.float64) * (rank + 1))
 aware.iallreduce_(buf, op="sum").wait()
-np.testing.assert_allclose(buf.view(np.ndarray), np.arange(50) * size * (size + 1) / 2)
+np.testing.assert_allclose(fake.asnumpy(buf), np.arange(50) * size * (size + 1) / 2)
 assert counts["get"] > before["get"] and counts["set"] > before["set"], counts
 assert aware.transport == "cuda-aware-mpi"
 assert aware.transport_reason == ("NCCL not used: cupy.cuda.nccl unavailable: cannot be "
@@ -119,7 +165,8 @@ assert aware.transport_reason == ("NCCL not used: cupy.cuda.nccl unavailable: ca
                                   "probe passed"), aware.transport_reason
 ok("cuda-aware route")
 
-# 5. Forced staging skips every probe.
+# 5. Forced staging skips every probe (and MPI is given no device array).
+set_cuda_aware_mpi(False)
 forced_staging = MpiCommunicator(world.Dup(), device_transport="host-staged")
 assert forced_staging.setup_device_transport(fake) == "host-staged"
 assert forced_staging.transport_reason == "host-staged requested by device_transport"

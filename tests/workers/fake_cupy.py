@@ -1,23 +1,38 @@
-"""A stand-in for cupy and its NCCL binding, on host memory, for MPI workers without a GPU.
+"""The CuPy stand-in for MPI workers without a GPU, with a stand-in NCCL binding.
 
-:func:`install` registers a fake package (``fake_device_module``, with
-``.cuda`` and optionally ``.cuda.nccl``) in ``sys.modules`` and makes it
+Built on :mod:`mpitrain.testing.standin_cupy`: its device arrays (no NumPy
+subclass: NumPy, h5py and the buffer protocol refuse them as they refuse
+CuPy's) and its array functions.  What the workers need beyond it is here:
+the rank's device (id, PCI bus id), counts of pinned allocations, stream
+synchronisations and ``get``/``set`` copies, whether the MPI library takes
+device memory (:func:`set_cuda_aware_mpi`), and the NCCL stand-in.
+
+:func:`install` registers a package (``fake_device_module``, with ``.cuda``
+and optionally ``.cuda.nccl``) in ``sys.modules`` and makes it
 mpitrain.backend's cupy, so ``backend.nccl_module`` finds the NCCL stand-in
-by import like the real one.  Device arrays are a numpy subclass that must
-be copied with ``get``/``set`` and exposes ``.data.ptr``; the NCCL stand-in
-(:func:`make_nccl`) mimics one CuPy API variant at a time and really reduces
-the data: through MPI on the host memory behind those pointers.
+by import like the real one; the stand-in stays installed until the worker
+exits.  The MPI library of these workers has no CUDA support, so by default
+mpi4py refuses a device array (no ``__cuda_array_interface__``): a route that
+hands one to MPI without staging it fails here as it would crash on a GPU.
+:func:`set_cuda_aware_mpi` stands for a CUDA-aware MPI; the worker also sets
+``MPITRAIN_CUDA_AWARE_MPI=1``, since MPICH here says it has no CUDA support.
 
-Its ``NcclCommunicator`` blocks like NCCL's init until every rank joined
-with the same unique id (a rendezvous through files named after the id), so
-a rank that never joins leaves the others waiting, as NCCL would.
+The NCCL stand-in (:func:`make_nccl`) mimics one CuPy API variant at a time
+and really reduces the data: through MPI on the host memory behind the
+arrays' ``.data.ptr``.  Its ``NcclCommunicator`` blocks like NCCL's init
+until every rank joined with the same unique id (a rendezvous through files
+named after the id), so a rank that never joins leaves the others waiting,
+as NCCL would.
 
 Example::
 
     nccl = make_nccl(id_form="bytes", accepts="bytes", rendezvous_dir=tmp)
     fake = install(device_id=rank, nccl=nccl)
+    buf = device([1.0, 2.0])            # counted get/set
+    fake.asnumpy(buf)                   # its values, for a check
 """
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -29,6 +44,7 @@ import numpy as np
 from mpi4py import MPI
 
 from mpitrain import backend
+from mpitrain.testing import standin_cupy
 
 NAME = "fake_device_module"
 
@@ -38,50 +54,51 @@ counts = {"get": 0, "set": 0, "sync": 0, "pinned": 0,
 # The stand-in NCCL's own channel between the ranks (created on every rank at import).
 _NCCL_WORLD = MPI.COMM_WORLD.Dup()
 
+# standin_cupy.installed(), entered by the first install() for the worker's lifetime
+_STANDIN, _STANDIN_ENTERED = contextlib.ExitStack(), []
 
-class FakeDeviceArray(np.ndarray):
-    """Host memory that must be copied with get/set, like a cupy array."""
 
-    def get(self, out=None):
+class CountedDeviceArray(standin_cupy.DeviceArray):
+    """The stand-in's device array, its copies to and from the host counted."""
+
+    __slots__ = ()
+
+    def get(self, stream=None, out=None):
         counts["get"] += 1
-        out[...] = self.view(np.ndarray)
-        return out
+        return super().get(stream=stream, out=out)
 
-    def set(self, array):
+    def set(self, array, stream=None):
         counts["set"] += 1
-        self.view(np.ndarray)[...] = array
-
-    @property
-    def data(self):
-        # cupy's ``a.data.ptr``: the address NCCL reads and writes.
-        return types.SimpleNamespace(ptr=self.__array_interface__["data"][0])
+        super().set(array, stream=stream)
 
 
 def device(values, dtype=np.float32):
-    """A fake device array holding ``values``."""
-    return np.asarray(values, dtype=dtype).copy().view(FakeDeviceArray)
+    """A device array holding ``values`` (its get/set counted)."""
+    return CountedDeviceArray._holding(np.array(values, dtype=dtype))
+
+
+def set_cuda_aware_mpi(aware: bool) -> None:
+    """Whether MPI takes device memory: mpi4py then reads a device array's
+    ``__cuda_array_interface__``; without, it refuses the array (TypeError)."""
+    standin_cupy.CUDA_ARRAY_INTERFACE["offered"] = bool(aware)
 
 
 def _pinned(nbytes):
     counts["pinned"] += 1
-    return bytearray(nbytes)
-
-
-class _Event:
-    done = True
-
-    def synchronize(self):
-        return None
+    return standin_cupy.module.cuda.alloc_pinned_memory(nbytes)
 
 
 class _Stream:
+    """The stand-in's current stream, its synchronisations counted."""
+
     ptr = 0
 
     def synchronize(self):
         counts["sync"] += 1
+        standin_cupy.module.cuda.get_current_stream().synchronize()
 
-    def record(self):
-        return _Event()
+    def record(self, event=None):
+        return standin_cupy.module.cuda.get_current_stream().record()
 
 
 _STREAM = _Stream()
@@ -108,18 +125,23 @@ def _device_class(device_id: int, pci_bus_id):
     return Device
 
 
-def install(*, device_id: int = 0, pci_bus_id=None, nccl=None):
-    """Register the fake cupy (and ``nccl`` as its ``cuda.nccl``) and hand it to backend."""
+def install(*, device_id: int = 0, pci_bus_id=None, nccl=None, cuda_aware_mpi: bool = False):
+    """Register the stand-in cupy (and ``nccl`` as its ``cuda.nccl``) and hand it to backend."""
+    if not _STANDIN_ENTERED:
+        _STANDIN.enter_context(standin_cupy.installed())
+        _STANDIN_ENTERED.append(True)
+    set_cuda_aware_mpi(cuda_aware_mpi)
     fake = types.ModuleType(NAME)
     fake.__path__ = []          # a package: importlib looks for its submodules
-    fake.ndarray = FakeDeviceArray
-    fake.float32 = np.float32
-    fake.full = lambda *a, **k: np.full(*a, **k).view(FakeDeviceArray)
-    fake.asnumpy = lambda a: np.array(a.view(np.ndarray))
+    fake.__getattr__ = lambda name: getattr(standin_cupy.module, name)
+    fake.ndarray = standin_cupy.DeviceArray
+    fake.asnumpy = standin_cupy.module.asnumpy
+    # this module, not the stand-in's: backend.synchronize(xp) waits only for its cupy
     fake.get_array_module = lambda *arrays: (
-        fake if any(isinstance(a, FakeDeviceArray) for a in arrays) else np)
+        fake if any(isinstance(a, standin_cupy.DeviceArray) for a in arrays) else np)
     cuda = types.ModuleType(NAME + ".cuda")
     cuda.__path__ = []
+    cuda.__getattr__ = lambda name: getattr(standin_cupy.module.cuda, name)
     cuda.alloc_pinned_memory = _pinned
     cuda.get_current_stream = lambda: _STREAM
     cuda.Device = _device_class(device_id, pci_bus_id)

@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import fake_cupy
-from fake_cupy import FakeDeviceArray, counts, device
+from fake_cupy import CountedDeviceArray, counts, device
 from mpitrain.comm.abort import install_abort_hook
 from mpitrain.comm.mpi import MpiCommunicator
 
@@ -120,22 +120,22 @@ def exercise(comm):
                              ("max", base * size), ("min", base)):
             buf = device(base * (rank + 1), dtype)
             assert comm.allreduce_(buf, op=op) is buf
-            np.testing.assert_allclose(buf.view(np.ndarray), expected, rtol=1e-6,
+            np.testing.assert_allclose(fake.asnumpy(buf), expected, rtol=1e-6,
                                        err_msg=f"{op} {dtype.__name__}")
     ints = device([rank + 1] * 7, np.int64)
     comm.allreduce_(ints, op="sum")
-    assert (ints.view(np.ndarray) == triangle).all()
+    assert (fake.asnumpy(ints) == triangle).all()
     first, second = device(base * (rank + 1)), device([rank] * 5, np.float64)
     comm.waitall([comm.iallreduce_(first, op="sum"), comm.iallreduce_(second, op="max")])
-    np.testing.assert_allclose(first.view(np.ndarray), base * triangle, rtol=1e-6)
-    assert (second.view(np.ndarray) == size - 1).all()
+    np.testing.assert_allclose(fake.asnumpy(first), base * triangle, rtol=1e-6)
+    assert (fake.asnumpy(second) == size - 1).all()
     buf = device([7.0] * 40) if rank == 1 else device(np.full(40, -1.0))
     comm.bcast_(buf, root=1)
-    assert (buf.view(np.ndarray) == 7.0).all()
+    assert (fake.asnumpy(buf) == 7.0).all()
     recv = device(np.zeros(17))
     comm.sendrecv(device([rank] * 17), (rank + 1) % size, recv, (rank - 1) % size, tag=4)
-    assert (recv.view(np.ndarray) == (rank - 1) % size).all()
-    assert isinstance(buf, FakeDeviceArray)
+    assert (fake.asnumpy(recv) == (rank - 1) % size).all()
+    assert isinstance(buf, CountedDeviceArray) and not isinstance(buf, np.ndarray)
 
 
 spec = SCENARIOS[scenario]
