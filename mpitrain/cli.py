@@ -130,8 +130,18 @@ def _one_process_only(command: str) -> None:
 
 def _end_quietly() -> int:
     """Exit status 2 of a rank whose error rank 0 says."""
+    _status_settled()
     time.sleep(QUIET_EXIT_DELAY_S)
     return 2
+
+
+def _status_settled() -> None:
+    """Every rank of a job of several stopped at the same error (a refused
+    setting, a run directory that cannot be used): a stop signal from here on, in
+    the wait above or in MPI's finalize, would end the job with the signal's
+    status instead of 2."""
+    from .train.stop import ignore_from_now_on
+    ignore_from_now_on()
 
 
 # -- commands ----------------------------------------------------------------------
@@ -289,7 +299,8 @@ def _start_ranks(args, checks=None, load=None):
     with _before_mpi():
         comm, cfg, problem = start_ranks(prepare, user_errors=(UsageError, ValueError,
                                                                OSError, RuntimeError))
-    if problem:
+    if problem:     # (only with several ranks)
+        _status_settled()
         if comm.rank != 0:
             raise _SaidByRank0()
         raise UsageError(problem)
@@ -328,6 +339,8 @@ def _start_and_run(command: str, runner_class, args, *, default_suffix: str) -> 
         if comm.rank != 0:
             run_dir = _as_rank_0_names_it(run_dir, root_cwd)
         if problem:
+            if comm.size > 1:
+                _status_settled()
             if comm.rank != 0:
                 return 2
             raise UsageError(problem)

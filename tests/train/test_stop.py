@@ -504,3 +504,22 @@ def test_a_signal_after_an_error_every_rank_reached_keeps_the_jobs_status(small_
     done = run_mpi(2, args, timeout=120)
     assert "error:" in done.stderr, mpi_output(done)
     assert done.returncode == 2, mpi_output(done)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("problem", ["refused-setting", "resume-without-checkpoint"])
+def test_a_signal_after_the_ranks_refused_to_start_keeps_the_jobs_status(small_corpus,
+                                                                       tmp_path, problem):
+    """A stop signal on a rank that had ended with the others at a refused setting
+    or an unusable run directory (rank 0 says it), while it waited for rank 0: it
+    died of the signal and the job's status 2 became the signal's (15)."""
+    run = tmp_path / "run"
+    args = [str(WORKERS / "finalize_signal_worker.py"), "SIGTERM", "6", "--", "train",
+            QUICKSTART, "--run-dir", str(run), "--set", f"data.train={small_corpus}/train"]
+    if problem == "refused-setting":
+        args += ["--set", "parallel.method=param_server", "--set", "training.combine=true"]
+    else:
+        args.append("--resume")
+    done = run_mpi(2, args, timeout=120)
+    assert done.stderr.count("error:") == 1, mpi_output(done)
+    assert done.returncode == 2, mpi_output(done)
