@@ -47,11 +47,18 @@ def jobs_schedule(num_iters: int, jobs_initial: int, jobs_final: int, step: int 
     Example::
 
         jobs_schedule(12, 2, 9, step=3)   # [2, 3, 3, 3, 3, 6, 6, 6, 6, 6, 9, 9]
+        jobs_schedule(3, 3, 3, step=2)    # [3, 3, 3]: not Kaldi's 4, more than asked
+
+    Kept between ``jobs_initial`` and ``jobs_final``: Kaldi's rounding to a multiple
+    of ``step`` can pass them, and here each job is a rank (4 jobs on 3 ranks
+    averaged 3 models over 4, at 4 times the rate).
     """
+    low, high = sorted((jobs_initial, jobs_final))
     jobs = []
     for i in range(num_iters):
         v = jobs_initial + (jobs_final - jobs_initial) * i / num_iters
-        jobs.append(int(0.5 + v) if v < step else int(0.5 + v / step) * step)
+        rounded = int(0.5 + v) if v < step else int(0.5 + v / step) * step
+        jobs.append(min(high, max(low, rounded)))
     return jobs
 
 

@@ -204,3 +204,15 @@ def test_the_first_iteration_takes_the_whole_model_max_change_over_sqrt_2():
         moved.append(float(np.linalg.norm(np.float64(net.params) - before)))
     assert moved[0] == pytest.approx(0.01 / 2 ** 0.5, rel=1e-4)
     assert moved[1] == pytest.approx(0.01, rel=1e-4)
+
+
+def test_the_job_count_never_passes_the_ranks_asked_for():
+    # Kaldi's rounding to multiples of jobs_step made 3 jobs 4 on 3 ranks: 3 models
+    # summed and divided by 4 at each average, at 4 times the rate
+    kaldi = _strategies(3, every_steps=5, total_steps=20, jobs_initial=3, jobs_final=3,
+                        jobs_step=2)[0]
+    assert kaldi.jobs == [3] * 4
+    assert kaldi.learning_rate(1.0) == 3.0
+    down = _strategies(3, every_steps=5, total_steps=30, jobs_initial=3, jobs_final=1,
+                       jobs_step=2)[0]
+    assert down.jobs == [3, 2, 2, 2, 2, 1]
