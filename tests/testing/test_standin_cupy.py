@@ -289,3 +289,44 @@ def test_a_device_scalar_is_read_by_float_and_int_but_is_no_index_as_in_cupy():
                     lambda: [0, 1][device[1]], lambda: round(device[1])):
             with pytest.raises(TypeError):
                 use()
+
+
+def test_what_cupy_lacks_is_refused_as_cupy_refuses_it():
+    """The stand-in offers CuPy's interface (12 to 14), not all of NumPy's: a name,
+    method, ufunc method or keyword CuPy lacks fails here as on a GPU."""
+    with standin_cupy.installed() as cp:
+        device = cp.arange(6, dtype=cp.float32)
+        for missing in (lambda: cp.delete, lambda: cp.acos, lambda: cp.errstate,
+                        lambda: cp.linalg.eig, lambda: cp.random.default_rng(0).normal,
+                        lambda: device.byteswap, lambda: device.mT, lambda: device.resize,
+                        lambda: device.ctypes):
+            with pytest.raises(AttributeError, match="has no attribute"):
+                missing()
+        for wrong in (lambda: device.sort(kind="stable"),         # (CuPy 14 only)
+                      lambda: device.sum(where=device > 0),
+                      lambda: cp.add(device, 1, where=device > 0),
+                      lambda: device.item(0),
+                      lambda: np.add.at(device, [0], 1.0),         # (CuPy 12)
+                      lambda: np.delete(device, 0)):
+            with pytest.raises(TypeError):
+                wrong()
+        for unsupported in (lambda: cp.maximum.reduce(device),
+                            lambda: cp.multiply.reduceat(device, cp.asarray([0, 3])),
+                            lambda: cp.multiply.at(device, cp.asarray([0]), 2.0)):
+            with pytest.raises(NotImplementedError, match="is not supported yet"):
+                unsupported()
+
+
+def test_what_cupy_has_is_there_on_device_arrays():
+    with standin_cupy.installed() as cp:
+        device = cp.arange(6, dtype=cp.float32)
+        cp.add.at(device, cp.asarray([0, 0]), 1.0)
+        assert cp.asnumpy(device)[0] == 2.0
+        assert float(cp.add.reduce(device)) == 17.0
+        sums = cp.add.reduceat(device, cp.asarray([0, 3]))
+        assert isinstance(sums, cp.ndarray) and np.array_equal(cp.asnumpy(sums), [5, 12])
+        assert cp.multiply.outer(cp.ones(2), device).shape == (2, 6)
+        solved = cp.linalg.solve(cp.eye(2), cp.ones(2))
+        draws = cp.random.default_rng(0).standard_normal(3)
+        assert all(isinstance(a, cp.ndarray) for a in (solved, draws, cp.random.rand(2)))
+        assert device.argmax(axis=0, keepdims=True).shape == (1,)
