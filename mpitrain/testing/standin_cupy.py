@@ -283,6 +283,22 @@ _ARRAY_METHODS = {name: tuple(params.split()) for name, params in {
     "trace": "offset axis1 axis2 dtype out", "transpose": "*",
     "var": "axis dtype out ddof keepdims", "view": "dtype",
 }.items()}
+#: The parameters of CuPy's functions where NumPy's take more (``where=``,
+#: ``initial=``, ``like=``, ``device=``, ``mode=``, ``sorted=``...).
+_FUNCTION_PARAMETERS = {name: tuple(params.split()) for name, params in {
+    "empty": "shape dtype order", "zeros": "shape dtype order",
+    "ones": "shape dtype order", "full": "shape fill_value dtype order",
+    "arange": "start stop step dtype", "take": "a indices axis out",
+    "clip": "a a_min a_max out", "searchsorted": "a v side sorter",
+    "sort": "a axis kind", "argsort": "a axis kind",
+    "unique": "ar return_index return_inverse return_counts axis equal_nan",
+    "sum": "a axis dtype out keepdims", "prod": "a axis dtype out keepdims",
+    "mean": "a axis dtype out keepdims", "all": "a axis out keepdims",
+    "any": "a axis out keepdims", "amax": "a axis out keepdims",
+    "amin": "a axis out keepdims", "max": "a axis out keepdims",
+    "min": "a axis out keepdims", "argmax": "a axis dtype out keepdims",
+    "argmin": "a axis dtype out keepdims",
+}.items()}
 #: ... and its properties the stand-in takes from NumPy.
 _ARRAY_PROPERTIES = frozenset(("real", "imag", "flat", "base"))
 
@@ -782,6 +798,8 @@ def _device_function(function, name):
     """A NumPy function as CuPy's: host arrays refused (but where CuPy copies or only
     reads them), results on the device, an ``out`` handed back as it was given."""
     def wrapped(*args, **kwargs):
+        if name in _FUNCTION_PARAMETERS:
+            _check_parameters(name, _FUNCTION_PARAMETERS[name], args, kwargs)
         if name not in _TAKE_HOST_ARRAYS | _READ_HOST_TEMPLATES:
             # cupy.concatenate([device, host]), cupy.ascontiguousarray(host)...
             _refuse_host_arrays(_sized(args + tuple(kwargs.values())), name)

@@ -304,6 +304,9 @@ def test_what_cupy_lacks_is_refused_as_cupy_refuses_it():
                 missing()
         for wrong in (lambda: device.sort(kind="stable"),         # (CuPy 14 only)
                       lambda: device.sum(where=device > 0),
+                      lambda: cp.max(device, initial=0.0),
+                      lambda: cp.take(device, cp.asarray([0]), mode="clip"),
+                      lambda: cp.zeros(3, device="cpu"),
                       lambda: cp.add(device, 1, where=device > 0),
                       lambda: device.item(0),
                       lambda: np.add.at(device, [0], 1.0),         # (CuPy 12)
@@ -330,3 +333,4 @@ def test_what_cupy_has_is_there_on_device_arrays():
         draws = cp.random.default_rng(0).standard_normal(3)
         assert all(isinstance(a, cp.ndarray) for a in (solved, draws, cp.random.rand(2)))
         assert device.argmax(axis=0, keepdims=True).shape == (1,)
+        assert cp.sort(device, kind="stable").shape == (6,)     # (the function has kind)
