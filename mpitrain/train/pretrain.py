@@ -385,6 +385,18 @@ class Pretrainer:
                             f"{frames} frames), so the stack would pass nothing on; lower "
                             f"{rate_key} (now {rate:g}){self._decay_note()}", agreed=True)
 
+    def _check_before_checkpoint(self, index: int) -> None:
+        """Stop on the RBM in training before a checkpoint inside its layer holds it
+        (at an averaging point: every rank holds the same RBM and judges it alike).
+        A diverged one is said as such, not as a file that cannot hold NaN (the log
+        lines that check it may be further apart); nor is a saturated one kept: a
+        resume at a lower rate would go on from it, stuck, and be told to lower
+        that rate again."""
+        if not bool(backend.to_host(self.xp.isfinite(self.rbm.params).all())):
+            rate, rate_key = self._rates(index)
+            self._check_divergence(index, math.nan, rate, rate_key)
+        self._check_alive(index)
+
     def _decay_note(self) -> str:
         # a weight decay raised above the default can be the cause as well
         decay = self.cfg.pretrain.weight_decay
@@ -745,6 +757,8 @@ class Pretrainer:
         layer's end; else written here): one line, and a result that says so."""
         code, ranks = self._stop
         if not written:
+            # (a signal's checkpoint is judged as the loop's are)
+            self._check_before_checkpoint(self.layer)
             self.save_checkpoint()
         path = checkpoint_path(self.run_dir, self._global_step())
         name = signal_name(code)
@@ -833,14 +847,7 @@ class Pretrainer:
                 if steps_due:
                     next_checkpoint = (self.layer_step // ck + 1) * ck
                 clock.written()
-                # an averaging point: every rank holds the same RBM, so every rank
-                # judges it alike; a diverged one is said as such, not as a file that
-                # cannot hold NaN (the log lines that check it may be further apart)
-                if not bool(backend.to_host(xp.isfinite(rbm.params).all())):
-                    self._check_divergence(index, math.nan, rate, rate_key)
-                # nor is a saturated one kept: a resume at a lower rate would go on
-                # from it, stuck, and be told to lower that rate again
-                self._check_alive(index)
+                self._check_before_checkpoint(index)
                 self.save_checkpoint()
             # a signal: at the first averaging point from the log line where the ranks
             # agreed (one rank alone: at once); at a layer's last step, its end's

@@ -910,3 +910,33 @@ def test_pretraining_on_the_standin_device_reads_at_log_lines_and_matches_the_cp
     b = load_rbm_stack(str(tmp_path / "gpu" / "pretrain.h5"))
     for x, y in zip(a.rbms, b.rbms):
         np.testing.assert_array_equal(x.params, y.params)
+
+
+def test_a_signal_between_log_lines_says_a_diverged_layer_as_such(small_corpus, tmp_path,
+                                                                  capsys, monkeypatch):
+    """A stop signal inside a layer whose RBM had diverged since the last log line
+    wrote its checkpoint unjudged, which refused to store NaN: the one line named a
+    dataset of the file, not the divergence or the rate to lower."""
+    import signal
+
+    from mpitrain.train.pretrain import Pretrainer
+    from mpitrain.train.stop import requested
+    splice = Pretrainer._splice
+
+    def signalled_in_layer_2(self, *args):
+        if self.layer == 1 and self.layer_step == 30:
+            requested(signal.SIGTERM)
+        return splice(self, *args)
+
+    monkeypatch.setattr(Pretrainer, "_splice", signalled_in_layer_2)
+    run = tmp_path / "run"
+    code = main(_argv("pretrain", run, small_corpus,
+                      ["pretrain.learning_rate=1e30", "training.log_interval=1000",
+                       "training.checkpoint_interval=0"]))
+    requested.clear()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.endswith("layer 2 (Bernoulli-Bernoulli) diverged at step 31: reconstruction "
+                        "error is not finite; lower pretrain.learning_rate (now 1e+30)"), err
+    # (only the first layer's end is checkpointed, and nothing is left half-written)
+    assert sorted(p.name for p in run.glob("*ckpt-*")) == ["ckpt-00000135.h5"]
