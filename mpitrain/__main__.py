@@ -12,7 +12,7 @@ def main(argv=None) -> int:
     signal meanwhile ended the rank with the signal's status, which a batch script
     does not requeue)."""
     words = sys.argv[1:] if argv is None else argv
-    with stop_signals_kept(words):
+    with stop_signals_kept(words, to_the_end=True):
         from .threads import preset_blas_env
 
         preset_blas_env()

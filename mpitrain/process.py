@@ -93,18 +93,24 @@ def fill_closed_standard_descriptors() -> None:
 
 
 @contextlib.contextmanager
-def stop_signals_kept(words):
+def stop_signals_kept(words, *, to_the_end=False):
     """For ``train`` and ``pretrain`` (no command: train), a stop signal from the
     first moment on (while Python loads numpy, before the command line is read)
     is kept for the run (train/stop.py), real or virtual ranks alike, which stops
     at its first checkpoint instead of the process ending with the signal's
-    status."""
+    status.  ``to_the_end`` (the process's own command line): once the block has
+    ended without an error, one is ignored to the process's end."""
     if words and words[0] not in ("train", "pretrain"):
         yield
         return
-    from .train.stop import keep_stop_signals
+    from .train.stop import ignore_from_now_on, keep_stop_signals
     with keep_stop_signals():
         yield
+        if to_the_end:
+            # the command's status is settled and nothing is left to save: a signal
+            # in the interpreter's exit or MPI's finalize ended a one-rank job with
+            # the signal's status after its `done:`
+            ignore_from_now_on()
 
 
 @contextlib.contextmanager

@@ -523,3 +523,27 @@ def test_a_signal_after_the_ranks_refused_to_start_keeps_the_jobs_status(small_c
     done = run_mpi(2, args, timeout=120)
     assert done.stderr.count("error:") == 1, mpi_output(done)
     assert done.returncode == 2, mpi_output(done)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("command", ["train", "pretrain"])
+def test_a_signal_after_a_single_rank_command_returned_leaves_its_status(small_corpus,
+                                                                         tmp_path, command):
+    """A stop signal after a one-rank run's `done:`, before its process ended (the
+    interpreter's exit, MPI's finalize): the default action was back, and the
+    finished job ended with the signal's status."""
+    run = tmp_path / "run"
+    code = ("import os, signal, sys, time\n"
+            "from mpitrain.__main__ import main\n"
+            "status = main(sys.argv[1:])\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(0.2)\n"
+            "sys.exit(status)\n")
+    args = ["-c", code, command, QUICKSTART, "--run-dir", str(run)]
+    for item in small_overrides(small_corpus, **{
+            "model.hidden_layers": 1, "model.hidden_dim": 16, "training.max_steps": 8,
+            "pretrain.epochs_gaussian": 0.02, "model.nonlinearity": "sigmoid"}):
+        args += ["--set", item]
+    done = run_mpi(1, args, timeout=120)
+    assert done.returncode == 0, mpi_output(done)
+    assert (run / ("final.h5" if command == "train" else "pretrain.h5")).exists()
