@@ -747,7 +747,7 @@ class Pretrainer:
             self.log.say(f"resume: wrote {path} from the last checkpoint ({problem})")
             self.log.write("end", layers=len(self.stack.rbms), frames=self.frames_seen,
                            stack_written_on_resume=True)
-        self.log.say(f"resume: the pretraining had ended ({len(self.stack.rbms)} RBMs); "
+        self.log.say(f"resume: the pretraining had ended ({plural(len(self.stack.rbms), 'RBM')}); "
                      "nothing to pretrain (raise model.hidden_layers to add layers)")
         return {"layers": len(self.stack.rbms), "frames": self.frames_seen, "seconds": 0.0,
                 "complete": True}
