@@ -446,6 +446,38 @@ def test_export_applies_the_per_speaker_cmvn_the_model_was_trained_with(tiny, ca
     assert not (d / "x.ark").exists()
 
 
+def test_a_speaker_with_only_an_empty_utterance_needs_no_cmvn_stats(tiny):
+    # compute-cmvn-stats writes no stats for such a speaker (and ours count 0 frames):
+    # its utterance has no frame to normalise and is written 0 x 0, the others scored;
+    # an empty utterance (0 x 0, of no dimension) before a speaker's others changes nothing
+    import kaldiio
+    from mpitrain.data.cmvn import accumulate_stats, apply_cmvn
+    from mpitrain.nn.model_file import load_model, save_model
+    d, model, feats = tiny
+    net, priors = load_model(model)
+    net.speaker_cmvn = {"norm_vars": True}
+    save_model(d / "spk.h5", net, class_priors=priors)
+    kaldiio.save_ark(str(d / "feats.ark"), {"first": np.zeros((0, 0), np.float32), **feats,
+                                            "empty": np.zeros((0, 0), np.float32)})
+    (d / "utt2spk").write_text("first s1\nutt0 s1\nutt1 s1\nutt2 s2\nempty s3\n")
+    stats = {"s1": accumulate_stats(feats["utt1"], accumulate_stats(feats["utt0"])),
+             "s2": accumulate_stats(feats["utt2"])}
+    kaldiio.save_ark(str(d / "cmvn.ark"), stats)
+    kaldiio.save_ark(str(d / "normalised.ark"),
+                     {"utt0": apply_cmvn(feats["utt0"], stats["s1"], norm_vars=True)})
+    assert main(["export", str(model), "--feats", f"ark:{d}/normalised.ark",
+                 "--out", f"ark:{d}/want.ark"]) == 0
+    want = dict(kaldiio.load_ark(str(d / "want.ark")))
+    for extra in (["--utt2spk", str(d / "utt2spk")],
+                  ["--utt2spk", str(d / "utt2spk"), "--cmvn", f"ark:{d}/cmvn.ark"]):
+        out = d / f"spk{len(extra)}.ark"
+        assert main(["export", str(d / "spk.h5"), "--feats", f"ark:{d}/feats.ark",
+                     "--out", f"ark:{out}", *extra]) == 0
+        got = dict(kaldiio.load_ark(str(out)))
+        assert got["empty"].shape == got["first"].shape == (0, 0)
+        np.testing.assert_allclose(got["utt0"], want["utt0"], rtol=1e-5, atol=1e-5)
+
+
 def test_an_empty_utterance_in_a_text_archive_is_written_as_kaldi_writes_it(tiny):
     import kaldiio
     d, model, feats = tiny

@@ -111,6 +111,8 @@ class SpeakerCmvn:
         stats: dict = {}
         for utt, matrix in read_feature_matrices(feats, scp_commands=scp_commands):
             spk = _speaker(spk_map, utt2spk, utt)
+            if matrix.shape[0] == 0:
+                continue        # no frames (Kaldi writes them 0 x 0, of no dimension)
             if spk in stats and stats[spk].shape[1] != matrix.shape[1] + 1:
                 continue        # the import names the dimension mismatch itself
             stats[spk] = accumulate_stats(matrix, stats.get(spk))
@@ -125,6 +127,10 @@ class SpeakerCmvn:
     def apply(self, utt: str, feats: np.ndarray) -> np.ndarray:
         """One utterance normalised with its speaker's stats; one-line errors name the file."""
         key = _speaker(self.utt2spk, self.utt2spk_name, utt) if self.utt2spk is not None else utt
+        if feats.shape[0] == 0:
+            # nothing to normalise: a speaker of empty utterances only has no stats
+            # (compute-cmvn-stats writes none for it)
+            return np.asarray(feats, dtype=np.float32)
         stats = self.stats.get(key)
         if stats is None:
             who = f"speaker {key!r} (of utterance {utt!r})" if self.utt2spk is not None \

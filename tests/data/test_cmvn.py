@@ -97,6 +97,16 @@ def test_prepare_applies_per_speaker_cmvn_like_apply_cmvn(kaldi, norm_vars, with
     assert plain.speaker_cmvn is None and load_manifest(str(kaldi / "plain")).speaker_cmvn is None
 
 
+def test_an_empty_utterance_adds_nothing_to_its_speakers_stats(kaldi):
+    # Kaldi writes it 0 x 0, of no dimension: first of its speaker's, it set the
+    # stats' width, and prepare refused the speaker's real utterances
+    kaldiio.save_ark(str(kaldi / "feats.ark"), {"a0": np.zeros((0, 0), np.float32), **FEATS})
+    (kaldi / "utt2spk").write_text("a0 a\n" + (kaldi / "utt2spk").read_text())
+    cmvn = SpeakerCmvn.load(utt2spk=str(kaldi / "utt2spk"), feats=f"ark:{kaldi}/feats.ark")
+    np.testing.assert_array_equal(cmvn.stats["a"], STATS["a"])
+    assert cmvn.apply("a0", np.zeros((0, 2), np.float32)).shape == (0, 2)
+
+
 def test_text_stats_by_utterance_without_utt2spk(kaldi):
     per_utt = {u: accumulate_stats(m) for u, m in FEATS.items()}
     with open(kaldi / "cmvn.txt", "w") as f:
