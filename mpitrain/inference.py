@@ -86,6 +86,9 @@ class AcousticModel:
             raise ValueError(f"{self.path}: expected one utterance's features of shape "
                              f"(frames, {self.feat_dim}), got a {type(feats).__name__} that "
                              "is not one rectangular array of numbers") from None
+        if feats.shape == (0, 0):
+            # an utterance of no frames as Kaldi writes it (export takes it too)
+            feats = feats.reshape(0, self.feat_dim)
         if feats.ndim != 2 or feats.shape[1] != self.feat_dim:
             hint = " (one frame: feats[None], or feats.reshape(1, -1))" \
                 if feats.shape == (self.feat_dim,) else ""

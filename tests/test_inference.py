@@ -134,6 +134,18 @@ def test_features_that_are_no_array_or_of_another_dtype_name_the_model(model_and
     assert model.log_likelihoods(np.zeros((0, 3), np.float16)).shape == (0, 5)
 
 
+def test_an_utterance_of_no_frames_as_kaldi_writes_it_scores_as_export_scores_it(
+        model_and_feats, tmp_path):
+    # Kaldi writes it 0 x 0 (kaldiio reads it so): export took it, load_model refused it
+    path, _ = model_and_feats
+    kaldiio.save_ark(str(tmp_path / "feats.ark"), {"empty": np.zeros((0, 0), np.float32)})
+    empty = dict(kaldiio.load_ark(str(tmp_path / "feats.ark")))["empty"]
+    model = mpitrain.load_model(path)
+    assert model.predict(empty).shape == model.log_likelihoods(empty).shape == (0, 5)
+    assert main(["export", str(path), "--feats", f"ark:{tmp_path}/feats.ark",
+                 "--out", f"ark:{tmp_path}/out.ark"]) == 0
+
+
 def test_load_model_names_a_path_of_the_wrong_type(model_and_feats):
     # None reached os.stat ("stat: path should be string, ..."); bytes were shown as b'...'
     path, _ = model_and_feats
