@@ -9,7 +9,7 @@ as in CuPy), and every implicit read of a value on the host -- ``float(a)``,
 ``a.item()``, ``a.tolist()``, ``a.tobytes()``, ``str(a)``, ``f"{a:.3f}"``,
 ``cupy.asnumpy(a)``, ``a.get()`` -- is counted in :data:`READS`.  What CuPy
 refuses, it refuses: a host array in a device operation (``np.dot(device,
-host)``, ``device * host``), a host array assigned to a basic-indexed slice
+host)``, ``device * host``, ``cupy.add(a, b, out=host)``), a host array assigned to a basic-indexed slice
 (``device[...] = host``), a host array of another dtype or shape in
 ``get(out=)``, ``asnumpy(out=)`` or ``set()`` (no cast, no broadcast), a
 device scalar as an index (``range(a)``: CuPy has no ``__index__``), and,
@@ -688,6 +688,11 @@ class _Ufunc:
         if set(kwargs) - UFUNC_KEYWORDS:
             raise TypeError(f"Wrong arguments {sorted(kwargs)}")
         _refuse_host_arrays(args, self.__name__)
+        # (NumPy would write a host out, 0-d too, and the code pass here, not on a GPU)
+        outs = kwargs.get("out")
+        if outs is not None and not all(isinstance(out, DeviceArray) for out in
+                                        (outs if isinstance(outs, tuple) else (outs,))):
+            raise TypeError("Output arguments type must be cupy.ndarray")
         result = self._numpy(*_plain(args), **{k: _plain(v) for k, v in kwargs.items()})
         out = kwargs.get("out")
         return out if isinstance(out, DeviceArray) else _wrap(result)

@@ -334,3 +334,18 @@ def test_what_cupy_has_is_there_on_device_arrays():
         assert all(isinstance(a, cp.ndarray) for a in (solved, draws, cp.random.rand(2)))
         assert device.argmax(axis=0, keepdims=True).shape == (1,)
         assert cp.sort(device, kind="stable").shape == (6,)     # (the function has kind)
+
+
+def test_a_host_out_of_a_cupy_ufunc_is_refused_as_cupy_refuses_it():
+    """``cupy.add(a, b, out=host)``: CuPy's ufuncs write device arrays only (the
+    stand-in's wrote the host array, so code doing it passed and failed on a GPU)."""
+    with standin_cupy.installed() as cp:
+        device = cp.ones(4, dtype=cp.float32)
+        host = np.zeros(4, dtype=np.float32)
+        for out in (host, (host,), np.zeros((), np.float32)):
+            with pytest.raises(TypeError, match="Output arguments type must be cupy.ndarray"):
+                cp.add(device, device, out=out)
+        assert not host.any()
+        out = cp.empty(4, dtype=cp.float32)
+        assert cp.add(device, device, out=out) is out
+        assert float(out.sum()) == 8.0
