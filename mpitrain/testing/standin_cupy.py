@@ -718,12 +718,13 @@ class _Ufunc:
     def reduce(self, array, axis=0, dtype=None, out=None, keepdims=False):
         self._supported("reduce")
         method = "sum" if self.__name__ == "add" else "prod"
-        return getattr(array, method)(axis, dtype, out, keepdims)
+        # (by keyword: the array method hands back a given out only so)
+        return getattr(array, method)(axis=axis, dtype=dtype, out=out, keepdims=keepdims)
 
     def accumulate(self, array, axis=0, dtype=None, out=None):
         self._supported("accumulate")
         method = "cumsum" if self.__name__ == "add" else "cumprod"
-        return getattr(array, method)(axis, dtype, out)
+        return getattr(array, method)(axis=axis, dtype=dtype, out=out)
 
     def reduceat(self, array, indices, axis=0, dtype=None, out=None):
         self._supported("reduceat")

@@ -349,3 +349,12 @@ def test_a_host_out_of_a_cupy_ufunc_is_refused_as_cupy_refuses_it():
         out = cp.empty(4, dtype=cp.float32)
         assert cp.add(device, device, out=out) is out
         assert float(out.sum()) == 8.0
+
+
+def test_a_ufunc_reduction_into_out_hands_back_that_array_as_cupy_does():
+    with standin_cupy.installed() as cp:
+        device = cp.ones((2, 3), dtype=cp.float32)
+        total, running = cp.empty(3, dtype=cp.float32), cp.empty((2, 3), dtype=cp.float32)
+        assert cp.add.reduce(device, 0, None, total) is total
+        assert cp.add.accumulate(device, 0, None, running) is running
+        assert float(total.sum()) == 6.0 and float(running[1].sum()) == 6.0
