@@ -44,7 +44,8 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _is_int(value) -> bool:
+def is_integer(value) -> bool:
+    """An int, NumPy's too (a flag, a float or text is not one)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
@@ -53,7 +54,7 @@ def count(state, key: str, where: str, *, default=_MISSING, low: int = 0,
     """``state[key]`` as an int in [low, high] (``default`` when absent, else missing
     is an error); a float, text or flag is refused, as is one out of range."""
     value = _value(state, key, where, default)
-    if not _is_int(value) or not low <= value <= high:
+    if not is_integer(value) or not low <= value <= high:
         raise ValueError(f"{where}: field '{key}': expected an int in [{low}, {high}], "
                          f"got {shown(value)}")
     return int(value)
@@ -78,7 +79,7 @@ def number(state, key: str, where: str, *, default=_MISSING, low: float = -FLOAT
 def flag(state, key: str, where: str, *, default=_MISSING) -> bool:
     """``state[key]`` as a bool: True, False, 1 or 0 (how a flag is stored)."""
     value = _value(state, key, where, default)
-    if isinstance(value, bool) or (_is_int(value) and value in (0, 1)):
+    if isinstance(value, bool) or (is_integer(value) and value in (0, 1)):
         return bool(value)
     raise ValueError(f"{where}: field '{key}': expected 0 or 1, got {shown(value)}")
 

@@ -22,7 +22,7 @@ from ..config import config_from_yaml
 from ..h5io import open_h5_for_reading
 from ..nn.model_file import BEST_MODEL, ModelMismatchError, save_model
 from ..parallel.registry import takes_own_steps
-from ..state_fields import count, flag, is_number
+from ..state_fields import count, flag, is_integer
 from .checkpoint import list_checkpoints, load_checkpoint
 from .errors import TrainingError
 from .run_dir import (corpus_identity, corpus_places, init_from_identity,
@@ -89,13 +89,23 @@ def check_reader_against_step(reader: dict, steps_per_epoch: int, step: int) -> 
     """A rank's reader in lock step reads one minibatch a step at most: it stands no
     further than ``step`` minibatches in (``epoch * steps_per_epoch + steps_in_epoch``);
     ValueError naming the field otherwise (a missing one: the reader's own check)."""
-    if not isinstance(reader, dict) or not {"epoch", "steps_in_epoch"} <= set(reader):
-        return
-    read = reader["epoch"] * steps_per_epoch + reader["steps_in_epoch"]
-    if read > step:
+    read = _minibatches_read(reader, steps_per_epoch)
+    if read is not None and read > step:
         raise ValueError(f"field 'epoch': epoch {shown(reader['epoch'])} and "
-                         f"{reader['steps_in_epoch']} steps into it ({steps_per_epoch} steps "
-                         f"an epoch) is past the checkpoint's step {step}")
+                         f"{shown(reader['steps_in_epoch'])} steps into it ({steps_per_epoch} "
+                         f"steps an epoch) is past the checkpoint's step {step}")
+
+
+def _minibatches_read(reader, steps_per_epoch: int):
+    """How many minibatches a saved reader stands in, as a Python int (no int64
+    overflow of a forged epoch); None where its fields are missing or not integers
+    (the reader's own check names them)."""
+    if not isinstance(reader, dict):
+        return None
+    epoch, into = reader.get("epoch"), reader.get("steps_in_epoch")
+    if not (is_integer(epoch) and is_integer(into)):
+        return None
+    return int(epoch) * steps_per_epoch + int(into)
 
 
 def check_reader_against_own_steps(reader: dict, own_steps, steps_per_epoch: int) -> None:
@@ -103,15 +113,14 @@ def check_reader_against_own_steps(reader: dict, own_steps, steps_per_epoch: int
     re-plan seeks its reader to them too), so its reader stands exactly
     ``own_steps`` minibatches in; ValueError naming the field otherwise (a missing
     or malformed field: the reader's or the strategy's own check)."""
-    if not isinstance(reader, dict) or not {"epoch", "steps_in_epoch"} <= set(reader) \
-            or not is_number(own_steps) or own_steps != int(own_steps):
+    read = _minibatches_read(reader, steps_per_epoch)
+    if read is None or not is_integer(own_steps):
         return
-    read = reader["epoch"] * steps_per_epoch + reader["steps_in_epoch"]
-    if read != own_steps:
+    if read != int(own_steps):
         raise ValueError(f"field 'epoch': epoch {shown(reader['epoch'])} and "
-                         f"{reader['steps_in_epoch']} steps into it ({steps_per_epoch} steps "
-                         f"an epoch) is not the rank's own {shown(own_steps)} steps (field "
-                         "'strategy/own_steps')")
+                         f"{shown(reader['steps_in_epoch'])} steps into it ({steps_per_epoch} "
+                         f"steps an epoch) is not the rank's own {shown(own_steps)} steps "
+                         "(field 'strategy/own_steps')")
 
 
 def check_own_steps_against_step(own_steps: list, step: int) -> None:

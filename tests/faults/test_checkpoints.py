@@ -189,6 +189,10 @@ def _set_attr(group, key, value):
      "the trainer's state: field 'complete_at': expected an int in [0,"),
     (_set_attr(_READER, "epoch", 100),
      "ranks/00000/reader: field 'epoch': epoch 100 and"),
+    # text, and an epoch whose product with the steps would pass int64
+    (_set_attr(_READER, "epoch", "x"),
+     "field 'ranks/00000/reader/epoch': expected a non-negative int, got 'x'"),
+    (_set_attr(_READER, "epoch", np.int64(2 ** 62)), "ranks/00000/reader: field 'epoch'"),
 ])
 def test_a_forged_trainer_field_is_refused_on_resume_naming_file_and_field(
         run, small_corpus, capsys, edit, named):
