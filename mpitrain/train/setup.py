@@ -121,6 +121,10 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
                              f"ranks ({servers} server{'s' if servers > 1 else ''} and "
                              f"{utterances} client{'s' if utterances > 1 else ''})",
                              agreed=True)
+    if minibatch > manifest.num_frames:
+        # fewer shards would not help: the whole corpus is smaller than a minibatch
+        return TrainingError(f"{where}: the whole corpus holds {manifest.num_frames} "
+                             f"frames; lower {key}", agreed=True)
     largest = max((shard.frames for shard in manifest.shards), default=0)
     if minibatch > largest:
         return TrainingError(f"{where}: minibatches never cross shards, and the largest "

@@ -168,10 +168,23 @@ def test_held_out_corpus_of_other_classes_says_how_to_prepare_it(corpus, tmp_pat
 
 def test_a_minibatch_larger_than_a_ranks_data(corpus, tmp_path, capsys):
     run = tmp_path / "run"
+    largest = max(shard.frames for shard in load_manifest(str(corpus / "train")).shards)
+    assert _train(corpus, run, [f"training.minibatch={largest + 1}"]) == 2
+    err = capsys.readouterr().err
+    assert f"no complete minibatch of {largest + 1} frames" in err and "training.minibatch" in err
+    assert "minibatches never cross shards, and the largest shard holds" in err
+    assert err.count("\n") == 1 and not run.exists()
+
+
+def test_a_minibatch_larger_than_the_whole_corpus_does_not_ask_for_fewer_shards(corpus, tmp_path,
+                                                                                 capsys):
+    # fewer shards cannot help a corpus smaller than one minibatch
+    run = tmp_path / "run"
+    frames = load_manifest(str(corpus / "train")).num_frames
     assert _train(corpus, run, ["training.minibatch=10000000"]) == 2
     err = capsys.readouterr().err
-    assert "no complete minibatch of 10000000 frames" in err and "training.minibatch" in err
-    assert "minibatches never cross shards, and the largest shard holds" in err
+    assert f"the whole corpus holds {frames} frames; lower training.minibatch" in err
+    assert "fewer shards" not in err
     assert err.count("\n") == 1 and not run.exists()
 
 
