@@ -411,7 +411,9 @@ def model_in_run_dir(path) -> tuple:
             detail = ""       # the model loader names the damage
         return best, f"using {best}{detail}"
     if os.path.exists(final):
-        return final, f"using {final} (the run kept no best.h5: no held-out set)"
+        # a held-out set whose every result was NaN or inf leaves no best.h5 either
+        return final, (f"using {final} (the run kept no best.h5: no held-out set, or no "
+                       "finite held-out result)")
     if os.path.exists(os.path.join(path, "pretrain.h5")):
         raise FileNotFoundError(
             f"{path}: a pretraining run's directory: its pretrain.h5 is an RBM stack, not a "

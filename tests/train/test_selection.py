@@ -246,13 +246,21 @@ def test_eval_export_and_convert_take_a_run_directory(small_corpus, tmp_path, ca
     os.remove(run / "best.h5")
     assert model_in_run_dir(str(run)) == (
         str(run / "final.h5"), f"using {run}/final.h5 (the run kept no best.h5: no held-out "
-                               "set)")
+                               "set, or no finite held-out result)")
     assert main(["convert", str(run), "--to", "torch", str(tmp_path / "torch")]) == 0
     assert "final.h5" in capsys.readouterr().out
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main(["eval", str(empty), os.path.join(small_corpus, "dev")]) == 2
     assert "without best.h5 or final.h5" in capsys.readouterr().err
+
+
+def test_a_run_without_best_h5_is_not_said_to_have_had_no_held_out_set(tmp_path):
+    # a held-out set whose results were all non-finite keeps no best.h5 either
+    (tmp_path / "final.h5").write_bytes(b"")
+    why = model_in_run_dir(str(tmp_path))[1]
+    assert why.endswith("(the run kept no best.h5: no held-out set, or no finite held-out "
+                        "result)")
 
 
 def test_early_stop_counts_from_the_end_of_the_dropout_rise(small_corpus, tmp_path, capsys):
