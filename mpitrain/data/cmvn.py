@@ -163,7 +163,9 @@ class SpeakerCmvn:
                                   f"infinite {name} at dimension {dim} (sum "
                                   f"{stats[0, dim]:g}, sum of squares "
                                   f"{stats[min(1, len(stats) - 1), dim]:g}, count "
-                                  f"{stats[0, -1]:g})")
+                                  f"{stats[0, -1]:g}); check that speaker's features "
+                                  "for values near the float32 limit (or the stats, "
+                                  "if given with --cmvn)")
         return apply_cmvn(feats, stats, norm_vars=self.norm_vars)
 
 
