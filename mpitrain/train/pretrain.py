@@ -250,6 +250,7 @@ class Pretrainer:
         self.rbm = self.cd = None
         self._untrained = 1.0        # the Gaussian layer's error as initialised
         self._resume_state = None
+        self._accepted = []          # resuming: the setting changes --accept-changes took
         self._stop = None            # (signal code, ranks that got it) once agreed (stop.py)
         if resume:
             self._resume()
@@ -446,8 +447,10 @@ class Pretrainer:
         if problem:
             raise TrainingError(problem)
 
-    def save_checkpoint(self) -> None:
-        """Rank 0 writes the stack so far, the current RBM and every rank's state."""
+    def save_checkpoint(self, rewrite=None) -> None:
+        """Rank 0 writes the stack so far, the current RBM and every rank's state.
+        ``rewrite``: the path of the checkpoint to replace (an ended run's, given
+        accepted settings), instead of the next one by step."""
         in_layer = self.rbm is not None and self.layer_step > 0
         rank_state = {"reader": self.stream.state_dict()}
         if in_layer:
@@ -462,7 +465,7 @@ class Pretrainer:
                          right_context=self.stack.right_context,
                          cmvn_mean=self.stack.cmvn_mean, cmvn_scale=self.stack.cmvn_scale,
                          speaker_cmvn=self.stack.speaker_cmvn)
-        path = checkpoint_path(self.run_dir, self._global_step())
+        path = rewrite or checkpoint_path(self.run_dir, self._global_step())
         with atomic_h5_file(path, checksum=True, what="checkpoint") as f:
             f.attrs["format"] = CHECKPOINT_FORMAT
             f.attrs["config"] = config_to_yaml(self.cfg)
@@ -489,6 +492,8 @@ class Pretrainer:
             for r, state in enumerate(states):
                 write_state(ranks.create_group(f"{r:05d}"), state)
         self.log.write("checkpoint", layer=self.layer + 1, step=self.layer_step)
+        if rewrite:
+            return              # (no checkpoint more: nothing to rotate)
         # each layer's end stays, for model.init_from of the stack up to it
         rotate_checkpoints(path, max(self.cfg.training.keep_checkpoints, MIN_KEEP),
                            spare=_at_layer_end)
@@ -581,6 +586,7 @@ class Pretrainer:
             raise TrainingError(f"{chosen}: --resume with settings that change the result: "
                                 + "; ".join(changes) + " (restore them, or pass "
                                 "--accept-changes)", agreed=True)
+        self._accepted = changes
         # --accept-changes takes a new rate or length, but the RBMs trained so far
         # cannot take another shape (they failed later inside numpy on every rank)
         shape = self._shape_changes(ckpt["stack"])
@@ -638,10 +644,14 @@ class Pretrainer:
         stored = ckpt["stack"].rbms
         self.layer, self.frames_seen = ckpt["layer"], ckpt["frames_seen"]
         self.stack.rbms = stored[:self.layer]
+        same_ranks = ckpt["rank"] is not None
         if ckpt["layer"] >= len(self.layer_steps) or len(stored) < self.layer:
             self.layer_step = 0
+            if self._accepted:
+                # the checkpoint rewritten to hold them keeps the data's place, where
+                # a layer added later starts
+                self._place_reader(ckpt, same_ranks)
             return
-        same_ranks = ckpt["rank"] is not None
         step = ckpt["layer_step"]
         if not same_ranks and ckpt["layer_steps"]:
             # another number of ranks or data plan: the same passes over the data are
@@ -650,6 +660,19 @@ class Pretrainer:
             step = int(round(step * scale * self.layer_steps[self.layer]
                              / ckpt["layer_steps"]))
         self.layer_step = min(step, self.layer_steps[self.layer])
+        self._place_reader(ckpt, same_ranks)
+        if len(stored) > self.layer and self.layer_step > 0:
+            self._new_layer(self.layer)
+            self.rbm.params[...] = stored[self.layer].params
+            if ckpt["judging"] is not None:       # (absent from older checkpoints)
+                self._window_first, self._pool = ckpt["judging"]
+            if same_ranks and "momentum" in ckpt["rank"]:
+                self.cd.load_state_dict(ckpt["rank"]["momentum"])
+            self.strategy.setup(self.rbm, self.cd)
+
+    def _place_reader(self, ckpt, same_ranks: bool) -> None:
+        """The reader where the checkpoint's left it, or (another number of ranks
+        or data plan) at the global step reached."""
         if same_ranks:
             try:
                 self.stream.load_state_dict(ckpt["rank"]["reader"])
@@ -659,14 +682,6 @@ class Pretrainer:
         else:
             done = self._global_step()
             self.stream.seek(done // self.steps_per_epoch, done % self.steps_per_epoch)
-        if len(stored) > self.layer and self.layer_step > 0:
-            self._new_layer(self.layer)
-            self.rbm.params[...] = stored[self.layer].params
-            if ckpt["judging"] is not None:       # (absent from older checkpoints)
-                self._window_first, self._pool = ckpt["judging"]
-            if same_ranks and "momentum" in ckpt["rank"]:
-                self.cd.load_state_dict(ckpt["rank"]["momentum"])
-            self.strategy.setup(self.rbm, self.cd)
 
     # -- the loop ----------------------------------------------------------------------
     def _banner(self) -> str:
@@ -684,9 +699,9 @@ class Pretrainer:
         self._open_run_dir()
         if self._resume_state is not None:
             self._restore(self._resume_state)
-            self._resume_state = None
+            chosen, self._resume_state = self._resume_state["path"], None
             if self.layer >= len(self.layer_steps):
-                return self._leave_complete_run()
+                return self._leave_complete_run(chosen)
         self.log.say(self._banner())
         self.log.write("start", mode="pretrain", ranks=comm.size, layers=self.dims,
                        layer_steps=self.layer_steps, layer=self.layer + 1,
@@ -730,10 +745,19 @@ class Pretrainer:
                      f"{os.path.join(self.run_dir, RESULT_NAME)}")
         return result
 
-    def _leave_complete_run(self) -> dict:
+    def _leave_complete_run(self, chosen) -> dict:
         """``--resume`` of a pretraining that had ended, with no layer to add: the
         stack stands (written from the last checkpoint if it is missing), as
-        ``train`` leaves an ended run's final model."""
+        ``train`` leaves an ended run's final model; accepted changes rewrite that
+        checkpoint (``chosen``), as ``train``'s final one, so that the next
+        ``--resume`` compares with the settings config.yaml now holds."""
+        if self._accepted:
+            # (rank 0's path may be relative to its own working directory)
+            rewritten = os.path.join(self.run_dir, os.path.basename(chosen))
+            self.save_checkpoint(rewrite=rewritten)
+            self.log.say("resume: settings changed (--accept-changes): "
+                         + "; ".join(self._accepted)
+                         + f"; {os.path.basename(rewritten)} now holds them")
         path = os.path.join(self.run_dir, RESULT_NAME)
         problem = None
         if self.is_root:

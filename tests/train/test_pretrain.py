@@ -201,6 +201,37 @@ def test_a_resume_of_an_ended_pretraining_leaves_its_stack(small_corpus, tmp_pat
     assert stack.read_bytes() == before[0]
 
 
+def test_changes_accepted_on_an_ended_pretraining_are_kept_by_its_checkpoint(
+        small_corpus, tmp_path, capsys):
+    """--resume --accept-changes of an ended pretraining rewrote config.yaml but left
+    the checkpoint's settings, so the same --resume without --accept-changes was
+    refused as a change; the checkpoint now holds them, as train's final one does,
+    and its stack and reader positions are kept (a layer added later trains as
+    it would have without the detour)."""
+    run, more = tmp_path / "run", tmp_path / "more"
+    assert main(_argv("pretrain", run, small_corpus)) == 0
+    shutil.copytree(run, more)
+    stack = (run / "pretrain.h5").read_bytes()
+    names = sorted(p for p in os.listdir(run) if p.startswith("ckpt-"))
+    changed = ["pretrain.learning_rate_gaussian=0.005"]     # (the first layer's alone)
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus, changed)
+                + ["--resume", "--accept-changes"]) == 0, capsys.readouterr().err
+    assert f"{names[-1]} now holds them" in capsys.readouterr().out
+    assert main(_argv("pretrain", run, small_corpus, changed) + ["--resume"]) == 0, \
+        capsys.readouterr().err
+    assert (run / "pretrain.h5").read_bytes() == stack
+    assert sorted(p for p in os.listdir(run) if p.startswith("ckpt-")) == names
+    third = ["model.hidden_layers=3"]
+    for where, extra in ((run, changed + third), (more, third)):
+        assert main(_argv("pretrain", where, small_corpus, extra)
+                    + ["--resume", "--accept-changes"]) == 0, capsys.readouterr().err
+    a, b = load_rbm_stack(str(run / "pretrain.h5")), load_rbm_stack(str(more / "pretrain.h5"))
+    assert len(a.rbms) == 3
+    for x, y in zip(a.rbms, b.rbms):
+        np.testing.assert_array_equal(x.params, y.params)
+
+
 def test_pretraining_resumes_bit_exactly_from_its_corpus_moved_but_not_from_another(
         small_corpus, tmp_path, capsys):
     from mpitrain.data.synthetic import synthesize
