@@ -158,17 +158,25 @@ def _check_rank_state(state: dict, stack, layer: int, name: str, path) -> None:
                          "number in (0, 1] (the rank's cut of the layer's rate)")
 
 
-def _at_layer_end(path) -> bool:
-    """Whether the pretraining checkpoint ``path`` was written at the end of a layer
-    (its RBMs all trained; False when it cannot be read)."""
+def _layers_at_end(path) -> int:
+    """The RBMs of the pretraining checkpoint ``path`` when it was written at the end
+    of a layer (all of them trained); 0 when it was not, or cannot be read."""
     try:
         with h5_reader(path) as f:
             layer, step = f.attrs.get("layer"), f.attrs.get("layer_step")
-            return bool(f.attrs.get("format") == CHECKPOINT_FORMAT
-                        and isinstance(layer, (int, np.integer)) and layer > 0
-                        and isinstance(step, (int, np.integer)) and step == 0)
+            if f.attrs.get("format") == CHECKPOINT_FORMAT \
+                    and isinstance(layer, (int, np.integer)) and layer > 0 \
+                    and isinstance(step, (int, np.integer)) and step == 0:
+                return int(layer)
     except (OSError, ValueError, RuntimeError, TypeError, KeyError):
-        return False
+        pass
+    return 0
+
+
+def _at_layer_end(path) -> bool:
+    """Whether the pretraining checkpoint ``path`` was written at the end of a layer
+    (its RBMs all trained; False when it cannot be read)."""
+    return _layers_at_end(path) > 0
 
 
 class _NotPretraining(ValueError):
@@ -594,6 +602,20 @@ class Pretrainer:
             raise TrainingError(f"{chosen}: --resume cannot change the shape of the RBMs "
                                 "trained so far: " + "; ".join(shape) + " (restore it, or "
                                 "pretrain afresh with --overwrite)", agreed=True)
+        # fewer layers than the checkpoint holds: the stack kept would not be the one
+        # asked for, and one cut down would replace RBMs already trained
+        held, wanted = len(ckpt["stack"].rbms), len(self.layer_steps)
+        if held > wanted:
+            end = None
+            if self.is_root:
+                end = next((path for path in list_checkpoints(self.run_dir)
+                            if _layers_at_end(path) == wanted), None)
+            end = self.comm.bcast_obj(end, root=0)
+            way = f"model.init_from={end} is the stack of the first {wanted}" if end else \
+                "pretrain afresh with --overwrite"
+            raise TrainingError(f"{chosen}: --resume cannot drop RBMs trained so far: "
+                                f"model.hidden_layers is {wanted}, the checkpoint holds "
+                                f"{held} (restore it; {way})", agreed=True)
         # accepted changes that step through the data otherwise: the saved reader
         # positions are places in another plan's chunks and batches, so the data is
         # planned anew as on another number of ranks (they failed as out of range for
@@ -623,7 +645,7 @@ class Pretrainer:
 
     def _shape_changes(self, stored) -> list:
         """How this config's stack differs in shape from a checkpoint's ``stored``
-        one, over the layers both have (fewer or more layers are fine)."""
+        one, over the layers both have (their count: _resume judges it)."""
         cfg, found = self.cfg, []
         for key, was, now in (("data.left_context", stored.left_context, cfg.data.left_context),
                               ("data.right_context", stored.right_context,

@@ -232,6 +232,28 @@ def test_changes_accepted_on_an_ended_pretraining_are_kept_by_its_checkpoint(
         np.testing.assert_array_equal(x.params, y.params)
 
 
+def test_fewer_layers_than_an_ended_pretraining_holds_are_refused_naming_the_stack(
+        small_corpus, tmp_path, capsys):
+    """--resume --accept-changes with a lower model.hidden_layers than the RBMs
+    trained: it said the pretraining had ended, "raise model.hidden_layers to add
+    layers", and kept the larger stack (config.yaml now asking for fewer); now one
+    line that names the checkpoint holding the stack asked for, nothing rewritten."""
+    run = tmp_path / "run"
+    assert main(_argv("pretrain", run, small_corpus)) == 0
+    steps = _records(run, "start")[0]["layer_steps"]
+    kept = {p: (run / p).read_bytes() for p in os.listdir(run) if p != "metrics.jsonl"}
+    capsys.readouterr()
+    assert main(_argv("pretrain", run, small_corpus, ["model.hidden_layers=1"])
+                + ["--resume", "--accept-changes"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert "--resume cannot drop RBMs trained so far: model.hidden_layers is 1, the " \
+        f"checkpoint holds 2 (restore it; model.init_from={run / f'ckpt-{steps[0]:08d}.h5'} " \
+        "is the stack of the first 1)" in err, err
+    assert {p: (run / p).read_bytes() for p in os.listdir(run) if p != "metrics.jsonl"} \
+        == kept
+
+
 def test_pretraining_resumes_bit_exactly_from_its_corpus_moved_but_not_from_another(
         small_corpus, tmp_path, capsys):
     from mpitrain.data.synthetic import synthesize
