@@ -419,3 +419,15 @@ def test_an_accepted_l2_that_would_zero_the_weights_is_refused_naming_it(small_c
     assert len(err) == 1 and f"{QUICKSTART}: optimizer.l2_regularize: 1e+30 shrinks the " \
         "weights by 2 x 0.004 (optimizer.initial_learning_rate, the largest rate)" in err[0], err
     assert sorted(os.listdir(run)) == before
+
+
+def test_a_reader_epoch_whose_minibatches_pass_int64_is_still_past_the_step():
+    # epoch x steps per epoch in int64 wrapped below the step (2**62 x 210 is 2**63
+    # mod 2**64, a negative int64), so a reader far past it was let through
+    from mpitrain.train.resume import check_reader_against_own_steps, check_reader_against_step
+    reader = {"epoch": np.int64(2 ** 62), "steps_in_epoch": np.int64(20)}
+    with pytest.raises(ValueError, match=r"field 'epoch': epoch 4611686018427387904 and 20 "
+                                         r"steps into it \(210 steps an epoch\) is past"):
+        check_reader_against_step(reader, 210, 20)
+    with pytest.raises(ValueError, match=r"is not the rank's own 20 steps"):
+        check_reader_against_own_steps(reader, np.int64(20), 210)
