@@ -80,6 +80,10 @@ def cmvn_transform(stats: np.ndarray, *, norm_vars: bool = False):
         return scale.astype(f32), (-(mean * scale)).astype(f32), var
 
 
+#: How the stats computed from the features (no --cmvn) are named in errors.
+_COMPUTED = "stats computed from "
+
+
 class SpeakerCmvn:
     """Stats by speaker (or by utterance) and the utt2spk map, ready to apply.
 
@@ -116,7 +120,7 @@ class SpeakerCmvn:
             if spk in stats and stats[spk].shape[1] != matrix.shape[1] + 1:
                 continue        # the import names the dimension mismatch itself
             stats[spk] = accumulate_stats(matrix, stats.get(spk))
-        return cls(stats, spk_map, norm_vars=norm_vars, stats_name=f"stats computed from {feats}",
+        return cls(stats, spk_map, norm_vars=norm_vars, stats_name=f"{_COMPUTED}{feats}",
                    utt2spk_name=utt2spk)
 
     def describe(self) -> dict:
@@ -163,10 +167,15 @@ class SpeakerCmvn:
                                   f"infinite {name} at dimension {dim} (sum "
                                   f"{stats[0, dim]:g}, sum of squares "
                                   f"{stats[min(1, len(stats) - 1), dim]:g}, count "
-                                  f"{stats[0, -1]:g}); check that speaker's features "
-                                  "for values near the float32 limit (or the stats, "
-                                  "if given with --cmvn)")
+                                  f"{stats[0, -1]:g}); {self._what_to_check(key)}")
         return apply_cmvn(feats, stats, norm_vars=self.norm_vars)
+
+    def _what_to_check(self, key: str) -> str:
+        """Where stats too large for float32 come from: the file given, or the
+        features they were computed from."""
+        if not self.stats_name.startswith(_COMPUTED):
+            return f"check the stats of {key!r} in {self.stats_name}"
+        return f"check the features of speaker {key!r} for values too large to normalise in float32"
 
 
 def _speaker(spk_map: dict, name: str | None, utt: str) -> str:

@@ -174,9 +174,18 @@ def test_bad_cmvn_input_is_one_line_naming_file_and_speaker(kaldi, tmp_path):
     kaldiio.save_ark(str(kaldi / "huge.ark"), huge)
     for norm_vars in (False, True):
         fails(r"huge\.ark: CMVN stats of 'a' give an infinite offset at dimension 1 "
-              r"\(sum -3e\+300, sum of squares 620, count 3\); check that speaker's "
-              r"features for values near the float32 limit",
+              r"\(sum -3e\+300, sum of squares 620, count 3\); check the stats of 'a' "
+              r"in .*huge\.ark",
               utt2spk=str(kaldi / "utt2spk"), cmvn=f"ark:{kaldi}/huge.ark", norm_vars=norm_vars)
+    # the same from stats computed from features: the features are named
+    one = np.ones((1, 3), np.float32)
+    one[0, 1] = 1e30
+    kaldiio.save_ark(str(kaldi / "loud.ark"), {"a1": one})
+    (kaldi / "loud_utt2spk").write_text("a1 a\n")
+    with pytest.raises(CorpusError, match=r"give an infinite offset at dimension 1 .*; check the "
+                       r"features of speaker 'a' for values too large to normalise"):
+        SpeakerCmvn.load(utt2spk=str(kaldi / "loud_utt2spk"), feats=f"ark:{kaldi}/loud.ark",
+                         norm_vars=True).apply("a1", one)
     (kaldi / "bad_utt2spk").write_text("a1 a extra\n")
     fails(r"bad_utt2spk:1: expected 'utterance speaker'", utt2spk=str(kaldi / "bad_utt2spk"))
 
