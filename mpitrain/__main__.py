@@ -4,13 +4,14 @@ the CLI."""
 
 import sys
 
-from .process import stop_signals_kept
+from .process import command_line_owns_process, stop_signals_kept
 
 
 def main(argv=None) -> int:
     """The command line, with stop signals kept while its modules load (a stop
     signal meanwhile ended the rank with the signal's status, which a batch script
     does not requeue)."""
+    command_line_owns_process()
     words = sys.argv[1:] if argv is None else argv
     with stop_signals_kept(words, to_the_end=True):
         from .threads import preset_blas_env

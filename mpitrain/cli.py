@@ -139,9 +139,12 @@ def _status_settled() -> None:
     """Every rank of a job of several stopped at the same error (a refused
     setting, a run directory that cannot be used): a stop signal from here on, in
     the wait above or in MPI's finalize, would end the job with the signal's
-    status instead of 2."""
+    status instead of 2.  Only in the program's own process: a caller that runs
+    the command line in its process keeps its handlers."""
+    from .process import process_is_the_command_lines
     from .train.stop import ignore_from_now_on
-    ignore_from_now_on()
+    if process_is_the_command_lines():
+        ignore_from_now_on()
 
 
 # -- commands ----------------------------------------------------------------------

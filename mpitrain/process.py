@@ -24,6 +24,23 @@ import signal
 import sys
 
 
+#: Whether the command line owns this process (``python -m mpitrain``, the
+#: ``mpitrain`` command): only then does a command leave stop signals ignored to the
+#: process's end once its status is settled; a caller that runs the command line
+#: inside its own process (a test, a notebook) keeps its handlers.
+_command_line_owns_process = False
+
+
+def command_line_owns_process() -> None:
+    """Called first by the program's own entry point (``mpitrain/__main__.py``)."""
+    global _command_line_owns_process
+    _command_line_owns_process = True
+
+
+def process_is_the_command_lines() -> bool:
+    return _command_line_owns_process
+
+
 class NamedStdout:
     """Standard output whose failed writes name it: on a full disk the commands said
     a bare "[Errno 28] No space left on device".  A reader that left (``| head``)

@@ -23,6 +23,22 @@ def skip_or_fail_gpu(reason: str) -> None:
     pytest.skip(reason)
 
 
+@pytest.fixture(autouse=True)
+def stop_signals_left_as_found():
+    """A test that leaves the process's stop signals ignored fails (and they are put
+    back): every later test's subprocess inherits SIG_IGN, so a batch script cannot
+    trap them and a run cannot be stopped, failing tests far from the cause."""
+    import signal
+    from mpitrain.train.stop import STOP_SIGNALS
+    before = {number: signal.getsignal(number) for number in STOP_SIGNALS}
+    yield
+    left = [signal.Signals(number).name for number, handler in before.items()
+            if handler != signal.SIG_IGN and signal.getsignal(number) == signal.SIG_IGN]
+    for number, handler in before.items():
+        signal.signal(number, handler)
+    assert not left, f"the test left {', '.join(left)} ignored in the test process"
+
+
 @pytest.fixture(params=["numpy", pytest.param("cupy", marks=pytest.mark.gpu)])
 def xp(request):
     """numpy, and cupy when it imports and a CUDA device answers."""

@@ -17,12 +17,14 @@ import sys
 import time
 
 from mpitrain.cli import main
+from mpitrain.process import command_line_owns_process
 
 signame, seconds = sys.argv[1], float(sys.argv[2])
 assert sys.argv[3] == "--", sys.argv
 rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
 if rank == 0:
     atexit.register(time.sleep, seconds)
+command_line_owns_process()        # (as `python -m mpitrain` is)
 status = main(sys.argv[4:])
 if rank != 0:
     # (a separate process: no thread of this one runs once Python has finalized)
