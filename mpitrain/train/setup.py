@@ -123,12 +123,12 @@ def no_minibatch_error(manifest, comm, local_steps: int, minibatch: int,
                              agreed=True)
     if minibatch > manifest.num_frames:
         # fewer shards would not help: the whole corpus is smaller than a minibatch
-        return TrainingError(f"{where}: the whole corpus holds {manifest.num_frames} "
-                             f"frames; lower {key}", agreed=True)
+        return TrainingError(f"{where}: the whole corpus holds "
+                             f"{plural(manifest.num_frames, 'frame')}; lower {key}", agreed=True)
     largest = max((shard.frames for shard in manifest.shards), default=0)
     if minibatch > largest:
         return TrainingError(f"{where}: minibatches never cross shards, and the largest "
-                             f"shard holds {largest} frames; lower {key}, or prepare the "
+                             f"shard holds {plural(largest, 'frame')}; lower {key}, or prepare the "
                              "corpus in fewer shards", agreed=True)
     return TrainingError(f"{where}; lower {key}, raise data.chunk_frames, or use fewer ranks",
                          agreed=True)
