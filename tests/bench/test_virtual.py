@@ -16,6 +16,19 @@ from mpitrain.cli import main
 from ..helpers import QUICKSTART, drain_queued_steps_at_the_read, small_overrides
 
 
+def _throughput_bench(corpus, out, sizes, methods, *options, sets=(), steps=8,
+                      model=("model.hidden_dim=16", "model.hidden_layers=1")):
+    """``bench --virtual SIZES --methods METHODS --phases throughput`` of the quickstart
+    config on ``corpus``, steps of 2 ms; ``options`` more flags, ``sets`` more
+    ``--set`` values; main's status."""
+    argv = ["bench", QUICKSTART, "--virtual", sizes, "--methods", methods,
+            "--phases", "throughput", "--steps", str(steps), "--warmup-steps", "2",
+            "--compute-ms", "2", *options, "--out", str(out), "--dpi", "30"]
+    for item in small_overrides(corpus) + list(model) + list(sets):
+        argv += ["--set", item]
+    return main(argv)
+
+
 def test_bench_virtual_writes_the_report_with_simulated_points(small_corpus, tmp_path, capsys):
     out = tmp_path / "bench"
     argv = ["bench", QUICKSTART, "--virtual", "1,2,4", "--methods", "model_averaging,allreduce",
@@ -87,12 +100,11 @@ def test_a_bench_stopped_halfway_keeps_the_sizes_it_measured(small_corpus, tmp_p
         return run(cluster, rank_main)
     monkeypatch.setattr(VirtualCluster, "run", stopped_at_size_4)
     out = tmp_path / "bench"
-    argv = ["bench", QUICKSTART, "--virtual", "1,2,4", "--methods", "model_averaging",
-            "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
-            "--compute-ms", "2", "--out", str(out)]
-    for item in small_overrides(small_corpus) + ["model.hidden_dim=32", "model.hidden_layers=2"]:
-        argv += ["--set", item]
-    assert main(argv) == 130
+
+    def bench(*options):
+        return _throughput_bench(small_corpus, out, "1,2,4", "model_averaging", *options,
+                                 model=("model.hidden_dim=32", "model.hidden_layers=2"))
+    assert bench() == 130
     report = json.loads((out / "bench.json").read_text())
     assert report["partial"] == {"sizes_measured": [1, 2], "sizes_planned": [1, 2, 4]}
     assert sorted(r["ranks"] for r in report["throughput"]) == [1, 2]
@@ -104,9 +116,9 @@ def test_a_bench_stopped_halfway_keeps_the_sizes_it_measured(small_corpus, tmp_p
     assert "partial report (sizes 1, 2)" in capsys.readouterr().out
     # the next bench into the same place keeps it unless told to replace it
     monkeypatch.setattr(VirtualCluster, "run", run)
-    assert main(argv) == 2
+    assert bench() == 2
     assert "holds an earlier benchmark" in capsys.readouterr().err
-    assert main(argv + ["--overwrite"]) == 0
+    assert bench("--overwrite") == 0
     report = json.loads((out / "bench.json").read_text())
     assert "partial" not in report and report["sizes"] == [1, 2, 4]
     assert "Partial" not in (out / "bench.md").read_text()
@@ -193,13 +205,8 @@ def test_a_slow_rank_paces_the_measured_throughput_of_every_method(small_corpus,
     # log lines every 2 hid the wait at each log line between averages (the window
     # ended before it) and came out 1.8x faster than the slow rank can step
     out = tmp_path / "bench"
-    argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "model_averaging,allreduce",
-            "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
-            "--compute-ms", "2", "--slowdown", "1=3", "--out", str(out), "--dpi", "30"]
-    for item in small_overrides(small_corpus) + [
-            "model.hidden_dim=16", "model.hidden_layers=1", "parallel.average_every=4"]:
-        argv += ["--set", item]
-    assert main(argv) == 0
+    assert _throughput_bench(small_corpus, out, "1,2", "model_averaging,allreduce",
+                             "--slowdown", "1=3", sets=["parallel.average_every=4"]) == 0
     report = json.loads((out / "bench.json").read_text())
     for row in report["throughput"]:
         if row["ranks"] == 2:
@@ -215,13 +222,8 @@ def test_the_progress_sums_of_a_throughput_run_are_not_counted_as_the_methods(sm
     # with a slow link that sum's latency would read as the method's communication.
     # Averaging every 100 steps, the 10 measured steps hold no average: 4 ranks are 4x one
     out = tmp_path / "bench"
-    argv = ["bench", QUICKSTART, "--virtual", "1,4", "--methods", "model_averaging",
-            "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
-            "--compute-ms", "2", "--latency-us", "1000", "--out", str(out), "--dpi", "30"]
-    for item in small_overrides(small_corpus) + [
-            "model.hidden_dim=16", "model.hidden_layers=1", "parallel.average_every=100"]:
-        argv += ["--set", item]
-    assert main(argv) == 0
+    assert _throughput_bench(small_corpus, out, "1,4", "model_averaging",
+                             "--latency-us", "1000", sets=["parallel.average_every=100"]) == 0
     report = json.loads((out / "bench.json").read_text())
     four = [r for r in report["throughput"] if r["ranks"] == 4][0]
     assert four["comm_fraction"] == pytest.approx(0, abs=1e-9), four
@@ -239,13 +241,8 @@ def test_a_device_drained_at_the_progress_read_counts_as_training_time(small_cor
     # 2 steps of 2 ms still queued at the read
     drain_queued_steps_at_the_read(monkeypatch, BenchTrainer, 0.004)
     out = tmp_path / "bench"
-    argv = ["bench", QUICKSTART, "--virtual", "1", "--methods", "model_averaging",
-            "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
-            "--compute-ms", "2", "--out", str(out), "--dpi", "30"]
-    for item in small_overrides(small_corpus) + [
-            "model.hidden_dim=16", "model.hidden_layers=1", "parallel.average_every=100"]:
-        argv += ["--set", item]
-    assert main(argv) == 0
+    assert _throughput_bench(small_corpus, out, "1", "model_averaging",
+                             sets=["parallel.average_every=100"]) == 0
     row = json.loads((out / "bench.json").read_text())["throughput"][0]
     assert row["step_seconds"] == pytest.approx(0.004, rel=1e-6), row
 
@@ -255,14 +252,8 @@ def test_each_repeat_on_jittered_virtual_ranks_is_its_own_draw(small_corpus, tmp
     # (identical frames/s): each repeat draws its own step times, from the seed and
     # the repeat's index, so a second benchmark gives the same repeats again
     def repeats(out):
-        argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "model_averaging",
-                "--phases", "throughput", "--steps", "8", "--warmup-steps", "2",
-                "--repeats", "3", "--compute-ms", "2", "--jitter", "0.5",
-                "--out", str(out), "--dpi", "30"]
-        for item in small_overrides(small_corpus) + [
-                "model.hidden_dim=16", "model.hidden_layers=1", "parallel.average_every=4"]:
-            argv += ["--set", item]
-        assert main(argv) == 0
+        assert _throughput_bench(small_corpus, out, "1,2", "model_averaging", "--repeats", "3",
+                                 "--jitter", "0.5", sets=["parallel.average_every=4"]) == 0
         report = json.loads((out / "bench.json").read_text())
         return {r["ranks"]: r["repeat_frames_per_sec"] for r in report["throughput"]}
 
@@ -279,15 +270,9 @@ def test_a_setting_of_the_methods_benchmarked_is_taken_whatever_the_configs_own_
     # the benchmark runs its --methods, not the config's parallel.method: ADPSGD's
     # hierarchical exchange on a model-averaging config was refused at the config
     # ("works with parallel.method adpsgd, not model_averaging") and said nothing of how
-    def bench(out, methods, *extra):
-        argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", methods,
-                "--phases", "throughput", "--steps", "4", "--warmup-steps", "2",
-                "--compute-ms", "2", "--out", str(out), "--dpi", "30"]
-        for item in small_overrides(small_corpus) + [
-                "model.hidden_dim=16", "model.hidden_layers=1", "parallel.hierarchical=true",
-                "parallel.ranks_per_node=2"] + list(extra):
-            argv += ["--set", item]
-        return main(argv)
+    def bench(out, methods):
+        return _throughput_bench(small_corpus, out, "1,2", methods, steps=4, sets=[
+            "parallel.hierarchical=true", "parallel.ranks_per_node=2"])
 
     assert bench(tmp_path / "a", "adpsgd") == 0
     report = json.loads((tmp_path / "a" / "bench.json").read_text())
@@ -318,13 +303,8 @@ def test_a_setting_of_the_configs_own_method_not_benchmarked_is_left_out_of_the_
     # settings (the parameter server's servers) concern no run of the benchmark, and
     # were refused ("works with parallel.method param_server, not model_averaging")
     out = tmp_path / "bench"
-    argv = ["bench", QUICKSTART, "--virtual", "1,2", "--methods", "model_averaging",
-            "--phases", "throughput", "--steps", "2", "--warmup-steps", "2",
-            "--compute-ms", "2", "--out", str(out), "--dpi", "30"]
-    for item in small_overrides(small_corpus) + [
-            "model.hidden_dim=16", "model.hidden_layers=1"] + own:
-        argv += ["--set", item]
-    assert main(argv) == 0
+    assert _throughput_bench(small_corpus, out, "1,2", "model_averaging", steps=2,
+                             sets=own) == 0
     said = capsys.readouterr().out
     setting = own[1].split("=")[0]
     # said once
